@@ -1,1 +1,2 @@
-//! Skeleton.
+//! cdc-relay: the transactional outbox, delivered from the WAL.
+pub mod lsn;
