@@ -1,2 +1,3 @@
 //! cdc-relay: the transactional outbox, delivered from the WAL.
 pub mod lsn;
+pub mod pgoutput;
