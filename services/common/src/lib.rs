@@ -1,1 +1,28 @@
-//! Skeleton.
+//! Plumbing shared by the example Orders and Billing services.
+//!
+//! Both services are thin HTTP front ends over one PostgreSQL database each.
+//! Everything that is not their business logic lives here, once:
+//!
+//! ```text
+//!  argv/env ──▶ cli ──▶ db::build_pool ─────────────┐
+//!                 │                                 ▼
+//!                 └──▶ telemetry      server::service_router(app routes)
+//!                                        │  /healthz, /metrics, JSON 404/405,
+//!                                        │  request timeout, metrics, body limit
+//!  TcpListener ─────────────────────────▶ server::serve(listener, router, shutdown)
+//!                                           prints `listening on http://ADDR`
+//! ```
+//!
+//! Handlers extract bodies with [`body::JsonBody`] / [`body::RawJsonBody`] and
+//! fail with [`error::ServiceError`], which renders
+//! `{"error":"<code>","detail":"..."}` with the right status.
+
+pub mod body;
+pub mod cli;
+pub mod db;
+pub mod error;
+pub mod metrics;
+pub mod server;
+pub mod telemetry;
+
+pub use error::ServiceError;

@@ -1,0 +1,218 @@
+//! Request bodies: content type, size limit, nesting depth, JSON syntax.
+//!
+//! The checks run cheapest first so hostile input costs little:
+//! 415 (header only) → 413 (`Content-Length` or streamed count, never more
+//! than the limit buffered) → 400 depth (one linear byte scan, before any
+//! recursive parser sees the input) → 400 syntax.
+
+use axum::extract::{FromRequest, Request};
+use axum::http::{StatusCode, header};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde_json::Value;
+
+use crate::ServiceError;
+
+/// Default request body limit: 64 KiB.
+pub const DEFAULT_BODY_LIMIT_BYTES: usize = 64 * 1024;
+
+/// Deepest accepted nesting of JSON arrays/objects (the tutorial's
+/// `json_decode(..., 32)`). A top-level object is depth 1.
+pub const MAX_JSON_DEPTH: usize = 32;
+
+/// The body size limit in bytes, carried as a request extension.
+///
+/// [`crate::server::service_router`] inserts it; extractors fall back to
+/// [`DEFAULT_BODY_LIMIT_BYTES`] when it is absent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodyLimit(pub usize);
+
+/// A body that had `Content-Type: application/json` and fit the limit, still
+/// unparsed: Billing must authenticate these exact bytes before parsing.
+#[derive(Debug, Clone)]
+pub struct RawJsonBody(pub Bytes);
+
+/// A body that passed every check of [`RawJsonBody`] and parsed as JSON no
+/// deeper than [`MAX_JSON_DEPTH`].
+#[derive(Debug, Clone)]
+pub struct JsonBody(pub Value);
+
+impl<S: Send + Sync> FromRequest<S> for RawJsonBody {
+    type Rejection = ServiceError;
+
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        require_json_content_type(req.headers())?;
+        let limit = req
+            .extensions()
+            .get::<BodyLimit>()
+            .map_or(DEFAULT_BODY_LIMIT_BYTES, |l| l.0);
+        if declared_length(req.headers()).is_some_and(|len| len > limit) {
+            return Err(too_large(limit));
+        }
+        read_limited(req.into_body(), limit).await.map(Self)
+    }
+}
+
+impl<S: Send + Sync> FromRequest<S> for JsonBody {
+    type Rejection = ServiceError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let RawJsonBody(bytes) = RawJsonBody::from_request(req, state).await?;
+        parse_json(&bytes).map(Self)
+    }
+}
+
+/// Parses `bytes` as JSON after rejecting nesting deeper than
+/// [`MAX_JSON_DEPTH`]; both failures are 400 `invalid_json` with the reason.
+pub fn parse_json(bytes: &[u8]) -> Result<Value, ServiceError> {
+    check_depth(bytes, MAX_JSON_DEPTH)
+        .map_err(|e| ServiceError::bad_request("invalid_json", e.to_string()))?;
+    serde_json::from_slice(bytes)
+        .map_err(|e| ServiceError::bad_request("invalid_json", format!("invalid JSON: {e}")))
+}
+
+/// Nesting deeper than allowed, found at `offset` (bytes into the body).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("JSON nested deeper than {max} levels (at byte {offset})")]
+pub struct DepthExceeded {
+    /// The limit that was exceeded (levels).
+    pub max: usize,
+    /// Byte offset of the bracket that went one level too deep.
+    pub offset: usize,
+}
+
+/// Scans `bytes` once, counting `[`/`{` outside strings, and stops at the
+/// first one that would exceed `max` levels. Syntax is not checked here: it
+/// only guarantees the recursive parser that runs next is never fed deep input.
+pub fn check_depth(bytes: &[u8], max: usize) -> Result<(), DepthExceeded> {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for (offset, &b) in bytes.iter().enumerate() {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return Err(DepthExceeded { max, offset });
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// 415 unless the media type is `application/json` (parameters such as
+/// `charset=utf-8` allowed, case-insensitive).
+fn require_json_content_type(headers: &http::HeaderMap) -> Result<(), ServiceError> {
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("application/json"));
+    if is_json {
+        Ok(())
+    } else {
+        Err(ServiceError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "Content-Type must be application/json",
+        ))
+    }
+}
+
+fn declared_length(headers: &http::HeaderMap) -> Option<usize> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+fn too_large(limit: usize) -> ServiceError {
+    ServiceError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload_too_large",
+        format!("request body exceeds {limit} bytes"),
+    )
+}
+
+/// Reads at most `limit` bytes; a chunked body that grows past it is cut off
+/// with 413 as soon as it does, so memory stays bounded by the limit.
+async fn read_limited(body: axum::body::Body, limit: usize) -> Result<Bytes, ServiceError> {
+    let mut stream = body.into_data_stream();
+    let mut buf = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| {
+            ServiceError::bad_request("body_read_failed", format!("could not read the body: {e}"))
+        })?;
+        if buf.len() + chunk.len() > limit {
+            return Err(too_large(limit));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(buf))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nested(depth: usize) -> String {
+        format!("{}{}", "[".repeat(depth), "]".repeat(depth))
+    }
+
+    #[test]
+    fn depth_limit_is_inclusive() {
+        assert!(check_depth(nested(32).as_bytes(), 32).is_ok());
+        let err = check_depth(nested(33).as_bytes(), 32).unwrap_err();
+        assert_eq!(err.offset, 32);
+    }
+
+    #[test]
+    fn brackets_inside_strings_do_not_count() {
+        let body = format!(r#"{{"a":"{}\"{}"}}"#, "[".repeat(100), "{".repeat(100));
+        assert!(check_depth(body.as_bytes(), 2).is_ok());
+        assert!(parse_json(body.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn escaped_backslash_closes_string() {
+        // `"\\"` ends the string, so the bracket after it counts.
+        assert!(check_depth(br#"["\\", [[1]]]"#, 2).is_err());
+        assert!(check_depth(br#"["\\", [[1]]]"#, 3).is_ok());
+    }
+
+    #[test]
+    fn parse_json_rejects_deep_and_malformed_with_400() {
+        let deep = parse_json(nested(100).as_bytes()).unwrap_err();
+        assert_eq!(deep.status(), StatusCode::BAD_REQUEST);
+        let malformed = parse_json(b"{\"a\":").unwrap_err();
+        assert_eq!(malformed.code(), "invalid_json");
+    }
+
+    #[test]
+    fn content_type_accepts_parameters_and_case() {
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            "Application/JSON; charset=utf-8".parse().unwrap(),
+        );
+        assert!(require_json_content_type(&headers).is_ok());
+        headers.insert(header::CONTENT_TYPE, "text/plain".parse().unwrap());
+        assert!(require_json_content_type(&headers).is_err());
+        assert!(require_json_content_type(&http::HeaderMap::new()).is_err());
+    }
+}

@@ -1,0 +1,128 @@
+//! Command-line flags common to both services, each also read from the
+//! environment under the service's prefix.
+//!
+//! A flag `--pool-size` of the `orders` binary is also `ORDERS_POOL_SIZE`; the
+//! same struct serves `billing` as `BILLING_POOL_SIZE`. The names are derived
+//! once, at parse time, by [`parse_with_env_prefix`], so the two binaries
+//! cannot drift apart. A flag that names its own variable (Billing's
+//! `EVENT_SECRET`) keeps it.
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+
+use clap::{Command, Parser};
+
+use crate::db::DbArgs;
+use crate::server::HttpArgs;
+use crate::telemetry::LogArgs;
+
+/// Flags every service has: where to listen, the database, HTTP limits, logs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServiceArgs {
+    /// Address to listen on (`host:port`); port 0 picks a free port. The bound
+    /// address is printed to stdout as `listening on http://ADDR`.
+    #[arg(long)]
+    pub listen: SocketAddr,
+    /// Database connection and its timeouts.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// HTTP limits.
+    #[command(flatten)]
+    pub http: HttpArgs,
+    /// Log output.
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Parses `std::env::args_os()` into `T`, giving every long flag without an
+/// explicit `env` the variable `<PREFIX>_<FLAG_ID>` and `--listen` the default
+/// `default_listen`. Exits with clap's usage message on error.
+pub fn parse_with_env_prefix<T: Parser>(env_prefix: &str, default_listen: &str) -> T {
+    let mut cmd = command_with_env_prefix::<T>(env_prefix, default_listen);
+    let matches = cmd.get_matches_mut();
+    T::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut cmd).exit())
+}
+
+/// As [`parse_with_env_prefix`], over explicit `args` (first is the program
+/// name), returning the error instead of exiting.
+pub fn try_parse_with_env_prefix<T, I, A>(
+    env_prefix: &str,
+    default_listen: &str,
+    args: I,
+) -> Result<T, clap::Error>
+where
+    T: Parser,
+    I: IntoIterator<Item = A>,
+    A: Into<OsString> + Clone,
+{
+    let mut cmd = command_with_env_prefix::<T>(env_prefix, default_listen);
+    let matches = cmd.try_get_matches_from_mut(args)?;
+    T::from_arg_matches(&matches).map_err(|e| e.format(&mut cmd))
+}
+
+fn command_with_env_prefix<T: Parser>(env_prefix: &str, default_listen: &str) -> Command {
+    T::command()
+        .mut_args(|arg| {
+            if arg.get_long().is_none() || arg.get_env().is_some() {
+                return arg;
+            }
+            let var = format!(
+                "{env_prefix}_{}",
+                arg.get_id().as_str().to_ascii_uppercase()
+            );
+            arg.env(var)
+        })
+        .mut_arg("listen", |arg| {
+            arg.required(false).default_value(default_listen.to_owned())
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct TestCli {
+        #[command(flatten)]
+        common: ServiceArgs,
+        /// A flag with its own variable.
+        #[arg(long, env = "EXPLICIT_VAR_FOR_TEST")]
+        explicit: Option<String>,
+    }
+
+    #[test]
+    fn flags_get_prefixed_env_names_and_listen_default() {
+        let cmd = command_with_env_prefix::<TestCli>("SVC", "127.0.0.1:8080");
+        let env_of = |id: &str| {
+            cmd.get_arguments()
+                .find(|a| a.get_id() == id)
+                .and_then(|a| a.get_env())
+                .map(|e| e.to_string_lossy().into_owned())
+        };
+        assert_eq!(env_of("database_url").as_deref(), Some("SVC_DATABASE_URL"));
+        assert_eq!(env_of("listen").as_deref(), Some("SVC_LISTEN"));
+        assert_eq!(env_of("pool_size").as_deref(), Some("SVC_POOL_SIZE"));
+        assert_eq!(env_of("explicit").as_deref(), Some("EXPLICIT_VAR_FOR_TEST"));
+
+        let parsed: TestCli = try_parse_with_env_prefix(
+            "SVC_UNSET_IN_TESTS",
+            "127.0.0.1:8080",
+            ["svc", "--database-url", "postgresql://u@h/db"],
+        )
+        .expect("parses");
+        assert_eq!(parsed.common.listen, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(parsed.common.db.pool_size, 16);
+        assert_eq!(parsed.common.http.body_limit_bytes, 64 * 1024);
+    }
+
+    #[test]
+    fn database_url_is_required() {
+        let err = try_parse_with_env_prefix::<TestCli, _, _>(
+            "SVC_UNSET_IN_TESTS",
+            "127.0.0.1:0",
+            ["svc"],
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+    }
+}

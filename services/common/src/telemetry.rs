@@ -1,0 +1,34 @@
+//! Logging: `tracing` to stderr (stdout carries only the startup line),
+//! filtered by `RUST_LOG` (default `info`), as text or JSON lines.
+
+use tracing_subscriber::EnvFilter;
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Logging flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LogArgs {
+    /// Log format; the level comes from `RUST_LOG` (default `info`).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// Installs the global subscriber. Fails if one is already installed.
+pub fn init_tracing(format: LogFormat) -> anyhow::Result<()> {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    }
+    .map_err(|e| anyhow::anyhow!("cannot install the log subscriber: {e}"))
+}
