@@ -1,0 +1,436 @@
+//! `cdc-relay run`: supervise replication sessions and drive the pipeline.
+//!
+//! ```text
+//! loop:  side connection ─▶ slot checks ─▶ START_REPLICATION (0/0 = the slot's position)
+//!        read ─▶ decode ─▶ map ─▶ admit (window) ─▶ dispatcher ─▶ sink
+//!          ▲                                            │
+//!          └────── confirmed LSN (watch) ◀──────────────┘  → standby status updates
+//!        on a transient error: reconnect with capped, jittered backoff
+//!        on "slot active": wait as hot standby
+//!        on a definite error: stop with a message that says what to do
+//! ```
+//!
+//! Each session starts from the slot's `confirmed_flush_lsn` with an empty
+//! pipeline; whatever was in flight when a session died is delivered again
+//! (at-least-once; Billing's inbox makes it harmless).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use pgwire_replication::{ReplicationClient, ReplicationEvent};
+use rand::Rng;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::dispatch::{self, DispatchConfig, Item, Window};
+use crate::lsn::Lsn;
+use crate::metrics::Metrics;
+use crate::outbox::{OutboxColumns, OutboxError, OutboxMapper, TableName, TxContext};
+use crate::pgoutput::{self, DecodeError, LogicalMessage};
+use crate::sink::HttpSink;
+use crate::source::{self, ConnParams, SourceError, StreamSettings};
+
+/// Everything `run` needs.
+#[derive(Clone, Debug)]
+pub struct RelayConfig {
+    /// Connection to the source database (the relay role).
+    pub conn: ConnParams,
+    /// Logical replication slot name.
+    pub slot: String,
+    /// Publication names.
+    pub publications: Vec<String>,
+    /// The outbox table.
+    pub table: TableName,
+    /// Outbox column names.
+    pub columns: OutboxColumns,
+    /// `application_name` for both connections.
+    pub application_name: String,
+    /// Delivery settings.
+    pub dispatch: DispatchConfig,
+    /// Window bound: events received and not yet done.
+    pub window_events: usize,
+    /// Window bound: bytes of those events.
+    pub window_bytes: u32,
+    /// Budget to finish in-flight work after SIGTERM.
+    pub shutdown_timeout: Duration,
+    /// Cap of the reconnect backoff.
+    pub reconnect_max: Duration,
+    /// How often the side connection reads the slot's figures.
+    pub slot_stats_interval: Duration,
+}
+
+/// Why the relay stopped for good.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// The source will not work without an operator (slot missing or lost,
+    /// authentication, privileges, missing publication).
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    /// The stream held a message the relay cannot decode; nothing after it
+    /// was acknowledged.
+    #[error("cannot decode the replication stream: {0}")]
+    Decode(#[from] DecodeError),
+    /// An outbox row cannot become an event; nothing from it on was acknowledged.
+    #[error("cannot map an outbox insert: {0}")]
+    Outbox(#[from] OutboxError),
+}
+
+impl RelayError {
+    /// The process exit code for this error (documented in `--help`).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RelayError::Source(SourceError::SlotMissing { .. }) => 3,
+            RelayError::Source(SourceError::SlotInvalidated { .. }) => 4,
+            RelayError::Decode(_) | RelayError::Outbox(_) => 5,
+            RelayError::Source(_) => 1,
+        }
+    }
+}
+
+/// How one session ended, when it did not fail.
+enum SessionEnd {
+    /// Shutdown requested and done.
+    Shutdown,
+}
+
+/// Runs sessions until `shutdown` is cancelled (returns `Ok`) or a definite
+/// error occurs.
+pub async fn run(cfg: RelayConfig, sink: HttpSink, metrics: Metrics, shutdown: CancellationToken) -> Result<(), RelayError> {
+    let mut failures: u32 = 0;
+    let mut standby_logged = false;
+    loop {
+        if shutdown.is_cancelled() {
+            return Ok(());
+        }
+        let err = match session(&cfg, &sink, &metrics, &shutdown).await {
+            Ok(SessionEnd::Shutdown) => return Ok(()),
+            Err(e) => e,
+        };
+        let source_err = match err {
+            RelayError::Source(e) if !e.is_definite() => e,
+            other => return Err(other),
+        };
+        let delay = match &source_err {
+            SourceError::SlotActive { pid, .. } => {
+                metrics.standby.set(1);
+                if !standby_logged {
+                    tracing::info!(slot = %cfg.slot, active_pid = ?pid, "slot is held by another process; waiting as hot standby");
+                    standby_logged = true;
+                }
+                // Poll often enough to take over within ~1 s of the active relay dying.
+                Duration::from_millis(rand::rng().random_range(250..750))
+            }
+            e => {
+                failures = failures.saturating_add(1);
+                metrics.reconnects.with_label_values(&[e.cause()]).inc();
+                let ceiling = Duration::from_millis(100)
+                    .saturating_mul(1u32 << failures.min(10))
+                    .min(cfg.reconnect_max);
+                let d = Duration::from_millis(rand::rng().random_range(0..=ceiling.as_millis() as u64));
+                tracing::warn!(error = %e, retry_in_ms = d.as_millis() as u64, "replication session failed; reconnecting");
+                d
+            }
+        };
+        if !matches!(source_err, SourceError::SlotActive { .. }) {
+            standby_logged = false;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.cancelled() => return Ok(()),
+        }
+    }
+}
+
+async fn session(
+    cfg: &RelayConfig,
+    sink: &HttpSink,
+    metrics: &Metrics,
+    shutdown: &CancellationToken,
+) -> Result<SessionEnd, RelayError> {
+    let side = source::connect_sql(&cfg.conn, &cfg.application_name)
+        .await
+        .map_err(|e| sql_error(&e, &cfg.conn))?;
+    let wst = side
+        .query_one("SHOW wal_sender_timeout", &[])
+        .await
+        .map_err(|e| sql_error(&e, &cfg.conn))?;
+    let wst = source::parse_pg_duration(wst.get::<_, &str>(0)).unwrap_or(Duration::from_secs(60));
+    let slot = source::slot_info(&side, &cfg.slot)
+        .await
+        .map_err(|e| sql_error(&e, &cfg.conn))?
+        .ok_or_else(|| SourceError::SlotMissing { slot: cfg.slot.clone() })?;
+    if slot.wal_status.as_deref() == Some("lost") {
+        return Err(SourceError::SlotInvalidated { slot: cfg.slot.clone() }.into());
+    }
+    let start = slot.confirmed_flush_lsn.unwrap_or(Lsn::ZERO);
+    let settings = StreamSettings {
+        slot: cfg.slot.clone(),
+        publications: cfg.publications.clone(),
+        application_name: cfg.application_name.clone(),
+        status_interval: source::status_interval_for(wst),
+        buffer_events: 64,
+    };
+    let client = source::open_stream(&cfg.conn, &settings).await?;
+    metrics.standby.set(0);
+    tracing::info!(slot = %cfg.slot, start = %start, status_interval_ms = settings.status_interval.as_millis() as u64, "streaming");
+
+    let monitor = AbortOnDrop(tokio::spawn(monitor_slot(side, cfg.slot.clone(), cfg.slot_stats_interval, metrics.clone())));
+    let (items_tx, items_rx) = mpsc::channel(1024);
+    let (confirmed_tx, confirmed_rx) = watch::channel(start);
+    let dispatcher = AbortOnDrop(tokio::spawn(dispatch::run(
+        cfg.dispatch.clone(),
+        sink.clone(),
+        metrics.clone(),
+        start,
+        items_rx,
+        confirmed_tx,
+    )));
+    let mut stream = Stream {
+        client,
+        confirmed: confirmed_rx,
+        items: items_tx,
+        window: Window::new(cfg.window_events, cfg.window_bytes),
+        mapper: OutboxMapper::new(cfg.table.clone(), cfg.columns.clone()),
+        tx: None,
+        slot: cfg.slot.clone(),
+    };
+    let read = stream.read_until_stopped(shutdown, cfg.shutdown_timeout).await;
+    drop(monitor);
+    let deadline = match read {
+        Ok(deadline) => deadline,
+        Err(e) => {
+            // Deliveries in flight are abandoned with the session; the
+            // confirmed LSN covers only what was done.
+            stream.abort();
+            return Err(e);
+        }
+    };
+    let Stream { client, confirmed, items, .. } = stream;
+    drop(items); // tells the dispatcher no more items come
+    finish(client, confirmed, dispatcher, deadline, settings.status_interval).await;
+    Ok(SessionEnd::Shutdown)
+}
+
+/// Drains the dispatcher until `deadline`, flushes the final confirmed LSN
+/// to the server and closes the stream with CopyDone.
+async fn finish(
+    client: ReplicationClient,
+    mut confirmed: watch::Receiver<Lsn>,
+    mut dispatcher: AbortOnDrop<Lsn>,
+    deadline: tokio::time::Instant,
+    status_interval: Duration,
+) {
+    let drained = loop {
+        tokio::select! {
+            r = &mut dispatcher.0 => break r.ok(),
+            r = confirmed.changed() => if r.is_ok() { client.update_applied_lsn((*confirmed.borrow_and_update()).into()) },
+            _ = tokio::time::sleep_until(deadline) => break None,
+        }
+    };
+    let last = *confirmed.borrow();
+    let final_lsn = drained.unwrap_or(last).max(last);
+    if drained.is_none() {
+        tracing::warn!(confirmed = %final_lsn, "shutdown budget spent with deliveries pending; they will be redelivered after restart");
+    }
+    flush_and_close(client, final_lsn, status_interval).await;
+}
+
+/// Sends `lsn` in a standby status update and waits (bounded) until the
+/// transport reports it sent, then ends the stream cleanly. The transport
+/// sends no final update of its own on stop.
+async fn flush_and_close(mut client: ReplicationClient, lsn: Lsn, status_interval: Duration) {
+    client.update_applied_lsn(lsn.into());
+    let metrics = client.metrics();
+    let bound = Instant::now() + status_interval + Duration::from_millis(500);
+    while Lsn::from(metrics.last_applied_lsn()) < lsn && Instant::now() < bound {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let sent = Lsn::from(metrics.last_applied_lsn());
+    if sent < lsn {
+        tracing::warn!(confirmed = %lsn, sent = %sent, "final status update not confirmed as sent");
+    }
+    match tokio::time::timeout(Duration::from_secs(2), client.shutdown()).await {
+        Ok(Ok(())) => tracing::info!(confirmed = %lsn, "stream closed cleanly"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "stream closed with an error"),
+        Err(_) => {
+            client.abort();
+            tracing::warn!("stream did not close within 2 s; aborted");
+        }
+    }
+}
+
+struct Stream {
+    client: ReplicationClient,
+    confirmed: watch::Receiver<Lsn>,
+    items: mpsc::Sender<Item>,
+    window: Window,
+    mapper: OutboxMapper,
+    /// The open transaction, between Begin and Commit.
+    tx: Option<TxContext>,
+    slot: String,
+}
+
+impl Stream {
+    /// Reads until a shutdown request at a transaction boundary (or the
+    /// shutdown deadline) and returns the deadline for draining.
+    async fn read_until_stopped(
+        &mut self,
+        shutdown: &CancellationToken,
+        budget: Duration,
+    ) -> Result<tokio::time::Instant, RelayError> {
+        let mut deadline: Option<tokio::time::Instant> = None;
+        loop {
+            if let Some(d) = deadline
+                && (self.tx.is_none() || tokio::time::Instant::now() >= d)
+            {
+                return Ok(d);
+            }
+            let far = tokio::time::Instant::now() + Duration::from_secs(3600);
+            tokio::select! {
+                biased;
+                r = self.confirmed.changed() => self.forward_ack(r)?,
+                _ = shutdown.cancelled(), if deadline.is_none() => {
+                    tracing::info!(in_transaction = self.tx.is_some(), "shutdown requested: stop reading at the next transaction boundary");
+                    deadline = Some(tokio::time::Instant::now() + budget);
+                }
+                _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {}
+                ev = self.client.recv() => {
+                    let ev = ev.map_err(|e| source::classify(&e, &self.slot))?;
+                    let ev = ev.ok_or_else(|| SourceError::Transient("the server ended the replication stream".into()))?;
+                    self.handle(ev, deadline).await?;
+                }
+            }
+        }
+    }
+
+    fn forward_ack(&mut self, changed: Result<(), watch::error::RecvError>) -> Result<(), RelayError> {
+        match changed {
+            Ok(()) => {
+                let lsn = *self.confirmed.borrow_and_update();
+                self.client.update_applied_lsn(lsn.into());
+                Ok(())
+            }
+            Err(_) => Err(SourceError::Transient("delivery pipeline stopped".into()).into()),
+        }
+    }
+
+    async fn handle(&mut self, ev: ReplicationEvent, deadline: Option<tokio::time::Instant>) -> Result<(), RelayError> {
+        match ev {
+            ReplicationEvent::KeepAlive { wal_end, .. } => self.send(Item::Keepalive { wal_end: wal_end.into() }).await,
+            ReplicationEvent::Begin {
+                final_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                let ctx = TxContext {
+                    commit_lsn: final_lsn.into(),
+                    commit_time_micros,
+                };
+                self.tx = Some(ctx);
+                self.send(Item::Begin(ctx)).await
+            }
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                self.tx = None;
+                self.send(Item::Commit { end_lsn: end_lsn.into() }).await
+            }
+            ReplicationEvent::XLogData { data, .. } => self.change(data, deadline).await,
+            // Logical decoding messages are never posted; their transaction
+            // still advances the watermark through its Commit.
+            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => Ok(()),
+        }
+    }
+
+    async fn change(&mut self, data: Bytes, deadline: Option<tokio::time::Instant>) -> Result<(), RelayError> {
+        match pgoutput::decode(data)? {
+            LogicalMessage::Relation(rel) => self.mapper.on_relation(&rel),
+            LogicalMessage::Insert(ins) => {
+                let tx = self
+                    .tx
+                    .ok_or_else(|| SourceError::Definite("insert outside a transaction in the stream".into()))?;
+                if let Some(event) = self.mapper.on_insert(&ins, tx)? {
+                    let permit = self.admit(event.size_bytes(), deadline).await?;
+                    self.send(Item::Event(event, permit)).await?;
+                }
+            }
+            // Updates, deletes, truncates, types and origins are not events.
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Waits for room in the window, forwarding acks meanwhile.
+    async fn admit(
+        &mut self,
+        size: usize,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<dispatch::WindowPermit, RelayError> {
+        let far = tokio::time::Instant::now() + Duration::from_secs(3600);
+        loop {
+            tokio::select! {
+                biased;
+                r = self.confirmed.changed() => self.forward_ack(r)?,
+                p = self.window.admit(size) => return Ok(p),
+                _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {
+                    return Err(SourceError::Transient("shutdown budget spent inside a transaction".into()).into());
+                }
+            }
+        }
+    }
+
+    async fn send(&mut self, item: Item) -> Result<(), RelayError> {
+        self.items
+            .send(item)
+            .await
+            .map_err(|_| SourceError::Transient("delivery pipeline stopped".into()).into())
+    }
+
+    /// Ends the stream without a final update (the session failed).
+    fn abort(&mut self) {
+        self.client.abort();
+    }
+}
+
+/// Reads the slot's figures into metrics every `interval` (one query).
+async fn monitor_slot(side: tokio_postgres::Client, slot: String, interval: Duration, metrics: Metrics) {
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        match source::slot_info(&side, &slot).await {
+            Ok(Some(info)) => {
+                metrics.slot_lag_bytes.set(info.lag_bytes.unwrap_or(0));
+                metrics.slot_safe_wal_size_bytes.set(info.safe_wal_size.unwrap_or(-1));
+                for s in ["reserved", "extended", "unreserved", "lost"] {
+                    let v = i64::from(info.wal_status.as_deref() == Some(s));
+                    metrics.slot_wal_status.with_label_values(&[s]).set(v);
+                }
+            }
+            Ok(None) => tracing::warn!(slot = %slot, "slot disappeared"),
+            Err(e) => {
+                tracing::debug!(error = %e, "slot figures unavailable; side connection lost");
+                return;
+            }
+        }
+    }
+}
+
+fn sql_error(e: &tokio_postgres::Error, conn: &ConnParams) -> RelayError {
+    let code = e.code().map(|c| c.code().to_owned());
+    let text = match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => e.to_string(),
+    };
+    let msg = format!("{}: {text}", conn.display());
+    match code {
+        Some(c) if !source::sqlstate_is_transient(&c) => SourceError::Definite(msg).into(),
+        _ => SourceError::Transient(msg).into(),
+    }
+}
+
+/// A spawned task that is aborted when this handle is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

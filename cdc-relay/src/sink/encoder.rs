@@ -1,0 +1,141 @@
+//! Request bodies and signatures: the wire format of DESIGN §2.
+//!
+//! ```text
+//! {"id":"<outbox.id>","type":"<outbox.event_type>","data":<outbox.payload>}
+//! X-Event-Signature: lowercase hex HMAC-SHA256(secret, exact body bytes)
+//! ```
+//!
+//! `data` is the payload's JSON text exactly as PostgreSQL's `jsonb` output
+//! function printed it, spliced in raw: numbers never pass through `f64`,
+//! strings are never re-escaped, depth is unlimited (jsonb validated it). SQL
+//! NULL becomes JSON `null`. `id` and `type` are escaped as JSON strings.
+
+use bytes::Bytes;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::outbox::OutboxEvent;
+
+/// Builds the JSON body for `event` (bytes, ready to send and sign).
+pub fn body(event: &OutboxEvent) -> Bytes {
+    let payload: &[u8] = event.payload.as_deref().unwrap_or(b"null");
+    let mut out = Vec::with_capacity(payload.len() + event.id.len() + event.event_type.len() + 32);
+    out.extend_from_slice(b"{\"id\":");
+    push_json_string(&mut out, &event.id);
+    out.extend_from_slice(b",\"type\":");
+    push_json_string(&mut out, &event.event_type);
+    out.extend_from_slice(b",\"data\":");
+    out.extend_from_slice(payload);
+    out.push(b'}');
+    Bytes::from(out)
+}
+
+fn push_json_string(out: &mut Vec<u8>, s: &str) {
+    // serde_json escapes quotes, backslashes and every control character; the
+    // write into a Vec cannot fail.
+    serde_json::to_writer(&mut *out, s).expect("writing JSON into a Vec cannot fail");
+}
+
+/// An HMAC-SHA256 signing key (the shared event secret).
+#[derive(Clone)]
+pub struct Signer {
+    mac: Hmac<Sha256>,
+}
+
+impl std::fmt::Debug for Signer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Signer(<redacted>)")
+    }
+}
+
+impl Signer {
+    /// A signer for `secret` (any length; HMAC hashes long keys).
+    pub fn new(secret: &[u8]) -> Self {
+        Signer {
+            mac: Hmac::<Sha256>::new_from_slice(secret).expect("HMAC accepts keys of any length"),
+        }
+    }
+
+    /// Lowercase hex HMAC-SHA256 of `body`: 64 characters.
+    pub fn sign(&self, body: &[u8]) -> String {
+        let mut mac = self.mac.clone();
+        mac.update(body);
+        hex::encode(mac.finalize().into_bytes())
+    }
+}
+
+/// Makes a row value safe as an HTTP header value: visible ASCII is kept,
+/// `%` and every other byte (CR, LF, controls, non-ASCII) are percent-encoded,
+/// so nothing from a row can inject a header.
+pub fn header_safe(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for &b in value.as_bytes() {
+        if (0x21..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lsn::Lsn;
+
+    fn event(id: &str, ty: &str, payload: Option<&str>) -> OutboxEvent {
+        OutboxEvent {
+            id: id.into(),
+            event_type: ty.into(),
+            payload: payload.map(|p| Bytes::copy_from_slice(p.as_bytes())),
+            aggregate_key: None,
+            commit_lsn: Lsn(1),
+            commit_time_micros: 0,
+        }
+    }
+
+    #[test]
+    fn payload_is_spliced_raw() {
+        let p = r#"{"n": 123456789012345678901234567890, "d": 1.50000000000000000001, "s": "\u2028é"}"#;
+        let b = body(&event("e1", "OrderCreated", Some(p)));
+        assert_eq!(
+            std::str::from_utf8(&b).unwrap(),
+            format!(r#"{{"id":"e1","type":"OrderCreated","data":{p}}}"#)
+        );
+    }
+
+    #[test]
+    fn sql_null_is_json_null() {
+        let b = body(&event("e1", "T", None));
+        assert_eq!(&b[..], br#"{"id":"e1","type":"T","data":null}"#);
+    }
+
+    #[test]
+    fn id_and_type_cannot_inject_keys() {
+        let b = body(&event("a\"b", "x\",\"admin\":true,\"y\":\"\n\u{1}", Some("1")));
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        let obj = v.as_object().unwrap();
+        assert_eq!(obj.len(), 3, "no injected keys: {v}");
+        assert_eq!(obj["id"], "a\"b");
+        assert_eq!(obj["type"], "x\",\"admin\":true,\"y\":\"\n\u{1}");
+    }
+
+    #[test]
+    fn signature_matches_known_vector() {
+        // RFC 4231 test case 2.
+        let s = Signer::new(b"Jefe");
+        assert_eq!(
+            s.sign(b"what do ya want for nothing?"),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+    }
+
+    #[test]
+    fn header_values_are_encoded() {
+        assert_eq!(header_safe("abc-123"), "abc-123");
+        assert_eq!(header_safe("a\r\nX-Evil: 1"), "a%0D%0AX-Evil:%201");
+        assert_eq!(header_safe("é%"), "%C3%A9%25");
+        assert!(http::HeaderValue::from_str(&header_safe("\u{0}\u{7f}\n")).is_ok());
+    }
+}
