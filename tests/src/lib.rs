@@ -1,1 +1,31 @@
-//! Skeleton.
+//! The throwaway-PostgreSQL harness: one implementation behind the system
+//! tests, the benchmarks and the demo.
+//!
+//! ```text
+//!  bins::path("cdc-relay") ──▶ process::ServiceProcess ──▶ logs, listen_addr, signals
+//!                                        │ connects to
+//!  pg::PgCluster::start / shared() ──▶ stack::Stack (orders_N + billing_N, roles, publication)
+//!        │
+//!        └── guardian (sh) ── kills the postmaster if this process dies, even by SIGKILL
+//! ```
+//!
+//! - [`pg`] owns one PostgreSQL cluster in a temporary directory: `initdb`,
+//!   settings for logical replication, start/stop/restart, and the guarantee
+//!   that no postmaster outlives the process that started it.
+//! - [`stack`] creates a fresh pair of databases per test from the operator
+//!   files in `sql/`, with least-privilege roles and per-stack names.
+//! - [`process`] runs one of our binaries with its output captured.
+//! - [`bins`] finds (and builds once) the workspace binaries.
+//! - [`wait`] is the bounded polling every wait goes through.
+
+pub mod bins;
+mod guardian;
+pub mod pg;
+pub mod process;
+pub mod stack;
+pub mod wait;
+
+pub use pg::{ClusterOptions, PgCluster, StopMode};
+pub use process::ServiceProcess;
+pub use stack::{Stack, connect};
+pub use wait::wait_until;

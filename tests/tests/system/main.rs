@@ -1,1 +1,3 @@
 //! System tests.
+
+mod harness;

@@ -1,0 +1,95 @@
+-- orders.sql: schema of the "orders" database.
+--
+-- Holds the Orders service's tables (`orders`, and `outbox`, the transactional
+-- outbox the relay streams) and the two tables the relay owns for quarantined
+-- events (`cdc_relay_dead_letter` and its audit trail).
+--
+-- How to apply (as a superuser or the database owner, never as an app role):
+--
+--   1. createdb orders
+--   2. psql -v ON_ERROR_STOP=1 -d orders -f sql/orders.sql
+--   3. psql -v ON_ERROR_STOP=1 -d orders -f sql/publication.sql
+--   4. psql -v ON_ERROR_STOP=1 -d orders -f sql/roles.sql      (after the tables exist)
+--   5. psql -d orders -c "ALTER ROLE orders_app PASSWORD '...'" (same for cdc_relay)
+--
+-- Billing lives in its own database: see billing.sql. Every statement here is
+-- guarded (IF NOT EXISTS), so running the file again changes nothing.
+
+-- The aggregate: one row per order, amounts in minor units (cents).
+CREATE TABLE IF NOT EXISTS orders (
+    id           uuid PRIMARY KEY,
+    amount_cents bigint NOT NULL CHECK (amount_cents > 0),
+    currency     char(3) NOT NULL,
+    created_at   timestamptz NOT NULL DEFAULT now()
+);
+
+-- The outbox: written in the same transaction as the order. The relay only
+-- reads the inserts through the publication; the polling columns (attempts,
+-- claimed_by, lease_until, published_at) stay so that a polling relay works
+-- against the same table unchanged.
+CREATE TABLE IF NOT EXISTS outbox (
+    id           uuid PRIMARY KEY,
+    aggregate_id uuid NOT NULL REFERENCES orders (id),
+    event_type   text NOT NULL,
+    payload      jsonb NOT NULL,
+    occurred_at  timestamptz NOT NULL DEFAULT now(),
+    available_at timestamptz NOT NULL DEFAULT now(),
+    attempts     integer NOT NULL DEFAULT 0,
+    claimed_by   text,
+    lease_until  timestamptz,
+    published_at timestamptz
+);
+
+-- What a polling relay scans: unpublished rows that are due, oldest first.
+CREATE INDEX IF NOT EXISTS outbox_ready_idx
+    ON outbox (available_at, occurred_at)
+    WHERE published_at IS NULL;
+
+-- Deleting or re-keying an order checks the outbox rows that reference it;
+-- without this index that check (and any per-aggregate cleanup) is a full scan.
+CREATE INDEX IF NOT EXISTS outbox_aggregate_id_idx
+    ON outbox (aggregate_id);
+
+-- Events the relay quarantined instead of delivering (a poison response such
+-- as 400 or 422). A row here counts as "done" for the slot's confirmed LSN, so
+-- the table is the only copy of the event outside the outbox: it keeps the
+-- payload verbatim and everything needed to replay or explain it.
+CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter (
+    id               bigserial PRIMARY KEY,
+    -- outbox id column, as text so configurable id types fit.
+    event_id         text NOT NULL,
+    -- value of the configured aggregate-key column (ordering key), if any.
+    aggregate_key    text,
+    event_type       text,
+    -- the payload's JSON text exactly as PostgreSQL emitted it.
+    payload          text,
+    -- LSNs of the transaction that inserted the event (pgoutput Begin/Commit).
+    commit_lsn       pg_lsn NOT NULL,
+    end_lsn          pg_lsn NOT NULL,
+    -- status of the last response; NULL when no response arrived.
+    http_status      integer,
+    error            text NOT NULL,
+    -- first bytes of the last response body, for the operator.
+    response_excerpt text,
+    attempts         integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    first_attempt_at timestamptz,
+    last_attempt_at  timestamptz,
+    quarantined_at   timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE INDEX IF NOT EXISTS cdc_relay_dead_letter_event_id_idx
+    ON cdc_relay_dead_letter (event_id);
+
+-- Who removed what from the dead-letter table, and when. A discard deletes
+-- the quarantined row, so `entry` keeps a copy of it (as JSON).
+CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter_audit (
+    id             bigserial PRIMARY KEY,
+    action         text NOT NULL DEFAULT 'discard' CHECK (action IN ('discard', 'replay')),
+    dead_letter_id bigint NOT NULL,
+    event_id       text NOT NULL,
+    entry          jsonb,
+    reason         text,
+    -- the operator's name when the CLI knows it, else the database role.
+    performed_by   text NOT NULL DEFAULT session_user,
+    performed_at   timestamptz NOT NULL DEFAULT now()
+);

@@ -1,0 +1,138 @@
+-- roles.sql: least-privilege login roles for the Orders app, the Billing app
+-- and the relay.
+--
+--   orders_app   SELECT, INSERT on orders and outbox (the Orders service never
+--                updates or deletes).
+--   billing_app  SELECT, INSERT on processed_events and invoices (the inbox
+--                insert uses ON CONFLICT DO NOTHING ... RETURNING, which needs
+--                SELECT; nothing updates or deletes).
+--   cdc_relay    LOGIN REPLICATION: streams the publication through a logical
+--                slot; SELECT, INSERT, DELETE on its dead-letter table,
+--                INSERT on the audit table, SELECT on outbox for `backfill`.
+--
+-- None of them is a superuser, owns a database or a table, can create roles,
+-- databases or schema objects, or has a password set by this file.
+--
+-- How to apply: in EACH application database, after that database's schema
+-- file (orders.sql + publication.sql, or billing.sql), as a superuser:
+--
+--   psql -v ON_ERROR_STOP=1 -d orders  -f sql/roles.sql
+--   psql -v ON_ERROR_STOP=1 -d billing -f sql/roles.sql
+--
+-- then set the passwords (the roles are cluster-wide; do it once):
+--
+--   ALTER ROLE orders_app  PASSWORD '...';
+--   ALTER ROLE billing_app PASSWORD '...';
+--   ALTER ROLE cdc_relay   PASSWORD '...';
+--
+-- Grants depend on which tables exist in the current database, so the same
+-- file fits both databases; a database holding none of them is left alone.
+-- In a database it does touch, CONNECT is revoked from PUBLIC and granted
+-- only to the roles whose tables live there. Re-runnable: the file converges
+-- the privileges to exactly these, whatever was granted before.
+
+-- Roles are cluster-wide. Two sessions running this file at once may both
+-- try to create a role: the loser sees duplicate_object or unique_violation.
+DO $roles$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT * FROM (VALUES ('orders_app', false),
+                              ('billing_app', false),
+                              ('cdc_relay', true)) AS wanted (name, replication)
+    LOOP
+        BEGIN
+            EXECUTE format('CREATE ROLE %I', r.name);
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            NULL;
+        END;
+
+        -- ALTER only when something differs: concurrent ALTERs of one role
+        -- fail with "tuple concurrently updated".
+        IF EXISTS (
+            SELECT 1 FROM pg_roles
+            WHERE rolname = r.name
+              AND (rolsuper OR rolcreatedb OR rolcreaterole OR rolbypassrls
+                   OR NOT rolcanlogin OR rolreplication <> r.replication)
+        ) THEN
+            EXECUTE format(
+                'ALTER ROLE %I LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS %s',
+                r.name,
+                CASE WHEN r.replication THEN 'REPLICATION' ELSE 'NOREPLICATION' END);
+        END IF;
+    END LOOP;
+END
+$roles$;
+
+DO $grants$
+DECLARE
+    db          text := current_database();
+    has_orders  boolean := to_regclass('public.orders') IS NOT NULL
+                           AND to_regclass('public.outbox') IS NOT NULL;
+    has_billing boolean := to_regclass('public.processed_events') IS NOT NULL
+                           AND to_regclass('public.invoices') IS NOT NULL;
+    has_dlq     boolean := to_regclass('public.cdc_relay_dead_letter') IS NOT NULL
+                           AND to_regclass('public.cdc_relay_dead_letter_audit') IS NOT NULL;
+    owner_role  text;
+BEGIN
+    IF NOT (has_orders OR has_billing) THEN
+        RAISE NOTICE 'roles.sql: database % holds neither the orders nor the billing schema; only the roles were ensured', db;
+        RETURN;
+    END IF;
+
+    -- An owner bypasses every grant below, so refuse rather than pretend.
+    SELECT pg_get_userbyid(datdba) INTO owner_role FROM pg_database WHERE datname = db;
+    IF owner_role IN ('orders_app', 'billing_app', 'cdc_relay') THEN
+        RAISE EXCEPTION 'database % is owned by %; run ALTER DATABASE % OWNER TO <an admin role> first',
+            db, owner_role, db;
+    END IF;
+    SELECT pg_get_userbyid(c.relowner) INTO owner_role
+    FROM pg_class c
+    WHERE c.oid IN (SELECT to_regclass(t) FROM unnest(ARRAY[
+              'public.orders', 'public.outbox', 'public.processed_events', 'public.invoices',
+              'public.cdc_relay_dead_letter', 'public.cdc_relay_dead_letter_audit']) AS t)
+      AND pg_get_userbyid(c.relowner) IN ('orders_app', 'billing_app', 'cdc_relay')
+    LIMIT 1;
+    IF owner_role IS NOT NULL THEN
+        RAISE EXCEPTION 'a table in database % is owned by %; apply the schema files as an admin role', db, owner_role;
+    END IF;
+
+    -- Nobody but the roles granted below connects, creates temporary tables
+    -- or creates objects in schema public (the default before PostgreSQL 15).
+    EXECUTE format('REVOKE CONNECT, TEMPORARY ON DATABASE %I FROM PUBLIC', db);
+    EXECUTE format('REVOKE ALL ON DATABASE %I FROM orders_app, billing_app, cdc_relay', db);
+    REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+    REVOKE ALL ON SCHEMA public FROM orders_app, billing_app, cdc_relay;
+
+    IF has_orders THEN
+        EXECUTE format('GRANT CONNECT ON DATABASE %I TO orders_app, cdc_relay', db);
+        GRANT USAGE ON SCHEMA public TO orders_app, cdc_relay;
+
+        REVOKE ALL ON public.orders, public.outbox FROM orders_app, billing_app, cdc_relay;
+        GRANT SELECT, INSERT ON public.orders, public.outbox TO orders_app;
+        -- Streaming needs no table privilege; `cdc-relay backfill` re-reads
+        -- outbox rows by time range, and that is the only reason for this.
+        GRANT SELECT ON public.outbox TO cdc_relay;
+    END IF;
+
+    IF has_orders AND has_dlq THEN
+        REVOKE ALL ON public.cdc_relay_dead_letter, public.cdc_relay_dead_letter_audit
+            FROM orders_app, billing_app, cdc_relay;
+        -- SELECT for `dead-letter list`, DELETE for replay and discard.
+        GRANT SELECT, INSERT, DELETE ON public.cdc_relay_dead_letter TO cdc_relay;
+        GRANT INSERT ON public.cdc_relay_dead_letter_audit TO cdc_relay;
+        EXECUTE format('GRANT USAGE, SELECT ON SEQUENCE %s, %s TO cdc_relay',
+            pg_get_serial_sequence('public.cdc_relay_dead_letter', 'id'),
+            pg_get_serial_sequence('public.cdc_relay_dead_letter_audit', 'id'));
+    END IF;
+
+    IF has_billing THEN
+        EXECUTE format('GRANT CONNECT ON DATABASE %I TO billing_app', db);
+        GRANT USAGE ON SCHEMA public TO billing_app;
+
+        REVOKE ALL ON public.processed_events, public.invoices FROM orders_app, billing_app, cdc_relay;
+        GRANT SELECT, INSERT ON public.processed_events, public.invoices TO billing_app;
+    END IF;
+END
+$grants$;

@@ -1,0 +1,151 @@
+//! The workspace binaries (`orders`, `billing`, `cdc-relay`), built once per
+//! process with the profile of the running test executable, so a test never
+//! runs a stale binary.
+//!
+//! The target directory comes from the executable's own path
+//! (`<target>/<profile-dir>/deps/<test>-<hash>`), or `CARGO_TARGET_DIR`.
+//! `CDC_RELAY_SKIP_BUILD=1` skips the build (e.g. when CI built them already).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// Binaries [`path`] builds.
+pub const WORKSPACE_BINS: [&str; 3] = ["orders", "billing", "cdc-relay"];
+
+/// Set to `1` to use whatever binaries are in the target directory.
+pub const SKIP_BUILD_ENV: &str = "CDC_RELAY_SKIP_BUILD";
+
+/// Where the binaries of the current profile are, and how to build them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Layout {
+    /// `--target-dir` for cargo.
+    target_dir: PathBuf,
+    /// `--profile` for cargo (`dev` for the `debug` directory).
+    profile: String,
+    /// `<target_dir>/<profile-dir>`, where cargo puts the binaries.
+    out_dir: PathBuf,
+}
+
+/// Path of workspace binary `name` (one of [`WORKSPACE_BINS`]), building all
+/// of them first on the first call in this process. Panics with cargo's
+/// output if the build fails, or if the binary is missing.
+pub fn path(name: &str) -> PathBuf {
+    static BUILT: OnceLock<Result<Layout, String>> = OnceLock::new();
+    let layout = match BUILT.get_or_init(build) {
+        Ok(layout) => layout,
+        Err(err) => panic!("{err}"),
+    };
+    let path = layout.out_dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} does not exist (known workspace binaries: {WORKSPACE_BINS:?}; {SKIP_BUILD_ENV} is {:?})",
+        path.display(),
+        std::env::var(SKIP_BUILD_ENV).ok()
+    );
+    path
+}
+
+fn build() -> Result<Layout, String> {
+    let exe =
+        std::env::current_exe().map_err(|err| format!("locating the test executable: {err}"))?;
+    let target_env = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from);
+    let layout = layout(&exe, target_env.as_deref())?;
+    if std::env::var(SKIP_BUILD_ENV).as_deref() == Ok("1") {
+        return Ok(layout);
+    }
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut command = Command::new(cargo);
+    command
+        .current_dir(&workspace)
+        .args(["build", "--bins", "--profile", &layout.profile])
+        .arg("--target-dir")
+        .arg(&layout.target_dir);
+    for bin in WORKSPACE_BINS {
+        command.args(["-p", bin]);
+    }
+    eprintln!(
+        "harness: building {WORKSPACE_BINS:?} ({} profile)",
+        layout.profile
+    );
+    let output = command
+        .output()
+        .map_err(|err| format!("running cargo: {err}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "building the workspace binaries failed ({}):\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(layout)
+}
+
+/// Derives the layout from the executable's path: its directory is `deps/`,
+/// `examples/` or the profile directory itself.
+fn layout(exe: &Path, cargo_target_dir: Option<&Path>) -> Result<Layout, String> {
+    let parent = exe
+        .parent()
+        .ok_or_else(|| format!("{} has no parent", exe.display()))?;
+    let profile_dir = match parent.file_name().and_then(|n| n.to_str()) {
+        Some("deps" | "examples") => parent.parent().unwrap_or(parent),
+        _ => parent,
+    };
+    let dir_name = profile_dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| format!("cannot tell the profile from {}", exe.display()))?;
+    let target_dir = match cargo_target_dir {
+        Some(dir) => dir.to_path_buf(),
+        None => profile_dir
+            .parent()
+            .ok_or_else(|| format!("cannot tell the target directory from {}", exe.display()))?
+            .to_path_buf(),
+    };
+    let profile = if dir_name == "debug" { "dev" } else { dir_name };
+    Ok(Layout {
+        out_dir: target_dir.join(dir_name),
+        profile: profile.to_owned(),
+        target_dir,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use super::{Layout, layout};
+
+    #[test]
+    fn test_executable_in_debug_deps_builds_the_dev_profile() {
+        let got = layout(Path::new("/w/target/debug/deps/system-0123abcd"), None).unwrap();
+        assert_eq!(
+            got,
+            Layout {
+                target_dir: PathBuf::from("/w/target"),
+                profile: "dev".to_owned(),
+                out_dir: PathBuf::from("/w/target/debug"),
+            }
+        );
+    }
+
+    #[test]
+    fn release_example_and_cargo_target_dir_are_honoured() {
+        let got = layout(
+            Path::new("/w/target/release/examples/demo"),
+            Some(Path::new("/elsewhere")),
+        )
+        .unwrap();
+        assert_eq!(got.profile, "release");
+        assert_eq!(got.target_dir, PathBuf::from("/elsewhere"));
+        assert_eq!(got.out_dir, PathBuf::from("/elsewhere/release"));
+    }
+
+    #[test]
+    fn a_binary_in_the_profile_directory_works_too() {
+        let got = layout(Path::new("/w/target/bench/throwaway-pg"), None).unwrap();
+        assert_eq!(got.profile, "bench");
+        assert_eq!(got.out_dir, PathBuf::from("/w/target/bench"));
+    }
+}

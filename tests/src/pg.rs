@@ -1,0 +1,692 @@
+//! One throwaway PostgreSQL cluster: `initdb` into a temporary directory,
+//! settings for logical replication, a postmaster started as our direct
+//! child, and no way for it to outlive us.
+//!
+//! Lifetime rules, strongest last:
+//! - [`PgCluster::stop`] / `Drop` (fast shutdown, then immediate after a bound);
+//!   unwinding from a panic runs `Drop` too.
+//! - a guardian process (see `guardian.rs`) sends SIGQUIT (immediate shutdown)
+//!   to the postmaster within milliseconds of this process dying, even by
+//!   SIGKILL, and deletes the directory. This is what covers [`PgCluster::shared`],
+//!   which lives in a `static` and is never dropped.
+//!
+//! PostgreSQL refuses to run as root, and CI runs as root: then the directory
+//! is handed to the `postgres` user and `initdb`/`postgres` run under its
+//! uid/gid (no sudo involved).
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::{Gid, Pid, Uid, User, chown};
+use rand::Rng;
+use rand::distr::Alphanumeric;
+use tempfile::TempDir;
+
+use crate::guardian::{Guardian, has_exited};
+use crate::stack::StackState;
+
+/// Environment variable naming a directory that holds `postgres` and `initdb`.
+pub const BINDIR_ENV: &str = "CDC_RELAY_PG_BINDIR";
+
+/// The superuser `initdb` creates.
+pub const SUPERUSER: &str = "postgres";
+
+/// How long [`PgCluster::start`] waits for the server to accept connections.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How many times a start is retried when another process grabbed our port.
+const PORT_ATTEMPTS: usize = 3;
+
+/// Lines of server log quoted in errors.
+const ERROR_LOG_LINES: usize = 40;
+
+/// Settings of a cluster to start.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    /// Durable writes (`fsync`, `full_page_writes`). Off by default: tests
+    /// simulate process crashes, which the kernel's page cache survives, not
+    /// machine crashes. Benchmarks turn it on to measure real commit latency.
+    ///
+    /// `synchronous_commit` stays `on` either way: with it off, an immediate
+    /// shutdown loses acknowledged commits (their WAL is still in shared
+    /// memory), and logical decoding only sees a commit once its WAL is
+    /// flushed, which would add up to `wal_writer_delay` (200 ms) of latency.
+    pub fsync: bool,
+    /// `wal_sender_timeout`, a PostgreSQL interval such as `"60s"` or `"500ms"`.
+    pub wal_sender_timeout: String,
+    /// `max_slot_wal_keep_size` (e.g. `"64MB"`); `None` keeps the default (unlimited).
+    pub max_slot_wal_keep_size: Option<String>,
+    /// Further `postgresql.conf` settings as (name, value); values are quoted for you.
+    pub extra_settings: Vec<(String, String)>,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        ClusterOptions {
+            fsync: false,
+            wal_sender_timeout: "60s".to_owned(),
+            max_slot_wal_keep_size: None,
+            extra_settings: Vec::new(),
+        }
+    }
+}
+
+/// How to stop the postmaster (the three shutdown modes of `pg_ctl stop`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopMode {
+    /// SIGTERM: wait for every client to disconnect.
+    Smart,
+    /// SIGINT: abort transactions, disconnect clients, checkpoint.
+    Fast,
+    /// SIGQUIT: exit at once; the next start runs crash recovery.
+    Immediate,
+}
+
+impl StopMode {
+    fn signal(self) -> Signal {
+        match self {
+            StopMode::Smart => Signal::SIGTERM,
+            StopMode::Fast => Signal::SIGINT,
+            StopMode::Immediate => Signal::SIGQUIT,
+        }
+    }
+
+    /// How long to wait for the postmaster to exit in this mode.
+    fn bound(self) -> Duration {
+        match self {
+            StopMode::Smart => Duration::from_secs(60),
+            StopMode::Fast => Duration::from_secs(30),
+            StopMode::Immediate => Duration::from_secs(10),
+        }
+    }
+}
+
+/// The running postmaster (if any) and the guardian watching it.
+struct Postmaster {
+    child: Option<Child>,
+    guardian: Guardian,
+}
+
+/// A PostgreSQL cluster in a temporary directory, listening on 127.0.0.1 (SCRAM)
+/// and on a unix socket in that directory (trust). Stopped and deleted on drop.
+pub struct PgCluster {
+    root: TempDir,
+    data_dir: PathBuf,
+    bin_dir: PathBuf,
+    log_path: PathBuf,
+    port: u16,
+    password: String,
+    run_as: Option<(Uid, Gid)>,
+    postmaster: Mutex<Postmaster>,
+    pub(crate) stacks: StackState,
+}
+
+impl PgCluster {
+    /// Runs `initdb` and starts a postmaster; blocks until it accepts
+    /// connections (at most 30 s). Errors carry the server log tail.
+    pub fn start(opts: ClusterOptions) -> anyhow::Result<PgCluster> {
+        let bin_dir = find_bin_dir()?;
+        let run_as = postgres_user_if_root()?;
+        let root = tempfile::Builder::new()
+            .prefix("cdc-relay-pg-")
+            .tempdir_in("/tmp")
+            .context("creating the cluster's temporary directory under /tmp")?;
+        // The socket and log live here; only the server's user needs it.
+        fs::set_permissions(root.path(), fs::Permissions::from_mode(0o700))?;
+        hand_over(root.path(), run_as)?;
+
+        let password = random_token(32);
+        let data_dir = root.path().join("data");
+        let log_path = root.path().join("postgres.log");
+        // Guard the directory from the first moment on, before any server runs.
+        let guardian =
+            Guardian::spawn("QUIT", Some(root.path())).context("spawning the guardian")?;
+        initdb(&bin_dir, root.path(), &data_dir, &password, run_as)?;
+        write_hba(&data_dir)?;
+
+        let mut cluster = PgCluster {
+            data_dir,
+            bin_dir,
+            log_path,
+            port: 0,
+            password,
+            run_as,
+            postmaster: Mutex::new(Postmaster {
+                child: None,
+                guardian,
+            }),
+            stacks: StackState::default(),
+            root,
+        };
+        cluster.start_on_free_port(&opts)?;
+        Ok(cluster)
+    }
+
+    /// The cluster shared by every test of this process (default options),
+    /// started on first use. Panics with the reason if it cannot start.
+    pub fn shared() -> &'static PgCluster {
+        static SHARED: OnceLock<PgCluster> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            PgCluster::start(ClusterOptions::default())
+                .unwrap_or_else(|err| panic!("cannot start the shared PostgreSQL cluster: {err:#}"))
+        })
+    }
+
+    /// Address the server listens on: always `127.0.0.1`.
+    pub fn host(&self) -> &str {
+        "127.0.0.1"
+    }
+
+    /// TCP port (also the number in the unix socket's name).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Directory holding the unix socket `.s.PGSQL.<port>`.
+    pub fn socket_dir(&self) -> &Path {
+        self.root.path()
+    }
+
+    /// The cluster's data directory (`PGDATA`).
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// Directory of the server binaries in use (`postgres`, `initdb`, usually `psql`).
+    pub fn bin_dir(&self) -> &Path {
+        &self.bin_dir
+    }
+
+    /// Password of the superuser `postgres` over TCP.
+    pub fn superuser_password(&self) -> &str {
+        &self.password
+    }
+
+    /// `postgres://user:password@127.0.0.1:port/db`, user and password percent-encoded.
+    pub fn url(&self, user: &str, password: &str, db: &str) -> String {
+        format!(
+            "postgres://{}:{}@{}:{}/{}",
+            percent_encode(user),
+            percent_encode(password),
+            self.host(),
+            self.port,
+            percent_encode(db)
+        )
+    }
+
+    /// URL of the superuser over TCP (SCRAM) to database `db`.
+    pub fn superuser_url(&self, db: &str) -> String {
+        self.url(SUPERUSER, &self.password, db)
+    }
+
+    /// Connects as the superuser through the unix socket (trust, no SCRAM
+    /// round trips); the connection task is spawned on the current runtime.
+    pub async fn connect_superuser(&self, db: &str) -> anyhow::Result<tokio_postgres::Client> {
+        let (client, connection) = tokio_postgres::Config::new()
+            .host_path(self.socket_dir())
+            .port(self.port)
+            .user(SUPERUSER)
+            .dbname(db)
+            .connect_timeout(Duration::from_secs(10))
+            .connect(tokio_postgres::NoTls)
+            .await
+            .with_context(|| {
+                format!(
+                    "connecting as {SUPERUSER} to database {db} via {}",
+                    self.socket_dir().display()
+                )
+            })?;
+        tokio::spawn(async move {
+            // The error, if any, surfaces to the client's next call.
+            let _ = connection.await;
+        });
+        Ok(client)
+    }
+
+    /// Pid of the running postmaster; `None` while stopped.
+    pub fn postmaster_pid(&self) -> Option<u32> {
+        self.lock().child.as_ref().map(Child::id)
+    }
+
+    /// Stops the server in `mode` and waits for the postmaster to exit
+    /// (bounded: 60 s smart, 30 s fast, 10 s immediate). Stopping a stopped
+    /// cluster is a no-op.
+    pub fn stop(&self, mode: StopMode) -> anyhow::Result<()> {
+        let mut pm = self.lock();
+        let Some(child) = pm.child.as_mut() else {
+            return Ok(());
+        };
+        let pid = child.id();
+        signal(pid, mode.signal())?;
+        let deadline = Instant::now() + mode.bound();
+        while !has_exited(pid) {
+            if Instant::now() >= deadline {
+                bail!(
+                    "postmaster {pid} did not stop ({mode:?}) within {:?}\n{}",
+                    mode.bound(),
+                    self.log_tail(ERROR_LOG_LINES)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        pm.guardian.forget();
+        if let Some(mut child) = pm.child.take() {
+            child.wait().context("reaping the postmaster")?;
+        }
+        Ok(())
+    }
+
+    /// Starts the stopped server again: same data directory, same port.
+    pub fn start_again(&self) -> anyhow::Result<()> {
+        let mut pm = self.lock();
+        if pm.child.is_some() {
+            bail!("the cluster is already running");
+        }
+        let child = self.spawn_postmaster()?;
+        let pid = child.id();
+        pm.guardian.watch(pid);
+        pm.child = Some(child);
+        self.wait_ready(&mut pm)
+    }
+
+    /// [`stop`](Self::stop) in `mode`, then [`start_again`](Self::start_again).
+    pub fn restart(&self, mode: StopMode) -> anyhow::Result<()> {
+        self.stop(mode)?;
+        self.start_again()
+    }
+
+    /// The last `lines` lines of the server log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let contents = self.log_contents();
+        let all: Vec<&str> = contents.lines().collect();
+        let from = all.len().saturating_sub(lines);
+        let mut tail = format!(
+            "--- last {} lines of {} ---\n",
+            all.len() - from,
+            self.log_path.display()
+        );
+        for line in &all[from..] {
+            tail.push_str(line);
+            tail.push('\n');
+        }
+        tail
+    }
+
+    /// The whole server log (stderr of the postmaster and its children).
+    pub fn log_contents(&self) -> String {
+        fs::read(&self.log_path)
+            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+            .unwrap_or_default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Postmaster> {
+        // A panic while holding the lock leaves the state consistent enough
+        // to stop the server, which is all Drop needs.
+        self.postmaster
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn start_on_free_port(&mut self, opts: &ClusterOptions) -> anyhow::Result<()> {
+        let mut last_error = None;
+        for _ in 0..PORT_ATTEMPTS {
+            self.port = free_port()?;
+            write_settings(
+                &self.data_dir,
+                self.root.path(),
+                self.port,
+                opts,
+                &self.bin_dir,
+            )?;
+            match self.start_again() {
+                Ok(()) => return Ok(()),
+                Err(err) if self.log_contents().contains("could not bind") => {
+                    self.stop(StopMode::Immediate)?;
+                    last_error = Some(err);
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| anyhow!("no port attempt made")))
+    }
+
+    fn spawn_postmaster(&self) -> anyhow::Result<Child> {
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .with_context(|| format!("opening {}", self.log_path.display()))?;
+        let mut command = Command::new(self.bin_dir.join("postgres"));
+        command
+            .arg("-D")
+            .arg(&self.data_dir)
+            .current_dir(self.root.path())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        as_user(&mut command, self.run_as);
+        command
+            .spawn()
+            .with_context(|| format!("spawning {}", self.bin_dir.join("postgres").display()))
+    }
+
+    /// Polls `postmaster.pid` until the server reports `ready`, then checks
+    /// that the TCP port answers.
+    fn wait_ready(&self, pm: &mut Postmaster) -> anyhow::Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let pid = pm
+            .child
+            .as_ref()
+            .map(Child::id)
+            .context("no postmaster to wait for")?;
+        loop {
+            if has_exited(pid) {
+                pm.guardian.forget();
+                let status = pm.child.take().map(|mut child| child.wait());
+                bail!(
+                    "postgres exited during startup ({status:?})\n{}",
+                    self.log_tail(ERROR_LOG_LINES)
+                );
+            }
+            if self.reports_ready(pid)
+                && TcpStream::connect((Ipv4Addr::LOCALHOST, self.port)).is_ok()
+            {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "postgres (pid {pid}) not ready within {READY_TIMEOUT:?}\n{}",
+                    self.log_tail(ERROR_LOG_LINES)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Line 1 of `postmaster.pid` is the pid, line 8 the status pg_ctl reads.
+    fn reports_ready(&self, pid: u32) -> bool {
+        let Ok(contents) = fs::read_to_string(self.data_dir.join("postmaster.pid")) else {
+            return false;
+        };
+        let lines: Vec<&str> = contents.lines().collect();
+        lines.first().map(|l| l.trim()) == Some(pid.to_string().as_str())
+            && lines.get(7).map(|l| l.trim()) == Some("ready")
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        if self.stop(StopMode::Fast).is_err() && self.stop(StopMode::Immediate).is_err() {
+            let mut pm = self.lock();
+            if let Some(mut child) = pm.child.take() {
+                let _ = child.kill();
+                pm.guardian.forget();
+                let _ = child.wait();
+            }
+        }
+        // Dropping the guardian (with the Postmaster) then removes the
+        // directory; TempDir's own removal finds it gone, which is fine.
+    }
+}
+
+impl std::fmt::Debug for PgCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgCluster")
+            .field("port", &self.port)
+            .field("data_dir", &self.data_dir)
+            .field("postmaster_pid", &self.postmaster_pid())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Finds a directory holding `postgres` and `initdb`: `$CDC_RELAY_PG_BINDIR`,
+/// else `pg_config --bindir`, else `/usr/lib/postgresql/<version>/bin`,
+/// newest version first.
+pub fn find_bin_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os(BINDIR_ENV) {
+        let dir = PathBuf::from(dir);
+        if has_server(&dir) {
+            return Ok(dir);
+        }
+        bail!(
+            "{BINDIR_ENV}={} holds no `postgres` and `initdb`",
+            dir.display()
+        );
+    }
+    if let Some(dir) = pg_config_bindir().filter(|dir| has_server(dir)) {
+        return Ok(dir);
+    }
+    let mut versions: Vec<(u32, PathBuf)> = fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let version = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            Some((version, entry.path().join("bin")))
+        })
+        .filter(|(_, dir)| has_server(dir))
+        .collect();
+    versions.sort_by_key(|(version, _)| std::cmp::Reverse(*version));
+    versions
+        .into_iter()
+        .next()
+        .map(|(_, dir)| dir)
+        .ok_or_else(|| {
+            anyhow!(
+                "PostgreSQL server binaries (postgres, initdb) not found. Install the server: \
+             `apt-get install postgresql` on Debian/Ubuntu (as root), or point {BINDIR_ENV} \
+             at a directory that holds them"
+            )
+        })
+}
+
+fn has_server(dir: &Path) -> bool {
+    dir.join("postgres").is_file() && dir.join("initdb").is_file()
+}
+
+fn pg_config_bindir() -> Option<PathBuf> {
+    let output = Command::new("pg_config").arg("--bindir").output().ok()?;
+    output
+        .status
+        .success()
+        .then(|| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
+}
+
+/// When we are root, the uid/gid of `postgres`, the user the server runs as.
+fn postgres_user_if_root() -> anyhow::Result<Option<(Uid, Gid)>> {
+    if !Uid::effective().is_root() {
+        return Ok(None);
+    }
+    let user = User::from_name(SUPERUSER)
+        .context("looking up the `postgres` user")?
+        .context(
+            "running as root, PostgreSQL must run as another user, and there is no `postgres` \
+             user: `apt-get install postgresql` creates it (or run the tests as a normal user)",
+        )?;
+    Ok(Some((user.uid, user.gid)))
+}
+
+fn hand_over(path: &Path, run_as: Option<(Uid, Gid)>) -> anyhow::Result<()> {
+    if let Some((uid, gid)) = run_as {
+        chown(path, Some(uid), Some(gid))
+            .with_context(|| format!("chown {} to postgres", path.display()))?;
+    }
+    Ok(())
+}
+
+fn as_user(command: &mut Command, run_as: Option<(Uid, Gid)>) {
+    if let Some((uid, gid)) = run_as {
+        command.uid(uid.as_raw()).gid(gid.as_raw());
+    }
+}
+
+fn initdb(
+    bin_dir: &Path,
+    root: &Path,
+    data_dir: &Path,
+    password: &str,
+    run_as: Option<(Uid, Gid)>,
+) -> anyhow::Result<()> {
+    let pwfile = root.join("pwfile");
+    {
+        let mut file = File::create(&pwfile)?;
+        fs::set_permissions(&pwfile, fs::Permissions::from_mode(0o600))?;
+        writeln!(file, "{password}")?;
+    }
+    hand_over(&pwfile, run_as)?;
+    let mut command = Command::new(bin_dir.join("initdb"));
+    command
+        .arg("-D")
+        .arg(data_dir)
+        .arg("--username")
+        .arg(SUPERUSER)
+        .arg(format!("--pwfile={}", pwfile.display()))
+        .args(["--auth-local=trust", "--auth-host=scram-sha-256"])
+        .args(["--encoding=UTF8", "--locale=C", "--no-sync"])
+        .current_dir(root)
+        .stdin(Stdio::null());
+    as_user(&mut command, run_as);
+    let output = command
+        .output()
+        .with_context(|| format!("running {}", bin_dir.join("initdb").display()))?;
+    fs::remove_file(&pwfile)?;
+    if !output.status.success() {
+        bail!(
+            "initdb failed ({}):\n{}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// Trust over the socket in our private directory; SCRAM over TCP. A logical
+/// replication connection names a database, so it matches the `all` line;
+/// the `replication` line serves physical replication.
+fn write_hba(data_dir: &Path) -> anyhow::Result<()> {
+    let hba = "\
+# Written by the cdc-relay test harness.
+local all         all                 trust
+host  all         all  127.0.0.1/32  scram-sha-256
+host  replication all  127.0.0.1/32  scram-sha-256
+";
+    fs::write(data_dir.join("pg_hba.conf"), hba).context("writing pg_hba.conf")
+}
+
+/// Writes `harness.conf` and includes it from `postgresql.conf` (once).
+fn write_settings(
+    data_dir: &Path,
+    socket_dir: &Path,
+    port: u16,
+    opts: &ClusterOptions,
+    bin_dir: &Path,
+) -> anyhow::Result<()> {
+    let durable = if opts.fsync { "on" } else { "off" };
+    let mut settings: Vec<(&str, String)> = vec![
+        ("listen_addresses", "127.0.0.1".to_owned()),
+        ("port", port.to_string()),
+        ("unix_socket_directories", socket_dir.display().to_string()),
+        ("wal_level", "logical".to_owned()),
+        ("max_replication_slots", "32".to_owned()),
+        ("max_wal_senders", "32".to_owned()),
+        ("wal_sender_timeout", opts.wal_sender_timeout.clone()),
+        ("max_connections", "200".to_owned()),
+        ("max_prepared_transactions", "10".to_owned()),
+        ("fsync", durable.to_owned()),
+        ("synchronous_commit", "on".to_owned()),
+        ("full_page_writes", durable.to_owned()),
+        ("logging_collector", "off".to_owned()),
+        ("log_line_prefix", "%m [%p] %q%u@%d ".to_owned()),
+    ];
+    if has_pg_stat_statements(bin_dir) {
+        settings.push(("shared_preload_libraries", "pg_stat_statements".to_owned()));
+    }
+    if let Some(size) = &opts.max_slot_wal_keep_size {
+        settings.push(("max_slot_wal_keep_size", size.clone()));
+    }
+    let mut conf = String::from("# Written by the cdc-relay test harness.\n");
+    for (name, value) in settings.iter().map(|(n, v)| (*n, v.as_str())).chain(
+        opts.extra_settings
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str())),
+    ) {
+        conf.push_str(&format!("{name} = '{}'\n", value.replace('\'', "''")));
+    }
+    fs::write(data_dir.join("harness.conf"), conf).context("writing harness.conf")?;
+
+    let main_conf = data_dir.join("postgresql.conf");
+    let include = "include 'harness.conf'\n";
+    let current = fs::read_to_string(&main_conf).context("reading postgresql.conf")?;
+    if !current.contains(include) {
+        let mut file = OpenOptions::new().append(true).open(&main_conf)?;
+        file.write_all(include.as_bytes())?;
+    }
+    Ok(())
+}
+
+/// Whether the server's library directory ships pg_stat_statements.
+fn has_pg_stat_statements(bin_dir: &Path) -> bool {
+    let pkglibdir = Command::new(bin_dir.join("pg_config"))
+        .arg("--pkglibdir")
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+        .unwrap_or_else(|| bin_dir.join("../lib"));
+    pkglibdir.join("pg_stat_statements.so").is_file()
+}
+
+/// A port the kernel just handed out; the small race with other processes is
+/// handled by retrying the start.
+fn free_port() -> anyhow::Result<u16> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("binding 127.0.0.1:0")?;
+    Ok(listener.local_addr()?.port())
+}
+
+fn signal(pid: u32, sig: Signal) -> anyhow::Result<()> {
+    let raw = i32::try_from(pid).context("pid out of range")?;
+    kill(Pid::from_raw(raw), sig).with_context(|| format!("sending {sig} to {pid}"))
+}
+
+/// A random alphanumeric string of `len` characters (passwords, names).
+pub(crate) fn random_token(len: usize) -> String {
+    rand::rng()
+        .sample_iter(&Alphanumeric)
+        .take(len)
+        .map(char::from)
+        .collect()
+}
+
+/// Percent-encodes everything but RFC 3986 unreserved characters.
+fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percent_encode;
+
+    #[test]
+    fn percent_encode_keeps_unreserved_and_escapes_the_rest() {
+        assert_eq!(percent_encode("orders_app-1.~"), "orders_app-1.~");
+        assert_eq!(percent_encode("p@ss:w/rd"), "p%40ss%3Aw%2Frd");
+    }
+}

@@ -1,0 +1,193 @@
+//! A fresh pair of databases per test — `orders_<pid>_<n>` and
+//! `billing_<pid>_<n>` — built from the operator files in `sql/`, with the
+//! least-privilege roles and a publication and slot name of its own.
+//!
+//! The files are read at run time, so tests exercise exactly what an operator
+//! applies. Roles are cluster-wide: they are created once per cluster (under a
+//! once-cell, so parallel tests do not race) with random passwords; each stack
+//! then applies `roles.sql` in its own two databases for the grants.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::sync::OnceCell;
+use tokio_postgres::Client;
+
+use crate::pg::{PgCluster, random_token};
+
+/// Publication name used in `sql/publication.sql`; each stack substitutes its own.
+pub const FILE_PUBLICATION: &str = "cdc_relay_outbox";
+
+/// The repository's `sql/` directory.
+pub fn sql_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../sql")
+}
+
+/// Per-cluster state behind [`PgCluster::create_stack`].
+#[derive(Default)]
+pub(crate) struct StackState {
+    next: AtomicU32,
+    roles: OnceCell<RolePasswords>,
+}
+
+/// Passwords the harness gave the cluster-wide roles.
+#[derive(Debug, Clone)]
+struct RolePasswords {
+    orders_app: String,
+    billing_app: String,
+    cdc_relay: String,
+}
+
+/// One test's databases and the credentials to reach them. Nothing is
+/// dropped when the value goes away; the cluster is throwaway.
+#[derive(Debug, Clone)]
+pub struct Stack {
+    /// Name of the orders database (`orders_<pid>_<n>`).
+    pub orders_db: String,
+    /// Name of the billing database (`billing_<pid>_<n>`).
+    pub billing_db: String,
+    /// `orders_app` over TCP (SCRAM) to the orders database.
+    pub orders_app_url: String,
+    /// `billing_app` over TCP (SCRAM) to the billing database.
+    pub billing_app_url: String,
+    /// `cdc_relay` (LOGIN REPLICATION) over TCP (SCRAM) to the orders database.
+    pub relay_url: String,
+    /// The superuser over TCP to the orders database.
+    pub orders_admin_url: String,
+    /// The superuser over TCP to the billing database.
+    pub billing_admin_url: String,
+    /// Replication slot name reserved for this stack; nobody creates it here.
+    pub slot: String,
+    /// Insert-only publication of `public.outbox`, created in the orders database.
+    pub publication: String,
+}
+
+impl PgCluster {
+    /// Creates a new database pair and applies `sql/` to it (orders.sql,
+    /// publication.sql under this stack's publication name, roles.sql in the
+    /// orders database; billing.sql, roles.sql in the billing database).
+    pub async fn create_stack(&self) -> anyhow::Result<Stack> {
+        let passwords = self.ensure_roles().await?;
+        let n = self.stacks.next.fetch_add(1, Ordering::Relaxed);
+        let suffix = format!("{}_{n}", std::process::id());
+        let orders_db = format!("orders_{suffix}");
+        let billing_db = format!("billing_{suffix}");
+
+        let admin = self.connect_superuser("postgres").await?;
+        for db in [&orders_db, &billing_db] {
+            admin
+                .batch_execute(&format!("CREATE DATABASE {db}"))
+                .await
+                .with_context(|| format!("CREATE DATABASE {db}"))?;
+        }
+
+        let stack = Stack {
+            orders_app_url: self.url("orders_app", &passwords.orders_app, &orders_db),
+            billing_app_url: self.url("billing_app", &passwords.billing_app, &billing_db),
+            relay_url: self.url("cdc_relay", &passwords.cdc_relay, &orders_db),
+            orders_admin_url: self.superuser_url(&orders_db),
+            billing_admin_url: self.superuser_url(&billing_db),
+            slot: format!("cdc_relay_slot_{suffix}"),
+            publication: format!("{FILE_PUBLICATION}_{suffix}"),
+            orders_db,
+            billing_db,
+        };
+        stack.apply_schema().await?;
+        Ok(stack)
+    }
+
+    /// Creates the roles once per cluster and sets their passwords. Running
+    /// `roles.sql` in the `postgres` database only ensures the roles: it
+    /// leaves a database without our tables alone.
+    async fn ensure_roles(&self) -> anyhow::Result<&RolePasswords> {
+        self.stacks
+            .roles
+            .get_or_try_init(|| async {
+                let client = self.connect_superuser("postgres").await?;
+                client
+                    .batch_execute(&read_sql("roles.sql")?)
+                    .await
+                    .context("applying sql/roles.sql in database postgres")?;
+                let passwords = RolePasswords {
+                    orders_app: random_token(24),
+                    billing_app: random_token(24),
+                    cdc_relay: random_token(24),
+                };
+                for (role, password) in [
+                    ("orders_app", &passwords.orders_app),
+                    ("billing_app", &passwords.billing_app),
+                    ("cdc_relay", &passwords.cdc_relay),
+                ] {
+                    client
+                        .batch_execute(&format!("ALTER ROLE {role} PASSWORD '{password}'"))
+                        .await
+                        .with_context(|| format!("setting the password of {role}"))?;
+                }
+                Ok(passwords)
+            })
+            .await
+    }
+}
+
+impl Stack {
+    /// Superuser connection to the orders database (TCP, SCRAM).
+    pub async fn orders_admin(&self) -> anyhow::Result<Client> {
+        connect(&self.orders_admin_url).await
+    }
+
+    /// Superuser connection to the billing database (TCP, SCRAM).
+    pub async fn billing_admin(&self) -> anyhow::Result<Client> {
+        connect(&self.billing_admin_url).await
+    }
+
+    /// Applies the `sql/` files to both databases, exactly as
+    /// [`PgCluster::create_stack`] does; every file is re-runnable, so
+    /// calling this again changes nothing.
+    pub async fn apply_schema(&self) -> anyhow::Result<()> {
+        let orders = self.orders_admin().await?;
+        for file in ["orders.sql", "publication.sql", "roles.sql"] {
+            let sql = read_sql(file)?.replace(FILE_PUBLICATION, &self.publication);
+            orders
+                .batch_execute(&sql)
+                .await
+                .with_context(|| format!("applying sql/{file} to {}", self.orders_db))?;
+        }
+        let billing = self.billing_admin().await?;
+        for file in ["billing.sql", "roles.sql"] {
+            billing
+                .batch_execute(&read_sql(file)?)
+                .await
+                .with_context(|| format!("applying sql/{file} to {}", self.billing_db))?;
+        }
+        Ok(())
+    }
+}
+
+/// Connects with a `postgres://` URL (10 s connect timeout, no TLS) and
+/// spawns the connection task on the current runtime.
+pub async fn connect(url: &str) -> anyhow::Result<Client> {
+    let mut config: tokio_postgres::Config = url.parse().context("parsing a postgres URL")?;
+    config.connect_timeout(Duration::from_secs(10));
+    let (client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .with_context(|| {
+            format!(
+                "connecting as {:?} to {:?}",
+                config.get_user(),
+                config.get_dbname()
+            )
+        })?;
+    tokio::spawn(async move {
+        // The error, if any, surfaces to the client's next call.
+        let _ = connection.await;
+    });
+    Ok(client)
+}
+
+fn read_sql(file: &str) -> anyhow::Result<String> {
+    let path = sql_dir().join(file);
+    std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+}
