@@ -1,1 +1,23 @@
-//! Skeleton.
+//! The Billing service: an idempotent inbox for `OrderCreated` events
+//! (DESIGN §1, §2).
+//!
+//! ```text
+//! POST /inbox ─▶ 415/413 ─▶ signature::EventSecrets::verify ─▶ parse ─▶ event::OrderCreated::from_json
+//!                 (bytes)    (exact bytes, before parsing:401)  (400)    (422 naming the field)
+//!            ─▶ store::InboxStore::record: ONE statement, its own transaction:
+//!               processed_events row ON CONFLICT DO NOTHING, invoice only if that row is new
+//!            ─▶ 204 (new or replay)
+//! GET /invoices?order_id= ─▶ store::InboxStore::invoices_for
+//! ```
+//!
+//! Delivery is at-least-once; the inbox makes the effect exactly-once, and
+//! `invoices.order_id UNIQUE` is a second invariant behind it.
+
+pub mod config;
+pub mod event;
+pub mod routes;
+pub mod signature;
+pub mod store;
+
+pub use config::BillingArgs;
+pub use routes::router;

@@ -22,6 +22,7 @@ pub mod cli;
 pub mod db;
 pub mod error;
 pub mod metrics;
+pub mod money;
 pub mod server;
 pub mod telemetry;
 

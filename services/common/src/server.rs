@@ -120,6 +120,18 @@ where
     Ok(())
 }
 
+/// The process exit status for `result`: on error, prints `name: error: <cause chain>`
+/// to stderr (no backtrace noise) and exits 1.
+pub fn exit_code(name: &str, result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 async fn healthz() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
 }

@@ -1,1 +1,17 @@
-//! Skeleton.
+//! The Orders service: `POST /orders` writes an order and its `OrderCreated`
+//! outbox row in ONE transaction (DESIGN §1), so an order without its event,
+//! or an event without its order, is never visible.
+//!
+//! ```text
+//! POST /orders ─▶ order::NewOrder::from_json ─▶ store::OrderStore::create
+//!                  (422 naming the field)        BEGIN; INSERT orders; INSERT outbox; COMMIT
+//! GET /orders/{id} ─────────────────────────────▶ store::OrderStore::find
+//! ```
+
+pub mod config;
+pub mod order;
+pub mod routes;
+pub mod store;
+
+pub use config::OrdersArgs;
+pub use routes::router;

@@ -1,1 +1,16 @@
-fn main() {}
+//! `orders`: see the library docs and `orders --help`.
+
+use std::process::ExitCode;
+
+use orders::OrdersArgs;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = OrdersArgs::parse_env();
+    let fault = args.fault_after_order_insert;
+    let result = service_common::server::run("orders", args.service, move |pool, metrics| {
+        orders::router(pool, &metrics, fault)
+    })
+    .await;
+    service_common::server::exit_code("orders", result)
+}

@@ -1,0 +1,115 @@
+//! SQL of the Billing service.
+//!
+//! The inbox write is ONE statement, so it is its own transaction and costs
+//! one round trip (statements are prepared once per pooled connection):
+//! the `processed_events` insert with `ON CONFLICT DO NOTHING RETURNING`
+//! feeds the invoice insert, which therefore happens only when the event id
+//! was new. A concurrent duplicate waits on the first one's key, then finds
+//! the conflict and inserts nothing. Any error aborts both inserts.
+
+use deadpool_postgres::Pool;
+use deadpool_postgres::tokio_postgres::error::SqlState;
+use serde::Serialize;
+use service_common::ServiceError;
+use uuid::Uuid;
+
+use crate::event::OrderCreated;
+
+const RECORD_EVENT: &str = "\
+    WITH inbox AS ( \
+        INSERT INTO processed_events (event_id) VALUES ($1) \
+        ON CONFLICT DO NOTHING \
+        RETURNING event_id \
+    ) \
+    INSERT INTO invoices (id, order_id, amount_cents, currency) \
+    SELECT $2::uuid, $3::uuid, $4::bigint, $5::bpchar FROM inbox";
+
+const SELECT_INVOICES: &str = "SELECT id, order_id, amount_cents, currency, \
+     to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
+     FROM invoices WHERE order_id = $1 ORDER BY created_at, id";
+
+/// What recording an event did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    /// First delivery: inbox row and invoice committed.
+    Invoiced,
+    /// The event id was already in the inbox: nothing changed.
+    Duplicate,
+}
+
+/// An invoice as `GET /invoices` returns it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Invoice {
+    /// `invoices.id`.
+    pub invoice_id: Uuid,
+    /// The invoiced order.
+    pub order_id: Uuid,
+    /// Amount in cents.
+    pub amount_cents: i64,
+    /// Currency code.
+    pub currency: String,
+    /// Creation time, RFC 3339 in UTC with microseconds.
+    pub created_at: String,
+}
+
+/// Inbox and invoices over a pool.
+#[derive(Clone)]
+pub struct InboxStore {
+    pool: Pool,
+}
+
+impl InboxStore {
+    /// A store over `pool`.
+    pub fn new(pool: Pool) -> Self {
+        Self { pool }
+    }
+
+    /// Records `event` exactly once. A second event id for an already
+    /// invoiced order violates `invoices.order_id UNIQUE`: 409
+    /// `order_already_invoiced`, nothing committed.
+    pub async fn record(&self, event: &OrderCreated) -> Result<Recorded, ServiceError> {
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(RECORD_EVENT).await?;
+        let invoice_id = Uuid::new_v4();
+        let inserted = client
+            .execute(
+                &statement,
+                &[&event.id, &invoice_id, &event.order_id, &event.amount_cents, &event.currency],
+            )
+            .await
+            .map_err(|e| {
+                if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
+                    tracing::warn!(event_id = %event.id, order_id = %event.order_id, "a different event already invoiced this order");
+                    ServiceError::new(
+                        axum::http::StatusCode::CONFLICT,
+                        "order_already_invoiced",
+                        "another event already invoiced this order; nothing was committed",
+                    )
+                } else {
+                    ServiceError::from(e)
+                }
+            })?;
+        Ok(if inserted == 1 {
+            Recorded::Invoiced
+        } else {
+            Recorded::Duplicate
+        })
+    }
+
+    /// Invoices of `order_id` (zero or one, by the UNIQUE constraint).
+    pub async fn invoices_for(&self, order_id: Uuid) -> Result<Vec<Invoice>, ServiceError> {
+        let client = self.pool.get().await?;
+        let select = client.prepare_cached(SELECT_INVOICES).await?;
+        let rows = client.query(&select, &[&order_id]).await?;
+        Ok(rows
+            .iter()
+            .map(|row| Invoice {
+                invoice_id: row.get(0),
+                order_id: row.get(1),
+                amount_cents: row.get(2),
+                currency: row.get(3),
+                created_at: row.get(4),
+            })
+            .collect())
+    }
+}
