@@ -22,6 +22,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::ack::{AckTracker, TxSeq};
+use crate::admin::Health;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, TxContext};
@@ -128,8 +129,10 @@ pub async fn run(
     start: Lsn,
     mut items: mpsc::Receiver<Item>,
     confirmed: watch::Sender<Lsn>,
+    health: Arc<Health>,
 ) -> Lsn {
     let mut d = Dispatcher {
+        health,
         cfg,
         sink,
         metrics,
@@ -164,6 +167,7 @@ pub async fn run(
 }
 
 struct Dispatcher {
+    health: Arc<Health>,
     cfg: DispatchConfig,
     sink: HttpSink,
     metrics: Metrics,
@@ -255,11 +259,14 @@ impl Dispatcher {
 
     fn publish(&self, confirmed: &watch::Sender<Lsn>) {
         let lsn = self.tracker.confirmed();
-        confirmed.send_if_modified(|cur| {
+        let advanced = confirmed.send_if_modified(|cur| {
             let changed = *cur != lsn;
             *cur = lsn;
             changed
         });
+        if advanced || self.tracker.outstanding_events() == 0 {
+            self.health.progress();
+        }
         self.metrics.confirmed_lsn.set(lsn_gauge(lsn));
     }
 

@@ -22,11 +22,14 @@
 //! redelivers, and never loses, an event.
 
 pub mod ack;
+pub mod admin;
+pub mod config;
 pub mod dispatch;
 pub mod lsn;
 pub mod metrics;
 pub mod outbox;
 pub mod pgoutput;
 pub mod relay;
+pub mod setup;
 pub mod sink;
 pub mod source;

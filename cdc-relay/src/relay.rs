@@ -14,6 +14,7 @@
 //! pipeline; whatever was in flight when a session died is delivered again
 //! (at-least-once; Billing's inbox makes it harmless).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -22,6 +23,7 @@ use rand::Rng;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::admin::Health;
 use crate::dispatch::{self, DispatchConfig, Item, Window};
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
@@ -95,14 +97,22 @@ enum SessionEnd {
 
 /// Runs sessions until `shutdown` is cancelled (returns `Ok`) or a definite
 /// error occurs.
-pub async fn run(cfg: RelayConfig, sink: HttpSink, metrics: Metrics, shutdown: CancellationToken) -> Result<(), RelayError> {
+pub async fn run(
+    cfg: RelayConfig,
+    sink: HttpSink,
+    metrics: Metrics,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+) -> Result<(), RelayError> {
     let mut failures: u32 = 0;
     let mut standby_logged = false;
     loop {
         if shutdown.is_cancelled() {
             return Ok(());
         }
-        let err = match session(&cfg, &sink, &metrics, &shutdown).await {
+        let outcome = session(&cfg, &sink, &metrics, &health, &shutdown).await;
+        health.set_streaming(false);
+        let err = match outcome {
             Ok(SessionEnd::Shutdown) => return Ok(()),
             Err(e) => e,
         };
@@ -145,6 +155,7 @@ async fn session(
     cfg: &RelayConfig,
     sink: &HttpSink,
     metrics: &Metrics,
+    health: &Arc<Health>,
     shutdown: &CancellationToken,
 ) -> Result<SessionEnd, RelayError> {
     let side = source::connect_sql(&cfg.conn, &cfg.application_name)
@@ -172,6 +183,7 @@ async fn session(
     };
     let client = source::open_stream(&cfg.conn, &settings).await?;
     metrics.standby.set(0);
+    health.set_streaming(true);
     tracing::info!(slot = %cfg.slot, start = %start, status_interval_ms = settings.status_interval.as_millis() as u64, "streaming");
 
     let monitor = AbortOnDrop(tokio::spawn(monitor_slot(side, cfg.slot.clone(), cfg.slot_stats_interval, metrics.clone())));
@@ -184,6 +196,7 @@ async fn session(
         start,
         items_rx,
         confirmed_tx,
+        Arc::clone(health),
     )));
     let mut stream = Stream {
         client,

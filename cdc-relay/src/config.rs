@@ -1,0 +1,349 @@
+//! Command line and environment: every flag has an environment variable;
+//! secrets come from the environment or a file, never only from argv.
+//!
+//! Bad settings exit non-zero with a message naming the flag (clap does this
+//! for syntax; [`RunArgs::validate`] for relations between settings).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::dispatch::DispatchConfig;
+use crate::outbox::{OutboxColumns, TableName};
+use crate::sink::StatusPolicy;
+
+/// Streams a PostgreSQL outbox table through a pgoutput logical replication
+/// slot and POSTs each committed insert, HMAC-signed, to an HTTP inbox. The
+/// slot's confirmed LSN advances only past transactions whose events all got
+/// a 2xx (or were quarantined): delivery is at-least-once, so the receiver
+/// deduplicates by event id (the Idempotency-Key header).
+///
+/// Exit codes: 0 clean stop; 1 error (the message says which setting or what
+/// to do); 2 bad command line; 3 slot missing (run `cdc-relay setup`); 4 slot
+/// invalidated (see the message for recovery); 5 the stream holds an outbox
+/// row the relay cannot read (nothing after it was acknowledged).
+#[derive(Debug, Parser)]
+#[command(name = "cdc-relay", version, about, long_about)]
+pub struct Cli {
+    /// Settings shared by every command.
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Prepare the database (idempotent): check wal_level and limits, check
+    /// the outbox table, create the insert-only publication, then the slot.
+    /// Needs a role that owns the table (or a superuser) and REPLICATION.
+    Setup(SetupArgs),
+    /// Show the slot (active, pid, confirmed_flush_lsn, lag, wal_status,
+    /// safe_wal_size) and the publication's tables.
+    Status(StatusArgs),
+    /// Stream and deliver until SIGTERM/SIGINT.
+    Run(Box<RunArgs>),
+}
+
+/// Log output format.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Settings every command uses.
+#[derive(Debug, Args)]
+pub struct GlobalArgs {
+    /// Source database, libpq URL or key=value string, e.g.
+    /// postgres://cdc_relay@db:5432/orders?sslmode=verify-full&sslrootcert=/etc/ca.pem.
+    /// Put the password in CDC_RELAY_DATABASE_PASSWORD or a file, not here.
+    #[arg(long, env = "CDC_RELAY_DATABASE_URL", global = true, hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// Database password (overrides one in the URL).
+    #[arg(long, env = "CDC_RELAY_DATABASE_PASSWORD", global = true, hide_env_values = true)]
+    pub database_password: Option<String>,
+    /// File holding the database password (first line).
+    #[arg(long, env = "CDC_RELAY_DATABASE_PASSWORD_FILE", global = true)]
+    pub database_password_file: Option<PathBuf>,
+    /// Logical replication slot.
+    #[arg(long, env = "CDC_RELAY_SLOT", default_value = "cdc_relay", global = true)]
+    pub slot: String,
+    /// Publication streamed from the slot (comma-separated for several).
+    #[arg(long, env = "CDC_RELAY_PUBLICATION", default_value = "cdc_relay_outbox", global = true, value_delimiter = ',')]
+    pub publication: Vec<String>,
+    /// Outbox table, schema-qualified.
+    #[arg(long, env = "CDC_RELAY_TABLE", default_value = "public.outbox", global = true)]
+    pub table: TableName,
+    /// Column with the event id (also the Idempotency-Key).
+    #[arg(long, env = "CDC_RELAY_ID_COLUMN", default_value = "id", global = true)]
+    pub id_column: String,
+    /// Column with the event type.
+    #[arg(long, env = "CDC_RELAY_TYPE_COLUMN", default_value = "event_type", global = true)]
+    pub type_column: String,
+    /// Column with the JSON payload.
+    #[arg(long, env = "CDC_RELAY_PAYLOAD_COLUMN", default_value = "payload", global = true)]
+    pub payload_column: String,
+    /// Column with the aggregate key: events sharing a key are never in
+    /// flight together and keep commit order. Empty disables it.
+    #[arg(long, env = "CDC_RELAY_AGGREGATE_COLUMN", default_value = "aggregate_id", global = true)]
+    pub aggregate_column: String,
+    /// Connect timeout for database connections.
+    #[arg(long, env = "CDC_RELAY_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration, global = true)]
+    pub connect_timeout: Duration,
+    /// Log format.
+    #[arg(long, env = "CDC_RELAY_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    pub log_format: LogFormat,
+    /// Log filter (tracing EnvFilter syntax), e.g. info,cdc_relay=debug.
+    #[arg(long, env = "CDC_RELAY_LOG", default_value = "info", global = true)]
+    pub log: String,
+}
+
+impl GlobalArgs {
+    /// The database URL with the password from the flag, env or file applied.
+    pub fn conn(&self) -> Result<crate::source::ConnParams, String> {
+        let url = self
+            .database_url
+            .as_deref()
+            .ok_or("--database-url (CDC_RELAY_DATABASE_URL) is required")?;
+        let mut conn = crate::source::ConnParams::parse(url, self.connect_timeout).map_err(|e| e.to_string())?;
+        if let Some(p) = &self.database_password {
+            conn.password = p.clone();
+        }
+        if let Some(path) = &self.database_password_file {
+            conn.password = read_secret_file(path, "--database-password-file")?;
+        }
+        Ok(conn)
+    }
+
+    /// Outbox column names.
+    pub fn columns(&self) -> OutboxColumns {
+        OutboxColumns {
+            id: self.id_column.clone(),
+            event_type: self.type_column.clone(),
+            payload: self.payload_column.clone(),
+            aggregate_key: Some(self.aggregate_column.clone()).filter(|c| !c.is_empty()),
+        }
+    }
+}
+
+/// `cdc-relay setup`.
+#[derive(Debug, Args)]
+pub struct SetupArgs {
+    /// Drop and recreate an invalidated (wal_status = lost) slot. Events
+    /// committed since its confirmed_flush_lsn must then be re-sent with
+    /// `backfill`.
+    #[arg(long)]
+    pub recreate_slot: bool,
+}
+
+/// `cdc-relay status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `cdc-relay run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Inbox URL events are POSTed to.
+    #[arg(long, env = "CDC_RELAY_SINK_URL")]
+    pub sink_url: reqwest::Url,
+    /// HMAC-SHA256 secret for X-Event-Signature. Prefer the env var or a file.
+    #[arg(long, env = "EVENT_SECRET", hide_env_values = true)]
+    pub event_secret: Option<String>,
+    /// File holding the event secret (first line).
+    #[arg(long, env = "EVENT_SECRET_FILE")]
+    pub event_secret_file: Option<PathBuf>,
+    /// Extra CA certificate (PEM) to trust for an https sink.
+    #[arg(long, env = "CDC_RELAY_SINK_CA_FILE")]
+    pub sink_ca_file: Option<PathBuf>,
+    /// Deliveries at once (pipelining). 1 gives strict global commit order.
+    #[arg(long, env = "CDC_RELAY_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_in_flight: u32,
+    /// Events received and not yet delivered held in memory; when full the
+    /// relay stops reading and WAL waits on the server.
+    #[arg(long, env = "CDC_RELAY_MAX_PENDING_EVENTS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_pending_events: u32,
+    /// Bytes of those events (payloads included). A larger event is admitted alone.
+    #[arg(long, env = "CDC_RELAY_MAX_PENDING_BYTES", default_value = "64MiB", value_parser = parse_bytes)]
+    pub max_pending_bytes: u32,
+    /// Sink connect timeout.
+    #[arg(long, env = "CDC_RELAY_SINK_CONNECT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub sink_connect_timeout: Duration,
+    /// Whole-request timeout for one delivery attempt.
+    #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub request_timeout: Duration,
+    /// First retry delay ceiling (doubles per attempt, full jitter).
+    #[arg(long, env = "CDC_RELAY_BACKOFF_BASE", default_value = "50ms", value_parser = parse_duration)]
+    pub backoff_base: Duration,
+    /// Retry delay cap. Keep it near a second: long caps oversleep recovery.
+    #[arg(long, env = "CDC_RELAY_BACKOFF_CAP", default_value = "1s", value_parser = parse_duration)]
+    pub backoff_cap: Duration,
+    /// Largest Retry-After honoured.
+    #[arg(long, env = "CDC_RELAY_RETRY_AFTER_MAX", default_value = "5s", value_parser = parse_duration)]
+    pub retry_after_max: Duration,
+    /// HTTP statuses that mark an event as poison.
+    #[arg(long, env = "CDC_RELAY_POISON_STATUSES", default_value = "400,413,415,422", value_delimiter = ',')]
+    pub poison_statuses: Vec<u16>,
+    /// After SIGTERM: time to finish in-flight deliveries and flush the
+    /// confirmed LSN. Must exceed --request-timeout.
+    #[arg(long, env = "CDC_RELAY_SHUTDOWN_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
+    /// Cap of the reconnect backoff after a lost replication connection.
+    #[arg(long, env = "CDC_RELAY_RECONNECT_MAX", default_value = "5s", value_parser = parse_duration)]
+    pub reconnect_max: Duration,
+    /// How often the side connection reads the slot's lag and wal_status.
+    #[arg(long, env = "CDC_RELAY_SLOT_STATS_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub slot_stats_interval: Duration,
+    /// Admin HTTP address for /metrics, /healthz and /readyz.
+    #[arg(long, env = "CDC_RELAY_ADMIN_LISTEN", default_value = "127.0.0.1:9187")]
+    pub admin_listen: SocketAddr,
+    /// /readyz fails when events are pending and the confirmed LSN has not
+    /// advanced for this long.
+    #[arg(long, env = "CDC_RELAY_READY_WINDOW", default_value = "60s", value_parser = parse_duration)]
+    pub ready_window: Duration,
+    /// application_name shown in pg_stat_replication.
+    #[arg(long, env = "CDC_RELAY_APPLICATION_NAME", default_value = "cdc-relay")]
+    pub application_name: String,
+}
+
+impl RunArgs {
+    /// The event secret from the flag/env or the file; an error names the setting.
+    pub fn secret(&self) -> Result<String, String> {
+        let secret = match (&self.event_secret, &self.event_secret_file) {
+            (Some(_), Some(_)) => return Err("give --event-secret (EVENT_SECRET) or --event-secret-file, not both".into()),
+            (Some(s), None) => s.clone(),
+            (None, Some(p)) => read_secret_file(p, "--event-secret-file")?,
+            (None, None) => return Err("an event secret is required: set EVENT_SECRET or --event-secret-file".into()),
+        };
+        if secret.is_empty() {
+            return Err("the event secret (EVENT_SECRET / --event-secret-file) is empty".into());
+        }
+        Ok(secret)
+    }
+
+    /// Checks relations between settings; the error names the flags.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.request_timeout >= self.shutdown_timeout {
+            return Err(format!(
+                "--request-timeout ({:?}) must be shorter than --shutdown-timeout ({:?}) so in-flight requests can finish on shutdown",
+                self.request_timeout, self.shutdown_timeout
+            ));
+        }
+        if self.backoff_base.is_zero() || self.backoff_cap < self.backoff_base {
+            return Err("--backoff-base must be > 0 and not above --backoff-cap".into());
+        }
+        if !matches!(self.sink_url.scheme(), "http" | "https") {
+            return Err(format!("--sink-url must be http or https, got {}", self.sink_url.scheme()));
+        }
+        if self.slot_stats_interval < Duration::from_secs(1) {
+            return Err("--slot-stats-interval must be at least 1s (it must not turn the relay into a poller)".into());
+        }
+        if let Some(bad) = self.poison_statuses.iter().find(|s| !(400..500).contains(*s)) {
+            return Err(format!("--poison-statuses may list only 4xx statuses, got {bad}"));
+        }
+        Ok(())
+    }
+
+    /// Delivery settings.
+    pub fn dispatch(&self) -> DispatchConfig {
+        DispatchConfig {
+            max_in_flight: self.max_in_flight as usize,
+            backoff_base: self.backoff_base,
+            backoff_cap: self.backoff_cap,
+            retry_after_max: self.retry_after_max,
+            policy: StatusPolicy {
+                poison: self.poison_statuses.clone(),
+            },
+        }
+    }
+}
+
+fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{setting} {}: {e}", path.display()))?;
+    Ok(text.lines().next().unwrap_or("").trim_end_matches('\r').to_owned())
+}
+
+/// Parses `500ms`, `2s`, `1m 30s` (humantime syntax).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 500ms, 2s, 1m)"))
+}
+
+/// Parses a byte size: `1048576`, `64KiB`, `64MiB`, `1GiB` (also kB/MB/GB as powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u32, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("invalid size {s:?} (examples: 65536, 64KiB, 64MiB)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("invalid size unit in {s:?} (use B, KiB, MiB or GiB)")),
+    };
+    let v = n.checked_mul(mult).filter(|v| *v > 0).ok_or_else(|| format!("size {s:?} out of range"))?;
+    u32::try_from(v).map_err(|_| format!("size {s:?} is above 4GiB"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    fn run_args(extra: &[&str]) -> Result<Cli, clap::Error> {
+        let mut argv = vec!["cdc-relay", "run", "--sink-url", "http://127.0.0.1:1/inbox"];
+        argv.extend_from_slice(extra);
+        Cli::try_parse_from(argv)
+    }
+
+    #[test]
+    fn bad_settings_name_the_flag() {
+        let cli = run_args(&["--request-timeout", "20s", "--shutdown-timeout", "10s"]).unwrap();
+        let Command::Run(run) = cli.command else { panic!("run") };
+        let err = run.validate().unwrap_err();
+        assert!(err.contains("--request-timeout") && err.contains("--shutdown-timeout"), "{err}");
+
+        let err = run_args(&["--max-in-flight", "0"]).unwrap_err().to_string();
+        assert!(err.contains("--max-in-flight"), "{err}");
+        let err = run_args(&["--backoff-cap", "soon"]).unwrap_err().to_string();
+        assert!(err.contains("--backoff-cap"), "{err}");
+    }
+
+    #[test]
+    fn sizes_and_durations_parse() {
+        assert_eq!(parse_bytes("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_bytes("1024"), Ok(1024));
+        assert!(parse_bytes("5GiB").is_err());
+        assert!(parse_bytes("0").is_err());
+        assert!(parse_bytes("12 parsecs").is_err());
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+    }
+
+    #[test]
+    fn secrets_come_from_env_or_file() {
+        let cli = run_args(&[]).unwrap();
+        let Command::Run(mut run) = cli.command else { panic!("run") };
+        run.event_secret = None;
+        assert!(run.secret().unwrap_err().contains("EVENT_SECRET"));
+        let dir = std::env::temp_dir().join(format!("cdc-relay-secret-{}", std::process::id()));
+        std::fs::write(&dir, "s3cret\n").unwrap();
+        run.event_secret_file = Some(dir.clone());
+        assert_eq!(run.secret().unwrap(), "s3cret");
+        std::fs::remove_file(dir).unwrap();
+    }
+}
