@@ -90,7 +90,9 @@ impl AckTracker {
 
     /// An outbox event of the open transaction `tx` was handed to dispatch.
     pub fn add_event(&mut self, tx: TxSeq) {
-        let t = self.find_mut(tx).expect("add_event for an unknown transaction");
+        let t = self
+            .find_mut(tx)
+            .expect("add_event for an unknown transaction");
         debug_assert!(t.end_lsn.is_none(), "add_event after commit");
         t.outstanding += 1;
         self.outstanding_events += 1;
@@ -99,7 +101,9 @@ impl AckTracker {
     /// The Commit message of `tx` arrived; `end_lsn` is its end LSN (the
     /// position after the commit record, what a restart must pass).
     pub fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
-        let t = self.find_mut(tx).expect("commit for an unknown transaction");
+        let t = self
+            .find_mut(tx)
+            .expect("commit for an unknown transaction");
         debug_assert!(t.end_lsn.is_none(), "commit twice");
         t.end_lsn = Some(end_lsn);
         self.received = self.received.max(end_lsn);
@@ -108,8 +112,13 @@ impl AckTracker {
 
     /// One event of `tx` is done (delivered with a 2xx or dead-lettered).
     pub fn complete(&mut self, tx: TxSeq) {
-        let t = self.find_mut(tx).expect("complete for an unknown transaction");
-        assert!(t.outstanding > 0, "complete called more often than add_event");
+        let t = self
+            .find_mut(tx)
+            .expect("complete for an unknown transaction");
+        assert!(
+            t.outstanding > 0,
+            "complete called more often than add_event"
+        );
         t.outstanding -= 1;
         self.outstanding_events -= 1;
         self.advance();

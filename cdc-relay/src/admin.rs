@@ -62,7 +62,9 @@ impl Health {
         }
         let last = Duration::from_millis(self.last_progress_ms.load(Ordering::Relaxed));
         if self.started.elapsed().saturating_sub(last) > self.ready_window {
-            return Err("events are pending and the confirmed LSN has not advanced within the ready window");
+            return Err(
+                "events are pending and the confirmed LSN has not advanced within the ready window",
+            );
         }
         Ok(())
     }
@@ -85,7 +87,10 @@ pub fn router(metrics: Metrics, health: Arc<Health>) -> Router {
 
 async fn metrics_handler(State(s): State<AdminState>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         s.metrics.render(),
     )
 }
@@ -93,7 +98,10 @@ async fn metrics_handler(State(s): State<AdminState>) -> impl IntoResponse {
 async fn ready_handler(State(s): State<AdminState>) -> impl IntoResponse {
     match s.health.ready() {
         Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
-        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        ),
     }
 }
 

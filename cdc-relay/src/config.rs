@@ -64,41 +64,88 @@ pub struct GlobalArgs {
     /// Source database, libpq URL or key=value string, e.g.
     /// postgres://cdc_relay@db:5432/orders?sslmode=verify-full&sslrootcert=/etc/ca.pem.
     /// Put the password in CDC_RELAY_DATABASE_PASSWORD or a file, not here.
-    #[arg(long, env = "CDC_RELAY_DATABASE_URL", global = true, hide_env_values = true)]
+    #[arg(
+        long,
+        env = "CDC_RELAY_DATABASE_URL",
+        global = true,
+        hide_env_values = true
+    )]
     pub database_url: Option<String>,
     /// Database password (overrides one in the URL).
-    #[arg(long, env = "CDC_RELAY_DATABASE_PASSWORD", global = true, hide_env_values = true)]
+    #[arg(
+        long,
+        env = "CDC_RELAY_DATABASE_PASSWORD",
+        global = true,
+        hide_env_values = true
+    )]
     pub database_password: Option<String>,
     /// File holding the database password (first line).
     #[arg(long, env = "CDC_RELAY_DATABASE_PASSWORD_FILE", global = true)]
     pub database_password_file: Option<PathBuf>,
     /// Logical replication slot.
-    #[arg(long, env = "CDC_RELAY_SLOT", default_value = "cdc_relay", global = true)]
+    #[arg(
+        long,
+        env = "CDC_RELAY_SLOT",
+        default_value = "cdc_relay",
+        global = true
+    )]
     pub slot: String,
     /// Publication streamed from the slot (comma-separated for several).
-    #[arg(long, env = "CDC_RELAY_PUBLICATION", default_value = "cdc_relay_outbox", global = true, value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "CDC_RELAY_PUBLICATION",
+        default_value = "cdc_relay_outbox",
+        global = true,
+        value_delimiter = ','
+    )]
     pub publication: Vec<String>,
     /// Outbox table, schema-qualified.
-    #[arg(long, env = "CDC_RELAY_TABLE", default_value = "public.outbox", global = true)]
+    #[arg(
+        long,
+        env = "CDC_RELAY_TABLE",
+        default_value = "public.outbox",
+        global = true
+    )]
     pub table: TableName,
     /// Column with the event id (also the Idempotency-Key).
     #[arg(long, env = "CDC_RELAY_ID_COLUMN", default_value = "id", global = true)]
     pub id_column: String,
     /// Column with the event type.
-    #[arg(long, env = "CDC_RELAY_TYPE_COLUMN", default_value = "event_type", global = true)]
+    #[arg(
+        long,
+        env = "CDC_RELAY_TYPE_COLUMN",
+        default_value = "event_type",
+        global = true
+    )]
     pub type_column: String,
     /// Column with the JSON payload.
-    #[arg(long, env = "CDC_RELAY_PAYLOAD_COLUMN", default_value = "payload", global = true)]
+    #[arg(
+        long,
+        env = "CDC_RELAY_PAYLOAD_COLUMN",
+        default_value = "payload",
+        global = true
+    )]
     pub payload_column: String,
     /// Column with the aggregate key: events sharing a key are never in
     /// flight together and keep commit order. Empty disables it.
-    #[arg(long, env = "CDC_RELAY_AGGREGATE_COLUMN", default_value = "aggregate_id", global = true)]
+    #[arg(
+        long,
+        env = "CDC_RELAY_AGGREGATE_COLUMN",
+        default_value = "aggregate_id",
+        global = true
+    )]
     pub aggregate_column: String,
     /// Connect timeout for database connections.
     #[arg(long, env = "CDC_RELAY_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration, global = true)]
     pub connect_timeout: Duration,
     /// Log format.
-    #[arg(long, env = "CDC_RELAY_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    #[arg(
+        long,
+        env = "CDC_RELAY_LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
     pub log_format: LogFormat,
     /// Log filter (tracing EnvFilter syntax), e.g. info,cdc_relay=debug.
     #[arg(long, env = "CDC_RELAY_LOG", default_value = "info", global = true)]
@@ -112,7 +159,8 @@ impl GlobalArgs {
             .database_url
             .as_deref()
             .ok_or("--database-url (CDC_RELAY_DATABASE_URL) is required")?;
-        let mut conn = crate::source::ConnParams::parse(url, self.connect_timeout).map_err(|e| e.to_string())?;
+        let mut conn = crate::source::ConnParams::parse(url, self.connect_timeout)
+            .map_err(|e| e.to_string())?;
         if let Some(p) = &self.database_password {
             conn.password = p.clone();
         }
@@ -192,7 +240,12 @@ pub struct RunArgs {
     #[arg(long, env = "CDC_RELAY_RETRY_AFTER_MAX", default_value = "5s", value_parser = parse_duration)]
     pub retry_after_max: Duration,
     /// HTTP statuses that mark an event as poison.
-    #[arg(long, env = "CDC_RELAY_POISON_STATUSES", default_value = "400,413,415,422", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "CDC_RELAY_POISON_STATUSES",
+        default_value = "400,413,415,422",
+        value_delimiter = ','
+    )]
     pub poison_statuses: Vec<u16>,
     /// After SIGTERM: time to finish in-flight deliveries and flush the
     /// confirmed LSN. Must exceed --request-timeout.
@@ -220,10 +273,18 @@ impl RunArgs {
     /// The event secret from the flag/env or the file; an error names the setting.
     pub fn secret(&self) -> Result<String, String> {
         let secret = match (&self.event_secret, &self.event_secret_file) {
-            (Some(_), Some(_)) => return Err("give --event-secret (EVENT_SECRET) or --event-secret-file, not both".into()),
+            (Some(_), Some(_)) => {
+                return Err(
+                    "give --event-secret (EVENT_SECRET) or --event-secret-file, not both".into(),
+                );
+            }
             (Some(s), None) => s.clone(),
             (None, Some(p)) => read_secret_file(p, "--event-secret-file")?,
-            (None, None) => return Err("an event secret is required: set EVENT_SECRET or --event-secret-file".into()),
+            (None, None) => {
+                return Err(
+                    "an event secret is required: set EVENT_SECRET or --event-secret-file".into(),
+                );
+            }
         };
         if secret.is_empty() {
             return Err("the event secret (EVENT_SECRET / --event-secret-file) is empty".into());
@@ -243,13 +304,22 @@ impl RunArgs {
             return Err("--backoff-base must be > 0 and not above --backoff-cap".into());
         }
         if !matches!(self.sink_url.scheme(), "http" | "https") {
-            return Err(format!("--sink-url must be http or https, got {}", self.sink_url.scheme()));
+            return Err(format!(
+                "--sink-url must be http or https, got {}",
+                self.sink_url.scheme()
+            ));
         }
         if self.slot_stats_interval < Duration::from_secs(1) {
             return Err("--slot-stats-interval must be at least 1s (it must not turn the relay into a poller)".into());
         }
-        if let Some(bad) = self.poison_statuses.iter().find(|s| !(400..500).contains(*s)) {
-            return Err(format!("--poison-statuses may list only 4xx statuses, got {bad}"));
+        if let Some(bad) = self
+            .poison_statuses
+            .iter()
+            .find(|s| !(400..500).contains(*s))
+        {
+            return Err(format!(
+                "--poison-statuses may list only 4xx statuses, got {bad}"
+            ));
         }
         Ok(())
     }
@@ -269,8 +339,14 @@ impl RunArgs {
 }
 
 fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{setting} {}: {e}", path.display()))?;
-    Ok(text.lines().next().unwrap_or("").trim_end_matches('\r').to_owned())
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("{setting} {}: {e}", path.display()))?;
+    Ok(text
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim_end_matches('\r')
+        .to_owned())
 }
 
 /// Parses `500ms`, `2s`, `1m 30s` (humantime syntax).
@@ -283,15 +359,24 @@ pub fn parse_bytes(s: &str) -> Result<u32, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("invalid size {s:?} (examples: 65536, 64KiB, 64MiB)"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?} (examples: 65536, 64KiB, 64MiB)"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
-        _ => return Err(format!("invalid size unit in {s:?} (use B, KiB, MiB or GiB)")),
+        _ => {
+            return Err(format!(
+                "invalid size unit in {s:?} (use B, KiB, MiB or GiB)"
+            ));
+        }
     };
-    let v = n.checked_mul(mult).filter(|v| *v > 0).ok_or_else(|| format!("size {s:?} out of range"))?;
+    let v = n
+        .checked_mul(mult)
+        .filter(|v| *v > 0)
+        .ok_or_else(|| format!("size {s:?} out of range"))?;
     u32::try_from(v).map_err(|_| format!("size {s:?} is above 4GiB"))
 }
 
@@ -314,13 +399,20 @@ mod tests {
     #[test]
     fn bad_settings_name_the_flag() {
         let cli = run_args(&["--request-timeout", "20s", "--shutdown-timeout", "10s"]).unwrap();
-        let Command::Run(run) = cli.command else { panic!("run") };
+        let Command::Run(run) = cli.command else {
+            panic!("run")
+        };
         let err = run.validate().unwrap_err();
-        assert!(err.contains("--request-timeout") && err.contains("--shutdown-timeout"), "{err}");
+        assert!(
+            err.contains("--request-timeout") && err.contains("--shutdown-timeout"),
+            "{err}"
+        );
 
         let err = run_args(&["--max-in-flight", "0"]).unwrap_err().to_string();
         assert!(err.contains("--max-in-flight"), "{err}");
-        let err = run_args(&["--backoff-cap", "soon"]).unwrap_err().to_string();
+        let err = run_args(&["--backoff-cap", "soon"])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("--backoff-cap"), "{err}");
     }
 
@@ -337,7 +429,9 @@ mod tests {
     #[test]
     fn secrets_come_from_env_or_file() {
         let cli = run_args(&[]).unwrap();
-        let Command::Run(mut run) = cli.command else { panic!("run") };
+        let Command::Run(mut run) = cli.command else {
+            panic!("run")
+        };
         run.event_secret = None;
         assert!(run.secret().unwrap_err().contains("EVENT_SECRET"));
         let dir = std::env::temp_dir().join(format!("cdc-relay-secret-{}", std::process::id()));

@@ -58,8 +58,13 @@ impl Window {
 
     /// Waits until an event of `size` bytes fits.
     pub async fn admit(&self, size: usize) -> WindowPermit {
-        let cost = u32::try_from(size).unwrap_or(u32::MAX).clamp(1, self.max_bytes);
-        let events = Arc::clone(&self.events).acquire_owned().await.expect("window semaphore is never closed");
+        let cost = u32::try_from(size)
+            .unwrap_or(u32::MAX)
+            .clamp(1, self.max_bytes);
+        let events = Arc::clone(&self.events)
+            .acquire_owned()
+            .await
+            .expect("window semaphore is never closed");
         let bytes = Arc::clone(&self.bytes)
             .acquire_many_owned(cost)
             .await
@@ -204,7 +209,9 @@ impl Dispatcher {
                     _permit: permit,
                 };
                 match job.event.aggregate_key.clone() {
-                    Some(key) if self.claimed.contains(&key) => self.waiting.entry(key).or_default().push_back(job),
+                    Some(key) if self.claimed.contains(&key) => {
+                        self.waiting.entry(key).or_default().push_back(job)
+                    }
                     Some(key) => {
                         self.claimed.insert(key);
                         self.ready.insert(seq, job);
@@ -217,7 +224,9 @@ impl Dispatcher {
             Item::Commit { end_lsn } => {
                 let tx = self.tx.take().expect("source sends Begin before Commit");
                 self.tracker.commit(tx, end_lsn);
-                self.metrics.received_lsn.set(lsn_gauge(self.tracker.received()));
+                self.metrics
+                    .received_lsn
+                    .set(lsn_gauge(self.tracker.received()));
             }
             Item::Keepalive { wal_end } => {
                 self.metrics.server_wal_lsn.set(lsn_gauge(wal_end));
@@ -230,7 +239,9 @@ impl Dispatcher {
 
     fn start_ready(&mut self) {
         while self.running.len() < self.cfg.max_in_flight {
-            let Some((_, job)) = self.ready.pop_first() else { break };
+            let Some((_, job)) = self.ready.pop_first() else {
+                break;
+            };
             let sink = self.sink.clone();
             let cfg = self.cfg.clone();
             let metrics = self.metrics.clone();
@@ -271,7 +282,11 @@ impl Dispatcher {
     }
 
     fn update_age(&self) {
-        let age = self.received_at.values().next().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        let age = self
+            .received_at
+            .values()
+            .next()
+            .map_or(0.0, |t| t.elapsed().as_secs_f64());
         self.metrics.oldest_unconfirmed_event_age.set(age);
     }
 }
@@ -289,7 +304,9 @@ async fn deliver(sink: HttpSink, cfg: DispatchConfig, metrics: Metrics, job: Job
         let started = Instant::now();
         let attempt = sink.post(&event.id, body.clone(), &signature).await;
         metrics.in_flight.dec();
-        metrics.request_duration.observe(started.elapsed().as_secs_f64());
+        metrics
+            .request_duration
+            .observe(started.elapsed().as_secs_f64());
         let disposition = classify(&attempt, &cfg.policy);
         let outcome = match &disposition {
             Disposition::Delivered => "delivered",
@@ -304,7 +321,9 @@ async fn deliver(sink: HttpSink, cfg: DispatchConfig, metrics: Metrics, job: Job
         let reason = match disposition {
             Disposition::Delivered => {
                 metrics.events_delivered.inc();
-                metrics.commit_to_delivery.observe(seconds_since_commit(event.commit_time_micros));
+                metrics
+                    .commit_to_delivery
+                    .observe(seconds_since_commit(event.commit_time_micros));
                 tracing::debug!(event_id = %event.id, commit_lsn = %event.commit_lsn, attempts, "delivered");
                 return Done {
                     seq: job.seq,
@@ -335,7 +354,9 @@ async fn deliver(sink: HttpSink, cfg: DispatchConfig, metrics: Metrics, job: Job
 
 fn attempt_detail(a: &Attempt) -> String {
     match a {
-        Attempt::Response { status, excerpt, .. } => {
+        Attempt::Response {
+            status, excerpt, ..
+        } => {
             let mut e: String = excerpt.chars().take(120).collect();
             e.retain(|c| !c.is_control());
             format!("status {status}: {e}")

@@ -80,7 +80,17 @@ mod tests {
         for v in [0u64, 1, 0x16B3748, u64::MAX, 0xFFFF_FFFF, 1 << 32] {
             assert_eq!(Lsn(v).to_string().parse::<Lsn>(), Ok(Lsn(v)));
         }
-        for bad in ["", "0", "/", "0/", "/0", "G/0", "0/123456789", "-1/0", "0/0/0"] {
+        for bad in [
+            "",
+            "0",
+            "/",
+            "0/",
+            "/0",
+            "G/0",
+            "0/123456789",
+            "-1/0",
+            "0/0/0",
+        ] {
             assert!(bad.parse::<Lsn>().is_err(), "{bad:?} should not parse");
         }
         assert_eq!("16/b3748".parse::<Lsn>(), Ok(Lsn((0x16 << 32) | 0xB3748)));

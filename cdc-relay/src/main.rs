@@ -35,7 +35,9 @@ fn init_tracing(g: &GlobalArgs) {
         eprintln!("invalid --log filter {:?}: {e}; using info", g.log);
         tracing_subscriber::EnvFilter::new("info")
     });
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match g.log_format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -78,7 +80,9 @@ async fn setup_cmd(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
 async fn status_cmd(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<()> {
     let client = connect(g).await?;
     let pubname = g.publication.first().cloned().unwrap_or_default();
-    let s = setup::status(&client, &g.slot, &pubname).await.context("reading the slot")?;
+    let s = setup::status(&client, &g.slot, &pubname)
+        .await
+        .context("reading the slot")?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {
@@ -102,7 +106,9 @@ fn prepare_run(g: &GlobalArgs, a: &RunArgs) -> Result<(RelayConfig, HttpSink), S
     let conn = g.conn()?;
     let secret = a.secret()?;
     let ca = match &a.sink_ca_file {
-        Some(p) => Some(std::fs::read(p).map_err(|e| format!("--sink-ca-file {}: {e}", p.display()))?),
+        Some(p) => {
+            Some(std::fs::read(p).map_err(|e| format!("--sink-ca-file {}: {e}", p.display()))?)
+        }
         None => None,
     };
     let sink = HttpSink::new(SinkConfig {
@@ -141,12 +147,18 @@ async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
             return 1;
         }
     };
-    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
     println!("listening on http://{addr}");
     let admin_stop = shutdown.clone();
-    let admin = tokio::spawn(admin::serve(listener, metrics.clone(), health.clone(), async move {
-        admin_stop.cancelled().await
-    }));
+    let admin = tokio::spawn(admin::serve(
+        listener,
+        metrics.clone(),
+        health.clone(),
+        async move { admin_stop.cancelled().await },
+    ));
     tokio::spawn(watch_signals(shutdown.clone()));
     tracing::info!(
         source = %cfg.conn.display(), slot = %cfg.slot, sink = %sink.url(), admin = %addr,
@@ -170,7 +182,10 @@ async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
 
 async fn watch_signals(shutdown: CancellationToken) {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         tracing::error!("cannot install signal handlers");
         return;
     };

@@ -79,7 +79,8 @@ fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCoun
 }
 
 fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
-    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid metric");
+    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+        .expect("valid metric");
     r.register(Box::new(h.clone())).expect("unique metric");
     h
 }
@@ -87,7 +88,8 @@ fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogr
 /// Latency buckets from 0.5 ms to 60 s, seconds.
 fn latency_buckets() -> Vec<f64> {
     vec![
-        0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+        0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+        60.0,
     ]
 }
 
@@ -102,14 +104,26 @@ impl Metrics {
         .expect("valid metric");
         r.register(Box::new(oldest.clone())).expect("unique metric");
         let wal_status = IntGaugeVec::new(
-            Opts::new("cdc_relay_slot_wal_status", "Slot wal_status (1 for the current status)"),
+            Opts::new(
+                "cdc_relay_slot_wal_status",
+                "Slot wal_status (1 for the current status)",
+            ),
             &["status"],
         )
         .expect("valid metric");
-        r.register(Box::new(wal_status.clone())).expect("unique metric");
+        r.register(Box::new(wal_status.clone()))
+            .expect("unique metric");
         Metrics {
-            events_received: counter(&r, "cdc_relay_events_received_total", "Outbox events read from the slot"),
-            events_delivered: counter(&r, "cdc_relay_events_delivered_total", "Outbox events delivered with a 2xx"),
+            events_received: counter(
+                &r,
+                "cdc_relay_events_received_total",
+                "Outbox events read from the slot",
+            ),
+            events_delivered: counter(
+                &r,
+                "cdc_relay_events_delivered_total",
+                "Outbox events delivered with a 2xx",
+            ),
             events_dead_lettered: counter(
                 &r,
                 "cdc_relay_events_dead_lettered_total",
@@ -134,10 +148,26 @@ impl Metrics {
                 latency_buckets(),
             ),
             in_flight: gauge(&r, "cdc_relay_in_flight", "Sink requests in flight"),
-            pending_events: gauge(&r, "cdc_relay_pending_events", "Events received and not yet done"),
-            received_lsn: gauge(&r, "cdc_relay_received_lsn", "End LSN of the last transaction received (bytes)"),
-            confirmed_lsn: gauge(&r, "cdc_relay_confirmed_lsn", "LSN confirmed to the server (bytes)"),
-            server_wal_lsn: gauge(&r, "cdc_relay_server_wal_lsn", "Server WAL end seen on the stream (bytes)"),
+            pending_events: gauge(
+                &r,
+                "cdc_relay_pending_events",
+                "Events received and not yet done",
+            ),
+            received_lsn: gauge(
+                &r,
+                "cdc_relay_received_lsn",
+                "End LSN of the last transaction received (bytes)",
+            ),
+            confirmed_lsn: gauge(
+                &r,
+                "cdc_relay_confirmed_lsn",
+                "LSN confirmed to the server (bytes)",
+            ),
+            server_wal_lsn: gauge(
+                &r,
+                "cdc_relay_server_wal_lsn",
+                "Server WAL end seen on the stream (bytes)",
+            ),
             oldest_unconfirmed_event_age: oldest,
             reconnects: counter_vec(
                 &r,
@@ -145,14 +175,27 @@ impl Metrics {
                 "Replication session restarts by cause",
                 &["cause"],
             ),
-            standby: gauge(&r, "cdc_relay_standby", "1 while waiting as hot standby for the slot"),
-            retries: counter_vec(&r, "cdc_relay_retries_total", "Delivery retries by reason", &["reason"]),
+            standby: gauge(
+                &r,
+                "cdc_relay_standby",
+                "1 while waiting as hot standby for the slot",
+            ),
+            retries: counter_vec(
+                &r,
+                "cdc_relay_retries_total",
+                "Delivery retries by reason",
+                &["reason"],
+            ),
             slot_lag_bytes: gauge(
                 &r,
                 "cdc_relay_slot_lag_bytes",
                 "pg_current_wal_lsn() - confirmed_flush_lsn of the slot (bytes)",
             ),
-            circuit_state: gauge(&r, "cdc_relay_circuit_state", "Circuit breaker: 0 closed, 1 open, 2 probing"),
+            circuit_state: gauge(
+                &r,
+                "cdc_relay_circuit_state",
+                "Circuit breaker: 0 closed, 1 open, 2 probing",
+            ),
             slot_wal_status: wal_status,
             slot_safe_wal_size_bytes: gauge(
                 &r,
@@ -185,7 +228,9 @@ mod tests {
     #[test]
     fn renders_the_documented_names() {
         let m = Metrics::new();
-        m.delivery_attempts.with_label_values(&["delivered", "2xx"]).inc();
+        m.delivery_attempts
+            .with_label_values(&["delivered", "2xx"])
+            .inc();
         m.reconnects.with_label_values(&["io"]).inc();
         m.retries.with_label_values(&["http_503"]).inc();
         m.slot_wal_status.with_label_values(&["reserved"]).set(1);

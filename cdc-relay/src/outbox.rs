@@ -64,7 +64,9 @@ impl std::str::FromStr for TableName {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (schema, name) = s.split_once('.').unwrap_or(("public", s));
         if schema.is_empty() || name.is_empty() || name.contains('.') {
-            return Err(format!("invalid table name {s:?}: expected schema.table, e.g. public.outbox"));
+            return Err(format!(
+                "invalid table name {s:?}: expected schema.table, e.g. public.outbox"
+            ));
         }
         Ok(TableName {
             schema: schema.to_owned(),
@@ -109,7 +111,9 @@ impl Default for OutboxColumns {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OutboxError {
     /// The latest Relation message for the outbox lacks a configured column.
-    #[error("table {table} has no column {column:?} (set by {setting}); fix the table or the setting")]
+    #[error(
+        "table {table} has no column {column:?} (set by {setting}); fix the table or the setting"
+    )]
     MissingColumn {
         /// The outbox table.
         table: String,
@@ -227,7 +231,11 @@ impl OutboxMapper {
     }
 
     /// Maps an insert: `Ok(None)` for another table, an event for the outbox.
-    pub fn on_insert(&self, ins: &Insert, tx: TxContext) -> Result<Option<OutboxEvent>, OutboxError> {
+    pub fn on_insert(
+        &self,
+        ins: &Insert,
+        tx: TxContext,
+    ) -> Result<Option<OutboxEvent>, OutboxError> {
         let pos = match self.outbox.get(&ins.relation) {
             Some(Ok(pos)) => pos,
             Some(Err(e)) => return Err(e.clone()),
@@ -271,10 +279,14 @@ impl OutboxMapper {
 fn text<'a>(value: &'a ColumnValue, column: &str) -> Result<Option<&'a str>, OutboxError> {
     match value {
         ColumnValue::Null => Ok(None),
-        ColumnValue::Text(b) => std::str::from_utf8(b).map(Some).map_err(|_| OutboxError::BadValue {
-            column: column.to_owned(),
-            reason: "not valid UTF-8",
-        }),
+        ColumnValue::Text(b) => {
+            std::str::from_utf8(b)
+                .map(Some)
+                .map_err(|_| OutboxError::BadValue {
+                    column: column.to_owned(),
+                    reason: "not valid UTF-8",
+                })
+        }
         other => Err(bad_kind(other, column)),
     }
 }
@@ -338,9 +350,16 @@ mod tests {
     #[test]
     fn maps_columns_by_name_across_relation_changes() {
         let mut m = mapper();
-        m.on_relation(&rel(1, "outbox", &["id", "aggregate_id", "event_type", "payload"]));
+        m.on_relation(&rel(
+            1,
+            "outbox",
+            &["id", "aggregate_id", "event_type", "payload"],
+        ));
         let e = m
-            .on_insert(&insert(1, &[Some("e1"), Some("a1"), Some("T"), Some("{}")]), TX)
+            .on_insert(
+                &insert(1, &[Some("e1"), Some("a1"), Some("T"), Some("{}")]),
+                TX,
+            )
             .unwrap()
             .unwrap();
         assert_eq!((e.id.as_str(), e.event_type.as_str()), ("e1", "T"));
@@ -349,9 +368,16 @@ mod tests {
         assert_eq!(e.commit_lsn, Lsn(7));
 
         // Column dropped and re-added at the end: positions follow the new Relation.
-        m.on_relation(&rel(1, "outbox", &["id", "aggregate_id", "payload", "extra", "event_type"]));
+        m.on_relation(&rel(
+            1,
+            "outbox",
+            &["id", "aggregate_id", "payload", "extra", "event_type"],
+        ));
         let e = m
-            .on_insert(&insert(1, &[Some("e2"), None, None, Some("x"), Some("U")]), TX)
+            .on_insert(
+                &insert(1, &[Some("e2"), None, None, Some("x"), Some("U")]),
+                TX,
+            )
             .unwrap()
             .unwrap();
         assert_eq!((e.id.as_str(), e.event_type.as_str()), ("e2", "U"));
@@ -373,15 +399,34 @@ mod tests {
     fn missing_columns_and_nulls_are_named() {
         let mut m = mapper();
         m.on_relation(&rel(1, "outbox", &["id", "aggregate_id", "payload"]));
-        let err = m.on_insert(&insert(1, &[Some("e"), None, None]), TX).unwrap_err();
+        let err = m
+            .on_insert(&insert(1, &[Some("e"), None, None]), TX)
+            .unwrap_err();
         assert!(err.to_string().contains("\"event_type\""), "{err}");
         assert!(err.to_string().contains("--type-column"), "{err}");
 
-        m.on_relation(&rel(1, "outbox", &["id", "aggregate_id", "event_type", "payload"]));
-        let err = m.on_insert(&insert(1, &[None, None, Some("T"), None]), TX).unwrap_err();
-        assert_eq!(err, OutboxError::NullValue { column: "id".into() });
+        m.on_relation(&rel(
+            1,
+            "outbox",
+            &["id", "aggregate_id", "event_type", "payload"],
+        ));
+        let err = m
+            .on_insert(&insert(1, &[None, None, Some("T"), None]), TX)
+            .unwrap_err();
+        assert_eq!(
+            err,
+            OutboxError::NullValue {
+                column: "id".into()
+            }
+        );
         let err = m.on_insert(&insert(1, &[Some("e")]), TX).unwrap_err();
-        assert_eq!(err, OutboxError::ColumnCount { expected: 4, got: 1 });
+        assert_eq!(
+            err,
+            OutboxError::ColumnCount {
+                expected: 4,
+                got: 1
+            }
+        );
     }
 
     #[test]

@@ -136,7 +136,8 @@ pub async fn run(
                 let ceiling = Duration::from_millis(100)
                     .saturating_mul(1u32 << failures.min(10))
                     .min(cfg.reconnect_max);
-                let d = Duration::from_millis(rand::rng().random_range(0..=ceiling.as_millis() as u64));
+                let d =
+                    Duration::from_millis(rand::rng().random_range(0..=ceiling.as_millis() as u64));
                 tracing::warn!(error = %e, retry_in_ms = d.as_millis() as u64, "replication session failed; reconnecting");
                 d
             }
@@ -169,9 +170,14 @@ async fn session(
     let slot = source::slot_info(&side, &cfg.slot)
         .await
         .map_err(|e| sql_error(&e, &cfg.conn))?
-        .ok_or_else(|| SourceError::SlotMissing { slot: cfg.slot.clone() })?;
+        .ok_or_else(|| SourceError::SlotMissing {
+            slot: cfg.slot.clone(),
+        })?;
     if slot.wal_status.as_deref() == Some("lost") {
-        return Err(SourceError::SlotInvalidated { slot: cfg.slot.clone() }.into());
+        return Err(SourceError::SlotInvalidated {
+            slot: cfg.slot.clone(),
+        }
+        .into());
     }
     let start = slot.confirmed_flush_lsn.unwrap_or(Lsn::ZERO);
     let settings = StreamSettings {
@@ -186,7 +192,12 @@ async fn session(
     health.set_streaming(true);
     tracing::info!(slot = %cfg.slot, start = %start, status_interval_ms = settings.status_interval.as_millis() as u64, "streaming");
 
-    let monitor = AbortOnDrop(tokio::spawn(monitor_slot(side, cfg.slot.clone(), cfg.slot_stats_interval, metrics.clone())));
+    let monitor = AbortOnDrop(tokio::spawn(monitor_slot(
+        side,
+        cfg.slot.clone(),
+        cfg.slot_stats_interval,
+        metrics.clone(),
+    )));
     let (items_tx, items_rx) = mpsc::channel(1024);
     let (confirmed_tx, confirmed_rx) = watch::channel(start);
     let dispatcher = AbortOnDrop(tokio::spawn(dispatch::run(
@@ -207,7 +218,9 @@ async fn session(
         tx: None,
         slot: cfg.slot.clone(),
     };
-    let read = stream.read_until_stopped(shutdown, cfg.shutdown_timeout).await;
+    let read = stream
+        .read_until_stopped(shutdown, cfg.shutdown_timeout)
+        .await;
     drop(monitor);
     let deadline = match read {
         Ok(deadline) => deadline,
@@ -218,9 +231,21 @@ async fn session(
             return Err(e);
         }
     };
-    let Stream { client, confirmed, items, .. } = stream;
+    let Stream {
+        client,
+        confirmed,
+        items,
+        ..
+    } = stream;
     drop(items); // tells the dispatcher no more items come
-    finish(client, confirmed, dispatcher, deadline, settings.status_interval).await;
+    finish(
+        client,
+        confirmed,
+        dispatcher,
+        deadline,
+        settings.status_interval,
+    )
+    .await;
     Ok(SessionEnd::Shutdown)
 }
 
@@ -316,7 +341,10 @@ impl Stream {
         }
     }
 
-    fn forward_ack(&mut self, changed: Result<(), watch::error::RecvError>) -> Result<(), RelayError> {
+    fn forward_ack(
+        &mut self,
+        changed: Result<(), watch::error::RecvError>,
+    ) -> Result<(), RelayError> {
         match changed {
             Ok(()) => {
                 let lsn = *self.confirmed.borrow_and_update();
@@ -327,9 +355,18 @@ impl Stream {
         }
     }
 
-    async fn handle(&mut self, ev: ReplicationEvent, deadline: Option<tokio::time::Instant>) -> Result<(), RelayError> {
+    async fn handle(
+        &mut self,
+        ev: ReplicationEvent,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<(), RelayError> {
         match ev {
-            ReplicationEvent::KeepAlive { wal_end, .. } => self.send(Item::Keepalive { wal_end: wal_end.into() }).await,
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                self.send(Item::Keepalive {
+                    wal_end: wal_end.into(),
+                })
+                .await
+            }
             ReplicationEvent::Begin {
                 final_lsn,
                 commit_time_micros,
@@ -344,7 +381,10 @@ impl Stream {
             }
             ReplicationEvent::Commit { end_lsn, .. } => {
                 self.tx = None;
-                self.send(Item::Commit { end_lsn: end_lsn.into() }).await
+                self.send(Item::Commit {
+                    end_lsn: end_lsn.into(),
+                })
+                .await
             }
             ReplicationEvent::XLogData { data, .. } => self.change(data, deadline).await,
             // Logical decoding messages are never posted; their transaction
@@ -353,13 +393,17 @@ impl Stream {
         }
     }
 
-    async fn change(&mut self, data: Bytes, deadline: Option<tokio::time::Instant>) -> Result<(), RelayError> {
+    async fn change(
+        &mut self,
+        data: Bytes,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<(), RelayError> {
         match pgoutput::decode(data)? {
             LogicalMessage::Relation(rel) => self.mapper.on_relation(&rel),
             LogicalMessage::Insert(ins) => {
-                let tx = self
-                    .tx
-                    .ok_or_else(|| SourceError::Definite("insert outside a transaction in the stream".into()))?;
+                let tx = self.tx.ok_or_else(|| {
+                    SourceError::Definite("insert outside a transaction in the stream".into())
+                })?;
                 if let Some(event) = self.mapper.on_insert(&ins, tx)? {
                     let permit = self.admit(event.size_bytes(), deadline).await?;
                     self.send(Item::Event(event, permit)).await?;
@@ -404,14 +448,21 @@ impl Stream {
 }
 
 /// Reads the slot's figures into metrics every `interval` (one query).
-async fn monitor_slot(side: tokio_postgres::Client, slot: String, interval: Duration, metrics: Metrics) {
+async fn monitor_slot(
+    side: tokio_postgres::Client,
+    slot: String,
+    interval: Duration,
+    metrics: Metrics,
+) {
     let mut tick = tokio::time::interval(interval);
     loop {
         tick.tick().await;
         match source::slot_info(&side, &slot).await {
             Ok(Some(info)) => {
                 metrics.slot_lag_bytes.set(info.lag_bytes.unwrap_or(0));
-                metrics.slot_safe_wal_size_bytes.set(info.safe_wal_size.unwrap_or(-1));
+                metrics
+                    .slot_safe_wal_size_bytes
+                    .set(info.safe_wal_size.unwrap_or(-1));
                 for s in ["reserved", "extended", "unreserved", "lost"] {
                     let v = i64::from(info.wal_status.as_deref() == Some(s));
                     metrics.slot_wal_status.with_label_values(&[s]).set(v);

@@ -86,7 +86,8 @@ async fn check_settings(client: &Client, report: &mut Vec<String>) -> Result<(),
         )
         .await
         .map_err(sql("reading replication limits"))?;
-    let (max_slots, slots, max_senders, senders): (i32, i32, i32, i32) = (row.get(0), row.get(1), row.get(2), row.get(3));
+    let (max_slots, slots, max_senders, senders): (i32, i32, i32, i32) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
     if slots >= max_slots {
         report.push(format!(
             "warning: {slots} of max_replication_slots = {max_slots} in use; a new slot cannot be created"
@@ -114,7 +115,11 @@ async fn check_settings(client: &Client, report: &mut Vec<String>) -> Result<(),
 }
 
 /// Checks the table and its columns; returns whether it is partitioned.
-async fn check_table(client: &Client, plan: &SetupPlan, report: &mut Vec<String>) -> Result<bool, SetupError> {
+async fn check_table(
+    client: &Client,
+    plan: &SetupPlan,
+    report: &mut Vec<String>,
+) -> Result<bool, SetupError> {
     let t = &plan.table;
     let row = client
         .query_opt(
@@ -175,7 +180,8 @@ async fn ensure_publication(
         .map_err(sql("looking up the publication"))?;
     let t = &plan.table;
     if let Some(row) = exists {
-        let (ins, upd, del, tru): (bool, bool, bool, bool) = (row.get(0), row.get(1), row.get(2), row.get(3));
+        let (ins, upd, del, tru): (bool, bool, bool, bool) =
+            (row.get(0), row.get(1), row.get(2), row.get(3));
         let has_table = client
             .query_opt(
                 "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
@@ -190,7 +196,10 @@ async fn ensure_publication(
                 plan.publication
             )));
         }
-        report.push(format!("exists: publication {:?} publishes inserts into {t}", plan.publication));
+        report.push(format!(
+            "exists: publication {:?} publishes inserts into {t}",
+            plan.publication
+        ));
         if upd || del || tru {
             report.push(format!(
                 "warning: publication {:?} also publishes updates/deletes/truncates; the relay ignores them but the slot still decodes them",
@@ -199,20 +208,41 @@ async fn ensure_publication(
         }
         return Ok(());
     }
-    let via_root = if partitioned { ", publish_via_partition_root = true" } else { "" };
+    let via_root = if partitioned {
+        ", publish_via_partition_root = true"
+    } else {
+        ""
+    };
     let stmt = format!(
         "CREATE PUBLICATION {} FOR TABLE {}.{} WITH (publish = 'insert'{via_root})",
         quote_ident(&plan.publication),
         quote_ident(&t.schema),
         quote_ident(&t.name)
     );
-    client.batch_execute(&stmt).await.map_err(sql("creating the publication"))?;
-    report.push(format!("created: publication {:?} (inserts into {t} only{})", plan.publication, if partitioned { ", via partition root" } else { "" }));
+    client
+        .batch_execute(&stmt)
+        .await
+        .map_err(sql("creating the publication"))?;
+    report.push(format!(
+        "created: publication {:?} (inserts into {t} only{})",
+        plan.publication,
+        if partitioned {
+            ", via partition root"
+        } else {
+            ""
+        }
+    ));
     Ok(())
 }
 
-async fn ensure_slot(client: &Client, plan: &SetupPlan, report: &mut Vec<String>) -> Result<(), SetupError> {
-    let info = source::slot_info(client, &plan.slot).await.map_err(sql("looking up the slot"))?;
+async fn ensure_slot(
+    client: &Client,
+    plan: &SetupPlan,
+    report: &mut Vec<String>,
+) -> Result<(), SetupError> {
+    let info = source::slot_info(client, &plan.slot)
+        .await
+        .map_err(sql("looking up the slot"))?;
     match info {
         Some(s) if s.wal_status.as_deref() == Some("lost") => {
             if !plan.recreate_slot {
@@ -238,7 +268,9 @@ async fn ensure_slot(client: &Client, plan: &SetupPlan, report: &mut Vec<String>
             report.push(format!(
                 "exists: slot {:?} (pgoutput, confirmed_flush_lsn {})",
                 plan.slot,
-                s.confirmed_flush_lsn.map(|l| l.to_string()).unwrap_or_else(|| "-".into())
+                s.confirmed_flush_lsn
+                    .map(|l| l.to_string())
+                    .unwrap_or_else(|| "-".into())
             ));
             Ok(())
         }
@@ -246,9 +278,16 @@ async fn ensure_slot(client: &Client, plan: &SetupPlan, report: &mut Vec<String>
     }
 }
 
-async fn create_slot(client: &Client, plan: &SetupPlan, report: &mut Vec<String>) -> Result<(), SetupError> {
+async fn create_slot(
+    client: &Client,
+    plan: &SetupPlan,
+    report: &mut Vec<String>,
+) -> Result<(), SetupError> {
     let row = client
-        .query_one("SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')", &[&plan.slot])
+        .query_one(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&plan.slot],
+        )
         .await
         .map_err(sql("creating the slot (the role needs REPLICATION)"))?;
     let lsn: String = row.get(0);
@@ -285,7 +324,11 @@ pub struct Status {
 }
 
 /// Reads the slot and publication.
-pub async fn status(client: &Client, slot: &str, publication: &str) -> Result<Status, tokio_postgres::Error> {
+pub async fn status(
+    client: &Client,
+    slot: &str,
+    publication: &str,
+) -> Result<Status, tokio_postgres::Error> {
     let info: Option<SlotInfo> = source::slot_info(client, slot).await?;
     let tables = client
         .query(
@@ -301,7 +344,10 @@ pub async fn status(client: &Client, slot: &str, publication: &str) -> Result<St
         exists: info.is_some(),
         active: info.as_ref().is_some_and(|i| i.active),
         active_pid: info.as_ref().and_then(|i| i.active_pid),
-        confirmed_flush_lsn: info.as_ref().and_then(|i| i.confirmed_flush_lsn).map(|l| l.to_string()),
+        confirmed_flush_lsn: info
+            .as_ref()
+            .and_then(|i| i.confirmed_flush_lsn)
+            .map(|l| l.to_string()),
         lag_bytes: info.as_ref().and_then(|i| i.lag_bytes),
         wal_status: info.as_ref().and_then(|i| i.wal_status.clone()),
         safe_wal_size: info.as_ref().and_then(|i| i.safe_wal_size),
@@ -314,20 +360,47 @@ impl std::fmt::Display for Status {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
         if !self.exists {
-            writeln!(f, "slot {}: does not exist (run `cdc-relay setup`)", self.slot)?;
+            writeln!(
+                f,
+                "slot {}: does not exist (run `cdc-relay setup`)",
+                self.slot
+            )?;
         } else {
             writeln!(f, "slot {}", self.slot)?;
-            writeln!(f, "  active:              {} (pid {})", self.active, self.active_pid.map_or("-".into(), |p| p.to_string()))?;
-            writeln!(f, "  confirmed_flush_lsn: {}", opt(&self.confirmed_flush_lsn))?;
-            writeln!(f, "  lag:                 {} bytes", self.lag_bytes.map_or("-".into(), |b| b.to_string()))?;
+            writeln!(
+                f,
+                "  active:              {} (pid {})",
+                self.active,
+                self.active_pid.map_or("-".into(), |p| p.to_string())
+            )?;
+            writeln!(
+                f,
+                "  confirmed_flush_lsn: {}",
+                opt(&self.confirmed_flush_lsn)
+            )?;
+            writeln!(
+                f,
+                "  lag:                 {} bytes",
+                self.lag_bytes.map_or("-".into(), |b| b.to_string())
+            )?;
             writeln!(f, "  wal_status:          {}", opt(&self.wal_status))?;
             writeln!(
                 f,
                 "  safe_wal_size:       {}",
-                self.safe_wal_size.map_or("unlimited".into(), |b| format!("{b} bytes"))
+                self.safe_wal_size
+                    .map_or("unlimited".into(), |b| format!("{b} bytes"))
             )?;
         }
-        writeln!(f, "publication {}: {}", self.publication, if self.publication_tables.is_empty() { "no tables (or missing)".into() } else { self.publication_tables.join(", ") })
+        writeln!(
+            f,
+            "publication {}: {}",
+            self.publication,
+            if self.publication_tables.is_empty() {
+                "no tables (or missing)".into()
+            } else {
+                self.publication_tables.join(", ")
+            }
+        )
     }
 }
 

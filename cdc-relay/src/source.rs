@@ -60,7 +60,8 @@ impl ConnParams {
     pub fn parse(url: &str, connect_timeout: Duration) -> Result<Self, BadUrl> {
         // tokio-postgres knows neither verify-ca/verify-full nor sslrootcert:
         // take them out before it parses the rest.
-        let cfg = tokio_postgres::Config::from_str(&strip_tls_params(url)).map_err(|e| BadUrl(e.to_string()))?;
+        let cfg = tokio_postgres::Config::from_str(&strip_tls_params(url))
+            .map_err(|e| BadUrl(e.to_string()))?;
         let host = match cfg.get_hosts().first() {
             Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
             Some(tokio_postgres::config::Host::Unix(p)) => p.to_string_lossy().into_owned(),
@@ -92,7 +93,10 @@ impl ConnParams {
             dbname,
             sslmode: raw_mode.unwrap_or(sslmode),
             ssl_root_cert: query_param(url, "sslrootcert").map(Into::into),
-            connect_timeout: cfg.get_connect_timeout().copied().unwrap_or(connect_timeout),
+            connect_timeout: cfg
+                .get_connect_timeout()
+                .copied()
+                .unwrap_or(connect_timeout),
         })
     }
 
@@ -133,7 +137,11 @@ fn strip_tls_params(url: &str) -> String {
     match url.split_once('?') {
         Some((base, q)) => {
             let rest: Vec<&str> = q.split('&').filter(keep).collect();
-            if rest.is_empty() { base.to_owned() } else { format!("{base}?{}", rest.join("&")) }
+            if rest.is_empty() {
+                base.to_owned()
+            } else {
+                format!("{base}?{}", rest.join("&"))
+            }
         }
         None if url.contains("://") => url.to_owned(),
         None => url.split(' ').filter(keep).collect::<Vec<_>>().join(" "),
@@ -193,7 +201,9 @@ impl SourceError {
     pub fn is_definite(&self) -> bool {
         matches!(
             self,
-            SourceError::SlotMissing { .. } | SourceError::SlotInvalidated { .. } | SourceError::Definite(_)
+            SourceError::SlotMissing { .. }
+                | SourceError::SlotInvalidated { .. }
+                | SourceError::Definite(_)
         )
     }
 
@@ -250,10 +260,16 @@ fn classify_server(msg: &str, slot: &str) -> SourceError {
         };
     }
     if code == "42704" && lower.contains("replication slot") {
-        return SourceError::SlotMissing { slot: slot.to_owned() };
+        return SourceError::SlotMissing {
+            slot: slot.to_owned(),
+        };
     }
-    if lower.contains("invalidated") || (code == "55000" && lower.contains("can no longer get changes")) {
-        return SourceError::SlotInvalidated { slot: slot.to_owned() };
+    if lower.contains("invalidated")
+        || (code == "55000" && lower.contains("can no longer get changes"))
+    {
+        return SourceError::SlotInvalidated {
+            slot: slot.to_owned(),
+        };
     }
     if code.is_empty() || sqlstate_is_transient(code) {
         SourceError::Transient(msg.to_owned())
@@ -280,7 +296,10 @@ pub struct StreamSettings {
 
 /// Opens a pgoutput stream at the slot's own position (`0/0`) and waits
 /// until the server accepted `START_REPLICATION` (the slot is then held).
-pub async fn open_stream(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationClient, SourceError> {
+pub async fn open_stream(
+    conn: &ConnParams,
+    s: &StreamSettings,
+) -> Result<ReplicationClient, SourceError> {
     let mut cfg = ReplicationConfig::new(
         conn.host.clone(),
         conn.user.clone(),
@@ -297,7 +316,9 @@ pub async fn open_stream(conn: &ConnParams, s: &StreamSettings) -> Result<Replic
     .with_buffer_size(s.buffer_events)
     .with_application_name(s.application_name.clone())
     // Text output must not depend on the role's settings.
-    .with_options("-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3");
+    .with_options(
+        "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3",
+    );
     cfg.max_message_size = 1 << 30;
     let connect = async {
         let mut client = ReplicationClient::connect(cfg).await?;
@@ -337,7 +358,10 @@ pub struct SlotInfo {
 }
 
 /// Reads the slot's row; `None` when it does not exist.
-pub async fn slot_info(client: &tokio_postgres::Client, slot: &str) -> Result<Option<SlotInfo>, tokio_postgres::Error> {
+pub async fn slot_info(
+    client: &tokio_postgres::Client,
+    slot: &str,
+) -> Result<Option<SlotInfo>, tokio_postgres::Error> {
     let row = client
         .query_opt(
             "SELECT plugin::text, database::text, active, active_pid, confirmed_flush_lsn::text, wal_status, \
@@ -387,8 +411,14 @@ pub fn parse_pg_duration(s: &str) -> Option<Duration> {
 
 /// Connects the side SQL connection (for settings, slot figures, the
 /// dead-letter table). The connection task runs in the background.
-pub async fn connect_sql(conn: &ConnParams, application_name: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
-    let (client, connection) = conn.sql_config(application_name).connect(tokio_postgres::NoTls).await?;
+pub async fn connect_sql(
+    conn: &ConnParams,
+    application_name: &str,
+) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = conn
+        .sql_config(application_name)
+        .connect(tokio_postgres::NoTls)
+        .await?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "side connection closed");
@@ -403,9 +433,14 @@ mod tests {
 
     #[test]
     fn sqlstates_are_classified() {
-        assert_eq!(sqlstate("terminating connection (SQLSTATE 57P01)"), Some("57P01"));
+        assert_eq!(
+            sqlstate("terminating connection (SQLSTATE 57P01)"),
+            Some("57P01")
+        );
         assert_eq!(sqlstate("no code"), None);
-        for c in ["57P01", "57P02", "57P03", "55006", "08006", "53300", "40001"] {
+        for c in [
+            "57P01", "57P02", "57P03", "55006", "08006", "53300", "40001",
+        ] {
             assert!(sqlstate_is_transient(c), "{c}");
         }
         for c in ["28P01", "42704", "3D000", "42501", "55000"] {
@@ -415,26 +450,55 @@ mod tests {
 
     #[test]
     fn server_errors_map_to_slot_states() {
-        let e = classify_server(r#"replication slot "s" does not exist (SQLSTATE 42704)"#, "s");
+        let e = classify_server(
+            r#"replication slot "s" does not exist (SQLSTATE 42704)"#,
+            "s",
+        );
         assert!(matches!(e, SourceError::SlotMissing { .. }));
         assert!(e.to_string().contains("cdc-relay setup"));
-        let e = classify_server(r#"replication slot "s" is active for PID 4242 (SQLSTATE 55006)"#, "s");
-        assert!(matches!(e, SourceError::SlotActive { pid: Some(4242), .. }), "{e:?}");
+        let e = classify_server(
+            r#"replication slot "s" is active for PID 4242 (SQLSTATE 55006)"#,
+            "s",
+        );
+        assert!(
+            matches!(
+                e,
+                SourceError::SlotActive {
+                    pid: Some(4242),
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
         let e = classify_server(
             r#"can no longer get changes from replication slot "s" (SQLSTATE 55000)"#,
             "s",
         );
         assert!(matches!(e, SourceError::SlotInvalidated { .. }));
-        assert!(classify_server("publication \"p\" does not exist (SQLSTATE 42704)", "s").is_definite());
-        assert!(!classify_server("the database system is starting up (SQLSTATE 57P03)", "s").is_definite());
+        assert!(
+            classify_server("publication \"p\" does not exist (SQLSTATE 42704)", "s").is_definite()
+        );
+        assert!(
+            !classify_server("the database system is starting up (SQLSTATE 57P03)", "s")
+                .is_definite()
+        );
     }
 
     #[test]
     fn status_interval_follows_wal_sender_timeout() {
         assert_eq!(status_interval_for(Duration::ZERO), Duration::from_secs(1));
-        assert_eq!(status_interval_for(Duration::from_secs(60)), Duration::from_secs(1));
-        assert_eq!(status_interval_for(Duration::from_secs(2)), Duration::from_secs(2) / 3);
-        assert_eq!(status_interval_for(Duration::from_millis(100)), Duration::from_millis(100));
+        assert_eq!(
+            status_interval_for(Duration::from_secs(60)),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            status_interval_for(Duration::from_secs(2)),
+            Duration::from_secs(2) / 3
+        );
+        assert_eq!(
+            status_interval_for(Duration::from_millis(100)),
+            Duration::from_millis(100)
+        );
         assert_eq!(parse_pg_duration("60s"), Some(Duration::from_secs(60)));
         assert_eq!(parse_pg_duration("1min"), Some(Duration::from_secs(60)));
         assert_eq!(parse_pg_duration("500ms"), Some(Duration::from_millis(500)));
@@ -449,9 +513,15 @@ mod tests {
             Duration::from_secs(5),
         )
         .unwrap();
-        assert_eq!((c.host.as_str(), c.port, c.dbname.as_str()), ("127.0.0.1", 5433, "orders"));
+        assert_eq!(
+            (c.host.as_str(), c.port, c.dbname.as_str()),
+            ("127.0.0.1", 5433, "orders")
+        );
         assert_eq!(c.sslmode, "verify-full");
-        assert_eq!(c.ssl_root_cert.as_deref(), Some(std::path::Path::new("/ca.pem")));
+        assert_eq!(
+            c.ssl_root_cert.as_deref(),
+            Some(std::path::Path::new("/ca.pem"))
+        );
         assert!(!format!("{c:?}").contains("s3cret"));
         assert!(ConnParams::parse("not a url at all=", Duration::from_secs(1)).is_err());
     }

@@ -40,7 +40,9 @@ impl Backoff {
     pub fn next_delay(&mut self, retry_after: Option<Duration>, rng: &mut impl Rng) -> Duration {
         let ceiling = self.ceiling();
         self.attempt = self.attempt.saturating_add(1);
-        let jittered = Duration::from_nanos(rng.random_range(0..=ceiling.as_nanos().min(u128::from(u64::MAX)) as u64));
+        let jittered = Duration::from_nanos(
+            rng.random_range(0..=ceiling.as_nanos().min(u128::from(u64::MAX)) as u64),
+        );
         match retry_after {
             Some(ra) => jittered.max(ra.min(self.retry_after_max)),
             None => jittered,
@@ -61,7 +63,11 @@ mod tests {
 
     #[test]
     fn grows_to_the_cap_with_full_jitter() {
-        let mut b = Backoff::new(Duration::from_millis(50), Duration::from_secs(1), Duration::from_secs(5));
+        let mut b = Backoff::new(
+            Duration::from_millis(50),
+            Duration::from_secs(1),
+            Duration::from_secs(5),
+        );
         let mut rng = StdRng::seed_from_u64(1);
         let ceilings: Vec<u128> = (0..8)
             .map(|_| {
@@ -83,8 +89,15 @@ mod tests {
     #[test]
     fn retry_after_is_honoured_within_a_bound() {
         let mut rng = StdRng::seed_from_u64(2);
-        let mut b = Backoff::new(Duration::from_millis(10), Duration::from_millis(10), Duration::from_secs(5));
+        let mut b = Backoff::new(
+            Duration::from_millis(10),
+            Duration::from_millis(10),
+            Duration::from_secs(5),
+        );
         assert!(b.next_delay(Some(Duration::from_secs(2)), &mut rng) >= Duration::from_secs(2));
-        assert_eq!(b.next_delay(Some(Duration::from_secs(3600)), &mut rng), Duration::from_secs(5));
+        assert_eq!(
+            b.next_delay(Some(Duration::from_secs(3600)), &mut rng),
+            Duration::from_secs(5)
+        );
     }
 }

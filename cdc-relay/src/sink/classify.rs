@@ -111,15 +111,28 @@ mod tests {
             assert_eq!(classify(&resp(s), &p), Disposition::Delivered, "{s}");
         }
         for s in [408, 425, 429, 500, 502, 503, 504, 599] {
-            assert!(matches!(classify(&resp(s), &p), Disposition::Retry(_)), "{s}");
+            assert!(
+                matches!(classify(&resp(s), &p), Disposition::Retry(_)),
+                "{s}"
+            );
         }
         for s in [400, 413, 415, 422] {
-            assert!(matches!(classify(&resp(s), &p), Disposition::DeadLetter(_)), "{s}");
+            assert!(
+                matches!(classify(&resp(s), &p), Disposition::DeadLetter(_)),
+                "{s}"
+            );
         }
         for s in [301, 302, 307, 401, 403, 404, 405, 409, 410, 100] {
-            assert!(matches!(classify(&resp(s), &p), Disposition::ConfigFault(_)), "{s}");
+            assert!(
+                matches!(classify(&resp(s), &p), Disposition::ConfigFault(_)),
+                "{s}"
+            );
         }
-        for a in [Attempt::Timeout, Attempt::Connect("refused".into()), Attempt::Transport("reset".into())] {
+        for a in [
+            Attempt::Timeout,
+            Attempt::Connect("refused".into()),
+            Attempt::Transport("reset".into()),
+        ] {
             assert!(matches!(classify(&a, &p), Disposition::Retry(_)), "{a:?}");
         }
     }
@@ -134,7 +147,10 @@ mod tests {
                 status: Some(409)
             })
         );
-        assert!(matches!(classify(&resp(422), &p), Disposition::ConfigFault(_)));
+        assert!(matches!(
+            classify(&resp(422), &p),
+            Disposition::ConfigFault(_)
+        ));
         assert_eq!(status_class(&resp(503)), "5xx");
         assert_eq!(status_class(&Attempt::Timeout), "none");
     }

@@ -97,7 +97,8 @@ mod tests {
 
     #[test]
     fn payload_is_spliced_raw() {
-        let p = r#"{"n": 123456789012345678901234567890, "d": 1.50000000000000000001, "s": "\u2028é"}"#;
+        let p =
+            r#"{"n": 123456789012345678901234567890, "d": 1.50000000000000000001, "s": "\u2028é"}"#;
         let b = body(&event("e1", "OrderCreated", Some(p)));
         assert_eq!(
             std::str::from_utf8(&b).unwrap(),
@@ -113,7 +114,11 @@ mod tests {
 
     #[test]
     fn id_and_type_cannot_inject_keys() {
-        let b = body(&event("a\"b", "x\",\"admin\":true,\"y\":\"\n\u{1}", Some("1")));
+        let b = body(&event(
+            "a\"b",
+            "x\",\"admin\":true,\"y\":\"\n\u{1}",
+            Some("1"),
+        ));
         let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
         let obj = v.as_object().unwrap();
         assert_eq!(obj.len(), 3, "no injected keys: {v}");

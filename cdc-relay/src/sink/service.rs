@@ -91,10 +91,13 @@ impl HttpSink {
             .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("cdc-relay/", env!("CARGO_PKG_VERSION")));
         if let Some(pem) = &cfg.ca_cert_pem {
-            let cert = reqwest::Certificate::from_pem(pem).map_err(|e| SinkError::BadCaCert(e.to_string()))?;
+            let cert = reqwest::Certificate::from_pem(pem)
+                .map_err(|e| SinkError::BadCaCert(e.to_string()))?;
             builder = builder.add_root_certificate(cert);
         }
-        let client = builder.build().map_err(|e| SinkError::Client(e.to_string()))?;
+        let client = builder
+            .build()
+            .map_err(|e| SinkError::Client(e.to_string()))?;
         Ok(HttpSink {
             client,
             url: cfg.url,
@@ -116,7 +119,8 @@ impl HttpSink {
 
     /// POSTs a prepared body once.
     pub async fn post(&self, event_id: &str, body: Bytes, signature: &str) -> Attempt {
-        let key = HeaderValue::from_str(&encoder::header_safe(event_id)).expect("header_safe output is a valid header value");
+        let key = HeaderValue::from_str(&encoder::header_safe(event_id))
+            .expect("header_safe output is a valid header value");
         let sent = self
             .client
             .post(self.url.clone())
@@ -201,13 +205,19 @@ mod tests {
     #[test]
     fn retry_after_forms() {
         let now = httpdate::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
-        assert_eq!(parse_retry_after("120", now), Some(Duration::from_secs(120)));
+        assert_eq!(
+            parse_retry_after("120", now),
+            Some(Duration::from_secs(120))
+        );
         assert_eq!(parse_retry_after(" 0 ", now), Some(Duration::ZERO));
         assert_eq!(
             parse_retry_after("Sun, 06 Nov 1994 08:49:40 GMT", now),
             Some(Duration::from_secs(3))
         );
-        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now), Some(Duration::ZERO));
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now),
+            Some(Duration::ZERO)
+        );
         assert_eq!(parse_retry_after("-1", now), None);
         assert_eq!(parse_retry_after("soon", now), None);
     }
