@@ -3,7 +3,9 @@
 //! The checks run cheapest first so hostile input costs little:
 //! 415 (header only) → 413 (`Content-Length` or streamed count, never more
 //! than the limit buffered) → 400 depth (one linear byte scan, before any
-//! recursive parser sees the input) → 400 syntax.
+//! recursive parser sees the input) → 400 syntax. A rejected body is read
+//! and discarded (bounded, see [`DRAIN_LIMIT_BYTES`]) so the client reliably
+//! receives the status.
 
 use axum::extract::{FromRequest, Request};
 use axum::http::{StatusCode, header};
@@ -41,15 +43,22 @@ impl<S: Send + Sync> FromRequest<S> for RawJsonBody {
     type Rejection = ServiceError;
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
-        require_json_content_type(req.headers())?;
         let limit = req
             .extensions()
             .get::<BodyLimit>()
             .map_or(DEFAULT_BODY_LIMIT_BYTES, |l| l.0);
-        if declared_length(req.headers()).is_some_and(|len| len > limit) {
+        let declared = declared_length(req.headers());
+        let content_type = require_json_content_type(req.headers());
+        let body = req.into_body();
+        if let Err(unsupported) = content_type {
+            drain(body, declared).await;
+            return Err(unsupported);
+        }
+        if declared.is_some_and(|len| len > limit) {
+            drain(body, declared).await;
             return Err(too_large(limit));
         }
-        read_limited(req.into_body(), limit).await.map(Self)
+        read_limited(body, limit).await.map(Self)
     }
 }
 
@@ -149,8 +158,8 @@ fn too_large(limit: usize) -> ServiceError {
     )
 }
 
-/// Reads at most `limit` bytes; a chunked body that grows past it is cut off
-/// with 413 as soon as it does, so memory stays bounded by the limit.
+/// Reads at most `limit` bytes into memory; a body that grows past it is
+/// answered 413 (after [`drain`]ing the rest, never buffering it).
 async fn read_limited(body: axum::body::Body, limit: usize) -> Result<Bytes, ServiceError> {
     let mut stream = body.into_data_stream();
     let mut buf = Vec::new();
@@ -159,11 +168,39 @@ async fn read_limited(body: axum::body::Body, limit: usize) -> Result<Bytes, Ser
             ServiceError::bad_request("body_read_failed", format!("could not read the body: {e}"))
         })?;
         if buf.len() + chunk.len() > limit {
+            drain_stream(stream, buf.len() + chunk.len()).await;
             return Err(too_large(limit));
         }
         buf.extend_from_slice(&chunk);
     }
     Ok(Bytes::from(buf))
+}
+
+/// Most bytes of a rejected body read and discarded before answering.
+///
+/// Why read a body we refuse: closing a socket whose receive queue still
+/// holds data makes the kernel send RST, and the client may then lose our
+/// 413/415 and see "connection reset" instead. A relay retries a reset
+/// forever but dead-letters a 413, so the status must arrive. Bodies
+/// declared larger than this are refused without reading (and may see the
+/// reset); the request timeout bounds a slow sender.
+pub const DRAIN_LIMIT_BYTES: usize = 1024 * 1024;
+
+/// Discards a rejected body, unless it is declared larger than
+/// [`DRAIN_LIMIT_BYTES`].
+async fn drain(body: axum::body::Body, declared: Option<usize>) {
+    if declared.is_none_or(|len| len <= DRAIN_LIMIT_BYTES) {
+        drain_stream(body.into_data_stream(), 0).await;
+    }
+}
+
+async fn drain_stream(mut stream: axum::body::BodyDataStream, mut seen: usize) {
+    while seen <= DRAIN_LIMIT_BYTES {
+        match stream.next().await {
+            Some(Ok(chunk)) => seen += chunk.len(),
+            Some(Err(_)) | None => return,
+        }
+    }
 }
 
 #[cfg(test)]
