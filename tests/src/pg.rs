@@ -173,6 +173,9 @@ impl PgCluster {
 
     /// The cluster shared by every test of this process (default options),
     /// started on first use. Panics with the reason if it cannot start.
+    ///
+    /// Tests run in parallel against it: never stop, restart or reconfigure
+    /// it; start a cluster of your own for that.
     pub fn shared() -> &'static PgCluster {
         static SHARED: OnceLock<PgCluster> = OnceLock::new();
         SHARED.get_or_init(|| {

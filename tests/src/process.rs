@@ -53,7 +53,10 @@ struct Output {
 }
 
 struct Lines {
+    /// The last [`RETAINED_LINES`] lines.
     retained: VecDeque<String>,
+    /// Lines received since the start, retained or not.
+    total: usize,
     open_streams: usize,
 }
 
@@ -94,6 +97,7 @@ impl ServiceProcess {
         let output = Arc::new(Output {
             state: Mutex::new(Lines {
                 retained: VecDeque::new(),
+                total: 0,
                 open_streams: 2,
             }),
             changed: watch::Sender::new(0),
@@ -147,13 +151,20 @@ impl ServiceProcess {
     pub async fn wait_for_line(&self, pattern: &str, timeout: Duration) -> anyhow::Result<String> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut changes = self.output.changed.subscribe();
+        // Absolute number of the first line not searched yet, so a chatty
+        // process costs one scan per line, not one per line per wake-up.
+        let mut next: usize = 0;
         loop {
             changes.borrow_and_update();
             let (found, open_streams) = {
                 let lines = self.output.lock();
+                let first_retained = lines.total - lines.retained.len();
+                let skip = next.saturating_sub(first_retained);
+                next = lines.total;
                 let found = lines
                     .retained
                     .iter()
+                    .skip(skip)
                     .find(|line| line.contains(pattern))
                     .cloned();
                 (found, lines.open_streams)
@@ -296,6 +307,7 @@ impl Output {
                 lines.retained.pop_front();
             }
             lines.retained.push_back(line);
+            lines.total += 1;
         }
         self.changed.send_modify(|n| *n += 1);
     }

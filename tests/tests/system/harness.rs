@@ -683,14 +683,16 @@ async fn sigkilled_owner_leaves_no_postmaster() {
 
 #[tokio::test]
 async fn service_process_captures_output_and_finds_the_listen_address() {
-    let script =
-        format!("echo starting; echo 'oops' >&2; echo '{LISTENING}127.0.0.1:4321'; exec sleep 30");
+    let script = format!(
+        "echo starting; seq 1 2000; echo 'oops' >&2; echo '{LISTENING}127.0.0.1:4321'; exec sleep 30"
+    );
     let mut process = ServiceProcess::spawn("sh", &["-c", &script], &[("UNUSED", "1")]).unwrap();
     assert_eq!(
         process.listen_addr(STEP).await.unwrap(),
         "http://127.0.0.1:4321"
     );
     assert_eq!(process.wait_for_line("oops", STEP).await.unwrap(), "oops");
+    assert_eq!(process.wait_for_line("1999", STEP).await.unwrap(), "1999");
     assert!(process.logs().contains("starting\n"));
     assert!(
         std::fs::read_to_string(process.log_dir().join("stderr.log"))
@@ -704,7 +706,7 @@ async fn service_process_captures_output_and_finds_the_listen_address() {
         .unwrap_err();
     let text = format!("{err:#}");
     assert!(
-        text.contains("never printed") && text.contains("starting"),
+        text.contains("never printed") && text.contains(LISTENING),
         "{text}"
     );
 
@@ -738,4 +740,20 @@ async fn wait_for_line_fails_fast_when_the_process_exits_and_drop_kills() {
     })
     .await
     .unwrap();
+}
+
+#[tokio::test]
+async fn bins_builds_and_finds_the_workspace_binaries() {
+    let paths =
+        tokio::task::spawn_blocking(|| ::harness::bins::WORKSPACE_BINS.map(::harness::bins::path))
+            .await
+            .unwrap();
+    for path in paths {
+        let meta = std::fs::metadata(&path).unwrap();
+        assert!(
+            std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o111 != 0,
+            "{}",
+            path.display()
+        );
+    }
 }
