@@ -18,10 +18,12 @@
 //! - [`bins`] finds (and builds once) the workspace binaries.
 //! - [`wait`] is the bounded polling every wait goes through.
 
+pub mod app;
 pub mod bins;
 mod guardian;
 pub mod pg;
 pub mod process;
+pub mod sink;
 pub mod stack;
 pub mod wait;
 

@@ -1,3 +1,4 @@
 //! System tests.
 
 mod harness;
+mod relay;

@@ -1,0 +1,245 @@
+//! The application stack on top of a [`Stack`]: the Orders, Billing and
+//! relay binaries as real processes, plus the end-state oracle (the ledger).
+//!
+//! Every system test, the demo and the benchmarks start processes through
+//! here, so flags and credentials live in one place.
+
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::process::ServiceProcess;
+use crate::stack::{Stack, connect};
+use crate::{bins, wait_until};
+
+/// The event secret every test process shares.
+pub const TEST_SECRET: &str = "test-secret-4f1c2a";
+
+/// How long a process may take to print its `listening on` line.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A running service with its base URL.
+pub struct Running {
+    /// The process.
+    pub process: ServiceProcess,
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+}
+
+/// Starts the Orders service for `stack` on a free port.
+pub async fn start_orders(stack: &Stack) -> anyhow::Result<Running> {
+    let process = ServiceProcess::spawn(
+        bins::path("orders"),
+        &["--listen", "127.0.0.1:0"],
+        &[
+            ("ORDERS_DATABASE_URL", &stack.orders_app_url),
+            ("RUST_LOG", "warn"),
+        ],
+    )?;
+    let url = process.listen_addr(START_TIMEOUT).await?;
+    Ok(Running { process, url })
+}
+
+/// Starts the Billing service for `stack` on a free port, accepting `secrets`
+/// (comma-separated).
+pub async fn start_billing(stack: &Stack, secrets: &str) -> anyhow::Result<Running> {
+    let process = ServiceProcess::spawn(
+        bins::path("billing"),
+        &["--listen", "127.0.0.1:0"],
+        &[
+            ("BILLING_DATABASE_URL", &stack.billing_app_url),
+            ("EVENT_SECRET", secrets),
+            ("RUST_LOG", "warn"),
+        ],
+    )?;
+    let url = process.listen_addr(START_TIMEOUT).await?;
+    Ok(Running { process, url })
+}
+
+/// The relay's command-line arguments shared by every command for `stack`.
+pub fn relay_globals(stack: &Stack) -> Vec<String> {
+    vec![
+        "--slot".into(),
+        stack.slot.clone(),
+        "--publication".into(),
+        stack.publication.clone(),
+    ]
+}
+
+/// Runs `cdc-relay setup` as the superuser (it creates the slot) and returns
+/// its stdout.
+pub async fn relay_setup(stack: &Stack) -> anyhow::Result<String> {
+    let out = tokio::process::Command::new(bins::path("cdc-relay"))
+        .args(relay_globals(stack))
+        .arg("setup")
+        .env("CDC_RELAY_DATABASE_URL", &stack.orders_admin_url)
+        .output()
+        .await
+        .context("running cdc-relay setup")?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    anyhow::ensure!(
+        out.status.success(),
+        "cdc-relay setup failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(stdout)
+}
+
+/// Starts `cdc-relay run` as the relay role (LOGIN REPLICATION, no
+/// superuser) delivering to `sink_url`, with extra `args` after `run`.
+/// Returns once its admin endpoint listens (streaming may start later).
+pub async fn start_relay(stack: &Stack, sink_url: &str, args: &[&str]) -> anyhow::Result<Running> {
+    let mut argv = relay_globals(stack);
+    argv.extend(
+        [
+            "run",
+            "--sink-url",
+            sink_url,
+            "--admin-listen",
+            "127.0.0.1:0",
+        ]
+        .map(String::from),
+    );
+    argv.extend(args.iter().map(|s| s.to_string()));
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let process = ServiceProcess::spawn(
+        bins::path("cdc-relay"),
+        &argv,
+        &[
+            ("CDC_RELAY_DATABASE_URL", &stack.relay_url),
+            ("EVENT_SECRET", TEST_SECRET),
+            ("CDC_RELAY_LOG", "info,cdc_relay=debug"),
+        ],
+    )?;
+    let url = process.listen_addr(START_TIMEOUT).await?;
+    Ok(Running { process, url })
+}
+
+/// Waits until the relay reports it streams from the slot.
+pub async fn wait_streaming(relay: &Running) -> anyhow::Result<()> {
+    relay
+        .process
+        .wait_for_line("streaming", START_TIMEOUT)
+        .await
+        .map(|_| ())
+}
+
+/// Posts one order through the Orders API; returns `(order_id, event_id)`.
+pub async fn post_order(
+    http: &reqwest::Client,
+    orders: &str,
+    amount_cents: i64,
+) -> anyhow::Result<(String, String)> {
+    let resp = http
+        .post(format!("{orders}/orders"))
+        .json(&serde_json::json!({"amount_cents": amount_cents, "currency": "EUR"}))
+        .send()
+        .await?;
+    let status = resp.status();
+    let body: serde_json::Value = resp.json().await?;
+    anyhow::ensure!(status.as_u16() == 201, "POST /orders: {status} {body}");
+    let field = |k: &str| {
+        body[k]
+            .as_str()
+            .map(str::to_owned)
+            .context("missing id in response")
+    };
+    Ok((field("order_id")?, field("event_id")?))
+}
+
+/// The end-state oracle: what was committed against what took effect.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Ledger {
+    /// Committed outbox rows.
+    pub committed: usize,
+    /// Invoices.
+    pub invoices: usize,
+    /// Committed events without an inbox row (must be 0).
+    pub lost: usize,
+    /// Orders with more than one invoice (must be 0).
+    pub duplicate_effects: usize,
+    /// Inbox rows for events that never committed (must be 0).
+    pub phantom: usize,
+}
+
+impl Ledger {
+    /// Reads both databases.
+    pub async fn read(stack: &Stack) -> anyhow::Result<Ledger> {
+        let orders = connect(&stack.orders_admin_url).await?;
+        let billing = connect(&stack.billing_admin_url).await?;
+        let committed: Vec<uuid::Uuid> = orders
+            .query("SELECT id FROM outbox", &[])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let processed: std::collections::HashSet<uuid::Uuid> = billing
+            .query("SELECT event_id FROM processed_events", &[])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let committed_set: std::collections::HashSet<uuid::Uuid> =
+            committed.iter().copied().collect();
+        let invoices: i64 = billing
+            .query_one("SELECT count(*) FROM invoices", &[])
+            .await?
+            .get(0);
+        let dup: i64 = billing
+            .query_one(
+                "SELECT count(*) FROM (SELECT order_id FROM invoices GROUP BY order_id HAVING count(*) > 1) d",
+                &[],
+            )
+            .await?
+            .get(0);
+        Ok(Ledger {
+            committed: committed.len(),
+            invoices: usize::try_from(invoices)?,
+            lost: committed_set.difference(&processed).count(),
+            duplicate_effects: usize::try_from(dup)?,
+            phantom: processed.difference(&committed_set).count(),
+        })
+    }
+
+    /// Whether every committed event took effect exactly once and nothing else did.
+    pub fn is_clean(&self) -> bool {
+        self.lost == 0
+            && self.duplicate_effects == 0
+            && self.phantom == 0
+            && self.invoices == self.committed
+    }
+}
+
+/// Waits until the ledger is clean with `expected` committed events.
+pub async fn wait_ledger_clean(
+    stack: &Stack,
+    expected: usize,
+    timeout: Duration,
+) -> anyhow::Result<Ledger> {
+    let what = format!("{expected} committed events, each with exactly one invoice");
+    wait_until(&what, timeout, || async {
+        // The ledger costs two connections: poll it gently.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let l = Ledger::read(stack).await?;
+        anyhow::Ok(l.committed == expected && l.is_clean())
+    })
+    .await?;
+    Ledger::read(stack).await
+}
+
+/// The slot's `confirmed_flush_lsn` and `pg_current_wal_lsn()`, as bytes.
+pub async fn slot_position(stack: &Stack) -> anyhow::Result<(u64, u64)> {
+    let c = connect(&stack.orders_admin_url).await?;
+    let r = c
+        .query_one(
+            "SELECT (confirmed_flush_lsn - '0/0')::bigint, (pg_current_wal_lsn() - '0/0')::bigint \
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&stack.slot],
+        )
+        .await?;
+    Ok((
+        u64::try_from(r.get::<_, i64>(0))?,
+        u64::try_from(r.get::<_, i64>(1))?,
+    ))
+}

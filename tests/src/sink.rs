@@ -1,0 +1,151 @@
+//! A scripted HTTP sink: a real in-process HTTP server that records every
+//! request the relay sends and answers as the test tells it (status, delay).
+//! Used where Billing's own rules would get in the way (raw payload checks,
+//! outages, slow responses) and as the benchmarks' null sink.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use tokio::sync::oneshot;
+
+/// One request as the sink saw it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    /// Exact body bytes.
+    pub body: Bytes,
+    /// `X-Event-Signature`.
+    pub signature: Option<String>,
+    /// `Idempotency-Key`.
+    pub idempotency_key: Option<String>,
+    /// `Content-Type`.
+    pub content_type: Option<String>,
+    /// The status the sink answered.
+    pub status: u16,
+    /// When it arrived.
+    pub at: Instant,
+}
+
+impl Received {
+    /// The body as JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).expect("the relay sends JSON")
+    }
+
+    /// The `id` field of the body.
+    pub fn id(&self) -> String {
+        self.json()["id"].as_str().unwrap_or_default().to_owned()
+    }
+
+    /// Whether the signature is the lowercase hex HMAC-SHA256 of the body under `secret`.
+    pub fn signature_valid(&self, secret: &str) -> bool {
+        let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).expect("any key length");
+        mac.update(&self.body);
+        self.signature.as_deref() == Some(hex::encode(mac.finalize().into_bytes()).as_str())
+    }
+}
+
+#[derive(Default)]
+struct Script {
+    status: AtomicU16,
+    delay_ms: AtomicU64,
+    received: Mutex<Vec<Received>>,
+}
+
+/// The running sink; stops when dropped.
+pub struct ScriptedSink {
+    /// `http://127.0.0.1:PORT/inbox`.
+    pub url: String,
+    /// The bound address.
+    pub addr: SocketAddr,
+    script: Arc<Script>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl ScriptedSink {
+    /// Starts on a free loopback port answering 204 at once.
+    pub async fn start() -> anyhow::Result<ScriptedSink> {
+        let script = Arc::new(Script::default());
+        script.status.store(204, Ordering::SeqCst);
+        let app = Router::new()
+            .route("/inbox", post(handle))
+            .layer(DefaultBodyLimit::disable())
+            .with_state(Arc::clone(&script));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        Ok(ScriptedSink {
+            url: format!("http://{addr}/inbox"),
+            addr,
+            script,
+            _stop: stop,
+        })
+    }
+
+    /// Answer every following request with `status`.
+    pub fn set_status(&self, status: u16) {
+        self.script.status.store(status, Ordering::SeqCst);
+    }
+
+    /// Wait `delay` before answering each following request.
+    pub fn set_delay(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.script.delay_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// Every request so far, in arrival order.
+    pub fn received(&self) -> Vec<Received> {
+        self.script.received.lock().expect("sink lock").clone()
+    }
+
+    /// Number of requests so far.
+    pub fn count(&self) -> usize {
+        self.script.received.lock().expect("sink lock").len()
+    }
+
+    /// Requests answered with a 2xx.
+    pub fn delivered(&self) -> Vec<Received> {
+        self.received()
+            .into_iter()
+            .filter(|r| (200..300).contains(&r.status))
+            .collect()
+    }
+}
+
+async fn handle(State(script): State<Arc<Script>>, headers: HeaderMap, body: Bytes) -> StatusCode {
+    let delay = script.delay_ms.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    let status = script.status.load(Ordering::SeqCst);
+    let header = |k: &str| {
+        headers
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    script.received.lock().expect("sink lock").push(Received {
+        body,
+        signature: header("x-event-signature"),
+        idempotency_key: header("idempotency-key"),
+        content_type: header("content-type"),
+        status,
+        at: Instant::now(),
+    });
+    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
