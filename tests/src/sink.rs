@@ -4,7 +4,7 @@
 //! outages, slow responses) and as the benchmarks' null sink.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -58,6 +58,10 @@ struct Script {
     status: AtomicU16,
     delay_ms: AtomicU64,
     received: Mutex<Vec<Received>>,
+    /// Requests being handled now.
+    in_progress: AtomicUsize,
+    /// Forward to this URL (after the delay) and answer with its status.
+    upstream: Option<(reqwest::Client, String)>,
 }
 
 /// The running sink; stops when dropped.
@@ -73,7 +77,22 @@ pub struct ScriptedSink {
 impl ScriptedSink {
     /// Starts on a free loopback port answering 204 at once.
     pub async fn start() -> anyhow::Result<ScriptedSink> {
-        let script = Arc::new(Script::default());
+        Self::serve(Script::default()).await
+    }
+
+    /// Starts a delaying proxy in front of `upstream` (e.g. Billing's inbox):
+    /// each request waits the scripted delay, is forwarded with its body and
+    /// signature headers, and gets the upstream's status.
+    pub async fn proxy(upstream: &str) -> anyhow::Result<ScriptedSink> {
+        Self::serve(Script {
+            upstream: Some((reqwest::Client::new(), upstream.to_owned())),
+            ..Script::default()
+        })
+        .await
+    }
+
+    async fn serve(script: Script) -> anyhow::Result<ScriptedSink> {
+        let script = Arc::new(script);
         script.status.store(204, Ordering::SeqCst);
         let app = Router::new()
             .route("/inbox", post(handle))
@@ -108,6 +127,11 @@ impl ScriptedSink {
         self.script.delay_ms.store(ms, Ordering::SeqCst);
     }
 
+    /// Requests received and not yet answered.
+    pub fn in_progress(&self) -> usize {
+        self.script.in_progress.load(Ordering::SeqCst)
+    }
+
     /// Every request so far, in arrival order.
     pub fn received(&self) -> Vec<Received> {
         self.script.received.lock().expect("sink lock").clone()
@@ -128,11 +152,9 @@ impl ScriptedSink {
 }
 
 async fn handle(State(script): State<Arc<Script>>, headers: HeaderMap, body: Bytes) -> StatusCode {
-    let delay = script.delay_ms.load(Ordering::SeqCst);
-    if delay > 0 {
-        tokio::time::sleep(Duration::from_millis(delay)).await;
-    }
-    let status = script.status.load(Ordering::SeqCst);
+    script.in_progress.fetch_add(1, Ordering::SeqCst);
+    let status = answer(&script, &headers, &body).await;
+    script.in_progress.fetch_sub(1, Ordering::SeqCst);
     let header = |k: &str| {
         headers
             .get(k)
@@ -148,4 +170,28 @@ async fn handle(State(script): State<Arc<Script>>, headers: HeaderMap, body: Byt
         at: Instant::now(),
     });
     StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> u16 {
+    let delay = script.delay_ms.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    let scripted = script.status.load(Ordering::SeqCst);
+    let Some((client, url)) = &script.upstream else {
+        return scripted;
+    };
+    if !(200..300).contains(&scripted) {
+        return scripted;
+    }
+    let mut req = client.post(url).body(body.clone());
+    for name in ["content-type", "x-event-signature", "idempotency-key"] {
+        if let Some(v) = headers.get(name) {
+            req = req.header(name, v.clone());
+        }
+    }
+    match req.send().await {
+        Ok(r) => r.status().as_u16(),
+        Err(_) => 502,
+    }
 }
