@@ -1,6 +1,8 @@
 //! Logging: `tracing` to stderr (stdout carries only the startup line),
 //! filtered by `RUST_LOG` (default `info`), as text or JSON lines.
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 /// Log output format.
@@ -23,8 +25,10 @@ pub struct LogArgs {
 /// Installs the global subscriber. Fails if one is already installed.
 pub fn init_tracing(format: LogFormat) -> anyhow::Result<()> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // Colour codes only for a terminal: captured logs stay greppable.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.try_init(),
