@@ -60,6 +60,8 @@ struct Script {
     received: Mutex<Vec<Received>>,
     /// Requests being handled now.
     in_progress: AtomicUsize,
+    /// Requests that arrived, answered or not (a client may disconnect first).
+    arrivals: AtomicUsize,
     /// Forward to this URL (after the delay) and answer with its status.
     upstream: Option<(reqwest::Client, String)>,
 }
@@ -132,7 +134,13 @@ impl ScriptedSink {
         self.script.in_progress.load(Ordering::SeqCst)
     }
 
-    /// Every request so far, in arrival order.
+    /// Requests that arrived so far, including ones whose client went away
+    /// before the answer (those are missing from [`received`](Self::received)).
+    pub fn arrivals(&self) -> usize {
+        self.script.arrivals.load(Ordering::SeqCst)
+    }
+
+    /// Every answered request so far, in arrival order.
     pub fn received(&self) -> Vec<Received> {
         self.script.received.lock().expect("sink lock").clone()
     }
@@ -152,6 +160,7 @@ impl ScriptedSink {
 }
 
 async fn handle(State(script): State<Arc<Script>>, headers: HeaderMap, body: Bytes) -> StatusCode {
+    script.arrivals.fetch_add(1, Ordering::SeqCst);
     script.in_progress.fetch_add(1, Ordering::SeqCst);
     let status = answer(&script, &headers, &body).await;
     script.in_progress.fetch_sub(1, Ordering::SeqCst);

@@ -103,3 +103,314 @@ async fn body_signature_and_headers_follow_the_wire_format() -> anyhow::Result<(
     assert_eq!(got.content_type.as_deref(), Some("application/json"));
     Ok(())
 }
+
+/// Inserts an order and its outbox event with plain SQL; returns the event id.
+async fn insert_event(db: &tokio_postgres::Client) -> anyhow::Result<uuid::Uuid> {
+    let order = uuid::Uuid::new_v4();
+    let event = uuid::Uuid::new_v4();
+    db.batch_execute("BEGIN").await?;
+    db.execute(
+        "INSERT INTO orders (id, amount_cents, currency) VALUES ($1, 100, 'EUR')",
+        &[&order],
+    )
+    .await?;
+    db.execute(
+        "INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ($1, $2, 'OrderCreated', \
+         jsonb_build_object('order_id', $2::uuid, 'amount_cents', 100, 'currency', 'EUR'))",
+        &[&event, &order],
+    )
+    .await?;
+    db.batch_execute("COMMIT").await?;
+    Ok(event)
+}
+
+async fn current_wal(db: &tokio_postgres::Client) -> anyhow::Result<u64> {
+    let v: i64 = db
+        .query_one("SELECT (pg_current_wal_lsn() - '0/0')::bigint", &[])
+        .await?
+        .get(0);
+    Ok(u64::try_from(v)?)
+}
+
+/// Writes about `mb` MB of WAL into a table no publication covers.
+async fn unrelated_wal(db: &tokio_postgres::Client, mb: usize) -> anyhow::Result<()> {
+    db.batch_execute("CREATE TABLE IF NOT EXISTS noise (id bigserial PRIMARY KEY, filler text)")
+        .await?;
+    db.execute(
+        "INSERT INTO noise (filler) SELECT repeat(md5(g::text), 30) FROM generate_series(1, $1::int * 1000) g",
+        &[&i32::try_from(mb)?],
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confirmed_lsn_never_passes_an_undelivered_commit() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    let sink = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
+    sink.set_status(503);
+    let mut relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+
+    let before = current_wal(&db).await?;
+    let event = insert_event(&db).await?;
+    let outage = std::time::Instant::now();
+    let mut killed = false;
+    while outage.elapsed() < Duration::from_secs(20) {
+        // Busy unrelated writes must not move the ack past the stuck event.
+        unrelated_wal(&db, 1).await?;
+        let (confirmed, _) = app::slot_position(&stack).await?;
+        assert!(
+            confirmed <= before,
+            "confirmed_flush_lsn {confirmed} passed the undelivered commit (started after {before})"
+        );
+        if !killed && outage.elapsed() > Duration::from_secs(10) {
+            assert!(
+                sink.count() >= 2,
+                "the relay keeps retrying during the outage"
+            );
+            relay.process.sigkill();
+            relay.process.wait_exit(Duration::from_secs(10)).await?;
+            relay = app::start_relay(&stack, &sink.url, &[]).await?;
+            killed = true;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let attempts_before_recovery = sink.count();
+    sink.set_status(204);
+    app::wait_ledger_clean(&stack, 1, DRAIN).await?;
+    let after = current_wal(&db).await?;
+    harness::wait_until(
+        "confirmed past the delivered commit",
+        Duration::from_secs(10),
+        || async {
+            app::slot_position(&stack)
+                .await
+                .map(|(c, _)| c > before && c >= after.min(c))
+        },
+    )
+    .await?;
+    let ids: Vec<String> = sink.received().iter().map(|r| r.id()).collect();
+    assert!(
+        ids.iter().all(|id| *id == event.to_string()),
+        "only the stuck event was sent"
+    );
+    assert!(
+        attempts_before_recovery >= 4,
+        "retries from both relay processes"
+    );
+    drop(relay);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_with_requests_in_flight_redelivers_and_clean_restarts_send_nothing()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    let orders = app::start_orders(&stack).await?;
+    let sink = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
+    sink.set_delay(Duration::from_secs(2));
+    let mut relay = app::start_relay(&stack, &sink.url, &["--max-in-flight", "64"]).await?;
+    app::wait_streaming(&relay).await?;
+
+    let http = reqwest::Client::new();
+    for i in 0..300 {
+        app::post_order(&http, &orders.url, 1 + i).await?;
+    }
+    harness::wait_until("64 requests in flight", Duration::from_secs(30), || async {
+        sink.in_progress() == 64
+    })
+    .await?;
+    relay.process.sigkill();
+    relay.process.wait_exit(Duration::from_secs(10)).await?;
+    sink.set_delay(Duration::ZERO);
+    let mut relay = app::start_relay(&stack, &sink.url, &["--max-in-flight", "64"]).await?;
+    let ledger = app::wait_ledger_clean(&stack, 300, DRAIN).await?;
+    assert!(ledger.is_clean(), "{ledger:?}");
+    let redelivered = sink.arrivals() - 300;
+    eprintln!(
+        "SIGKILL with 64 in flight: {redelivered} redelivered requests (absorbed by the inbox)"
+    );
+    assert!(redelivered >= 64, "the 64 killed requests were sent again");
+
+    // Let the slot catch up, then restart cleanly three times: nothing is re-sent.
+    let (_, end) = app::slot_position(&stack).await?;
+    harness::wait_until("slot caught up", Duration::from_secs(10), || async {
+        app::slot_position(&stack).await.map(|(c, _)| c >= end)
+    })
+    .await?;
+    let sent = sink.arrivals();
+    for round in 0..3 {
+        relay.process.sigterm();
+        let status = relay.process.wait_exit(Duration::from_secs(20)).await?;
+        assert!(status.success(), "clean stop {round} exited {status}");
+        relay = app::start_relay(&stack, &sink.url, &[]).await?;
+        app::wait_streaming(&relay).await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(sink.arrivals(), sent, "clean restarts must not redeliver");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_point_comes_from_the_slot_alone() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    let sink_url = format!("{}/inbox", billing.url);
+    let mut relay = app::start_relay(&stack, &sink_url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    relay.process.sigterm();
+    relay.process.wait_exit(Duration::from_secs(20)).await?;
+    // The relay keeps no local state: a new process in a new working
+    // directory is all a restart needs.
+    let db = stack.orders_admin().await?;
+    for _ in 0..3 {
+        insert_event(&db).await?;
+    }
+    unrelated_wal(&db, 50).await?;
+    let _relay = app::start_relay(&stack, &sink_url, &[]).await?;
+    let ledger = app::wait_ledger_clean(&stack, 3, DRAIN).await?;
+    assert_eq!(ledger.invoices, 3);
+    Ok(())
+}
+
+async fn idle_outbox_releases_wal(stack: &harness::Stack) -> anyhow::Result<()> {
+    app::relay_setup(stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    db.batch_execute(
+        "CREATE TABLE busy (id bigserial PRIMARY KEY, v int); \
+         INSERT INTO busy (v) SELECT g FROM generate_series(1, 200000) g",
+    )
+    .await?;
+    harness::wait_until("slot lag under 1 MB", Duration::from_secs(15), || async {
+        app::slot_position(stack)
+            .await
+            .map(|(confirmed, current)| current.saturating_sub(confirmed) < 1 << 20)
+    })
+    .await?;
+    assert_eq!(sink.count(), 0, "no events were posted");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_outbox_in_a_busy_database_does_not_pin_wal() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    idle_outbox_releases_wal(&stack).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_outbox_releases_wal_with_wal_sender_timeout_disabled() -> anyhow::Result<()> {
+    let cluster = PgCluster::start(harness::ClusterOptions {
+        wal_sender_timeout: "0".into(),
+        ..Default::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    idle_outbox_releases_wal(&stack).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_sink_does_not_trip_wal_sender_timeout() -> anyhow::Result<()> {
+    let cluster = PgCluster::start(harness::ClusterOptions {
+        wal_sender_timeout: "2s".into(),
+        ..Default::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    sink.set_delay(Duration::from_secs(3));
+    let relay = app::start_relay(&stack, &sink.url, &["--max-in-flight", "1"]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let first = walsender(&db, &stack.slot).await?;
+    assert!(first.is_some(), "slot active");
+    let mut events = Vec::new();
+    for _ in 0..3 {
+        events.push(insert_event(&db).await?);
+    }
+    harness::wait_until("3 slow deliveries", Duration::from_secs(30), || async {
+        sink.delivered().len() >= 3
+    })
+    .await?;
+    assert_eq!(
+        walsender(&db, &stack.slot).await?,
+        first,
+        "same walsender throughout"
+    );
+    let log = cluster.log_contents();
+    assert!(
+        !log.contains("replication timeout"),
+        "walsender was terminated:\n{}",
+        cluster.log_tail(30)
+    );
+    let ids: Vec<String> = sink.delivered().iter().map(|r| r.id()).collect();
+    let expected: Vec<String> = events.iter().map(ToString::to_string).collect();
+    assert_eq!(ids, expected);
+    Ok(())
+}
+
+async fn walsender(db: &tokio_postgres::Client, slot: &str) -> anyhow::Result<Option<i32>> {
+    let r = db
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(r.get(0))
+}
+
+fn peak_rss_kib(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .ok_or_else(|| anyhow::anyhow!("no VmHWM"))?;
+    Ok(line.split_whitespace().nth(1).unwrap_or("0").parse()?)
+}
+
+/// Peak RSS bound for draining a 500 MB backlog with `--max-pending-bytes 16MiB`.
+const PEAK_RSS_BOUND_MIB: u64 = 96;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backlog_of_large_events_drains_in_bounded_memory() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let db = stack.orders_admin().await?;
+    let order = uuid::Uuid::new_v4();
+    db.execute(
+        "INSERT INTO orders (id, amount_cents, currency) VALUES ($1, 1, 'EUR')",
+        &[&order],
+    )
+    .await?;
+    // 5,000 events of ~100 KB of incompressible text, in batches.
+    for _ in 0..10 {
+        db.execute(
+            "INSERT INTO outbox (id, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), $1, 'Big', jsonb_build_object('blob', \
+               (SELECT string_agg(md5(random()::text || g::text || i::text), '') FROM generate_series(1, 3200) i)) \
+             FROM generate_series(1, 500) g",
+            &[&order],
+        )
+        .await?;
+    }
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &["--max-pending-bytes", "16MiB"]).await?;
+    harness::wait_until(
+        "5,000 large events delivered",
+        Duration::from_secs(180),
+        || async { sink.delivered().len() >= 5000 },
+    )
+    .await?;
+    let peak = peak_rss_kib(relay.process.pid())? / 1024;
+    eprintln!("peak RSS draining 5,000 x 100 KB: {peak} MiB (bound {PEAK_RSS_BOUND_MIB} MiB)");
+    assert!(peak < PEAK_RSS_BOUND_MIB, "peak RSS {peak} MiB");
+    Ok(())
+}
