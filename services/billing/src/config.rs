@@ -1,5 +1,6 @@
 //! Flags of the `billing` binary. Every flag is also a `BILLING_*` variable,
-//! except the secret list, which is `EVENT_SECRET` as in the tutorial.
+//! except the secrets: `EVENT_SECRET` as in the tutorial, and
+//! `EVENT_SECRET_FILE`, both shared with the relay.
 
 use std::path::PathBuf;
 
@@ -27,8 +28,9 @@ pub struct BillingArgs {
     #[arg(long, env = "EVENT_SECRET", hide_env_values = true)]
     pub event_secret: Option<String>,
     /// File with one accepted secret per line (blank lines skipped); combined
-    /// with `--event-secret`.
-    #[arg(long)]
+    /// with `--event-secret`. Same variable as the relay's, which signs with
+    /// the same secret.
+    #[arg(long, env = "EVENT_SECRET_FILE")]
     pub event_secret_file: Option<PathBuf>,
 }
 

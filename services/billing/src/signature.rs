@@ -19,7 +19,7 @@ pub enum SecretError {
     /// Neither source held a non-blank secret.
     #[error(
         "no event secret configured: set EVENT_SECRET (comma-separated list) or --event-secret, \
-         or --event-secret-file / BILLING_EVENT_SECRET_FILE (one secret per line)"
+         or --event-secret-file / EVENT_SECRET_FILE (one secret per line)"
     )]
     Empty,
     /// The secret file could not be read.

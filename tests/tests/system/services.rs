@@ -642,6 +642,93 @@ async fn orders_pool_exhausted_past_its_wait_is_503_with_retry_after() {
     );
 }
 
+/// Makes every insert into `orders` sleep `seconds` in PostgreSQL.
+async fn slow_down_order_inserts(db: &tokio_postgres::Client, seconds: f64) {
+    db.batch_execute(&format!(
+        "CREATE FUNCTION test_slow_insert() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN PERFORM pg_sleep({seconds}); RETURN NEW; END $$; \
+         CREATE TRIGGER test_slow_insert BEFORE INSERT ON orders \
+         FOR EACH ROW EXECUTE FUNCTION test_slow_insert()"
+    ))
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn orders_statement_over_statement_timeout_is_500_within_the_bound() {
+    let stack = stack().await;
+    let orders = Service::orders(&stack, &["--statement-timeout-ms", "300"], &[]).await;
+    let client = http();
+    let db = stack.orders_admin().await.unwrap();
+    slow_down_order_inserts(&db, 5.0).await;
+
+    let started = Instant::now();
+    let response = post_order(&client, &orders, r#"{"amount_cents":1,"currency":"EUR"}"#).await;
+    let waited = started.elapsed();
+    expect_error(
+        response,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal_error",
+    )
+    .await;
+    assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    assert!(
+        waited < Duration::from_secs(3),
+        "statement_timeout bounds it: {waited:?}"
+    );
+    assert_eq!(count(&db, "orders").await, 0);
+}
+
+#[tokio::test]
+async fn orders_request_over_request_timeout_is_503_and_its_transaction_rolls_back() {
+    let stack = stack().await;
+    let orders = Service::orders(&stack, &["--request-timeout-ms", "300"], &[]).await;
+    let client = http();
+    let db = stack.orders_admin().await.unwrap();
+    slow_down_order_inserts(&db, 1.0).await;
+
+    let started = Instant::now();
+    let response = post_order(&client, &orders, r#"{"amount_cents":1,"currency":"EUR"}"#).await;
+    let waited = started.elapsed();
+    expect_error(response, StatusCode::SERVICE_UNAVAILABLE, "request_timeout").await;
+    assert!(
+        waited < Duration::from_millis(900),
+        "answered before the insert ended: {waited:?}"
+    );
+
+    // The abandoned insert finishes in PostgreSQL and is rolled back.
+    wait_until(
+        "the abandoned transaction to end",
+        Duration::from_secs(10),
+        || async {
+            let busy: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = 'orders' AND state <> 'idle'",
+                    &[],
+                )
+                .await?
+                .get(0);
+            Ok::<bool, anyhow::Error>(busy == 0)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(count(&db, "orders").await, 0);
+    assert_eq!(count(&db, "outbox").await, 0);
+
+    db.batch_execute("DROP TRIGGER test_slow_insert ON orders")
+        .await
+        .unwrap();
+    let response = post_order(&client, &orders, r#"{"amount_cents":1,"currency":"EUR"}"#).await;
+    assert_eq!(
+        response.status(),
+        StatusCode::CREATED,
+        "the pool is healthy again"
+    );
+    assert_eq!(count(&db, "orders").await, 1);
+}
+
 #[tokio::test]
 async fn orders_2000_posts_from_16_clients_commit_2000_orders_and_events_with_unique_ids() {
     const CLIENTS: usize = 16;
