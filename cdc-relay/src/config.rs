@@ -147,8 +147,15 @@ pub struct GlobalArgs {
         global = true
     )]
     pub log_format: LogFormat,
-    /// Log filter (tracing EnvFilter syntax), e.g. info,cdc_relay=debug.
-    #[arg(long, env = "CDC_RELAY_LOG", default_value = "info", global = true)]
+    /// Log filter (tracing EnvFilter syntax), e.g. info,cdc_relay=debug. The
+    /// replication transport's own logs are off by default: the relay logs
+    /// every session error itself, once, with what it does about it.
+    #[arg(
+        long,
+        env = "CDC_RELAY_LOG",
+        default_value = "info,pgwire_replication=off",
+        global = true
+    )]
     pub log: String,
 }
 

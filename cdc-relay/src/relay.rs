@@ -159,9 +159,11 @@ async fn session(
     health: &Arc<Health>,
     shutdown: &CancellationToken,
 ) -> Result<SessionEnd, RelayError> {
-    let side = source::connect_sql(&cfg.conn, &cfg.application_name)
-        .await
-        .map_err(|e| sql_error(&e, &cfg.conn))?;
+    let side = Arc::new(
+        source::connect_sql(&cfg.conn, &cfg.application_name)
+            .await
+            .map_err(|e| sql_error(&e, &cfg.conn))?,
+    );
     let wst = side
         .query_one("SHOW wal_sender_timeout", &[])
         .await
@@ -193,7 +195,7 @@ async fn session(
     tracing::info!(slot = %cfg.slot, start = %start, status_interval_ms = settings.status_interval.as_millis() as u64, "streaming");
 
     let monitor = AbortOnDrop(tokio::spawn(monitor_slot(
-        side,
+        Arc::clone(&side),
         cfg.slot.clone(),
         cfg.slot_stats_interval,
         metrics.clone(),
@@ -217,6 +219,11 @@ async fn session(
         mapper: OutboxMapper::new(cfg.table.clone(), cfg.columns.clone()),
         tx: None,
         slot: cfg.slot.clone(),
+        watchdog: Watchdog {
+            side,
+            silence: silence_bound(wst, settings.status_interval),
+            last_message: tokio::time::Instant::now(),
+        },
     };
     let read = stream
         .read_until_stopped(shutdown, cfg.shutdown_timeout)
@@ -306,6 +313,62 @@ struct Stream {
     /// The open transaction, between Begin and Commit.
     tx: Option<TxContext>,
     slot: String,
+    watchdog: Watchdog,
+}
+
+/// Notices a stream that is open but dead (a frozen walsender, a silent
+/// network): after `silence` without a message it asks the server, on the
+/// side connection, whether the walsender still reads our status updates.
+struct Watchdog {
+    side: Arc<tokio_postgres::Client>,
+    silence: Duration,
+    last_message: tokio::time::Instant,
+}
+
+/// Silence worth a liveness check: the server's own timeout (it would
+/// have dropped us by then), at least 3 status intervals, at least 5 s
+/// when the server's timeout is disabled.
+fn silence_bound(wal_sender_timeout: Duration, status_interval: Duration) -> Duration {
+    let floor = (status_interval * 3).max(Duration::from_secs(1));
+    if wal_sender_timeout.is_zero() {
+        floor.max(Duration::from_secs(5))
+    } else {
+        wal_sender_timeout.max(floor)
+    }
+}
+
+impl Watchdog {
+    fn deadline(&self) -> tokio::time::Instant {
+        self.last_message + self.silence
+    }
+
+    /// `Ok` when the walsender serving our slot read a status update from us
+    /// within the silence bound; otherwise the session must be replaced.
+    async fn check(&mut self, slot: &str) -> Result<(), RelayError> {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&slot];
+        let query = self.side.query_opt(
+            "SELECT EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8 \
+             FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid \
+             WHERE s.slot_name = $1",
+            &params,
+        );
+        let stalled = |why: String| Err(SourceError::Stalled(why).into());
+        match tokio::time::timeout(Duration::from_secs(5), query).await {
+            Err(_) => stalled("liveness query on the side connection timed out".into()),
+            Ok(Err(e)) => stalled(format!("liveness query failed: {e}")),
+            Ok(Ok(None)) => stalled("no walsender holds the slot for this session".into()),
+            Ok(Ok(Some(row))) => {
+                let age = row.get::<_, Option<f64>>(0).unwrap_or(f64::MAX);
+                if age > self.silence.as_secs_f64() {
+                    return stalled(format!(
+                        "the walsender has not read a status update for {age:.1} s"
+                    ));
+                }
+                self.last_message = tokio::time::Instant::now();
+                Ok(())
+            }
+        }
+    }
 }
 
 impl Stream {
@@ -332,7 +395,9 @@ impl Stream {
                     deadline = Some(tokio::time::Instant::now() + budget);
                 }
                 _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {}
+                _ = tokio::time::sleep_until(self.watchdog.deadline()) => self.watchdog.check(&self.slot).await?,
                 ev = self.client.recv() => {
+                    self.watchdog.last_message = tokio::time::Instant::now();
                     let ev = ev.map_err(|e| source::classify(&e, &self.slot))?;
                     let ev = ev.ok_or_else(|| SourceError::Transient("the server ended the replication stream".into()))?;
                     self.handle(ev, deadline).await?;
@@ -449,7 +514,7 @@ impl Stream {
 
 /// Reads the slot's figures into metrics every `interval` (one query).
 async fn monitor_slot(
-    side: tokio_postgres::Client,
+    side: Arc<tokio_postgres::Client>,
     slot: String,
     interval: Duration,
     metrics: Metrics,
@@ -496,5 +561,34 @@ struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silence_bound_follows_the_server_timeout() {
+        let s = Duration::from_secs;
+        assert_eq!(silence_bound(s(60), s(1)), s(60));
+        assert_eq!(silence_bound(s(2), Duration::from_millis(666)), s(2));
+        assert_eq!(silence_bound(Duration::ZERO, s(1)), s(5));
+        assert_eq!(
+            silence_bound(Duration::from_millis(500), Duration::from_millis(100)),
+            s(1)
+        );
+    }
+
+    #[test]
+    fn exit_codes_are_distinct() {
+        let slot = || "s".to_owned();
+        let missing: RelayError = SourceError::SlotMissing { slot: slot() }.into();
+        let lost: RelayError = SourceError::SlotInvalidated { slot: slot() }.into();
+        let auth: RelayError = SourceError::Definite("auth".into()).into();
+        assert_eq!(
+            (missing.exit_code(), lost.exit_code(), auth.exit_code()),
+            (3, 4, 1)
+        );
     }
 }

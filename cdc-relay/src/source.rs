@@ -194,6 +194,9 @@ pub enum SourceError {
     /// Connection lost, server restarting, resources exhausted: retry.
     #[error("{0}")]
     Transient(String),
+    /// The stream is open but the server stopped serving it (watchdog).
+    #[error("replication stream stalled: {0}")]
+    Stalled(String),
 }
 
 impl SourceError {
@@ -215,6 +218,7 @@ impl SourceError {
             SourceError::SlotInvalidated { .. } => "slot_invalidated",
             SourceError::Definite(_) => "definite",
             SourceError::Transient(_) => "transient",
+            SourceError::Stalled(_) => "watchdog",
         }
     }
 }

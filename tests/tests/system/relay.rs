@@ -414,3 +414,36 @@ async fn backlog_of_large_events_drains_in_bounded_memory() -> anyhow::Result<()
     assert!(peak < PEAK_RSS_BOUND_MIB, "peak RSS {peak} MiB");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_walsender_is_detected_by_the_watchdog() -> anyhow::Result<()> {
+    let cluster = PgCluster::start(harness::ClusterOptions {
+        wal_sender_timeout: "2s".into(),
+        ..Default::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let frozen = walsender(&db, &stack.slot).await?.expect("slot active");
+    let pid = nix::unistd::Pid::from_raw(frozen);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP)?;
+    let event = insert_event(&db).await?;
+    tokio::time::sleep(Duration::from_secs(6)).await; // 3 x wal_sender_timeout
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT)?;
+    harness::wait_until("the event delivered by a new session", Duration::from_secs(30), || async {
+        sink.delivered().iter().any(|r| r.id() == event.to_string())
+    })
+    .await?;
+    let now = walsender(&db, &stack.slot).await?;
+    assert_ne!(now, Some(frozen), "a new walsender serves the slot");
+    let metrics = reqwest::get(format!("{}/metrics", relay.url)).await?.text().await?;
+    assert!(
+        metrics.contains("cdc_relay_reconnects_total{cause=\"watchdog\"}"),
+        "watchdog reconnect counted:\n{}",
+        relay.process.logs()
+    );
+    Ok(())
+}
