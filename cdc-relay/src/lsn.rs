@@ -43,7 +43,7 @@ impl FromStr for Lsn {
         let err = || ParseLsnError(s.to_owned());
         let (hi, lo) = s.split_once('/').ok_or_else(err)?;
         let half = |h: &str| {
-            if h.is_empty() || h.len() > 8 {
+            if h.is_empty() || h.len() > 8 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(err());
             }
             u32::from_str_radix(h, 16).map_err(|_| err())
