@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::{MatchedPath, Request, State};
-use axum::http::header;
+use axum::http::{Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use prometheus::{
@@ -99,15 +99,35 @@ pub async fn track_requests(
         .get::<MatchedPath>()
         .map_or("unmatched", MatchedPath::as_str)
         .to_owned();
-    let method = request.method().clone();
+    let method = method_label(request.method());
     let response = next.run(request).await;
     metrics.observe(
         &route,
-        method.as_str(),
+        method,
         response.status().as_u16(),
         started.elapsed().as_secs_f64(),
     );
     response
+}
+
+/// The method as a label; extension methods (any token is a valid method)
+/// collapse into `other` so clients cannot mint label values.
+fn method_label(method: &Method) -> &'static str {
+    const KNOWN: [Method; 9] = [
+        Method::GET,
+        Method::POST,
+        Method::PUT,
+        Method::DELETE,
+        Method::HEAD,
+        Method::OPTIONS,
+        Method::PATCH,
+        Method::TRACE,
+        Method::CONNECT,
+    ];
+    KNOWN
+        .iter()
+        .find(|known| *known == method)
+        .map_or("other", |known| known.as_str())
 }
 
 /// `GET /metrics`.
@@ -122,6 +142,12 @@ pub async fn metrics_endpoint(State(metrics): State<Arc<HttpMetrics>>) -> Respon
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extension_methods_share_one_label() {
+        assert_eq!(method_label(&Method::POST), "POST");
+        assert_eq!(method_label(&Method::from_bytes(b"BREW").unwrap()), "other");
+    }
 
     #[test]
     fn encodes_requests_and_histogram() {
