@@ -1,5 +1,7 @@
 //! System tests.
 
+mod cli;
 mod harness;
 mod relay;
 mod services;
+mod stream;
