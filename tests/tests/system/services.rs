@@ -730,6 +730,50 @@ async fn orders_request_over_request_timeout_is_503_and_its_transaction_rolls_ba
 }
 
 #[tokio::test]
+async fn orders_sessions_run_with_bounded_timeouts_and_custom_plans() {
+    let stack = stack().await;
+    let orders = Service::orders(&stack, &[], &[]).await;
+    let client = http();
+    let db = stack.orders_admin().await.unwrap();
+    // A trigger reads the settings inside the service's own session.
+    db.batch_execute(
+        "CREATE TABLE test_seen (name text, setting text); \
+         CREATE FUNCTION test_record_settings() RETURNS trigger LANGUAGE plpgsql \
+         SECURITY DEFINER AS $$ BEGIN \
+           INSERT INTO test_seen SELECT s, current_setting(s) FROM unnest(ARRAY[ \
+             'statement_timeout', 'lock_timeout', 'idle_in_transaction_session_timeout', \
+             'plan_cache_mode', 'application_name']) AS s; \
+           RETURN NEW; END $$; \
+         CREATE TRIGGER test_record_settings AFTER INSERT ON orders \
+         FOR EACH ROW EXECUTE FUNCTION test_record_settings()",
+    )
+    .await
+    .unwrap();
+
+    let response = post_order(&client, &orders, r#"{"amount_cents":1,"currency":"EUR"}"#).await;
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let seen: Vec<(String, String)> = db
+        .query("SELECT name, setting FROM test_seen ORDER BY name", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let expected = [
+        ("application_name", "orders"),
+        ("idle_in_transaction_session_timeout", "10s"),
+        ("lock_timeout", "1s"),
+        ("plan_cache_mode", "force_custom_plan"),
+        ("statement_timeout", "3s"),
+    ];
+    let expected: Vec<(String, String)> = expected
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect();
+    assert_eq!(seen, expected);
+}
+
+#[tokio::test]
 async fn orders_2000_posts_from_16_clients_commit_2000_orders_and_events_with_unique_ids() {
     const CLIENTS: usize = 16;
     const PER_CLIENT: usize = 125;
