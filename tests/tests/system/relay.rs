@@ -433,13 +433,18 @@ async fn frozen_walsender_is_detected_by_the_watchdog() -> anyhow::Result<()> {
     let event = insert_event(&db).await?;
     tokio::time::sleep(Duration::from_secs(6)).await; // 3 x wal_sender_timeout
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT)?;
-    harness::wait_until("the event delivered by a new session", Duration::from_secs(30), || async {
-        sink.delivered().iter().any(|r| r.id() == event.to_string())
-    })
+    harness::wait_until(
+        "the event delivered by a new session",
+        Duration::from_secs(30),
+        || async { sink.delivered().iter().any(|r| r.id() == event.to_string()) },
+    )
     .await?;
     let now = walsender(&db, &stack.slot).await?;
     assert_ne!(now, Some(frozen), "a new walsender serves the slot");
-    let metrics = reqwest::get(format!("{}/metrics", relay.url)).await?.text().await?;
+    let metrics = reqwest::get(format!("{}/metrics", relay.url))
+        .await?
+        .text()
+        .await?;
     assert!(
         metrics.contains("cdc_relay_reconnects_total{cause=\"watchdog\"}"),
         "watchdog reconnect counted:\n{}",
