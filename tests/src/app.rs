@@ -109,7 +109,10 @@ pub async fn start_relay(stack: &Stack, sink_url: &str, args: &[&str]) -> anyhow
         &[
             ("CDC_RELAY_DATABASE_URL", &stack.relay_url),
             ("EVENT_SECRET", TEST_SECRET),
-            ("CDC_RELAY_LOG", "info,cdc_relay=debug,pgwire_replication=off"),
+            (
+                "CDC_RELAY_LOG",
+                "info,cdc_relay=debug,pgwire_replication=off",
+            ),
         ],
     )?;
     let url = process.listen_addr(START_TIMEOUT).await?;
