@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The whole test suite: unit, property, fuzz-corpus and system tests. System
+# tests start their own throwaway PostgreSQL cluster (wal_level=logical) from
+# the server binaries installed on this machine; nothing else is needed.
+#
+# Usage: tests/run.sh [extra cargo test arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+have_postgres() {
+    if [ -n "${CDC_RELAY_PG_BINDIR:-}" ] && [ -x "$CDC_RELAY_PG_BINDIR/postgres" ]; then return 0; fi
+    if command -v pg_config >/dev/null 2>&1 && [ -x "$(pg_config --bindir)/postgres" ]; then return 0; fi
+    compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null
+}
+
+if ! have_postgres; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "PostgreSQL server not found: installing Debian's postgresql package" >&2
+        # Only the binaries are needed: no cluster, no service of its own.
+        mkdir -p /etc/postgresql-common
+        echo 'create_main_cluster = false' > /etc/postgresql-common/createcluster.conf
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+    else
+        echo "PostgreSQL server binaries not found." >&2
+        echo "Install them, then run this again:" >&2
+        echo "    sudo apt-get install postgresql        # Debian/Ubuntu" >&2
+        echo "or point CDC_RELAY_PG_BINDIR at a directory holding postgres and initdb." >&2
+        exit 1
+    fi
+fi
+
+# The server refuses to run as root; the harness then runs it as this user.
+if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
+    echo "running as root: creating the unprivileged 'postgres' user the harness starts the server as" >&2
+    useradd --system --home-dir /var/lib/postgresql --shell /usr/sbin/nologin postgres
+fi
+
+exec cargo test --workspace --locked "$@"
