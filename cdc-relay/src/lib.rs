@@ -33,3 +33,4 @@ pub mod relay;
 pub mod setup;
 pub mod sink;
 pub mod source;
+pub mod tls;

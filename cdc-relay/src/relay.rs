@@ -162,7 +162,7 @@ async fn session(
     let side = Arc::new(
         source::connect_sql(&cfg.conn, &cfg.application_name)
             .await
-            .map_err(|e| sql_error(&e, &cfg.conn))?,
+            .map_err(|e| connect_error(e, &cfg.conn))?,
     );
     let wst = side
         .query_one("SHOW wal_sender_timeout", &[])
@@ -539,6 +539,13 @@ async fn monitor_slot(
                 return;
             }
         }
+    }
+}
+
+fn connect_error(e: source::SqlConnectError, conn: &ConnParams) -> RelayError {
+    match e {
+        source::SqlConnectError::Tls(e) => SourceError::Definite(e.to_string()).into(),
+        source::SqlConnectError::Sql(e) => sql_error(&e, conn),
     }
 }
 

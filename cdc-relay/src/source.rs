@@ -91,7 +91,16 @@ impl ConnParams {
             user,
             password,
             dbname,
-            sslmode: raw_mode.unwrap_or(sslmode),
+            sslmode: match raw_mode.as_deref() {
+                None => sslmode,
+                Some("allow" | "prefer") => "prefer".to_owned(),
+                Some(m @ ("disable" | "require" | "verify-ca" | "verify-full")) => m.to_owned(),
+                Some(other) => {
+                    return Err(BadUrl(format!(
+                        "sslmode={other}: expected disable, allow, prefer, require, verify-ca or verify-full"
+                    )));
+                }
+            },
             ssl_root_cert: query_param(url, "sslrootcert").map(Into::into),
             connect_timeout: cfg
                 .get_connect_timeout()
@@ -125,7 +134,12 @@ impl ConnParams {
             "require" => TlsConfig::require(),
             "verify-ca" => TlsConfig::verify_ca(self.ssl_root_cert.clone()),
             "verify-full" => TlsConfig::verify_full(self.ssl_root_cert.clone()),
-            _ => TlsConfig::disabled(),
+            "disable" => TlsConfig::disabled(),
+            // libpq's default: TLS when the server offers it.
+            _ => TlsConfig {
+                mode: pgwire_replication::SslMode::Prefer,
+                ..TlsConfig::require()
+            },
         }
     }
 }
@@ -413,22 +427,51 @@ pub fn parse_pg_duration(s: &str) -> Option<Duration> {
     Some(Duration::from_millis(ms))
 }
 
+/// The side SQL connection could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum SqlConnectError {
+    /// TLS could not be set up from the settings.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsSetupError),
+    /// Connecting or authenticating failed.
+    #[error(transparent)]
+    Sql(#[from] tokio_postgres::Error),
+}
+
 /// Connects the side SQL connection (for settings, slot figures, the
-/// dead-letter table). The connection task runs in the background.
+/// dead-letter table) with the URL's `sslmode`. The connection task runs in
+/// the background.
 pub async fn connect_sql(
     conn: &ConnParams,
     application_name: &str,
-) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
-    let (client, connection) = conn
-        .sql_config(application_name)
-        .connect(tokio_postgres::NoTls)
+) -> Result<tokio_postgres::Client, SqlConnectError> {
+    let mut config = conn.sql_config(application_name);
+    let tls = crate::tls::client_config(&conn.sslmode, conn.ssl_root_cert.as_deref())?;
+    let Some(tls) = tls else {
+        let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+        spawn_connection(connection);
+        return Ok(client);
+    };
+    config.ssl_mode(match conn.sslmode.as_str() {
+        "prefer" => tokio_postgres::config::SslMode::Prefer,
+        _ => tokio_postgres::config::SslMode::Require,
+    });
+    let (client, connection) = config
+        .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
         .await?;
+    spawn_connection(connection);
+    Ok(client)
+}
+
+fn spawn_connection<F>(connection: F)
+where
+    F: std::future::Future<Output = Result<(), tokio_postgres::Error>> + Send + 'static,
+{
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "side connection closed");
         }
     });
-    Ok(client)
 }
 
 #[cfg(test)]
@@ -528,5 +571,13 @@ mod tests {
         );
         assert!(!format!("{c:?}").contains("s3cret"));
         assert!(ConnParams::parse("not a url at all=", Duration::from_secs(1)).is_err());
+        let err = ConnParams::parse("postgres://u@h/d?sslmode=maybe", Duration::from_secs(1));
+        assert!(err.unwrap_err().to_string().contains("sslmode=maybe"));
+        let kv = ConnParams::parse(
+            "host=h user=u dbname=d sslmode=require",
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        assert_eq!((kv.sslmode.as_str(), kv.dbname.as_str()), ("require", "d"));
     }
 }
