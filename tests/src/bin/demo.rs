@@ -105,7 +105,7 @@ struct Args {
     #[arg(long, default_value_t = 50.0, value_parser = parse_rate)]
     rate: f64,
     /// How long to post orders (`20s`, `2m`, ...).
-    #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "20s", value_parser = parse_duration)]
     duration: Duration,
     /// Post exactly N orders (at --rate) instead of running for --duration.
     #[arg(long, value_name = "N", conflicts_with = "duration", value_parser = clap::value_parser!(u64).range(1..))]
@@ -118,7 +118,7 @@ struct Args {
     #[arg(long)]
     keep_running: bool,
     /// Longest wait for the last invoices once the last order is accepted.
-    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
     drain_timeout: Duration,
 }
 
@@ -127,6 +127,29 @@ fn parse_rate(text: &str) -> Result<f64, String> {
         Ok(rate) if rate.is_finite() && rate > 0.0 && rate <= 100_000.0 => Ok(rate),
         _ => Err("a number of orders per second, above 0 and at most 100000".to_owned()),
     }
+}
+
+/// `20s`, `1.5s`, `500ms`, `2m`, `1h`, or a bare number of seconds.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let scale = match unit.trim() {
+        "ms" => 1e-3,
+        "" | "s" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        _ => return Err(format!("unknown unit {unit:?}: use ms, s, m or h")),
+    };
+    number
+        .parse::<f64>()
+        .ok()
+        .map(|n| n * scale)
+        .filter(|secs| secs.is_finite() && *secs > 0.0 && *secs < 1e9)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| format!("{text:?} is not a positive duration such as 20s or 2m"))
 }
 
 impl Args {
@@ -1192,6 +1215,18 @@ mod tests {
         assert_eq!(percentile(&v, 0.99), Some(99));
         assert_eq!(percentile(&v, 1.0), Some(100));
         assert_eq!(percentile(&[], 0.5), None);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("20s"), Ok(Duration::from_secs(20)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("").is_err());
     }
 
     #[test]
