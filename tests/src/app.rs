@@ -246,3 +246,60 @@ pub async fn slot_position(stack: &Stack) -> anyhow::Result<(u64, u64)> {
         u64::try_from(r.get::<_, i64>(1))?,
     ))
 }
+
+/// [`start_relay`] with the relay's database URL given: e.g. `stack.relay_url`
+/// rewritten by [`proxied`] to pass through a fault-injecting proxy.
+pub async fn start_relay_with_url(
+    stack: &Stack,
+    db_url: &str,
+    sink_url: &str,
+    args: &[&str],
+) -> anyhow::Result<Running> {
+    let mut argv = relay_globals(stack);
+    argv.extend(
+        [
+            "run",
+            "--sink-url",
+            sink_url,
+            "--admin-listen",
+            "127.0.0.1:0",
+        ]
+        .map(String::from),
+    );
+    argv.extend(args.iter().map(|s| s.to_string()));
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let process = ServiceProcess::spawn(
+        bins::path("cdc-relay"),
+        &argv,
+        &[
+            ("CDC_RELAY_DATABASE_URL", db_url),
+            ("EVENT_SECRET", TEST_SECRET),
+            (
+                "CDC_RELAY_LOG",
+                "info,cdc_relay=debug,pgwire_replication=off",
+            ),
+        ],
+    )?;
+    let url = process.listen_addr(START_TIMEOUT).await?;
+    Ok(Running { process, url })
+}
+
+/// Starts a [`FaultProxy`](crate::proxy::FaultProxy) in front of the host
+/// and port of `url` (`postgres://…` or `http://…`, on an IP address) and
+/// returns it with `url` rewritten to go through it; user, password, path
+/// and query are kept.
+pub async fn proxied(url: &str) -> anyhow::Result<(crate::proxy::FaultProxy, String)> {
+    let mut parsed = reqwest::Url::parse(url).with_context(|| format!("parsing {url:?}"))?;
+    let host = parsed.host_str().context("the URL names no host")?;
+    let port = parsed
+        .port_or_known_default()
+        .context("the URL names no port")?;
+    let upstream: std::net::SocketAddr = format!("{host}:{port}")
+        .parse()
+        .with_context(|| format!("{host}:{port} is not an IP address and port"))?;
+    let proxy = crate::proxy::FaultProxy::start(upstream).await?;
+    parsed
+        .set_port(Some(proxy.port()))
+        .map_err(|()| anyhow::anyhow!("cannot set a port on {url:?}"))?;
+    Ok((proxy, parsed.into()))
+}

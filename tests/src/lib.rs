@@ -23,6 +23,7 @@ pub mod bins;
 mod guardian;
 pub mod pg;
 pub mod process;
+pub mod proxy;
 pub mod sink;
 pub mod stack;
 pub mod wait;

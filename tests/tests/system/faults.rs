@@ -1,0 +1,563 @@
+//! PostgreSQL and network faults while orders flow (DESIGN §4 "Replication
+//! session", issue 4 §4–5): a walsender killed, PostgreSQL restarted fast and
+//! immediate, the relay↔Billing and relay↔PostgreSQL links blackholed and
+//! reset through [`FaultProxy`](harness::proxy::FaultProxy), a hot standby taking over from a SIGKILLed
+//! relay, and a slot invalidated while the relay was stopped.
+//!
+//! Orders are posted through the Orders API during every fault. A post may
+//! fail while PostgreSQL restarts, so only 201s count as accepted; each test
+//! ends with the ledger: every accepted order committed, every committed
+//! event exactly one invoice, no phantoms. Recovery times are printed
+//! (`--nocapture` shows them).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use harness::app::{self, Ledger, Running, TEST_SECRET};
+use harness::proxy::Mode;
+use harness::sink::ScriptedSink;
+use harness::{ClusterOptions, PgCluster, Stack, StopMode, wait_until};
+use uuid::Uuid;
+
+/// How long a fault lasts.
+const FAULT: Duration = Duration::from_secs(5);
+/// Bound for the relay to stream (or deliver) again after a fault ends.
+const RECOVERY: Duration = Duration::from_secs(60);
+/// Bound for the ledger to come out clean once the load stopped.
+const DRAIN: Duration = Duration::from_secs(60);
+/// Orders the load must get accepted before a fault starts.
+const WARM_UP: usize = 40;
+
+/// Orders posted in the background by two workers, ~40 per second each.
+struct Load {
+    stop: Arc<AtomicBool>,
+    accepted: Arc<Mutex<Vec<Uuid>>>,
+    failed: Arc<AtomicUsize>,
+    workers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// What the load got done.
+struct Tally {
+    /// Event ids of orders answered 201.
+    accepted: Vec<Uuid>,
+    /// Posts that failed (error status, connection error, timeout).
+    failed: usize,
+}
+
+impl Load {
+    fn start(orders_url: &str) -> Load {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .expect("an HTTP client");
+        let stop = Arc::new(AtomicBool::new(false));
+        let accepted = Arc::new(Mutex::new(Vec::new()));
+        let failed = Arc::new(AtomicUsize::new(0));
+        let workers = (0..2)
+            .map(|_| {
+                let (http, url) = (http.clone(), orders_url.to_owned());
+                let (stop, accepted, failed) = (
+                    Arc::clone(&stop),
+                    Arc::clone(&accepted),
+                    Arc::clone(&failed),
+                );
+                tokio::spawn(async move {
+                    let mut amount = 1;
+                    while !stop.load(Ordering::SeqCst) {
+                        amount += 1;
+                        match app::post_order(&http, &url, amount).await {
+                            Ok((_, event)) => {
+                                let id = event.parse().expect("event ids are UUIDs");
+                                accepted.lock().expect("load lock").push(id);
+                            }
+                            Err(_) => {
+                                failed.fetch_add(1, Ordering::SeqCst);
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                        }
+                        tokio::time::sleep(Duration::from_millis(25)).await;
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            accepted,
+            failed,
+            workers,
+        }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.lock().expect("load lock").len()
+    }
+
+    /// Waits until `more` further orders are accepted from now.
+    async fn wait_more(&self, more: usize) -> anyhow::Result<()> {
+        let target = self.accepted() + more;
+        wait_until(
+            &format!("{target} orders accepted by the Orders API"),
+            RECOVERY,
+            || async { self.accepted() >= target },
+        )
+        .await
+    }
+
+    async fn stop(self) -> anyhow::Result<Tally> {
+        self.stop.store(true, Ordering::SeqCst);
+        for w in self.workers {
+            w.await?;
+        }
+        let accepted = std::mem::take(&mut *self.accepted.lock().expect("load lock"));
+        Ok(Tally {
+            accepted,
+            failed: self.failed.load(Ordering::SeqCst),
+        })
+    }
+}
+
+/// The ledger check: every accepted order committed, and every committed
+/// event invoiced exactly once with no phantoms (waits for the drain).
+async fn assert_ledger(stack: &Stack, tally: &Tally, relay: &Running) -> anyhow::Result<Ledger> {
+    let db = stack.orders_admin().await?;
+    let committed: HashSet<Uuid> = db
+        .query("SELECT id FROM outbox", &[])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let missing: Vec<&Uuid> = tally
+        .accepted
+        .iter()
+        .filter(|id| !committed.contains(id))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} orders answered 201 have no committed outbox row, e.g. {:?}",
+        missing.len(),
+        missing.first()
+    );
+    match app::wait_ledger_clean(stack, committed.len(), DRAIN).await {
+        Ok(ledger) => Ok(ledger),
+        Err(err) => {
+            let ledger = Ledger::read(stack).await?;
+            panic!(
+                "{err:#}\nledger: {ledger:?}\n--- relay log tail ---\n{}",
+                tail(&relay.process.logs(), 40)
+            );
+        }
+    }
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Sessions the relay started so far (its `streaming` log lines).
+fn sessions(relay: &Running) -> usize {
+    relay
+        .process
+        .logs()
+        .lines()
+        .filter(|l| l.contains("cdc_relay::relay") && l.contains(" streaming "))
+        .count()
+}
+
+/// Waits until the relay started a session after the first `before`.
+async fn wait_new_session(relay: &Running, before: usize) -> anyhow::Result<()> {
+    wait_until("the relay to stream again", RECOVERY, || async {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        sessions(relay) > before
+    })
+    .await
+}
+
+/// The pid of the walsender holding `slot`, if any.
+async fn walsender(db: &tokio_postgres::Client, slot: &str) -> anyhow::Result<Option<i32>> {
+    let r = db
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(r.get(0))
+}
+
+async fn invoices(stack: &Stack) -> anyhow::Result<i64> {
+    let db = stack.billing_admin().await?;
+    Ok(db
+        .query_one("SELECT count(*) FROM invoices", &[])
+        .await?
+        .get(0))
+}
+
+async fn committed(stack: &Stack) -> anyhow::Result<i64> {
+    let db = stack.orders_admin().await?;
+    Ok(db
+        .query_one("SELECT count(*) FROM outbox", &[])
+        .await?
+        .get(0))
+}
+
+/// Sum of the relay's metric samples whose name and labels start with `prefix`.
+async fn metric(relay: &Running, prefix: &str) -> anyhow::Result<f64> {
+    let text = reqwest::get(format!("{}/metrics", relay.url))
+        .await?
+        .text()
+        .await?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |sum, v| sum + v))
+}
+
+/// Billing, Orders and the relay's setup on `stack`.
+async fn services(stack: &Stack) -> anyhow::Result<(Running, Running)> {
+    app::relay_setup(stack).await?;
+    let billing = app::start_billing(stack, TEST_SECRET).await?;
+    let orders = app::start_orders(stack).await?;
+    Ok((billing, orders))
+}
+
+fn inbox(billing: &Running) -> String {
+    format!("{}/inbox", billing.url)
+}
+
+/// Starts the load and waits until orders are accepted and invoiced.
+async fn warm_load(stack: &Stack, orders: &Running) -> anyhow::Result<Load> {
+    let load = Load::start(&orders.url);
+    load.wait_more(WARM_UP).await?;
+    wait_until("first invoices", RECOVERY, || async {
+        invoices(stack).await.map(|n| n > 0)
+    })
+    .await?;
+    Ok(load)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn walsender_terminated_under_load_reconnects_and_resumes() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let (billing, orders) = services(&stack).await?;
+    let relay = app::start_relay(&stack, &inbox(&billing), &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let load = warm_load(&stack, &orders).await?;
+
+    let mut recoveries = Vec::new();
+    for _ in 0..3 {
+        let pid = walsender(&db, &stack.slot).await?.context("slot active")?;
+        let before = sessions(&relay);
+        let killed = Instant::now();
+        let done: bool = db
+            .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+            .await?
+            .get(0);
+        assert!(done, "walsender {pid} terminated");
+        wait_new_session(&relay, before).await?;
+        recoveries.push(killed.elapsed());
+        let now = walsender(&db, &stack.slot).await?;
+        assert_ne!(now, Some(pid), "a new walsender serves the slot");
+        load.wait_more(20).await?;
+    }
+    let tally = load.stop().await?;
+    let ledger = assert_ledger(&stack, &tally, &relay).await?;
+    let reconnects = metric(&relay, "cdc_relay_reconnects_total").await?;
+    eprintln!(
+        "pg_terminate_backend x3: streaming again after {recoveries:?}; {} orders, {reconnects} reconnects",
+        ledger.committed
+    );
+    assert!(reconnects >= 3.0, "each termination counted as a reconnect");
+    Ok(())
+}
+
+async fn postgres_restart_under_load(mode: StopMode) -> anyhow::Result<()> {
+    let cluster = Arc::new(PgCluster::start(ClusterOptions::default())?);
+    let stack = cluster.create_stack().await?;
+    let (billing, orders) = services(&stack).await?;
+    let relay = app::start_relay(&stack, &inbox(&billing), &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let load = warm_load(&stack, &orders).await?;
+
+    let before = sessions(&relay);
+    let started = Instant::now();
+    let c = Arc::clone(&cluster);
+    tokio::task::spawn_blocking(move || c.restart(mode)).await??;
+    let restarted = started.elapsed();
+    wait_new_session(&relay, before).await?;
+    let streaming = started.elapsed();
+    // Orders and Billing reconnect too: the flow resumes end to end.
+    load.wait_more(50).await?;
+    let tally = load.stop().await?;
+    let ledger = assert_ledger(&stack, &tally, &relay).await?;
+    eprintln!(
+        "restart {mode:?}: PostgreSQL back after {restarted:?}, relay streaming after {streaming:?}; \
+         {} accepted, {} posts failed, {} committed and invoiced",
+        tally.accepted.len(),
+        tally.failed,
+        ledger.committed
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_fast_restart_under_load_loses_nothing() -> anyhow::Result<()> {
+    postgres_restart_under_load(StopMode::Fast).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_immediate_restart_under_load_loses_nothing() -> anyhow::Result<()> {
+    postgres_restart_under_load(StopMode::Immediate).await
+}
+
+/// A 5 s `fault` on the relay↔Billing link under load, then Pass.
+async fn billing_link_fault(fault: Mode) -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let (billing, orders) = services(&stack).await?;
+    let (proxy, sink_url) = app::proxied(&inbox(&billing)).await?;
+    // A short request timeout, so the blackhole shows as timeouts and retries.
+    let relay = app::start_relay(&stack, &sink_url, &["--request-timeout", "2s"]).await?;
+    app::wait_streaming(&relay).await?;
+    let load = warm_load(&stack, &orders).await?;
+
+    proxy.set_mode(fault);
+    // Requests already past the proxy may still land; then nothing does.
+    let grace = Duration::from_secs(1);
+    tokio::time::sleep(grace).await;
+    let cut = invoices(&stack).await?;
+    tokio::time::sleep(FAULT - grace).await;
+    assert_eq!(
+        invoices(&stack).await?,
+        cut,
+        "no delivery gets through a {fault:?}"
+    );
+    let pending = committed(&stack).await?;
+    proxy.set_mode(Mode::Pass);
+    let healed = Instant::now();
+    wait_until(
+        "everything committed during the fault invoiced",
+        RECOVERY,
+        || async { invoices(&stack).await.map(|n| n >= pending) },
+    )
+    .await?;
+    let caught_up = healed.elapsed();
+    load.wait_more(20).await?;
+    let tally = load.stop().await?;
+    let ledger = assert_ledger(&stack, &tally, &relay).await?;
+    eprintln!(
+        "relay↔Billing {fault:?} for {FAULT:?}: backlog of {} delivered {caught_up:?} after the heal; \
+         {} orders, {} proxy connections",
+        pending - cut,
+        ledger.committed,
+        proxy.accepted()
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn billing_link_blackholed_for_5s_under_load() -> anyhow::Result<()> {
+    billing_link_fault(Mode::Blackhole).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn billing_link_reset_for_5s_under_load() -> anyhow::Result<()> {
+    billing_link_fault(Mode::Reset).await
+}
+
+/// A 5 s `fault` on the relay↔PostgreSQL link (replication and side
+/// connections) under load, then Pass.
+async fn postgres_link_fault(cluster: &PgCluster, fault: Mode) -> anyhow::Result<()> {
+    let stack = cluster.create_stack().await?;
+    let (billing, orders) = services(&stack).await?;
+    let (proxy, db_url) = app::proxied(&stack.relay_url).await?;
+    let relay = app::start_relay_with_url(&stack, &db_url, &inbox(&billing), &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let load = warm_load(&stack, &orders).await?;
+
+    let before = sessions(&relay);
+    proxy.set_mode(fault);
+    tokio::time::sleep(FAULT).await;
+    let pending = committed(&stack).await?;
+    proxy.set_mode(Mode::Pass);
+    let healed = Instant::now();
+    wait_until(
+        "everything committed during the fault invoiced",
+        RECOVERY,
+        || async { invoices(&stack).await.map(|n| n >= pending) },
+    )
+    .await?;
+    let caught_up = healed.elapsed();
+    load.wait_more(20).await?;
+    let tally = load.stop().await?;
+    let ledger = assert_ledger(&stack, &tally, &relay).await?;
+    let watchdog = metric(&relay, "cdc_relay_reconnects_total{cause=\"watchdog\"}").await?;
+    let reconnects = metric(&relay, "cdc_relay_reconnects_total").await?;
+    eprintln!(
+        "relay↔PostgreSQL {fault:?} for {FAULT:?}: caught up {caught_up:?} after the heal; \
+         sessions {before} -> {}; reconnects {reconnects} (watchdog {watchdog}); {} orders",
+        sessions(&relay),
+        ledger.committed
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_link_blackholed_for_5s_under_load() -> anyhow::Result<()> {
+    // wal_sender_timeout 2 s: the server drops the silent walsender and the
+    // relay's watchdog (silence > 2 s) must notice the dead stream.
+    let cluster = PgCluster::start(ClusterOptions {
+        wal_sender_timeout: "2s".into(),
+        ..Default::default()
+    })?;
+    postgres_link_fault(&cluster, Mode::Blackhole).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_link_reset_for_5s_under_load() -> anyhow::Result<()> {
+    postgres_link_fault(PgCluster::shared(), Mode::Reset).await
+}
+
+/// DESIGN §4: take over within 2 s of the active relay dying.
+const TAKEOVER_BOUND: Duration = Duration::from_secs(2);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_standby_takes_over_from_a_sigkilled_relay_under_load() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let (billing, orders) = services(&stack).await?;
+    let mut active = app::start_relay(&stack, &inbox(&billing), &[]).await?;
+    app::wait_streaming(&active).await?;
+    let standby = app::start_relay(&stack, &inbox(&billing), &[]).await?;
+    standby
+        .process
+        .wait_for_line("waiting as hot standby", Duration::from_secs(30))
+        .await?;
+    assert_eq!(metric(&standby, "cdc_relay_standby ").await?, 1.0);
+    let load = warm_load(&stack, &orders).await?;
+    // Several polls later: still one log line, still no session.
+    load.wait_more(40).await?;
+    let standby_lines = standby
+        .process
+        .logs()
+        .matches("waiting as hot standby")
+        .count();
+    assert_eq!(standby_lines, 1, "one log line while waiting");
+    assert_eq!(sessions(&standby), 0, "the standby does not stream");
+
+    let db = stack.orders_admin().await?;
+    let old = walsender(&db, &stack.slot).await?.context("slot active")?;
+    let killed = Instant::now();
+    active.process.sigkill();
+    let released = {
+        let db = &db;
+        let slot = &stack.slot;
+        async move {
+            wait_until(
+                "the dead relay's walsender to release the slot",
+                RECOVERY,
+                || async { walsender(db, slot).await.map(|p| p != Some(old)) },
+            )
+            .await
+            .map(|()| killed.elapsed())
+        }
+    };
+    let took_over = async {
+        standby
+            .process
+            .wait_for_line(" streaming ", RECOVERY)
+            .await
+            .map(|_| killed.elapsed())
+    };
+    let (released, took_over) = tokio::join!(released, took_over);
+    let (released, took_over) = (released?, took_over?);
+    eprintln!(
+        "hot standby: slot released {released:?} after SIGKILL, standby streaming after {took_over:?} \
+         (bound {TAKEOVER_BOUND:?})"
+    );
+    load.wait_more(20).await?;
+    let tally = load.stop().await?;
+    assert_ledger(&stack, &tally, &standby).await?;
+    assert_eq!(metric(&standby, "cdc_relay_standby ").await?, 0.0);
+    assert!(
+        took_over < TAKEOVER_BOUND,
+        "the standby took over {took_over:?} after the SIGKILL (slot released after {released:?})"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Result<()> {
+    let cluster = PgCluster::start(ClusterOptions {
+        max_slot_wal_keep_size: Some("1MB".into()),
+        ..Default::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let mut relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    relay.process.sigterm();
+    let status = relay.process.wait_exit(Duration::from_secs(20)).await?;
+    assert!(status.success(), "clean stop: {status}");
+
+    // While the relay is stopped: an event, then unrelated WAL and checkpoints
+    // until the server gives up the slot's WAL.
+    let db = stack.orders_admin().await?;
+    db.batch_execute(
+        "INSERT INTO orders (id, amount_cents, currency) VALUES (gen_random_uuid(), 1, 'EUR') ; \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) \
+           SELECT gen_random_uuid(), id, 'OrderCreated', '{}' FROM orders ; \
+         CREATE TABLE noise (id bigserial PRIMARY KEY, filler text)",
+    )
+    .await?;
+    let mut written_mb = 0;
+    wait_until("wal_status = 'lost'", Duration::from_secs(60), || {
+        written_mb += 4;
+        let db = &db;
+        let slot = &stack.slot;
+        async move {
+            db.batch_execute(
+                "INSERT INTO noise (filler) SELECT repeat(md5(g::text), 30) FROM generate_series(1, 4000) g; \
+                 SELECT pg_switch_wal(); CHECKPOINT",
+            )
+            .await?;
+            let status: Option<String> = db
+                .query_one(
+                    "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+                    &[slot],
+                )
+                .await?
+                .get(0);
+            anyhow::Ok(status.as_deref() == Some("lost"))
+        }
+    })
+    .await?;
+
+    let started = Instant::now();
+    let mut relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    let status = relay.process.wait_exit(Duration::from_secs(30)).await?;
+    let exited = started.elapsed();
+    let logs = relay.process.logs();
+    eprintln!(
+        "slot lost after ~{written_mb} MB of unrelated WAL; the relay exited after {exited:?}"
+    );
+    assert_eq!(
+        status.code(),
+        Some(4),
+        "exit code 4 for a lost slot:\n{logs}"
+    );
+    assert!(
+        logs.contains("setup --recreate-slot") && logs.contains("backfill"),
+        "the message gives the recovery steps:\n{logs}"
+    );
+    // No retry loop: the first session's check was final.
+    assert!(
+        !logs.contains("reconnecting"),
+        "no reconnect attempts:\n{logs}"
+    );
+    assert_eq!(sink.arrivals(), 0, "nothing was sent");
+    Ok(())
+}
