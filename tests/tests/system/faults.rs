@@ -541,6 +541,7 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
     let status = relay.process.wait_exit(Duration::from_secs(30)).await?;
     let exited = started.elapsed();
     let logs = relay.process.logs();
+    let stderr = std::fs::read_to_string(relay.process.log_dir().join("stderr.log"))?;
     eprintln!(
         "slot lost after ~{written_mb} MB of unrelated WAL; the relay exited after {exited:?}"
     );
@@ -550,8 +551,8 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
         "exit code 4 for a lost slot:\n{logs}"
     );
     assert!(
-        logs.contains("setup --recreate-slot") && logs.contains("backfill"),
-        "the message gives the recovery steps:\n{logs}"
+        stderr.contains("setup --recreate-slot") && stderr.contains("backfill"),
+        "stderr gives the recovery steps:\n{stderr}"
     );
     // No retry loop: the first session's check was final.
     assert!(
