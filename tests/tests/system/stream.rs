@@ -706,6 +706,52 @@ async fn logical_messages_around_inserts_are_not_posted() -> anyhow::Result<()> 
     b.finish().await
 }
 
+/// Inserts into another published table, and transactions carrying a
+/// replication origin (pgoutput sends an Origin message), are not events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_published_tables_and_origin_messages_are_not_posted() -> anyhow::Result<()> {
+    let b = Bench::start().await?;
+    b.db.batch_execute(&format!(
+        "ALTER PUBLICATION {} ADD TABLE orders",
+        b.stack.publication
+    ))
+    .await?;
+    let mut expected = Vec::new();
+    // Orders rows (published now) before, with and after outbox rows.
+    let lone = b.order().await?;
+    b.db.batch_execute("BEGIN").await?;
+    let agg = b.order().await?;
+    expected.push(b.insert(agg, "WithOrder", Some(r#"{"o":1}"#)).await?);
+    b.order().await?;
+    b.db.batch_execute("COMMIT").await?;
+
+    // A session with a replication origin: its transactions carry Origin.
+    let origin = format!("stream_origin_{}", Uuid::new_v4().simple());
+    b.db.execute("SELECT pg_replication_origin_create($1)", &[&origin])
+        .await?;
+    b.db.execute("SELECT pg_replication_origin_session_setup($1)", &[&origin])
+        .await?;
+    b.db.batch_execute("BEGIN").await?;
+    b.db.batch_execute("SELECT pg_replication_origin_xact_setup('0/1', now())")
+        .await?;
+    expected.push(b.insert(agg, "FromOrigin", Some(r#"{"o":2}"#)).await?);
+    b.db.batch_execute("COMMIT").await?;
+    expected.push(
+        b.insert(lone, "FromOriginAutocommit", Some(r#"{"o":3}"#))
+            .await?,
+    );
+    b.db.batch_execute("SELECT pg_replication_origin_session_reset()")
+        .await?;
+    b.db.execute("SELECT pg_replication_origin_drop($1)", &[&origin])
+        .await?;
+
+    expected.push(b.insert(lone, "After", Some(r#"{"o":4}"#)).await?);
+    b.db.batch_execute("UPDATE orders SET amount_cents = amount_cents + 1")
+        .await?;
+    b.expect_exactly(&expected).await?;
+    b.finish().await
+}
+
 /// Columns are resolved by name from the latest Relation message: added,
 /// dropped and re-added (which moves them to the end) while streaming.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -975,6 +1021,43 @@ async fn payloads_are_sent_byte_identical_to_payload_text() -> anyhow::Result<()
     b.finish().await
 }
 
+/// A `json` (not `jsonb`) payload column keeps the text as written:
+/// whitespace, key order, duplicate keys, `\u0000` escapes. The relay must
+/// still send it verbatim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_typed_payload_is_sent_verbatim() -> anyhow::Result<()> {
+    let b = Bench::start().await?;
+    b.db.batch_execute("ALTER TABLE outbox ALTER COLUMN payload TYPE json USING payload::json")
+        .await?;
+    let agg = b.order().await?;
+    let mut expected = Vec::new();
+    for p in [
+        "{ \"b\" : 1,\n\t\"a\":[ 1e400 , -0.0, 1.10000000000000000001 ], \"b\": 2 }",
+        r#"{"nul": "\u0000", "esc": "\ud83d\ude00 \u2028", "solidus": "\/"}"#,
+        "  [ ]  ",
+        "\"e\u{301}\u{2028}\u{1F600}\"",
+    ] {
+        let row =
+            b.db.query_one(
+                "INSERT INTO outbox (id, aggregate_id, event_type, payload) \
+                 VALUES (gen_random_uuid(), $1, 'Json', $2::text::json) \
+                 RETURNING id::text, event_type, payload::text, aggregate_id::text",
+                &[&agg, &p],
+            )
+            .await?;
+        let e = Expected {
+            id: row.get(0),
+            event_type: row.get(1),
+            payload: row.get(2),
+            aggregate: row.get(3),
+        };
+        assert_eq!(e.payload.as_deref(), Some(p), "json keeps the text");
+        expected.push(e);
+    }
+    b.expect_exactly(&expected).await?;
+    b.finish().await
+}
+
 /// SQL NULL in the payload column is `"data":null`, never `""` or missing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sql_null_payload_is_sent_as_json_null() -> anyhow::Result<()> {
@@ -986,7 +1069,23 @@ async fn sql_null_payload_is_sent_as_json_null() -> anyhow::Result<()> {
     assert_eq!(sql_null.payload, None);
     let json_null = b.insert(agg, "JsonNull", Some("null")).await?;
     let empty_string = b.insert(agg, "EmptyString", Some(r#""""#)).await?;
-    let expected = [sql_null.clone(), json_null, empty_string];
+    // No aggregate key at all (NULL): delivered, just without an ordering key.
+    b.db.batch_execute("ALTER TABLE outbox ALTER COLUMN aggregate_id DROP NOT NULL")
+        .await?;
+    let row =
+        b.db.query_one(
+            "INSERT INTO outbox (id, aggregate_id, event_type, payload) \
+             VALUES (gen_random_uuid(), NULL, 'NoAggregate', NULL) RETURNING id::text",
+            &[],
+        )
+        .await?;
+    let no_aggregate = Expected {
+        id: row.get(0),
+        event_type: "NoAggregate".into(),
+        payload: None,
+        aggregate: String::new(),
+    };
+    let expected = [sql_null.clone(), json_null, empty_string, no_aggregate];
     b.expect_exactly(&expected).await?;
     let got = b
         .sink
@@ -1019,6 +1118,8 @@ async fn event_types_with_quotes_and_control_characters_are_escaped() -> anyhow:
         "line\u{2028}sep\u{2029} e\u{301} \u{1F600}".to_owned(),
         String::new(),
         " ".repeat(3),
+        // 100 KB of quotes, backslashes, newlines and control characters.
+        "\"\\\n\u{1}x".repeat(20_000),
     ];
     let mut expected = Vec::new();
     for t in &types {
