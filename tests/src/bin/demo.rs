@@ -83,6 +83,10 @@ const MAX_OUTSTANDING_POSTS: usize = 256;
 /// Longest wait for the slot to be confirmed past the last commit.
 const SLOT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// After Ctrl-C, how long the relay may take to stop on the terminal's
+/// SIGINT before it is sent SIGTERM.
+const SIGINT_GRACE: Duration = Duration::from_secs(2);
+
 /// The relay's budget for a clean stop, plus margin.
 const RELAY_STOP_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -215,7 +219,7 @@ async fn main() -> ExitCode {
         stopped(&mut stop).await;
         println!();
     }
-    demo.shutdown().await;
+    demo.shutdown(args.keep_running).await;
     if verdict.clean {
         ExitCode::SUCCESS
     } else {
@@ -949,10 +953,17 @@ impl Demo {
         let _ = std::io::stdout().flush();
     }
 
-    /// Step 5: a clean relay stop, then everything else.
-    async fn shutdown(mut self) {
+    /// Step 5: a clean relay stop, then everything else. After a Ctrl-C
+    /// (`after_signal`) the relay may have received the terminal's SIGINT
+    /// too, and a second signal makes it exit at once without its final
+    /// flush: give it a moment to stop on its own first.
+    async fn shutdown(mut self, after_signal: bool) {
         step("stopping: cdc-relay (SIGTERM, clean stop), Orders, Billing, PostgreSQL");
-        self.relay.process.sigterm();
+        let stopping_already =
+            after_signal && self.relay.process.wait_exit(SIGINT_GRACE).await.is_ok();
+        if !stopping_already {
+            self.relay.process.sigterm();
+        }
         match self.relay.process.wait_exit(RELAY_STOP_TIMEOUT).await {
             Ok(status) if status.success() => println!("    cdc-relay exited cleanly"),
             Ok(status) => println!("    cdc-relay exited with {status}"),
