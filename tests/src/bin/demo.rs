@@ -9,8 +9,8 @@
 //!
 //! 1. Builds the workspace binaries with the profile of this executable
 //!    (release under `cargo run --release`), starts a throwaway cluster
-//!    (`fsync` on, as in production; `track_commit_timestamp` on, for the
-//!    latency figure) and creates the `orders_*` and `billing_*` databases
+//!    (`fsync` on and `max_slot_wal_keep_size = 10GB`, as in production;
+//!    `track_commit_timestamp` on, for the latency figure) and creates the `orders_*` and `billing_*` databases
 //!    from `sql/`, with the least-privilege roles.
 //! 2. Runs `cdc-relay setup` (as the superuser: it creates the publication
 //!    and the slot) and prints its output; starts Billing, Orders and
@@ -266,10 +266,14 @@ async fn run(args: &Args) -> anyhow::Result<(Demo, Verdict)> {
         .context("the build task failed")??;
     println!("    {}", display_dir(&relay_bin));
 
-    step("starting a throwaway PostgreSQL cluster (fsync on, track_commit_timestamp on)");
+    step(
+        "starting a throwaway PostgreSQL cluster (fsync on, max_slot_wal_keep_size 10GB, track_commit_timestamp on)",
+    );
     let cluster = tokio::task::spawn_blocking(|| {
         PgCluster::start(ClusterOptions {
             fsync: true,
+            // As deploy/postgresql/postgresql.conf recommends.
+            max_slot_wal_keep_size: Some("10GB".to_owned()),
             extra_settings: vec![("track_commit_timestamp".to_owned(), "on".to_owned())],
             ..ClusterOptions::default()
         })
