@@ -56,16 +56,19 @@ CREATE INDEX IF NOT EXISTS outbox_aggregate_id_idx
 -- payload verbatim and everything needed to replay or explain it.
 CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter (
     id               bigserial PRIMARY KEY,
-    -- outbox id column, as text so configurable id types fit.
-    event_id         text NOT NULL,
+    -- outbox id column, as text so configurable id types fit; NULL when the
+    -- row itself was unreadable (a NULL id is one reason to quarantine it).
+    event_id         text,
     -- value of the configured aggregate-key column (ordering key), if any.
     aggregate_key    text,
     event_type       text,
     -- the payload's JSON text exactly as PostgreSQL emitted it.
     payload          text,
-    -- LSNs of the transaction that inserted the event (pgoutput Begin/Commit).
+    -- LSNs of the transaction that inserted the event (pgoutput Begin/Commit);
+    -- the end LSN is NULL when the event was quarantined before its Commit
+    -- message arrived (events are dispatched as they stream).
     commit_lsn       pg_lsn NOT NULL,
-    end_lsn          pg_lsn NOT NULL,
+    end_lsn          pg_lsn,
     -- status of the last response; NULL when no response arrived.
     http_status      integer,
     error            text NOT NULL,
@@ -86,7 +89,7 @@ CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter_audit (
     id             bigserial PRIMARY KEY,
     action         text NOT NULL DEFAULT 'discard' CHECK (action IN ('discard', 'replay')),
     dead_letter_id bigint NOT NULL,
-    event_id       text NOT NULL,
+    event_id       text,
     entry          jsonb,
     reason         text,
     -- the operator's name when the CLI knows it, else the database role.

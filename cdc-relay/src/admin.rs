@@ -96,7 +96,12 @@ async fn metrics_handler(State(s): State<AdminState>) -> impl IntoResponse {
 }
 
 async fn ready_handler(State(s): State<AdminState>) -> impl IntoResponse {
-    match s.health.ready() {
+    let circuit_open = s.metrics.circuit_state.get() != 0;
+    let verdict = match s.health.ready() {
+        Ok(()) if circuit_open => Err("the circuit breaker is open: the sink is failing"),
+        other => other,
+    };
+    match verdict {
         Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,

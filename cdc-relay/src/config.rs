@@ -10,9 +10,10 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::breaker::BreakerConfig;
 use crate::dispatch::DispatchConfig;
 use crate::outbox::{OutboxColumns, TableName};
-use crate::sink::StatusPolicy;
+use crate::sink::{HttpSink, Signer, SinkConfig, StatusPolicy};
 
 /// Streams a PostgreSQL outbox table through a pgoutput logical replication
 /// slot and POSTs each committed insert, HMAC-signed, to an HTTP inbox. The
@@ -47,6 +48,76 @@ pub enum Command {
     Status(StatusArgs),
     /// Stream and deliver until SIGTERM/SIGINT.
     Run(Box<RunArgs>),
+    /// Inspect and resolve quarantined (poison) events.
+    #[command(subcommand)]
+    DeadLetter(DeadLetterCommand),
+    /// Re-send outbox rows still in the table, oldest first, through the same
+    /// delivery path (the inbox deduplicates by id). For recovery after a lost
+    /// slot: `backfill --since <time of the last delivered event>`.
+    Backfill(Box<BackfillArgs>),
+}
+
+/// `cdc-relay dead-letter …`.
+#[derive(Debug, Subcommand)]
+pub enum DeadLetterCommand {
+    /// List quarantined events, oldest first (payloads left out).
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one quarantined event with its payload, as JSON.
+    Show {
+        /// Row id from `list`.
+        id: i64,
+    },
+    /// Re-send quarantined events once each (same body and signature rules);
+    /// a row is removed, with an audit entry, only after a 2xx.
+    Replay(Box<ReplayArgs>),
+    /// Remove a quarantined event without sending it; the audit table keeps
+    /// a copy of the row, who removed it and why.
+    Discard {
+        /// Row id from `list`.
+        id: i64,
+        /// Why (kept in the audit table).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
+/// `cdc-relay dead-letter replay`.
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// Row id from `list`.
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub id: Option<i64>,
+    /// Replay every row, oldest first.
+    #[arg(long)]
+    pub all: bool,
+    /// The sink.
+    #[command(flatten)]
+    pub sink: SinkArgs,
+}
+
+/// `cdc-relay backfill`.
+#[derive(Debug, Args)]
+pub struct BackfillArgs {
+    /// Re-send rows whose time column is at or after this (any PostgreSQL
+    /// timestamptz input, e.g. '2026-11-30 10:00:00+00').
+    #[arg(long)]
+    pub since: String,
+    /// Only rows before this.
+    #[arg(long)]
+    pub until: Option<String>,
+    /// Column that orders the rows (the tutorial's insert time).
+    #[arg(long, env = "CDC_RELAY_TIME_COLUMN", default_value = "occurred_at")]
+    pub time_column: String,
+    /// The sink.
+    #[command(flatten)]
+    pub sink: SinkArgs,
+    /// Delivery tuning.
+    #[command(flatten)]
+    pub delivery: DeliveryArgs,
 }
 
 /// Log output format.
@@ -206,9 +277,9 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
-/// `cdc-relay run`.
+/// Where and how events are POSTed (`run`, `backfill`, `dead-letter replay`).
 #[derive(Debug, Args)]
-pub struct RunArgs {
+pub struct SinkArgs {
     /// Inbox URL events are POSTed to.
     #[arg(long, env = "CDC_RELAY_SINK_URL")]
     pub sink_url: reqwest::Url,
@@ -221,39 +292,23 @@ pub struct RunArgs {
     /// Extra CA certificate (PEM) to trust for an https sink.
     #[arg(long, env = "CDC_RELAY_SINK_CA_FILE")]
     pub sink_ca_file: Option<PathBuf>,
-    /// Deliveries at once (pipelining). 1 gives strict global commit order.
-    #[arg(long, env = "CDC_RELAY_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub max_in_flight: u32,
-    /// Events received and not yet delivered held in memory; when full the
-    /// relay stops reading and WAL waits on the server.
-    #[arg(long, env = "CDC_RELAY_MAX_PENDING_EVENTS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_pending_events: u32,
-    /// Bytes of those events (payloads included). A larger event is admitted alone.
-    #[arg(long, env = "CDC_RELAY_MAX_PENDING_BYTES", default_value = "64MiB", value_parser = parse_bytes)]
-    pub max_pending_bytes: u32,
     /// Sink connect timeout.
     #[arg(long, env = "CDC_RELAY_SINK_CONNECT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub sink_connect_timeout: Duration,
     /// Whole-request timeout for one delivery attempt.
     #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub request_timeout: Duration,
-    /// First retry delay ceiling (doubles per attempt, full jitter).
-    #[arg(long, env = "CDC_RELAY_BACKOFF_BASE", default_value = "50ms", value_parser = parse_duration)]
-    pub backoff_base: Duration,
-    /// Retry delay cap. Keep it near a second: long caps oversleep recovery.
-    #[arg(long, env = "CDC_RELAY_BACKOFF_CAP", default_value = "1s", value_parser = parse_duration)]
-    pub backoff_cap: Duration,
-    /// Largest Retry-After honoured.
-    #[arg(long, env = "CDC_RELAY_RETRY_AFTER_MAX", default_value = "5s", value_parser = parse_duration)]
-    pub retry_after_max: Duration,
-    /// HTTP statuses that mark an event as poison.
-    #[arg(
-        long,
-        env = "CDC_RELAY_POISON_STATUSES",
-        default_value = "400,413,415,422",
-        value_delimiter = ','
-    )]
-    pub poison_statuses: Vec<u16>,
+}
+
+/// `cdc-relay run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The sink.
+    #[command(flatten)]
+    pub sink: SinkArgs,
+    /// Delivery tuning.
+    #[command(flatten)]
+    pub delivery: DeliveryArgs,
     /// After SIGTERM: time to finish in-flight deliveries and flush the
     /// confirmed LSN. Must exceed --request-timeout.
     #[arg(long, env = "CDC_RELAY_SHUTDOWN_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
@@ -276,7 +331,51 @@ pub struct RunArgs {
     pub application_name: String,
 }
 
-impl RunArgs {
+/// Pipelining, memory window, retries and the circuit breaker (`run`, `backfill`).
+#[derive(Debug, Args)]
+pub struct DeliveryArgs {
+    /// Deliveries at once (pipelining). 1 gives strict global commit order.
+    #[arg(long, env = "CDC_RELAY_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_in_flight: u32,
+    /// Events received and not yet delivered held in memory; when full the
+    /// relay stops reading and WAL waits on the server.
+    #[arg(long, env = "CDC_RELAY_MAX_PENDING_EVENTS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_pending_events: u32,
+    /// Bytes of those events (payloads included). A larger event is admitted alone.
+    #[arg(long, env = "CDC_RELAY_MAX_PENDING_BYTES", default_value = "64MiB", value_parser = parse_bytes)]
+    pub max_pending_bytes: u32,
+    /// First retry delay ceiling (doubles per attempt, full jitter).
+    #[arg(long, env = "CDC_RELAY_BACKOFF_BASE", default_value = "50ms", value_parser = parse_duration)]
+    pub backoff_base: Duration,
+    /// Retry delay cap. Keep it near a second: long caps oversleep recovery.
+    #[arg(long, env = "CDC_RELAY_BACKOFF_CAP", default_value = "1s", value_parser = parse_duration)]
+    pub backoff_cap: Duration,
+    /// Largest Retry-After honoured.
+    #[arg(long, env = "CDC_RELAY_RETRY_AFTER_MAX", default_value = "5s", value_parser = parse_duration)]
+    pub retry_after_max: Duration,
+    /// HTTP statuses that mark an event as poison.
+    #[arg(
+        long,
+        env = "CDC_RELAY_POISON_STATUSES",
+        default_value = "400,413,415,422",
+        value_delimiter = ','
+    )]
+    pub poison_statuses: Vec<u16>,
+    /// Consecutive transient failures that open the circuit breaker.
+    #[arg(long, env = "CDC_RELAY_FAILURE_THRESHOLD", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub failure_threshold: u32,
+    /// While the circuit is open, one probe (the oldest pending event) goes
+    /// out per interval (jittered ±20 %).
+    #[arg(long, env = "CDC_RELAY_PROBE_INTERVAL", default_value = "500ms", value_parser = parse_duration)]
+    pub probe_interval: Duration,
+    /// Poison verdicts on this many distinct events in a row (no 2xx between)
+    /// mean the sink is broken, not the events: stop quarantining and open
+    /// the circuit.
+    #[arg(long, env = "CDC_RELAY_POISON_STORM_THRESHOLD", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub poison_storm_threshold: u32,
+}
+
+impl SinkArgs {
     /// The event secret from the flag/env or the file; an error names the setting.
     pub fn secret(&self) -> Result<String, String> {
         let secret = match (&self.event_secret, &self.event_secret_file) {
@@ -299,25 +398,40 @@ impl RunArgs {
         Ok(secret)
     }
 
-    /// Checks relations between settings; the error names the flags.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.request_timeout >= self.shutdown_timeout {
-            return Err(format!(
-                "--request-timeout ({:?}) must be shorter than --shutdown-timeout ({:?}) so in-flight requests can finish on shutdown",
-                self.request_timeout, self.shutdown_timeout
-            ));
-        }
-        if self.backoff_base.is_zero() || self.backoff_cap < self.backoff_base {
-            return Err("--backoff-base must be > 0 and not above --backoff-cap".into());
-        }
+    /// Builds the HTTP sink; the error names the setting.
+    pub fn build(&self) -> Result<HttpSink, String> {
         if !matches!(self.sink_url.scheme(), "http" | "https") {
             return Err(format!(
                 "--sink-url must be http or https, got {}",
                 self.sink_url.scheme()
             ));
         }
-        if self.slot_stats_interval < Duration::from_secs(1) {
-            return Err("--slot-stats-interval must be at least 1s (it must not turn the relay into a poller)".into());
+        let secret = self.secret()?;
+        let ca_cert_pem = match &self.sink_ca_file {
+            Some(p) => {
+                Some(std::fs::read(p).map_err(|e| format!("--sink-ca-file {}: {e}", p.display()))?)
+            }
+            None => None,
+        };
+        HttpSink::new(SinkConfig {
+            url: self.sink_url.clone(),
+            signer: Signer::new(secret.as_bytes()),
+            connect_timeout: self.sink_connect_timeout,
+            request_timeout: self.request_timeout,
+            ca_cert_pem,
+        })
+        .map_err(|e| e.to_string())
+    }
+}
+
+impl DeliveryArgs {
+    /// Checks relations between settings; the error names the flags.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.backoff_base.is_zero() || self.backoff_cap < self.backoff_base {
+            return Err("--backoff-base must be > 0 and not above --backoff-cap".into());
+        }
+        if self.probe_interval < Duration::from_millis(50) {
+            return Err("--probe-interval must be at least 50ms".into());
         }
         if let Some(bad) = self
             .poison_statuses
@@ -341,7 +455,28 @@ impl RunArgs {
             policy: StatusPolicy {
                 poison: self.poison_statuses.clone(),
             },
+            breaker: BreakerConfig {
+                failure_threshold: self.failure_threshold,
+                probe_interval: self.probe_interval,
+                storm_threshold: self.poison_storm_threshold,
+            },
         }
+    }
+}
+
+impl RunArgs {
+    /// Checks relations between settings; the error names the flags.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.sink.request_timeout >= self.shutdown_timeout {
+            return Err(format!(
+                "--request-timeout ({:?}) must be shorter than --shutdown-timeout ({:?}) so in-flight requests can finish on shutdown",
+                self.sink.request_timeout, self.shutdown_timeout
+            ));
+        }
+        if self.slot_stats_interval < Duration::from_secs(1) {
+            return Err("--slot-stats-interval must be at least 1s (it must not turn the relay into a poller)".into());
+        }
+        self.delivery.validate()
     }
 }
 
@@ -439,12 +574,12 @@ mod tests {
         let Command::Run(mut run) = cli.command else {
             panic!("run")
         };
-        run.event_secret = None;
-        assert!(run.secret().unwrap_err().contains("EVENT_SECRET"));
+        run.sink.event_secret = None;
+        assert!(run.sink.secret().unwrap_err().contains("EVENT_SECRET"));
         let dir = std::env::temp_dir().join(format!("cdc-relay-secret-{}", std::process::id()));
         std::fs::write(&dir, "s3cret\n").unwrap();
-        run.event_secret_file = Some(dir.clone());
-        assert_eq!(run.secret().unwrap(), "s3cret");
+        run.sink.event_secret_file = Some(dir.clone());
+        assert_eq!(run.sink.secret().unwrap(), "s3cret");
         std::fs::remove_file(dir).unwrap();
     }
 }

@@ -8,6 +8,9 @@
 //!    └── confirmed LSN (watch) ◀── AckTracker
 //! ```
 //!
+//! A poison event is quarantined in the dead-letter table and then counts
+//! as done; the circuit breaker pauses dispatch while the sink is down.
+//!
 //! The source admits an event only with a [`WindowPermit`] (bounded in events
 //! and bytes), so when deliveries stall the source stops reading and WAL
 //! waits on the server, not in relay memory. The dispatcher owns the
@@ -23,10 +26,12 @@ use tokio::task::JoinSet;
 
 use crate::ack::{AckTracker, TxSeq};
 use crate::admin::Health;
+use crate::breaker::{Breaker, BreakerConfig, Signal};
+use crate::deadletter::{self, NewDeadLetter};
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, TxContext};
-use crate::sink::classify::status_class;
+use crate::sink::classify::{Reason, status_class};
 use crate::sink::{Attempt, Backoff, Disposition, HttpSink, StatusPolicy, classify};
 
 /// Bounds what the relay holds in memory: events received and not yet done.
@@ -83,12 +88,15 @@ pub enum Item {
     Begin(TxContext),
     /// An outbox insert of the open transaction, admitted to the window.
     Event(OutboxEvent, WindowPermit),
+    /// An outbox insert that cannot become an event (NULL id or type, bad
+    /// text): it is quarantined as it is, never skipped.
+    Unreadable(Box<NewDeadLetter>, WindowPermit),
     /// The open transaction committed; `end_lsn` is its end LSN.
     Commit {
         /// End LSN of the transaction.
         end_lsn: Lsn,
     },
-    /// A keepalive or XLogData reported the server's WAL end.
+    /// A keepalive reported the server's WAL end.
     Keepalive {
         /// Server WAL end.
         wal_end: Lsn,
@@ -109,12 +117,42 @@ pub struct DispatchConfig {
     pub retry_after_max: Duration,
     /// Which statuses are poison.
     pub policy: StatusPolicy,
+    /// Circuit breaker and storm guard.
+    pub breaker: BreakerConfig,
+}
+
+/// What a session's pipeline shares: the sink, the dead-letter store (the
+/// side SQL connection), metrics and health.
+#[derive(Clone)]
+pub struct Services {
+    /// The HTTP sink.
+    pub sink: HttpSink,
+    /// The side connection that writes dead letters.
+    pub store: Arc<tokio_postgres::Client>,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Readiness.
+    pub health: Arc<Health>,
+}
+
+/// The pipeline stopped before its input ended.
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    /// Dead letters cannot be written: the side connection is gone.
+    #[error("cannot write the dead-letter table: {0}")]
+    StoreLost(String),
+}
+
+enum Work {
+    Deliver(OutboxEvent),
+    Quarantine(Box<NewDeadLetter>),
 }
 
 struct Job {
     seq: u64,
     tx: TxSeq,
-    event: OutboxEvent,
+    key: Option<String>,
+    work: Work,
     _permit: WindowPermit,
 }
 
@@ -129,18 +167,16 @@ struct Done {
 /// (they are redelivered after a restart: at-least-once).
 pub async fn run(
     cfg: DispatchConfig,
-    sink: HttpSink,
-    metrics: Metrics,
+    services: Services,
     start: Lsn,
     mut items: mpsc::Receiver<Item>,
     confirmed: watch::Sender<Lsn>,
-    health: Arc<Health>,
-) -> Lsn {
+) -> Result<Lsn, DispatchError> {
+    let breaker = Arc::new(Breaker::new(cfg.breaker.clone(), services.metrics.clone()));
     let mut d = Dispatcher {
-        health,
         cfg,
-        sink,
-        metrics,
+        services,
+        breaker,
         tracker: AckTracker::new(start),
         tx: None,
         next_seq: 0,
@@ -156,7 +192,7 @@ pub async fn run(
         d.start_ready();
         d.publish(&confirmed);
         if !items_open && d.running.is_empty() && d.ready.is_empty() {
-            return d.tracker.confirmed();
+            return Ok(d.tracker.confirmed());
         }
         tokio::select! {
             item = items.recv(), if items_open => match item {
@@ -164,7 +200,7 @@ pub async fn run(
                 None => items_open = false,
             },
             Some(done) = d.running.join_next() => {
-                d.finish(done.expect("delivery tasks do not panic"));
+                d.finish(done.expect("delivery tasks do not panic")?);
             }
             _ = tick.tick() => d.update_age(),
         }
@@ -172,10 +208,9 @@ pub async fn run(
 }
 
 struct Dispatcher {
-    health: Arc<Health>,
     cfg: DispatchConfig,
-    sink: HttpSink,
-    metrics: Metrics,
+    services: Services,
+    breaker: Arc<Breaker>,
     tracker: AckTracker,
     tx: Option<TxSeq>,
     next_seq: u64,
@@ -187,7 +222,7 @@ struct Dispatcher {
     claimed: HashSet<String>,
     /// When each not-done job was received, by stream order.
     received_at: BTreeMap<u64, Instant>,
-    running: JoinSet<Done>,
+    running: JoinSet<Result<Done, DispatchError>>,
 }
 
 impl Dispatcher {
@@ -195,44 +230,50 @@ impl Dispatcher {
         match item {
             Item::Begin(_) => self.tx = Some(self.tracker.begin()),
             Item::Event(event, permit) => {
-                let tx = self.tx.expect("source sends Begin before events");
-                self.tracker.add_event(tx);
-                self.metrics.events_received.inc();
-                self.metrics.pending_events.inc();
-                let seq = self.next_seq;
-                self.next_seq += 1;
-                self.received_at.insert(seq, Instant::now());
-                let job = Job {
-                    seq,
-                    tx,
-                    event,
-                    _permit: permit,
-                };
-                match job.event.aggregate_key.clone() {
-                    Some(key) if self.claimed.contains(&key) => {
-                        self.waiting.entry(key).or_default().push_back(job)
-                    }
-                    Some(key) => {
-                        self.claimed.insert(key);
-                        self.ready.insert(seq, job);
-                    }
-                    None => {
-                        self.ready.insert(seq, job);
-                    }
-                }
+                let key = event.aggregate_key.clone();
+                self.admit(key, Work::Deliver(event), permit);
             }
+            Item::Unreadable(row, permit) => self.admit(None, Work::Quarantine(row), permit),
             Item::Commit { end_lsn } => {
                 let tx = self.tx.take().expect("source sends Begin before Commit");
                 self.tracker.commit(tx, end_lsn);
-                self.metrics
-                    .received_lsn
-                    .set(lsn_gauge(self.tracker.received()));
+                let received = lsn_gauge(self.tracker.received());
+                self.services.metrics.received_lsn.set(received);
             }
             Item::Keepalive { wal_end } => {
-                self.metrics.server_wal_lsn.set(lsn_gauge(wal_end));
+                self.services.metrics.server_wal_lsn.set(lsn_gauge(wal_end));
                 if self.tx.is_none() {
                     self.tracker.keepalive(wal_end);
                 }
+            }
+        }
+    }
+
+    fn admit(&mut self, key: Option<String>, work: Work, permit: WindowPermit) {
+        let tx = self.tx.expect("source sends Begin before events");
+        self.tracker.add_event(tx);
+        self.services.metrics.events_received.inc();
+        self.services.metrics.pending_events.inc();
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.received_at.insert(seq, Instant::now());
+        let job = Job {
+            seq,
+            tx,
+            key: key.clone(),
+            work,
+            _permit: permit,
+        };
+        match key {
+            Some(key) if self.claimed.contains(&key) => {
+                self.waiting.entry(key).or_default().push_back(job)
+            }
+            Some(key) => {
+                self.claimed.insert(key);
+                self.ready.insert(seq, job);
+            }
+            None => {
+                self.ready.insert(seq, job);
             }
         }
     }
@@ -242,17 +283,19 @@ impl Dispatcher {
             let Some((_, job)) = self.ready.pop_first() else {
                 break;
             };
-            let sink = self.sink.clone();
-            let cfg = self.cfg.clone();
-            let metrics = self.metrics.clone();
-            self.running.spawn(deliver(sink, cfg, metrics, job));
+            let ctx = Ctx {
+                cfg: self.cfg.clone(),
+                services: self.services.clone(),
+                breaker: Arc::clone(&self.breaker),
+            };
+            self.running.spawn(ctx.run(job));
         }
     }
 
     fn finish(&mut self, done: Done) {
         self.tracker.complete(done.tx);
         self.received_at.remove(&done.seq);
-        self.metrics.pending_events.dec();
+        self.services.metrics.pending_events.dec();
         if let Some(key) = done.key {
             match self.waiting.get_mut(&key).and_then(VecDeque::pop_front) {
                 Some(next) => {
@@ -276,9 +319,9 @@ impl Dispatcher {
             changed
         });
         if advanced || self.tracker.outstanding_events() == 0 {
-            self.health.progress();
+            self.services.health.progress();
         }
-        self.metrics.confirmed_lsn.set(lsn_gauge(lsn));
+        self.services.metrics.confirmed_lsn.set(lsn_gauge(lsn));
     }
 
     fn update_age(&self) {
@@ -287,68 +330,161 @@ impl Dispatcher {
             .values()
             .next()
             .map_or(0.0, |t| t.elapsed().as_secs_f64());
-        self.metrics.oldest_unconfirmed_event_age.set(age);
+        self.services.metrics.oldest_unconfirmed_event_age.set(age);
     }
 }
 
-/// Delivers one event, retrying until it is done. Returns what the
-/// dispatcher needs to release its key and count it done.
-async fn deliver(sink: HttpSink, cfg: DispatchConfig, metrics: Metrics, job: Job) -> Done {
-    let event = &job.event;
-    let (body, signature) = sink.prepare(event);
-    let mut backoff = Backoff::new(cfg.backoff_base, cfg.backoff_cap, cfg.retry_after_max);
-    let mut attempts: u64 = 0;
-    loop {
-        attempts += 1;
-        metrics.in_flight.inc();
-        let started = Instant::now();
-        let attempt = sink.post(&event.id, body.clone(), &signature).await;
-        metrics.in_flight.dec();
-        metrics
-            .request_duration
-            .observe(started.elapsed().as_secs_f64());
-        let disposition = classify(&attempt, &cfg.policy);
-        let outcome = match &disposition {
-            Disposition::Delivered => "delivered",
-            Disposition::Retry(_) => "retry",
-            Disposition::DeadLetter(_) => "dead_letter",
-            Disposition::ConfigFault(_) => "config_fault",
-        };
-        metrics
-            .delivery_attempts
-            .with_label_values(&[outcome, status_class(&attempt)])
-            .inc();
-        let reason = match disposition {
-            Disposition::Delivered => {
-                metrics.events_delivered.inc();
-                metrics
-                    .commit_to_delivery
-                    .observe(seconds_since_commit(event.commit_time_micros));
-                tracing::debug!(event_id = %event.id, commit_lsn = %event.commit_lsn, attempts, "delivered");
-                return Done {
-                    seq: job.seq,
-                    tx: job.tx,
-                    key: event.aggregate_key.clone(),
-                };
-            }
-            // Until the dead-letter table exists, poison is retried like the
-            // rest: an event is never skipped.
-            Disposition::Retry(r) | Disposition::DeadLetter(r) | Disposition::ConfigFault(r) => r,
-        };
-        metrics.retries.with_label_values(&[&reason.label]).inc();
-        let retry_after = match &attempt {
-            Attempt::Response { retry_after, .. } => *retry_after,
-            _ => None,
-        };
-        let delay = backoff.next_delay(retry_after, &mut rand::rng());
-        if attempts == 1 || attempts.is_multiple_of(20) {
-            tracing::warn!(
-                event_id = %event.id, commit_lsn = %event.commit_lsn, attempts,
-                reason = %reason.label, detail = %attempt_detail(&attempt),
-                retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
-            );
+/// What one delivery task needs.
+struct Ctx {
+    cfg: DispatchConfig,
+    services: Services,
+    breaker: Arc<Breaker>,
+}
+
+impl Ctx {
+    async fn run(self, job: Job) -> Result<Done, DispatchError> {
+        match &job.work {
+            Work::Deliver(event) => self.deliver(job.seq, event).await?,
+            Work::Quarantine(row) => self.quarantine(row).await?,
         }
-        tokio::time::sleep(delay).await;
+        Ok(Done {
+            seq: job.seq,
+            tx: job.tx,
+            key: job.key,
+        })
+    }
+
+    /// Delivers one event until it is done: a 2xx, or quarantined.
+    async fn deliver(&self, seq: u64, event: &OutboxEvent) -> Result<(), DispatchError> {
+        let metrics = &self.services.metrics;
+        let (body, signature) = self.services.sink.prepare(event);
+        let mut backoff = Backoff::new(
+            self.cfg.backoff_base,
+            self.cfg.backoff_cap,
+            self.cfg.retry_after_max,
+        );
+        let first_attempt = unix_micros();
+        let mut attempts: u32 = 0;
+        loop {
+            let admission = self.breaker.admit(seq).await;
+            attempts += 1;
+            metrics.in_flight.inc();
+            let started = Instant::now();
+            let attempt = self
+                .services
+                .sink
+                .post(&event.id, body.clone(), &signature)
+                .await;
+            metrics.in_flight.dec();
+            metrics
+                .request_duration
+                .observe(started.elapsed().as_secs_f64());
+            let disposition = classify(&attempt, &self.cfg.policy);
+            let (outcome, signal, reason) = match disposition {
+                Disposition::Delivered => {
+                    self.breaker.record(admission, Signal::Success, "");
+                    count_attempt(metrics, "delivered", &attempt);
+                    metrics.events_delivered.inc();
+                    metrics
+                        .commit_to_delivery
+                        .observe(seconds_since_commit(event.commit_time_micros));
+                    tracing::debug!(event_id = %event.id, commit_lsn = %event.commit_lsn, attempts, "delivered");
+                    return Ok(());
+                }
+                Disposition::DeadLetter(r) if self.breaker.poison(&event.id) => {
+                    self.breaker
+                        .record(admission, Signal::Quarantined, &r.label);
+                    count_attempt(metrics, "dead_letter", &attempt);
+                    let row = dead_letter(event, &attempt, &r, attempts, first_attempt);
+                    tracing::warn!(
+                        event_id = %event.id, commit_lsn = %event.commit_lsn, reason = %r.label,
+                        detail = %attempt_detail(&attempt), "poison event: quarantining in the dead-letter table"
+                    );
+                    return self.quarantine(&row).await;
+                }
+                // During a poison storm, poison waits like a transient failure.
+                Disposition::DeadLetter(r) | Disposition::Retry(r) => {
+                    ("retry", Signal::Transient, r)
+                }
+                Disposition::ConfigFault(r) => ("config_fault", Signal::ConfigFault, r),
+            };
+            self.breaker.record(admission, signal, &reason.label);
+            count_attempt(metrics, outcome, &attempt);
+            metrics.retries.with_label_values(&[&reason.label]).inc();
+            let retry_after = match &attempt {
+                Attempt::Response { retry_after, .. } => *retry_after,
+                _ => None,
+            };
+            let delay = backoff.next_delay(retry_after, &mut rand::rng());
+            if attempts == 1 || attempts.is_multiple_of(20) {
+                tracing::warn!(
+                    event_id = %event.id, commit_lsn = %event.commit_lsn, attempts,
+                    reason = %reason.label, detail = %attempt_detail(&attempt),
+                    retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
+                );
+            }
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// Writes a dead-letter row, retrying until it is committed. The event
+    /// stays pending meanwhile; a lost side connection ends the session.
+    async fn quarantine(&self, row: &NewDeadLetter) -> Result<(), DispatchError> {
+        let mut backoff = Backoff::new(self.cfg.backoff_base, self.cfg.backoff_cap, Duration::ZERO);
+        loop {
+            match deadletter::insert(&self.services.store, row).await {
+                Ok(id) => {
+                    self.services.metrics.events_dead_lettered.inc();
+                    tracing::warn!(dead_letter_id = id, event_id = ?row.event_id, error = %row.error, "quarantined");
+                    return Ok(());
+                }
+                Err(e) if self.services.store.is_closed() => {
+                    return Err(DispatchError::StoreLost(e.to_string()));
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, event_id = ?row.event_id, "cannot write the dead-letter row; the event stays pending");
+                    let delay = backoff.next_delay(None, &mut rand::rng());
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    }
+}
+
+fn count_attempt(metrics: &Metrics, outcome: &str, attempt: &Attempt) {
+    metrics
+        .delivery_attempts
+        .with_label_values(&[outcome, status_class(attempt)])
+        .inc();
+}
+
+fn dead_letter(
+    event: &OutboxEvent,
+    attempt: &Attempt,
+    reason: &Reason,
+    attempts: u32,
+    first: i64,
+) -> NewDeadLetter {
+    let (status, excerpt) = match attempt {
+        Attempt::Response {
+            status, excerpt, ..
+        } => (Some(*status), Some(excerpt.clone())),
+        _ => (None, None),
+    };
+    NewDeadLetter {
+        event_id: Some(event.id.clone()),
+        aggregate_key: event.aggregate_key.clone(),
+        event_type: Some(event.event_type.clone()),
+        payload: event
+            .payload
+            .as_ref()
+            .map(|p| String::from_utf8_lossy(p).into_owned()),
+        commit_lsn: event.commit_lsn,
+        http_status: status,
+        error: format!("{}: {}", reason.label, attempt_detail(attempt)),
+        response_excerpt: excerpt,
+        attempts,
+        first_attempt_unix_micros: Some(first),
     }
 }
 
@@ -369,12 +505,15 @@ fn attempt_detail(a: &Attempt) -> String {
 /// PostgreSQL timestamps count microseconds from 2000-01-01 00:00:00 UTC.
 const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
 
-fn seconds_since_commit(commit_time_micros: i64) -> f64 {
-    let now = SystemTime::now()
+fn unix_micros() -> i64 {
+    SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+fn seconds_since_commit(commit_time_micros: i64) -> f64 {
     let unix = commit_time_micros.saturating_add(PG_EPOCH_UNIX_MICROS);
-    (now.saturating_sub(unix).max(0) as f64) / 1e6
+    (unix_micros().saturating_sub(unix).max(0) as f64) / 1e6
 }
 
 fn lsn_gauge(lsn: Lsn) -> i64 {

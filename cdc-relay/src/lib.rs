@@ -23,7 +23,10 @@
 
 pub mod ack;
 pub mod admin;
+pub mod backfill;
+pub mod breaker;
 pub mod config;
+pub mod deadletter;
 pub mod dispatch;
 pub mod lsn;
 pub mod metrics;

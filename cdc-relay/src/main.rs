@@ -4,11 +4,17 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use cdc_relay::admin::{self, Health};
-use cdc_relay::config::{Cli, Command, GlobalArgs, LogFormat, RunArgs, SetupArgs, StatusArgs};
+use cdc_relay::backfill::{self, BackfillPlan};
+use cdc_relay::config::{
+    BackfillArgs, Cli, Command, DeadLetterCommand, GlobalArgs, LogFormat, ReplayArgs, RunArgs,
+    SetupArgs, StatusArgs,
+};
+use cdc_relay::deadletter::{self, Removal};
 use cdc_relay::metrics::Metrics;
+use cdc_relay::outbox::OutboxEvent;
 use cdc_relay::relay::{self, RelayConfig};
 use cdc_relay::setup::{self, SetupPlan};
-use cdc_relay::sink::{HttpSink, Signer, SinkConfig};
+use cdc_relay::sink::HttpSink;
 use cdc_relay::source;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
@@ -25,6 +31,8 @@ fn main() -> ExitCode {
             Command::Setup(a) => report(setup_cmd(&cli.global, a).await),
             Command::Status(a) => report(status_cmd(&cli.global, a).await),
             Command::Run(a) => run_cmd(&cli.global, *a).await,
+            Command::DeadLetter(c) => report(dead_letter_cmd(&cli.global, c).await),
+            Command::Backfill(a) => report(backfill_cmd(&cli.global, *a).await),
         }
     });
     ExitCode::from(code)
@@ -104,21 +112,7 @@ async fn run_cmd(g: &GlobalArgs, a: RunArgs) -> u8 {
 fn prepare_run(g: &GlobalArgs, a: &RunArgs) -> Result<(RelayConfig, HttpSink), String> {
     a.validate()?;
     let conn = g.conn()?;
-    let secret = a.secret()?;
-    let ca = match &a.sink_ca_file {
-        Some(p) => {
-            Some(std::fs::read(p).map_err(|e| format!("--sink-ca-file {}: {e}", p.display()))?)
-        }
-        None => None,
-    };
-    let sink = HttpSink::new(SinkConfig {
-        url: a.sink_url.clone(),
-        signer: Signer::new(secret.as_bytes()),
-        connect_timeout: a.sink_connect_timeout,
-        request_timeout: a.request_timeout,
-        ca_cert_pem: ca,
-    })
-    .map_err(|e| e.to_string())?;
+    let sink = a.sink.build()?;
     let cfg = RelayConfig {
         conn,
         slot: g.slot.clone(),
@@ -126,14 +120,153 @@ fn prepare_run(g: &GlobalArgs, a: &RunArgs) -> Result<(RelayConfig, HttpSink), S
         table: g.table.clone(),
         columns: g.columns(),
         application_name: a.application_name.clone(),
-        dispatch: a.dispatch(),
-        window_events: a.max_pending_events as usize,
-        window_bytes: a.max_pending_bytes,
+        dispatch: a.delivery.dispatch(),
+        window_events: a.delivery.max_pending_events as usize,
+        window_bytes: a.delivery.max_pending_bytes,
         shutdown_timeout: a.shutdown_timeout,
         reconnect_max: a.reconnect_max,
         slot_stats_interval: a.slot_stats_interval,
     };
     Ok((cfg, sink))
+}
+
+async fn dead_letter_cmd(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()> {
+    let mut client = connect(g).await?;
+    match c {
+        DeadLetterCommand::List { json } => {
+            let rows = deadletter::list(&client).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+                return Ok(());
+            }
+            println!(
+                "{:>6}  {:<36}  {:<16}  {:>6}  {:>8}  error",
+                "id", "event_id", "type", "status", "attempts"
+            );
+            for r in &rows {
+                println!(
+                    "{:>6}  {:<36}  {:<16}  {:>6}  {:>8}  {}",
+                    r.id,
+                    r.event_id.as_deref().unwrap_or("(none)"),
+                    r.event_type.as_deref().unwrap_or("(none)"),
+                    r.http_status.map_or("-".into(), |s| s.to_string()),
+                    r.attempts,
+                    r.error.chars().take(80).collect::<String>()
+                );
+            }
+            println!("{} quarantined event(s)", rows.len());
+        }
+        DeadLetterCommand::Show { id } => {
+            let row = deadletter::get(&client, id)
+                .await?
+                .with_context(|| format!("no dead-letter row {id}"))?;
+            println!("{}", serde_json::to_string_pretty(&row)?);
+        }
+        DeadLetterCommand::Replay(a) => replay(&mut client, *a).await?,
+        DeadLetterCommand::Discard { id, reason } => {
+            anyhow::ensure!(
+                deadletter::remove(&mut client, id, Removal::Discard, reason.as_deref()).await?,
+                "no dead-letter row {id}"
+            );
+            println!("discarded dead-letter row {id} (kept in cdc_relay_dead_letter_audit)");
+        }
+    }
+    Ok(())
+}
+
+async fn replay(client: &mut tokio_postgres::Client, a: ReplayArgs) -> anyhow::Result<()> {
+    let sink = a.sink.build().map_err(anyhow::Error::msg)?;
+    let ids: Vec<i64> = match a.id {
+        Some(id) => vec![id],
+        None => deadletter::list(client)
+            .await?
+            .iter()
+            .map(|r| r.id)
+            .collect(),
+    };
+    let mut failed = 0;
+    for id in ids {
+        let row = deadletter::get(client, id)
+            .await?
+            .with_context(|| format!("no dead-letter row {id}"))?;
+        let (Some(event_id), Some(event_type)) = (row.event_id.clone(), row.event_type.clone())
+        else {
+            println!(
+                "row {id}: no event id or type; cannot be sent (discard it after fixing the source row)"
+            );
+            failed += 1;
+            continue;
+        };
+        let event = OutboxEvent {
+            id: event_id,
+            event_type,
+            payload: row.payload.clone().map(bytes::Bytes::from),
+            aggregate_key: row.aggregate_key.clone(),
+            commit_lsn: row.commit_lsn.parse().unwrap_or_default(),
+            commit_time_micros: 0,
+        };
+        let (body, signature) = sink.prepare(&event);
+        match sink.post(&event.id, body, &signature).await {
+            cdc_relay::sink::Attempt::Response { status, .. } if (200..300).contains(&status) => {
+                deadletter::remove(client, id, Removal::Replay, None).await?;
+                println!("row {id}: delivered ({status}); removed");
+            }
+            other => {
+                println!("row {id}: not delivered ({other:?}); kept");
+                failed += 1;
+            }
+        }
+    }
+    anyhow::ensure!(failed == 0, "{failed} row(s) not replayed");
+    Ok(())
+}
+
+async fn backfill_cmd(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
+    a.delivery.validate().map_err(anyhow::Error::msg)?;
+    let sink = a.sink.build().map_err(anyhow::Error::msg)?;
+    let mut reader = connect(g).await?;
+    let store = std::sync::Arc::new(connect(g).await?);
+    let plan = BackfillPlan {
+        table: g.table.clone(),
+        columns: g.columns(),
+        time_column: a.time_column.clone(),
+        since: a.since.clone(),
+        until: a.until.clone(),
+        window_events: a.delivery.max_pending_events as usize,
+        window_bytes: a.delivery.max_pending_bytes,
+    };
+    let total = backfill::count(&reader, &plan).await?;
+    eprintln!(
+        "backfill: {total} row(s) in {} from {} to {}",
+        plan.table,
+        plan.since,
+        plan.until.as_deref().unwrap_or("now")
+    );
+    let started = std::time::Instant::now();
+    let mut last_print = std::time::Instant::now();
+    let report = backfill::run(
+        &mut reader,
+        store,
+        sink,
+        a.delivery.dispatch(),
+        &plan,
+        |sent| {
+            if last_print.elapsed() >= std::time::Duration::from_millis(500) || sent == total {
+                eprint!("\rbackfill: {sent}/{total} handed to delivery");
+                last_print = std::time::Instant::now();
+            }
+        },
+    )
+    .await?;
+    eprintln!();
+    println!(
+        "backfill done in {:.1} s: {} row(s) read, {} delivered, {} dead-lettered",
+        started.elapsed().as_secs_f64(),
+        report.rows,
+        report.delivered,
+        report.dead_lettered
+    );
+    Ok(())
 }
 
 async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {

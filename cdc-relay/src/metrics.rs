@@ -54,6 +54,12 @@ pub struct Metrics {
     pub slot_safe_wal_size_bytes: IntGauge,
 }
 
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()

@@ -12,6 +12,7 @@ use std::fmt;
 
 use bytes::Bytes;
 
+use crate::deadletter::NewDeadLetter;
 use crate::lsn::Lsn;
 use crate::pgoutput::{ColumnValue, Insert, Relation, RelationId};
 
@@ -276,6 +277,47 @@ impl OutboxMapper {
     }
 }
 
+impl OutboxMapper {
+    /// For an insert whose ROW is bad (a NULL id or type, text that is not
+    /// UTF-8), the dead-letter record to quarantine it with: whatever is
+    /// readable, lossily. `None` when the problem is structural (a missing
+    /// column, an unknown relation): that is a configuration error, not a
+    /// poison row, and the relay stops instead.
+    pub fn quarantine_record(
+        &self,
+        ins: &Insert,
+        tx: TxContext,
+        err: &OutboxError,
+    ) -> Option<NewDeadLetter> {
+        if !matches!(
+            err,
+            OutboxError::NullValue { .. } | OutboxError::BadValue { .. }
+        ) {
+            return None;
+        }
+        let pos = self.outbox.get(&ins.relation)?.as_ref().ok()?;
+        let values = ins.new.values();
+        let lossy = |i: usize| match values.get(i) {
+            Some(ColumnValue::Text(b)) | Some(ColumnValue::Binary(b)) => {
+                Some(String::from_utf8_lossy(b).into_owned())
+            }
+            _ => None,
+        };
+        Some(NewDeadLetter {
+            event_id: lossy(pos.id),
+            aggregate_key: pos.aggregate_key.and_then(lossy),
+            event_type: lossy(pos.event_type),
+            payload: lossy(pos.payload),
+            commit_lsn: tx.commit_lsn,
+            http_status: None,
+            error: format!("unreadable outbox row: {err}"),
+            response_excerpt: None,
+            attempts: 0,
+            first_attempt_unix_micros: None,
+        })
+    }
+}
+
 fn text<'a>(value: &'a ColumnValue, column: &str) -> Result<Option<&'a str>, OutboxError> {
     match value {
         ColumnValue::Null => Ok(None),
@@ -427,6 +469,30 @@ mod tests {
                 got: 1
             }
         );
+    }
+
+    #[test]
+    fn bad_rows_are_quarantined_and_structural_errors_are_not() {
+        let mut m = mapper();
+        m.on_relation(&rel(
+            1,
+            "outbox",
+            &["id", "aggregate_id", "event_type", "payload"],
+        ));
+        let ins = insert(1, &[None, Some("a"), Some("T"), Some("{}")]);
+        let err = m.on_insert(&ins, TX).unwrap_err();
+        let row = m
+            .quarantine_record(&ins, TX, &err)
+            .expect("a NULL id is a poison row");
+        assert_eq!(row.event_id, None);
+        assert_eq!(row.event_type.as_deref(), Some("T"));
+        assert_eq!(row.payload.as_deref(), Some("{}"));
+        assert_eq!(row.commit_lsn, Lsn(7));
+        assert!(row.error.contains("\"id\""), "{}", row.error);
+
+        let short = insert(1, &[Some("e")]);
+        let err = m.on_insert(&short, TX).unwrap_err();
+        assert_eq!(m.quarantine_record(&short, TX, &err), None);
     }
 
     #[test]

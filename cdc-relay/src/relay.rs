@@ -110,7 +110,13 @@ pub async fn run(
         if shutdown.is_cancelled() {
             return Ok(());
         }
-        let outcome = session(&cfg, &sink, &metrics, &health, &shutdown).await;
+        let mut streamed = false;
+        let outcome = session(&cfg, &sink, &metrics, &health, &shutdown, &mut streamed).await;
+        if streamed {
+            // A session that streamed was healthy: the next reconnect starts
+            // the backoff over instead of sleeping near the cap.
+            failures = 0;
+        }
         health.set_streaming(false);
         let err = match outcome {
             Ok(SessionEnd::Shutdown) => return Ok(()),
@@ -158,23 +164,37 @@ async fn session(
     metrics: &Metrics,
     health: &Arc<Health>,
     shutdown: &CancellationToken,
+    streamed: &mut bool,
 ) -> Result<SessionEnd, RelayError> {
-    let side = Arc::new(
-        source::connect_sql(&cfg.conn, &cfg.application_name)
+    // tokio-postgres bounds only the TCP connect; a server that accepts and
+    // then never answers must not hang the relay, so the whole start-up
+    // exchange is bounded too.
+    let startup = async {
+        let side = source::connect_sql(&cfg.conn, &cfg.application_name)
             .await
-            .map_err(|e| connect_error(e, &cfg.conn))?,
-    );
-    let wst = side
-        .query_one("SHOW wal_sender_timeout", &[])
-        .await
-        .map_err(|e| sql_error(&e, &cfg.conn))?;
-    let wst = source::parse_pg_duration(wst.get::<_, &str>(0)).unwrap_or(Duration::from_secs(60));
-    let slot = source::slot_info(&side, &cfg.slot)
-        .await
-        .map_err(|e| sql_error(&e, &cfg.conn))?
-        .ok_or_else(|| SourceError::SlotMissing {
-            slot: cfg.slot.clone(),
-        })?;
+            .map_err(|e| connect_error(e, &cfg.conn))?;
+        let wst = side
+            .query_one("SHOW wal_sender_timeout", &[])
+            .await
+            .map_err(|e| sql_error(&e, &cfg.conn))?;
+        let wst =
+            source::parse_pg_duration(wst.get::<_, &str>(0)).unwrap_or(Duration::from_secs(60));
+        let slot = source::slot_info(&side, &cfg.slot)
+            .await
+            .map_err(|e| sql_error(&e, &cfg.conn))?;
+        Ok::<_, RelayError>((side, wst, slot))
+    };
+    let bound = cfg.conn.connect_timeout * 2;
+    let (side, wst, slot) = tokio::time::timeout(bound, startup).await.map_err(|_| {
+        SourceError::Transient(format!(
+            "{}: no answer within {bound:?} while connecting",
+            cfg.conn.display()
+        ))
+    })??;
+    let side = Arc::new(side);
+    let slot = slot.ok_or_else(|| SourceError::SlotMissing {
+        slot: cfg.slot.clone(),
+    })?;
     if slot.wal_status.as_deref() == Some("lost") {
         return Err(SourceError::SlotInvalidated {
             slot: cfg.slot.clone(),
@@ -192,6 +212,7 @@ async fn session(
     let client = source::open_stream(&cfg.conn, &settings).await?;
     metrics.standby.set(0);
     health.set_streaming(true);
+    *streamed = true;
     tracing::info!(slot = %cfg.slot, start = %start, status_interval_ms = settings.status_interval.as_millis() as u64, "streaming");
 
     let monitor = AbortOnDrop(tokio::spawn(monitor_slot(
@@ -202,14 +223,18 @@ async fn session(
     )));
     let (items_tx, items_rx) = mpsc::channel(1024);
     let (confirmed_tx, confirmed_rx) = watch::channel(start);
+    let services = dispatch::Services {
+        sink: sink.clone(),
+        store: Arc::clone(&side),
+        metrics: metrics.clone(),
+        health: Arc::clone(health),
+    };
     let dispatcher = AbortOnDrop(tokio::spawn(dispatch::run(
         cfg.dispatch.clone(),
-        sink.clone(),
-        metrics.clone(),
+        services,
         start,
         items_rx,
         confirmed_tx,
-        Arc::clone(health),
     )));
     let mut stream = Stream {
         client,
@@ -261,13 +286,13 @@ async fn session(
 async fn finish(
     client: ReplicationClient,
     mut confirmed: watch::Receiver<Lsn>,
-    mut dispatcher: AbortOnDrop<Lsn>,
+    mut dispatcher: AbortOnDrop<Result<Lsn, dispatch::DispatchError>>,
     deadline: tokio::time::Instant,
     status_interval: Duration,
 ) {
     let drained = loop {
         tokio::select! {
-            r = &mut dispatcher.0 => break r.ok(),
+            r = &mut dispatcher.0 => break r.ok().and_then(Result::ok),
             r = confirmed.changed() => if r.is_ok() { client.update_applied_lsn((*confirmed.borrow_and_update()).into()) },
             _ = tokio::time::sleep_until(deadline) => break None,
         }
@@ -342,32 +367,39 @@ impl Watchdog {
         self.last_message + self.silence
     }
 
-    /// `Ok` when the walsender serving our slot read a status update from us
-    /// within the silence bound; otherwise the session must be replaced.
+    /// `Ok` when the walsender serving our slot read a status update from
+    /// us within the silence bound, or is visibly busy (decoding a large
+    /// transaction, reading spilled changes: it reads replies only between
+    /// steps). Stalled when it is idle-waiting yet ignores us (a frozen
+    /// process, a dead network path), or ignores us for 10 silence bounds.
     async fn check(&mut self, slot: &str) -> Result<(), RelayError> {
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&slot];
         let query = self.side.query_opt(
-            "SELECT EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8 \
-             FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid \
+            "SELECT EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8, \
+                    a.wait_event_type \
+             FROM pg_replication_slots s \
+             JOIN pg_stat_replication r ON r.pid = s.active_pid \
+             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid \
              WHERE s.slot_name = $1",
             &params,
         );
         let stalled = |why: String| Err(SourceError::Stalled(why).into());
-        match tokio::time::timeout(Duration::from_secs(5), query).await {
-            Err(_) => stalled("liveness query on the side connection timed out".into()),
-            Ok(Err(e)) => stalled(format!("liveness query failed: {e}")),
-            Ok(Ok(None)) => stalled("no walsender holds the slot for this session".into()),
-            Ok(Ok(Some(row))) => {
-                let age = row.get::<_, Option<f64>>(0).unwrap_or(f64::MAX);
-                if age > self.silence.as_secs_f64() {
-                    return stalled(format!(
-                        "the walsender has not read a status update for {age:.1} s"
-                    ));
-                }
-                self.last_message = tokio::time::Instant::now();
-                Ok(())
-            }
+        let row = match tokio::time::timeout(Duration::from_secs(5), query).await {
+            Err(_) => return stalled("liveness query on the side connection timed out".into()),
+            Ok(Err(e)) => return stalled(format!("liveness query failed: {e}")),
+            Ok(Ok(None)) => return stalled("no walsender holds the slot for this session".into()),
+            Ok(Ok(Some(row))) => row,
+        };
+        let age = row.get::<_, Option<f64>>(0).unwrap_or(f64::MAX);
+        let waiting = matches!(row.get::<_, Option<&str>>(1), Some("Activity" | "Client"));
+        let bound = self.silence.as_secs_f64();
+        if age > bound * 10.0 || (age > bound && waiting) {
+            return stalled(format!(
+                "the walsender has not read a status update for {age:.1} s"
+            ));
         }
+        self.last_message = tokio::time::Instant::now();
+        Ok(())
     }
 }
 
@@ -469,9 +501,19 @@ impl Stream {
                 let tx = self.tx.ok_or_else(|| {
                     SourceError::Definite("insert outside a transaction in the stream".into())
                 })?;
-                if let Some(event) = self.mapper.on_insert(&ins, tx)? {
-                    let permit = self.admit(event.size_bytes(), deadline).await?;
-                    self.send(Item::Event(event, permit)).await?;
+                match self.mapper.on_insert(&ins, tx) {
+                    Ok(Some(event)) => {
+                        let permit = self.admit(event.size_bytes(), deadline).await?;
+                        self.send(Item::Event(event, permit)).await?;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        let row = self.mapper.quarantine_record(&ins, tx, &e).ok_or(e)?;
+                        tracing::warn!(commit_lsn = %tx.commit_lsn, error = %row.error, "unreadable outbox row: quarantining");
+                        let size = row.payload.as_ref().map_or(0, String::len) + 256;
+                        let permit = self.admit(size, deadline).await?;
+                        self.send(Item::Unreadable(Box::new(row), permit)).await?;
+                    }
                 }
             }
             // Updates, deletes, truncates, types and origins are not events.

@@ -64,6 +64,8 @@ struct Script {
     arrivals: AtomicUsize,
     /// Forward to this URL (after the delay) and answer with its status.
     upstream: Option<(reqwest::Client, String)>,
+    /// Per event id (the body's `id`): answer this status instead.
+    rejections: Mutex<std::collections::HashMap<String, u16>>,
 }
 
 /// The running sink; stops when dropped.
@@ -129,6 +131,20 @@ impl ScriptedSink {
         self.script.delay_ms.store(ms, Ordering::SeqCst);
     }
 
+    /// Answer `status` to every request for event `id` until cleared.
+    pub fn reject(&self, id: &str, status: u16) {
+        self.script
+            .rejections
+            .lock()
+            .expect("sink lock")
+            .insert(id.to_owned(), status);
+    }
+
+    /// Stop rejecting any event by id.
+    pub fn clear_rejections(&self) {
+        self.script.rejections.lock().expect("sink lock").clear();
+    }
+
     /// Requests received and not yet answered.
     pub fn in_progress(&self) -> usize {
         self.script.in_progress.load(Ordering::SeqCst)
@@ -186,7 +202,18 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> u16 {
     if delay > 0 {
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
-    let scripted = script.status.load(Ordering::SeqCst);
+    let id = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["id"].as_str().map(str::to_owned));
+    let rejected = id.and_then(|id| {
+        script
+            .rejections
+            .lock()
+            .expect("sink lock")
+            .get(&id)
+            .copied()
+    });
+    let scripted = rejected.unwrap_or_else(|| script.status.load(Ordering::SeqCst));
     let Some((client, url)) = &script.upstream else {
         return scripted;
     };

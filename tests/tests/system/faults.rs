@@ -562,3 +562,94 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
     assert_eq!(sink.arrivals(), 0, "nothing was sent");
     Ok(())
 }
+
+// Regression tests for two reconnect bugs these fault tests found: an
+// unbounded start-up exchange, and a backoff that never started over.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stranded_handshake_during_reconnect_is_bounded() -> anyhow::Result<()> {
+    let cluster = PgCluster::start(ClusterOptions {
+        wal_sender_timeout: "2s".into(),
+        ..Default::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let (proxy, db_url) = app::proxied(&stack.relay_url).await?;
+    let relay = app::start_relay_with_url(&stack, &db_url, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+
+    // Partition: the watchdog notices the silent stream (2 s), its side
+    // query times out (5 s), and the relay reconnects into the blackhole.
+    proxy.set_mode(Mode::Blackhole);
+    let before = proxy.accepted();
+    wait_until(
+        "the relay to open a new connection (held by the blackhole)",
+        Duration::from_secs(30),
+        || async { proxy.accepted() > before },
+    )
+    .await?;
+    // A firewall failover: the held connection's state is gone, new
+    // connections work.
+    proxy.strand_existing();
+    proxy.set_mode(Mode::Pass);
+    let healed = Instant::now();
+    // connect timeout 5 s + reconnect cap 5 s + a session's setup.
+    let r = wait_until(
+        "the relay to stream again on a new connection",
+        Duration::from_secs(30),
+        || async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            sessions(&relay) > 1
+        },
+    )
+    .await;
+    if let Err(err) = r {
+        panic!(
+            "{err:#}\n{proxy:?}, {} connections accepted\n--- relay log tail ---\n{}",
+            proxy.accepted(),
+            tail(&relay.process.logs(), 20)
+        );
+    }
+    eprintln!("streaming again {:?} after the heal", healed.elapsed());
+    Ok(())
+}
+
+/// The reconnect backoff escalates with consecutive failures; a healthy
+/// session must start the count again, so a blip after a long healthy run
+/// costs ~100–200 ms, not up to --reconnect-max (5 s).
+///
+/// Observed: `failures` in relay.rs `run()` is only ever incremented; after
+/// six lifetime failures every reconnect sleeps uniform(0..5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_backoff_restarts_after_a_healthy_session() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let mut recoveries = Vec::new();
+    for _ in 0..8 {
+        let pid = walsender(&db, &stack.slot).await?.context("slot active")?;
+        let before = sessions(&relay);
+        let killed = Instant::now();
+        db.query_one("SELECT pg_terminate_backend($1)", &[&pid])
+            .await?;
+        wait_until("a new session", Duration::from_secs(30), || async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            sessions(&relay) > before
+        })
+        .await?;
+        recoveries.push(killed.elapsed());
+        // A healthy session between blips.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    eprintln!("walsender terminated 8 times, 1 s apart: streaming again after {recoveries:?}");
+    let last4: Duration = recoveries[4..].iter().sum();
+    assert!(
+        last4 < Duration::from_secs(4),
+        "the last 4 reconnects took {last4:?} in all ({recoveries:?}): the backoff never restarts"
+    );
+    Ok(())
+}

@@ -1,6 +1,7 @@
 //! System tests.
 
 mod cli;
+mod failures;
 mod faults;
 mod harness;
 mod relay;

@@ -1,0 +1,335 @@
+//! The circuit breaker with probe, and the poison-storm guard (DESIGN §4).
+//!
+//! ```text
+//!            K consecutive transient failures,
+//!            a poison storm, or a configuration fault
+//!  Closed ───────────────────────────────────────────▶ Open
+//!    ▲                                                  │ one probe (the oldest waiting
+//!    │                 first 2xx                        │ event) every probe interval
+//!    └──────────────────────────────────────────────────┘
+//! ```
+//!
+//! While open, dispatch pauses: every delivery waits in [`Breaker::admit`]
+//! and only the oldest waiting one may go, once per (jittered) probe
+//! interval, so a dead downstream sees about two requests per second at the
+//! 500 ms default, and a recovered one gets its next request within one
+//! interval. The first 2xx closes the circuit and releases the whole window
+//! at once.
+//!
+//! Storm guard: when poison verdicts hit `storm_threshold` distinct events in
+//! a row (no 2xx between), the sink is more likely broken than the events:
+//! quarantining stops, the circuit opens, and the events wait for a 2xx.
+
+use std::collections::{BTreeSet, HashSet};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::metrics::Metrics;
+
+/// Breaker settings.
+#[derive(Clone, Debug)]
+pub struct BreakerConfig {
+    /// Consecutive transient failures that open the circuit (K).
+    pub failure_threshold: u32,
+    /// Time between probes while open (jittered ±20 %).
+    pub probe_interval: Duration,
+    /// Distinct consecutive poison events that count as a storm.
+    pub storm_threshold: u32,
+}
+
+/// Circuit state, as exported by the `cdc_relay_circuit_state` gauge.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum CircuitState {
+    /// Deliveries flow.
+    Closed = 0,
+    /// Deliveries wait; probes go out.
+    Open = 1,
+}
+
+/// What an attempt told the breaker.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Signal {
+    /// A 2xx.
+    Success,
+    /// A transient failure (timeout, connection error, 408/425/429/5xx).
+    Transient,
+    /// A configuration fault (401, 403, 404, 405, 3xx): opens at once.
+    ConfigFault,
+    /// A poison verdict that was quarantined: the sink is up and judging
+    /// events, so the circuit closes like on a 2xx (the poison run goes on).
+    Quarantined,
+}
+
+#[derive(Debug)]
+struct State {
+    circuit: CircuitState,
+    consecutive_failures: u32,
+    next_probe_at: Instant,
+    probe_in_flight: bool,
+    /// Sequence numbers of deliveries waiting to be admitted.
+    waiting: BTreeSet<u64>,
+    /// Distinct events with a poison verdict since the last 2xx.
+    poison_run: HashSet<String>,
+    storm: bool,
+}
+
+/// Shared by every delivery of one session.
+#[derive(Debug)]
+pub struct Breaker {
+    cfg: BreakerConfig,
+    state: Mutex<State>,
+    changed: Notify,
+    metrics: Metrics,
+}
+
+/// How a delivery was admitted.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// The circuit is closed.
+    Normal,
+    /// The circuit is open and this attempt is the probe.
+    Probe,
+}
+
+impl Breaker {
+    /// A closed breaker.
+    pub fn new(cfg: BreakerConfig, metrics: Metrics) -> Self {
+        metrics.circuit_state.set(CircuitState::Closed as i64);
+        Breaker {
+            cfg,
+            state: Mutex::new(State {
+                circuit: CircuitState::Closed,
+                consecutive_failures: 0,
+                next_probe_at: Instant::now(),
+                probe_in_flight: false,
+                waiting: BTreeSet::new(),
+                poison_run: HashSet::new(),
+                storm: false,
+            }),
+            changed: Notify::new(),
+            metrics,
+        }
+    }
+
+    /// The current state.
+    pub fn state(&self) -> CircuitState {
+        self.lock().circuit
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .expect("breaker state lock is never poisoned")
+    }
+
+    /// Waits until delivery `seq` (its stream order) may make an attempt.
+    pub async fn admit(&self, seq: u64) -> Admission {
+        loop {
+            let notified = self.changed.notified();
+            let wait_until = {
+                let mut s = self.lock();
+                if s.circuit == CircuitState::Closed {
+                    s.waiting.remove(&seq);
+                    return Admission::Normal;
+                }
+                s.waiting.insert(seq);
+                let oldest = s.waiting.first().copied() == Some(seq);
+                if oldest && !s.probe_in_flight && Instant::now() >= s.next_probe_at {
+                    s.probe_in_flight = true;
+                    s.waiting.remove(&seq);
+                    return Admission::Probe;
+                }
+                s.next_probe_at
+            };
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep_until(wait_until) => {}
+            }
+        }
+    }
+
+    /// A delivery gave up waiting (its session ends).
+    pub fn forget(&self, seq: u64) {
+        self.lock().waiting.remove(&seq);
+    }
+
+    /// Records an attempt's outcome.
+    pub fn record(&self, admission: Admission, signal: Signal, reason: &str) {
+        let mut s = self.lock();
+        if admission == Admission::Probe {
+            s.probe_in_flight = false;
+        }
+        match signal {
+            Signal::Success => {
+                s.consecutive_failures = 0;
+                s.poison_run.clear();
+                s.storm = false;
+                if s.circuit == CircuitState::Open {
+                    tracing::info!("circuit closed: the sink answered 2xx; full window resumes");
+                    self.set(&mut s, CircuitState::Closed);
+                }
+            }
+            Signal::Quarantined => {
+                s.consecutive_failures = 0;
+                if s.circuit == CircuitState::Open {
+                    tracing::info!("circuit closed: the sink answers again");
+                    self.set(&mut s, CircuitState::Closed);
+                }
+            }
+            Signal::Transient => {
+                s.consecutive_failures = s.consecutive_failures.saturating_add(1);
+                if s.circuit == CircuitState::Closed
+                    && s.consecutive_failures >= self.cfg.failure_threshold
+                {
+                    tracing::warn!(
+                        failures = s.consecutive_failures,
+                        reason,
+                        probe_interval_ms = self.cfg.probe_interval.as_millis() as u64,
+                        "circuit opened: dispatch paused, probing"
+                    );
+                    self.set(&mut s, CircuitState::Open);
+                }
+            }
+            Signal::ConfigFault => {
+                if s.circuit == CircuitState::Closed {
+                    tracing::error!(
+                        reason,
+                        "circuit opened: the sink rejects the relay itself (check --sink-url, the secret, auth); events are kept, not dead-lettered"
+                    );
+                    self.set(&mut s, CircuitState::Open);
+                }
+            }
+        }
+        if s.circuit == CircuitState::Open && admission == Admission::Probe {
+            s.next_probe_at = Instant::now() + self.jittered_interval();
+        }
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// A poison verdict for `event_id`: `true` when the event may be
+    /// quarantined, `false` during a storm (then the circuit is open and the
+    /// event must wait like a transient failure).
+    pub fn poison(&self, event_id: &str) -> bool {
+        let mut s = self.lock();
+        if s.storm {
+            return false;
+        }
+        s.poison_run.insert(event_id.to_owned());
+        if s.poison_run.len() >= self.cfg.storm_threshold as usize {
+            s.storm = true;
+            tracing::error!(
+                distinct_events = s.poison_run.len(),
+                "poison storm: the sink refuses every event; quarantining stopped and circuit opened until a 2xx"
+            );
+            if s.circuit == CircuitState::Closed {
+                self.set(&mut s, CircuitState::Open);
+            }
+            drop(s);
+            self.changed.notify_waiters();
+            return false;
+        }
+        true
+    }
+
+    fn set(&self, s: &mut State, to: CircuitState) {
+        s.circuit = to;
+        s.consecutive_failures = 0;
+        s.probe_in_flight = false;
+        s.next_probe_at = Instant::now() + self.jittered_interval();
+        self.metrics.circuit_state.set(to as i64);
+    }
+
+    fn jittered_interval(&self) -> Duration {
+        let base = self.cfg.probe_interval.as_secs_f64();
+        Duration::from_secs_f64(base * rand::rng().random_range(0.8..=1.2))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn breaker() -> Arc<Breaker> {
+        Arc::new(Breaker::new(
+            BreakerConfig {
+                failure_threshold: 3,
+                probe_interval: Duration::from_millis(500),
+                storm_threshold: 3,
+            },
+            Metrics::new(),
+        ))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_after_k_failures_and_probes_with_the_oldest() {
+        let b = breaker();
+        for _ in 0..2 {
+            assert_eq!(b.admit(1).await, Admission::Normal);
+            b.record(Admission::Normal, Signal::Transient, "http_503");
+        }
+        assert_eq!(b.state(), CircuitState::Closed);
+        b.record(Admission::Normal, Signal::Transient, "http_503");
+        assert_eq!(b.state(), CircuitState::Open);
+
+        // Two deliveries wait; only the oldest (seq 1) probes, after the interval.
+        let t0 = Instant::now();
+        let newer = tokio::spawn({
+            let b = b.clone();
+            async move { b.admit(7).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        let waited = t0.elapsed();
+        assert!(
+            waited >= Duration::from_millis(400) && waited <= Duration::from_millis(600),
+            "{waited:?}"
+        );
+        assert!(!newer.is_finished(), "the newer delivery keeps waiting");
+
+        // A failed probe: the next one only after another interval.
+        b.record(Admission::Probe, Signal::Transient, "http_503");
+        let t1 = Instant::now();
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        assert!(t1.elapsed() >= Duration::from_millis(400));
+
+        // The first 2xx closes the circuit and releases everyone at once.
+        b.record(Admission::Probe, Signal::Success, "");
+        assert_eq!(b.state(), CircuitState::Closed);
+        assert_eq!(newer.await.unwrap(), Admission::Normal);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn probe_rate_stays_near_two_per_second() {
+        let b = breaker();
+        b.record(Admission::Normal, Signal::ConfigFault, "http_401");
+        assert_eq!(b.state(), CircuitState::Open);
+        let start = Instant::now();
+        let mut probes = 0;
+        while start.elapsed() < Duration::from_secs(10) {
+            assert_eq!(b.admit(1).await, Admission::Probe);
+            probes += 1;
+            b.record(Admission::Probe, Signal::ConfigFault, "http_401");
+        }
+        assert!((16..=26).contains(&probes), "{probes} probes in 10 s");
+    }
+
+    #[test]
+    fn storm_guard_stops_quarantining_after_distinct_poison_events() {
+        let b = breaker();
+        assert!(b.poison("a"));
+        assert!(b.poison("a"), "the same event does not count twice");
+        assert!(b.poison("b"));
+        assert!(!b.poison("c"), "third distinct event: storm");
+        assert_eq!(b.state(), CircuitState::Open);
+        assert!(!b.poison("d"), "no quarantine during the storm");
+        b.record(Admission::Probe, Signal::Success, "");
+        assert_eq!(b.state(), CircuitState::Closed);
+        assert!(b.poison("e"), "a 2xx ends the storm");
+    }
+}

@@ -1,0 +1,405 @@
+//! Failure handling: poison events and the dead-letter table, the circuit
+//! breaker with probe, the storm guard, configuration faults, unreadable
+//! rows, and backfill after a lost slot. Each ends in a ledger check.
+
+use std::time::{Duration, Instant};
+
+use harness::app::{self, TEST_SECRET};
+use harness::sink::ScriptedSink;
+use harness::{PgCluster, Stack, bins};
+
+const DRAIN: Duration = Duration::from_secs(60);
+
+async fn insert_order_event(db: &tokio_postgres::Client) -> anyhow::Result<String> {
+    let order = uuid::Uuid::new_v4();
+    let event = uuid::Uuid::new_v4();
+    db.batch_execute(&format!(
+        "BEGIN; \
+         INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 250, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{event}', '{order}', 'OrderCreated', \
+           jsonb_build_object('order_id', '{order}'::uuid, 'amount_cents', 250, 'currency', 'EUR')); \
+         COMMIT"
+    ))
+    .await?;
+    Ok(event.to_string())
+}
+
+async fn dead_letters(stack: &Stack) -> anyhow::Result<Vec<(Option<String>, Option<i32>, String)>> {
+    let db = stack.orders_admin().await?;
+    Ok(db
+        .query(
+            "SELECT event_id, http_status, error FROM cdc_relay_dead_letter ORDER BY id",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect())
+}
+
+async fn relay_cli(
+    stack: &Stack,
+    args: &[&str],
+    sink_url: &str,
+) -> anyhow::Result<std::process::Output> {
+    let out = tokio::process::Command::new(bins::path("cdc-relay"))
+        .args(app::relay_globals(stack))
+        .args(args)
+        .env("CDC_RELAY_DATABASE_URL", &stack.relay_url)
+        .env("CDC_RELAY_SINK_URL", sink_url)
+        .env("EVENT_SECRET", TEST_SECRET)
+        .output();
+    Ok(tokio::time::timeout(Duration::from_secs(60), out).await??)
+}
+
+fn text(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_is_quarantined_others_flow_and_replay_delivers_once() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    let sink = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+
+    let poison = uuid::Uuid::new_v4().to_string();
+    sink.reject(&poison, 422);
+    let order = uuid::Uuid::new_v4();
+    db.batch_execute(&format!(
+        "BEGIN; INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 99, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{poison}', '{order}', 'OrderCreated', \
+           jsonb_build_object('order_id', '{order}'::uuid, 'amount_cents', 99, 'currency', 'EUR')); COMMIT"
+    ))
+    .await?;
+    for _ in 0..5 {
+        insert_order_event(&db).await?;
+    }
+    harness::wait_until("the poison event quarantined", DRAIN, || async {
+        dead_letters(&stack).await.map(|d| d.len() == 1)
+    })
+    .await?;
+    let dl = dead_letters(&stack).await?;
+    assert_eq!(dl[0].0.as_deref(), Some(poison.as_str()));
+    assert_eq!(dl[0].1, Some(422));
+    assert!(dl[0].2.contains("http_422"), "{}", dl[0].2);
+    // The five after it are delivered; the poison one is not invoiced.
+    harness::wait_until("five invoices", DRAIN, || async {
+        app::Ledger::read(&stack).await.map(|l| l.invoices == 5)
+    })
+    .await?;
+    // The confirmed LSN moves past the quarantined event's transaction.
+    let (_, end) = app::slot_position(&stack).await?;
+    harness::wait_until("slot confirmed past the poison", DRAIN, || async {
+        app::slot_position(&stack).await.map(|(c, _)| c >= end)
+    })
+    .await?;
+
+    let list = relay_cli(&stack, &["dead-letter", "list", "--json"], &sink.url).await?;
+    assert!(list.status.success(), "{}", text(&list));
+    let rows: serde_json::Value = serde_json::from_slice(&list.stdout)?;
+    let id = rows[0]["id"].as_i64().expect("row id");
+    let show = relay_cli(&stack, &["dead-letter", "show", &id.to_string()], &sink.url).await?;
+    assert!(text(&show).contains("\"payload\""), "{}", text(&show));
+
+    // Still rejected: replay keeps the row.
+    let failed = relay_cli(
+        &stack,
+        &["dead-letter", "replay", &id.to_string()],
+        &sink.url,
+    )
+    .await?;
+    assert!(!failed.status.success(), "{}", text(&failed));
+    assert_eq!(dead_letters(&stack).await?.len(), 1);
+    // Billing fixed: replay delivers once and removes the row with an audit entry.
+    sink.clear_rejections();
+    let ok = relay_cli(&stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
+    assert!(ok.status.success(), "{}", text(&ok));
+    assert!(dead_letters(&stack).await?.is_empty());
+    let audit: i64 = db
+        .query_one(
+            "SELECT count(*) FROM cdc_relay_dead_letter_audit WHERE action = 'replay'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(audit, 1);
+    let ledger = app::wait_ledger_clean(&stack, 6, DRAIN).await?;
+    assert_eq!(ledger.invoices, 6);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn circuit_opens_probes_slowly_and_recovers_within_a_probe_interval() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    let sink = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
+    sink.set_status(503);
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    for _ in 0..50 {
+        insert_order_event(&db).await?;
+    }
+    harness::wait_until("the circuit opens", Duration::from_secs(20), || async {
+        relay.process.logs().contains("circuit opened")
+    })
+    .await?;
+    // Measure the request rate the failing sink sees while the circuit is open.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = sink.arrivals();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let rate = (sink.arrivals() - before) as f64 / 5.0;
+    eprintln!("requests/s to the failing sink with the circuit open: {rate:.1}");
+    assert!(rate <= 3.0, "{rate} requests/s while open");
+    let metrics = reqwest::get(format!("{}/metrics", relay.url))
+        .await?
+        .text()
+        .await?;
+    assert!(
+        metrics.contains("cdc_relay_circuit_state 1"),
+        "gauge shows open"
+    );
+    let ready = reqwest::get(format!("{}/readyz", relay.url)).await?;
+    assert_eq!(
+        ready.status().as_u16(),
+        503,
+        "not ready while the circuit is open"
+    );
+
+    let recovered = Instant::now();
+    sink.set_status(204);
+    harness::wait_until(
+        "first delivery after recovery",
+        Duration::from_secs(5),
+        || async { !sink.delivered().is_empty() },
+    )
+    .await?;
+    let first = recovered.elapsed();
+    eprintln!("first 2xx {:?} after the sink recovered", first);
+    assert!(first <= Duration::from_millis(1200), "{first:?}");
+    app::wait_ledger_clean(&stack, 50, DRAIN).await?;
+    assert!(
+        dead_letters(&stack).await?.is_empty(),
+        "transient failures never dead-letter"
+    );
+    harness::wait_until("the circuit closes", Duration::from_secs(5), || async {
+        relay.process.logs().contains("circuit closed")
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_storm_stops_quarantining_and_config_faults_never_dead_letter() -> anyhow::Result<()>
+{
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    let sink = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
+    sink.set_status(422); // a broken sink that refuses everything
+    let relay = app::start_relay(&stack, &sink.url, &["--poison-storm-threshold", "5"]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    for _ in 0..30 {
+        insert_order_event(&db).await?;
+    }
+    harness::wait_until("the storm guard trips", Duration::from_secs(20), || async {
+        relay.process.logs().contains("poison storm")
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let quarantined = dead_letters(&stack).await?.len();
+    assert_eq!(quarantined, 4, "quarantining stops at the threshold");
+
+    sink.set_status(401); // now a configuration fault: still nothing dead-lettered
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(dead_letters(&stack).await?.len(), 4);
+    assert!(
+        relay.process.logs().contains("rejects the relay itself")
+            || relay.process.logs().contains("poison storm")
+    );
+
+    sink.set_status(204);
+    harness::wait_until("26 invoices once the sink is fixed", DRAIN, || async {
+        app::Ledger::read(&stack).await.map(|l| l.invoices == 26)
+    })
+    .await?;
+    assert_eq!(dead_letters(&stack).await?.len(), 4);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_fault_opens_the_circuit_and_keeps_events() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    sink.set_status(401);
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let event = insert_order_event(&db).await?;
+    harness::wait_until(
+        "the config fault is reported",
+        Duration::from_secs(20),
+        || async { relay.process.logs().contains("rejects the relay itself") },
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(dead_letters(&stack).await?.is_empty());
+    sink.set_status(204);
+    harness::wait_until(
+        "delivered after the fix",
+        Duration::from_secs(10),
+        || async { sink.delivered().iter().any(|r| r.id() == event) },
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_rows_are_quarantined_instead_of_stopping() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let db = stack.orders_admin().await?;
+    db.batch_execute("ALTER TABLE outbox ALTER COLUMN event_type DROP NOT NULL")
+        .await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let order = uuid::Uuid::new_v4();
+    let bad = uuid::Uuid::new_v4();
+    db.batch_execute(&format!(
+        "BEGIN; INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 5, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{bad}', '{order}', NULL, '{{\"x\":1}}'); COMMIT"
+    ))
+    .await?;
+    let good = insert_order_event(&db).await?;
+    harness::wait_until(
+        "the good event delivered",
+        Duration::from_secs(20),
+        || async { sink.delivered().iter().any(|r| r.id() == good) },
+    )
+    .await?;
+    let dl = dead_letters(&stack).await?;
+    assert_eq!(dl.len(), 1);
+    assert_eq!(dl[0].0.as_deref(), Some(bad.to_string().as_str()));
+    assert!(
+        dl[0].2.contains("NULL") && dl[0].2.contains("event_type"),
+        "{}",
+        dl[0].2
+    );
+    assert!(
+        sink.received().iter().all(|r| r.id() != bad.to_string()),
+        "never posted"
+    );
+    drop(relay);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    let sink_url = format!("{}/inbox", billing.url);
+    let db = stack.orders_admin().await?;
+    let delivered = {
+        let relay = app::start_relay(&stack, &sink_url, &[]).await?;
+        app::wait_streaming(&relay).await?;
+        insert_order_event(&db).await?;
+        app::wait_ledger_clean(&stack, 1, DRAIN).await?;
+        relay
+    };
+    let mut relay = delivered;
+    relay.process.sigterm();
+    relay.process.wait_exit(Duration::from_secs(20)).await?;
+    let since: String = db.query_one("SELECT now()::text", &[]).await?.get(0);
+    for _ in 0..3 {
+        insert_order_event(&db).await?;
+    }
+    // The slot is lost; a new one starts at the current WAL position.
+    db.execute("SELECT pg_drop_replication_slot($1)", &[&stack.slot])
+        .await?;
+    app::relay_setup(&stack).await?;
+    let relay = app::start_relay(&stack, &sink_url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        app::Ledger::read(&stack).await?.invoices,
+        1,
+        "the new slot skipped them"
+    );
+
+    let out = relay_cli(&stack, &["backfill", "--since", &since], &sink_url).await?;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("3 delivered"), "{}", text(&out));
+    let ledger = app::wait_ledger_clean(&stack, 4, DRAIN).await?;
+    assert_eq!(ledger.invoices, 4);
+    // From the beginning: everything again, all absorbed by the inbox.
+    let again = relay_cli(&stack, &["backfill", "--since=-infinity"], &sink_url).await?;
+    assert!(text(&again).contains("4 delivered"), "{}", text(&again));
+    assert!(app::Ledger::read(&stack).await?.is_clean());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    sink.set_status(400);
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let event = insert_order_event(&db).await?;
+    harness::wait_until("quarantined", Duration::from_secs(20), || async {
+        dead_letters(&stack).await.map(|d| d.len() == 1)
+    })
+    .await?;
+    let id: i64 = db
+        .query_one("SELECT id FROM cdc_relay_dead_letter", &[])
+        .await?
+        .get(0);
+    let out = relay_cli(
+        &stack,
+        &[
+            "dead-letter",
+            "discard",
+            &id.to_string(),
+            "--reason",
+            "test data",
+        ],
+        &sink.url,
+    )
+    .await?;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(dead_letters(&stack).await?.is_empty());
+    let row = db
+        .query_one(
+            "SELECT action, event_id, reason, entry->>'event_id' FROM cdc_relay_dead_letter_audit",
+            &[],
+        )
+        .await?;
+    let (action, audit_event, reason, entry): (
+        String,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+    ) = (row.get(0), row.get(1), row.get(2), row.get(3));
+    assert_eq!(action, "discard");
+    assert_eq!(audit_event.as_deref(), Some(event.as_str()));
+    assert_eq!(reason.as_deref(), Some("test data"));
+    assert_eq!(entry.as_deref(), Some(event.as_str()));
+    let missing = relay_cli(&stack, &["dead-letter", "discard", "999999"], &sink.url).await?;
+    assert!(!missing.status.success() && text(&missing).contains("999999"));
+    Ok(())
+}
