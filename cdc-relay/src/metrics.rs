@@ -93,9 +93,10 @@ fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogr
 
 /// Latency buckets from 0.5 ms to 60 s, seconds.
 fn latency_buckets() -> Vec<f64> {
+    // Dense between 1 and 50 ms, where a healthy relay's deliveries land.
     vec![
-        0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-        60.0,
+        0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.035,
+        0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     ]
 }
 
