@@ -52,6 +52,10 @@ pub struct Metrics {
     pub slot_wal_status: IntGaugeVec,
     /// Slot `safe_wal_size`, bytes (-1 when unlimited).
     pub slot_safe_wal_size_bytes: IntGauge,
+    /// Standby status updates sent, by `cause`: `interval` (the periodic
+    /// update, including ones carrying a new confirmed LSN) and
+    /// `keepalive_reply` (the server asked for one).
+    pub status_updates: IntCounterVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -89,6 +93,21 @@ fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogr
         .expect("valid metric");
     r.register(Box::new(h.clone())).expect("unique metric");
     h
+}
+
+/// `cdc_relay_status_updates_total{cause}`, both causes present from the
+/// start so `rate()` has a zero to start from.
+fn status_updates(r: &Registry) -> IntCounterVec {
+    let c = counter_vec(
+        r,
+        "cdc_relay_status_updates_total",
+        "Standby status updates sent to the server, by cause",
+        &["cause"],
+    );
+    for cause in ["interval", "keepalive_reply"] {
+        c.with_label_values(&[cause]);
+    }
+    c
 }
 
 /// Latency buckets from 0.5 ms to 60 s, seconds.
@@ -209,6 +228,7 @@ impl Metrics {
                 "cdc_relay_slot_safe_wal_size_bytes",
                 "Bytes of WAL that can still be written before the slot is lost (-1: unlimited)",
             ),
+            status_updates: status_updates(&r),
             registry: r,
         }
     }
@@ -260,6 +280,8 @@ mod tests {
             "cdc_relay_standby",
             "cdc_relay_slot_wal_status{status=\"reserved\"} 1",
             "cdc_relay_slot_safe_wal_size_bytes",
+            "cdc_relay_status_updates_total{cause=\"interval\"} 0",
+            "cdc_relay_status_updates_total{cause=\"keepalive_reply\"} 0",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
