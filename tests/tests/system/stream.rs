@@ -27,7 +27,7 @@ const SETTLE: Duration = Duration::from_secs(30);
 
 /// One committed outbox row as PostgreSQL returned it: what the relay must send.
 #[derive(Debug, Clone)]
-pub(crate) struct Expected {
+struct Expected {
     id: String,
     event_type: String,
     /// `payload::text`; `None` for SQL NULL.
@@ -36,13 +36,12 @@ pub(crate) struct Expected {
 }
 
 /// A stack with the relay streaming into a scripted sink, and a superuser
-/// connection to the orders database. (`pub(crate)` items are shared with
-/// stream_failing.rs when it is compiled in.)
-pub(crate) struct Bench {
-    pub(crate) stack: Stack,
+/// connection to the orders database.
+struct Bench {
+    stack: Stack,
     sink: ScriptedSink,
-    pub(crate) relay: Running,
-    pub(crate) db: Client,
+    relay: Running,
+    db: Client,
 }
 
 impl Bench {
@@ -53,7 +52,7 @@ impl Bench {
     }
 
     /// `cdc-relay setup`, a scripted sink, the relay, streaming.
-    pub(crate) async fn start_on(stack: Stack) -> anyhow::Result<Bench> {
+    async fn start_on(stack: Stack) -> anyhow::Result<Bench> {
         let t0 = std::time::Instant::now();
         app::relay_setup(&stack).await?;
         eprintln!("[{:?}] setup done", t0.elapsed());
@@ -76,7 +75,7 @@ impl Bench {
     }
 
     /// Inserts one outbox row (in whatever transaction the connection is in).
-    pub(crate) async fn insert(
+    async fn insert(
         &self,
         aggregate: Uuid,
         event_type: &str,
@@ -98,7 +97,7 @@ impl Bench {
 
     /// Waits for `expected.len()` requests, settles, and asserts the sink got
     /// exactly these bodies.
-    pub(crate) async fn expect_exactly(&self, expected: &[Expected]) -> anyhow::Result<()> {
+    async fn expect_exactly(&self, expected: &[Expected]) -> anyhow::Result<()> {
         self.wait_count(expected.len()).await?;
         self.settle().await?;
         assert_exact(&self.sink.received(), expected);
@@ -113,7 +112,7 @@ impl Bench {
     }
 }
 
-pub(crate) async fn new_order(db: &Client) -> anyhow::Result<Uuid> {
+async fn new_order(db: &Client) -> anyhow::Result<Uuid> {
     let id = Uuid::new_v4();
     db.execute(
         "INSERT INTO orders (id, amount_cents, currency) VALUES ($1, 100, 'EUR')",
@@ -175,7 +174,7 @@ async fn settle(db: &Client, slot: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) async fn stop_relay(relay: &mut Running) -> anyhow::Result<()> {
+async fn stop_relay(relay: &mut Running) -> anyhow::Result<()> {
     relay.process.sigterm();
     let status = relay.process.wait_exit(Duration::from_secs(15)).await?;
     anyhow::ensure!(
@@ -322,8 +321,19 @@ fn arrival_ids(received: &[Received]) -> Vec<String> {
     received.iter().filter_map(|r| body_id(&r.body)).collect()
 }
 
+/// The pid of the walsender holding `slot`.
+async fn active_pid(db: &Client, slot: &str) -> anyhow::Result<Option<i32>> {
+    Ok(db
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?
+        .get(0))
+}
+
 /// Starts a cluster of this test's own (initdb is blocking).
-pub(crate) async fn dedicated_cluster(opts: ClusterOptions) -> anyhow::Result<PgCluster> {
+async fn dedicated_cluster(opts: ClusterOptions) -> anyhow::Result<PgCluster> {
     tokio::task::spawn_blocking(move || PgCluster::start(opts)).await?
 }
 
@@ -555,6 +565,80 @@ async fn prepared_transactions_deliver_only_after_commit_prepared() -> anyhow::R
     let pos = |id: &str| ids.iter().position(|x| x == id);
     assert!(pos(&p1.id) < pos(&p2.id), "p1 before p2: {ids:?}");
     b.finish().await?;
+    drop(cluster);
+    Ok(())
+}
+
+/// A 1,000,000-row DELETE is decoded (and skipped: the publication publishes
+/// inserts only) for a while with no data for the relay. With
+/// `wal_sender_timeout = 2s` the session must survive it, and the insert
+/// after it must arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn million_row_delete_does_not_time_out_the_walsender() -> anyhow::Result<()> {
+    let cluster = dedicated_cluster(ClusterOptions {
+        wal_sender_timeout: "2s".into(),
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let stack = cluster.create_stack().await?;
+    let db = stack.orders_admin().await?;
+    let agg = new_order(&db).await?;
+    // Loaded before the slot exists, so none of these rows is an event. The
+    // rows all reference one existing order: skipping the FK triggers for
+    // the load only saves time.
+    let started = std::time::Instant::now();
+    db.batch_execute("SET session_replication_role = replica")
+        .await?;
+    db.execute(
+        "INSERT INTO outbox (id, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), $1, 'Bulk', '{}' FROM generate_series(1, 1000000)",
+        &[&agg],
+    )
+    .await?;
+    db.batch_execute("RESET session_replication_role").await?;
+    eprintln!("loaded 1,000,000 rows in {:?}", started.elapsed());
+
+    let mut b = Bench::start_on(stack).await?;
+    let pid_before = active_pid(&b.db, &b.stack.slot).await?;
+
+    let started = std::time::Instant::now();
+    let deleted = b.db.execute("DELETE FROM outbox", &[]).await?;
+    assert_eq!(deleted, 1_000_000);
+    let last = b
+        .insert(agg, "AfterDelete", Some(r#"{"after":"delete"}"#))
+        .await?;
+    if let Err(e) = b.expect_exactly(std::slice::from_ref(&last)).await {
+        let relay_log = b.relay.process.logs();
+        let tail: Vec<&str> = relay_log.lines().rev().take(40).collect();
+        anyhow::bail!(
+            "{e:#}\n{}\n--- relay (last 40 lines, newest first) ---\n{}",
+            cluster.log_tail(40),
+            tail.join("\n")
+        );
+    }
+    eprintln!(
+        "delete decoded and the next insert delivered in {:?}",
+        started.elapsed()
+    );
+
+    let log = cluster.log_contents();
+    assert!(
+        !log.contains("terminating walsender process due to replication timeout"),
+        "walsender timed out:\n{}",
+        cluster.log_tail(40)
+    );
+    assert_eq!(
+        active_pid(&b.db, &b.stack.slot).await?,
+        pid_before,
+        "the walsender changed"
+    );
+    let relay_log = b.relay.process.logs();
+    assert!(
+        !relay_log.contains("reconnecting"),
+        "the relay reconnected:\n{relay_log}"
+    );
+    stop_relay(&mut b.relay).await?;
+    drop(b);
     drop(cluster);
     Ok(())
 }
