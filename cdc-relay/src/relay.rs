@@ -106,12 +106,30 @@ pub async fn run(
 ) -> Result<(), RelayError> {
     let mut failures: u32 = 0;
     let mut standby_logged = false;
+    // Each watchdog reconnect doubles the silence it tolerates (up to 16x):
+    // a walsender replaying a huge transaction reads no replies for a long
+    // time, and reconnecting restarts that replay from the beginning.
+    let mut watchdog_scale: u32 = 1;
     loop {
         if shutdown.is_cancelled() {
             return Ok(());
         }
         let mut streamed = false;
-        let outcome = session(&cfg, &sink, &metrics, &health, &shutdown, &mut streamed).await;
+        let outcome = session(
+            &cfg,
+            &sink,
+            &metrics,
+            &health,
+            &shutdown,
+            &mut streamed,
+            watchdog_scale,
+        )
+        .await;
+        watchdog_scale = match &outcome {
+            Err(RelayError::Source(SourceError::Stalled(_))) => (watchdog_scale * 2).min(16),
+            _ if streamed => 1,
+            _ => watchdog_scale,
+        };
         if streamed {
             // A session that streamed was healthy: the next reconnect starts
             // the backoff over instead of sleeping near the cap.
@@ -165,6 +183,7 @@ async fn session(
     health: &Arc<Health>,
     shutdown: &CancellationToken,
     streamed: &mut bool,
+    watchdog_scale: u32,
 ) -> Result<SessionEnd, RelayError> {
     // tokio-postgres bounds only the TCP connect; a server that accepts and
     // then never answers must not hang the relay, so the whole start-up
@@ -250,7 +269,7 @@ async fn session(
         slot: cfg.slot.clone(),
         watchdog: Watchdog {
             side,
-            silence: silence_bound(wst, settings.status_interval),
+            silence: silence_bound(wst, settings.status_interval) * watchdog_scale,
             last_message: tokio::time::Instant::now(),
         },
     };

@@ -452,3 +452,77 @@ async fn frozen_walsender_is_detected_by_the_watchdog() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_outbox_leaves_map_to_the_root() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let db = stack.orders_admin().await?;
+    db.batch_execute(
+        "CREATE TABLE events (id uuid NOT NULL, aggregate_id uuid, event_type text NOT NULL, \
+           payload jsonb, occurred_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (id, occurred_at)) \
+           PARTITION BY RANGE (occurred_at); \
+         CREATE TABLE events_old PARTITION OF events FOR VALUES FROM ('2000-01-01') TO ('2026-01-01'); \
+         CREATE TABLE events_new PARTITION OF events FOR VALUES FROM ('2026-01-01') TO ('2200-01-01');",
+    )
+    .await?;
+    let publication = format!("{}_events", stack.publication);
+    let out = tokio::process::Command::new(harness::bins::path("cdc-relay"))
+        .args([
+            "--slot",
+            &stack.slot,
+            "--publication",
+            &publication,
+            "--table",
+            "public.events",
+            "setup",
+        ])
+        .env("CDC_RELAY_DATABASE_URL", &stack.orders_admin_url)
+        .output()
+        .await?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("via partition root"), "{text}");
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(
+        &stack,
+        &sink.url,
+        &["--table", "public.events", "--publication", &publication],
+    )
+    .await?;
+    app::wait_streaming(&relay).await?;
+    let (old, new) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    db.execute(
+        "INSERT INTO events (id, event_type, payload, occurred_at) VALUES \
+         ($1, 'Old', '{\"p\":1}', '2020-05-05'), ($2, 'New', '{\"p\":2}', now())",
+        &[&old, &new],
+    )
+    .await?;
+    harness::wait_until(
+        "both partitions' rows delivered",
+        Duration::from_secs(20),
+        || async { sink.delivered().len() >= 2 },
+    )
+    .await?;
+    let got: Vec<(String, String)> = sink
+        .delivered()
+        .iter()
+        .map(|r| {
+            (
+                r.id(),
+                r.json()["type"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (old.to_string(), "Old".into()),
+            (new.to_string(), "New".into())
+        ]
+    );
+    Ok(())
+}
