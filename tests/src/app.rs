@@ -90,33 +90,7 @@ pub async fn relay_setup(stack: &Stack) -> anyhow::Result<String> {
 /// superuser) delivering to `sink_url`, with extra `args` after `run`.
 /// Returns once its admin endpoint listens (streaming may start later).
 pub async fn start_relay(stack: &Stack, sink_url: &str, args: &[&str]) -> anyhow::Result<Running> {
-    let mut argv = relay_globals(stack);
-    argv.extend(
-        [
-            "run",
-            "--sink-url",
-            sink_url,
-            "--admin-listen",
-            "127.0.0.1:0",
-        ]
-        .map(String::from),
-    );
-    argv.extend(args.iter().map(|s| s.to_string()));
-    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-    let process = ServiceProcess::spawn(
-        bins::path("cdc-relay"),
-        &argv,
-        &[
-            ("CDC_RELAY_DATABASE_URL", &stack.relay_url),
-            ("EVENT_SECRET", TEST_SECRET),
-            (
-                "CDC_RELAY_LOG",
-                "info,cdc_relay=debug,pgwire_replication=off",
-            ),
-        ],
-    )?;
-    let url = process.listen_addr(START_TIMEOUT).await?;
-    Ok(Running { process, url })
+    start_relay_with_url(stack, &stack.relay_url, sink_url, args).await
 }
 
 /// Waits until the relay reports it streams from the slot.
