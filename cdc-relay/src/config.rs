@@ -329,6 +329,11 @@ pub struct RunArgs {
     /// application_name shown in pg_stat_replication.
     #[arg(long, env = "CDC_RELAY_APPLICATION_NAME", default_value = "cdc-relay")]
     pub application_name: String,
+    /// Create the slot if it does not exist. Only for a fresh install: a new
+    /// slot starts at the current WAL position, so after a failover or a lost
+    /// slot it would silently skip events (use `setup` and `backfill` then).
+    #[arg(long, env = "CDC_RELAY_CREATE_SLOT")]
+    pub create_slot: bool,
 }
 
 /// Pipelining, memory window, retries and the circuit breaker (`run`, `backfill`).

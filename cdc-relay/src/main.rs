@@ -126,6 +126,7 @@ fn prepare_run(g: &GlobalArgs, a: &RunArgs) -> Result<(RelayConfig, HttpSink), S
         shutdown_timeout: a.shutdown_timeout,
         reconnect_max: a.reconnect_max,
         slot_stats_interval: a.slot_stats_interval,
+        create_slot: a.create_slot,
     };
     Ok((cfg, sink))
 }

@@ -59,6 +59,9 @@ pub struct RelayConfig {
     pub reconnect_max: Duration,
     /// How often the side connection reads the slot's figures.
     pub slot_stats_interval: Duration,
+    /// Create the slot when it is missing (fresh installs only: a new slot
+    /// starts at the current WAL position and skips anything older).
+    pub create_slot: bool,
 }
 
 /// Why the relay stopped for good.
@@ -211,9 +214,16 @@ async fn session(
         ))
     })??;
     let side = Arc::new(side);
-    let slot = slot.ok_or_else(|| SourceError::SlotMissing {
-        slot: cfg.slot.clone(),
-    })?;
+    let slot = match slot {
+        Some(slot) => slot,
+        None if cfg.create_slot => create_slot(&side, cfg).await?,
+        None => {
+            return Err(SourceError::SlotMissing {
+                slot: cfg.slot.clone(),
+            }
+            .into());
+        }
+    };
     if slot.wal_status.as_deref() == Some("lost") {
         return Err(SourceError::SlotInvalidated {
             slot: cfg.slot.clone(),
@@ -666,6 +676,29 @@ async fn count_status_updates(mut counter: StatusUpdateCounter) {
         tick.tick().await;
         counter.sample();
     }
+}
+
+/// `--create-slot`: creates the missing slot and reads it back.
+async fn create_slot(
+    side: &tokio_postgres::Client,
+    cfg: &RelayConfig,
+) -> Result<source::SlotInfo, RelayError> {
+    side.execute(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+        &[&cfg.slot],
+    )
+    .await
+    .map_err(|e| sql_error(&e, &cfg.conn))?;
+    tracing::warn!(slot = %cfg.slot, "created the missing slot (--create-slot): events committed before now are not delivered");
+    source::slot_info(side, &cfg.slot)
+        .await
+        .map_err(|e| sql_error(&e, &cfg.conn))?
+        .ok_or_else(|| {
+            SourceError::SlotMissing {
+                slot: cfg.slot.clone(),
+            }
+            .into()
+        })
 }
 
 fn connect_error(e: source::SqlConnectError, conn: &ConnParams) -> RelayError {

@@ -206,3 +206,29 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_slot_flag_creates_a_missing_slot_and_streams() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &["--create-slot"]).await?;
+    app::wait_streaming(&relay).await?;
+    assert!(relay.process.logs().contains("created the missing slot"));
+    let db = stack.orders_admin().await?;
+    let order = uuid::Uuid::new_v4();
+    db.execute(
+        "INSERT INTO orders (id, amount_cents, currency) VALUES ($1, 1, 'EUR')",
+        &[&order],
+    )
+    .await?;
+    db.execute(
+        "INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES (gen_random_uuid(), $1, 'T', '{}')",
+        &[&order],
+    )
+    .await?;
+    harness::wait_until("the event delivered", Duration::from_secs(20), || async {
+        sink.delivered().len() == 1
+    })
+    .await?;
+    Ok(())
+}
