@@ -248,11 +248,13 @@ async fn session(
     *streamed = true;
     tracing::info!(slot = %cfg.slot, start = %start, status_interval_ms = settings.status_interval.as_millis() as u64, "streaming");
 
+    let sample = Arc::new(std::sync::Mutex::new(None));
     let monitor = AbortOnDrop(tokio::spawn(monitor_slot(
         Arc::clone(&side),
         cfg.slot.clone(),
         cfg.slot_stats_interval,
         metrics.clone(),
+        Arc::clone(&sample),
     )));
     let (items_tx, items_rx) = mpsc::channel(1024);
     let (confirmed_tx, confirmed_rx) = watch::channel(start);
@@ -281,6 +283,7 @@ async fn session(
             side,
             silence: silence_bound(wst, settings.status_interval) * watchdog_scale,
             last_message: tokio::time::Instant::now(),
+            sample,
         },
     };
     let read = stream
@@ -381,6 +384,9 @@ struct Watchdog {
     side: Arc<tokio_postgres::Client>,
     silence: Duration,
     last_message: tokio::time::Instant,
+    /// The slot monitor's latest reading: reused when recent, so a healthy
+    /// idle relay costs no extra statements.
+    sample: Arc<std::sync::Mutex<Option<(tokio::time::Instant, source::SlotInfo)>>>,
 }
 
 /// Silence worth a liveness check: the server's own timeout (it would
@@ -406,25 +412,34 @@ impl Watchdog {
     /// steps). Stalled when it is idle-waiting yet ignores us (a frozen
     /// process, a dead network path), or ignores us for 10 silence bounds.
     async fn check(&mut self, slot: &str) -> Result<(), RelayError> {
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&slot];
-        let query = self.side.query_opt(
-            "SELECT EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8, \
-                    a.wait_event_type \
-             FROM pg_replication_slots s \
-             JOIN pg_stat_replication r ON r.pid = s.active_pid \
-             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid \
-             WHERE s.slot_name = $1",
-            &params,
-        );
         let stalled = |why: String| Err(SourceError::Stalled(why).into());
-        let row = match tokio::time::timeout(Duration::from_secs(5), query).await {
-            Err(_) => return stalled("liveness query on the side connection timed out".into()),
-            Ok(Err(e)) => return stalled(format!("liveness query failed: {e}")),
-            Ok(Ok(None)) => return stalled("no walsender holds the slot for this session".into()),
-            Ok(Ok(Some(row))) => row,
+        let recent = self.last_message + self.silence / 2;
+        let cached = self
+            .sample
+            .lock()
+            .expect("sample lock")
+            .as_ref()
+            .filter(|(at, _)| *at >= recent)
+            .map(|(_, info)| info.clone());
+        let info = match cached {
+            Some(info) => Some(info),
+            None => match tokio::time::timeout(
+                Duration::from_secs(5),
+                source::slot_info(&self.side, slot),
+            )
+            .await
+            {
+                Err(_) => return stalled("liveness query on the side connection timed out".into()),
+                Ok(Err(e)) => return stalled(format!("liveness query failed: {e}")),
+                Ok(Ok(info)) => info,
+            },
         };
-        let age = row.get::<_, Option<f64>>(0).unwrap_or(f64::MAX);
-        let waiting = matches!(row.get::<_, Option<&str>>(1), Some("Activity" | "Client"));
+        let Some(age) = info.as_ref().and_then(|i| i.reply_age_secs) else {
+            return stalled("no walsender holds the slot for this session".into());
+        };
+        let waiting = info
+            .as_ref()
+            .is_some_and(|i| matches!(i.wait_event_type.as_deref(), Some("Activity" | "Client")));
         let bound = self.silence.as_secs_f64();
         if age > bound * 10.0 || (age > bound && waiting) {
             return stalled(format!(
@@ -593,12 +608,15 @@ async fn monitor_slot(
     slot: String,
     interval: Duration,
     metrics: Metrics,
+    sample: Arc<std::sync::Mutex<Option<(tokio::time::Instant, source::SlotInfo)>>>,
 ) {
     let mut tick = tokio::time::interval(interval);
     loop {
         tick.tick().await;
         match source::slot_info(&side, &slot).await {
             Ok(Some(info)) => {
+                *sample.lock().expect("sample lock") =
+                    Some((tokio::time::Instant::now(), info.clone()));
                 metrics.slot_lag_bytes.set(info.lag_bytes.unwrap_or(0));
                 metrics
                     .slot_safe_wal_size_bytes

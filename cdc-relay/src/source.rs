@@ -355,7 +355,7 @@ pub async fn open_stream(
 }
 
 /// The slot as `pg_replication_slots` shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SlotInfo {
     /// Output plugin, e.g. `pgoutput`.
     pub plugin: Option<String>,
@@ -373,6 +373,15 @@ pub struct SlotInfo {
     pub safe_wal_size: Option<i64>,
     /// `pg_current_wal_lsn() - confirmed_flush_lsn`, bytes.
     pub lag_bytes: Option<i64>,
+    /// Seconds since the walsender holding the slot last read a status
+    /// update from its client (`pg_stat_replication.reply_time`, or its
+    /// start before the first one). `None` when no walsender holds it, or
+    /// its row is not visible to this role.
+    pub reply_age_secs: Option<f64>,
+    /// The walsender's `pg_stat_activity.wait_event_type` (`Activity` or
+    /// `Client` while it waits for WAL or its client; other values or none
+    /// while it works).
+    pub wait_event_type: Option<String>,
 }
 
 /// Reads the slot's row; `None` when it does not exist.
@@ -382,9 +391,15 @@ pub async fn slot_info(
 ) -> Result<Option<SlotInfo>, tokio_postgres::Error> {
     let row = client
         .query_opt(
-            "SELECT plugin::text, database::text, active, active_pid, confirmed_flush_lsn::text, wal_status, \
-                    safe_wal_size, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint \
-             FROM pg_replication_slots WHERE slot_name = $1",
+            "SELECT s.plugin::text, s.database::text, s.active, s.active_pid, \
+                    s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
+                    (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, \
+                    EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8, \
+                    a.wait_event_type::text \
+             FROM pg_replication_slots s \
+             LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
+             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid \
+             WHERE s.slot_name = $1",
             &[&slot],
         )
         .await?;
@@ -397,6 +412,8 @@ pub async fn slot_info(
         wal_status: r.get(5),
         safe_wal_size: r.get(6),
         lag_bytes: r.get(7),
+        reply_age_secs: r.get(8),
+        wait_event_type: r.get(9),
     }))
 }
 
