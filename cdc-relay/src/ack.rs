@@ -24,7 +24,7 @@ use crate::lsn::Lsn;
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TxSeq(u64);
 
-#[derive(Debug)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Tx {
     seq: TxSeq,
     /// Set when the Commit message arrives; `None` while the transaction is
@@ -50,7 +50,7 @@ impl Tx {
 /// Calls must follow the stream: `begin`, any number of `add_event`, `commit`,
 /// then the next `begin`. `complete` may be called in any order, once per
 /// event added. Misuse is a programming error and panics in debug builds.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct AckTracker {
     /// Transactions not yet popped as a done prefix, oldest first.
     pending: VecDeque<Tx>,

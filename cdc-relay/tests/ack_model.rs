@@ -1,0 +1,857 @@
+//! Model check of the acknowledgement rule (DESIGN.md §4 "Acknowledgement",
+//! issue 6 §3), with the `stateright` crate.
+//!
+//! The model is a PostgreSQL server with a fixed WAL, a logical slot, one
+//! relay and an HTTP sink. The relay's acknowledgement state is the **real**
+//! [`cdc_relay::ack::AckTracker`], driven exactly as `dispatch.rs` drives it
+//! (Begin → `begin`, outbox insert → `add_event`, Commit → `commit`, a 2xx →
+//! `complete`, a keepalive → `keepalive` only while no transaction is open);
+//! status updates copy its `confirmed()` to the slot. Everything else is
+//! nondeterministic: when the walsender sends the next message, when a
+//! keepalive arrives, which pending delivery gets its 2xx next, when the sink
+//! fails or recovers, when a status update goes out, and when the relay
+//! crashes (its state is lost; the next session restarts from the slot's
+//! `confirmed_flush_lsn`, as `relay.rs` does).
+//!
+//! Checked on every reachable state:
+//! - safety: the slot's `confirmed_flush_lsn` never reaches the end LSN of a
+//!   transaction that has an event the sink never acknowledged with a 2xx;
+//! - monotonicity: a status update never moves the slot backwards;
+//! - recovery (liveness): with no more crashes and the sink up, a state where
+//!   every event was delivered and the slot confirmed the whole WAL is
+//!   reachable (AG EF, computed over the explicit state graph below, since
+//!   stateright's `eventually` only sees acyclic paths).
+//!
+//! Deliberately broken rules run through the same model and must be caught
+//! with a counterexample (a check that cannot fail proves nothing): acking
+//! the highest completed commit and acking a keepalive while a delivery is
+//! pending break safety; never acking keepalives breaks recovery.
+//!
+//! Run: `cargo test -p cdc-relay --test ack_model -- --nocapture`.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt::{self, Debug};
+use std::hash::Hash;
+use std::marker::PhantomData;
+use std::time::Instant;
+
+use cdc_relay::ack::{AckTracker, TxSeq};
+use cdc_relay::lsn::Lsn;
+use stateright::{Checker, Expectation, HasDiscoveries, Model, Path, Property};
+
+// ---------------------------------------------------------------------------
+// The rules under test.
+
+/// The interface `dispatch.rs` uses; implemented by the real tracker and by
+/// the broken rules below.
+trait Rule: Clone + Debug + Eq + Hash + Send + Sync + 'static {
+    type Seq: Copy + Debug + Eq + Hash + Ord + Send + Sync + 'static;
+    const NAME: &'static str;
+    fn new(start: Lsn) -> Self;
+    fn begin(&mut self) -> Self::Seq;
+    fn add_event(&mut self, tx: Self::Seq);
+    fn commit(&mut self, tx: Self::Seq, end_lsn: Lsn);
+    fn complete(&mut self, tx: Self::Seq);
+    fn keepalive(&mut self, wal_end: Lsn);
+    fn confirmed(&self) -> Lsn;
+}
+
+/// The code under test, unchanged.
+impl Rule for AckTracker {
+    type Seq = TxSeq;
+    const NAME: &'static str = "cdc_relay::ack::AckTracker";
+    fn new(start: Lsn) -> Self {
+        AckTracker::new(start)
+    }
+    fn begin(&mut self) -> TxSeq {
+        AckTracker::begin(self)
+    }
+    fn add_event(&mut self, tx: TxSeq) {
+        AckTracker::add_event(self, tx)
+    }
+    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
+        AckTracker::commit(self, tx, end_lsn)
+    }
+    fn complete(&mut self, tx: TxSeq) {
+        AckTracker::complete(self, tx)
+    }
+    fn keepalive(&mut self, wal_end: Lsn) {
+        AckTracker::keepalive(self, wal_end)
+    }
+    fn confirmed(&self) -> Lsn {
+        AckTracker::confirmed(self)
+    }
+}
+
+/// Broken rule 1: confirms the end LSN of the highest *done* transaction,
+/// ignoring undone ones before it (no prefix).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct HighestDone {
+    /// (end LSN once committed, events not yet done) per transaction.
+    txs: Vec<(Option<Lsn>, u8)>,
+    confirmed: Lsn,
+}
+
+impl HighestDone {
+    fn advance(&mut self) {
+        for (end, outstanding) in &self.txs {
+            if let (Some(end), 0) = (end, outstanding) {
+                self.confirmed = self.confirmed.max(*end);
+            }
+        }
+    }
+}
+
+impl Rule for HighestDone {
+    type Seq = usize;
+    const NAME: &'static str = "broken: highest completed commit";
+    fn new(start: Lsn) -> Self {
+        HighestDone {
+            txs: Vec::new(),
+            confirmed: start,
+        }
+    }
+    fn begin(&mut self) -> usize {
+        self.txs.push((None, 0));
+        self.txs.len() - 1
+    }
+    fn add_event(&mut self, tx: usize) {
+        self.txs[tx].1 += 1;
+    }
+    fn commit(&mut self, tx: usize, end_lsn: Lsn) {
+        self.txs[tx].0 = Some(end_lsn);
+        self.advance();
+    }
+    fn complete(&mut self, tx: usize) {
+        self.txs[tx].1 -= 1;
+        self.advance();
+    }
+    fn keepalive(&mut self, wal_end: Lsn) {
+        if self.txs.iter().all(|(end, n)| end.is_some() && *n == 0) {
+            self.confirmed = self.confirmed.max(wal_end);
+        }
+    }
+    fn confirmed(&self) -> Lsn {
+        self.confirmed
+    }
+}
+
+/// Broken rule 2: the real tracker, except that a keepalive between
+/// transactions is confirmed even while a delivery is still pending.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct EagerKeepalive {
+    inner: AckTracker,
+    keepalive: Lsn,
+}
+
+impl Rule for EagerKeepalive {
+    type Seq = TxSeq;
+    const NAME: &'static str = "broken: keepalive acked while a delivery is pending";
+    fn new(start: Lsn) -> Self {
+        EagerKeepalive {
+            inner: AckTracker::new(start),
+            keepalive: start,
+        }
+    }
+    fn begin(&mut self) -> TxSeq {
+        self.inner.begin()
+    }
+    fn add_event(&mut self, tx: TxSeq) {
+        self.inner.add_event(tx)
+    }
+    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
+        self.inner.commit(tx, end_lsn)
+    }
+    fn complete(&mut self, tx: TxSeq) {
+        self.inner.complete(tx)
+    }
+    fn keepalive(&mut self, wal_end: Lsn) {
+        if !self.inner.in_transaction() {
+            self.keepalive = self.keepalive.max(wal_end);
+        }
+        self.inner.keepalive(wal_end)
+    }
+    fn confirmed(&self) -> Lsn {
+        self.inner.confirmed().max(self.keepalive)
+    }
+}
+
+/// Broken rule 3 (for the recovery check): the real tracker, but keepalives
+/// are never confirmed, so WAL after the last outbox commit stays pinned.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct NoKeepalive(AckTracker);
+
+impl Rule for NoKeepalive {
+    type Seq = TxSeq;
+    const NAME: &'static str = "broken: keepalives never confirmed";
+    fn new(start: Lsn) -> Self {
+        NoKeepalive(AckTracker::new(start))
+    }
+    fn begin(&mut self) -> TxSeq {
+        self.0.begin()
+    }
+    fn add_event(&mut self, tx: TxSeq) {
+        self.0.add_event(tx)
+    }
+    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
+        self.0.commit(tx, end_lsn)
+    }
+    fn complete(&mut self, tx: TxSeq) {
+        self.0.complete(tx)
+    }
+    fn keepalive(&mut self, _: Lsn) {}
+    fn confirmed(&self) -> Lsn {
+        self.0.confirmed()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The world: WAL, walsender, slot, relay, sink.
+
+/// One stretch of WAL, in commit order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Item {
+    /// A committed transaction decoded and sent as Begin, this many outbox
+    /// inserts, Commit (0: it touched only other published tables).
+    Tx(u8),
+    /// WAL the walsender reads without sending anything (unpublished tables,
+    /// empty transactions skipped by pgoutput); only a keepalive reports it.
+    Gap,
+}
+
+/// Where the slot was created.
+const BASE: u64 = 100;
+/// WAL bytes per item.
+const STEP: u64 = 10;
+
+/// End LSN of item `i` (for a transaction: the position after its commit
+/// record, what `Commit.end_lsn` reports).
+fn end_of(i: usize) -> Lsn {
+    Lsn(BASE + STEP * (i as u64 + 1))
+}
+
+/// Start of item `i`'s commit record. The walsender's sent position while it
+/// streams transaction `i`: it has read every record before the commit record
+/// and is decoding that one. A restarted slot resends a transaction iff its
+/// commit record starts at or after `confirmed_flush_lsn` (PostgreSQL skips
+/// `commit origptr < start_decoding_at`), i.e. iff `end_of(i) > slot` here.
+fn commit_start_of(i: usize) -> Lsn {
+    Lsn(end_of(i).0 - 1)
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct State<R: Rule> {
+    /// Which WAL of [`AckModel::wals`].
+    wal: u8,
+    /// The slot's `confirmed_flush_lsn`: survives crashes.
+    slot: Lsn,
+    crashes: u8,
+    sink_up: bool,
+    /// Events (global ids) the sink answered with a 2xx at least once, ever.
+    delivered: u8,
+    // --- the current session: lost on a crash ---
+    /// Next WAL item the walsender will decode.
+    next: u8,
+    /// Transaction being sent: (item, outbox inserts sent so far).
+    streaming: Option<(u8, u8)>,
+    /// The walsender's sent position (what a keepalive reports as wal_end).
+    sent: Lsn,
+    /// The dispatcher's open transaction (`Dispatcher::tx`).
+    open: Option<R::Seq>,
+    /// Events handed to dispatch and not yet done: (event id, transaction).
+    pending: Vec<(u8, R::Seq)>,
+    /// The acknowledgement state under test.
+    tracker: R,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Action {
+    /// The walsender sends Begin of WAL item `.0`.
+    Begin(u8),
+    /// The walsender sends an outbox insert (global event id).
+    Insert(u8),
+    /// The walsender sends Commit of WAL item `.0`.
+    Commit(u8),
+    /// The walsender reads WAL item `.0` (a gap) and sends nothing.
+    Skip(u8),
+    /// A keepalive reporting this wal_end reaches the relay.
+    Keepalive(Lsn),
+    /// The sink answers event `.0` with a 2xx and the relay sees it.
+    Deliver(u8),
+    SinkFails,
+    SinkRecovers,
+    /// A standby status update carries the relay's confirmed LSN to the slot.
+    StatusUpdate(Lsn),
+    /// The relay dies: pipeline dropped, a new session starts from the slot.
+    Crash,
+}
+
+struct AckModel<R> {
+    wals: Vec<Vec<Item>>,
+    max_crashes: u8,
+    _rule: PhantomData<fn() -> R>,
+}
+
+impl<R: Rule> AckModel<R> {
+    fn new(wals: Vec<Vec<Item>>, max_crashes: u8) -> Self {
+        for w in &wals {
+            let events: u32 = w
+                .iter()
+                .map(|it| match it {
+                    Item::Tx(n) => u32::from(*n),
+                    Item::Gap => 0,
+                })
+                .sum();
+            assert!(events <= 8, "event ids are a u8 bitmask");
+        }
+        AckModel {
+            wals,
+            max_crashes,
+            _rule: PhantomData,
+        }
+    }
+
+    fn items(&self, s: &State<R>) -> &[Item] {
+        &self.wals[usize::from(s.wal)]
+    }
+
+    fn events_in(&self, s: &State<R>, i: usize) -> u8 {
+        match self.items(s)[i] {
+            Item::Tx(n) => n,
+            Item::Gap => 0,
+        }
+    }
+
+    /// Global id of the first event of item `i`.
+    fn first_event(&self, s: &State<R>, i: usize) -> u8 {
+        (0..i).map(|j| self.events_in(s, j)).sum()
+    }
+
+    fn all_events(&self, s: &State<R>) -> u8 {
+        let n = self.first_event(s, self.items(s).len());
+        ((1u16 << n) - 1) as u8
+    }
+
+    fn wal_end(&self, s: &State<R>) -> Lsn {
+        end_of(self.items(s).len() - 1)
+    }
+
+    /// A new session: everything the relay held is gone; the walsender
+    /// starts at the slot (`sentPtr = confirmed_flush`) and resends every
+    /// item ending after it.
+    fn session(&self, s: &mut State<R>) {
+        let next = (0..self.items(s).len())
+            .find(|&i| end_of(i) > s.slot)
+            .unwrap_or(self.items(s).len());
+        s.next = next as u8;
+        s.streaming = None;
+        s.sent = s.slot;
+        s.open = None;
+        s.pending.clear();
+        s.tracker = R::new(s.slot);
+    }
+
+    /// The safety property, as a function so the broken rules can be tested
+    /// against the same definition.
+    fn safe(&self, s: &State<R>) -> bool {
+        (0..self.items(s).len()).all(|i| {
+            let first = self.first_event(s, i);
+            let all_delivered =
+                (first..first + self.events_in(s, i)).all(|e| s.delivered & (1 << e) != 0);
+            all_delivered || s.slot < end_of(i)
+        })
+    }
+
+    fn goal(&self, s: &State<R>) -> bool {
+        s.delivered == self.all_events(s) && s.slot == self.wal_end(s)
+    }
+}
+
+impl<R: Rule> Model for AckModel<R> {
+    type State = State<R>;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<State<R>> {
+        (0..self.wals.len())
+            .map(|w| {
+                let mut s = State {
+                    wal: w as u8,
+                    slot: Lsn(BASE),
+                    crashes: 0,
+                    sink_up: true,
+                    delivered: 0,
+                    next: 0,
+                    streaming: None,
+                    sent: Lsn(BASE),
+                    open: None,
+                    pending: Vec::new(),
+                    tracker: R::new(Lsn(BASE)),
+                };
+                self.session(&mut s);
+                s
+            })
+            .collect()
+    }
+
+    fn actions(&self, s: &State<R>, actions: &mut Vec<Action>) {
+        match s.streaming {
+            Some((i, k)) if k < self.events_in(s, usize::from(i)) => {
+                actions.push(Action::Insert(self.first_event(s, usize::from(i)) + k));
+            }
+            Some((i, _)) => actions.push(Action::Commit(i)),
+            None => match self.items(s).get(usize::from(s.next)) {
+                Some(Item::Tx(_)) => actions.push(Action::Begin(s.next)),
+                Some(Item::Gap) => actions.push(Action::Skip(s.next)),
+                None => {}
+            },
+        }
+        actions.push(Action::Keepalive(s.sent));
+        if s.sink_up {
+            actions.extend(s.pending.iter().map(|&(e, _)| Action::Deliver(e)));
+            actions.push(Action::SinkFails);
+        } else {
+            actions.push(Action::SinkRecovers);
+        }
+        if s.tracker.confirmed() != s.slot {
+            actions.push(Action::StatusUpdate(s.tracker.confirmed()));
+        }
+        if s.crashes < self.max_crashes {
+            actions.push(Action::Crash);
+        }
+    }
+
+    fn next_state(&self, s: &State<R>, action: Action) -> Option<State<R>> {
+        let mut n = s.clone();
+        match action {
+            Action::Begin(i) => {
+                n.streaming = Some((i, 0));
+                n.sent = commit_start_of(usize::from(i));
+                n.open = Some(n.tracker.begin());
+            }
+            Action::Insert(e) => {
+                let (i, k) = n.streaming.expect("insert inside a transaction");
+                n.streaming = Some((i, k + 1));
+                let tx = n.open.expect("dispatcher saw Begin");
+                n.tracker.add_event(tx);
+                n.pending.push((e, tx));
+                n.pending.sort();
+            }
+            Action::Commit(i) => {
+                n.streaming = None;
+                n.next = i + 1;
+                n.sent = end_of(usize::from(i));
+                let tx = n.open.take().expect("dispatcher saw Begin");
+                n.tracker.commit(tx, end_of(usize::from(i)));
+            }
+            Action::Skip(i) => {
+                n.next = i + 1;
+                n.sent = end_of(usize::from(i));
+            }
+            Action::Keepalive(wal_end) => {
+                // dispatch.rs: keepalives are ignored while a transaction is open.
+                if n.open.is_none() {
+                    n.tracker.keepalive(wal_end);
+                }
+            }
+            Action::Deliver(e) => {
+                let at = n.pending.iter().position(|&(p, _)| p == e)?;
+                let (_, tx) = n.pending.remove(at);
+                n.delivered |= 1 << e;
+                n.tracker.complete(tx);
+            }
+            Action::SinkFails => n.sink_up = false,
+            Action::SinkRecovers => n.sink_up = true,
+            Action::StatusUpdate(lsn) => n.slot = lsn,
+            Action::Crash => {
+                n.crashes += 1;
+                self.session(&mut n);
+            }
+        }
+        (n != *s).then_some(n)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(SAFETY, |m: &Self, s: &State<R>| m.safe(s)),
+            Property::always(
+                "status updates never move the slot back",
+                |_: &Self, s: &State<R>| s.tracker.confirmed() >= s.slot,
+            ),
+            // Non-vacuity: the interesting situations are reachable.
+            Property::sometimes(
+                "every event delivered, whole WAL confirmed",
+                |m: &Self, s: &State<R>| m.goal(s),
+            ),
+            Property::sometimes(
+                "a keepalive confirmed unpublished WAL",
+                |m: &Self, s: &State<R>| {
+                    m.items(s)
+                        .iter()
+                        .enumerate()
+                        .any(|(i, it)| *it == Item::Gap && s.slot == end_of(i))
+                },
+            ),
+            Property::sometimes(
+                "a delivered event is redelivered after a crash",
+                |_: &Self, s: &State<R>| {
+                    s.pending.iter().any(|&(e, _)| s.delivered & (1 << e) != 0)
+                },
+            ),
+            Property::sometimes(
+                "a later event completes before an earlier one",
+                |_: &Self, s: &State<R>| s.pending.iter().any(|&(e, _)| s.delivered >> e > 1),
+            ),
+        ]
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Reporting.
+
+struct Summary<'a, R: Rule>(&'a State<R>);
+
+impl<R: Rule> fmt::Display for Summary<'_, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.0;
+        let bits = |m: u8| -> Vec<u8> { (0..8).filter(|e| m & (1 << e) != 0).collect() };
+        write!(
+            f,
+            "slot={} relay.confirmed={} sent={} delivered={:?} pending={:?} sink={} crashes={}",
+            s.slot.0,
+            s.tracker.confirmed().0,
+            s.sent.0,
+            bits(s.delivered),
+            s.pending.iter().map(|&(e, _)| e).collect::<Vec<_>>(),
+            if s.sink_up { "up" } else { "down" },
+            s.crashes,
+        )
+    }
+}
+
+fn describe_wal(items: &[Item]) -> String {
+    let mut out = Vec::new();
+    let mut event = 0u8;
+    for (i, it) in items.iter().enumerate() {
+        match it {
+            Item::Tx(n) => {
+                let ids: Vec<u8> = (event..event + n).collect();
+                event += n;
+                out.push(format!("item {i}: tx events {ids:?} end {}", end_of(i).0));
+            }
+            Item::Gap => out.push(format!("item {i}: unpublished WAL up to {}", end_of(i).0)),
+        }
+    }
+    out.join("; ")
+}
+
+fn render<R: Rule>(model: &AckModel<R>, steps: Vec<(State<R>, Option<Action>)>) -> String {
+    let mut out = format!(
+        "  WAL: {}\n  start: {}\n",
+        describe_wal(model.items(&steps[0].0)),
+        Summary(&steps[0].0)
+    );
+    for w in steps.windows(2) {
+        let action = w[0].1.expect("every step but the last has an action");
+        out += &format!("  {action:?} -> {}\n", Summary(&w[1].0));
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------
+// Checks.
+
+/// Every WAL of three transactions with 0–2 outbox events each (27), once
+/// back to back and once with unpublished WAL (reported only by keepalives)
+/// after each transaction: 54 initial states.
+fn wals() -> Vec<Vec<Item>> {
+    let mut out = Vec::new();
+    for gaps in [false, true] {
+        for a in 0..=2 {
+            for b in 0..=2 {
+                for c in 0..=2 {
+                    let mut wal = Vec::new();
+                    for events in [a, b, c] {
+                        wal.push(Item::Tx(events));
+                        if gaps {
+                            wal.push(Item::Gap);
+                        }
+                    }
+                    out.push(wal);
+                }
+            }
+        }
+    }
+    out
+}
+
+const MAX_CRASHES: u8 = 2;
+
+struct Outcome<R: Rule> {
+    unique_states: usize,
+    discoveries: HashMap<&'static str, Path<State<R>, Action>>,
+}
+
+fn run_stateright<R: Rule>(finish: HasDiscoveries) -> Outcome<R> {
+    let started = Instant::now();
+    let checker = AckModel::<R>::new(wals(), MAX_CRASHES)
+        .checker()
+        .finish_when(finish)
+        .spawn_bfs()
+        .join();
+    let unique_states = checker.unique_state_count();
+    println!(
+        "[{}] stateright: {} unique states ({} transitions), max depth {}, {:.2?}",
+        R::NAME,
+        unique_states,
+        checker.state_count(),
+        checker.max_depth(),
+        started.elapsed()
+    );
+    Outcome {
+        unique_states,
+        discoveries: checker.discoveries(),
+    }
+}
+
+/// The explicit state graph of the recovery check.
+struct Graph<R: Rule> {
+    index: HashMap<State<R>, u32>,
+    states: Vec<State<R>>,
+    /// How each state was first reached (a shortest path, breadth-first).
+    parent: Vec<Option<(u32, Action)>>,
+    /// Reverse edges of the recovery transitions (no crash, no sink failure).
+    back: Vec<Vec<u32>>,
+    queue: VecDeque<u32>,
+}
+
+impl<R: Rule> Default for Graph<R> {
+    fn default() -> Self {
+        Graph {
+            index: HashMap::new(),
+            states: Vec::new(),
+            parent: Vec::new(),
+            back: Vec::new(),
+            queue: VecDeque::new(),
+        }
+    }
+}
+
+impl<R: Rule> Graph<R> {
+    fn add(&mut self, s: State<R>, from: Option<(u32, Action)>) -> u32 {
+        if let Some(&id) = self.index.get(&s) {
+            return id;
+        }
+        let id = u32::try_from(self.states.len()).expect("fewer than 2^32 states");
+        self.index.insert(s.clone(), id);
+        self.states.push(s);
+        self.parent.push(from);
+        self.back.push(Vec::new());
+        self.queue.push_back(id);
+        id
+    }
+}
+
+/// Recovery (AG EF): from every reachable state, using neither crashes nor
+/// sink failures (a failed sink may recover), some path reaches the goal:
+/// every event delivered and the slot at the end of the WAL. Explores the
+/// whole graph breadth-first with the model's own transition function, then
+/// runs a backward fixpoint from the goal states over the recovery
+/// transitions. Returns the number of states, or a path to a state that
+/// cannot recover and the best it can still reach.
+fn check_recovery<R: Rule>(model: &AckModel<R>) -> Result<usize, String> {
+    let started = Instant::now();
+    let mut g = Graph::default();
+    for s in model.init_states() {
+        g.add(s, None);
+    }
+    let mut actions = Vec::new();
+    while let Some(id) = g.queue.pop_front() {
+        let s = g.states[id as usize].clone();
+        actions.clear();
+        model.actions(&s, &mut actions);
+        for &a in &actions {
+            if let Some(n) = model.next_state(&s, a) {
+                let nid = g.add(n, Some((id, a)));
+                if !matches!(a, Action::Crash | Action::SinkFails) {
+                    g.back[nid as usize].push(id);
+                }
+            }
+        }
+    }
+    let Graph {
+        states,
+        parent,
+        back,
+        ..
+    } = g;
+    let mut can_recover: Vec<bool> = states.iter().map(|s| model.goal(s)).collect();
+    let goals = can_recover.iter().filter(|g| **g).count();
+    let mut queue: VecDeque<u32> = (0..states.len())
+        .filter(|&i| can_recover[i])
+        .map(|i| i as u32)
+        .collect();
+    while let Some(id) = queue.pop_front() {
+        for &p in &back[id as usize] {
+            if !can_recover[p as usize] {
+                can_recover[p as usize] = true;
+                queue.push_back(p);
+            }
+        }
+    }
+    if let Some(stuck) = can_recover.iter().position(|ok| !ok) {
+        let mut steps = vec![(states[stuck].clone(), None)];
+        let mut at = stuck;
+        while let Some((p, a)) = parent[at] {
+            steps.push((states[p as usize].clone(), Some(a)));
+            at = p as usize;
+        }
+        // Each state paired with the action that leaves it, from the start.
+        steps.reverse();
+        let best = best_recovery(model, &states[stuck]);
+        return Err(format!(
+            "[{}] recovery fails: from the last state below, no continuation without crashes and with the sink up delivers every event and confirms the whole WAL\n{}  best reachable from there: {}\n",
+            R::NAME,
+            render(model, steps),
+            Summary(&best)
+        ));
+    }
+    println!(
+        "[{}] recovery: {} states ({} goal states), every one can recover, {:.2?}",
+        R::NAME,
+        states.len(),
+        goals,
+        started.elapsed()
+    );
+    Ok(states.len())
+}
+
+/// The most progressed state (events delivered, then slot) reachable from
+/// `from` by recovery transitions.
+fn best_recovery<R: Rule>(model: &AckModel<R>, from: &State<R>) -> State<R> {
+    let mut g = Graph::default();
+    g.add(from.clone(), None);
+    let mut actions = Vec::new();
+    while let Some(id) = g.queue.pop_front() {
+        let s = g.states[id as usize].clone();
+        actions.clear();
+        model.actions(&s, &mut actions);
+        for &a in &actions {
+            if matches!(a, Action::Crash | Action::SinkFails) {
+                continue;
+            }
+            if let Some(n) = model.next_state(&s, a) {
+                g.add(n, Some((id, a)));
+            }
+        }
+    }
+    g.states
+        .into_iter()
+        .max_by_key(|s| (s.delivered.count_ones(), s.slot))
+        .expect("at least the start")
+}
+
+const SAFETY: &str = "slot never passes an undelivered committed event";
+
+/// The real rule: no counterexample to any safety property, every
+/// non-vacuity example found, and recovery from every reachable state.
+#[test]
+fn real_ack_tracker_is_safe_and_recovers() {
+    // Both explorations at once: 2 cores.
+    let (outcome, explored) = std::thread::scope(|scope| {
+        let recovery = scope.spawn(|| {
+            check_recovery(&AckModel::<AckTracker>::new(wals(), MAX_CRASHES))
+                .unwrap_or_else(|e| panic!("{e}"))
+        });
+        let outcome = run_stateright::<AckTracker>(HasDiscoveries::All);
+        (
+            outcome,
+            recovery
+                .join()
+                .unwrap_or_else(|e| std::panic::resume_unwind(e)),
+        )
+    });
+    let model = AckModel::<AckTracker>::new(wals(), MAX_CRASHES);
+    for p in model.properties() {
+        let found = outcome.discoveries.get(p.name);
+        match p.expectation {
+            Expectation::Always => {
+                if let Some(path) = found {
+                    panic!(
+                        "counterexample to {:?} with the real AckTracker:\n{}",
+                        p.name,
+                        render(&model, truncate(&model, path.clone(), p.condition))
+                    );
+                }
+                println!("[{}] holds on every state: {:?}", AckTracker::NAME, p.name);
+            }
+            Expectation::Sometimes => {
+                let path = found.unwrap_or_else(|| panic!("never reached: {:?}", p.name));
+                println!(
+                    "[{}] reachable (non-vacuity): {:?}, e.g. after {} steps",
+                    AckTracker::NAME,
+                    p.name,
+                    path.clone().into_actions().len()
+                );
+            }
+            Expectation::Eventually => unreachable!("none declared"),
+        }
+    }
+    assert_eq!(
+        explored, outcome.unique_states,
+        "stateright and the recovery check see the same state space"
+    );
+}
+
+/// Cuts a path after its first state violating `condition` (stateright
+/// reports the state where it noticed, which may come later).
+fn truncate<R: Rule>(
+    model: &AckModel<R>,
+    path: Path<State<R>, Action>,
+    condition: fn(&AckModel<R>, &State<R>) -> bool,
+) -> Vec<(State<R>, Option<Action>)> {
+    let mut steps = path.into_vec();
+    if let Some(first) = steps.iter().position(|(s, _)| !condition(model, s)) {
+        steps.truncate(first + 1);
+        steps[first].1 = None;
+    }
+    steps
+}
+
+fn assert_caught<R: Rule>() {
+    let outcome = run_stateright::<R>(HasDiscoveries::AnyFailures);
+    let model = AckModel::<R>::new(wals(), MAX_CRASHES);
+    let path = outcome
+        .discoveries
+        .get(SAFETY)
+        .unwrap_or_else(|| panic!("[{}] the check did not catch the broken rule", R::NAME))
+        .clone();
+    assert!(!model.safe(path.last_state()));
+    let steps = truncate(&model, path, |m, s| m.safe(s));
+    println!(
+        "[{}] counterexample to {SAFETY:?} ({} steps):\n{}",
+        R::NAME,
+        steps.len() - 1,
+        render(&model, steps)
+    );
+}
+
+#[test]
+fn broken_rule_highest_completed_commit_is_caught() {
+    assert_caught::<HighestDone>();
+}
+
+#[test]
+fn broken_rule_keepalive_while_pending_is_caught() {
+    assert_caught::<EagerKeepalive>();
+}
+
+/// The recovery check can fail too: with keepalives ignored, a WAL ending in
+/// unpublished WAL is never confirmed to its end.
+#[test]
+fn broken_rule_ignoring_keepalives_is_caught_by_recovery() {
+    use Item::{Gap, Tx};
+    let wal = vec![Tx(1), Gap, Tx(2), Gap, Tx(0), Gap];
+    let model = AckModel::<NoKeepalive>::new(vec![wal], MAX_CRASHES);
+    let report = check_recovery(&model).expect_err("the recovery check must fail");
+    println!("{report}");
+}
