@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Checks the deploy/ material:
+#   - Prometheus: `promtool check config`, `promtool check rules`, and the
+#     rule unit tests (`promtool test rules`).
+#   - Grafana: the dashboard is valid JSON.
+#   - Dashboard and alert rules name only metrics the code registers
+#     (cdc-relay/src/metrics.rs, the services' metrics).
+#   - systemd: `systemd-analyze verify` on the units, when systemd-analyze is
+#     installed (skipped with a note otherwise).
+#
+# promtool comes from Debian's `prometheus` package. When it is missing and
+# this runs as root on Debian/Ubuntu, only the promtool binary is taken from
+# that package (downloaded, unpacked, copied to /usr/local/bin): no Prometheus
+# server gets installed or started. Otherwise the script says what to install.
+#
+# Usage: deploy/check.sh        (exits non-zero on the first failure)
+set -euo pipefail
+cd "$(dirname "$0")"
+repo=$(cd .. && pwd)
+
+step() { echo "== $*"; }
+fail() { echo "deploy/check.sh: $*" >&2; exit 1; }
+
+install_promtool() {
+    echo "promtool not found: taking it from Debian's prometheus package" >&2
+    local work
+    work=$(mktemp -d)
+    # apt downloads as its sandbox user _apt, which must be able to write here.
+    chown _apt "$work" 2>/dev/null || true
+    apt-get update -qq
+    (cd "$work" && apt-get download -qq prometheus >/dev/null)
+    dpkg-deb -x "$work"/prometheus_*.deb "$work/root"
+    install -m 0755 "$work/root/usr/bin/promtool" /usr/local/bin/promtool
+    rm -rf "$work"
+}
+
+if ! command -v promtool >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && command -v dpkg-deb >/dev/null 2>&1; then
+        install_promtool
+    else
+        echo "promtool not found. Install it, then run this again:" >&2
+        echo "    sudo apt-get install prometheus      # Debian/Ubuntu (ships promtool)" >&2
+        echo "or put a promtool binary from https://prometheus.io/download/ on PATH." >&2
+        exit 1
+    fi
+fi
+
+step "promtool check config prometheus/prometheus.yml"
+promtool check config prometheus/prometheus.yml
+
+step "promtool check rules prometheus/alerts.yml"
+promtool check rules prometheus/alerts.yml
+
+step "promtool test rules prometheus/alerts_test.yml"
+promtool test rules prometheus/alerts_test.yml
+
+step "grafana/cdc-relay.json is valid JSON, its queries valid PromQL"
+if command -v python3 >/dev/null 2>&1; then
+    # Each panel query becomes a recording rule, so promtool parses it.
+    queries=$(mktemp --suffix=.yml)
+    python3 - grafana/cdc-relay.json >"$queries" <<'PY'
+import json, sys
+dash = json.load(open(sys.argv[1]))
+print("groups:\n  - name: dashboard\n    rules:")
+n = 0
+for panel in dash["panels"]:
+    for t in panel.get("targets", []):
+        n += 1
+        expr = t["expr"].replace("$__rate_interval", "5m")
+        print(f"      - record: dashboard:query_{n}\n        expr: {json.dumps(expr)}")
+PY
+    promtool check rules "$queries" || { rm -f "$queries"; fail "a dashboard query is not valid PromQL"; }
+    rm -f "$queries"
+elif command -v jq >/dev/null 2>&1; then
+    jq empty grafana/cdc-relay.json
+else
+    echo "   (neither python3 nor jq found: JSON syntax left to the system test" \
+        "observability::deploy_files_reference_only_registered_metrics)"
+fi
+
+step "dashboard and alert rules use only registered metrics"
+registered=$(
+    {
+        grep -ohE '"cdc_relay_[a-z0-9_]+"' "$repo/cdc-relay/src/metrics.rs"
+        grep -ohE '"(orders|billing)_[a-z0-9_]+"' "$repo"/services/*/src/*.rs
+        for svc in orders billing; do
+            grep -ohE '"http_[a-z0-9_]+"' "$repo/services/common/src/metrics.rs" | sed "s/^\"/\"${svc}_/"
+        done
+    } | tr -d '"' | sort -u
+)
+referenced=$(
+    grep -ohE '\b(cdc_relay|orders|billing)_[a-z0-9_]*[a-z]\b' \
+        grafana/cdc-relay.json prometheus/alerts.yml prometheus/alerts_test.yml |
+        sed -E 's/(_seconds)_(bucket|sum|count)$/\1/' | sort -u
+)
+unknown=$(comm -13 <(echo "$registered") <(echo "$referenced"))
+[ -z "$unknown" ] || fail "metrics referenced but not registered anywhere:"$'\n'"$unknown"
+echo "   $(echo "$referenced" | wc -l) metric names, all registered"
+
+step "systemd-analyze verify systemd/*.service"
+if command -v systemd-analyze >/dev/null 2>&1; then
+    # verify insists that ExecStart= exists and is executable: check the units
+    # as written, with stand-in executables at their binaries' paths.
+    units=$(mktemp -d)
+    trap 'rm -rf "$units"' EXIT
+    mkdir "$units/bin"
+    for unit in systemd/*.service; do
+        for bin in $(sed -n 's#^ExecStart=/usr/local/bin/\([^ ]*\).*#\1#p' "$unit"); do
+            cp "$(type -P true)" "$units/bin/$bin"
+        done
+        sed "s#/usr/local/bin/#$units/bin/#" "$unit" >"$units/$(basename "$unit")"
+    done
+    # verify only warns about unknown keys and bad values: fail on any line
+    # about our units too (lines about the host's own units are not ours).
+    out=$(systemd-analyze verify "$units"/*.service 2>&1) || fail "systemd-analyze verify:"$'\n'"$out"
+    ours=$(grep -E "$units|(cdc-relay|orders|billing)\.service" <<<"$out" || true)
+    [ -z "$ours" ] || fail "systemd-analyze verify:"$'\n'"$ours"
+    echo "   $(ls systemd/*.service | wc -l) units verified"
+else
+    echo "   systemd-analyze not installed: skipped"
+fi
+
+echo "deploy/check.sh: all checks passed"
