@@ -20,6 +20,7 @@
 
 pub mod app;
 pub mod bins;
+pub mod chaos;
 mod guardian;
 pub mod pg;
 pub mod process;

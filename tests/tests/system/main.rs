@@ -1,5 +1,6 @@
 //! System tests.
 
+mod chaos;
 mod cli;
 mod failures;
 mod faults;

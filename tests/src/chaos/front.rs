@@ -1,0 +1,109 @@
+//! A stable front for a service that is restarted on a new port: a TCP
+//! forwarder on a fixed loopback port whose upstream can be re-pointed.
+//!
+//! ```text
+//!  client ──▶ Front (127.0.0.1:fixed) ──▶ current upstream (set_upstream)
+//! ```
+//!
+//! Each new connection goes to the upstream set at the moment it is
+//! accepted; open connections stay with theirs (they die with it). When the
+//! upstream refuses, the client's connection is reset, as a load balancer
+//! with no healthy backend would. Dropping the front stops it.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::{JoinHandle, JoinSet};
+
+/// A running front; stops, closing its connections, when dropped.
+pub struct Front {
+    addr: SocketAddr,
+    upstream: Arc<Mutex<SocketAddr>>,
+    accept: JoinHandle<()>,
+}
+
+impl Front {
+    /// Starts a front on a free loopback port forwarding to `upstream`.
+    pub async fn start(upstream: SocketAddr) -> std::io::Result<Front> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let upstream = Arc::new(Mutex::new(upstream));
+        let accept = tokio::spawn(accept_loop(listener, Arc::clone(&upstream)));
+        Ok(Front {
+            addr,
+            upstream,
+            accept,
+        })
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// New connections go to `upstream` from now on.
+    pub fn set_upstream(&self, upstream: SocketAddr) {
+        *self.upstream.lock().expect("front lock") = upstream;
+    }
+}
+
+impl Drop for Front {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+async fn accept_loop(listener: TcpListener, upstream: Arc<Mutex<SocketAddr>>) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((client, _)) = accepted else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let to = *upstream.lock().expect("front lock");
+                connections.spawn(forward(client, to));
+            }
+            Some(_) = connections.join_next() => {}
+        }
+    }
+}
+
+async fn forward(mut client: TcpStream, to: SocketAddr) {
+    let connected = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(to)).await;
+    let Ok(Ok(mut server)) = connected else {
+        reset(client);
+        return;
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    if tokio::io::copy_bidirectional(&mut client, &mut server)
+        .await
+        .is_err()
+    {
+        reset(client);
+        reset(server);
+    }
+}
+
+/// Closes `stream` with a TCP RST.
+fn reset(stream: TcpStream) {
+    #[allow(deprecated)]
+    let _ = stream.set_linger(Some(Duration::ZERO));
+    drop(stream);
+}
+
+/// The socket address of `http://host:port` (an IP address).
+pub fn socket_addr(url: &str) -> anyhow::Result<SocketAddr> {
+    let parsed = reqwest::Url::parse(url)?;
+    let host = parsed
+        .host_str()
+        .ok_or_else(|| anyhow::anyhow!("{url} names no host"))?;
+    let port = parsed
+        .port_or_known_default()
+        .ok_or_else(|| anyhow::anyhow!("{url} names no port"))?;
+    Ok(format!("{host}:{port}").parse()?)
+}

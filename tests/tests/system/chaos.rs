@@ -1,0 +1,61 @@
+//! The chaos run of issue 6, compressed for CI: the same fault kinds as the
+//! full run (`cargo run --release -p cdc-relay-tests --bin chaos`) over
+//! 100 s at 40 orders/s on a cluster of its own (fsync off), then the
+//! ledger. Every must-be-zero figure is asserted; the table is printed
+//! (`--nocapture`). The seed is fixed so CI is reproducible;
+//! `CDC_RELAY_CHAOS_SEED` overrides it.
+
+use harness::chaos::{self, Config};
+
+/// CI's seed.
+const CI_SEED: u64 = 20_250_601;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_compressed_schedule_loses_nothing_and_charges_no_one_twice() -> anyhow::Result<()> {
+    let seed = std::env::var("CDC_RELAY_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(CI_SEED);
+    let report = chaos::run(&Config::ci(seed)).await?;
+    let table = report.table();
+    eprintln!("{table}");
+    let out = std::env::temp_dir().join(format!("cdc-relay-chaos-ci-{seed}.json"));
+    chaos::write_json(&report, &out)?;
+    eprintln!("JSON report: {}", out.display());
+    let l = &report.ledger;
+    let context = format!(
+        "seed {seed} (rerun: CDC_RELAY_CHAOS_SEED={seed} cargo test -p cdc-relay-tests --test system chaos -- --nocapture); logs: {:?}\n{table}",
+        report.logs
+    );
+    assert!(
+        report.figures.drain.is_some(),
+        "the drain did not finish: {context}"
+    );
+    assert_eq!(l.lost, 0, "lost events: {context}");
+    assert_eq!(l.duplicate_effects, 0, "duplicate effects: {context}");
+    assert_eq!(l.phantom, 0, "phantom effects: {context}");
+    assert_eq!(l.dead_lettered, 0, "dead-lettered events: {context}");
+    assert_eq!(
+        l.accepted_not_committed, 0,
+        "201s without a committed order: {context}"
+    );
+    assert_eq!(
+        l.sql_committed_missing, 0,
+        "SQL commits that vanished: {context}"
+    );
+    assert_eq!(l.invoices, l.committed_events, "{context}");
+    // The run did what it says: faults applied, load flowed, takeovers happened.
+    assert!(report.load.http_accepted > 1000, "{context}");
+    assert!(
+        report.figures.redelivered_per_relay_kill.len() >= 4,
+        "{context}"
+    );
+    assert!(
+        report
+            .faults
+            .iter()
+            .all(|f| f.note.is_none() || f.fault.kind == chaos::schedule::FaultKind::RelayKill),
+        "a fault could not be applied: {context}"
+    );
+    Ok(())
+}
