@@ -5,6 +5,7 @@ mod cli;
 mod failures;
 mod faults;
 mod harness;
+mod observability;
 mod relay;
 mod services;
 mod stream;
