@@ -198,7 +198,8 @@ impl Breaker {
                 if s.circuit == CircuitState::Closed {
                     tracing::error!(
                         reason,
-                        "circuit opened: the sink rejects the relay itself (check --sink-url, the secret, auth); events are kept, not dead-lettered"
+                        hint = config_fault_hint(reason),
+                        "circuit opened: the sink rejects the relay itself; events are kept, not dead-lettered"
                     );
                     self.set(&mut s, CircuitState::Open);
                 }
@@ -247,6 +248,18 @@ impl Breaker {
     fn jittered_interval(&self) -> Duration {
         let base = self.cfg.probe_interval.as_secs_f64();
         Duration::from_secs_f64(base * rand::rng().random_range(0.8..=1.2))
+    }
+}
+
+/// What an operator should check for a configuration-fault status label.
+fn config_fault_hint(reason: &str) -> &'static str {
+    match reason {
+        "http_401" | "http_403" => "check the event secret (EVENT_SECRET) and the sink's auth",
+        "http_404" | "http_405" => "check --sink-url (path and method POST)",
+        r if r.starts_with("http_3") => "the sink redirects; point --sink-url at the final URL",
+        _ => {
+            "an unexpected status; if it means the event itself is refused, add it to --poison-statuses"
+        }
     }
 }
 

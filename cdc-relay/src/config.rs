@@ -397,14 +397,20 @@ impl SinkArgs {
                 );
             }
         };
+        // Trimmed like Billing trims its list: a stray space or newline must
+        // not make every signature wrong.
+        let secret = secret.trim();
         if secret.is_empty() {
             return Err("the event secret (EVENT_SECRET / --event-secret-file) is empty".into());
         }
-        Ok(secret)
+        Ok(secret.to_owned())
     }
 
     /// Builds the HTTP sink; the error names the setting.
     pub fn build(&self) -> Result<HttpSink, String> {
+        if self.request_timeout.is_zero() || self.sink_connect_timeout.is_zero() {
+            return Err("--request-timeout and --sink-connect-timeout must be above 0".into());
+        }
         if !matches!(self.sink_url.scheme(), "http" | "https") {
             return Err(format!(
                 "--sink-url must be http or https, got {}",

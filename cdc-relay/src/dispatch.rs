@@ -388,7 +388,7 @@ impl Ctx {
                     metrics
                         .commit_to_delivery
                         .observe(seconds_since_commit(event.commit_time_micros));
-                    tracing::debug!(event_id = %event.id, commit_lsn = %event.commit_lsn, attempts, "delivered");
+                    tracing::debug!(event_id = ?event.id, commit_lsn = %event.commit_lsn, attempts, "delivered");
                     return Ok(());
                 }
                 Disposition::DeadLetter(r) if self.breaker.poison(&event.id) => {
@@ -397,7 +397,7 @@ impl Ctx {
                     count_attempt(metrics, "dead_letter", &attempt);
                     let row = dead_letter(event, &attempt, &r, attempts, first_attempt);
                     tracing::warn!(
-                        event_id = %event.id, commit_lsn = %event.commit_lsn, reason = %r.label,
+                        event_id = ?event.id, commit_lsn = %event.commit_lsn, reason = %r.label,
                         detail = %attempt_detail(&attempt), "poison event: quarantining in the dead-letter table"
                     );
                     return self.quarantine(&row).await;
@@ -418,7 +418,7 @@ impl Ctx {
             let delay = backoff.next_delay(retry_after, &mut rand::rng());
             if attempts == 1 || attempts.is_multiple_of(20) {
                 tracing::warn!(
-                    event_id = %event.id, commit_lsn = %event.commit_lsn, attempts,
+                    event_id = ?event.id, commit_lsn = %event.commit_lsn, attempts,
                     reason = %reason.label, detail = %attempt_detail(&attempt),
                     retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
                 );

@@ -19,6 +19,32 @@ use cdc_relay::source;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
+/// `println!` that ends the process quietly when stdout is a closed pipe
+/// (`cdc-relay status | head`) instead of panicking, and with an error when
+/// stdout cannot be written (a full disk).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        write_stdout_line(format_args!($($arg)*))
+    };
+}
+
+fn write_stdout_line(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let written = out
+        .write_fmt(args)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush());
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => {
+            eprintln!("error: writing to stdout: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(&cli.global);
@@ -39,12 +65,24 @@ fn main() -> ExitCode {
 }
 
 fn init_tracing(g: &GlobalArgs) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&g.log).unwrap_or_else(|e| {
-        eprintln!("invalid --log filter {:?}: {e}; using info", g.log);
-        tracing_subscriber::EnvFilter::new("info")
-    });
+    let filter = tracing_subscriber::EnvFilter::try_new(&g.log)
+        .unwrap_or_else(|e| {
+            eprintln!(
+                "error: invalid --log (CDC_RELAY_LOG) filter {:?}: {e}",
+                g.log
+            );
+            std::process::exit(2);
+        })
+        // tokio-postgres logs statement parameters at debug: payloads must
+        // never reach the logs, whatever the filter says.
+        .add_directive(
+            "tokio_postgres::query=info"
+                .parse()
+                .expect("a valid directive"),
+        );
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match g.log_format {
         LogFormat::Text => builder.init(),
@@ -80,7 +118,7 @@ async fn setup_cmd(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
     };
     let lines = setup::setup(&client, &plan).await?;
     for l in lines {
-        println!("{l}");
+        outln!("{l}");
     }
     Ok(())
 }
@@ -92,9 +130,9 @@ async fn status_cmd(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<()> {
         .await
         .context("reading the slot")?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
+        outln!("{}", serde_json::to_string_pretty(&s)?);
     } else {
-        print!("{s}");
+        outln!("{}", s.to_string().trim_end());
     }
     Ok(())
 }
@@ -137,15 +175,19 @@ async fn dead_letter_cmd(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result
         DeadLetterCommand::List { json } => {
             let rows = deadletter::list(&client).await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                outln!("{}", serde_json::to_string_pretty(&rows)?);
                 return Ok(());
             }
-            println!(
+            outln!(
                 "{:>6}  {:<36}  {:<16}  {:>6}  {:>8}  error",
-                "id", "event_id", "type", "status", "attempts"
+                "id",
+                "event_id",
+                "type",
+                "status",
+                "attempts"
             );
             for r in &rows {
-                println!(
+                outln!(
                     "{:>6}  {:<36}  {:<16}  {:>6}  {:>8}  {}",
                     r.id,
                     r.event_id.as_deref().unwrap_or("(none)"),
@@ -155,13 +197,13 @@ async fn dead_letter_cmd(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result
                     r.error.chars().take(80).collect::<String>()
                 );
             }
-            println!("{} quarantined event(s)", rows.len());
+            outln!("{} quarantined event(s)", rows.len());
         }
         DeadLetterCommand::Show { id } => {
             let row = deadletter::get(&client, id)
                 .await?
                 .with_context(|| format!("no dead-letter row {id}"))?;
-            println!("{}", serde_json::to_string_pretty(&row)?);
+            outln!("{}", serde_json::to_string_pretty(&row)?);
         }
         DeadLetterCommand::Replay(a) => replay(&mut client, *a).await?,
         DeadLetterCommand::Discard { id, reason } => {
@@ -169,7 +211,7 @@ async fn dead_letter_cmd(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result
                 deadletter::remove(&mut client, id, Removal::Discard, reason.as_deref()).await?,
                 "no dead-letter row {id}"
             );
-            println!("discarded dead-letter row {id} (kept in cdc_relay_dead_letter_audit)");
+            outln!("discarded dead-letter row {id} (kept in cdc_relay_dead_letter_audit)");
         }
     }
     Ok(())
@@ -192,7 +234,7 @@ async fn replay(client: &mut tokio_postgres::Client, a: ReplayArgs) -> anyhow::R
             .with_context(|| format!("no dead-letter row {id}"))?;
         let (Some(event_id), Some(event_type)) = (row.event_id.clone(), row.event_type.clone())
         else {
-            println!(
+            outln!(
                 "row {id}: no event id or type; cannot be sent (discard it after fixing the source row)"
             );
             failed += 1;
@@ -210,10 +252,10 @@ async fn replay(client: &mut tokio_postgres::Client, a: ReplayArgs) -> anyhow::R
         match sink.post(&event.id, body, &signature).await {
             cdc_relay::sink::Attempt::Response { status, .. } if (200..300).contains(&status) => {
                 deadletter::remove(client, id, Removal::Replay, None).await?;
-                println!("row {id}: delivered ({status}); removed");
+                outln!("row {id}: delivered ({status}); removed");
             }
             other => {
-                println!("row {id}: not delivered ({other:?}); kept");
+                outln!("row {id}: not delivered ({other:?}); kept");
                 failed += 1;
             }
         }
@@ -260,7 +302,7 @@ async fn backfill_cmd(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
     )
     .await?;
     eprintln!();
-    println!(
+    outln!(
         "backfill done in {:.1} s: {} row(s) read, {} delivered, {} dead-lettered",
         started.elapsed().as_secs_f64(),
         report.rows,
@@ -285,7 +327,7 @@ async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
-    println!("listening on http://{addr}");
+    outln!("listening on http://{addr}");
     let admin_stop = shutdown.clone();
     let admin = tokio::spawn(admin::serve(
         listener,
@@ -295,7 +337,7 @@ async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
     ));
     tokio::spawn(watch_signals(shutdown.clone()));
     tracing::info!(
-        source = %cfg.conn.display(), slot = %cfg.slot, sink = %sink.url(), admin = %addr,
+        source = %cfg.conn.display(), slot = %cfg.slot, sink = %sink.display_url(), admin = %addr,
         max_in_flight = cfg.dispatch.max_in_flight, "cdc-relay starting"
     );
     let result = relay::run(cfg, sink, metrics, health, shutdown.clone()).await;

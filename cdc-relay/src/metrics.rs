@@ -231,6 +231,21 @@ impl Metrics {
             status_updates: status_updates(&r),
             registry: r,
         }
+        .prime()
+    }
+
+    /// Starts the known label values at 0 so `rate()` and alerts see a series
+    /// before the first event of its kind.
+    fn prime(self) -> Self {
+        for cause in ["transient", "watchdog", "slot_active"] {
+            self.reconnects.with_label_values(&[cause]);
+        }
+        for outcome in ["delivered", "retry", "dead_letter", "config_fault"] {
+            for class in ["2xx", "3xx", "4xx", "5xx", "none"] {
+                self.delivery_attempts.with_label_values(&[outcome, class]);
+            }
+        }
+        self
     }
 
     /// The registry's content in the Prometheus text exposition format.

@@ -230,6 +230,14 @@ async fn session(
         }
         .into());
     }
+    // A publication that does not carry the table would let the slot be
+    // confirmed past every event: refuse to stream (the standby too).
+    crate::setup::check_stream_config(&side, &cfg.table, &cfg.columns, &cfg.publications)
+        .await
+        .map_err(|e| match e {
+            crate::setup::SetupError::Precondition(msg) => SourceError::Definite(msg),
+            other => SourceError::Transient(other.to_string()),
+        })?;
     let start = slot.confirmed_flush_lsn.unwrap_or(Lsn::ZERO);
     let settings = StreamSettings {
         slot: cfg.slot.clone(),
@@ -728,10 +736,7 @@ fn connect_error(e: source::SqlConnectError, conn: &ConnParams) -> RelayError {
 
 fn sql_error(e: &tokio_postgres::Error, conn: &ConnParams) -> RelayError {
     let code = e.code().map(|c| c.code().to_owned());
-    let text = match e.as_db_error() {
-        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-        None => e.to_string(),
-    };
+    let text = crate::setup::db_message(e);
     let msg = format!("{}: {text}", conn.display());
     match code {
         Some(c) if !source::sqlstate_is_transient(&c) => SourceError::Definite(msg).into(),

@@ -18,18 +18,52 @@ pub enum SetupError {
     #[error("{0}")]
     Precondition(String),
     /// A SQL statement failed.
-    #[error("{what}: {source}")]
+    #[error("{what}: {}", db_message(error))]
     Sql {
         /// What setup was doing.
         what: &'static str,
-        /// The error.
-        #[source]
-        source: tokio_postgres::Error,
+        /// The error (rendered in the message, not chained, so it is said once).
+        error: tokio_postgres::Error,
     },
 }
 
+/// The server's own message when there is one (tokio-postgres' Display says
+/// only "db error").
+pub fn db_message(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => {
+            let mut s = e.to_string();
+            let mut cur = std::error::Error::source(e);
+            while let Some(inner) = cur {
+                s.push_str(": ");
+                s.push_str(&inner.to_string());
+                cur = inner.source();
+            }
+            s
+        }
+    }
+}
+
 fn sql(what: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SetupError {
-    move |source| SetupError::Sql { what, source }
+    move |error| SetupError::Sql { what, error }
+}
+
+/// PostgreSQL's rule for slot names: lower-case letters, digits and
+/// underscores, at most 63 bytes. Checked before anything is created.
+pub fn check_slot_name(slot: &str) -> Result<(), SetupError> {
+    let ok = !slot.is_empty()
+        && slot.len() <= 63
+        && slot
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(SetupError::Precondition(format!(
+            "invalid --slot {slot:?}: use lower-case letters, digits and underscores (at most 63)"
+        )))
+    }
 }
 
 /// Quotes an SQL identifier (`"` doubled).
@@ -54,6 +88,7 @@ pub struct SetupPlan {
 
 /// Runs setup and returns one line per check or action, for the operator.
 pub async fn setup(client: &Client, plan: &SetupPlan) -> Result<Vec<String>, SetupError> {
+    check_slot_name(&plan.slot)?;
     let mut report = Vec::new();
     check_settings(client, &mut report).await?;
     let partitioned = check_table(client, plan, &mut report).await?;
@@ -120,7 +155,21 @@ async fn check_table(
     plan: &SetupPlan,
     report: &mut Vec<String>,
 ) -> Result<bool, SetupError> {
-    let t = &plan.table;
+    let relkind = check_outbox_table(client, &plan.table, &plan.columns).await?;
+    report.push(format!(
+        "ok: table {} has the columns the relay reads",
+        plan.table
+    ));
+    Ok(relkind == "p")
+}
+
+/// Checks that `table` exists and has every configured column; returns its
+/// `relkind` (`r` table, `p` partitioned). The error names the flag to fix.
+pub async fn check_outbox_table(
+    client: &Client,
+    t: &TableName,
+    c: &OutboxColumns,
+) -> Result<String, SetupError> {
     let row = client
         .query_opt(
             "SELECT c.relkind::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
@@ -134,7 +183,6 @@ async fn check_table(
             "table {t} does not exist (--table); create it first, e.g. with sql/orders.sql"
         )));
     };
-    let relkind: String = row.get(0);
     let cols: Vec<String> = client
         .query(
             "SELECT a.attname::text FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid \
@@ -147,7 +195,6 @@ async fn check_table(
         .iter()
         .map(|r| r.get(0))
         .collect();
-    let c = &plan.columns;
     let mut wanted = vec![
         (c.id.as_str(), "--id-column"),
         (c.event_type.as_str(), "--type-column"),
@@ -164,8 +211,50 @@ async fn check_table(
             )));
         }
     }
-    report.push(format!("ok: table {t} has the columns the relay reads"));
-    Ok(relkind == "p")
+    Ok(row.get(0))
+}
+
+/// Before streaming: the table and columns exist and one of `publications`
+/// publishes inserts into it. Streaming a publication that does not carry
+/// the table would confirm the slot past every event: never start like that.
+pub async fn check_stream_config(
+    client: &Client,
+    t: &TableName,
+    c: &OutboxColumns,
+    publications: &[String],
+) -> Result<(), SetupError> {
+    check_outbox_table(client, t, c).await?;
+    let existing: Vec<String> = client
+        .query(
+            "SELECT pubname::text FROM pg_publication WHERE pubname = ANY($1)",
+            &[&publications],
+        )
+        .await
+        .map_err(sql("looking up the publications"))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if let Some(missing) = publications.iter().find(|p| !existing.contains(p)) {
+        return Err(SetupError::Precondition(format!(
+            "publication {missing:?} does not exist (--publication); run `cdc-relay setup`"
+        )));
+    }
+    let published = client
+        .query_opt(
+            "SELECT 1 FROM pg_publication_tables pt JOIN pg_publication p ON p.pubname = pt.pubname \
+             WHERE pt.pubname = ANY($1) AND pt.schemaname = $2 AND pt.tablename = $3 AND p.pubinsert",
+            &[&publications, &t.schema, &t.name],
+        )
+        .await
+        .map_err(sql("reading the publications' tables"))?
+        .is_some();
+    if !published {
+        return Err(SetupError::Precondition(format!(
+            "no publication in --publication ({}) publishes inserts into {t} (--table); fix the flags or run `cdc-relay setup`",
+            publications.join(", ")
+        )));
+    }
+    Ok(())
 }
 
 async fn ensure_publication(
@@ -407,6 +496,14 @@ impl std::fmt::Display for Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slot_names_follow_postgres_rules() {
+        assert!(check_slot_name("cdc_relay_1").is_ok());
+        for bad in ["", "Bad", "a-b", "a;drop", &"x".repeat(64)] {
+            assert!(check_slot_name(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn identifiers_are_quoted() {

@@ -110,6 +110,15 @@ impl HttpSink {
         &self.url
     }
 
+    /// The URL without any user or password, safe to log.
+    pub fn display_url(&self) -> String {
+        let mut u = self.url.clone();
+        // Cannot fail for http(s) URLs, which are the only ones accepted.
+        let _ = u.set_username("");
+        let _ = u.set_password(None);
+        u.to_string()
+    }
+
     /// Builds the body for `event` and signs it: `(body, signature)`.
     pub fn prepare(&self, event: &OutboxEvent) -> (Bytes, String) {
         let body = encoder::body(event);

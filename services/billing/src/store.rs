@@ -65,8 +65,10 @@ impl InboxStore {
     }
 
     /// Records `event` exactly once. A second event id for an already
-    /// invoiced order violates `invoices.order_id UNIQUE`: 409
-    /// `order_already_invoiced`, nothing committed.
+    /// invoiced order violates `invoices.order_id UNIQUE`: 422
+    /// `order_already_invoiced`, nothing committed. 422, not 409: the event
+    /// itself can never succeed, so a relay quarantines it (dead letter)
+    /// instead of retrying it forever.
     pub async fn record(&self, event: &OrderCreated) -> Result<Recorded, ServiceError> {
         let client = self.pool.get().await?;
         let statement = client.prepare_cached(RECORD_EVENT).await?;
@@ -81,7 +83,7 @@ impl InboxStore {
                 if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
                     tracing::warn!(event_id = %event.id, order_id = %event.order_id, "a different event already invoiced this order");
                     ServiceError::new(
-                        axum::http::StatusCode::CONFLICT,
+                        axum::http::StatusCode::UNPROCESSABLE_ENTITY,
                         "order_already_invoiced",
                         "another event already invoiced this order; nothing was committed",
                     )

@@ -24,7 +24,15 @@ pub struct LogArgs {
 
 /// Installs the global subscriber. Fails if one is already installed.
 pub fn init_tracing(format: LogFormat) -> anyhow::Result<()> {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info"))
+        // tokio-postgres logs every statement's parameters at debug: order
+        // and event payloads must never reach the logs, whatever the filter.
+        .add_directive(
+            "tokio_postgres::query=info"
+                .parse()
+                .expect("a valid directive"),
+        );
     // Colour codes only for a terminal: captured logs stay greppable.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

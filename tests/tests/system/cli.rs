@@ -232,3 +232,48 @@ async fn create_slot_flag_creates_a_missing_slot_and_streams() -> anyhow::Result
     .await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_refuses_a_table_or_publication_that_would_skip_events() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let base = [
+        "run",
+        "--sink-url",
+        &sink.url,
+        "--admin-listen",
+        "127.0.0.1:0",
+    ];
+    let env = [("EVENT_SECRET", TEST_SECRET)];
+    let mut wrong_table = base.to_vec();
+    wrong_table.extend(["--table", "public.nope"]);
+    let out = relay_cmd(&stack, &stack.relay_url, &wrong_table, &env).await?;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("--table"), "{}", text(&out));
+
+    // A real table the publication does not carry.
+    let db = stack.orders_admin().await?;
+    db.batch_execute("CREATE TABLE other_outbox (LIKE outbox)")
+        .await?;
+    let mut unpublished = base.to_vec();
+    unpublished.extend(["--table", "public.other_outbox"]);
+    let out = relay_cmd(&stack, &stack.relay_url, &unpublished, &env).await?;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("publishes inserts into public.other_outbox"),
+        "{}",
+        text(&out)
+    );
+
+    let mut wrong_publication = base.to_vec();
+    wrong_publication.extend(["--publication", "nope"]);
+    let out = relay_cmd(&stack, &stack.relay_url, &wrong_publication, &env).await?;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("\"nope\" does not exist (--publication)"),
+        "{}",
+        text(&out)
+    );
+    Ok(())
+}

@@ -19,7 +19,7 @@ const WAIT: Duration = Duration::from_secs(30);
 /// at debug (the relay's dead-letter insert carries the payload, the
 /// services' inserts the order). The processes should clamp that module
 /// themselves whatever the filter says; until they do, the test does.
-const DEBUG_FILTER: &str = "debug,tokio_postgres::query=info";
+const DEBUG_FILTER: &str = "debug";
 
 /// Every relay metric the issue names, with its Prometheus type, so docs,
 /// dashboards and alerts can rely on them.
