@@ -98,13 +98,13 @@ impl Config {
         }
     }
 
-    /// The CI variant: the same schedule compressed to 100 s of faults, 40
+    /// The CI variant: the same schedule compressed to 90 s of faults, 40
     /// orders/s, fsync off.
     pub fn ci(seed: u64) -> Config {
         Config {
             label: "ci".into(),
             seed,
-            shape: Shape::compressed(Duration::from_secs(100)),
+            shape: Shape::compressed(Duration::from_secs(90)),
             rate: 40,
             sql_tx_per_sec: 2.0,
             fsync: false,
@@ -545,6 +545,10 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Report> {
     })
     .await?;
     let warm = world.now();
+    eprintln!(
+        "chaos: stack up and first invoices after {:.1}s; faults start (t = 0)",
+        wall.elapsed().as_secs_f64()
+    );
     let t0 = tokio::time::Instant::now();
     let wall0 = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs_f64();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -603,7 +607,14 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Report> {
     )
     .await;
     let drain = match &drained {
-        Ok(()) => Some(drain_start.elapsed().as_secs_f64()),
+        Ok(()) => {
+            eprintln!(
+                "chaos: drained after {:.1}s ({:.1}s since the start)",
+                drain_start.elapsed().as_secs_f64(),
+                wall.elapsed().as_secs_f64()
+            );
+            Some(drain_start.elapsed().as_secs_f64())
+        }
         Err(err) => {
             eprintln!("chaos: {err:#}");
             None

@@ -141,12 +141,12 @@ impl Shape {
     }
 
     /// The same schedule compressed for CI: the same fault kinds and holds,
-    /// shorter gaps (2–4 s).
+    /// shorter gaps (1.5–3 s).
     pub fn compressed(duration: Duration) -> Shape {
         Shape {
             duration,
             kill_every: (15.0, 20.0),
-            gap: (2.0, 4.0),
+            gap: (1.5, 3.0),
             first_at: Duration::from_secs(3),
         }
     }
@@ -279,7 +279,7 @@ mod tests {
 
     #[test]
     fn same_seed_same_schedule_and_every_kind_present() {
-        let shape = Shape::compressed(Duration::from_secs(100));
+        let shape = Shape::compressed(Duration::from_secs(90));
         let a = Schedule::draw(7, shape);
         assert_eq!(a, Schedule::draw(7, shape));
         assert_ne!(a, Schedule::draw(8, shape));

@@ -1,6 +1,6 @@
 //! The chaos run of issue 6, compressed for CI: the same fault kinds as the
 //! full run (`cargo run --release -p cdc-relay-tests --bin chaos`) over
-//! 100 s at 40 orders/s on a cluster of its own (fsync off), then the
+//! 90 s at 40 orders/s on a cluster of its own (fsync off), then the
 //! ledger. Every must-be-zero figure is asserted; the table is printed
 //! (`--nocapture`). The seed is fixed so CI is reproducible;
 //! `CDC_RELAY_CHAOS_SEED` overrides it.
