@@ -299,7 +299,11 @@ impl Results {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // An explicit thread count: TOKIO_WORKER_THREADS, if set, reaches the
+    // child processes (for experiments with the relay's runtime) and not us.
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
         .enable_all()
         .build()?;
     match cli.command {
@@ -368,7 +372,7 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
             latency(&mut ctx, run).await?;
         }
         if want("b") || want("d") {
-            throughput(&mut ctx, run, want("d")).await?;
+            throughput(&mut ctx, run, want("b"), want("d")).await?;
         }
         if want("c") {
             idle(&mut ctx, has_pgss).await?;
@@ -830,12 +834,14 @@ async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> anyhow::Result
 
 // ---------------------------------------------------------------- b/d. throughput and memory
 
-async fn throughput(ctx: &mut Ctx, run: u32, memory_big: bool) -> anyhow::Result<()> {
-    eprintln!("  b. Billing's own maximum insert rate");
-    billing_max(ctx).await?;
+async fn throughput(ctx: &mut Ctx, run: u32, drains: bool, memory_big: bool) -> anyhow::Result<()> {
     let n = ctx.cfg.backlog;
     let mifs = ctx.cfg.max_in_flight.clone();
-    for to_billing in [true, false] {
+    if drains {
+        eprintln!("  b. Billing's own maximum insert rate");
+        billing_max(ctx).await?;
+    }
+    for to_billing in [true, false].into_iter().filter(|_| drains) {
         let sink = if to_billing { "Billing" } else { "null sink" };
         let mut contenders: Vec<Contender> = mifs
             .iter()
@@ -881,6 +887,7 @@ async fn drain_one(
     };
     let proc = start_contender(&stack, who, &sink_url).await?;
     let pid = proc.pid();
+    eprintln!("    draining (pid {pid})");
     let cap = Duration::from_secs(if who.is_ours() {
         ctx.cfg.drain_cap_s
     } else {
@@ -1156,7 +1163,8 @@ async fn idle(ctx: &mut Ctx, has_pgss: bool) -> anyhow::Result<()> {
                 .query(
                     "SELECT calls, left(regexp_replace(query, '\\s+', ' ', 'g'), 100)
                      FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
-                     WHERE d.datname = $1 ORDER BY calls DESC LIMIT 5",
+                     WHERE d.datname = $1 AND s.userid = 'cdc_relay'::regrole
+                     ORDER BY calls DESC LIMIT 5",
                     &[&p.stack.orders_db],
                 )
                 .await?
@@ -1169,7 +1177,7 @@ async fn idle(ctx: &mut Ctx, has_pgss: bool) -> anyhow::Result<()> {
     }
     if !top.is_empty() {
         ctx.results.note(format!(
-            "c. statements cdc-relay ran on the orders db since it started (pg_stat_statements): {}",
+            "c. statements the cdc_relay role ran on the orders db since the relay started (pg_stat_statements): {}",
             top.join(" | ")
         ));
     }
