@@ -16,6 +16,10 @@
 //! interval. The first 2xx closes the circuit and releases the whole window
 //! at once.
 //!
+//! Slow start: until the sink first answers (a 2xx or a poison verdict),
+//! one attempt at a time goes out, so a relay (re)started while the sink is
+//! down sends it one request, not its whole window.
+//!
 //! Storm guard: when poison verdicts hit `storm_threshold` distinct events in
 //! a row (no 2xx between), the sink is more likely broken than the events:
 //! quarantining stops, the circuit opens, and the events wait for a 2xx.
@@ -75,6 +79,10 @@ struct State {
     /// Distinct events with a poison verdict since the last 2xx.
     poison_run: HashSet<String>,
     storm: bool,
+    /// The sink has answered (2xx or a poison verdict) since this breaker
+    /// started. Until then one attempt at a time goes out: a relay that
+    /// starts while the sink is down must not send its whole window to it.
+    proven: bool,
 }
 
 /// Shared by every delivery of one session.
@@ -91,7 +99,8 @@ pub struct Breaker {
 pub enum Admission {
     /// The circuit is closed.
     Normal,
-    /// The circuit is open and this attempt is the probe.
+    /// The only attempt allowed now: the circuit is open, or the sink has
+    /// not answered since start (slow start).
     Probe,
 }
 
@@ -109,6 +118,7 @@ impl Breaker {
                 waiting: BTreeSet::new(),
                 poison_run: HashSet::new(),
                 storm: false,
+                proven: false,
             }),
             changed: Notify::new(),
             metrics,
@@ -132,18 +142,29 @@ impl Breaker {
             let notified = self.changed.notified();
             let wait_until = {
                 let mut s = self.lock();
-                if s.circuit == CircuitState::Closed {
+                if s.circuit == CircuitState::Closed && s.proven {
                     s.waiting.remove(&seq);
                     return Admission::Normal;
                 }
                 s.waiting.insert(seq);
                 let oldest = s.waiting.first().copied() == Some(seq);
-                if oldest && !s.probe_in_flight && Instant::now() >= s.next_probe_at {
-                    s.probe_in_flight = true;
-                    s.waiting.remove(&seq);
-                    return Admission::Probe;
+                if s.circuit == CircuitState::Closed {
+                    // Slow start: the oldest waiting delivery goes alone
+                    // until the sink first answers.
+                    if oldest && !s.probe_in_flight {
+                        s.probe_in_flight = true;
+                        s.waiting.remove(&seq);
+                        return Admission::Probe;
+                    }
+                    Instant::now() + Duration::from_secs(3600)
+                } else {
+                    if oldest && !s.probe_in_flight && Instant::now() >= s.next_probe_at {
+                        s.probe_in_flight = true;
+                        s.waiting.remove(&seq);
+                        return Admission::Probe;
+                    }
+                    s.next_probe_at
                 }
-                s.next_probe_at
             };
             tokio::select! {
                 _ = notified => {}
@@ -165,6 +186,7 @@ impl Breaker {
         }
         match signal {
             Signal::Success => {
+                s.proven = true;
                 s.consecutive_failures = 0;
                 s.poison_run.clear();
                 s.storm = false;
@@ -174,6 +196,7 @@ impl Breaker {
                 }
             }
             Signal::Quarantined => {
+                s.proven = true;
                 s.consecutive_failures = 0;
                 if s.circuit == CircuitState::Open {
                     tracing::info!("circuit closed: the sink answers again");
@@ -280,8 +303,32 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn starts_with_one_attempt_at_a_time_until_the_sink_answers() {
+        let b = breaker();
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        let second = tokio::spawn({
+            let b = b.clone();
+            async move { b.admit(2).await }
+        });
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(
+            !second.is_finished(),
+            "one attempt at a time before the first answer"
+        );
+        b.record(Admission::Probe, Signal::Success, "");
+        assert_eq!(
+            second.await.unwrap(),
+            Admission::Normal,
+            "then the whole window"
+        );
+        assert_eq!(b.admit(3).await, Admission::Normal);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn opens_after_k_failures_and_probes_with_the_oldest() {
         let b = breaker();
+        b.record(Admission::Normal, Signal::Success, ""); // the sink answered once
         for _ in 0..2 {
             assert_eq!(b.admit(1).await, Admission::Normal);
             b.record(Admission::Normal, Signal::Transient, "http_503");

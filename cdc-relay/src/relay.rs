@@ -192,7 +192,7 @@ async fn session(
     // then never answers must not hang the relay, so the whole start-up
     // exchange is bounded too.
     let startup = async {
-        let side = source::connect_sql(&cfg.conn, &cfg.application_name)
+        let (side, side_closed) = source::connect_sql_watched(&cfg.conn, &cfg.application_name)
             .await
             .map_err(|e| connect_error(e, &cfg.conn))?;
         let wst = side
@@ -204,15 +204,16 @@ async fn session(
         let slot = source::slot_info(&side, &cfg.slot)
             .await
             .map_err(|e| sql_error(&e, &cfg.conn))?;
-        Ok::<_, RelayError>((side, wst, slot))
+        Ok::<_, RelayError>((side, side_closed, wst, slot))
     };
     let bound = cfg.conn.connect_timeout * 2;
-    let (side, wst, slot) = tokio::time::timeout(bound, startup).await.map_err(|_| {
-        SourceError::Transient(format!(
-            "{}: no answer within {bound:?} while connecting",
-            cfg.conn.display()
-        ))
-    })??;
+    let (side, side_closed, wst, slot) =
+        tokio::time::timeout(bound, startup).await.map_err(|_| {
+            SourceError::Transient(format!(
+                "{}: no answer within {bound:?} while connecting",
+                cfg.conn.display()
+            ))
+        })??;
     let side = Arc::new(side);
     let slot = match slot {
         Some(slot) => slot,
@@ -287,6 +288,7 @@ async fn session(
         mapper: OutboxMapper::new(cfg.table.clone(), cfg.columns.clone()),
         tx: None,
         slot: cfg.slot.clone(),
+        side_closed,
         watchdog: Watchdog {
             side,
             silence: silence_bound(wst, settings.status_interval) * watchdog_scale,
@@ -382,6 +384,12 @@ struct Stream {
     /// The open transaction, between Begin and Commit.
     tx: Option<TxContext>,
     slot: String,
+    /// Completes when the side connection closes. A fast shutdown of
+    /// PostgreSQL closes it first and then waits for every walsender to have
+    /// its WAL confirmed: a relay that cannot deliver (its sink may live on
+    /// the same server) must let go of the stream instead of holding the
+    /// server's shutdown hostage. Also, dead letters need this connection.
+    side_closed: tokio::sync::oneshot::Receiver<()>,
     watchdog: Watchdog,
 }
 
@@ -484,6 +492,7 @@ impl Stream {
                 }
                 _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {}
                 _ = tokio::time::sleep_until(self.watchdog.deadline()) => self.watchdog.check(&self.slot).await?,
+                _ = &mut self.side_closed => return Err(side_lost()),
                 ev = self.client.recv() => {
                     self.watchdog.last_message = tokio::time::Instant::now();
                     let ev = ev.map_err(|e| source::classify(&e, &self.slot))?;
@@ -590,6 +599,7 @@ impl Stream {
                 biased;
                 r = self.confirmed.changed() => self.forward_ack(r)?,
                 p = self.window.admit(size) => return Ok(p),
+                _ = &mut self.side_closed => return Err(side_lost()),
                 _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {
                     return Err(SourceError::Transient("shutdown budget spent inside a transaction".into()).into());
                 }
@@ -742,6 +752,13 @@ fn sql_error(e: &tokio_postgres::Error, conn: &ConnParams) -> RelayError {
         Some(c) if !source::sqlstate_is_transient(&c) => SourceError::Definite(msg).into(),
         _ => SourceError::Transient(msg).into(),
     }
+}
+
+fn side_lost() -> RelayError {
+    SourceError::Transient(
+        "the side connection closed (server shutting down or restarting?)".into(),
+    )
+    .into()
 }
 
 /// A spawned task that is aborted when this handle is dropped.

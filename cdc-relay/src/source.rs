@@ -462,12 +462,20 @@ pub async fn connect_sql(
     conn: &ConnParams,
     application_name: &str,
 ) -> Result<tokio_postgres::Client, SqlConnectError> {
+    Ok(connect_sql_watched(conn, application_name).await?.0)
+}
+
+/// [`connect_sql`], plus a receiver that completes when the connection
+/// closes (the server shut down or restarted, the network broke).
+pub async fn connect_sql_watched(
+    conn: &ConnParams,
+    application_name: &str,
+) -> Result<(tokio_postgres::Client, tokio::sync::oneshot::Receiver<()>), SqlConnectError> {
     let mut config = conn.sql_config(application_name);
     let tls = crate::tls::client_config(&conn.sslmode, conn.ssl_root_cert.as_deref())?;
     let Some(tls) = tls else {
         let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
-        spawn_connection(connection);
-        return Ok(client);
+        return Ok((client, spawn_connection(connection)));
     };
     config.ssl_mode(match conn.sslmode.as_str() {
         "prefer" => tokio_postgres::config::SslMode::Prefer,
@@ -476,19 +484,21 @@ pub async fn connect_sql(
     let (client, connection) = config
         .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
         .await?;
-    spawn_connection(connection);
-    Ok(client)
+    Ok((client, spawn_connection(connection)))
 }
 
-fn spawn_connection<F>(connection: F)
+fn spawn_connection<F>(connection: F) -> tokio::sync::oneshot::Receiver<()>
 where
     F: std::future::Future<Output = Result<(), tokio_postgres::Error>> + Send + 'static,
 {
+    let (closed_tx, closed) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "side connection closed");
         }
+        let _ = closed_tx.send(());
     });
+    closed
 }
 
 #[cfg(test)]
