@@ -16,9 +16,10 @@
 //! interval. The first 2xx closes the circuit and releases the whole window
 //! at once.
 //!
-//! Slow start: until the sink first answers (a 2xx or a poison verdict),
-//! one attempt at a time goes out, so a relay (re)started while the sink is
-//! down sends it one request, not its whole window.
+//! Slow start: until the sink answers (a 2xx or a poison verdict) — at start
+//! and again after any failure — one attempt at a time goes out, so a relay
+//! started while the sink is down, or a window of retries after an outage
+//! begins, sends it one request at a time, not the whole window.
 //!
 //! Storm guard: when poison verdicts hit `storm_threshold` distinct events in
 //! a row (no 2xx between), the sink is more likely broken than the events:
@@ -39,7 +40,7 @@ use crate::metrics::Metrics;
 pub struct BreakerConfig {
     /// Consecutive transient failures that open the circuit (K).
     pub failure_threshold: u32,
-    /// Time between probes while open (jittered ±20 %).
+    /// Time between probes while open (stretched by up to 20 % of jitter).
     pub probe_interval: Duration,
     /// Distinct consecutive poison events that count as a storm.
     pub storm_threshold: u32,
@@ -204,6 +205,10 @@ impl Breaker {
                 }
             }
             Signal::Transient => {
+                // Back to one attempt at a time until the sink answers again:
+                // the rest of the window must not pile retries onto a sink
+                // that just failed.
+                s.proven = false;
                 s.consecutive_failures = s.consecutive_failures.saturating_add(1);
                 if s.circuit == CircuitState::Closed
                     && s.consecutive_failures >= self.cfg.failure_threshold
@@ -218,6 +223,7 @@ impl Breaker {
                 }
             }
             Signal::ConfigFault => {
+                s.proven = false;
                 if s.circuit == CircuitState::Closed {
                     tracing::error!(
                         reason,
@@ -268,9 +274,11 @@ impl Breaker {
         self.metrics.circuit_state.set(to as i64);
     }
 
+    /// The probe interval stretched by up to 20 %: never shorter, so an open
+    /// circuit never sends more than one probe per interval.
     fn jittered_interval(&self) -> Duration {
         let base = self.cfg.probe_interval.as_secs_f64();
-        Duration::from_secs_f64(base * rand::rng().random_range(0.8..=1.2))
+        Duration::from_secs_f64(base * rand::rng().random_range(1.0..=1.2))
     }
 }
 
@@ -329,10 +337,11 @@ mod tests {
     async fn opens_after_k_failures_and_probes_with_the_oldest() {
         let b = breaker();
         b.record(Admission::Normal, Signal::Success, ""); // the sink answered once
-        for _ in 0..2 {
-            assert_eq!(b.admit(1).await, Admission::Normal);
-            b.record(Admission::Normal, Signal::Transient, "http_503");
-        }
+        assert_eq!(b.admit(1).await, Admission::Normal);
+        b.record(Admission::Normal, Signal::Transient, "http_503");
+        // After a failure, one attempt at a time until the sink answers.
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        b.record(Admission::Probe, Signal::Transient, "http_503");
         assert_eq!(b.state(), CircuitState::Closed);
         b.record(Admission::Normal, Signal::Transient, "http_503");
         assert_eq!(b.state(), CircuitState::Open);
@@ -347,7 +356,7 @@ mod tests {
         assert_eq!(b.admit(1).await, Admission::Probe);
         let waited = t0.elapsed();
         assert!(
-            waited >= Duration::from_millis(400) && waited <= Duration::from_millis(600),
+            waited >= Duration::from_millis(500) && waited <= Duration::from_millis(600),
             "{waited:?}"
         );
         assert!(!newer.is_finished(), "the newer delivery keeps waiting");
@@ -376,7 +385,10 @@ mod tests {
             probes += 1;
             b.record(Admission::Probe, Signal::ConfigFault, "http_401");
         }
-        assert!((16..=26).contains(&probes), "{probes} probes in 10 s");
+        assert!(
+            (16..=20).contains(&probes),
+            "{probes} probes in 10 s: never above 2/s"
+        );
     }
 
     #[test]
