@@ -277,3 +277,30 @@ pub async fn proxied(url: &str) -> anyhow::Result<(crate::proxy::FaultProxy, Str
         .map_err(|()| anyhow::anyhow!("cannot set a port on {url:?}"))?;
     Ok((proxy, parsed.into()))
 }
+
+/// Commits an order and its `OrderCreated` outbox row in one transaction
+/// with plain SQL (what the Orders service does); returns the event id.
+pub async fn insert_order_event(db: &tokio_postgres::Client) -> anyhow::Result<uuid::Uuid> {
+    let order = uuid::Uuid::new_v4();
+    let event = uuid::Uuid::new_v4();
+    db.batch_execute(&format!(
+        "BEGIN; \
+         INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 250, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{event}', '{order}', \
+           'OrderCreated', jsonb_build_object('order_id', '{order}'::uuid, 'amount_cents', 250, 'currency', 'EUR')); \
+         COMMIT"
+    ))
+    .await?;
+    Ok(event)
+}
+
+/// The pid of the walsender holding `slot`, if any.
+pub async fn walsender_pid(db: &tokio_postgres::Client, slot: &str) -> anyhow::Result<Option<i32>> {
+    let r = db
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(r.get(0))
+}

@@ -11,17 +11,7 @@ use harness::{PgCluster, Stack, bins};
 const DRAIN: Duration = Duration::from_secs(60);
 
 async fn insert_order_event(db: &tokio_postgres::Client) -> anyhow::Result<String> {
-    let order = uuid::Uuid::new_v4();
-    let event = uuid::Uuid::new_v4();
-    db.batch_execute(&format!(
-        "BEGIN; \
-         INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 250, 'EUR'); \
-         INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{event}', '{order}', 'OrderCreated', \
-           jsonb_build_object('order_id', '{order}'::uuid, 'amount_cents', 250, 'currency', 'EUR')); \
-         COMMIT"
-    ))
-    .await?;
-    Ok(event.to_string())
+    Ok(app::insert_order_event(db).await?.to_string())
 }
 
 async fn dead_letters(stack: &Stack) -> anyhow::Result<Vec<(Option<String>, Option<i32>, String)>> {

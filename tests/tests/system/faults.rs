@@ -176,17 +176,6 @@ async fn wait_new_session(relay: &Running, before: usize) -> anyhow::Result<()> 
     .await
 }
 
-/// The pid of the walsender holding `slot`, if any.
-async fn walsender(db: &tokio_postgres::Client, slot: &str) -> anyhow::Result<Option<i32>> {
-    let r = db
-        .query_one(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await?;
-    Ok(r.get(0))
-}
-
 async fn invoices(stack: &Stack) -> anyhow::Result<i64> {
     let db = stack.billing_admin().await?;
     Ok(db
@@ -250,7 +239,9 @@ async fn walsender_terminated_under_load_reconnects_and_resumes() -> anyhow::Res
 
     let mut recoveries = Vec::new();
     for _ in 0..3 {
-        let pid = walsender(&db, &stack.slot).await?.context("slot active")?;
+        let pid = app::walsender_pid(&db, &stack.slot)
+            .await?
+            .context("slot active")?;
         let before = sessions(&relay);
         let killed = Instant::now();
         let done: bool = db
@@ -260,7 +251,7 @@ async fn walsender_terminated_under_load_reconnects_and_resumes() -> anyhow::Res
         assert!(done, "walsender {pid} terminated");
         wait_new_session(&relay, before).await?;
         recoveries.push(killed.elapsed());
-        let now = walsender(&db, &stack.slot).await?;
+        let now = app::walsender_pid(&db, &stack.slot).await?;
         assert_ne!(now, Some(pid), "a new walsender serves the slot");
         load.wait_more(20).await?;
     }
@@ -448,7 +439,9 @@ async fn hot_standby_takes_over_from_a_sigkilled_relay_under_load() -> anyhow::R
     assert_eq!(sessions(&standby), 0, "the standby does not stream");
 
     let db = stack.orders_admin().await?;
-    let old = walsender(&db, &stack.slot).await?.context("slot active")?;
+    let old = app::walsender_pid(&db, &stack.slot)
+        .await?
+        .context("slot active")?;
     let killed = Instant::now();
     active.process.sigkill();
     let released = {
@@ -458,7 +451,7 @@ async fn hot_standby_takes_over_from_a_sigkilled_relay_under_load() -> anyhow::R
             wait_until(
                 "the dead relay's walsender to release the slot",
                 RECOVERY,
-                || async { walsender(db, slot).await.map(|p| p != Some(old)) },
+                || async { app::walsender_pid(db, slot).await.map(|p| p != Some(old)) },
             )
             .await
             .map(|()| killed.elapsed())
@@ -631,7 +624,9 @@ async fn reconnect_backoff_restarts_after_a_healthy_session() -> anyhow::Result<
     let db = stack.orders_admin().await?;
     let mut recoveries = Vec::new();
     for _ in 0..8 {
-        let pid = walsender(&db, &stack.slot).await?.context("slot active")?;
+        let pid = app::walsender_pid(&db, &stack.slot)
+            .await?
+            .context("slot active")?;
         let before = sessions(&relay);
         let killed = Instant::now();
         db.query_one("SELECT pg_terminate_backend($1)", &[&pid])

@@ -104,26 +104,6 @@ async fn body_signature_and_headers_follow_the_wire_format() -> anyhow::Result<(
     Ok(())
 }
 
-/// Inserts an order and its outbox event with plain SQL; returns the event id.
-async fn insert_event(db: &tokio_postgres::Client) -> anyhow::Result<uuid::Uuid> {
-    let order = uuid::Uuid::new_v4();
-    let event = uuid::Uuid::new_v4();
-    db.batch_execute("BEGIN").await?;
-    db.execute(
-        "INSERT INTO orders (id, amount_cents, currency) VALUES ($1, 100, 'EUR')",
-        &[&order],
-    )
-    .await?;
-    db.execute(
-        "INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ($1, $2, 'OrderCreated', \
-         jsonb_build_object('order_id', $2::uuid, 'amount_cents', 100, 'currency', 'EUR'))",
-        &[&event, &order],
-    )
-    .await?;
-    db.batch_execute("COMMIT").await?;
-    Ok(event)
-}
-
 async fn current_wal(db: &tokio_postgres::Client) -> anyhow::Result<u64> {
     let v: i64 = db
         .query_one("SELECT (pg_current_wal_lsn() - '0/0')::bigint", &[])
@@ -156,7 +136,7 @@ async fn confirmed_lsn_never_passes_an_undelivered_commit() -> anyhow::Result<()
     let db = stack.orders_admin().await?;
 
     let before = current_wal(&db).await?;
-    let event = insert_event(&db).await?;
+    let event = app::insert_order_event(&db).await?;
     let outage = std::time::Instant::now();
     let mut killed = false;
     while outage.elapsed() < Duration::from_secs(20) {
@@ -271,7 +251,7 @@ async fn restart_point_comes_from_the_slot_alone() -> anyhow::Result<()> {
     // directory is all a restart needs.
     let db = stack.orders_admin().await?;
     for _ in 0..3 {
-        insert_event(&db).await?;
+        app::insert_order_event(&db).await?;
     }
     unrelated_wal(&db, 50).await?;
     let _relay = app::start_relay(&stack, &sink_url, &[]).await?;
@@ -330,18 +310,18 @@ async fn slow_sink_does_not_trip_wal_sender_timeout() -> anyhow::Result<()> {
     let relay = app::start_relay(&stack, &sink.url, &["--max-in-flight", "1"]).await?;
     app::wait_streaming(&relay).await?;
     let db = stack.orders_admin().await?;
-    let first = walsender(&db, &stack.slot).await?;
+    let first = app::walsender_pid(&db, &stack.slot).await?;
     assert!(first.is_some(), "slot active");
     let mut events = Vec::new();
     for _ in 0..3 {
-        events.push(insert_event(&db).await?);
+        events.push(app::insert_order_event(&db).await?);
     }
     harness::wait_until("3 slow deliveries", Duration::from_secs(30), || async {
         sink.delivered().len() >= 3
     })
     .await?;
     assert_eq!(
-        walsender(&db, &stack.slot).await?,
+        app::walsender_pid(&db, &stack.slot).await?,
         first,
         "same walsender throughout"
     );
@@ -355,16 +335,6 @@ async fn slow_sink_does_not_trip_wal_sender_timeout() -> anyhow::Result<()> {
     let expected: Vec<String> = events.iter().map(ToString::to_string).collect();
     assert_eq!(ids, expected);
     Ok(())
-}
-
-async fn walsender(db: &tokio_postgres::Client, slot: &str) -> anyhow::Result<Option<i32>> {
-    let r = db
-        .query_one(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await?;
-    Ok(r.get(0))
 }
 
 fn peak_rss_kib(pid: u32) -> anyhow::Result<u64> {
@@ -427,10 +397,12 @@ async fn frozen_walsender_is_detected_by_the_watchdog() -> anyhow::Result<()> {
     let relay = app::start_relay(&stack, &sink.url, &[]).await?;
     app::wait_streaming(&relay).await?;
     let db = stack.orders_admin().await?;
-    let frozen = walsender(&db, &stack.slot).await?.expect("slot active");
+    let frozen = app::walsender_pid(&db, &stack.slot)
+        .await?
+        .expect("slot active");
     let pid = nix::unistd::Pid::from_raw(frozen);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP)?;
-    let event = insert_event(&db).await?;
+    let event = app::insert_order_event(&db).await?;
     tokio::time::sleep(Duration::from_secs(6)).await; // 3 x wal_sender_timeout
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT)?;
     harness::wait_until(
@@ -439,7 +411,7 @@ async fn frozen_walsender_is_detected_by_the_watchdog() -> anyhow::Result<()> {
         || async { sink.delivered().iter().any(|r| r.id() == event.to_string()) },
     )
     .await?;
-    let now = walsender(&db, &stack.slot).await?;
+    let now = app::walsender_pid(&db, &stack.slot).await?;
     assert_ne!(now, Some(frozen), "a new walsender serves the slot");
     let metrics = reqwest::get(format!("{}/metrics", relay.url))
         .await?
