@@ -750,21 +750,7 @@ fn shift_http(mut http: load::HttpTally, warm: f64) -> load::HttpTally {
 
 /// Whether every committed outbox event has an inbox row.
 async fn drained(stack: &Stack) -> anyhow::Result<bool> {
-    let orders = stack.orders_admin().await?;
-    let billing = stack.billing_admin().await?;
-    let committed: Vec<uuid::Uuid> = orders
-        .query("SELECT id FROM outbox", &[])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let processed: std::collections::HashSet<uuid::Uuid> = billing
-        .query("SELECT event_id FROM processed_events", &[])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    Ok(committed.iter().all(|id| processed.contains(id)))
+    Ok(crate::app::Ledger::read(stack).await?.lost == 0)
 }
 
 async fn keep_logs(world: &World, cluster: &PgCluster, dir: &Path) -> anyhow::Result<()> {
