@@ -52,13 +52,22 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let code = runtime.block_on(async {
+    // The command runs as a task on the worker threads, not inside
+    // `block_on` on the main thread: there every wake-up from a worker (one
+    // per event received) would be a futex call to park/unpark this thread.
+    let command = async move {
         match cli.command {
             Command::Setup(a) => report(setup_cmd(&cli.global, a).await),
             Command::Status(a) => report(status_cmd(&cli.global, a).await),
             Command::Run(a) => run_cmd(&cli.global, *a).await,
             Command::DeadLetter(c) => report(dead_letter_cmd(&cli.global, c).await),
             Command::Backfill(a) => report(backfill_cmd(&cli.global, *a).await),
+        }
+    };
+    let code = runtime.block_on(async {
+        match tokio::spawn(command).await {
+            Ok(code) => code,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
         }
     });
     ExitCode::from(code)

@@ -83,6 +83,18 @@ struct Cli {
     /// Skip the 1000 orders/s latency step.
     #[arg(long)]
     no_1000: bool,
+    /// Sinks scenario b drains to (billing, null); Billing's own maximum is
+    /// measured only when billing is listed.
+    #[arg(long, value_delimiter = ',', default_value = "billing,null",
+          value_parser = ["billing", "null"])]
+    sinks: Vec<String>,
+    /// `--max-in-flight` values scenario b runs ours with.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256",
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    mif: Vec<u32>,
+    /// Leave the polling baselines out of scenario b (for profiling ours).
+    #[arg(long)]
+    no_baselines: bool,
     /// Where the JSON goes.
     #[arg(long, default_value = "target/bench.json")]
     out: PathBuf,
@@ -110,6 +122,8 @@ struct Config {
     billing_max_requests: u64,
     billing_max_concurrency: Vec<usize>,
     seed_orders: u64,
+    sinks: Vec<String>,
+    baselines: bool,
 }
 
 impl Config {
@@ -127,10 +141,12 @@ impl Config {
             drain_cap_s: if quick { 120 } else { 400 },
             idle_window_s: if quick { 30 } else { 60 },
             outage_s: if quick { 10 } else { 30 },
-            max_in_flight: vec![1, 16, 64, 256],
+            max_in_flight: Vec::new(),
             billing_max_requests: if quick { 20_000 } else { 100_000 },
             billing_max_concurrency: vec![16, 64, 256],
             seed_orders: 10_000,
+            sinks: vec!["billing".to_owned(), "null".to_owned()],
+            baselines: true,
         }
     }
 }
@@ -322,7 +338,10 @@ struct Ctx {
 }
 
 async fn bench(cli: Cli) -> anyhow::Result<()> {
-    let cfg = Config::new(cli.quick, cli.no_1000);
+    let mut cfg = Config::new(cli.quick, cli.no_1000);
+    cfg.max_in_flight = cli.mif.clone();
+    cfg.sinks = cli.sinks.clone();
+    cfg.baselines = !cli.no_baselines;
     let started = Instant::now();
     eprintln!("bench: building the workspace binaries (release under --release)");
     tokio::task::spawn_blocking(|| {
@@ -837,17 +856,22 @@ async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> anyhow::Result
 async fn throughput(ctx: &mut Ctx, run: u32, drains: bool, memory_big: bool) -> anyhow::Result<()> {
     let n = ctx.cfg.backlog;
     let mifs = ctx.cfg.max_in_flight.clone();
-    if drains {
+    let sinks = ctx.cfg.sinks.clone();
+    let has = |s: &str| sinks.iter().any(|x| x == s);
+    if drains && has("billing") {
         eprintln!("  b. Billing's own maximum insert rate");
         billing_max(ctx).await?;
     }
-    for to_billing in [true, false].into_iter().filter(|_| drains) {
+    let chosen = [(true, has("billing")), (false, has("null"))];
+    for (to_billing, _) in chosen.into_iter().filter(|(_, on)| drains && *on) {
         let sink = if to_billing { "Billing" } else { "null sink" };
         let mut contenders: Vec<Contender> = mifs
             .iter()
             .map(|&m| Contender::Ours { max_in_flight: m })
             .collect();
-        contenders.extend(Contender::BASELINES);
+        if ctx.cfg.baselines {
+            contenders.extend(Contender::BASELINES);
+        }
         let len = contenders.len();
         contenders.rotate_left(run as usize % len);
         for who in contenders {
