@@ -174,9 +174,13 @@ pub async fn run(
 ) -> Result<Lsn, DispatchError> {
     let breaker = Arc::new(Breaker::new(cfg.breaker.clone(), services.metrics.clone()));
     let mut d = Dispatcher {
+        delivery: Arc::new(Ctx {
+            cfg: cfg.clone(),
+            services: services.clone(),
+            breaker,
+        }),
         cfg,
         services,
-        breaker,
         tracker: AckTracker::new(start),
         tx: None,
         next_seq: 0,
@@ -210,7 +214,8 @@ pub async fn run(
 struct Dispatcher {
     cfg: DispatchConfig,
     services: Services,
-    breaker: Arc<Breaker>,
+    /// What every delivery task shares (one allocation, not one per event).
+    delivery: Arc<Ctx>,
     tracker: AckTracker,
     tx: Option<TxSeq>,
     next_seq: u64,
@@ -283,12 +288,7 @@ impl Dispatcher {
             let Some((_, job)) = self.ready.pop_first() else {
                 break;
             };
-            let ctx = Ctx {
-                cfg: self.cfg.clone(),
-                services: self.services.clone(),
-                breaker: Arc::clone(&self.breaker),
-            };
-            self.running.spawn(ctx.run(job));
+            self.running.spawn(Arc::clone(&self.delivery).run(job));
         }
     }
 
@@ -342,7 +342,7 @@ struct Ctx {
 }
 
 impl Ctx {
-    async fn run(self, job: Job) -> Result<Done, DispatchError> {
+    async fn run(self: Arc<Self>, job: Job) -> Result<Done, DispatchError> {
         match &job.work {
             Work::Deliver(event) => self.deliver(job.seq, event).await?,
             Work::Quarantine(row) => self.quarantine(row).await?,
