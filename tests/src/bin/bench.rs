@@ -92,7 +92,14 @@ struct Cli {
     #[arg(long, value_delimiter = ',', default_value = "1,16,64,256",
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     mif: Vec<u32>,
-    /// Leave the polling baselines out of scenario b (for profiling ours).
+    /// Order rates of scenario a (orders/s); overrides --no-1000.
+    #[arg(long, value_delimiter = ',',
+          value_parser = clap::value_parser!(u32).range(1..=5000))]
+    rates: Option<Vec<u32>>,
+    /// Length of each latency window of scenario a (s); default 10 (quick) or 30.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    latency_s: Option<u64>,
+    /// Leave the polling baselines out of scenarios a and b (for profiling ours).
     #[arg(long)]
     no_baselines: bool,
     /// Where the JSON goes.
@@ -342,6 +349,12 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
     cfg.max_in_flight = cli.mif.clone();
     cfg.sinks = cli.sinks.clone();
     cfg.baselines = !cli.no_baselines;
+    if let Some(rates) = &cli.rates {
+        cfg.latency_rates = rates.clone();
+    }
+    if let Some(s) = cli.latency_s {
+        cfg.latency_window_s = s;
+    }
     let started = Instant::now();
     eprintln!("bench: building the workspace binaries (release under --release)");
     tokio::task::spawn_blocking(|| {
@@ -735,6 +748,9 @@ async fn wait_invoices(stack: &Stack, n: u64, cap: Duration) -> anyhow::Result<u
 async fn latency(ctx: &mut Ctx, run: u32) -> anyhow::Result<()> {
     let rates = ctx.cfg.latency_rates.clone();
     let mut order = Contender::all_default();
+    if !ctx.cfg.baselines {
+        order.retain(|c| c.is_ours());
+    }
     let len = order.len();
     order.rotate_left(run as usize % len);
     for rate in rates {
@@ -787,11 +803,14 @@ async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> anyhow::Result
         .collect();
     let mut created = Vec::new();
     let mut committed = Vec::new();
+    // (latency ms, order created_at µs) of every order, for the slowest-events note.
+    let mut timeline: Vec<(f64, i64)> = Vec::new();
     for r in b.query(sql_b, &[&ids]).await? {
         let id: Uuid = r.get(0);
         let (bc, bx): (i64, Option<i64>) = (r.get(1), r.get(2));
         if let Some((oc, ox)) = ord.get(&id) {
             created.push((bc - oc) as f64 / 1000.0);
+            timeline.push(((bc - oc) as f64 / 1000.0, *oc));
             if let (Some(bx), Some(ox)) = (bx, ox) {
                 committed.push((bx - ox) as f64 / 1000.0);
             }
@@ -799,6 +818,22 @@ async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> anyhow::Result
     }
     let scen = format!("a. latency @{rate}/s");
     let col = who.column();
+    if who.is_ours() && !timeline.is_empty() {
+        // When the slowest orders were created, in seconds from the first
+        // order of the window: periodic work in the relay would line up.
+        let t0 = timeline.iter().map(|t| t.1).min().unwrap_or(0);
+        timeline.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let slow: Vec<String> = timeline
+            .iter()
+            .take(5)
+            .map(|(ms, at)| format!("{ms:.1} ms at +{:.2} s", (at - t0) as f64 / 1e6))
+            .collect();
+        ctx.results.note(format!(
+            "{scen} {col}: slowest of {} orders: {}",
+            timeline.len(),
+            slow.join(", ")
+        ));
+    }
     if let Some(q) = stats::quantiles(&created) {
         for (name, v) in ["p50", "p90", "p99", "max"].iter().zip(q) {
             ctx.results.add(
