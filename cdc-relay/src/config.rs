@@ -336,6 +336,11 @@ pub struct RunArgs {
     /// slot it would silently skip events (use `setup` and `backfill` then).
     #[arg(long, env = "CDC_RELAY_CREATE_SLOT")]
     pub create_slot: bool,
+    /// Runtime worker threads (CPU cores the relay may keep busy). Default:
+    /// one per available CPU. Running beside PostgreSQL on a small machine,
+    /// 1 leaves the other cores to the database.
+    #[arg(long, env = "CDC_RELAY_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: Option<u16>,
 }
 
 /// Pipelining, memory window, retries and the circuit breaker (`run`, `backfill`).

@@ -48,10 +48,13 @@ fn write_stdout_line(args: std::fmt::Arguments<'_>) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(&cli.global);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Command::Run(a) = &cli.command
+        && let Some(n) = a.worker_threads
+    {
+        builder.worker_threads(usize::from(n));
+    }
+    let runtime = builder.enable_all().build().expect("tokio runtime");
     // The command runs as a task on the worker threads, not inside
     // `block_on` on the main thread: there every wake-up from a worker (one
     // per event received) would be a futex call to park/unpark this thread.

@@ -99,6 +99,10 @@ struct Cli {
     /// Length of each latency window of scenario a (s); default 10 (quick) or 30.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3600))]
     latency_s: Option<u64>,
+    /// Pass `--worker-threads N` to every cdc-relay started (default: its own
+    /// default, one thread per CPU).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    relay_threads: Option<u16>,
     /// Leave the polling baselines out of scenarios a and b (for profiling ours).
     #[arg(long)]
     no_baselines: bool,
@@ -352,6 +356,9 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
     if let Some(rates) = &cli.rates {
         cfg.latency_rates = rates.clone();
     }
+    if let Some(t) = cli.relay_threads {
+        RELAY_THREADS.get_or_init(|| t);
+    }
     if let Some(s) = cli.latency_s {
         cfg.latency_window_s = s;
     }
@@ -557,22 +564,25 @@ impl Proc {
     }
 }
 
+/// `--relay-threads`, set once before any scenario runs.
+static RELAY_THREADS: std::sync::OnceLock<u16> = std::sync::OnceLock::new();
+
 async fn start_contender(stack: &Stack, who: Contender, sink_url: &str) -> anyhow::Result<Proc> {
     match who {
         Contender::Ours { max_in_flight } => {
             let mif = max_in_flight.to_string();
             // Info level: the harness's default (debug) logs every event.
-            let relay = app::start_relay(
-                stack,
-                sink_url,
-                &[
-                    "--max-in-flight",
-                    &mif,
-                    "--log",
-                    "info,pgwire_replication=off",
-                ],
-            )
-            .await?;
+            let mut args = vec![
+                "--max-in-flight".to_owned(),
+                mif,
+                "--log".to_owned(),
+                "info,pgwire_replication=off".to_owned(),
+            ];
+            if let Some(t) = RELAY_THREADS.get() {
+                args.extend(["--worker-threads".to_owned(), t.to_string()]);
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let relay = app::start_relay(stack, sink_url, &args).await?;
             app::wait_streaming(&relay).await?;
             Ok(Proc::Ours(relay))
         }

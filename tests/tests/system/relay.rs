@@ -16,7 +16,14 @@ async fn thousand_orders_are_invoiced_exactly_once() -> anyhow::Result<()> {
     assert!(setup.contains("created: slot"), "{setup}");
     let billing = app::start_billing(&stack, TEST_SECRET).await?;
     let orders = app::start_orders(&stack).await?;
-    let relay = app::start_relay(&stack, &format!("{}/inbox", billing.url), &[]).await?;
+    // One runtime thread, as an operator beside PostgreSQL on a small box
+    // would run it: the whole pipeline must make progress on one core.
+    let relay = app::start_relay(
+        &stack,
+        &format!("{}/inbox", billing.url),
+        &["--worker-threads", "1"],
+    )
+    .await?;
     app::wait_streaming(&relay).await?;
 
     let http = reqwest::Client::new();
