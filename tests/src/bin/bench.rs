@@ -971,16 +971,24 @@ async fn drain_one(
     let t0 = Instant::now();
     let mut first: Option<(Instant, u64)> = None;
     let mut last;
+    // The contender's CPU seconds at the first and the last observation.
+    let mut cpu_first = None;
+    let mut cpu_last = None;
     let mut rss_samples: Vec<(f64, f64)> = Vec::new();
     loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let c = count(&ctx.http).await?;
         let now = Instant::now();
+        let cpu = proc_cpu_s(pid, ctx.clk_tck);
         if let Some(kb) = proc_kb(pid, "VmRSS:") {
             rss_samples.push((c as f64 / n as f64, kb));
         }
         if c > 0 && first.is_none() {
             first = Some((now, c));
+            cpu_first = cpu;
+        }
+        if first.is_some() {
+            cpu_last = cpu;
         }
         last = (now, c);
         if c >= n || now - t0 >= cap {
@@ -1035,6 +1043,22 @@ async fn drain_one(
         let row = ctx.results.row(&scen, &metric, "ev/s");
         if who.is_ours() {
             row.baseline_from = Some(Results::key(&scen, "baseline (fixed)"));
+        }
+        // CPU per event: steadier than the rate on a shared box (it does not
+        // depend on how much CPU the neighbours left).
+        if let (Some(a), Some(b)) = (cpu_first, cpu_last)
+            && last.1 > f_c
+        {
+            let us = (b - a) * 1e6 / (last.1 - f_c) as f64;
+            let cmetric = match who {
+                Contender::Ours { max_in_flight } => format!("CPU per event, mif {max_in_flight}"),
+                Contender::Baseline { .. } => "CPU per event (baseline)".to_owned(),
+            };
+            ctx.results.add(&scen, &cmetric, "µs", col, us);
+            if who.is_ours() {
+                ctx.results.row(&scen, &cmetric, "µs").baseline_from =
+                    Some(Results::key(&scen, "CPU per event (baseline)"));
+            }
         }
         let mscen = "d. memory";
         let mmetric = match who {
