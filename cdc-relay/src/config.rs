@@ -282,7 +282,7 @@ pub struct StatusArgs {
 pub struct SinkArgs {
     /// Inbox URL events are POSTed to.
     #[arg(long, env = "CDC_RELAY_SINK_URL")]
-    pub sink_url: reqwest::Url,
+    pub sink_url: url::Url,
     /// HMAC-SHA256 secret for X-Event-Signature. Prefer the env var or a file.
     #[arg(long, env = "EVENT_SECRET", hide_env_values = true)]
     pub event_secret: Option<String>,
@@ -292,7 +292,8 @@ pub struct SinkArgs {
     /// Extra CA certificate (PEM) to trust for an https sink.
     #[arg(long, env = "CDC_RELAY_SINK_CA_FILE")]
     pub sink_ca_file: Option<PathBuf>,
-    /// Sink connect timeout.
+    /// Sink TCP connect timeout (a TLS handshake counts against
+    /// --request-timeout, which bounds the whole attempt).
     #[arg(long, env = "CDC_RELAY_SINK_CONNECT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub sink_connect_timeout: Duration,
     /// Whole-request timeout for one delivery attempt.

@@ -41,7 +41,7 @@ use crate::sink::encoder::{self, Signer};
 pub struct SinkConfig {
     /// The inbox URL events are POSTed to (`http` or `https`; a user and
     /// password in it become an `Authorization: Basic` header).
-    pub url: reqwest::Url,
+    pub url: url::Url,
     /// HMAC key for `X-Event-Signature`.
     pub signer: Signer,
     /// TCP connect timeout.
@@ -95,7 +95,7 @@ type Pool = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 /// What every request reuses, built once.
 #[derive(Debug)]
 struct Target {
-    url: reqwest::Url,
+    url: url::Url,
     uri: Uri,
     authorization: Option<HeaderValue>,
     request_timeout: Duration,
@@ -181,7 +181,7 @@ impl HttpSink {
     }
 
     /// The configured URL.
-    pub fn url(&self) -> &reqwest::Url {
+    pub fn url(&self) -> &url::Url {
         &self.target.url
     }
 
