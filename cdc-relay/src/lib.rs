@@ -37,3 +37,13 @@ pub mod setup;
 pub mod sink;
 pub mod source;
 pub mod tls;
+
+/// An error and its `source()` chain, joined with ": " (one line for logs
+/// and operator messages; many library errors say only their outermost
+/// layer in `Display`).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    std::iter::successors(Some(e), |e| e.source())
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
+}

@@ -402,7 +402,7 @@ struct Watchdog {
     last_message: tokio::time::Instant,
     /// The slot monitor's latest reading: reused when recent, so a healthy
     /// idle relay costs no extra statements.
-    sample: Arc<std::sync::Mutex<Option<(tokio::time::Instant, source::SlotInfo)>>>,
+    sample: SlotSample,
 }
 
 /// Silence worth a liveness check: the server's own timeout (it would
@@ -620,13 +620,17 @@ impl Stream {
     }
 }
 
+/// The slot monitor's latest reading and when it was taken, shared with
+/// the watchdog.
+type SlotSample = Arc<std::sync::Mutex<Option<(tokio::time::Instant, source::SlotInfo)>>>;
+
 /// Reads the slot's figures into metrics every `interval` (one query).
 async fn monitor_slot(
     side: Arc<tokio_postgres::Client>,
     slot: String,
     interval: Duration,
     metrics: Metrics,
-    sample: Arc<std::sync::Mutex<Option<(tokio::time::Instant, source::SlotInfo)>>>,
+    sample: SlotSample,
 ) {
     let mut tick = tokio::time::interval(interval);
     loop {

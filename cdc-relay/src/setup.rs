@@ -32,16 +32,7 @@ pub enum SetupError {
 pub fn db_message(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-        None => {
-            let mut s = e.to_string();
-            let mut cur = std::error::Error::source(e);
-            while let Some(inner) = cur {
-                s.push_str(": ");
-                s.push_str(&inner.to_string());
-                cur = inner.source();
-            }
-            s
-        }
+        None => crate::error_chain(e),
     }
 }
 

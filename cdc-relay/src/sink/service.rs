@@ -277,36 +277,19 @@ fn request_error(e: &hyper_util::client::legacy::Error) -> Attempt {
         if source_is_timeout(e) {
             Attempt::Timeout
         } else {
-            Attempt::Connect(error_chain(e))
+            Attempt::Connect(crate::error_chain(e))
         }
     } else {
-        Attempt::Transport(error_chain(e))
+        Attempt::Transport(crate::error_chain(e))
     }
 }
 
 /// A connect error whose cause is the TCP connect timeout.
 fn source_is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if let Some(io) = err.downcast_ref::<std::io::Error>()
-            && io.kind() == std::io::ErrorKind::TimedOut
-        {
-            return true;
-        }
-        cur = err.source();
-    }
-    false
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
+    std::iter::successors(Some(e), |e| e.source()).any(|err| {
+        err.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+    })
 }
 
 /// Parses `Retry-After` (RFC 9110 §10.2.3): delay-seconds or an HTTP-date
