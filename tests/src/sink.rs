@@ -104,14 +104,7 @@ impl ScriptedSink {
             .with_state(Arc::clone(&script));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
+        let stop = serve(listener, app);
         Ok(ScriptedSink {
             url: format!("http://{addr}/inbox"),
             addr,
@@ -230,4 +223,23 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> u16 {
         Ok(r) => r.status().as_u16(),
         Err(_) => 502,
     }
+}
+
+/// Serves `app` on `listener` in a task, until the returned sender is
+/// dropped (then it shuts down gracefully). For the in-process sinks of the
+/// tests and the benchmark.
+pub fn serve<L>(listener: L, app: Router) -> oneshot::Sender<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = stopped.await;
+            })
+            .await;
+    });
+    stop
 }

@@ -668,14 +668,7 @@ async fn null_sink() -> anyhow::Result<NullSink> {
         .with_state(Arc::clone(&count));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = stopped.await;
-            })
-            .await;
-    });
+    let stop = harness::sink::serve(listener, app);
     Ok(NullSink {
         url: format!("http://{addr}/inbox"),
         count,

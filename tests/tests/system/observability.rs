@@ -1060,14 +1060,7 @@ impl TlsSink {
         let app = axum::Router::new()
             .route("/inbox", axum::routing::post(record))
             .with_state(received.clone());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
+        let stop = harness::sink::serve(listener, app);
         Ok(TlsSink {
             url: format!("https://localhost:{port}/inbox"),
             received,
