@@ -280,8 +280,8 @@ pub struct StatusArgs {
 /// Where and how events are POSTed (`run`, `backfill`, `dead-letter replay`).
 #[derive(Debug, Args)]
 pub struct SinkArgs {
-    /// Inbox URL events are POSTed to.
-    #[arg(long, env = "CDC_RELAY_SINK_URL")]
+    /// Inbox URL events are POSTed to (http:// or https://, with a host).
+    #[arg(long, env = "CDC_RELAY_SINK_URL", value_parser = parse_sink_url)]
     pub sink_url: url::Url,
     /// HMAC-SHA256 secret for X-Event-Signature. Prefer the env var or a file.
     #[arg(long, env = "EVENT_SECRET", hide_env_values = true)]
@@ -319,7 +319,8 @@ pub struct RunArgs {
     pub reconnect_max: Duration,
     /// How often the side connection reads the slot's lag and wal_status
     /// (one statement each time: the relay's whole cost to the database
-    /// while idle; 15 s matches a common Prometheus scrape interval).
+    /// while idle; 15 s matches a common Prometheus scrape interval). At
+    /// least 1s.
     #[arg(long, env = "CDC_RELAY_SLOT_STATS_INTERVAL", default_value = "15s", value_parser = parse_duration)]
     pub slot_stats_interval: Duration,
     /// Admin HTTP address for /metrics, /healthz and /readyz.
@@ -461,6 +462,17 @@ impl DeliveryArgs {
                 "--poison-statuses may list only 4xx statuses, got {bad}"
             ));
         }
+        if let Some(bad) = self
+            .poison_statuses
+            .iter()
+            .find(|s| NEVER_POISON.contains(*s))
+        {
+            return Err(format!(
+                "--poison-statuses cannot list {bad}: 401, 403, 404 and 405 say the relay's own \
+                 configuration is wrong (events are kept and the circuit opens; a wrong \
+                 --sink-url must not dead-letter every event), 408, 425 and 429 are retried"
+            ));
+        }
         Ok(())
     }
 
@@ -541,6 +553,27 @@ pub fn parse_bytes(s: &str) -> Result<u32, String> {
     u32::try_from(v).map_err(|_| format!("size {s:?} is above 4GiB"))
 }
 
+/// Statuses that are never the event's fault: configuration faults (the
+/// URL, the secret, the method) and "try again later".
+const NEVER_POISON: [u16; 7] = [401, 403, 404, 405, 408, 425, 429];
+
+/// `--sink-url`: an absolute http(s) URL with a host. The WHATWG parser
+/// would read `http:///inbox` or `http:inbox` as the host `inbox`; those are
+/// typos, refused here.
+fn parse_sink_url(s: &str) -> Result<url::Url, String> {
+    let url =
+        url::Url::parse(s.trim()).map_err(|e| format!("{e} (e.g. http://billing:8080/inbox)"))?;
+    if matches!(url.scheme(), "http" | "https") {
+        let rest = s.trim().split_once("://").map(|(_, rest)| rest);
+        if !rest.is_some_and(|r| !r.is_empty() && !r.starts_with('/')) {
+            return Err(
+                "expected scheme://host[:port]/path, e.g. http://billing:8080/inbox".into(),
+            );
+        }
+    }
+    Ok(url)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -575,6 +608,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("--backoff-cap"), "{err}");
+    }
+
+    #[test]
+    fn sink_url_typos_and_config_fault_poison_statuses_are_refused() {
+        for bad in ["http:///inbox", "http:inbox", "https://", "not a url"] {
+            let mut argv = vec!["cdc-relay", "run", "--sink-url", bad];
+            argv.push("--max-in-flight");
+            argv.push("1");
+            let err = Cli::try_parse_from(argv).unwrap_err().to_string();
+            assert!(err.contains("--sink-url"), "{bad}: {err}");
+        }
+        assert!(run_args(&[]).is_ok());
+        for bad in ["404", "400,401", "429"] {
+            let cli = run_args(&["--poison-statuses", bad]).unwrap();
+            let Command::Run(run) = cli.command else {
+                panic!("run")
+            };
+            let err = run.delivery.validate().unwrap_err();
+            assert!(err.contains("--poison-statuses"), "{bad}: {err}");
+        }
+        let cli = run_args(&["--poison-statuses", "400,409,422"]).unwrap();
+        let Command::Run(run) = cli.command else {
+            panic!("run")
+        };
+        assert!(run.delivery.validate().is_ok());
     }
 
     #[test]
