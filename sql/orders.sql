@@ -65,9 +65,10 @@ CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter (
     -- the payload's JSON text exactly as PostgreSQL emitted it.
     payload          text,
     -- LSNs of the transaction that inserted the event (pgoutput Begin/Commit);
-    -- the end LSN is NULL when the event was quarantined before its Commit
-    -- message arrived (events are dispatched as they stream).
-    commit_lsn       pg_lsn NOT NULL,
+    -- the end LSN is NULL when the event was dead-lettered before its Commit
+    -- message arrived (events are dispatched as they stream). commit_lsn is
+    -- NULL for a row `cdc-relay backfill` read from the table (no LSN known).
+    commit_lsn       pg_lsn,
     end_lsn          pg_lsn,
     -- status of the last response; NULL when no response arrived.
     http_status      integer,
@@ -79,6 +80,10 @@ CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter (
     last_attempt_at  timestamptz,
     quarantined_at   timestamptz NOT NULL DEFAULT now()
 );
+
+-- Upgrade from 0.1.0, where commit_lsn was NOT NULL (backfill wrote 0/0-based
+-- row counters there). Re-runnable.
+ALTER TABLE cdc_relay_dead_letter ALTER COLUMN commit_lsn DROP NOT NULL;
 
 CREATE INDEX IF NOT EXISTS cdc_relay_dead_letter_event_id_idx
     ON cdc_relay_dead_letter (event_id);

@@ -16,8 +16,25 @@
 //! to send before it, so an idle outbox in a busy database does not pin WAL.
 
 use std::collections::VecDeque;
+use std::fmt;
 
 use crate::lsn::Lsn;
+
+/// A position in the source's order of transactions: what the tracker
+/// confirms. The stream uses [`Lsn`]; a backfill, which re-reads rows from
+/// the table, counts rows ([`crate::backfill::BackfillRow`]).
+pub trait Position:
+    Copy + Ord + Default + fmt::Debug + fmt::Display + Send + Sync + 'static
+{
+    /// The position as a Prometheus gauge value.
+    fn gauge(self) -> i64;
+}
+
+impl Position for Lsn {
+    fn gauge(self) -> i64 {
+        Lsn::gauge(self)
+    }
+}
 
 /// Identifies one transaction inside the tracker; handed out by
 /// [`AckTracker::begin`] and strictly increasing in stream order.
@@ -25,16 +42,16 @@ use crate::lsn::Lsn;
 pub struct TxSeq(u64);
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-struct Tx {
+struct Tx<P> {
     seq: TxSeq,
     /// Set when the Commit message arrives; `None` while the transaction is
     /// still streaming.
-    end_lsn: Option<Lsn>,
+    end_lsn: Option<P>,
     /// Events of this transaction not yet done.
     outstanding: usize,
 }
 
-impl Tx {
+impl<P> Tx<P> {
     fn is_done(&self) -> bool {
         self.end_lsn.is_some() && self.outstanding == 0
     }
@@ -51,24 +68,26 @@ impl Tx {
 /// then the next `begin`. `complete` may be called in any order, once per
 /// event added. Misuse is a programming error and panics in debug builds.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct AckTracker {
+pub struct AckTracker<P: Position = Lsn> {
     /// Transactions not yet popped as a done prefix, oldest first.
-    pending: VecDeque<Tx>,
+    pending: VecDeque<Tx<P>>,
     next_seq: u64,
-    confirmed: Lsn,
-    received: Lsn,
+    confirmed: P,
+    received: P,
     /// Events added and not yet completed, across all pending transactions.
     outstanding_events: usize,
 }
 
-impl AckTracker {
+impl<P: Position> AckTracker<P> {
     /// A tracker that starts from `start` (the slot's `confirmed_flush_lsn`,
     /// or `0/0` when unknown).
-    pub fn new(start: Lsn) -> Self {
+    pub fn new(start: P) -> Self {
         AckTracker {
+            pending: VecDeque::new(),
+            next_seq: 0,
             confirmed: start,
             received: start,
-            ..AckTracker::default()
+            outstanding_events: 0,
         }
     }
 
@@ -100,7 +119,7 @@ impl AckTracker {
 
     /// The Commit message of `tx` arrived; `end_lsn` is its end LSN (the
     /// position after the commit record, what a restart must pass).
-    pub fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
+    pub fn commit(&mut self, tx: TxSeq, end_lsn: P) {
         let t = self
             .find_mut(tx)
             .expect("commit for an unknown transaction");
@@ -126,7 +145,7 @@ impl AckTracker {
 
     /// A keepalive reported `wal_end`: the server has sent everything before
     /// it. Confirms it only when nothing is pending.
-    pub fn keepalive(&mut self, wal_end: Lsn) {
+    pub fn keepalive(&mut self, wal_end: P) {
         if self.pending.is_empty() {
             self.received = self.received.max(wal_end);
             self.confirmed = self.confirmed.max(wal_end);
@@ -135,13 +154,13 @@ impl AckTracker {
     }
 
     /// The LSN safe to send as flush/apply position in a standby status update.
-    pub fn confirmed(&self) -> Lsn {
+    pub fn confirmed(&self) -> P {
         self.confirmed
     }
 
     /// The end LSN of the last committed transaction received (or the last
     /// keepalive position adopted).
-    pub fn received(&self) -> Lsn {
+    pub fn received(&self) -> P {
         self.received
     }
 
@@ -160,7 +179,7 @@ impl AckTracker {
         self.pending.back().is_some_and(|t| t.end_lsn.is_none())
     }
 
-    fn find_mut(&mut self, tx: TxSeq) -> Option<&mut Tx> {
+    fn find_mut(&mut self, tx: TxSeq) -> Option<&mut Tx<P>> {
         // Sequences are dense and ascending, so the position is an offset from
         // the front; a binary search keeps it right even if that changes.
         let i = self.pending.binary_search_by_key(&tx, |t| t.seq).ok()?;
@@ -191,44 +210,44 @@ mod tests {
 
     #[test]
     fn confirms_only_the_done_prefix() {
-        let mut t = AckTracker::new(Lsn(100));
+        let mut t = AckTracker::new(Lsn::new(100));
         let a = t.begin();
         t.add_event(a);
-        t.commit(a, Lsn(200));
+        t.commit(a, Lsn::new(200));
         let b = t.begin();
         t.add_event(b);
         t.add_event(b);
-        t.commit(b, Lsn(300));
+        t.commit(b, Lsn::new(300));
         let c = t.begin();
-        t.commit(c, Lsn(400)); // no outbox events: done at commit
+        t.commit(c, Lsn::new(400)); // no outbox events: done at commit
 
         t.complete(b);
         t.complete(b);
-        assert_eq!(t.confirmed(), Lsn(100), "a is not delivered yet");
+        assert_eq!(t.confirmed(), Lsn::new(100), "a is not delivered yet");
         t.complete(a);
-        assert_eq!(t.confirmed(), Lsn(400), "a, b and c are done");
+        assert_eq!(t.confirmed(), Lsn::new(400), "a, b and c are done");
         assert!(t.is_idle());
     }
 
     #[test]
     fn keepalive_moves_only_when_idle() {
-        let mut t = AckTracker::new(Lsn(10));
-        t.keepalive(Lsn(50));
-        assert_eq!(t.confirmed(), Lsn(50));
+        let mut t = AckTracker::new(Lsn::new(10));
+        t.keepalive(Lsn::new(50));
+        assert_eq!(t.confirmed(), Lsn::new(50));
 
         let a = t.begin();
-        t.keepalive(Lsn(90)); // mid-transaction
-        assert_eq!(t.confirmed(), Lsn(50));
+        t.keepalive(Lsn::new(90)); // mid-transaction
+        assert_eq!(t.confirmed(), Lsn::new(50));
         t.add_event(a);
-        t.commit(a, Lsn(80));
-        t.keepalive(Lsn(95)); // a undelivered
-        assert_eq!(t.confirmed(), Lsn(50));
+        t.commit(a, Lsn::new(80));
+        t.keepalive(Lsn::new(95)); // a undelivered
+        assert_eq!(t.confirmed(), Lsn::new(50));
         t.complete(a);
-        assert_eq!(t.confirmed(), Lsn(80));
-        t.keepalive(Lsn(95));
-        assert_eq!(t.confirmed(), Lsn(95));
-        t.keepalive(Lsn(60)); // never backwards
-        assert_eq!(t.confirmed(), Lsn(95));
+        assert_eq!(t.confirmed(), Lsn::new(80));
+        t.keepalive(Lsn::new(95));
+        assert_eq!(t.confirmed(), Lsn::new(95));
+        t.keepalive(Lsn::new(60)); // never backwards
+        assert_eq!(t.confirmed(), Lsn::new(95));
     }
 
     #[derive(Debug, Clone)]
@@ -255,21 +274,21 @@ mod tests {
         /// moves back, and reaches the last end LSN once all is delivered.
         #[test]
         fn never_ahead_of_a_gap(steps in proptest::collection::vec(step(), 1..200)) {
-            let mut t = AckTracker::new(Lsn(1_000));
+            let mut t = AckTracker::new(Lsn::new(1_000));
             let mut wal = 1_000u64;
             // (tx, end_lsn) of each undelivered event
             let mut undelivered: Vec<(TxSeq, Lsn)> = Vec::new();
             let mut last = t.confirmed();
-            let mut last_end = Lsn(1_000);
+            let mut last_end = Lsn::new(1_000);
             for s in steps {
                 match s {
                     Step::Tx { events, gap } => {
                         let tx = t.begin();
                         for _ in 0..events { t.add_event(tx); }
                         wal += gap;
-                        t.commit(tx, Lsn(wal));
-                        last_end = Lsn(wal);
-                        undelivered.extend(std::iter::repeat_n((tx, Lsn(wal)), events));
+                        t.commit(tx, Lsn::new(wal));
+                        last_end = Lsn::new(wal);
+                        undelivered.extend(std::iter::repeat_n((tx, Lsn::new(wal)), events));
                     }
                     Step::Complete(i) if !undelivered.is_empty() => {
                         let (tx, _) = undelivered.swap_remove(i % undelivered.len());
@@ -279,7 +298,7 @@ mod tests {
                     Step::Keepalive(ahead) => {
                         // The server reports what it has read; later commits end after it.
                         wal += ahead;
-                        t.keepalive(Lsn(wal));
+                        t.keepalive(Lsn::new(wal));
                     }
                 }
                 let c = t.confirmed();

@@ -5,23 +5,43 @@
 //! `[since, until)` are read in one REPEATABLE READ snapshot, oldest first,
 //! and pushed through the same pipeline as the stream — window, per-aggregate
 //! ordering, retries, circuit breaker, dead letters. Each row is its own
-//! "transaction" to the pipeline. The inbox deduplicates by event id, so
-//! rows that were delivered before are absorbed.
+//! "transaction" to the pipeline, positioned by its place in the snapshot
+//! ([`BackfillRow`]), not by an LSN: the rows' LSNs are unknown, and the
+//! dead letters a backfill writes carry no commit LSN. The inbox
+//! deduplicates by event id, so rows that were delivered before are
+//! absorbed.
 
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 
-use crate::admin::Health;
-use crate::deadletter::NewDeadLetter;
+use crate::ack::Position;
 use crate::dispatch::{self, DispatchConfig, DispatchError, Item, Services, Window};
-use crate::lsn::Lsn;
+use crate::health::Health;
 use crate::metrics::Metrics;
-use crate::outbox::{OutboxColumns, OutboxEvent, TableName, TxContext};
-use crate::setup::quote_ident;
+use crate::outbox::{OutboxColumns, OutboxEvent, TableName, UnreadableRow};
 use crate::sink::HttpSink;
+use crate::source::catalog::{quote_ident, quote_table};
+
+/// A backfill's position: rows of its snapshot handed to the pipeline, in
+/// order (row `n` ends at position `n + 1`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BackfillRow(pub u64);
+
+impl fmt::Display for BackfillRow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "row {}", self.0)
+    }
+}
+
+impl Position for BackfillRow {
+    fn gauge(self) -> i64 {
+        i64::try_from(self.0).unwrap_or(i64::MAX)
+    }
+}
 
 /// What to re-send.
 #[derive(Clone, Debug)]
@@ -49,7 +69,7 @@ pub struct BackfillReport {
     pub rows: u64,
     /// Rows delivered with a 2xx.
     pub delivered: u64,
-    /// Rows quarantined.
+    /// Rows dead-lettered.
     pub dead_lettered: u64,
 }
 
@@ -77,7 +97,7 @@ const FETCH_ROWS: i32 = 500;
 pub async fn count(reader: &Client, plan: &BackfillPlan) -> Result<u64, BackfillError> {
     let sql = format!(
         "SELECT count(*) FROM {} WHERE {t} >= $1::text::timestamptz AND ($2::text IS NULL OR {t} < $2::text::timestamptz)",
-        table_sql(&plan.table),
+        quote_table(&plan.table),
         t = quote_ident(&plan.time_column),
     );
     let row = reader
@@ -105,8 +125,14 @@ pub async fn run(
         health: Health::new(Duration::from_secs(3600)),
     };
     let (items, items_rx) = mpsc::channel(1024);
-    let (confirmed, _) = watch::channel(Lsn::ZERO);
-    let dispatcher = tokio::spawn(dispatch::run(cfg, services, Lsn::ZERO, items_rx, confirmed));
+    let (confirmed, _) = watch::channel(BackfillRow::default());
+    let dispatcher = tokio::spawn(dispatch::run(
+        cfg,
+        services,
+        BackfillRow::default(),
+        items_rx,
+        confirmed,
+    ));
     let window = Window::new(plan.window_events, plan.window_bytes);
 
     let c = &plan.columns;
@@ -123,7 +149,7 @@ pub async fn run(
         quote_ident(&c.id),
         quote_ident(&c.event_type),
         quote_ident(&c.payload),
-        table_sql(&plan.table),
+        quote_table(&plan.table),
         quote_ident(&c.id),
     );
     let tx = reader
@@ -148,16 +174,12 @@ pub async fn run(
             break;
         }
         for row in rows {
-            let ctx = TxContext {
-                commit_lsn: Lsn(rows_read),
-                commit_time_micros: row.get::<_, Option<i64>>(4).unwrap_or(0),
-            };
-            let item = to_item(&row, ctx, &window).await;
-            let sent = items.send(Item::Begin(ctx)).await.is_ok()
+            let item = to_item(&row, &window).await;
+            let sent = items.send(Item::Begin).await.is_ok()
                 && items.send(item).await.is_ok()
                 && items
                     .send(Item::Commit {
-                        end_lsn: Lsn(rows_read + 1),
+                        end: BackfillRow(rows_read + 1),
                     })
                     .await
                     .is_ok();
@@ -178,11 +200,12 @@ pub async fn run(
     })
 }
 
-async fn to_item(row: &tokio_postgres::Row, ctx: TxContext, window: &Window) -> Item {
+async fn to_item(row: &tokio_postgres::Row, window: &Window) -> Item<BackfillRow> {
     let id: Option<String> = row.get(0);
     let event_type: Option<String> = row.get(1);
     let payload: Option<String> = row.get(2);
     let aggregate_key: Option<String> = row.get(3);
+    let commit_time_micros = row.get::<_, Option<i64>>(4).unwrap_or(0);
     match (id, event_type) {
         (Some(id), Some(event_type)) => {
             let event = OutboxEvent {
@@ -190,34 +213,26 @@ async fn to_item(row: &tokio_postgres::Row, ctx: TxContext, window: &Window) -> 
                 event_type,
                 payload: payload.map(bytes::Bytes::from),
                 aggregate_key,
-                commit_lsn: ctx.commit_lsn,
-                commit_time_micros: ctx.commit_time_micros,
+                commit_lsn: None,
+                commit_time_micros,
             };
             let permit = window.admit(event.size_bytes()).await;
             Item::Event(event, permit)
         }
         (id, event_type) => {
             let missing = if id.is_none() { "id" } else { "event type" };
-            let size = payload.as_ref().map_or(0, String::len) + 256;
-            let row = NewDeadLetter {
+            let row = UnreadableRow {
                 event_id: id,
                 aggregate_key,
                 event_type,
                 payload,
-                commit_lsn: Lsn::ZERO,
-                http_status: None,
-                error: format!("unreadable outbox row (backfill): NULL {missing}"),
-                response_excerpt: None,
-                attempts: 0,
-                first_attempt_unix_micros: None,
+                commit_lsn: None,
+                problem: format!("NULL {missing} (read by backfill)"),
             };
-            Item::Unreadable(Box::new(row), window.admit(size).await)
+            let permit = window.admit(row.size_bytes()).await;
+            Item::Unreadable(Box::new(row), permit)
         }
     }
-}
-
-fn table_sql(t: &TableName) -> String {
-    format!("{}.{}", quote_ident(&t.schema), quote_ident(&t.name))
 }
 
 fn read_error(plan: &BackfillPlan, source: tokio_postgres::Error) -> BackfillError {

@@ -1,4 +1,5 @@
-//! The circuit breaker with probe, and the poison-storm guard (DESIGN §4).
+//! The circuit breaker with probe, and the poison-storm guard
+//! (`docs/architecture.md#circuit-breaker`).
 //!
 //! ```text
 //!            K consecutive transient failures,
@@ -23,7 +24,7 @@
 //!
 //! Storm guard: when poison verdicts hit `storm_threshold` distinct events in
 //! a row (no 2xx between), the sink is more likely broken than the events:
-//! quarantining stops, the circuit opens, and the events wait for a 2xx.
+//! dead-lettering stops, the circuit opens, and the events wait for a 2xx.
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Mutex;
@@ -64,9 +65,9 @@ pub enum Signal {
     Transient,
     /// A configuration fault (401, 403, 404, 405, 3xx): opens at once.
     ConfigFault,
-    /// A poison verdict that was quarantined: the sink is up and judging
+    /// A poison verdict that was dead-lettered: the sink is up and judging
     /// events, so the circuit closes like on a 2xx (the poison run goes on).
-    Quarantined,
+    DeadLettered,
 }
 
 #[derive(Debug)]
@@ -158,12 +159,17 @@ impl Breaker {
                         return Admission::Probe;
                     }
                     Instant::now() + Duration::from_secs(3600)
+                } else if !oldest || s.probe_in_flight {
+                    // Only the probe's outcome can change anything for this
+                    // delivery, and `record` notifies. (Waiting until
+                    // `next_probe_at`, already past while a probe is in
+                    // flight, would spin until the probe returns.)
+                    Instant::now() + Duration::from_secs(3600)
+                } else if Instant::now() >= s.next_probe_at {
+                    s.probe_in_flight = true;
+                    s.waiting.remove(&seq);
+                    return Admission::Probe;
                 } else {
-                    if oldest && !s.probe_in_flight && Instant::now() >= s.next_probe_at {
-                        s.probe_in_flight = true;
-                        s.waiting.remove(&seq);
-                        return Admission::Probe;
-                    }
                     s.next_probe_at
                 }
             };
@@ -172,11 +178,6 @@ impl Breaker {
                 _ = tokio::time::sleep_until(wait_until) => {}
             }
         }
-    }
-
-    /// A delivery gave up waiting (its session ends).
-    pub fn forget(&self, seq: u64) {
-        self.lock().waiting.remove(&seq);
     }
 
     /// Records an attempt's outcome.
@@ -196,7 +197,7 @@ impl Breaker {
                     self.set(&mut s, CircuitState::Closed);
                 }
             }
-            Signal::Quarantined => {
+            Signal::DeadLettered => {
                 s.proven = true;
                 s.consecutive_failures = 0;
                 if s.circuit == CircuitState::Open {
@@ -242,7 +243,7 @@ impl Breaker {
     }
 
     /// A poison verdict for `event_id`: `true` when the event may be
-    /// quarantined, `false` during a storm (then the circuit is open and the
+    /// dead-lettered, `false` during a storm (then the circuit is open and the
     /// event must wait like a transient failure).
     pub fn poison(&self, event_id: &str) -> bool {
         let mut s = self.lock();
@@ -254,7 +255,7 @@ impl Breaker {
             s.storm = true;
             tracing::error!(
                 distinct_events = s.poison_run.len(),
-                "poison storm: the sink refuses every event; quarantining stopped and circuit opened until a 2xx"
+                "poison storm: the sink refuses every event; dead-lettering stopped and circuit opened until a 2xx"
             );
             if s.circuit == CircuitState::Closed {
                 self.set(&mut s, CircuitState::Open);
@@ -399,7 +400,7 @@ mod tests {
         assert!(b.poison("b"));
         assert!(!b.poison("c"), "third distinct event: storm");
         assert_eq!(b.state(), CircuitState::Open);
-        assert!(!b.poison("d"), "no quarantine during the storm");
+        assert!(!b.poison("d"), "no dead letter during the storm");
         b.record(Admission::Probe, Signal::Success, "");
         assert_eq!(b.state(), CircuitState::Closed);
         assert!(b.poison("e"), "a 2xx ends the storm");

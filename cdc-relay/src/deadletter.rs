@@ -1,4 +1,4 @@
-//! The dead-letter table: where poison events are quarantined, never dropped.
+//! The dead-letter table: where poison events go instead of being dropped.
 //!
 //! A poison event (the sink refused the event itself: 400, 413, 415, 422 by
 //! default) or an unreadable outbox row (NULL id or type, bad text) becomes a
@@ -6,15 +6,54 @@
 //! database. The event counts as done only after that row is committed; if
 //! the write fails, the event stays pending and the write is retried.
 //!
+//! This module is the only place a dead-letter row is built
+//! ([`NewDeadLetter::rejected`], [`NewDeadLetter::unreadable`]); the
+//! pipeline writes it through the [`DeadLetterStore`] trait.
+//!
 //! Operators list, show, replay and discard rows with `cdc-relay dead-letter`;
 //! replays and discards leave a row in `cdc_relay_dead_letter_audit`.
+
+use std::future::Future;
 
 use serde::Serialize;
 use tokio_postgres::Client;
 
 use crate::lsn::Lsn;
+use crate::outbox::{OutboxEvent, UnreadableRow};
+use crate::sink::{Attempt, Reason};
 
-/// One quarantined event, as written.
+/// Where the pipeline writes dead letters (the side SQL connection in
+/// production, memory in unit tests).
+pub trait DeadLetterStore: Send + Sync + 'static {
+    /// Inserts `row` and returns its id once it is committed.
+    fn insert(&self, row: &NewDeadLetter) -> impl Future<Output = Result<i64, StoreError>> + Send;
+}
+
+/// A dead-letter write failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store is gone (the connection closed): the session must end.
+    #[error("dead-letter store lost: {0}")]
+    Lost(String),
+    /// This write failed; retrying may help.
+    #[error("dead-letter write failed: {0}")]
+    Failed(String),
+}
+
+impl DeadLetterStore for Client {
+    async fn insert(&self, row: &NewDeadLetter) -> Result<i64, StoreError> {
+        insert(self, row).await.map_err(|e| {
+            let text = crate::db_message(&e);
+            if self.is_closed() {
+                StoreError::Lost(text)
+            } else {
+                StoreError::Failed(text)
+            }
+        })
+    }
+}
+
+/// One dead-lettered event, as written.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NewDeadLetter {
     /// Event id (`None` when the row had no readable id).
@@ -25,11 +64,12 @@ pub struct NewDeadLetter {
     pub event_type: Option<String>,
     /// Payload JSON text, if any.
     pub payload: Option<String>,
-    /// Commit LSN of the event's transaction.
-    pub commit_lsn: Lsn,
+    /// Commit LSN of the event's transaction; `None` for a row a backfill
+    /// read from the table.
+    pub commit_lsn: Option<Lsn>,
     /// HTTP status of the last response, if one arrived.
     pub http_status: Option<u16>,
-    /// Why it was quarantined (reason label and detail).
+    /// Why it was dead-lettered (reason label and detail).
     pub error: String,
     /// First bytes of the last response body.
     pub response_excerpt: Option<String>,
@@ -37,6 +77,57 @@ pub struct NewDeadLetter {
     pub attempts: u32,
     /// When the first attempt was made, microseconds since the Unix epoch.
     pub first_attempt_unix_micros: Option<i64>,
+}
+
+impl NewDeadLetter {
+    /// The row for an event the sink refused (`attempt` classified as
+    /// poison for `reason`) after `attempts` attempts, the first at
+    /// `first_attempt_unix_micros`.
+    pub fn rejected(
+        event: &OutboxEvent,
+        attempt: &Attempt,
+        reason: &Reason,
+        attempts: u32,
+        first_attempt_unix_micros: i64,
+    ) -> Self {
+        let (status, excerpt) = match attempt {
+            Attempt::Response {
+                status, excerpt, ..
+            } => (Some(*status), Some(excerpt.clone())),
+            _ => (None, None),
+        };
+        NewDeadLetter {
+            event_id: Some(event.id.clone()),
+            aggregate_key: event.aggregate_key.clone(),
+            event_type: Some(event.event_type.clone()),
+            payload: event
+                .payload
+                .as_ref()
+                .map(|p| String::from_utf8_lossy(p).into_owned()),
+            commit_lsn: event.commit_lsn,
+            http_status: status,
+            error: format!("{}: {}", reason.label, attempt.detail()),
+            response_excerpt: excerpt,
+            attempts,
+            first_attempt_unix_micros: Some(first_attempt_unix_micros),
+        }
+    }
+
+    /// The row for an outbox row that cannot become an event; never sent.
+    pub fn unreadable(row: &UnreadableRow) -> Self {
+        NewDeadLetter {
+            event_id: row.event_id.clone(),
+            aggregate_key: row.aggregate_key.clone(),
+            event_type: row.event_type.clone(),
+            payload: row.payload.clone(),
+            commit_lsn: row.commit_lsn,
+            http_status: None,
+            error: format!("unreadable outbox row: {}", row.problem),
+            response_excerpt: None,
+            attempts: 0,
+            first_attempt_unix_micros: None,
+        }
+    }
 }
 
 /// A row of the dead-letter table, as listed.
@@ -53,23 +144,24 @@ pub struct DeadLetter {
     /// Payload JSON text (only in `show`; `list` leaves it out).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub payload: Option<String>,
-    /// Commit LSN (PostgreSQL text form).
-    pub commit_lsn: String,
+    /// Commit LSN (PostgreSQL text form); none for a backfilled row.
+    pub commit_lsn: Option<String>,
     /// HTTP status of the last response.
     pub http_status: Option<i32>,
-    /// Why it was quarantined.
+    /// Why it was dead-lettered.
     pub error: String,
     /// First bytes of the last response body.
     pub response_excerpt: Option<String>,
     /// Delivery attempts.
     pub attempts: i32,
-    /// When it was quarantined (RFC 3339, UTC).
-    pub quarantined_at: String,
+    /// When it was written (RFC 3339, UTC; the table's `quarantined_at`).
+    #[serde(rename = "quarantined_at")]
+    pub dead_lettered_at: String,
 }
 
 /// Inserts a dead-letter row; returns its id. One statement, so the row is
 /// committed when this returns `Ok`.
-pub async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgres::Error> {
+async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgres::Error> {
     let status = d.http_status.map(i32::from);
     let attempts = i32::try_from(d.attempts).unwrap_or(i32::MAX);
     let first = d.first_attempt_unix_micros.map(|m| m as f64 / 1e6);
@@ -85,7 +177,7 @@ pub async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_pos
                 &d.aggregate_key,
                 &d.event_type,
                 &d.payload,
-                &d.commit_lsn.to_string(),
+                &d.commit_lsn.map(|l| l.to_string()),
                 &status,
                 &d.error,
                 &d.response_excerpt,
@@ -112,7 +204,7 @@ fn from_row(r: &tokio_postgres::Row, payload: Option<String>) -> DeadLetter {
         error: r.get(6),
         response_excerpt: r.get(7),
         attempts: r.get(8),
-        quarantined_at: r.get(9),
+        dead_lettered_at: r.get(9),
     }
 }
 

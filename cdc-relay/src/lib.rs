@@ -4,14 +4,15 @@
 //! transaction. The relay streams the outbox's inserts from a logical
 //! replication slot (plugin `pgoutput`), POSTs each one, HMAC-signed, to an
 //! inbox endpoint, and lets the slot advance only past transactions whose
-//! events all got a 2xx.
+//! events all got a 2xx (or were dead-lettered).
 //!
 //! ```text
-//!  PostgreSQL ──pgoutput──▶ source ──▶ pgoutput::decode ──▶ outbox (events)
-//!      ▲                                                        │
-//!      │ standby status update                                 ▼ window (events, bytes)
-//!      │ (confirmed LSN)                                    dispatch ──▶ sink ──POST──▶ inbox
-//!      └──────────────── ack (done prefix) ◀── completions ─────┘
+//!  PostgreSQL ──START_REPLICATION──▶ source::stream ──▶ pgoutput::decode ──▶ outbox::OutboxMapper
+//!      ▲                                  │ admit (dispatch::Window)                │ OutboxEvent
+//!      │ standby status update            ▼                                         ▼
+//!      │ (Transport::confirm)      dispatch::run ──▶ dispatch::scheduler ──▶ dispatch::delivery ──▶ sink ──POST──▶ inbox
+//!      │                                  │ complete                                 │ classify, breaker,
+//!      └──── confirmed LSN (watch) ◀── ack::AckTracker ◀───────────────────────────────┘ deadletter
 //! ```
 //!
 //! Why the progress rule is safe: PostgreSQL resumes a slot at its
@@ -19,24 +20,55 @@
 //! ("Logical Decoding Concepts" → "Replication Slots" in the PostgreSQL docs).
 //! [`ack::AckTracker`] confirms only the end LSN of the longest prefix of
 //! transactions whose events are all done, so a crash at any instant
-//! redelivers, and never loses, an event.
+//! redelivers, and never loses, an event. The whole design, in prose, is in
+//! `docs/architecture.md`.
+//!
+//! Modules by role. Imports point down this list or stay within a group,
+//! never up, and the import graph has no cycles (the `module_graph` test
+//! checks both):
+//!
+//! 1. operator surface: [`cli`] (the clap schema), [`settings`] (validate
+//!    and build), [`commands`] (one module per command)
+//! 2. engines: [`relay`] (`run`'s session supervisor), [`backfill`]
+//!    (re-send from the table), [`admin`] (the admin endpoint)
+//! 3. the pipeline, in flow order — [`source`] → [`pgoutput`] → [`outbox`]
+//!    → [`dispatch`] → [`sink`] → [`ack`] — and its policies: [`breaker`]
+//!    (circuit breaker, storm guard), [`deadletter`] (where poison goes);
+//!    what a response means is [`sink::classify`]
+//! 4. shared types: [`lsn`], [`metrics`], [`health`], [`backoff`], and the
+//!    error-text helpers below
 
-pub mod ack;
+// 1. Operator surface.
+pub mod cli;
+pub mod commands;
+pub mod settings;
+
+// 2. Engines.
 pub mod admin;
 pub mod backfill;
-pub mod breaker;
-pub mod config;
-pub mod deadletter;
+pub mod relay;
+
+// 3. The pipeline, in flow order, and its policies.
+pub mod source;
+
+pub mod pgoutput;
+
+pub mod outbox;
+
 pub mod dispatch;
+
+pub mod sink;
+
+pub mod ack;
+
+pub mod breaker;
+pub mod deadletter;
+
+// 4. Shared types.
+pub mod backoff;
+pub mod health;
 pub mod lsn;
 pub mod metrics;
-pub mod outbox;
-pub mod pgoutput;
-pub mod relay;
-pub mod setup;
-pub mod sink;
-pub mod source;
-pub mod tls;
 
 /// An error and its `source()` chain, joined with ": " (one line for logs
 /// and operator messages; many library errors say only their outermost
@@ -46,4 +78,13 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         .map(ToString::to_string)
         .collect::<Vec<_>>()
         .join(": ")
+}
+
+/// The server's own message and SQLSTATE when there is one
+/// (tokio-postgres' `Display` says only "db error"), else the error chain.
+pub fn db_message(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => error_chain(e),
+    }
 }

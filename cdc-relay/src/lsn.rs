@@ -13,11 +13,27 @@ use std::str::FromStr;
 /// "no position"; as a `START_REPLICATION` argument it means "resume at the
 /// slot's `confirmed_flush_lsn`".
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Lsn(pub u64);
+pub struct Lsn(u64);
 
 impl Lsn {
     /// `0/0`: no position.
     pub const ZERO: Lsn = Lsn(0);
+
+    /// The LSN at byte position `pos` of the WAL.
+    pub const fn new(pos: u64) -> Lsn {
+        Lsn(pos)
+    }
+
+    /// The byte position in the WAL.
+    pub const fn as_u64(self) -> u64 {
+        self.0
+    }
+
+    /// The position as a Prometheus gauge value (bytes; saturates at
+    /// `i64::MAX`, 8 EiB of WAL).
+    pub fn gauge(self) -> i64 {
+        i64::try_from(self.0).unwrap_or(i64::MAX)
+    }
 
     /// Bytes of WAL from `earlier` to `self`, zero when `earlier` is later.
     pub fn bytes_since(self, earlier: Lsn) -> u64 {

@@ -1,5 +1,5 @@
-//! Model check of the acknowledgement rule (DESIGN.md §4 "Acknowledgement",
-//! issue 6 §3), with the `stateright` crate.
+//! Model check of the acknowledgement rule
+//! (`docs/architecture.md#acknowledgement`), with the `stateright` crate.
 //!
 //! The model is a PostgreSQL server with a fixed WAL, a logical slot, one
 //! relay and an HTTP sink. The relay's acknowledgement state is the **real**
@@ -227,7 +227,7 @@ const STEP: u64 = 10;
 /// End LSN of item `i` (for a transaction: the position after its commit
 /// record, what `Commit.end_lsn` reports).
 fn end_of(i: usize) -> Lsn {
-    Lsn(BASE + STEP * (i as u64 + 1))
+    Lsn::new(BASE + STEP * (i as u64 + 1))
 }
 
 /// Start of item `i`'s commit record. The walsender's sent position while it
@@ -236,7 +236,7 @@ fn end_of(i: usize) -> Lsn {
 /// commit record starts at or after `confirmed_flush_lsn` (PostgreSQL skips
 /// `commit origptr < start_decoding_at`), i.e. iff `end_of(i) > slot` here.
 fn commit_start_of(i: usize) -> Lsn {
-    Lsn(end_of(i).0 - 1)
+    Lsn::new(end_of(i).as_u64() - 1)
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -376,16 +376,16 @@ impl<R: Rule> Model for AckModel<R> {
             .map(|w| {
                 let mut s = State {
                     wal: w as u8,
-                    slot: Lsn(BASE),
+                    slot: Lsn::new(BASE),
                     crashes: 0,
                     sink_up: true,
                     delivered: 0,
                     next: 0,
                     streaming: None,
-                    sent: Lsn(BASE),
+                    sent: Lsn::new(BASE),
                     open: None,
                     pending: Vec::new(),
-                    tracker: R::new(Lsn(BASE)),
+                    tracker: R::new(Lsn::new(BASE)),
                 };
                 self.session(&mut s);
                 s
@@ -517,9 +517,9 @@ impl<R: Rule> fmt::Display for Summary<'_, R> {
         write!(
             f,
             "slot={} relay.confirmed={} sent={} delivered={:?} pending={:?} sink={} crashes={}",
-            s.slot.0,
-            s.tracker.confirmed().0,
-            s.sent.0,
+            s.slot.as_u64(),
+            s.tracker.confirmed().as_u64(),
+            s.sent.as_u64(),
             bits(s.delivered),
             s.pending.iter().map(|&(e, _)| e).collect::<Vec<_>>(),
             if s.sink_up { "up" } else { "down" },
@@ -536,9 +536,15 @@ fn describe_wal(items: &[Item]) -> String {
             Item::Tx(n) => {
                 let ids: Vec<u8> = (event..event + n).collect();
                 event += n;
-                out.push(format!("item {i}: tx events {ids:?} end {}", end_of(i).0));
+                out.push(format!(
+                    "item {i}: tx events {ids:?} end {}",
+                    end_of(i).as_u64()
+                ));
             }
-            Item::Gap => out.push(format!("item {i}: unpublished WAL up to {}", end_of(i).0)),
+            Item::Gap => out.push(format!(
+                "item {i}: unpublished WAL up to {}",
+                end_of(i).as_u64()
+            )),
         }
     }
     out.join("; ")

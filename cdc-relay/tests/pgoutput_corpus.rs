@@ -241,18 +241,18 @@ fn valid_messages() -> Vec<LogicalMessage> {
     ]);
     vec![
         LogicalMessage::Begin(Begin {
-            final_lsn: Lsn(0x1_6B37_4800),
+            final_lsn: Lsn::new(0x1_6B37_4800),
             commit_time: 802_569_600_000_000,
             xid: 74_242,
         }),
         LogicalMessage::Commit(Commit {
             flags: 0,
-            commit_lsn: Lsn(0x1_6B37_4800),
-            end_lsn: Lsn(0x1_6B37_4830),
+            commit_lsn: Lsn::new(0x1_6B37_4800),
+            end_lsn: Lsn::new(0x1_6B37_4830),
             commit_time: 802_569_600_000_000,
         }),
         LogicalMessage::Origin(Origin {
-            commit_lsn: Lsn(0x2000),
+            commit_lsn: Lsn::new(0x2000),
             name: "pg_16399".into(),
         }),
         LogicalMessage::Relation(Relation {
@@ -339,19 +339,19 @@ fn valid_messages() -> Vec<LogicalMessage> {
         }),
         LogicalMessage::Message(LogicalDecodingMessage {
             flags: MessageFlags::TRANSACTIONAL,
-            lsn: Lsn(0x3000),
+            lsn: Lsn::new(0x3000),
             prefix: "cdc-relay".into(),
             content: Bytes::from_static(b"hello\0world"),
         }),
         LogicalMessage::Message(LogicalDecodingMessage {
             flags: MessageFlags::default(),
-            lsn: Lsn(0x3100),
+            lsn: Lsn::new(0x3100),
             prefix: String::new(),
             content: Bytes::new(),
         }),
         LogicalMessage::Message(LogicalDecodingMessage {
             flags: MessageFlags::default(),
-            lsn: Lsn(0x3200),
+            lsn: Lsn::new(0x3200),
             prefix: "big".into(),
             content: Bytes::from((0..=255u8).cycle().take(1024).collect::<Vec<_>>()),
         }),

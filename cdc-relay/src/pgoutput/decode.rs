@@ -299,7 +299,7 @@ impl Reader {
     }
 
     fn lsn(&mut self, what: &'static str) -> Result<Lsn, DecodeError> {
-        self.array(what).map(u64::from_be_bytes).map(Lsn)
+        self.array(what).map(u64::from_be_bytes).map(Lsn::new)
     }
 
     fn relation_id(&mut self) -> Result<RelationId, DecodeError> {

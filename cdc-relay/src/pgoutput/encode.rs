@@ -22,18 +22,18 @@ pub fn encode(msg: &LogicalMessage) -> Bytes {
     out.put_u8(msg.kind().tag());
     match msg {
         LogicalMessage::Begin(m) => {
-            out.put_u64(m.final_lsn.0);
+            out.put_u64(m.final_lsn.as_u64());
             out.put_i64(m.commit_time);
             out.put_u32(m.xid);
         }
         LogicalMessage::Commit(m) => {
             out.put_u8(m.flags);
-            out.put_u64(m.commit_lsn.0);
-            out.put_u64(m.end_lsn.0);
+            out.put_u64(m.commit_lsn.as_u64());
+            out.put_u64(m.end_lsn.as_u64());
             out.put_i64(m.commit_time);
         }
         LogicalMessage::Origin(m) => {
-            out.put_u64(m.commit_lsn.0);
+            out.put_u64(m.commit_lsn.as_u64());
             put_string(&mut out, &m.name);
         }
         LogicalMessage::Relation(m) => put_relation(&mut out, m),
@@ -68,7 +68,7 @@ pub fn encode(msg: &LogicalMessage) -> Bytes {
         }
         LogicalMessage::Message(m) => {
             out.put_u8(m.flags.0);
-            out.put_u64(m.lsn.0);
+            out.put_u64(m.lsn.as_u64());
             put_string(&mut out, &m.prefix);
             put_bytes(&mut out, &m.content, "content length");
         }

@@ -6,9 +6,7 @@
 //! `src/backend/replication/logical/proto.c`.
 //!
 //! ```text
-//! XLogData payload ──decode()──▶ LogicalMessage ──Relation──▶ RelationCache
-//!                                      │                           │ latest shape per OID
-//!                                      └─Insert/Update/Delete──▶ TupleData::get(&relation, "column")
+//! XLogData payload ──decode()──▶ LogicalMessage (Relation, Insert, …)
 //! ```
 //!
 //! A transaction arrives as `Begin`, then any number of `Relation`, `Type`,
@@ -19,8 +17,8 @@
 //! - [`decode`] turns one payload into a [`LogicalMessage`]; any malformed
 //!   input is a [`DecodeError`] naming the message kind and byte offset,
 //!   never a panic. Column values are zero-copy slices of the payload.
-//! - [`RelationCache`] keeps the latest [`Relation`] per OID; a new one
-//!   always replaces the old (columns added, dropped or reordered mid-stream).
+//! - Keeping the latest [`Relation`] per OID is the consumer's job
+//!   ([`crate::outbox::OutboxMapper`] does it for the outbox table).
 //! - [`encode`] is the inverse of [`decode`], for tests and tools.
 //!
 //! Streaming (protocol version 2) and two-phase commit (version 3) messages
@@ -30,7 +28,6 @@
 mod decode;
 mod encode;
 mod message;
-mod relation;
 
 pub use decode::{DecodeError, decode};
 pub use encode::encode;
@@ -39,7 +36,6 @@ pub use message::{
     LogicalMessage, MessageFlags, MessageKind, OldTuple, OldTupleKind, Origin, Relation,
     RelationId, ReplicaIdentity, Truncate, TruncateOptions, TupleData, TypeMessage, Update,
 };
-pub use relation::{RelationCache, RelationError};
 
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,6 @@
 //! Classifying one delivery attempt: the single place that decides what a
-//! response or transport error means for the event (DESIGN §4).
+//! response or transport error means for the event
+//! (`docs/architecture.md#response-classes`).
 //!
 //! | outcome | disposition |
 //! |---|---|
@@ -31,7 +32,7 @@ pub enum Disposition {
     Delivered,
     /// Transient: retry with backoff.
     Retry(Reason),
-    /// Poison: the event itself is refused; quarantine it.
+    /// Poison: the event itself is refused; dead-letter it.
     DeadLetter(Reason),
     /// The sink is misconfigured (auth, URL, method): not the event's fault.
     /// Retry with backoff and alert; never dead-letter.
@@ -41,15 +42,45 @@ pub enum Disposition {
 /// Which HTTP statuses are poison. Defaults: 400, 413, 415, 422.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StatusPolicy {
-    /// Statuses that dead-letter the event.
-    pub poison: Vec<u16>,
+    poison: Vec<u16>,
 }
+
+/// Statuses that are never the event's fault: configuration faults (the
+/// URL, the secret, the method) and "try again later".
+const NEVER_POISON: [u16; 7] = [401, 403, 404, 405, 408, 425, 429];
 
 impl Default for StatusPolicy {
     fn default() -> Self {
         StatusPolicy {
             poison: vec![400, 413, 415, 422],
         }
+    }
+}
+
+impl StatusPolicy {
+    /// A policy with these poison statuses. Errors (naming the flag
+    /// `--poison-statuses`) for anything but a 4xx, and for a 4xx that is
+    /// a configuration fault or "try again later": a wrong `--sink-url`
+    /// must not dead-letter every event.
+    pub fn new(poison: Vec<u16>) -> Result<Self, String> {
+        if let Some(bad) = poison.iter().find(|s| !(400..500).contains(*s)) {
+            return Err(format!(
+                "--poison-statuses may list only 4xx statuses, got {bad}"
+            ));
+        }
+        if let Some(bad) = poison.iter().find(|s| NEVER_POISON.contains(*s)) {
+            return Err(format!(
+                "--poison-statuses cannot list {bad}: 401, 403, 404 and 405 say the relay's own \
+                 configuration is wrong (events are kept and the circuit opens; a wrong \
+                 --sink-url must not dead-letter every event), 408, 425 and 429 are retried"
+            ));
+        }
+        Ok(StatusPolicy { poison })
+    }
+
+    /// The poison statuses.
+    pub fn poison(&self) -> &[u16] {
+        &self.poison
     }
 }
 
@@ -138,8 +169,17 @@ mod tests {
     }
 
     #[test]
+    fn config_faults_and_retried_statuses_cannot_be_poison() {
+        for bad in [vec![404], vec![400, 401], vec![429], vec![500], vec![200]] {
+            let err = StatusPolicy::new(bad.clone()).unwrap_err();
+            assert!(err.contains("--poison-statuses"), "{bad:?}: {err}");
+        }
+        assert!(StatusPolicy::new(vec![400, 409, 422]).is_ok());
+    }
+
+    #[test]
     fn poison_list_is_configurable_and_reasons_are_labels() {
-        let p = StatusPolicy { poison: vec![409] };
+        let p = StatusPolicy::new(vec![409]).unwrap();
         assert_eq!(
             classify(&resp(409), &p),
             Disposition::DeadLetter(Reason {

@@ -1,4 +1,5 @@
-//! Request bodies and signatures: the wire format of DESIGN §2.
+//! Request bodies and signatures: the wire format
+//! (`docs/architecture.md#wire-format`).
 //!
 //! ```text
 //! {"id":"<outbox.id>","type":"<outbox.event_type>","data":<outbox.payload>}
@@ -15,6 +16,16 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::outbox::OutboxEvent;
+
+/// A request built once per event: the exact body bytes and their
+/// signature. Cheap to clone (the body is shared).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prepared {
+    /// The JSON body.
+    pub body: Bytes,
+    /// Lowercase hex HMAC-SHA256 of `body` (`X-Event-Signature`).
+    pub signature: String,
+}
 
 /// Builds the JSON body for `event` (bytes, ready to send and sign).
 pub fn body(event: &OutboxEvent) -> Bytes {
@@ -90,7 +101,7 @@ mod tests {
             event_type: ty.into(),
             payload: payload.map(|p| Bytes::copy_from_slice(p.as_bytes())),
             aggregate_key: None,
-            commit_lsn: Lsn(1),
+            commit_lsn: Some(Lsn::new(1)),
             commit_time_micros: 0,
         }
     }

@@ -1,17 +1,33 @@
 //! The HTTP sink: one file per stage of a delivery.
 //!
 //! ```text
-//! OutboxEvent ─encoder─▶ body + signature ─service─▶ POST ─▶ Attempt ─classify─▶ Disposition
-//!                                                       ▲                          │ Retry
-//!                                                       └──────── backoff ◀────────┘
+//! OutboxEvent ─encoder─▶ Prepared (body + signature) ─service─▶ POST ─▶ Attempt ─classify─▶ Disposition
 //! ```
+//!
+//! The pipeline sees the sink only through the [`Sink`] trait, so its unit
+//! tests run against a scripted in-memory sink.
 
-pub mod backoff;
 pub mod classify;
 pub mod encoder;
 pub mod service;
 
-pub use backoff::Backoff;
-pub use classify::{Disposition, StatusPolicy, classify};
-pub use encoder::Signer;
+use std::future::Future;
+
+pub use classify::{Disposition, Reason, StatusPolicy, classify, status_class};
+pub use encoder::{Prepared, Signer};
 pub use service::{Attempt, HttpSink, SinkConfig, SinkError};
+
+use crate::outbox::OutboxEvent;
+
+/// Where events are delivered.
+pub trait Sink: Send + Sync + 'static {
+    /// Builds the request for `event` once (body and signature); every
+    /// attempt sends the same bytes.
+    fn prepare(&self, event: &OutboxEvent) -> Prepared;
+
+    /// Makes one attempt to deliver `request` for event `event_id` (the
+    /// idempotency key) and reports what happened, within the sink's
+    /// request timeout. Never fails: every failure is an [`Attempt`] for
+    /// [`classify`] to judge.
+    fn post(&self, event_id: &str, request: &Prepared) -> impl Future<Output = Attempt> + Send;
+}

@@ -14,7 +14,8 @@
 //!
 //! and reports an [`Attempt`]; deciding what it means is
 //! [`classify`](crate::sink::classify())'s job. Redirects are never followed
-//! (a redirect is a configuration fault, DESIGN §4); proxy environment
+//! (a redirect is a configuration fault,
+//! `docs/architecture.md#response-classes`); proxy environment
 //! variables are not read.
 
 use std::sync::Arc;
@@ -34,7 +35,8 @@ use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
 use crate::outbox::OutboxEvent;
-use crate::sink::encoder::{self, Signer};
+use crate::sink::Sink;
+use crate::sink::encoder::{self, Prepared, Signer};
 
 /// How to reach the sink.
 #[derive(Clone, Debug)]
@@ -85,6 +87,25 @@ pub enum Attempt {
     Connect(String),
     /// The connection broke mid-request, or another transport error.
     Transport(String),
+}
+
+impl Attempt {
+    /// One line for logs and the dead-letter row: the status and up to 120
+    /// characters of the body (control characters removed), or the
+    /// transport error.
+    pub fn detail(&self) -> String {
+        match self {
+            Attempt::Response {
+                status, excerpt, ..
+            } => {
+                let mut e: String = excerpt.chars().take(120).collect();
+                e.retain(|c| !c.is_control());
+                format!("status {status}: {e}")
+            }
+            Attempt::Timeout => "request timed out".into(),
+            Attempt::Connect(e) | Attempt::Transport(e) => e.clone(),
+        }
+    }
 }
 
 /// Maximum response-body bytes kept in [`Attempt::Response::excerpt`].
@@ -194,22 +215,6 @@ impl HttpSink {
         u.to_string()
     }
 
-    /// Builds the body for `event` and signs it: `(body, signature)`.
-    pub fn prepare(&self, event: &OutboxEvent) -> (Bytes, String) {
-        let body = encoder::body(event);
-        let signature = self.signer.sign(&body);
-        (body, signature)
-    }
-
-    /// POSTs a prepared body once, within the request timeout.
-    pub async fn post(&self, event_id: &str, body: Bytes, signature: &str) -> Attempt {
-        let timeout = self.target.request_timeout;
-        match tokio::time::timeout(timeout, self.attempt(event_id, body, signature)).await {
-            Ok(attempt) => attempt,
-            Err(_) => Attempt::Timeout,
-        }
-    }
-
     async fn attempt(&self, event_id: &str, body: Bytes, signature: &str) -> Attempt {
         let key = HeaderValue::from_str(&encoder::header_safe(event_id))
             .expect("header_safe output is a valid header value");
@@ -264,6 +269,24 @@ impl HttpSink {
     }
 }
 
+impl Sink for HttpSink {
+    fn prepare(&self, event: &OutboxEvent) -> Prepared {
+        let body = encoder::body(event);
+        let signature = self.signer.sign(&body);
+        Prepared { body, signature }
+    }
+
+    /// POSTs the prepared body once, within the request timeout.
+    async fn post(&self, event_id: &str, request: &Prepared) -> Attempt {
+        let timeout = self.target.request_timeout;
+        let attempt = self.attempt(event_id, request.body.clone(), &request.signature);
+        match tokio::time::timeout(timeout, attempt).await {
+            Ok(attempt) => attempt,
+            Err(_) => Attempt::Timeout,
+        }
+    }
+}
+
 const USER_AGENT_VALUE: &str = concat!("cdc-relay/", env!("CARGO_PKG_VERSION"));
 
 fn percent_decode(s: &str) -> String {
@@ -304,149 +327,4 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn sink(url: &str, request_timeout: Duration) -> HttpSink {
-        HttpSink::new(SinkConfig {
-            url: url.parse().unwrap(),
-            signer: Signer::new(b"k"),
-            connect_timeout: Duration::from_secs(1),
-            request_timeout,
-            ca_cert_pem: None,
-        })
-        .unwrap()
-    }
-
-    /// A real HTTP server that answers `status` with a body and records the
-    /// request line and headers of every request.
-    async fn recording_server(
-        status: u16,
-        body: &'static str,
-    ) -> (String, Arc<std::sync::Mutex<Vec<http::request::Parts>>>) {
-        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let record = Arc::clone(&seen);
-        let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
-            let record = Arc::clone(&record);
-            async move {
-                let (parts, _) = req.into_parts();
-                record.lock().unwrap().push(parts);
-                (http::StatusCode::from_u16(status).unwrap(), body)
-            }
-        });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        (format!("http://{addr}"), seen)
-    }
-
-    #[tokio::test]
-    async fn posts_the_wire_headers_and_url_credentials_as_basic_auth() {
-        let (base, seen) = recording_server(204, "").await;
-        let url = base.replace("http://", "http://relay:p%40ss@") + "/inbox?x=1#frag";
-        let s = sink(&url, Duration::from_secs(5));
-        for _ in 0..3 {
-            let got = s.post("e 1", Bytes::from_static(b"{}"), "abc").await;
-            assert!(
-                matches!(got, Attempt::Response { status: 204, .. }),
-                "{got:?}"
-            );
-        }
-        let seen = seen.lock().unwrap();
-        assert_eq!(seen.len(), 3);
-        let p = &seen[0];
-        assert_eq!(p.method, http::Method::POST);
-        assert_eq!(p.uri.path_and_query().unwrap().as_str(), "/inbox?x=1");
-        let h = |n: &str| p.headers.get(n).unwrap().to_str().unwrap().to_owned();
-        assert_eq!(h("content-type"), "application/json");
-        assert_eq!(h("x-event-signature"), "abc");
-        assert_eq!(h("idempotency-key"), "e%201");
-        assert!(h("user-agent").starts_with("cdc-relay/"));
-        // base64("relay:p@ss")
-        assert_eq!(h("authorization"), "Basic cmVsYXk6cEBzcw==");
-        assert!(!s.display_url().contains("p%40ss"), "{}", s.display_url());
-    }
-
-    #[tokio::test]
-    async fn status_retry_after_and_excerpt_are_reported() {
-        let long: &'static str = Box::leak("x".repeat(2 * EXCERPT_BYTES).into_boxed_str());
-        let (base, _) = recording_server(503, long).await;
-        let got = sink(&format!("{base}/inbox"), Duration::from_secs(5))
-            .post("e", Bytes::from_static(b"{}"), "abc")
-            .await;
-        match got {
-            Attempt::Response {
-                status, excerpt, ..
-            } => {
-                assert_eq!(status, 503);
-                assert_eq!(excerpt.len(), EXCERPT_BYTES);
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[tokio::test]
-    async fn refused_is_connect_and_silence_is_timeout() {
-        // A port nobody listens on: bind, learn the port, close.
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
-        let got = sink(
-            &format!("http://127.0.0.1:{port}/inbox"),
-            Duration::from_secs(5),
-        )
-        .post("e", Bytes::from_static(b"{}"), "abc")
-        .await;
-        assert!(matches!(got, Attempt::Connect(_)), "{got:?}");
-
-        // A server that accepts and never answers.
-        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = silent.local_addr().unwrap();
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((sock, _)) = silent.accept().await {
-                held.push(sock);
-            }
-        });
-        let started = std::time::Instant::now();
-        let got = sink(&format!("http://{addr}/inbox"), Duration::from_millis(300))
-            .post("e", Bytes::from_static(b"{}"), "abc")
-            .await;
-        assert_eq!(got, Attempt::Timeout);
-        assert!(started.elapsed() < Duration::from_secs(3));
-    }
-
-    #[test]
-    fn a_ca_file_without_certificates_is_refused() {
-        let err = HttpSink::new(SinkConfig {
-            url: "https://localhost/inbox".parse().unwrap(),
-            signer: Signer::new(b"k"),
-            connect_timeout: Duration::from_secs(1),
-            request_timeout: Duration::from_secs(1),
-            ca_cert_pem: Some(b"not a certificate".to_vec()),
-        })
-        .unwrap_err();
-        assert!(matches!(err, SinkError::BadCaCert(_)), "{err}");
-    }
-
-    #[test]
-    fn retry_after_forms() {
-        let now = httpdate::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
-        assert_eq!(
-            parse_retry_after("120", now),
-            Some(Duration::from_secs(120))
-        );
-        assert_eq!(parse_retry_after(" 0 ", now), Some(Duration::ZERO));
-        assert_eq!(
-            parse_retry_after("Sun, 06 Nov 1994 08:49:40 GMT", now),
-            Some(Duration::from_secs(3))
-        );
-        assert_eq!(
-            parse_retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now),
-            Some(Duration::ZERO)
-        );
-        assert_eq!(parse_retry_after("-1", now), None);
-        assert_eq!(parse_retry_after("soon", now), None);
-    }
-}
+mod tests;

@@ -1,6 +1,6 @@
-//! TLS for the side SQL connection (tokio-postgres over rustls), following
-//! libpq's `sslmode` semantics (PostgreSQL docs, "SSL Support" → "Protection
-//! Provided in Different Modes"):
+//! TLS for both database connections, following libpq's `sslmode`
+//! semantics (PostgreSQL docs, "SSL Support" → "Protection Provided in
+//! Different Modes"):
 //!
 //! | sslmode | encryption | certificate chain | host name |
 //! |---|---|---|---|
@@ -11,6 +11,10 @@
 //! | verify-full | yes | checked | checked |
 //!
 //! Roots: the `sslrootcert` file when given, else the Mozilla roots.
+//!
+//! The side SQL connection uses [`client_config`] (tokio-postgres over
+//! rustls); the replication connection hands the same mode to its transport
+//! through [`replication_tls`].
 
 use std::path::Path;
 use std::sync::Arc;
@@ -21,6 +25,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
+use super::conn::{ConnParams, SslMode};
+
 /// The TLS setup could not be built (unreadable or invalid root certificate).
 #[derive(Debug, thiserror::Error)]
 #[error("sslrootcert {path}: {reason}")]
@@ -29,9 +35,27 @@ pub struct TlsSetupError {
     reason: String,
 }
 
-/// A rustls client config for `sslmode`, or `None` for `disable`.
+/// The replication transport's TLS settings for `conn` (same modes, same
+/// root certificate).
+pub fn replication_tls(conn: &ConnParams) -> pgwire_replication::TlsConfig {
+    use pgwire_replication::TlsConfig;
+    let root = conn.ssl_root_cert.clone();
+    match conn.sslmode {
+        SslMode::Disable => TlsConfig::disabled(),
+        SslMode::Prefer => TlsConfig {
+            mode: pgwire_replication::SslMode::Prefer,
+            ..TlsConfig::require()
+        },
+        SslMode::Require => TlsConfig::require(),
+        SslMode::VerifyCa => TlsConfig::verify_ca(root),
+        SslMode::VerifyFull => TlsConfig::verify_full(root),
+    }
+}
+
+/// A rustls client config for `sslmode`, or `None` for `disable`. Errors:
+/// an unreadable root certificate file, or one without a certificate.
 pub fn client_config(
-    sslmode: &str,
+    sslmode: SslMode,
     root_cert: Option<&Path>,
 ) -> Result<Option<ClientConfig>, TlsSetupError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -40,22 +64,22 @@ pub fn client_config(
         .expect("ring supports the default protocol versions");
     let roots = || roots(root_cert);
     let verifier: Arc<dyn ServerCertVerifier> = match sslmode {
-        "disable" => return Ok(None),
-        "verify-full" => {
+        SslMode::Disable => return Ok(None),
+        SslMode::VerifyFull => {
             WebPkiServerVerifier::builder_with_provider(Arc::new(roots()?), Arc::clone(&provider))
                 .build()
                 .map_err(|e| setup_error(root_cert, e.to_string()))?
         }
-        "verify-ca" => Arc::new(ChainOnly(
+        SslMode::VerifyCa => Arc::new(ChainOnly(
             WebPkiServerVerifier::builder_with_provider(Arc::new(roots()?), Arc::clone(&provider))
                 .build()
                 .map_err(|e| setup_error(root_cert, e.to_string()))?,
         )),
         // libpq: with a root cert given, "require" behaves like verify-ca.
-        "require" if root_cert.is_some() => {
-            return client_config("verify-ca", root_cert);
+        SslMode::Require if root_cert.is_some() => {
+            return client_config(SslMode::VerifyCa, root_cert);
         }
-        _ => Arc::new(NoVerification(provider)),
+        SslMode::Prefer | SslMode::Require => Arc::new(NoVerification(provider)),
     };
     Ok(Some(
         builder
@@ -196,11 +220,17 @@ mod tests {
 
     #[test]
     fn modes_map_to_configs() {
-        assert!(client_config("disable", None).unwrap().is_none());
-        for mode in ["prefer", "require", "verify-ca", "verify-full"] {
+        assert!(client_config(SslMode::Disable, None).unwrap().is_none());
+        for mode in [
+            SslMode::Prefer,
+            SslMode::Require,
+            SslMode::VerifyCa,
+            SslMode::VerifyFull,
+        ] {
             assert!(client_config(mode, None).unwrap().is_some(), "{mode}");
         }
-        let err = client_config("verify-full", Some(Path::new("/nonexistent/ca.pem"))).unwrap_err();
+        let err =
+            client_config(SslMode::VerifyFull, Some(Path::new("/nonexistent/ca.pem"))).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/ca.pem"), "{err}");
     }
 }

@@ -1,8 +1,10 @@
-//! Command line and environment: every flag has an environment variable;
-//! secrets come from the environment or a file, never only from argv.
+//! The command line: the clap schema and its value parsers. Every flag has
+//! an environment variable; secrets come from the environment or a file,
+//! never only from argv.
 //!
-//! Bad settings exit non-zero with a message naming the flag (clap does this
-//! for syntax; [`RunArgs::validate`] for relations between settings).
+//! Syntax errors exit 2 with clap's message; relations between settings are
+//! checked when they are built into the pipeline's configuration
+//! ([`crate::settings`]), with a message that names the flag.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,10 +12,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::breaker::BreakerConfig;
-use crate::dispatch::DispatchConfig;
-use crate::outbox::{OutboxColumns, TableName};
-use crate::sink::{HttpSink, Signer, SinkConfig, StatusPolicy};
+use crate::outbox::TableName;
 
 /// Streams a PostgreSQL outbox table through a pgoutput logical replication
 /// slot and POSTs each committed insert, HMAC-signed, to an HTTP inbox. The
@@ -230,35 +229,6 @@ pub struct GlobalArgs {
     pub log: String,
 }
 
-impl GlobalArgs {
-    /// The database URL with the password from the flag, env or file applied.
-    pub fn conn(&self) -> Result<crate::source::ConnParams, String> {
-        let url = self
-            .database_url
-            .as_deref()
-            .ok_or("--database-url (CDC_RELAY_DATABASE_URL) is required")?;
-        let mut conn = crate::source::ConnParams::parse(url, self.connect_timeout)
-            .map_err(|e| e.to_string())?;
-        if let Some(p) = &self.database_password {
-            conn.password = p.clone();
-        }
-        if let Some(path) = &self.database_password_file {
-            conn.password = read_secret_file(path, "--database-password-file")?;
-        }
-        Ok(conn)
-    }
-
-    /// Outbox column names.
-    pub fn columns(&self) -> OutboxColumns {
-        OutboxColumns {
-            id: self.id_column.clone(),
-            event_type: self.type_column.clone(),
-            payload: self.payload_column.clone(),
-            aggregate_key: Some(self.aggregate_column.clone()).filter(|c| !c.is_empty()),
-        }
-    }
-}
-
 /// `cdc-relay setup`.
 #[derive(Debug, Args)]
 pub struct SetupArgs {
@@ -389,139 +359,6 @@ pub struct DeliveryArgs {
     pub poison_storm_threshold: u32,
 }
 
-impl SinkArgs {
-    /// The event secret from the flag/env or the file; an error names the setting.
-    pub fn secret(&self) -> Result<String, String> {
-        let secret = match (&self.event_secret, &self.event_secret_file) {
-            (Some(_), Some(_)) => {
-                return Err(
-                    "give --event-secret (EVENT_SECRET) or --event-secret-file, not both".into(),
-                );
-            }
-            (Some(s), None) => s.clone(),
-            (None, Some(p)) => read_secret_file(p, "--event-secret-file")?,
-            (None, None) => {
-                return Err(
-                    "an event secret is required: set EVENT_SECRET or --event-secret-file".into(),
-                );
-            }
-        };
-        // Trimmed like Billing trims its list: a stray space or newline must
-        // not make every signature wrong.
-        let secret = secret.trim();
-        if secret.is_empty() {
-            return Err("the event secret (EVENT_SECRET / --event-secret-file) is empty".into());
-        }
-        Ok(secret.to_owned())
-    }
-
-    /// Builds the HTTP sink; the error names the setting.
-    pub fn build(&self) -> Result<HttpSink, String> {
-        if self.request_timeout.is_zero() || self.sink_connect_timeout.is_zero() {
-            return Err("--request-timeout and --sink-connect-timeout must be above 0".into());
-        }
-        if !matches!(self.sink_url.scheme(), "http" | "https") {
-            return Err(format!(
-                "--sink-url must be http or https, got {}",
-                self.sink_url.scheme()
-            ));
-        }
-        let secret = self.secret()?;
-        let ca_cert_pem = match &self.sink_ca_file {
-            Some(p) => {
-                Some(std::fs::read(p).map_err(|e| format!("--sink-ca-file {}: {e}", p.display()))?)
-            }
-            None => None,
-        };
-        HttpSink::new(SinkConfig {
-            url: self.sink_url.clone(),
-            signer: Signer::new(secret.as_bytes()),
-            connect_timeout: self.sink_connect_timeout,
-            request_timeout: self.request_timeout,
-            ca_cert_pem,
-        })
-        .map_err(|e| e.to_string())
-    }
-}
-
-impl DeliveryArgs {
-    /// Checks relations between settings; the error names the flags.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.backoff_base.is_zero() || self.backoff_cap < self.backoff_base {
-            return Err("--backoff-base must be > 0 and not above --backoff-cap".into());
-        }
-        if self.probe_interval < Duration::from_millis(50) {
-            return Err("--probe-interval must be at least 50ms".into());
-        }
-        if let Some(bad) = self
-            .poison_statuses
-            .iter()
-            .find(|s| !(400..500).contains(*s))
-        {
-            return Err(format!(
-                "--poison-statuses may list only 4xx statuses, got {bad}"
-            ));
-        }
-        if let Some(bad) = self
-            .poison_statuses
-            .iter()
-            .find(|s| NEVER_POISON.contains(*s))
-        {
-            return Err(format!(
-                "--poison-statuses cannot list {bad}: 401, 403, 404 and 405 say the relay's own \
-                 configuration is wrong (events are kept and the circuit opens; a wrong \
-                 --sink-url must not dead-letter every event), 408, 425 and 429 are retried"
-            ));
-        }
-        Ok(())
-    }
-
-    /// Delivery settings.
-    pub fn dispatch(&self) -> DispatchConfig {
-        DispatchConfig {
-            max_in_flight: self.max_in_flight as usize,
-            backoff_base: self.backoff_base,
-            backoff_cap: self.backoff_cap,
-            retry_after_max: self.retry_after_max,
-            policy: StatusPolicy {
-                poison: self.poison_statuses.clone(),
-            },
-            breaker: BreakerConfig {
-                failure_threshold: self.failure_threshold,
-                probe_interval: self.probe_interval,
-                storm_threshold: self.poison_storm_threshold,
-            },
-        }
-    }
-}
-
-impl RunArgs {
-    /// Checks relations between settings; the error names the flags.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.sink.request_timeout >= self.shutdown_timeout {
-            return Err(format!(
-                "--request-timeout ({:?}) must be shorter than --shutdown-timeout ({:?}) so in-flight requests can finish on shutdown",
-                self.sink.request_timeout, self.shutdown_timeout
-            ));
-        }
-        if self.slot_stats_interval < Duration::from_secs(1) {
-            return Err("--slot-stats-interval must be at least 1s (it must not turn the relay into a poller)".into());
-        }
-        self.delivery.validate()
-    }
-}
-
-fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("{setting} {}: {e}", path.display()))?;
-    Ok(text
-        .lines()
-        .next()
-        .unwrap_or("")
-        .trim_end_matches('\r')
-        .to_owned())
-}
-
 /// Parses `500ms`, `2s`, `1m 30s` (humantime syntax).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 500ms, 2s, 1m)"))
@@ -552,10 +389,6 @@ pub fn parse_bytes(s: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("size {s:?} out of range"))?;
     u32::try_from(v).map_err(|_| format!("size {s:?} is above 4GiB"))
 }
-
-/// Statuses that are never the event's fault: configuration faults (the
-/// URL, the secret, the method) and "try again later".
-const NEVER_POISON: [u16; 7] = [401, 403, 404, 405, 408, 425, 429];
 
 /// `--sink-url`: an absolute http(s) URL with a host. The WHATWG parser
 /// would read `http:///inbox` or `http:inbox` as the host `inbox`; those are
@@ -591,48 +424,26 @@ mod tests {
     }
 
     #[test]
-    fn bad_settings_name_the_flag() {
-        let cli = run_args(&["--request-timeout", "20s", "--shutdown-timeout", "10s"]).unwrap();
-        let Command::Run(run) = cli.command else {
-            panic!("run")
-        };
-        let err = run.validate().unwrap_err();
-        assert!(
-            err.contains("--request-timeout") && err.contains("--shutdown-timeout"),
-            "{err}"
-        );
-
+    fn syntax_errors_name_the_flag() {
+        assert!(run_args(&[]).is_ok());
         let err = run_args(&["--max-in-flight", "0"]).unwrap_err().to_string();
         assert!(err.contains("--max-in-flight"), "{err}");
         let err = run_args(&["--backoff-cap", "soon"])
             .unwrap_err()
             .to_string();
         assert!(err.contains("--backoff-cap"), "{err}");
-    }
-
-    #[test]
-    fn sink_url_typos_and_config_fault_poison_statuses_are_refused() {
         for bad in ["http:///inbox", "http:inbox", "https://", "not a url"] {
-            let mut argv = vec!["cdc-relay", "run", "--sink-url", bad];
-            argv.push("--max-in-flight");
-            argv.push("1");
+            let argv = [
+                "cdc-relay",
+                "run",
+                "--sink-url",
+                bad,
+                "--max-in-flight",
+                "1",
+            ];
             let err = Cli::try_parse_from(argv).unwrap_err().to_string();
             assert!(err.contains("--sink-url"), "{bad}: {err}");
         }
-        assert!(run_args(&[]).is_ok());
-        for bad in ["404", "400,401", "429"] {
-            let cli = run_args(&["--poison-statuses", bad]).unwrap();
-            let Command::Run(run) = cli.command else {
-                panic!("run")
-            };
-            let err = run.delivery.validate().unwrap_err();
-            assert!(err.contains("--poison-statuses"), "{bad}: {err}");
-        }
-        let cli = run_args(&["--poison-statuses", "400,409,422"]).unwrap();
-        let Command::Run(run) = cli.command else {
-            panic!("run")
-        };
-        assert!(run.delivery.validate().is_ok());
     }
 
     #[test]
@@ -643,20 +454,5 @@ mod tests {
         assert!(parse_bytes("0").is_err());
         assert!(parse_bytes("12 parsecs").is_err());
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-    }
-
-    #[test]
-    fn secrets_come_from_env_or_file() {
-        let cli = run_args(&[]).unwrap();
-        let Command::Run(mut run) = cli.command else {
-            panic!("run")
-        };
-        run.sink.event_secret = None;
-        assert!(run.sink.secret().unwrap_err().contains("EVENT_SECRET"));
-        let dir = std::env::temp_dir().join(format!("cdc-relay-secret-{}", std::process::id()));
-        std::fs::write(&dir, "s3cret\n").unwrap();
-        run.sink.event_secret_file = Some(dir.clone());
-        assert_eq!(run.sink.secret().unwrap(), "s3cret");
-        std::fs::remove_file(dir).unwrap();
     }
 }

@@ -1,0 +1,71 @@
+//! The operator commands: what `cdc-relay <command>` does, from parsed
+//! arguments to printed output and an exit code.
+//!
+//! Commands are the process's edge, where errors become messages for an
+//! operator: like the binary, they use `anyhow` with context. Everything
+//! below them (the pipeline, the policies, the source) has typed errors.
+
+pub mod backfill;
+pub mod dead_letter;
+pub mod run;
+pub mod setup;
+pub mod status;
+
+use crate::cli::{Command, GlobalArgs};
+use crate::source;
+
+/// Runs `command` and returns the process exit code; errors are printed
+/// to stderr.
+pub async fn execute(global: GlobalArgs, command: Command) -> u8 {
+    match command {
+        Command::Setup(a) => report(setup::command(&global, a).await),
+        Command::Status(a) => report(status::command(&global, a).await),
+        Command::Run(a) => run::command(&global, *a).await,
+        Command::DeadLetter(c) => report(dead_letter::command(&global, c).await),
+        Command::Backfill(a) => report(backfill::command(&global, *a).await),
+    }
+}
+
+fn report(r: anyhow::Result<()>) -> u8 {
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    }
+}
+
+/// A side SQL connection for a command.
+async fn connect(g: &GlobalArgs) -> anyhow::Result<tokio_postgres::Client> {
+    let conn = g.conn().map_err(anyhow::Error::msg)?;
+    Ok(source::connect_sql(&conn, "cdc-relay").await?)
+}
+
+/// `println!` that ends the process quietly when stdout is a closed pipe
+/// (`cdc-relay status | head`) instead of panicking, and with an error when
+/// stdout cannot be written (a full disk).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::commands::write_stdout_line(format_args!($($arg)*))
+    };
+}
+pub(crate) use outln;
+
+#[doc(hidden)]
+pub fn write_stdout_line(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let written = out
+        .write_fmt(args)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush());
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => {
+            eprintln!("error: writing to stdout: {e}");
+            std::process::exit(1);
+        }
+    }
+}

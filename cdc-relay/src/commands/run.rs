@@ -1,0 +1,120 @@
+//! `cdc-relay run`: the admin endpoint, signal handling and the relay,
+//! until SIGTERM/SIGINT or a definite error.
+
+use tokio_util::sync::CancellationToken;
+
+use super::outln;
+use crate::admin;
+use crate::cli::{GlobalArgs, RunArgs};
+use crate::health::Health;
+use crate::metrics::Metrics;
+use crate::relay::{self, RelayConfig, RelayError};
+use crate::sink::HttpSink;
+use crate::source::SourceError;
+
+/// `cdc-relay run`; returns the exit code (documented in `--help` and
+/// `docs/operations.md`).
+pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
+    match a.relay(g) {
+        Ok((cfg, sink)) => serve_and_run(cfg, sink, &a).await,
+        Err(msg) => {
+            eprintln!("error: {msg}");
+            1
+        }
+    }
+}
+
+/// The process exit code for a relay that stopped for good.
+pub fn exit_code(e: &RelayError) -> u8 {
+    match e {
+        RelayError::Source(SourceError::SlotMissing { .. }) => 3,
+        RelayError::Source(SourceError::SlotInvalidated { .. }) => 4,
+        RelayError::Decode(_) | RelayError::Outbox(_) => 5,
+        RelayError::Source(_) => 1,
+    }
+}
+
+async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
+    let metrics = Metrics::new();
+    let health = Health::new(a.ready_window);
+    let shutdown = CancellationToken::new();
+    let listener = match tokio::net::TcpListener::bind(a.admin_listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: cannot bind --admin-listen {}: {e}", a.admin_listen);
+            return 1;
+        }
+    };
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    outln!("listening on http://{addr}");
+    let admin_stop = shutdown.clone();
+    let admin = tokio::spawn(admin::serve(
+        listener,
+        metrics.clone(),
+        health.clone(),
+        async move { admin_stop.cancelled().await },
+    ));
+    tokio::spawn(watch_signals(shutdown.clone()));
+    tracing::info!(
+        source = %cfg.conn.display(), slot = %cfg.slot, sink = %sink.display_url(), admin = %addr,
+        max_in_flight = cfg.dispatch.max_in_flight, "cdc-relay starting"
+    );
+    let result = relay::run(cfg, sink, metrics, health, shutdown.clone()).await;
+    shutdown.cancel();
+    let _ = admin.await;
+    match result {
+        Ok(()) => {
+            tracing::info!("stopped");
+            0
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "stopping");
+            eprintln!("error: {e}");
+            exit_code(&e)
+        }
+    }
+}
+
+/// The first SIGTERM/SIGINT starts a graceful shutdown; a second one exits
+/// at once (130) without draining.
+async fn watch_signals(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+    shutdown.cancel();
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::warn!("second signal: exiting without draining");
+    std::process::exit(130);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_are_distinct() {
+        let slot = || "s".to_owned();
+        let missing: RelayError = SourceError::SlotMissing { slot: slot() }.into();
+        let lost: RelayError = SourceError::SlotInvalidated { slot: slot() }.into();
+        let auth: RelayError = SourceError::Definite("auth".into()).into();
+        assert_eq!(
+            (exit_code(&missing), exit_code(&lost), exit_code(&auth)),
+            (3, 4, 1)
+        );
+    }
+}

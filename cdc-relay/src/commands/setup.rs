@@ -1,0 +1,235 @@
+//! `cdc-relay setup`: prepare the database side (settings, the outbox
+//! table, the publication, the slot) and say what was done.
+//!
+//! Setup is idempotent and creates the publication BEFORE the slot: the slot
+//! decodes with the catalog as of each change, so a publication created after
+//! the slot's starting point would make older changes undecodable.
+
+use tokio_postgres::Client;
+
+use super::{connect, outln};
+use crate::cli::{GlobalArgs, SetupArgs};
+use crate::outbox::{OutboxColumns, TableName};
+use crate::source::SourceError;
+use crate::source::catalog;
+
+/// `cdc-relay setup`: runs [`setup`] and prints its report.
+pub async fn command(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
+    let client = connect(g).await?;
+    let plan = SetupPlan {
+        table: g.table.clone(),
+        columns: g.columns(),
+        publication: g.publication.first().cloned().unwrap_or_default(),
+        slot: g.slot.clone(),
+        recreate_slot: a.recreate_slot,
+    };
+    for line in setup(&client, &plan).await? {
+        outln!("{line}");
+    }
+    Ok(())
+}
+
+/// What setup needs to know.
+#[derive(Debug, Clone)]
+pub struct SetupPlan {
+    /// Outbox table.
+    pub table: TableName,
+    /// Columns the relay reads.
+    pub columns: OutboxColumns,
+    /// Publication name (the first one given).
+    pub publication: String,
+    /// Slot name.
+    pub slot: String,
+    /// Recreate the slot when it is invalidated.
+    pub recreate_slot: bool,
+}
+
+/// Runs setup and returns one line per check or action, for the operator.
+pub async fn setup(client: &Client, plan: &SetupPlan) -> Result<Vec<String>, SourceError> {
+    catalog::check_slot_name(&plan.slot)?;
+    let mut report = Vec::new();
+    check_settings(client, &mut report).await?;
+    let partitioned = check_table(client, plan, &mut report).await?;
+    ensure_publication(client, plan, partitioned, &mut report).await?;
+    ensure_slot(client, plan, &mut report).await?;
+    Ok(report)
+}
+
+async fn check_settings(client: &Client, report: &mut Vec<String>) -> Result<(), SourceError> {
+    let wal_level = catalog::setting(client, "wal_level").await?;
+    if wal_level != "logical" {
+        return Err(SourceError::Definite(format!(
+            "wal_level is {wal_level:?}; set wal_level = logical in postgresql.conf and restart PostgreSQL (see deploy/postgresql.conf)"
+        )));
+    }
+    report.push("ok: wal_level = logical".into());
+    let row = client
+        .query_one(
+            "SELECT current_setting('max_replication_slots')::int, (SELECT count(*)::int FROM pg_replication_slots), \
+                    current_setting('max_wal_senders')::int, (SELECT count(*)::int FROM pg_stat_replication)",
+            &[],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading replication limits", &e))?;
+    let (max_slots, slots, max_senders, senders): (i32, i32, i32, i32) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    if slots >= max_slots {
+        report.push(format!(
+            "warning: {slots} of max_replication_slots = {max_slots} in use; a new slot cannot be created"
+        ));
+    } else {
+        report.push(format!("ok: replication slots {slots}/{max_slots} in use"));
+    }
+    if senders + 2 > max_senders {
+        report.push(format!(
+            "warning: {senders} of max_wal_senders = {max_senders} in use; the relay and a standby need 2"
+        ));
+    } else {
+        report.push(format!("ok: wal senders {senders}/{max_senders} in use"));
+    }
+    let keep = catalog::setting(client, "max_slot_wal_keep_size").await?;
+    if keep == "-1" {
+        report.push(
+            "warning: max_slot_wal_keep_size = -1: a stopped relay makes the server keep WAL without limit (disk full risk); set a bound, e.g. 10GB"
+                .into(),
+        );
+    } else {
+        report.push(format!("ok: max_slot_wal_keep_size = {keep}"));
+    }
+    Ok(())
+}
+
+/// Checks the table and its columns; returns whether it is partitioned.
+async fn check_table(
+    client: &Client,
+    plan: &SetupPlan,
+    report: &mut Vec<String>,
+) -> Result<bool, SourceError> {
+    let relkind = catalog::check_outbox_table(client, &plan.table, &plan.columns).await?;
+    report.push(format!(
+        "ok: table {} has the columns the relay reads",
+        plan.table
+    ));
+    Ok(relkind == "p")
+}
+
+async fn ensure_publication(
+    client: &Client,
+    plan: &SetupPlan,
+    partitioned: bool,
+    report: &mut Vec<String>,
+) -> Result<(), SourceError> {
+    let exists = client
+        .query_opt("SELECT pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication WHERE pubname = $1", &[&plan.publication])
+        .await
+        .map_err(|e| SourceError::sql("looking up the publication", &e))?;
+    let t = &plan.table;
+    if let Some(row) = exists {
+        let (ins, upd, del, tru): (bool, bool, bool, bool) =
+            (row.get(0), row.get(1), row.get(2), row.get(3));
+        let has_table = client
+            .query_opt(
+                "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+                &[&plan.publication, &t.schema, &t.name],
+            )
+            .await
+            .map_err(|e| SourceError::sql("reading the publication's tables", &e))?
+            .is_some();
+        if !ins || !has_table {
+            return Err(SourceError::Definite(format!(
+                "publication {:?} exists but does not publish inserts into {t}; fix it (ALTER PUBLICATION) or choose another --publication",
+                plan.publication
+            )));
+        }
+        report.push(format!(
+            "exists: publication {:?} publishes inserts into {t}",
+            plan.publication
+        ));
+        if upd || del || tru {
+            report.push(format!(
+                "warning: publication {:?} also publishes updates/deletes/truncates; the relay ignores them but the slot still decodes them",
+                plan.publication
+            ));
+        }
+        return Ok(());
+    }
+    let via_root = if partitioned {
+        ", publish_via_partition_root = true"
+    } else {
+        ""
+    };
+    let stmt = format!(
+        "CREATE PUBLICATION {} FOR TABLE {}.{} WITH (publish = 'insert'{via_root})",
+        catalog::quote_ident(&plan.publication),
+        catalog::quote_ident(&t.schema),
+        catalog::quote_ident(&t.name)
+    );
+    client
+        .batch_execute(&stmt)
+        .await
+        .map_err(|e| SourceError::sql("creating the publication", &e))?;
+    report.push(format!(
+        "created: publication {:?} (inserts into {t} only{})",
+        plan.publication,
+        if partitioned {
+            ", via partition root"
+        } else {
+            ""
+        }
+    ));
+    Ok(())
+}
+
+async fn ensure_slot(
+    client: &Client,
+    plan: &SetupPlan,
+    report: &mut Vec<String>,
+) -> Result<(), SourceError> {
+    let info = catalog::slot_info(client, &plan.slot).await?;
+    match info {
+        Some(s) if s.wal_status.as_deref() == Some("lost") => {
+            if !plan.recreate_slot {
+                return Err(SourceError::Definite(format!(
+                    "slot {:?} is invalidated (wal_status = lost). Run `cdc-relay setup --recreate-slot`, then `cdc-relay backfill --since <time of the last delivered event>` to re-send what it missed",
+                    plan.slot
+                )));
+            }
+            client
+                .execute("SELECT pg_drop_replication_slot($1)", &[&plan.slot])
+                .await
+                .map_err(|e| SourceError::sql("dropping the invalidated slot", &e))?;
+            report.push(format!("dropped: invalidated slot {:?}", plan.slot));
+            create_slot(client, plan, report).await
+        }
+        Some(s) => {
+            if s.plugin.as_deref() != Some("pgoutput") {
+                return Err(SourceError::Definite(format!(
+                    "slot {:?} exists with plugin {:?}, not pgoutput; drop it or choose another --slot",
+                    plan.slot, s.plugin
+                )));
+            }
+            report.push(format!(
+                "exists: slot {:?} (pgoutput, confirmed_flush_lsn {})",
+                plan.slot,
+                s.confirmed_flush_lsn
+                    .map(|l| l.to_string())
+                    .unwrap_or_else(|| "-".into())
+            ));
+            Ok(())
+        }
+        None => create_slot(client, plan, report).await,
+    }
+}
+
+async fn create_slot(
+    client: &Client,
+    plan: &SetupPlan,
+    report: &mut Vec<String>,
+) -> Result<(), SourceError> {
+    let lsn = catalog::create_slot(client, &plan.slot).await?;
+    report.push(format!(
+        "created: slot {:?} (pgoutput) at {lsn}; events committed from now on will be delivered",
+        plan.slot
+    ));
+    Ok(())
+}

@@ -1,0 +1,194 @@
+//! One job's life: attempts through the circuit breaker until the event is
+//! done — a 2xx, or a committed dead-letter row.
+//!
+//! ```text
+//!  breaker.admit ─▶ Sink::post ─▶ classify ─┬─ Delivered ─────────────────────────▶ done
+//!        ▲                                  ├─ DeadLetter (not a storm) ─▶ store ──▶ done
+//!        └──────────── backoff sleep ◀──────┴─ Retry | ConfigFault | storm
+//! ```
+//!
+//! A dead-letter write is retried until it commits; the event stays pending
+//! meanwhile. Only a lost store (the side connection closed) ends the
+//! pipeline, and with it the session.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use crate::backoff::Backoff;
+use crate::breaker::{Breaker, Signal};
+use crate::deadletter::{DeadLetterStore, NewDeadLetter, StoreError};
+use crate::metrics::Metrics;
+use crate::outbox::{OutboxEvent, UnreadableRow};
+use crate::sink::{Attempt, Disposition, Sink, classify, status_class};
+
+use super::{DispatchConfig, DispatchError, Services};
+
+/// What a job does.
+#[derive(Debug)]
+pub enum Work {
+    /// Deliver an event until it is done.
+    Deliver(OutboxEvent),
+    /// Dead-letter a row that cannot become an event.
+    DeadLetter(Box<UnreadableRow>),
+}
+
+/// What every delivery task of one pipeline shares (one allocation).
+pub struct Delivery<S, D> {
+    cfg: DispatchConfig,
+    services: Services<S, D>,
+    breaker: Breaker,
+}
+
+/// Counts one request in `cdc_relay_in_flight` while it lives, so an
+/// attempt abandoned mid-flight (its session ended) is uncounted too.
+struct InFlight<'a>(&'a Metrics);
+
+impl<'a> InFlight<'a> {
+    fn start(metrics: &'a Metrics) -> Self {
+        metrics.in_flight.inc();
+        InFlight(metrics)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.dec();
+    }
+}
+
+impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
+    /// A delivery context for one pipeline.
+    pub fn new(cfg: DispatchConfig, services: Services<S, D>, breaker: Breaker) -> Self {
+        Delivery {
+            cfg,
+            services,
+            breaker,
+        }
+    }
+
+    /// Does job `seq` (its place in stream order) until it is done.
+    pub async fn run(&self, seq: u64, work: Work) -> Result<(), DispatchError> {
+        match work {
+            Work::Deliver(event) => self.deliver(seq, &event).await,
+            Work::DeadLetter(row) => {
+                tracing::warn!(event_id = ?row.event_id, problem = %row.problem, "unreadable outbox row");
+                self.dead_letter(&NewDeadLetter::unreadable(&row)).await
+            }
+        }
+    }
+
+    /// Delivers one event until it is done: a 2xx, or dead-lettered.
+    async fn deliver(&self, seq: u64, event: &OutboxEvent) -> Result<(), DispatchError> {
+        let metrics = &self.services.metrics;
+        let request = self.services.sink.prepare(event);
+        let mut backoff = self.backoff();
+        let first_attempt = unix_micros();
+        let mut attempts: u32 = 0;
+        loop {
+            let admission = self.breaker.admit(seq).await;
+            attempts += 1;
+            let started = Instant::now();
+            let attempt = {
+                let _in_flight = InFlight::start(metrics);
+                self.services.sink.post(&event.id, &request).await
+            };
+            metrics
+                .request_duration
+                .observe(started.elapsed().as_secs_f64());
+            let (outcome, signal, reason) = match classify(&attempt, &self.cfg.policy) {
+                Disposition::Delivered => {
+                    self.breaker.record(admission, Signal::Success, "");
+                    count_attempt(metrics, "delivered", &attempt);
+                    metrics.events_delivered.inc();
+                    metrics
+                        .commit_to_delivery
+                        .observe(seconds_since_commit(event.commit_time_micros));
+                    tracing::debug!(event_id = ?event.id, commit_lsn = ?event.commit_lsn, attempts, "delivered");
+                    return Ok(());
+                }
+                Disposition::DeadLetter(r) if self.breaker.poison(&event.id) => {
+                    self.breaker
+                        .record(admission, Signal::DeadLettered, &r.label);
+                    count_attempt(metrics, "dead_letter", &attempt);
+                    tracing::warn!(
+                        event_id = ?event.id, commit_lsn = ?event.commit_lsn, reason = %r.label,
+                        detail = %attempt.detail(), "poison event: writing it to the dead-letter table"
+                    );
+                    let row = NewDeadLetter::rejected(event, &attempt, &r, attempts, first_attempt);
+                    return self.dead_letter(&row).await;
+                }
+                // During a poison storm, poison waits like a transient failure.
+                Disposition::DeadLetter(r) | Disposition::Retry(r) => {
+                    ("retry", Signal::Transient, r)
+                }
+                Disposition::ConfigFault(r) => ("config_fault", Signal::ConfigFault, r),
+            };
+            self.breaker.record(admission, signal, &reason.label);
+            count_attempt(metrics, outcome, &attempt);
+            metrics.retries.with_label_values(&[&reason.label]).inc();
+            let retry_after = match &attempt {
+                Attempt::Response { retry_after, .. } => *retry_after,
+                _ => None,
+            };
+            let delay = backoff.next_delay(retry_after, &mut rand::rng());
+            if attempts == 1 || attempts.is_multiple_of(20) {
+                tracing::warn!(
+                    event_id = ?event.id, commit_lsn = ?event.commit_lsn, attempts,
+                    reason = %reason.label, detail = %attempt.detail(),
+                    retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
+                );
+            }
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// Writes a dead-letter row, retrying until it is committed. The event
+    /// stays pending meanwhile; a lost store ends the pipeline.
+    async fn dead_letter(&self, row: &NewDeadLetter) -> Result<(), DispatchError> {
+        let mut backoff = self.backoff();
+        loop {
+            match self.services.store.insert(row).await {
+                Ok(id) => {
+                    self.services.metrics.events_dead_lettered.inc();
+                    tracing::warn!(dead_letter_id = id, event_id = ?row.event_id, error = %row.error, "dead-lettered");
+                    return Ok(());
+                }
+                Err(StoreError::Lost(e)) => return Err(DispatchError::StoreLost(e)),
+                Err(StoreError::Failed(e)) => {
+                    tracing::error!(error = %e, event_id = ?row.event_id, "cannot write the dead-letter row; the event stays pending");
+                    let delay = backoff.next_delay(None, &mut rand::rng());
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    }
+
+    fn backoff(&self) -> Backoff {
+        Backoff::new(
+            self.cfg.backoff_base,
+            self.cfg.backoff_cap,
+            self.cfg.retry_after_max,
+        )
+    }
+}
+
+fn count_attempt(metrics: &Metrics, outcome: &str, attempt: &Attempt) {
+    metrics
+        .delivery_attempts
+        .with_label_values(&[outcome, status_class(attempt)])
+        .inc();
+}
+
+/// PostgreSQL timestamps count microseconds from 2000-01-01 00:00:00 UTC.
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+
+/// Microseconds since the Unix epoch, now.
+pub fn unix_micros() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+fn seconds_since_commit(commit_time_micros: i64) -> f64 {
+    let unix = commit_time_micros.saturating_add(PG_EPOCH_UNIX_MICROS);
+    (unix_micros().saturating_sub(unix).max(0) as f64) / 1e6
+}

@@ -1,0 +1,323 @@
+//! The whole dispatcher — scheduler, delivery tasks, breaker, dead letters —
+//! against a scripted in-memory sink and store, in paused time: every
+//! schedule below is exact and the tests never sleep on the wall clock.
+//!
+//! Broken on purpose once, to show these tests can fail:
+//! - `Scheduler::add` with `Some(key) if false && self.claimed.contains(&key)`
+//!   (key claims ignored): `two_events_of_one_aggregate_are_never_in_flight_together`
+//!   failed ("e4 and e8 of key k0 overlap"), as did the poison test and both
+//!   scheduler tests.
+//! - `Scheduler::next_job` without its `running >= max_in_flight` check:
+//!   `max_in_flight_is_never_exceeded` failed ("39 in flight, max 4"), as
+//!   did both scheduler tests.
+//!
+//! The breaker test found a real defect when it was written: with the
+//! circuit open and a probe in flight, every other waiting delivery spun
+//! on an already-past `next_probe_at` until the probe returned (a busy
+//! loop for up to a request timeout on a real sink).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use super::*;
+use crate::deadletter::{NewDeadLetter, StoreError};
+use crate::lsn::Lsn;
+use crate::sink::{Attempt, Prepared};
+
+/// One attempt as the sink saw it.
+#[derive(Clone, Debug)]
+struct Call {
+    id: String,
+    start: Instant,
+    end: Instant,
+    status: u16,
+}
+
+type Script = dyn Fn(&str, Instant) -> (Duration, u16) + Send + Sync;
+
+/// A sink that answers each attempt as `script(event_id, now)` says: after
+/// the given latency, with the given status. Records every call.
+struct ScriptedSink {
+    script: Box<Script>,
+    calls: Mutex<Vec<Call>>,
+}
+
+impl ScriptedSink {
+    fn new(script: impl Fn(&str, Instant) -> (Duration, u16) + Send + Sync + 'static) -> Arc<Self> {
+        Arc::new(ScriptedSink {
+            script: Box::new(script),
+            calls: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl Sink for Arc<ScriptedSink> {
+    fn prepare(&self, event: &OutboxEvent) -> Prepared {
+        Prepared {
+            body: crate::sink::encoder::body(event),
+            signature: String::new(),
+        }
+    }
+
+    async fn post(&self, event_id: &str, _request: &Prepared) -> Attempt {
+        let start = Instant::now();
+        let (latency, status) = (self.script)(event_id, start);
+        tokio::time::sleep(latency).await;
+        self.calls.lock().unwrap().push(Call {
+            id: event_id.to_owned(),
+            start,
+            end: Instant::now(),
+            status,
+        });
+        Attempt::Response {
+            status,
+            retry_after: None,
+            excerpt: String::new(),
+        }
+    }
+}
+
+/// Dead letters, in memory.
+#[derive(Default)]
+struct MemoryStore(Mutex<Vec<NewDeadLetter>>);
+
+impl DeadLetterStore for MemoryStore {
+    async fn insert(&self, row: &NewDeadLetter) -> Result<i64, StoreError> {
+        let mut rows = self.0.lock().unwrap();
+        rows.push(row.clone());
+        Ok(rows.len() as i64)
+    }
+}
+
+fn config(max_in_flight: usize) -> DispatchConfig {
+    DispatchConfig {
+        max_in_flight,
+        backoff_base: Duration::from_millis(1),
+        backoff_cap: Duration::from_millis(1),
+        retry_after_max: Duration::from_secs(1),
+        policy: StatusPolicy::default(),
+        breaker: BreakerConfig {
+            failure_threshold: 3,
+            probe_interval: Duration::from_millis(500),
+            storm_threshold: 10,
+        },
+    }
+}
+
+fn event(id: &str, key: Option<&str>) -> OutboxEvent {
+    OutboxEvent {
+        id: id.to_owned(),
+        event_type: "OrderCreated".into(),
+        payload: Some(Bytes::from_static(b"{}")),
+        aggregate_key: key.map(str::to_owned),
+        commit_lsn: None,
+        commit_time_micros: 0,
+    }
+}
+
+/// Feeds `txs` (each a list of events, ending at LSN 100·(i+1)) through a
+/// dispatcher and waits until it has done everything. Returns the final
+/// confirmed LSN and the dead letters.
+async fn dispatch_all(
+    cfg: DispatchConfig,
+    sink: Arc<ScriptedSink>,
+    txs: Vec<Vec<OutboxEvent>>,
+) -> (Lsn, Vec<NewDeadLetter>) {
+    let store = Arc::new(MemoryStore::default());
+    let services = Services {
+        sink,
+        store: Arc::clone(&store),
+        metrics: Metrics::new(),
+        health: Health::new(Duration::from_secs(60)),
+    };
+    let (items, items_rx) = mpsc::channel(16);
+    let (confirmed, _) = watch::channel(Lsn::ZERO);
+    let dispatcher = tokio::spawn(run(cfg, services, Lsn::ZERO, items_rx, confirmed));
+    let window = Window::new(10_000, 1 << 20);
+    for (i, tx) in txs.into_iter().enumerate() {
+        items.send(Item::Begin).await.unwrap();
+        for e in tx {
+            let permit = window.admit(e.size_bytes()).await;
+            items.send(Item::Event(e, permit)).await.unwrap();
+        }
+        let end = Lsn::new(100 * (i as u64 + 1));
+        items.send(Item::Commit { end }).await.unwrap();
+    }
+    drop(items);
+    let last = dispatcher.await.unwrap().unwrap();
+    let rows = store.0.lock().unwrap().clone();
+    (last, rows)
+}
+
+/// The most calls in flight at any instant.
+fn max_concurrency(calls: &[Call]) -> usize {
+    calls
+        .iter()
+        .map(|c| {
+            calls
+                .iter()
+                .filter(|o| o.start <= c.start && c.start < o.end)
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_events_of_one_aggregate_are_never_in_flight_together() {
+    // 16 events over 4 aggregates, each attempt 10 ms; a wide window.
+    let sink = ScriptedSink::new(|_, _| (Duration::from_millis(10), 204));
+    let txs: Vec<Vec<OutboxEvent>> = (0..8)
+        .map(|t| {
+            (0..2)
+                .map(|j| {
+                    let n = t * 2 + j;
+                    event(&format!("e{n}"), Some(&format!("k{}", n % 4)))
+                })
+                .collect()
+        })
+        .collect();
+    let (last, dead) = dispatch_all(config(64), Arc::clone(&sink), txs).await;
+    assert_eq!(last, Lsn::new(800));
+    assert!(dead.is_empty());
+    let calls = sink.calls();
+    assert_eq!(calls.len(), 16);
+    let mut by_key: HashMap<usize, Vec<&Call>> = HashMap::new();
+    for c in &calls {
+        let n: usize = c.id[1..].parse().unwrap();
+        by_key.entry(n % 4).or_default().push(c);
+    }
+    for (key, mut calls) in by_key {
+        calls.sort_by_key(|c| c.start);
+        for pair in calls.windows(2) {
+            assert!(
+                pair[0].end <= pair[1].start,
+                "{} and {} of key k{key} overlap",
+                pair[0].id,
+                pair[1].id
+            );
+            let (a, b): (usize, usize) = (
+                pair[0].id[1..].parse().unwrap(),
+                pair[1].id[1..].parse().unwrap(),
+            );
+            assert!(
+                a < b,
+                "key k{key}: {} sent before {}",
+                pair[1].id,
+                pair[0].id
+            );
+        }
+    }
+    assert_eq!(
+        max_concurrency(&calls),
+        4,
+        "the four aggregates run side by side"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_in_flight_is_never_exceeded() {
+    // 40 independent events with latencies of 1..=7 ms; at most 4 at once.
+    let sink = ScriptedSink::new(|id, _| {
+        let n: u64 = id[1..].parse().unwrap();
+        (Duration::from_millis(1 + n % 7), 204)
+    });
+    let txs = (0..40)
+        .map(|n| vec![event(&format!("e{n}"), None)])
+        .collect();
+    let (last, _) = dispatch_all(config(4), Arc::clone(&sink), txs).await;
+    assert_eq!(last, Lsn::new(4_000));
+    let calls = sink.calls();
+    assert_eq!(calls.len(), 40);
+    let most = max_concurrency(&calls);
+    assert_eq!(most, 4, "{most} in flight, max 4");
+}
+
+#[tokio::test(start_paused = true)]
+async fn poison_is_dead_lettered_once_and_counts_as_done() {
+    let sink = ScriptedSink::new(|id, _| {
+        let status = if id == "e1" { 422 } else { 204 };
+        (Duration::from_millis(5), status)
+    });
+    let txs = vec![
+        vec![event("e0", Some("a"))],
+        vec![event("e1", Some("a")), event("e2", Some("b"))],
+        vec![event("e3", Some("a"))],
+    ];
+    let (last, dead) = dispatch_all(config(8), Arc::clone(&sink), txs).await;
+    assert_eq!(last, Lsn::new(300), "the poison transaction is done too");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].event_id.as_deref(), Some("e1"));
+    assert_eq!(dead[0].http_status, Some(422));
+    assert_eq!(dead[0].attempts, 1);
+    let calls = sink.calls();
+    assert_eq!(
+        calls.iter().filter(|c| c.id == "e1").count(),
+        1,
+        "never retried"
+    );
+    let e1 = calls.iter().find(|c| c.id == "e1").unwrap();
+    let e3 = calls.iter().find(|c| c.id == "e3").unwrap();
+    assert!(
+        e1.end <= e3.start,
+        "e3 (same aggregate) waits for e1's verdict"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn breaker_opens_sends_one_probe_per_interval_then_the_window_resumes() {
+    // The sink answers 503 for the first 3 s, then 204; 8 independent events.
+    let t0 = Instant::now();
+    let healthy_at = t0 + Duration::from_secs(3);
+    let sink = ScriptedSink::new(move |_, now| {
+        let status = if now < healthy_at { 503 } else { 204 };
+        (Duration::from_millis(2), status)
+    });
+    let txs = (0..8)
+        .map(|n| vec![event(&format!("e{n}"), None)])
+        .collect();
+    let (last, dead) = dispatch_all(config(8), Arc::clone(&sink), txs).await;
+    assert_eq!(last, Lsn::new(800));
+    assert!(dead.is_empty());
+
+    let calls = sink.calls();
+    let failures: Vec<&Call> = calls.iter().filter(|c| c.status == 503).collect();
+    // Until the sink first answers, one attempt at a time (slow start), and
+    // once 3 failures opened the circuit, one probe per 500 ms (+ jitter).
+    assert_eq!(max_concurrency(&calls[..failures.len()]), 1, "{calls:?}");
+    let opened_at = failures[2].end;
+    let probes: Vec<&&Call> = failures.iter().filter(|c| c.start >= opened_at).collect();
+    for pair in probes.windows(2) {
+        let gap = pair[1].start - pair[0].start;
+        assert!(gap >= Duration::from_millis(500), "probes {gap:?} apart");
+    }
+    assert!(
+        (4..=7).contains(&probes.len()),
+        "{} probes in the ~2.9 s the circuit was open",
+        probes.len()
+    );
+    // The first 2xx closes the circuit: every other event goes at once.
+    let first_ok = calls.iter().find(|c| c.status == 204).unwrap();
+    assert!(first_ok.start >= healthy_at);
+    let after: Vec<&Call> = calls.iter().filter(|c| c.start >= first_ok.end).collect();
+    assert_eq!(after.len(), 7, "the seven others after the first 2xx");
+    assert!(
+        after
+            .iter()
+            .all(|c| c.start - first_ok.end <= Duration::from_millis(1)),
+        "the whole window resumes at once: {after:?}"
+    );
+    assert_eq!(
+        max_concurrency(&after.into_iter().cloned().collect::<Vec<_>>()),
+        7
+    );
+}

@@ -1,0 +1,223 @@
+//! Settings: validates the parsed command line and builds what the
+//! pipeline runs with (connection parameters, the sink, the delivery and
+//! relay configuration). Every error names the flag (and its environment
+//! variable) to fix.
+
+use std::time::Duration;
+
+use crate::breaker::BreakerConfig;
+use crate::cli::{DeliveryArgs, GlobalArgs, RunArgs, SinkArgs};
+use crate::dispatch::DispatchConfig;
+use crate::outbox::OutboxColumns;
+use crate::relay::RelayConfig;
+use crate::sink::{HttpSink, Signer, SinkConfig, StatusPolicy};
+use crate::source::ConnParams;
+
+impl GlobalArgs {
+    /// The database URL with the password from the flag, env or file applied.
+    pub fn conn(&self) -> Result<ConnParams, String> {
+        let url = self
+            .database_url
+            .as_deref()
+            .ok_or("--database-url (CDC_RELAY_DATABASE_URL) is required")?;
+        let mut conn = ConnParams::parse(url, self.connect_timeout).map_err(|e| e.to_string())?;
+        if let Some(p) = &self.database_password {
+            conn.password = p.clone();
+        }
+        if let Some(path) = &self.database_password_file {
+            conn.password = read_secret_file(path, "--database-password-file")?;
+        }
+        Ok(conn)
+    }
+
+    /// Outbox column names.
+    pub fn columns(&self) -> OutboxColumns {
+        OutboxColumns {
+            id: self.id_column.clone(),
+            event_type: self.type_column.clone(),
+            payload: self.payload_column.clone(),
+            aggregate_key: Some(self.aggregate_column.clone()).filter(|c| !c.is_empty()),
+        }
+    }
+}
+
+impl SinkArgs {
+    /// The event secret from the flag/env or the file; an error names the setting.
+    pub fn secret(&self) -> Result<String, String> {
+        let secret = match (&self.event_secret, &self.event_secret_file) {
+            (Some(_), Some(_)) => {
+                return Err(
+                    "give --event-secret (EVENT_SECRET) or --event-secret-file, not both".into(),
+                );
+            }
+            (Some(s), None) => s.clone(),
+            (None, Some(p)) => read_secret_file(p, "--event-secret-file")?,
+            (None, None) => {
+                return Err(
+                    "an event secret is required: set EVENT_SECRET or --event-secret-file".into(),
+                );
+            }
+        };
+        // Trimmed like Billing trims its list: a stray space or newline must
+        // not make every signature wrong.
+        let secret = secret.trim();
+        if secret.is_empty() {
+            return Err("the event secret (EVENT_SECRET / --event-secret-file) is empty".into());
+        }
+        Ok(secret.to_owned())
+    }
+
+    /// Builds the HTTP sink; the error names the setting.
+    pub fn build(&self) -> Result<HttpSink, String> {
+        if self.request_timeout.is_zero() || self.sink_connect_timeout.is_zero() {
+            return Err("--request-timeout and --sink-connect-timeout must be above 0".into());
+        }
+        if !matches!(self.sink_url.scheme(), "http" | "https") {
+            return Err(format!(
+                "--sink-url must be http or https, got {}",
+                self.sink_url.scheme()
+            ));
+        }
+        let secret = self.secret()?;
+        let ca_cert_pem = match &self.sink_ca_file {
+            Some(p) => {
+                Some(std::fs::read(p).map_err(|e| format!("--sink-ca-file {}: {e}", p.display()))?)
+            }
+            None => None,
+        };
+        HttpSink::new(SinkConfig {
+            url: self.sink_url.clone(),
+            signer: Signer::new(secret.as_bytes()),
+            connect_timeout: self.sink_connect_timeout,
+            request_timeout: self.request_timeout,
+            ca_cert_pem,
+        })
+        .map_err(|e| e.to_string())
+    }
+}
+
+impl DeliveryArgs {
+    /// The delivery settings; the error names the flags.
+    pub fn dispatch(&self) -> Result<DispatchConfig, String> {
+        if self.backoff_base.is_zero() || self.backoff_cap < self.backoff_base {
+            return Err("--backoff-base must be > 0 and not above --backoff-cap".into());
+        }
+        if self.probe_interval < Duration::from_millis(50) {
+            return Err("--probe-interval must be at least 50ms".into());
+        }
+        Ok(DispatchConfig {
+            max_in_flight: self.max_in_flight as usize,
+            backoff_base: self.backoff_base,
+            backoff_cap: self.backoff_cap,
+            retry_after_max: self.retry_after_max,
+            policy: StatusPolicy::new(self.poison_statuses.clone())?,
+            breaker: BreakerConfig {
+                failure_threshold: self.failure_threshold,
+                probe_interval: self.probe_interval,
+                storm_threshold: self.poison_storm_threshold,
+            },
+        })
+    }
+}
+
+impl RunArgs {
+    /// The relay's configuration and its sink; the error names the flags.
+    pub fn relay(&self, g: &GlobalArgs) -> Result<(RelayConfig, HttpSink), String> {
+        if self.sink.request_timeout >= self.shutdown_timeout {
+            return Err(format!(
+                "--request-timeout ({:?}) must be shorter than --shutdown-timeout ({:?}) so in-flight requests can finish on shutdown",
+                self.sink.request_timeout, self.shutdown_timeout
+            ));
+        }
+        if self.slot_stats_interval < Duration::from_secs(1) {
+            return Err("--slot-stats-interval must be at least 1s (it must not turn the relay into a poller)".into());
+        }
+        let dispatch = self.delivery.dispatch()?;
+        let conn = g.conn()?;
+        let sink = self.sink.build()?;
+        let cfg = RelayConfig {
+            conn,
+            slot: g.slot.clone(),
+            publications: g.publication.clone(),
+            table: g.table.clone(),
+            columns: g.columns(),
+            application_name: self.application_name.clone(),
+            dispatch,
+            window_events: self.delivery.max_pending_events as usize,
+            window_bytes: self.delivery.max_pending_bytes,
+            shutdown_timeout: self.shutdown_timeout,
+            reconnect_max: self.reconnect_max,
+            slot_stats_interval: self.slot_stats_interval,
+            create_slot: self.create_slot,
+        };
+        Ok((cfg, sink))
+    }
+}
+
+fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("{setting} {}: {e}", path.display()))?;
+    Ok(text
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim_end_matches('\r')
+        .to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::{Cli, Command};
+    use clap::Parser;
+
+    fn run_args(extra: &[&str]) -> (GlobalArgs, RunArgs) {
+        let mut argv = vec!["cdc-relay", "run", "--sink-url", "http://127.0.0.1:1/inbox"];
+        argv.extend_from_slice(extra);
+        let cli = Cli::try_parse_from(argv).unwrap();
+        let Command::Run(run) = cli.command else {
+            panic!("run")
+        };
+        (cli.global, *run)
+    }
+
+    #[test]
+    fn relations_between_settings_name_the_flags() {
+        let (g, run) = run_args(&["--request-timeout", "20s", "--shutdown-timeout", "10s"]);
+        let err = run.relay(&g).unwrap_err();
+        assert!(
+            err.contains("--request-timeout") && err.contains("--shutdown-timeout"),
+            "{err}"
+        );
+        let (_, run) = run_args(&["--backoff-base", "2s", "--backoff-cap", "1s"]);
+        assert!(
+            run.delivery
+                .dispatch()
+                .unwrap_err()
+                .contains("--backoff-base")
+        );
+    }
+
+    #[test]
+    fn config_fault_statuses_cannot_be_poison() {
+        for bad in ["404", "400,401", "429"] {
+            let (_, run) = run_args(&["--poison-statuses", bad]);
+            let err = run.delivery.dispatch().unwrap_err();
+            assert!(err.contains("--poison-statuses"), "{bad}: {err}");
+        }
+        let (_, run) = run_args(&["--poison-statuses", "400,409,422"]);
+        assert!(run.delivery.dispatch().is_ok());
+    }
+
+    #[test]
+    fn secrets_come_from_env_or_file() {
+        let (_, mut run) = run_args(&[]);
+        run.sink.event_secret = None;
+        assert!(run.sink.secret().unwrap_err().contains("EVENT_SECRET"));
+        let path = std::env::temp_dir().join(format!("cdc-relay-secret-{}", std::process::id()));
+        std::fs::write(&path, "s3cret\n").unwrap();
+        run.sink.event_secret_file = Some(path.clone());
+        assert_eq!(run.sink.secret().unwrap(), "s3cret");
+        std::fs::remove_file(path).unwrap();
+    }
+}

@@ -1,0 +1,204 @@
+//! One error type for every database path (side connection, catalog
+//! queries, the replication stream) and the one classifier that decides
+//! whether retrying can help.
+//!
+//! *Definite* errors will not fix themselves: the slot is missing or lost,
+//! authentication or privileges fail, the publication does not carry the
+//! outbox. The relay stops and says what to do. Everything else is
+//! *transient* and the relay reconnects with backoff. The SQLSTATE's class
+//! decides (PostgreSQL docs, Appendix A "PostgreSQL Error Codes"); an error
+//! without one (I/O, a closed socket) is transient: infrastructure errors
+//! are retried until proven permanent.
+
+use pgwire_replication::PgWireError;
+
+use crate::db_message;
+
+/// Why a replication session could not start or ended.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// The slot does not exist.
+    #[error(
+        "replication slot {slot:?} does not exist; create it with `cdc-relay setup` (or pass --create-slot, only on a fresh install: a new slot starts at the current WAL position and skips older events)"
+    )]
+    SlotMissing {
+        /// Slot name.
+        slot: String,
+    },
+    /// Another process streams from the slot (SQLSTATE 55006).
+    #[error("replication slot {slot:?} is active for another process (pid {pid:?})")]
+    SlotActive {
+        /// Slot name.
+        slot: String,
+        /// The active walsender's pid, when known.
+        pid: Option<i32>,
+    },
+    /// The slot lost required WAL (`wal_status = lost`).
+    #[error(
+        "replication slot {slot:?} is invalidated: the server removed WAL it still needed (max_slot_wal_keep_size exceeded). Events committed since its confirmed_flush_lsn may not have been delivered. Recover: `cdc-relay setup --recreate-slot`, then `cdc-relay backfill --since <time of the last delivered event>`"
+    )]
+    SlotInvalidated {
+        /// Slot name.
+        slot: String,
+    },
+    /// The server refused us for a reason retrying will not fix (auth,
+    /// missing publication or database, privileges, protocol), or the
+    /// database is not prepared as the relay needs. The message says what
+    /// to change.
+    #[error("{0}")]
+    Definite(String),
+    /// Connection lost, server restarting, resources exhausted: retry.
+    #[error("{0}")]
+    Transient(String),
+    /// The stream is open but the server stopped serving it (watchdog).
+    #[error("replication stream stalled: {0}")]
+    Stalled(String),
+}
+
+impl SourceError {
+    /// Whether retrying cannot help.
+    pub fn is_definite(&self) -> bool {
+        matches!(
+            self,
+            SourceError::SlotMissing { .. }
+                | SourceError::SlotInvalidated { .. }
+                | SourceError::Definite(_)
+        )
+    }
+
+    /// Short metric label for the cause.
+    pub fn cause(&self) -> &'static str {
+        match self {
+            SourceError::SlotMissing { .. } => "slot_missing",
+            SourceError::SlotActive { .. } => "slot_active",
+            SourceError::SlotInvalidated { .. } => "slot_invalidated",
+            SourceError::Definite(_) => "definite",
+            SourceError::Transient(_) => "transient",
+            SourceError::Stalled(_) => "watchdog",
+        }
+    }
+
+    /// A failed SQL statement or connect on a normal connection, `context`
+    /// saying what was being done (e.g. `reading the slot`).
+    pub fn sql(context: &str, e: &tokio_postgres::Error) -> Self {
+        let code = e.code().map(|c| c.code());
+        classify(code, format!("{context}: {}", db_message(e)), None)
+    }
+
+    /// A replication transport error while streaming `slot`.
+    pub fn transport(e: &PgWireError, slot: &str) -> Self {
+        let text = e.to_string();
+        match e {
+            PgWireError::Auth(_) => SourceError::Definite(format!("authentication failed: {text}")),
+            PgWireError::Tls(_) => SourceError::Definite(format!("TLS failed: {text}")),
+            PgWireError::Server(msg) => classify(sqlstate(msg), msg.clone(), Some(slot)),
+            _ => SourceError::Transient(text),
+        }
+    }
+}
+
+/// The classifier: SQLSTATE (when there is one) and message to an error.
+/// `slot` is set on the replication path, where 42704 and 55000 name the
+/// slot's state.
+fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError {
+    let lower = msg.to_ascii_lowercase();
+    if let Some(slot) = slot.map(str::to_owned) {
+        match code {
+            Some("55006") => {
+                let pid = msg
+                    .rsplit("PID ")
+                    .next()
+                    .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+                    .and_then(|d| d.parse().ok());
+                return SourceError::SlotActive { slot, pid };
+            }
+            Some("42704") if lower.contains("replication slot") => {
+                return SourceError::SlotMissing { slot };
+            }
+            _ if lower.contains("invalidated")
+                || (code == Some("55000") && lower.contains("can no longer get changes")) =>
+            {
+                return SourceError::SlotInvalidated { slot };
+            }
+            _ => {}
+        }
+    }
+    match code {
+        Some(c) if !sqlstate_is_transient(c) => SourceError::Definite(msg),
+        _ => SourceError::Transient(msg),
+    }
+}
+
+/// Extracts the SQLSTATE from an error text ending in `(SQLSTATE XXXXX)`
+/// (how the replication transport reports server errors).
+fn sqlstate(text: &str) -> Option<&str> {
+    let start = text.rfind("(SQLSTATE ")? + "(SQLSTATE ".len();
+    text.get(start..start + 5)
+}
+
+/// Whether retrying can help with this SQLSTATE.
+///
+/// Transient: class 08 (connection), 40 (rollback), 53 (resources), 57
+/// (operator intervention: admin shutdown 57P01, crash shutdown 57P02,
+/// cannot connect now 57P03), 55006 (object in use), 58 (system I/O).
+pub fn sqlstate_is_transient(code: &str) -> bool {
+    matches!(code.get(..2), Some("08" | "40" | "53" | "57" | "58")) || code == "55006"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(msg: &str) -> SourceError {
+        SourceError::transport(&PgWireError::Server(msg.into()), "s")
+    }
+
+    #[test]
+    fn sqlstates_are_classified() {
+        assert_eq!(
+            sqlstate("terminating connection (SQLSTATE 57P01)"),
+            Some("57P01")
+        );
+        assert_eq!(sqlstate("no code"), None);
+        for c in [
+            "57P01", "57P02", "57P03", "55006", "08006", "53300", "40001",
+        ] {
+            assert!(sqlstate_is_transient(c), "{c}");
+            assert!(!classify(Some(c), "x".into(), None).is_definite(), "{c}");
+        }
+        for c in ["28P01", "42704", "3D000", "42501", "55000"] {
+            assert!(!sqlstate_is_transient(c), "{c}");
+            assert!(classify(Some(c), "x".into(), None).is_definite(), "{c}");
+        }
+        assert!(!classify(None, "connection reset".into(), None).is_definite());
+    }
+
+    #[test]
+    fn server_errors_map_to_slot_states() {
+        let e = server(r#"replication slot "s" does not exist (SQLSTATE 42704)"#);
+        assert!(matches!(e, SourceError::SlotMissing { .. }));
+        assert!(e.to_string().contains("cdc-relay setup"));
+        let e = server(r#"replication slot "s" is active for PID 4242 (SQLSTATE 55006)"#);
+        assert!(
+            matches!(
+                e,
+                SourceError::SlotActive {
+                    pid: Some(4242),
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let e = server(r#"can no longer get changes from replication slot "s" (SQLSTATE 55000)"#);
+        assert!(matches!(e, SourceError::SlotInvalidated { .. }));
+        assert!(server("publication \"p\" does not exist (SQLSTATE 42704)").is_definite());
+        assert!(!server("the database system is starting up (SQLSTATE 57P03)").is_definite());
+        // Outside the replication path, 42704 is an ordinary definite error.
+        let e = classify(
+            Some("42704"),
+            "replication slot \"s\" does not exist".into(),
+            None,
+        );
+        assert!(matches!(e, SourceError::Definite(_)), "{e:?}");
+    }
+}

@@ -1,0 +1,89 @@
+//! The replication source: everything that talks to the source database.
+//!
+//! ```text
+//!  conn (URL, SslMode) ──▶ tls ──▶ connect_sql ──▶ side connection ──▶ catalog (slot, settings, checks)
+//!                                                        │                 watchdog (slot monitor, liveness)
+//!                            stream::open ──▶ replication connection ──▶ stream::Stream (read, decode, map)
+//!  every failure ──▶ error::SourceError (definite: stop and say why; transient: reconnect)
+//! ```
+//!
+//! - [`conn`]: connection parameters parsed from a libpq URL or key/value
+//!   string, with an [`SslMode`].
+//! - [`tls`]: libpq's `sslmode` for both connections.
+//! - [`error`]: [`SourceError`] and the one SQLSTATE/transport classifier.
+//! - [`catalog`]: slot info, settings, slot creation, outbox and
+//!   publication checks, identifier quoting.
+//! - [`stream`]: the replication stream and its reader; the one place that
+//!   sets the flush position.
+//! - [`status_updates`]: counts the standby status updates sent.
+//! - [`watchdog`]: the slot monitor and the stream watchdog.
+//!
+//! A logical replication connection matches `pg_hba.conf` by database name,
+//! not by the keyword `replication` (PostgreSQL docs, "The pg_hba.conf
+//! File").
+
+pub mod catalog;
+pub mod conn;
+pub mod error;
+pub mod status_updates;
+pub mod stream;
+pub mod tls;
+pub mod watchdog;
+
+pub use conn::{BadUrl, ConnParams, SslMode};
+pub use error::SourceError;
+
+use tokio::sync::oneshot;
+
+/// Connects the side SQL connection (settings, slot figures, the
+/// dead-letter table) with the URL's `sslmode`; its connection task runs in
+/// the background. Errors name the server (`user@host:port/db`).
+pub async fn connect_sql(
+    conn: &ConnParams,
+    application_name: &str,
+) -> Result<tokio_postgres::Client, SourceError> {
+    Ok(connect_sql_watched(conn, application_name).await?.0)
+}
+
+/// [`connect_sql`], plus a receiver that completes when the connection
+/// closes (the server shut down or restarted, the network broke).
+pub async fn connect_sql_watched(
+    conn: &ConnParams,
+    application_name: &str,
+) -> Result<(tokio_postgres::Client, oneshot::Receiver<()>), SourceError> {
+    let context = format!("connecting to {}", conn.display());
+    let sql_error = |e: tokio_postgres::Error| SourceError::sql(&context, &e);
+    let mut config = conn.sql_config(application_name);
+    let tls = tls::client_config(conn.sslmode, conn.ssl_root_cert.as_deref())
+        .map_err(|e| SourceError::Definite(format!("{context}: {e}")))?;
+    let Some(tls) = tls else {
+        let (client, connection) = config
+            .connect(tokio_postgres::NoTls)
+            .await
+            .map_err(sql_error)?;
+        return Ok((client, spawn_connection(connection)));
+    };
+    config.ssl_mode(match conn.sslmode {
+        SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+        _ => tokio_postgres::config::SslMode::Require,
+    });
+    let (client, connection) = config
+        .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
+        .await
+        .map_err(sql_error)?;
+    Ok((client, spawn_connection(connection)))
+}
+
+fn spawn_connection<F>(connection: F) -> oneshot::Receiver<()>
+where
+    F: std::future::Future<Output = Result<(), tokio_postgres::Error>> + Send + 'static,
+{
+    let (closed_tx, closed) = oneshot::channel();
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "side connection closed");
+        }
+        let _ = closed_tx.send(());
+    });
+    closed
+}

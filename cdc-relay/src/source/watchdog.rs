@@ -1,0 +1,170 @@
+//! The slot monitor and the stream watchdog, both on the side connection.
+//!
+//! - The **monitor** reads the slot's row every `--slot-stats-interval`
+//!   (one statement: the relay's whole cost to an idle database), exports
+//!   lag, `wal_status` and `safe_wal_size`, and publishes the reading on a
+//!   `watch` channel.
+//! - The **watchdog** notices a stream that is open but dead (a frozen
+//!   walsender, a silent network path): after a silence bound without any
+//!   message from the server it asks, on the side connection, whether the
+//!   walsender still reads our status updates. It reuses the monitor's
+//!   reading when it is recent, so a healthy idle relay costs no extra
+//!   statements.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::catalog::{self, SlotInfo};
+use super::error::SourceError;
+use crate::metrics::Metrics;
+
+/// The monitor's latest reading of the slot and when it was taken; `None`
+/// before the first one.
+pub type SlotReading = Option<(Instant, SlotInfo)>;
+
+/// Reads the slot's figures into metrics and `readings` every `interval`
+/// until the side connection fails (then returns; the session notices the
+/// closed connection itself).
+pub async fn monitor_slot(
+    side: Arc<tokio_postgres::Client>,
+    slot: String,
+    interval: Duration,
+    metrics: Metrics,
+    readings: watch::Sender<SlotReading>,
+) {
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        match catalog::slot_info(&side, &slot).await {
+            Ok(Some(info)) => {
+                metrics.slot_lag_bytes.set(info.lag_bytes.unwrap_or(0));
+                metrics
+                    .slot_safe_wal_size_bytes
+                    .set(info.safe_wal_size.unwrap_or(-1));
+                for s in ["reserved", "extended", "unreserved", "lost"] {
+                    let v = i64::from(info.wal_status.as_deref() == Some(s));
+                    metrics.slot_wal_status.with_label_values(&[s]).set(v);
+                }
+                readings.send_replace(Some((Instant::now(), info)));
+            }
+            Ok(None) => tracing::warn!(slot = %slot, "slot disappeared"),
+            Err(e) => {
+                tracing::debug!(error = %e, "slot figures unavailable; side connection lost");
+                return;
+            }
+        }
+    }
+}
+
+/// Silence worth a liveness check: the server's own timeout (it would
+/// have dropped us by then), at least 3 status intervals, at least 5 s
+/// when the server's timeout is disabled.
+pub fn silence_bound(wal_sender_timeout: Duration, status_interval: Duration) -> Duration {
+    let floor = (status_interval * 3).max(Duration::from_secs(1));
+    if wal_sender_timeout.is_zero() {
+        floor.max(Duration::from_secs(5))
+    } else {
+        wal_sender_timeout.max(floor)
+    }
+}
+
+/// Watches one session's stream for silence.
+pub struct Watchdog {
+    side: Arc<tokio_postgres::Client>,
+    slot: String,
+    silence: Duration,
+    last_message: Instant,
+    readings: watch::Receiver<SlotReading>,
+}
+
+impl Watchdog {
+    /// A watchdog that tolerates `silence` without a server message.
+    pub fn new(
+        side: Arc<tokio_postgres::Client>,
+        slot: String,
+        silence: Duration,
+        readings: watch::Receiver<SlotReading>,
+    ) -> Self {
+        Watchdog {
+            side,
+            slot,
+            silence,
+            last_message: Instant::now(),
+            readings,
+        }
+    }
+
+    /// The server sent something: the stream is alive.
+    pub fn heard(&mut self) {
+        self.last_message = Instant::now();
+    }
+
+    /// When the next liveness check is due.
+    pub fn deadline(&self) -> Instant {
+        self.last_message + self.silence
+    }
+
+    /// `Ok` when the walsender serving our slot read a status update from
+    /// us within the silence bound, or is visibly busy (decoding a large
+    /// transaction, reading spilled changes: it reads replies only between
+    /// steps). [`SourceError::Stalled`] when it is idle-waiting yet ignores
+    /// us (a frozen process, a dead network path), or ignores us for 10
+    /// silence bounds.
+    pub async fn check(&mut self) -> Result<(), SourceError> {
+        let stalled = |why: String| Err(SourceError::Stalled(why));
+        let recent = self.last_message + self.silence / 2;
+        let cached = self
+            .readings
+            .borrow()
+            .as_ref()
+            .filter(|(at, _)| *at >= recent)
+            .map(|(_, info)| info.clone());
+        let info = match cached {
+            Some(info) => Some(info),
+            None => match tokio::time::timeout(
+                Duration::from_secs(5),
+                catalog::slot_info(&self.side, &self.slot),
+            )
+            .await
+            {
+                Err(_) => return stalled("liveness query on the side connection timed out".into()),
+                Ok(Err(e)) => return stalled(format!("liveness query failed: {e}")),
+                Ok(Ok(info)) => info,
+            },
+        };
+        let Some(age) = info.as_ref().and_then(|i| i.reply_age_secs) else {
+            return stalled("no walsender holds the slot for this session".into());
+        };
+        let waiting = info
+            .as_ref()
+            .is_some_and(|i| matches!(i.wait_event_type.as_deref(), Some("Activity" | "Client")));
+        let bound = self.silence.as_secs_f64();
+        if age > bound * 10.0 || (age > bound && waiting) {
+            return stalled(format!(
+                "the walsender has not read a status update for {age:.1} s"
+            ));
+        }
+        self.heard();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silence_bound_follows_the_server_timeout() {
+        let s = Duration::from_secs;
+        assert_eq!(silence_bound(s(60), s(1)), s(60));
+        assert_eq!(silence_bound(s(2), Duration::from_millis(666)), s(2));
+        assert_eq!(silence_bound(Duration::ZERO, s(1)), s(5));
+        assert_eq!(
+            silence_bound(Duration::from_millis(500), Duration::from_millis(100)),
+            s(1)
+        );
+    }
+}
