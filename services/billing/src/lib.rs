@@ -1,5 +1,5 @@
 //! The Billing service: an idempotent inbox for `OrderCreated` events
-//! (DESIGN §1, §2).
+//! (`docs/architecture.md#data-flow`, `#wire-format`).
 //!
 //! ```text
 //! POST /inbox ─▶ 415/413 ─▶ signature::EventSecrets::verify ─▶ parse ─▶ event::OrderCreated::from_json

@@ -18,7 +18,7 @@ use crate::event::{OrderCreated, parse_uuid};
 use crate::signature::EventSecrets;
 use crate::store::{InboxStore, Invoice, Recorded};
 
-/// Header carrying the body's HMAC (DESIGN §2).
+/// Header carrying the body's HMAC (`docs/architecture.md#wire-format`).
 pub const SIGNATURE_HEADER: &str = "x-event-signature";
 
 /// Optional header repeating the event id.

@@ -1,5 +1,6 @@
 //! `X-Event-Signature`: lowercase hex HMAC-SHA256 of the exact body bytes
-//! (DESIGN §2), checked against every configured secret so a secret can be
+//! (`docs/architecture.md#wire-format`), checked against every configured
+//! secret so a secret can be
 //! rotated without downtime (senders switch while both are accepted).
 
 use std::path::Path;

@@ -1,5 +1,6 @@
 //! The Orders service: `POST /orders` writes an order and its `OrderCreated`
-//! outbox row in ONE transaction (DESIGN §1), so an order without its event,
+//! outbox row in ONE transaction (`docs/architecture.md#data-flow`), so an
+//! order without its event,
 //! or an event without its order, is never visible.
 //!
 //! ```text
