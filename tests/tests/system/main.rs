@@ -2,10 +2,10 @@
 
 mod chaos;
 mod cli;
-mod failures;
-mod faults;
 mod harness;
+mod infra_faults;
 mod observability;
 mod relay;
 mod services;
+mod sink_failures;
 mod stream;

@@ -1,6 +1,8 @@
-//! Failure handling: poison events and the dead-letter table, the circuit
-//! breaker with probe, the storm guard, configuration faults, unreadable
-//! rows, and backfill after a lost slot. Each ends in a ledger check.
+//! The sink misbehaves (PostgreSQL and the network are fine; see
+//! `infra_faults` for those): poison events and the dead-letter table, the
+//! circuit breaker with probe, the storm guard, configuration faults,
+//! unreadable rows, and backfill after a lost slot. Each ends in a ledger
+//! check.
 
 use std::time::{Duration, Instant};
 

@@ -27,13 +27,11 @@
 //!   time from its return to the first invoice, until the outage's backlog is
 //!   invoiced, and requests/s sent during the outage.
 //!
-//! The baseline (see `bench/baseline.rs`) runs as a child process of this
+//! The baseline (see `baseline.rs`) runs as a child process of this
 //! binary (`bench baseline-worker`), in three variants: the tutorial's 250 ms
 //! poll with one worker, a 100 ms poll, and four workers.
 
-#[path = "bench/baseline.rs"]
 mod baseline;
-#[path = "bench/stats.rs"]
 mod stats;
 
 use std::collections::BTreeMap;
