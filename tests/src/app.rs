@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 
 use crate::process::ServiceProcess;
+use crate::prom::{self, Exposition};
 use crate::stack::{Stack, connect};
 use crate::{bins, wait_until};
 
@@ -24,6 +25,18 @@ pub struct Running {
     pub process: ServiceProcess,
     /// `http://127.0.0.1:PORT`.
     pub url: String,
+}
+
+impl Running {
+    /// Its `/metrics`, parsed strictly.
+    pub async fn metrics(&self) -> anyhow::Result<Exposition> {
+        prom::scrape(&reqwest::Client::new(), &self.url).await
+    }
+
+    /// Billing's inbox: `<url>/inbox`.
+    pub fn inbox(&self) -> String {
+        format!("{}/inbox", self.url)
+    }
 }
 
 /// Starts the Orders service for `stack` on a free port.

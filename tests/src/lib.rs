@@ -17,6 +17,8 @@
 //! - [`process`] runs one of our binaries with its output captured.
 //! - [`bins`] finds (and builds once) the workspace binaries.
 //! - [`wait`] is the bounded polling every wait goes through.
+//! - [`prom`] parses the Prometheus text format strictly, for tests, demo
+//!   and benchmark alike; [`stats`] holds the one percentile definition.
 
 pub mod app;
 pub mod bins;
@@ -24,9 +26,11 @@ pub mod chaos;
 mod guardian;
 pub mod pg;
 pub mod process;
+pub mod prom;
 pub mod proxy;
 pub mod sink;
 pub mod stack;
+pub mod stats;
 pub mod wait;
 
 pub use pg::{ClusterOptions, PgCluster, StopMode};

@@ -49,7 +49,7 @@
 //! pgoutput Commit message to the 2xx); its quantiles are interpolated within
 //! the histogram's buckets, so they are approximate.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -60,7 +60,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use harness::app::{self, Ledger, Running, TEST_SECRET};
+use harness::prom::{self, Exposition};
 use harness::stack::Stack;
+use harness::stats::percentile;
 use harness::{ClusterOptions, PgCluster, bins};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{Semaphore, watch};
@@ -680,8 +682,8 @@ struct Summary {
     created_us: Vec<i64>,
     /// Last invoice commit minus last order commit, microseconds.
     last_invoice_after_last_order_us: Option<i64>,
-    relay: Vec<Sample>,
-    billing: Vec<Sample>,
+    relay: Exposition,
+    billing: Exposition,
     confirmed_lsn: u64,
     current_lsn: u64,
     slot_caught_up: bool,
@@ -757,8 +759,8 @@ async fn summarize(
     commit_us.sort_unstable();
     created_us.sort_unstable();
 
-    let relay_metrics = scrape(http, &relay.url).await?;
-    let billing_metrics = scrape(http, &billing.url).await?;
+    let relay_metrics = prom::scrape(http, &relay.url).await?;
+    let billing_metrics = prom::scrape(http, &billing.url).await?;
     Ok(Summary {
         ledger: Ledger::read(stack).await?,
         joined,
@@ -798,13 +800,9 @@ impl Summary {
         if let Some(err) = &load.first_error {
             println!("               first failure: {err}");
         }
-        let inbox = sum_by_label(
-            &self.billing,
-            "billing_http_requests_total",
-            "route",
-            "/inbox",
-            "status",
-        );
+        let inbox =
+            self.billing
+                .sum_by("billing_http_requests_total", ("route", "/inbox"), "status");
         let inbox_text = inbox
             .iter()
             .map(|(status, n)| format!("{n:.0}×{status}"))
@@ -818,7 +816,7 @@ impl Summary {
             } else {
                 inbox_text
             },
-            sum(&self.billing, "billing_duplicates_absorbed_total"),
+            self.billing.sum("billing_duplicates_absorbed_total"),
         );
         let drain = if load.drained {
             self.last_invoice_after_last_order_us.map_or_else(
@@ -853,15 +851,15 @@ impl Summary {
         );
         let hist = "cdc_relay_commit_to_delivery_seconds";
         let hq = |quantile: f64| {
-            histogram_quantile(&self.relay, hist, quantile)
+            prom::histogram_quantile(&self.relay.buckets(hist), quantile)
                 .map_or_else(|| "-".to_owned(), |s| format!("≈{}", fmt_seconds(s)))
         };
         println!(
             "relay          commit → 2xx p50 {}  p99 {} (its histogram, interpolated in buckets); {:.0} delivered, {:.0} retries",
             hq(0.50),
             hq(0.99),
-            sum(&self.relay, "cdc_relay_events_delivered_total"),
-            sum(&self.relay, "cdc_relay_retries_total"),
+            self.relay.sum("cdc_relay_events_delivered_total"),
+            self.relay.sum("cdc_relay_retries_total"),
         );
         let lag = self.current_lsn.saturating_sub(self.confirmed_lsn);
         println!(
@@ -984,161 +982,6 @@ impl Demo {
     }
 }
 
-/// One sample of the Prometheus text format.
-#[derive(Debug, Clone)]
-struct Sample {
-    name: String,
-    labels: Vec<(String, String)>,
-    value: f64,
-}
-
-impl Sample {
-    fn label(&self, key: &str) -> Option<&str> {
-        self.labels
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-/// `GET <base>/metrics`, parsed.
-async fn scrape(http: &reqwest::Client, base: &str) -> anyhow::Result<Vec<Sample>> {
-    let url = format!("{base}/metrics");
-    let text = http
-        .get(&url)
-        .send()
-        .await
-        .and_then(reqwest::Response::error_for_status)
-        .with_context(|| format!("GET {url}"))?
-        .text()
-        .await?;
-    Ok(parse_metrics(&text))
-}
-
-/// Parses the Prometheus text exposition format (samples only; comments
-/// and malformed lines are skipped).
-fn parse_metrics(text: &str) -> Vec<Sample> {
-    text.lines().filter_map(parse_sample).collect()
-}
-
-fn parse_sample(line: &str) -> Option<Sample> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
-        return None;
-    }
-    let (name, rest) = match line.find(['{', ' ']) {
-        Some(i) => line.split_at(i),
-        None => return None,
-    };
-    let mut labels = Vec::new();
-    let mut rest = rest;
-    if let Some(body) = rest.strip_prefix('{') {
-        let mut chars = body.char_indices();
-        let mut key = String::new();
-        loop {
-            let (i, c) = chars.next()?;
-            match c {
-                '}' => {
-                    rest = &body[i + 1..];
-                    break;
-                }
-                ',' | ' ' => {}
-                '=' => {
-                    if chars.next()?.1 != '"' {
-                        return None;
-                    }
-                    let mut value = String::new();
-                    loop {
-                        match chars.next()?.1 {
-                            '\\' => match chars.next()?.1 {
-                                'n' => value.push('\n'),
-                                other => value.push(other),
-                            },
-                            '"' => break,
-                            other => value.push(other),
-                        }
-                    }
-                    labels.push((std::mem::take(&mut key), value));
-                }
-                other => key.push(other),
-            }
-        }
-    }
-    let value = rest.split_whitespace().next()?.parse().ok()?;
-    Some(Sample {
-        name: name.to_owned(),
-        labels,
-        value,
-    })
-}
-
-/// Sums of `name` samples whose label `filter_key` is `filter_value`,
-/// by the value of label `by`.
-fn sum_by_label(
-    samples: &[Sample],
-    name: &str,
-    filter_key: &str,
-    filter_value: &str,
-    by: &str,
-) -> BTreeMap<String, f64> {
-    let mut out = BTreeMap::new();
-    for s in samples.iter().filter(|s| s.name == name) {
-        if s.label(filter_key) == Some(filter_value) {
-            let key = s.label(by).unwrap_or("").to_owned();
-            *out.entry(key).or_insert(0.0) += s.value;
-        }
-    }
-    out
-}
-
-/// Sum of every sample named `name` (all label sets).
-fn sum(samples: &[Sample], name: &str) -> f64 {
-    samples
-        .iter()
-        .filter(|s| s.name == name)
-        .fold(0.0, |total, s| total + s.value)
-}
-
-/// Quantile `q` of histogram `name`, interpolated linearly within the
-/// bucket it falls in (as PromQL's `histogram_quantile`). `None` when empty.
-fn histogram_quantile(samples: &[Sample], name: &str, q: f64) -> Option<f64> {
-    let bucket = format!("{name}_bucket");
-    let mut buckets: Vec<(f64, f64)> = samples
-        .iter()
-        .filter(|s| s.name == bucket)
-        .filter_map(|s| Some((s.label("le")?.parse::<f64>().ok()?, s.value)))
-        .collect();
-    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let total = buckets.last()?.1;
-    if total <= 0.0 {
-        return None;
-    }
-    let rank = q * total;
-    let (mut lower, mut below) = (0.0, 0.0);
-    for (le, count) in buckets {
-        if count >= rank {
-            if le.is_infinite() {
-                return Some(lower);
-            }
-            if count <= below {
-                return Some(le);
-            }
-            return Some(lower + (le - lower) * (rank - below) / (count - below));
-        }
-        (lower, below) = (le, count);
-    }
-    Some(lower)
-}
-
-/// Nearest-rank percentile of sorted values; `q = 1.0` is the maximum.
-fn percentile(sorted: &[i64], q: f64) -> Option<i64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    Some(sorted[rank - 1])
-}
-
 fn q(sorted: &[i64], quantile: f64) -> String {
     percentile(sorted, quantile).map_or_else(|| "-".to_owned(), fmt_us)
 }
@@ -1192,45 +1035,6 @@ fn end_progress_line() {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_samples_with_labels() {
-        let text = "# HELP x y\n\
-                    billing_http_requests_total{method=\"POST\",route=\"/inbox\",status=\"204\"} 12\n\
-                    cdc_relay_in_flight 3\n\
-                    h_bucket{le=\"+Inf\"} 7\n";
-        let s = parse_metrics(text);
-        assert_eq!(s.len(), 3);
-        assert_eq!(s[0].label("route"), Some("/inbox"));
-        assert_eq!(s[0].value, 12.0);
-        assert_eq!(s[1].name, "cdc_relay_in_flight");
-        assert!(
-            s[2].label("le")
-                .unwrap()
-                .parse::<f64>()
-                .unwrap()
-                .is_infinite()
-        );
-    }
-
-    #[test]
-    fn histogram_quantile_interpolates_within_the_bucket() {
-        let text =
-            "h_bucket{le=\"0.01\"} 0\nh_bucket{le=\"0.02\"} 100\nh_bucket{le=\"+Inf\"} 100\n";
-        let s = parse_metrics(text);
-        let p50 = histogram_quantile(&s, "h", 0.5).unwrap();
-        assert!((p50 - 0.015).abs() < 1e-9, "{p50}");
-        assert!(histogram_quantile(&parse_metrics(""), "h", 0.5).is_none());
-    }
-
-    #[test]
-    fn percentile_is_nearest_rank() {
-        let v: Vec<i64> = (1..=100).collect();
-        assert_eq!(percentile(&v, 0.5), Some(50));
-        assert_eq!(percentile(&v, 0.99), Some(99));
-        assert_eq!(percentile(&v, 1.0), Some(100));
-        assert_eq!(percentile(&[], 0.5), None);
-    }
 
     #[test]
     fn durations() {

@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 use super::load::{HttpTally, SqlTally};
 use super::schedule::{Fault, FaultKind, Schedule};
+use crate::stats::percentile;
 
 /// One request as the sink (in front of Billing) answered it.
 #[derive(Debug, Clone)]
@@ -275,15 +276,6 @@ impl Report {
     pub fn passed(&self) -> bool {
         self.ledger.is_clean() && self.figures.drain.is_some()
     }
-}
-
-/// The `q` quantile (nearest rank) of sorted `v`.
-fn percentile(v: &[f64], q: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    Some(v[rank - 1])
 }
 
 /// Computes the ledger and the figures.

@@ -196,19 +196,6 @@ async fn committed(stack: &Stack) -> anyhow::Result<i64> {
         .get(0))
 }
 
-/// Sum of the relay's metric samples whose name and labels start with `prefix`.
-async fn metric(relay: &Running, prefix: &str) -> anyhow::Result<f64> {
-    let text = reqwest::get(format!("{}/metrics", relay.url))
-        .await?
-        .text()
-        .await?;
-    Ok(text
-        .lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |sum, v| sum + v))
-}
-
 /// Billing, Orders and the relay's setup on `stack`.
 async fn services(stack: &Stack) -> anyhow::Result<(Running, Running)> {
     app::relay_setup(stack).await?;
@@ -261,7 +248,7 @@ async fn walsender_terminated_under_load_reconnects_and_resumes() -> anyhow::Res
     }
     let tally = load.stop().await?;
     let ledger = assert_ledger(&stack, &tally, &relay).await?;
-    let reconnects = metric(&relay, "cdc_relay_reconnects_total").await?;
+    let reconnects = relay.metrics().await?.sum("cdc_relay_reconnects_total");
     eprintln!(
         "pg_terminate_backend x3: streaming again after {recoveries:?}; {} orders, {reconnects} reconnects",
         ledger.committed
@@ -389,8 +376,11 @@ async fn postgres_link_fault(cluster: &PgCluster, fault: Mode) -> anyhow::Result
     load.wait_more(20).await?;
     let tally = load.stop().await?;
     let ledger = assert_ledger(&stack, &tally, &relay).await?;
-    let watchdog = metric(&relay, "cdc_relay_reconnects_total{cause=\"watchdog\"}").await?;
-    let reconnects = metric(&relay, "cdc_relay_reconnects_total").await?;
+    let metrics = relay.metrics().await?;
+    let watchdog = metrics
+        .value("cdc_relay_reconnects_total", &[("cause", "watchdog")])
+        .unwrap_or(0.0);
+    let reconnects = metrics.sum("cdc_relay_reconnects_total");
     eprintln!(
         "relay↔PostgreSQL {fault:?} for {FAULT:?}: caught up {caught_up:?} after the heal; \
          sessions {before} -> {}; reconnects {reconnects} (watchdog {watchdog}); {} orders",
@@ -431,7 +421,10 @@ async fn hot_standby_takes_over_from_a_sigkilled_relay_under_load() -> anyhow::R
         .process
         .wait_for_line("waiting as hot standby", Duration::from_secs(30))
         .await?;
-    assert_eq!(metric(&standby, "cdc_relay_standby ").await?, 1.0);
+    assert_eq!(
+        standby.metrics().await?.value("cdc_relay_standby", &[]),
+        Some(1.0)
+    );
     let load = warm_load(&stack, &orders).await?;
     // Several polls later: still one log line, still no session.
     load.wait_more(40).await?;
@@ -478,7 +471,10 @@ async fn hot_standby_takes_over_from_a_sigkilled_relay_under_load() -> anyhow::R
     load.wait_more(20).await?;
     let tally = load.stop().await?;
     assert_ledger(&stack, &tally, &standby).await?;
-    assert_eq!(metric(&standby, "cdc_relay_standby ").await?, 0.0);
+    assert_eq!(
+        standby.metrics().await?.value("cdc_relay_standby", &[]),
+        Some(0.0)
+    );
     assert!(
         took_over < TAKEOVER_BOUND,
         "the standby took over {took_over:?} after the SIGKILL (slot released after {released:?})"

@@ -3,12 +3,13 @@
 //! no process logs a secret, a password or a payload, and the dashboard and
 //! alert rules in `deploy/` reference only metrics that exist.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use harness::app::{self, Ledger, Running, TEST_SECRET};
+use harness::app::{self, Ledger, TEST_SECRET};
+use harness::prom::{Exposition, is_metric_name};
 use harness::sink::ScriptedSink;
 use harness::{PgCluster, ServiceProcess, Stack, bins};
 
@@ -69,11 +70,11 @@ async fn metrics_after_a_delivery_name_every_documented_series() -> anyhow::Resu
     // A reconnect, so the cause-labelled counter has a series to show.
     terminate_walsender(&stack).await?;
     harness::wait_until("a counted reconnect", WAIT, || async {
-        Ok::<_, anyhow::Error>(scrape(&relay).await?.sum("cdc_relay_reconnects_total") >= 1.0)
+        Ok::<_, anyhow::Error>(relay.metrics().await?.sum("cdc_relay_reconnects_total") >= 1.0)
     })
     .await?;
     harness::wait_until("periodic status updates counted", WAIT, || async {
-        let m = scrape(&relay).await?;
+        let m = relay.metrics().await?;
         Ok::<_, anyhow::Error>(
             m.value("cdc_relay_status_updates_total", &[("cause", "interval")])
                 .is_some_and(|v| v >= 1.0),
@@ -94,11 +95,7 @@ async fn metrics_after_a_delivery_name_every_documented_series() -> anyhow::Resu
     );
     let m = Exposition::parse(&resp.text().await?)?;
     for (name, kind) in DOCUMENTED {
-        assert_eq!(
-            m.types.get(name).map(String::as_str),
-            Some(kind),
-            "{name} missing or not a {kind}"
-        );
+        assert_eq!(m.kind(name), Some(kind), "{name} missing or not a {kind}");
         assert!(m.has_samples(name), "{name} has no samples");
     }
     assert!(m.sum("cdc_relay_events_received_total") >= 1.0);
@@ -148,20 +145,20 @@ async fn metrics_after_a_delivery_name_every_documented_series() -> anyhow::Resu
 
     // The services expose their own request counters and latency histograms.
     for (svc, running) in [("orders", &orders), ("billing", &billing)] {
-        let s = scrape(running).await?;
+        let s = running.metrics().await?;
         for (suffix, kind) in [
             ("http_requests_total", "counter"),
             ("http_request_duration_seconds", "histogram"),
         ] {
             let name = format!("{svc}_{suffix}");
-            assert_eq!(s.types.get(&name).map(String::as_str), Some(kind), "{name}");
+            assert_eq!(s.kind(&name), Some(kind), "{name}");
         }
     }
 
     // Every metric the dashboard and the alert rules use is exposed for real.
-    let mut exposed: BTreeSet<String> = m.types.keys().cloned().collect();
+    let mut exposed: BTreeSet<String> = m.families().map(str::to_owned).collect();
     for running in [&orders, &billing] {
-        exposed.extend(scrape(running).await?.types.into_keys());
+        exposed.extend(running.metrics().await?.families().map(str::to_owned));
     }
     for (file, name) in deploy_metric_references()? {
         assert!(
@@ -217,13 +214,13 @@ async fn readyz_is_ready_while_streaming_and_not_while_events_are_stuck() -> any
     assert!(why.contains("ready window"), "{why}");
     assert_eq!(probe("/healthz").await?.0, 200, "stuck is still alive");
     assert_eq!(
-        scrape(&relay).await?.value("cdc_relay_circuit_state", &[]),
+        relay.metrics().await?.value("cdc_relay_circuit_state", &[]),
         Some(0.0),
         "not ready because of progress, not the circuit: {why}"
     );
     // The age gauge is refreshed every second.
     harness::wait_until("the stuck event's age past the window", WAIT, || async {
-        let m = scrape(&relay).await?;
+        let m = relay.metrics().await?;
         Ok::<_, anyhow::Error>(
             m.value("cdc_relay_oldest_unconfirmed_event_age_seconds", &[])
                 .is_some_and(|age| age >= 2.0),
@@ -238,7 +235,7 @@ async fn readyz_is_ready_while_streaming_and_not_while_events_are_stuck() -> any
     .await?;
     assert!(sink.delivered().iter().any(|r| r.id() == event.to_string()));
     harness::wait_until("the age gauge back to 0", WAIT, || async {
-        let m = scrape(&relay).await?;
+        let m = relay.metrics().await?;
         Ok::<_, anyhow::Error>(
             m.value("cdc_relay_oldest_unconfirmed_event_age_seconds", &[]) == Some(0.0),
         )
@@ -364,12 +361,7 @@ async fn no_process_logs_a_secret_a_password_or_a_payload() -> anyhow::Result<()
     )
     .await?;
     harness::wait_until("the poison event dead-lettered", WAIT, || async {
-        let m = Exposition::parse(
-            &reqwest::get(format!("{admin_url}/metrics"))
-                .await?
-                .text()
-                .await?,
-        )?;
+        let m = harness::prom::scrape(&http, &admin_url).await?;
         Ok::<_, anyhow::Error>(m.sum("cdc_relay_events_dead_lettered_total") >= 1.0)
     })
     .await?;
@@ -451,24 +443,6 @@ fn deploy_files_reference_only_registered_metrics() -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-#[test]
-fn the_exposition_parser_rejects_malformed_text() {
-    let good = "# HELP a_total A.\n# TYPE a_total counter\na_total{x=\"1\\\"q\"} 3\n\
-                # TYPE h histogram\nh_bucket{le=\"+Inf\"} 2\nh_sum 0.5\nh_count 2\n";
-    let m = Exposition::parse(good).expect("valid text");
-    assert_eq!(m.value("a_total", &[("x", "1\"q")]), Some(3.0));
-    for bad in [
-        "a_total 1\n",                                              // no TYPE
-        "# TYPE a gauge\na{x=1} 1\n",                               // unquoted label
-        "# TYPE a gauge\na 1 2 3\n",                                // trailing junk
-        "# TYPE a gauge\na one\n",                                  // not a number
-        "# TYPE a wobble\na 1\n",                                   // unknown type
-        "# TYPE h histogram\nh_bucket{le=\"+Inf\"} 2\nh_count 3\n", // +Inf != count
-    ] {
-        assert!(Exposition::parse(bad).is_err(), "accepted {bad:?}");
-    }
 }
 
 // ---- helpers ----
@@ -578,23 +552,6 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-async fn scrape(running: &Running) -> anyhow::Result<Exposition> {
-    let text = reqwest::get(format!("{}/metrics", running.url))
-        .await?
-        .error_for_status()?
-        .text()
-        .await?;
-    Exposition::parse(&text)
-}
-
-fn is_metric_name(s: &str) -> bool {
-    let mut chars = s.chars();
-    chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
-}
-
 /// `(file, metric family)` for every `cdc_relay_*`, `orders_*` and
 /// `billing_*` metric named in the Grafana dashboard and the Prometheus
 /// rules; histogram suffixes are folded into their family.
@@ -633,191 +590,6 @@ fn deploy_metric_references() -> anyhow::Result<Vec<(String, String)>> {
     Ok(refs.into_iter().collect())
 }
 
-/// A parsed Prometheus text exposition (format 0.0.4), strict enough to
-/// catch malformed output: every sample belongs to a family with a `# TYPE`
-/// line, labels are quoted, values are numbers, histograms are consistent.
-#[derive(Debug, Default)]
-struct Exposition {
-    /// Family name → type.
-    types: BTreeMap<String, String>,
-    samples: Vec<Sample>,
-}
-
-#[derive(Debug)]
-struct Sample {
-    name: String,
-    labels: BTreeMap<String, String>,
-    value: f64,
-}
-
-impl Exposition {
-    fn parse(text: &str) -> anyhow::Result<Exposition> {
-        let mut e = Exposition::default();
-        for (n, line) in text.lines().enumerate() {
-            let at = || format!("line {}: {line:?}", n + 1);
-            if line.is_empty() {
-                continue;
-            }
-            if let Some(rest) = line.strip_prefix("# TYPE ") {
-                let (name, kind) = rest.split_once(' ').with_context(at)?;
-                anyhow::ensure!(is_metric_name(name), "bad name, {}", at());
-                anyhow::ensure!(
-                    ["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind),
-                    "bad type, {}",
-                    at()
-                );
-                e.types.insert(name.to_owned(), kind.to_owned());
-                continue;
-            }
-            if line.starts_with('#') {
-                continue;
-            }
-            let sample = parse_sample(line).with_context(at)?;
-            anyhow::ensure!(
-                e.family_of(&sample.name).is_some(),
-                "sample without a # TYPE, {}",
-                at()
-            );
-            e.samples.push(sample);
-        }
-        e.check_histograms()?;
-        Ok(e)
-    }
-
-    /// The family a sample name belongs to.
-    fn family_of(&self, sample: &str) -> Option<&str> {
-        if self.types.contains_key(sample) {
-            return self.types.get_key_value(sample).map(|(k, _)| k.as_str());
-        }
-        ["_bucket", "_sum", "_count"].iter().find_map(|s| {
-            let family = sample.strip_suffix(s)?;
-            let (k, kind) = self.types.get_key_value(family)?;
-            (kind == "histogram" || kind == "summary").then_some(k.as_str())
-        })
-    }
-
-    fn check_histograms(&self) -> anyhow::Result<()> {
-        for (family, _) in self.types.iter().filter(|(_, k)| *k == "histogram") {
-            let inf = self
-                .samples
-                .iter()
-                .filter(|s| s.name == format!("{family}_bucket"))
-                .filter(|s| s.labels.get("le").map(String::as_str) == Some("+Inf"))
-                .map(|s| s.value)
-                .sum::<f64>();
-            let count = self.sum(&format!("{family}_count"));
-            anyhow::ensure!(
-                inf == count,
-                "{family}: +Inf bucket {inf} != _count {count}"
-            );
-        }
-        Ok(())
-    }
-
-    fn has_samples(&self, family: &str) -> bool {
-        self.samples
-            .iter()
-            .any(|s| self.family_of(&s.name) == Some(family))
-    }
-
-    /// Sum of every sample named exactly `name`.
-    fn sum(&self, name: &str) -> f64 {
-        self.samples
-            .iter()
-            .filter(|s| s.name == name)
-            .map(|s| s.value)
-            .sum()
-    }
-
-    /// The sample named `name` with exactly these labels.
-    fn value(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-        let want: BTreeMap<String, String> = labels
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        self.samples
-            .iter()
-            .find(|s| s.name == name && s.labels == want)
-            .map(|s| s.value)
-    }
-
-    fn label_values(&self, name: &str, label: &str) -> BTreeSet<String> {
-        self.samples
-            .iter()
-            .filter(|s| s.name == name)
-            .filter_map(|s| s.labels.get(label).cloned())
-            .collect()
-    }
-}
-
-/// `name{k="v",...} value [timestamp]`.
-fn parse_sample(line: &str) -> anyhow::Result<Sample> {
-    let name_end = line.find(['{', ' ']).context("no value")?;
-    let name = &line[..name_end];
-    anyhow::ensure!(is_metric_name(name), "bad metric name {name:?}");
-    let mut rest = &line[name_end..];
-    let mut labels = BTreeMap::new();
-    if let Some(body) = rest.strip_prefix('{') {
-        let (parsed, after) = parse_labels(body)?;
-        labels = parsed;
-        rest = after;
-    }
-    let mut fields = rest
-        .strip_prefix(' ')
-        .context("no space before the value")?
-        .split(' ');
-    let value = parse_value(fields.next().context("no value")?)?;
-    if let Some(ts) = fields.next() {
-        ts.parse::<i64>().context("bad timestamp")?;
-    }
-    anyhow::ensure!(fields.next().is_none(), "trailing fields");
-    Ok(Sample {
-        name: name.to_owned(),
-        labels,
-        value,
-    })
-}
-
-/// Parses `k="v",k2="v2"}` and returns the labels and what follows `}`.
-fn parse_labels(mut s: &str) -> anyhow::Result<(BTreeMap<String, String>, &str)> {
-    let mut labels = BTreeMap::new();
-    loop {
-        if let Some(after) = s.strip_prefix('}') {
-            return Ok((labels, after));
-        }
-        let (key, rest) = s.split_once("=\"").context("label without =\"")?;
-        anyhow::ensure!(is_metric_name(key), "bad label name {key:?}");
-        let mut value = String::new();
-        let mut chars = rest.char_indices();
-        let end = loop {
-            match chars.next().context("unterminated label value")? {
-                (_, '\\') => match chars.next().context("dangling escape")?.1 {
-                    'n' => value.push('\n'),
-                    c @ ('\\' | '"') => value.push(c),
-                    c => anyhow::bail!("bad escape \\{c}"),
-                },
-                (i, '"') => break i,
-                (_, c) => value.push(c),
-            }
-        };
-        anyhow::ensure!(
-            labels.insert(key.to_owned(), value).is_none(),
-            "label {key} twice"
-        );
-        s = &rest[end + 1..];
-        s = s.strip_prefix(',').unwrap_or(s);
-    }
-}
-
-fn parse_value(v: &str) -> anyhow::Result<f64> {
-    match v {
-        "+Inf" => Ok(f64::INFINITY),
-        "-Inf" => Ok(f64::NEG_INFINITY),
-        "NaN" => Ok(f64::NAN),
-        _ => v.parse().with_context(|| format!("bad value {v:?}")),
-    }
-}
-
 /// TLS end to end with a private CA made here with the `openssl` CLI: the
 /// relay delivers to an https sink it trusts through `--sink-ca-file` (and
 /// not without it), and both its PostgreSQL connections, the side one and
@@ -852,7 +624,7 @@ async fn tls_to_postgres_and_to_the_sink_with_a_private_ca() -> anyhow::Result<(
     app::wait_streaming(&untrusting).await?;
     let event = insert_event(&db, serde_json::json!({})).await?;
     harness::wait_until("a failed TLS delivery attempt", WAIT, || async {
-        let m = scrape(&untrusting).await?;
+        let m = untrusting.metrics().await?;
         Ok::<_, anyhow::Error>(
             m.value(
                 "cdc_relay_delivery_attempts_total",

@@ -152,12 +152,9 @@ async fn circuit_opens_probes_slowly_and_recovers_within_a_probe_interval() -> a
     let rate = (sink.arrivals() - before) as f64 / 5.0;
     eprintln!("requests/s to the failing sink with the circuit open: {rate:.1}");
     assert!(rate <= 3.0, "{rate} requests/s while open");
-    let metrics = reqwest::get(format!("{}/metrics", relay.url))
-        .await?
-        .text()
-        .await?;
-    assert!(
-        metrics.contains("cdc_relay_circuit_state 1"),
+    assert_eq!(
+        relay.metrics().await?.value("cdc_relay_circuit_state", &[]),
+        Some(1.0),
         "gauge shows open"
     );
     let ready = reqwest::get(format!("{}/readyz", relay.url)).await?;

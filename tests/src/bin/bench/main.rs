@@ -48,6 +48,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use clap::{Parser, Subcommand};
 use harness::app::{self, Running, TEST_SECRET};
+use harness::prom;
 use harness::sink::ScriptedSink;
 use harness::stack::Stack;
 use harness::{ClusterOptions, PgCluster, ServiceProcess};
@@ -674,21 +675,9 @@ async fn null_sink() -> anyhow::Result<NullSink> {
     })
 }
 
-/// `GET <base>/metrics`, parsed.
-async fn scrape(http: &reqwest::Client, base: &str) -> anyhow::Result<Vec<stats::Sample>> {
-    let text = http
-        .get(format!("{base}/metrics"))
-        .send()
-        .await?
-        .error_for_status()?
-        .text()
-        .await?;
-    Ok(stats::parse_metrics(&text))
-}
-
 async fn billing_invoiced(http: &reqwest::Client, billing: &Running) -> anyhow::Result<u64> {
-    let m = scrape(http, &billing.url).await?;
-    Ok(stats::sum(&m, "billing_invoices_created_total") as u64)
+    let m = prom::scrape(http, &billing.url).await?;
+    Ok(m.sum("billing_invoices_created_total") as u64)
 }
 
 // ---------------------------------------------------------------- load
@@ -779,7 +768,7 @@ async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> anyhow::Result
         post_at_rate(&ctx.http, &orders.url, 50.0, Duration::from_millis(1000)).await?;
     wait_invoices(&stack, warm.len() as u64, Duration::from_secs(30)).await?;
     let before = match proc.admin_url() {
-        Some(u) => Some(scrape(&ctx.http, u).await?),
+        Some(u) => Some(prom::scrape(&ctx.http, u).await?),
         None => None,
     };
     let window = Duration::from_secs(ctx.cfg.latency_window_s);
@@ -856,14 +845,11 @@ async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> anyhow::Result
         }
     }
     if let (Some(before), Some(url)) = (before, proc.admin_url()) {
-        let after = scrape(&ctx.http, url).await?;
+        let after = prom::scrape(&ctx.http, url).await?;
         let name = "cdc_relay_commit_to_delivery_seconds";
-        let d = stats::bucket_delta(
-            &stats::buckets(&before, name),
-            &stats::buckets(&after, name),
-        );
+        let d = prom::bucket_delta(&before.buckets(name), &after.buckets(name));
         for (label, q) in [("p50", 0.5), ("p90", 0.9), ("p99", 0.99)] {
-            if let Some(v) = stats::histogram_quantile(&d, q) {
+            if let Some(v) = prom::histogram_quantile(&d, q) {
                 ctx.results.add(
                     &scen,
                     &format!("relay histogram {label}"),
