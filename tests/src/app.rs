@@ -1,9 +1,12 @@
 //! The application stack on top of a [`Stack`]: the Orders, Billing and
-//! relay binaries as real processes, plus the end-state oracle (the ledger).
+//! relay binaries as real processes, `cdc-relay` as a CLI command, the
+//! relay's sessions as its log reports them, and the end-state oracle (the
+//! ledger).
 //!
-//! Every system test, the demo and the benchmarks start processes through
-//! here, so flags and credentials live in one place.
+//! Every system test, the demo and the benchmarks start processes and run
+//! commands through here, so flags and credentials live in one place.
 
+use std::process::ExitStatus;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -18,6 +21,10 @@ pub const TEST_SECRET: &str = "test-secret-4f1c2a";
 
 /// How long a process may take to print its `listening on` line.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Bound for a `cdc-relay` CLI command: creating a slot waits for every
+/// transaction in progress on the cluster, and other tests share it.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// A running service with its base URL.
 pub struct Running {
@@ -82,21 +89,14 @@ pub fn relay_globals(stack: &Stack) -> Vec<String> {
 /// Runs `cdc-relay setup` as the superuser (it creates the slot) and returns
 /// its stdout.
 pub async fn relay_setup(stack: &Stack) -> anyhow::Result<String> {
-    let out = tokio::process::Command::new(bins::path("cdc-relay"))
-        .args(relay_globals(stack))
-        .arg("setup")
-        .env("CDC_RELAY_DATABASE_URL", &stack.orders_admin_url)
-        .output()
-        .await
-        .context("running cdc-relay setup")?;
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let out = relay_command(stack, &stack.orders_admin_url, &["setup"], &[]).await?;
     anyhow::ensure!(
-        out.status.success(),
-        "cdc-relay setup failed ({}):\n{stdout}\n{}",
+        out.success(),
+        "cdc-relay setup failed ({}):\n{}",
         out.status,
-        String::from_utf8_lossy(&out.stderr)
+        out.text()
     );
-    Ok(stdout)
+    Ok(out.stdout)
 }
 
 /// Starts `cdc-relay run` as the relay role (LOGIN REPLICATION, no
@@ -110,9 +110,100 @@ pub async fn start_relay(stack: &Stack, sink_url: &str, args: &[&str]) -> anyhow
 pub async fn wait_streaming(relay: &Running) -> anyhow::Result<()> {
     relay
         .process
-        .wait_for_line("streaming", START_TIMEOUT)
+        .wait_for_line_where(
+            "the relay's `streaming slot=...` line",
+            is_session_start,
+            START_TIMEOUT,
+        )
         .await
         .map(|_| ())
+}
+
+/// Whether `line` is the relay's log line for a replication session that
+/// started streaming: the message `streaming` with its `slot=` field. Matched
+/// on message and field, not on the module path, which may move.
+pub fn is_session_start(line: &str) -> bool {
+    let mut words = line.split_whitespace();
+    words.clone().any(|w| w == "streaming") && words.any(|w| w.starts_with("slot="))
+}
+
+/// Replication sessions `relay` started so far (its `streaming` log lines).
+pub fn sessions(relay: &Running) -> usize {
+    relay
+        .process
+        .logs()
+        .lines()
+        .filter(|l| is_session_start(l))
+        .count()
+}
+
+/// Waits (up to `timeout`) until `relay` started a session after the first `before`.
+pub async fn wait_new_session(
+    relay: &Running,
+    before: usize,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    wait_until("the relay to stream again", timeout, || async {
+        sessions(relay) > before
+    })
+    .await
+}
+
+/// What a `cdc-relay` command run to completion printed, and how it exited.
+#[derive(Debug)]
+pub struct CommandOutput {
+    /// The exit status.
+    pub status: ExitStatus,
+    /// Standard output (lossily decoded).
+    pub stdout: String,
+    /// Standard error (lossily decoded).
+    pub stderr: String,
+}
+
+impl CommandOutput {
+    /// Whether it exited 0.
+    pub fn success(&self) -> bool {
+        self.status.success()
+    }
+
+    /// The exit code (`None` if a signal ended it).
+    pub fn code(&self) -> Option<i32> {
+        self.status.code()
+    }
+
+    /// Standard output then standard error, for assertions and messages.
+    pub fn text(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+}
+
+/// Runs `cdc-relay <stack's --slot and --publication> <args>` as a CLI
+/// command against `db_url` and waits (bounded) for it to exit. The test's
+/// own `EVENT_SECRET` is not passed on; `env` adds variables (the secret,
+/// `CDC_RELAY_SINK_URL`, ...).
+pub async fn relay_command(
+    stack: &Stack,
+    db_url: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> anyhow::Result<CommandOutput> {
+    let mut command = tokio::process::Command::new(bins::path("cdc-relay"));
+    command
+        .args(relay_globals(stack))
+        .args(args)
+        .env("CDC_RELAY_DATABASE_URL", db_url)
+        .env_remove("EVENT_SECRET")
+        .envs(env.iter().copied())
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(COMMAND_TIMEOUT, command.output())
+        .await
+        .with_context(|| format!("cdc-relay {args:?} still running after {COMMAND_TIMEOUT:?}"))?
+        .with_context(|| format!("running cdc-relay {args:?}"))?;
+    Ok(CommandOutput {
+        status: out.status,
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    })
 }
 
 /// Posts one order through the Orders API; returns `(order_id, event_id)`.
@@ -316,4 +407,27 @@ pub async fn walsender_pid(db: &tokio_postgres::Client, slot: &str) -> anyhow::R
         )
         .await?;
     Ok(r.get(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_session_start;
+
+    #[test]
+    fn a_session_start_is_the_streaming_message_with_its_slot_field() {
+        for line in [
+            "2025-06-01T10:00:00.000000Z  INFO cdc_relay::relay: streaming slot=s1 start=0/16B3748 status_interval_ms=1000",
+            // The module path may change; message and field are what count.
+            "2025-06-01T10:00:00.000000Z  INFO cdc_relay::source::stream: streaming slot=s1 start=0/1",
+        ] {
+            assert!(is_session_start(line), "{line}");
+        }
+        for line in [
+            "2025-06-01T10:00:00.000000Z  INFO cdc_relay::relay: slot is held by another process; waiting as hot standby slot=s1 active_pid=42",
+            "2025-06-01T10:00:00.000000Z  WARN cdc_relay::relay: not streaming: reconnecting in 100ms",
+            "streaming",
+        ] {
+            assert!(!is_session_start(line), "{line}");
+        }
+    }
 }

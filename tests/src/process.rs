@@ -149,6 +149,19 @@ impl ServiceProcess {
     /// `timeout`, or as soon as the process closed both streams; the error
     /// names the pattern and quotes the output's tail.
     pub async fn wait_for_line(&self, pattern: &str, timeout: Duration) -> anyhow::Result<String> {
+        let what = format!("a line containing {pattern:?}");
+        self.wait_for_line_where(&what, |line| line.contains(pattern), timeout)
+            .await
+    }
+
+    /// [`wait_for_line`](Self::wait_for_line) for the first line `matches`
+    /// accepts; `what` describes such a line in the errors.
+    pub async fn wait_for_line_where(
+        &self,
+        what: &str,
+        matches: impl Fn(&str) -> bool,
+        timeout: Duration,
+    ) -> anyhow::Result<String> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut changes = self.output.changed.subscribe();
         // Absolute number of the first line not searched yet, so a chatty
@@ -165,7 +178,7 @@ impl ServiceProcess {
                     .retained
                     .iter()
                     .skip(skip)
-                    .find(|line| line.contains(pattern))
+                    .find(|line| matches(line))
                     .cloned();
                 (found, lines.open_streams)
             };
@@ -174,7 +187,7 @@ impl ServiceProcess {
             }
             if open_streams == 0 {
                 bail!(
-                    "{} closed stdout and stderr (exited?) without printing a line containing {pattern:?}\n{}",
+                    "{} closed stdout and stderr (exited?) without printing {what}\n{}",
                     self.name,
                     self.tail()
                 );
@@ -184,7 +197,7 @@ impl ServiceProcess {
                 .is_err()
             {
                 bail!(
-                    "timed out after {timeout:?} waiting for {} to print a line containing {pattern:?}\n{}",
+                    "timed out after {timeout:?} waiting for {} to print {what}\n{}",
                     self.name,
                     self.tail()
                 );

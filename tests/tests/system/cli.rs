@@ -1,54 +1,30 @@
 //! The operator surface of `cdc-relay`: setup, status, start-up errors.
 
-use std::process::Output;
 use std::time::Duration;
 
+use harness::PgCluster;
 use harness::app::{self, TEST_SECRET};
 use harness::sink::ScriptedSink;
-use harness::{PgCluster, Stack, bins};
-
-async fn relay_cmd(
-    stack: &Stack,
-    url: &str,
-    args: &[&str],
-    env: &[(&str, &str)],
-) -> anyhow::Result<Output> {
-    let mut cmd = tokio::process::Command::new(bins::path("cdc-relay"));
-    cmd.args(app::relay_globals(stack))
-        .args(args)
-        .env("CDC_RELAY_DATABASE_URL", url)
-        .env_remove("EVENT_SECRET")
-        .envs(env.iter().copied());
-    Ok(tokio::time::timeout(Duration::from_secs(60), cmd.output()).await??)
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn setup_is_idempotent_and_status_reports_the_slot() -> anyhow::Result<()> {
     let stack = PgCluster::shared().create_stack().await?;
     // The harness created the publication already; setup keeps it and makes the slot.
-    let first = relay_cmd(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
-    assert!(first.status.success(), "{}", text(&first));
-    let out = text(&first);
+    let first = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(first.success(), "{}", first.text());
+    let out = first.text();
     assert!(out.contains("ok: wal_level = logical"), "{out}");
     assert!(out.contains("exists: publication"), "{out}");
     assert!(out.contains("created: slot"), "{out}");
 
-    let again = relay_cmd(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
-    assert!(again.status.success(), "{}", text(&again));
-    assert!(text(&again).contains("exists: slot"), "{}", text(&again));
-    assert!(!text(&again).contains("created:"), "{}", text(&again));
+    let again = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(again.success(), "{}", again.text());
+    assert!(again.text().contains("exists: slot"), "{}", again.text());
+    assert!(!again.text().contains("created:"), "{}", again.text());
 
-    let status = relay_cmd(&stack, &stack.relay_url, &["status", "--json"], &[]).await?;
-    assert!(status.status.success(), "{}", text(&status));
-    let v: serde_json::Value = serde_json::from_slice(&status.stdout)?;
+    let status = app::relay_command(&stack, &stack.relay_url, &["status", "--json"], &[]).await?;
+    assert!(status.success(), "{}", status.text());
+    let v: serde_json::Value = serde_json::from_str(&status.stdout)?;
     assert_eq!(v["slot"], stack.slot.as_str());
     assert_eq!(v["exists"], true);
     assert_eq!(v["active"], false);
@@ -59,11 +35,11 @@ async fn setup_is_idempotent_and_status_reports_the_slot() -> anyhow::Result<()>
     );
     assert!(v["lag_bytes"].as_i64().is_some());
 
-    let human = relay_cmd(&stack, &stack.relay_url, &["status"], &[]).await?;
+    let human = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
     assert!(
-        text(&human).contains("confirmed_flush_lsn"),
+        human.text().contains("confirmed_flush_lsn"),
         "{}",
-        text(&human)
+        human.text()
     );
     Ok(())
 }
@@ -74,12 +50,12 @@ async fn setup_creates_a_missing_publication_and_checks_columns() -> anyhow::Res
     let db = stack.orders_admin().await?;
     db.batch_execute(&format!("DROP PUBLICATION \"{}\"", stack.publication))
         .await?;
-    let out = relay_cmd(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
-    assert!(out.status.success(), "{}", text(&out));
+    let out = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(out.success(), "{}", out.text());
     assert!(
-        text(&out).contains("created: publication"),
+        out.text().contains("created: publication"),
         "{}",
-        text(&out)
+        out.text()
     );
     let row = db
         .query_one(
@@ -94,18 +70,18 @@ async fn setup_creates_a_missing_publication_and_checks_columns() -> anyhow::Res
         "insert-only publication"
     );
 
-    let bad = relay_cmd(
+    let bad = app::relay_command(
         &stack,
         &stack.orders_admin_url,
         &["--payload-column", "body", "setup"],
         &[],
     )
     .await?;
-    assert!(!bad.status.success());
+    assert!(!bad.success());
     assert!(
-        text(&bad).contains("\"body\"") && text(&bad).contains("--payload-column"),
+        bad.text().contains("\"body\"") && bad.text().contains("--payload-column"),
         "{}",
-        text(&bad)
+        bad.text()
     );
     Ok(())
 }
@@ -114,7 +90,7 @@ async fn setup_creates_a_missing_publication_and_checks_columns() -> anyhow::Res
 async fn run_without_a_slot_exits_naming_setup() -> anyhow::Result<()> {
     let stack = PgCluster::shared().create_stack().await?;
     let sink = ScriptedSink::start().await?;
-    let out = relay_cmd(
+    let out = app::relay_command(
         &stack,
         &stack.relay_url,
         &[
@@ -127,8 +103,8 @@ async fn run_without_a_slot_exits_naming_setup() -> anyhow::Result<()> {
         &[("EVENT_SECRET", TEST_SECRET)],
     )
     .await?;
-    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
-    assert!(text(&out).contains("cdc-relay setup"), "{}", text(&out));
+    assert_eq!(out.code(), Some(3), "{}", out.text());
+    assert!(out.text().contains("cdc-relay setup"), "{}", out.text());
     Ok(())
 }
 
@@ -146,34 +122,34 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
                 "127.0.0.1:0",
             ];
             args.extend_from_slice(extra);
-            relay_cmd(&stack, &stack.relay_url, &args, env).await
+            app::relay_command(&stack, &stack.relay_url, &args, env).await
         }
     };
     let no_secret = run(&[], &[]).await?;
-    assert!(!no_secret.status.success());
+    assert!(!no_secret.success());
     assert!(
-        text(&no_secret).contains("EVENT_SECRET"),
+        no_secret.text().contains("EVENT_SECRET"),
         "{}",
-        text(&no_secret)
+        no_secret.text()
     );
 
     let timeouts = run(&["--request-timeout", "30s"], &[("EVENT_SECRET", "x")]).await?;
-    assert!(!timeouts.status.success());
+    assert!(!timeouts.success());
     assert!(
-        text(&timeouts).contains("--shutdown-timeout"),
+        timeouts.text().contains("--shutdown-timeout"),
         "{}",
-        text(&timeouts)
+        timeouts.text()
     );
 
     let bad_size = run(&["--max-pending-bytes", "lots"], &[("EVENT_SECRET", "x")]).await?;
-    assert_eq!(bad_size.status.code(), Some(2));
+    assert_eq!(bad_size.code(), Some(2));
     assert!(
-        text(&bad_size).contains("--max-pending-bytes"),
+        bad_size.text().contains("--max-pending-bytes"),
         "{}",
-        text(&bad_size)
+        bad_size.text()
     );
 
-    let wrong_password = relay_cmd(
+    let wrong_password = app::relay_command(
         &stack,
         &stack.relay_url,
         &[
@@ -189,19 +165,16 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         ],
     )
     .await?;
-    assert_eq!(
-        wrong_password.status.code(),
-        Some(1),
+    assert_eq!(wrong_password.code(), Some(1), "{}", wrong_password.text());
+    assert!(
+        wrong_password
+            .text()
+            .contains("password authentication failed"),
         "{}",
-        text(&wrong_password)
+        wrong_password.text()
     );
     assert!(
-        text(&wrong_password).contains("password authentication failed"),
-        "{}",
-        text(&wrong_password)
-    );
-    assert!(
-        !text(&wrong_password).contains("wrong"),
+        !wrong_password.text().contains("wrong"),
         "the password is never printed"
     );
     Ok(())
@@ -248,9 +221,9 @@ async fn run_refuses_a_table_or_publication_that_would_skip_events() -> anyhow::
     let env = [("EVENT_SECRET", TEST_SECRET)];
     let mut wrong_table = base.to_vec();
     wrong_table.extend(["--table", "public.nope"]);
-    let out = relay_cmd(&stack, &stack.relay_url, &wrong_table, &env).await?;
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(text(&out).contains("--table"), "{}", text(&out));
+    let out = app::relay_command(&stack, &stack.relay_url, &wrong_table, &env).await?;
+    assert_eq!(out.code(), Some(1), "{}", out.text());
+    assert!(out.text().contains("--table"), "{}", out.text());
 
     // A real table the publication does not carry.
     let db = stack.orders_admin().await?;
@@ -258,22 +231,24 @@ async fn run_refuses_a_table_or_publication_that_would_skip_events() -> anyhow::
         .await?;
     let mut unpublished = base.to_vec();
     unpublished.extend(["--table", "public.other_outbox"]);
-    let out = relay_cmd(&stack, &stack.relay_url, &unpublished, &env).await?;
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let out = app::relay_command(&stack, &stack.relay_url, &unpublished, &env).await?;
+    assert_eq!(out.code(), Some(1), "{}", out.text());
     assert!(
-        text(&out).contains("publishes inserts into public.other_outbox"),
+        out.text()
+            .contains("publishes inserts into public.other_outbox"),
         "{}",
-        text(&out)
+        out.text()
     );
 
     let mut wrong_publication = base.to_vec();
     wrong_publication.extend(["--publication", "nope"]);
-    let out = relay_cmd(&stack, &stack.relay_url, &wrong_publication, &env).await?;
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let out = app::relay_command(&stack, &stack.relay_url, &wrong_publication, &env).await?;
+    assert_eq!(out.code(), Some(1), "{}", out.text());
     assert!(
-        text(&out).contains("\"nope\" does not exist (--publication)"),
+        out.text()
+            .contains("\"nope\" does not exist (--publication)"),
         "{}",
-        text(&out)
+        out.text()
     );
     Ok(())
 }

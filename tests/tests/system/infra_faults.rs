@@ -161,25 +161,6 @@ fn tail(text: &str, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
-/// Sessions the relay started so far (its `streaming` log lines).
-fn sessions(relay: &Running) -> usize {
-    relay
-        .process
-        .logs()
-        .lines()
-        .filter(|l| l.contains("cdc_relay::relay") && l.contains(" streaming "))
-        .count()
-}
-
-/// Waits until the relay started a session after the first `before`.
-async fn wait_new_session(relay: &Running, before: usize) -> anyhow::Result<()> {
-    wait_until("the relay to stream again", RECOVERY, || async {
-        tokio::time::sleep(Duration::from_millis(30)).await;
-        sessions(relay) > before
-    })
-    .await
-}
-
 async fn invoices(stack: &Stack) -> anyhow::Result<i64> {
     let db = stack.billing_admin().await?;
     Ok(db
@@ -233,14 +214,14 @@ async fn walsender_terminated_under_load_reconnects_and_resumes() -> anyhow::Res
         let pid = app::walsender_pid(&db, &stack.slot)
             .await?
             .context("slot active")?;
-        let before = sessions(&relay);
+        let before = app::sessions(&relay);
         let killed = Instant::now();
         let done: bool = db
             .query_one("SELECT pg_terminate_backend($1)", &[&pid])
             .await?
             .get(0);
         assert!(done, "walsender {pid} terminated");
-        wait_new_session(&relay, before).await?;
+        app::wait_new_session(&relay, before, RECOVERY).await?;
         recoveries.push(killed.elapsed());
         let now = app::walsender_pid(&db, &stack.slot).await?;
         assert_ne!(now, Some(pid), "a new walsender serves the slot");
@@ -265,12 +246,12 @@ async fn postgres_restart_under_load(mode: StopMode) -> anyhow::Result<()> {
     app::wait_streaming(&relay).await?;
     let load = warm_load(&stack, &orders).await?;
 
-    let before = sessions(&relay);
+    let before = app::sessions(&relay);
     let started = Instant::now();
     let c = Arc::clone(&cluster);
     tokio::task::spawn_blocking(move || c.restart(mode)).await??;
     let restarted = started.elapsed();
-    wait_new_session(&relay, before).await?;
+    app::wait_new_session(&relay, before, RECOVERY).await?;
     let streaming = started.elapsed();
     // Orders and Billing reconnect too: the flow resumes end to end.
     load.wait_more(50).await?;
@@ -360,7 +341,7 @@ async fn postgres_link_fault(cluster: &PgCluster, fault: Mode) -> anyhow::Result
     app::wait_streaming(&relay).await?;
     let load = warm_load(&stack, &orders).await?;
 
-    let before = sessions(&relay);
+    let before = app::sessions(&relay);
     proxy.set_mode(fault);
     tokio::time::sleep(FAULT).await;
     let pending = committed(&stack).await?;
@@ -384,7 +365,7 @@ async fn postgres_link_fault(cluster: &PgCluster, fault: Mode) -> anyhow::Result
     eprintln!(
         "relay↔PostgreSQL {fault:?} for {FAULT:?}: caught up {caught_up:?} after the heal; \
          sessions {before} -> {}; reconnects {reconnects} (watchdog {watchdog}); {} orders",
-        sessions(&relay),
+        app::sessions(&relay),
         ledger.committed
     );
     Ok(())
@@ -434,7 +415,7 @@ async fn hot_standby_takes_over_from_a_sigkilled_relay_under_load() -> anyhow::R
         .matches("waiting as hot standby")
         .count();
     assert_eq!(standby_lines, 1, "one log line while waiting");
-    assert_eq!(sessions(&standby), 0, "the standby does not stream");
+    assert_eq!(app::sessions(&standby), 0, "the standby does not stream");
 
     let db = stack.orders_admin().await?;
     let old = app::walsender_pid(&db, &stack.slot)
@@ -458,7 +439,7 @@ async fn hot_standby_takes_over_from_a_sigkilled_relay_under_load() -> anyhow::R
     let took_over = async {
         standby
             .process
-            .wait_for_line(" streaming ", RECOVERY)
+            .wait_for_line_where("a session start", app::is_session_start, RECOVERY)
             .await
             .map(|_| killed.elapsed())
     };
@@ -592,10 +573,7 @@ async fn stranded_handshake_during_reconnect_is_bounded() -> anyhow::Result<()> 
     let r = wait_until(
         "the relay to stream again on a new connection",
         Duration::from_secs(30),
-        || async {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            sessions(&relay) > 1
-        },
+        || async { app::sessions(&relay) > 1 },
     )
     .await;
     if let Err(err) = r {
@@ -628,15 +606,11 @@ async fn reconnect_backoff_restarts_after_a_healthy_session() -> anyhow::Result<
         let pid = app::walsender_pid(&db, &stack.slot)
             .await?
             .context("slot active")?;
-        let before = sessions(&relay);
+        let before = app::sessions(&relay);
         let killed = Instant::now();
         db.query_one("SELECT pg_terminate_backend($1)", &[&pid])
             .await?;
-        wait_until("a new session", Duration::from_secs(30), || async {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            sessions(&relay) > before
-        })
-        .await?;
+        app::wait_new_session(&relay, before, Duration::from_secs(30)).await?;
         recoveries.push(killed.elapsed());
         // A healthy session between blips.
         tokio::time::sleep(Duration::from_secs(1)).await;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use harness::app::{self, Ledger, TEST_SECRET};
+use harness::app::{self, CommandOutput, Ledger, TEST_SECRET};
 use harness::prom::{Exposition, is_metric_name};
 use harness::sink::ScriptedSink;
 use harness::{PgCluster, ServiceProcess, Stack, bins};
@@ -279,8 +279,8 @@ async fn no_process_logs_a_secret_a_password_or_a_payload() -> anyhow::Result<()
 
     let mut outputs: Vec<(String, String)> = Vec::new();
     let setup = relay_command(&stack, &stack.orders_admin_url, &["setup"]).await?;
-    anyhow::ensure!(setup.status.success(), "setup: {setup:?}");
-    outputs.push(("cdc-relay setup".into(), command_output(&setup)));
+    anyhow::ensure!(setup.success(), "setup: {setup:?}");
+    outputs.push(("cdc-relay setup".into(), setup.text()));
 
     let json = ["--log-format", "json"];
     let mut billing = ServiceProcess::spawn(
@@ -374,8 +374,8 @@ async fn no_process_logs_a_secret_a_password_or_a_payload() -> anyhow::Result<()
         .set_password(Some(&wrong))
         .map_err(|()| anyhow::anyhow!("cannot set a password"))?;
     let status = relay_command(&stack, wrong_url.as_str(), &["status"]).await?;
-    anyhow::ensure!(!status.status.success(), "status with a wrong password");
-    outputs.push(("cdc-relay status".into(), command_output(&status)));
+    anyhow::ensure!(!status.success(), "status with a wrong password");
+    outputs.push(("cdc-relay status".into(), status.text()));
 
     for p in [&mut relay, &mut orders, &mut billing] {
         p.sigterm();
@@ -493,27 +493,9 @@ async fn terminate_walsender(stack: &Stack) -> anyhow::Result<()> {
 }
 
 /// Runs `cdc-relay <args>` with JSON debug logs against `url`.
-async fn relay_command(
-    stack: &Stack,
-    url: &str,
-    args: &[&str],
-) -> anyhow::Result<std::process::Output> {
-    tokio::process::Command::new(bins::path("cdc-relay"))
-        .args(app::relay_globals(stack))
-        .args(["--log-format", "json", "--log", DEBUG_FILTER])
-        .args(args)
-        .env("CDC_RELAY_DATABASE_URL", url)
-        .output()
-        .await
-        .context("running cdc-relay")
-}
-
-fn command_output(out: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+async fn relay_command(stack: &Stack, url: &str, args: &[&str]) -> anyhow::Result<CommandOutput> {
+    let json_debug = ["--log-format", "json", "--log", DEBUG_FILTER];
+    app::relay_command(stack, url, &[&json_debug[..], args].concat(), &[]).await
 }
 
 /// Every non-empty line is one JSON object.

@@ -445,26 +445,24 @@ async fn partitioned_outbox_leaves_map_to_the_root() -> anyhow::Result<()> {
     )
     .await?;
     let publication = format!("{}_events", stack.publication);
-    let out = tokio::process::Command::new(harness::bins::path("cdc-relay"))
-        .args([
-            "--slot",
-            &stack.slot,
+    // After `setup`, as after `run` in start_relay: the subcommand's values
+    // replace the stack's global --publication.
+    let out = app::relay_command(
+        &stack,
+        &stack.orders_admin_url,
+        &[
+            "setup",
             "--publication",
             &publication,
             "--table",
             "public.events",
-            "setup",
-        ])
-        .env("CDC_RELAY_DATABASE_URL", &stack.orders_admin_url)
-        .output()
-        .await?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(text.contains("via partition root"), "{text}");
+        ],
+        &[],
+    )
+    .await?;
+    let text = out.text();
+    assert!(out.success(), "{text}");
+    assert!(out.stdout.contains("via partition root"), "{text}");
     let sink = ScriptedSink::start().await?;
     let relay = app::start_relay(
         &stack,

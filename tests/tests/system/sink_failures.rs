@@ -6,9 +6,9 @@
 
 use std::time::{Duration, Instant};
 
-use harness::app::{self, TEST_SECRET};
+use harness::app::{self, CommandOutput, TEST_SECRET};
 use harness::sink::ScriptedSink;
-use harness::{PgCluster, Stack, bins};
+use harness::{PgCluster, Stack};
 
 const DRAIN: Duration = Duration::from_secs(60);
 
@@ -29,27 +29,19 @@ async fn dead_letters(stack: &Stack) -> anyhow::Result<Vec<(Option<String>, Opti
         .collect())
 }
 
-async fn relay_cli(
-    stack: &Stack,
-    args: &[&str],
-    sink_url: &str,
-) -> anyhow::Result<std::process::Output> {
-    let out = tokio::process::Command::new(bins::path("cdc-relay"))
-        .args(app::relay_globals(stack))
-        .args(args)
-        .env("CDC_RELAY_DATABASE_URL", &stack.relay_url)
-        .env("CDC_RELAY_SINK_URL", sink_url)
-        .env("EVENT_SECRET", TEST_SECRET)
-        .output();
-    Ok(tokio::time::timeout(Duration::from_secs(60), out).await??)
-}
-
-fn text(o: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
+/// Runs an operator command (`dead-letter ...`, `backfill ...`) as the relay
+/// role, with the event secret and `sink_url`.
+async fn cli(stack: &Stack, args: &[&str], sink_url: &str) -> anyhow::Result<CommandOutput> {
+    app::relay_command(
+        stack,
+        &stack.relay_url,
+        args,
+        &[
+            ("CDC_RELAY_SINK_URL", sink_url),
+            ("EVENT_SECRET", TEST_SECRET),
+        ],
     )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -94,26 +86,26 @@ async fn poison_is_quarantined_others_flow_and_replay_delivers_once() -> anyhow:
     })
     .await?;
 
-    let list = relay_cli(&stack, &["dead-letter", "list", "--json"], &sink.url).await?;
-    assert!(list.status.success(), "{}", text(&list));
-    let rows: serde_json::Value = serde_json::from_slice(&list.stdout)?;
+    let list = cli(&stack, &["dead-letter", "list", "--json"], &sink.url).await?;
+    assert!(list.success(), "{}", list.text());
+    let rows: serde_json::Value = serde_json::from_str(&list.stdout)?;
     let id = rows[0]["id"].as_i64().expect("row id");
-    let show = relay_cli(&stack, &["dead-letter", "show", &id.to_string()], &sink.url).await?;
-    assert!(text(&show).contains("\"payload\""), "{}", text(&show));
+    let show = cli(&stack, &["dead-letter", "show", &id.to_string()], &sink.url).await?;
+    assert!(show.text().contains("\"payload\""), "{}", show.text());
 
     // Still rejected: replay keeps the row.
-    let failed = relay_cli(
+    let failed = cli(
         &stack,
         &["dead-letter", "replay", &id.to_string()],
         &sink.url,
     )
     .await?;
-    assert!(!failed.status.success(), "{}", text(&failed));
+    assert!(!failed.success(), "{}", failed.text());
     assert_eq!(dead_letters(&stack).await?.len(), 1);
     // Billing fixed: replay delivers once and removes the row with an audit entry.
     sink.clear_rejections();
-    let ok = relay_cli(&stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
-    assert!(ok.status.success(), "{}", text(&ok));
+    let ok = cli(&stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
+    assert!(ok.success(), "{}", ok.text());
     assert!(dead_letters(&stack).await?.is_empty());
     let audit: i64 = db
         .query_one(
@@ -328,14 +320,14 @@ async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
         "the new slot skipped them"
     );
 
-    let out = relay_cli(&stack, &["backfill", "--since", &since], &sink_url).await?;
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("3 delivered"), "{}", text(&out));
+    let out = cli(&stack, &["backfill", "--since", &since], &sink_url).await?;
+    assert!(out.success(), "{}", out.text());
+    assert!(out.text().contains("3 delivered"), "{}", out.text());
     let ledger = app::wait_ledger_clean(&stack, 4, DRAIN).await?;
     assert_eq!(ledger.invoices, 4);
     // From the beginning: everything again, all absorbed by the inbox.
-    let again = relay_cli(&stack, &["backfill", "--since=-infinity"], &sink_url).await?;
-    assert!(text(&again).contains("4 delivered"), "{}", text(&again));
+    let again = cli(&stack, &["backfill", "--since=-infinity"], &sink_url).await?;
+    assert!(again.text().contains("4 delivered"), "{}", again.text());
     assert!(app::Ledger::read(&stack).await?.is_clean());
     Ok(())
 }
@@ -358,7 +350,7 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
         .query_one("SELECT id FROM cdc_relay_dead_letter", &[])
         .await?
         .get(0);
-    let out = relay_cli(
+    let out = cli(
         &stack,
         &[
             "dead-letter",
@@ -370,7 +362,7 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
         &sink.url,
     )
     .await?;
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.success(), "{}", out.text());
     assert!(dead_letters(&stack).await?.is_empty());
     let row = db
         .query_one(
@@ -388,7 +380,7 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
     assert_eq!(audit_event.as_deref(), Some(event.as_str()));
     assert_eq!(reason.as_deref(), Some("test data"));
     assert_eq!(entry.as_deref(), Some(event.as_str()));
-    let missing = relay_cli(&stack, &["dead-letter", "discard", "999999"], &sink.url).await?;
-    assert!(!missing.status.success() && text(&missing).contains("999999"));
+    let missing = cli(&stack, &["dead-letter", "discard", "999999"], &sink.url).await?;
+    assert!(!missing.success() && missing.text().contains("999999"));
     Ok(())
 }
