@@ -1,7 +1,7 @@
 //! The application stack on top of a [`Stack`]: the Orders, Billing and
-//! relay binaries as real processes, `cdc-relay` as a CLI command, the
-//! relay's sessions as its log reports them, and the end-state oracle (the
-//! ledger).
+//! relay binaries as real processes, `cdc-relay` as a CLI command, and the
+//! relay's sessions as its log reports them. What the tests judge the
+//! outcome by is in [`oracle`](crate::oracle).
 //!
 //! Every system test, the demo and the benchmarks start processes and run
 //! commands through here, so flags and credentials live in one place.
@@ -13,7 +13,7 @@ use anyhow::Context;
 
 use crate::process::ServiceProcess;
 use crate::prom::{self, Exposition};
-use crate::stack::{Stack, connect};
+use crate::stack::Stack;
 use crate::{bins, wait_until};
 
 /// The event secret every test process shares.
@@ -229,102 +229,6 @@ pub async fn post_order(
     Ok((field("order_id")?, field("event_id")?))
 }
 
-/// The end-state oracle: what was committed against what took effect.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Ledger {
-    /// Committed outbox rows.
-    pub committed: usize,
-    /// Invoices.
-    pub invoices: usize,
-    /// Committed events without an inbox row (must be 0).
-    pub lost: usize,
-    /// Orders with more than one invoice (must be 0).
-    pub duplicate_effects: usize,
-    /// Inbox rows for events that never committed (must be 0).
-    pub phantom: usize,
-}
-
-impl Ledger {
-    /// Reads both databases.
-    pub async fn read(stack: &Stack) -> anyhow::Result<Ledger> {
-        let orders = connect(&stack.orders_admin_url).await?;
-        let billing = connect(&stack.billing_admin_url).await?;
-        let committed: Vec<uuid::Uuid> = orders
-            .query("SELECT id FROM outbox", &[])
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let processed: std::collections::HashSet<uuid::Uuid> = billing
-            .query("SELECT event_id FROM processed_events", &[])
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let committed_set: std::collections::HashSet<uuid::Uuid> =
-            committed.iter().copied().collect();
-        let invoices: i64 = billing
-            .query_one("SELECT count(*) FROM invoices", &[])
-            .await?
-            .get(0);
-        let dup: i64 = billing
-            .query_one(
-                "SELECT count(*) FROM (SELECT order_id FROM invoices GROUP BY order_id HAVING count(*) > 1) d",
-                &[],
-            )
-            .await?
-            .get(0);
-        Ok(Ledger {
-            committed: committed.len(),
-            invoices: usize::try_from(invoices)?,
-            lost: committed_set.difference(&processed).count(),
-            duplicate_effects: usize::try_from(dup)?,
-            phantom: processed.difference(&committed_set).count(),
-        })
-    }
-
-    /// Whether every committed event took effect exactly once and nothing else did.
-    pub fn is_clean(&self) -> bool {
-        self.lost == 0
-            && self.duplicate_effects == 0
-            && self.phantom == 0
-            && self.invoices == self.committed
-    }
-}
-
-/// Waits until the ledger is clean with `expected` committed events.
-pub async fn wait_ledger_clean(
-    stack: &Stack,
-    expected: usize,
-    timeout: Duration,
-) -> anyhow::Result<Ledger> {
-    let what = format!("{expected} committed events, each with exactly one invoice");
-    wait_until(&what, timeout, || async {
-        // The ledger costs two connections: poll it gently.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let l = Ledger::read(stack).await?;
-        anyhow::Ok(l.committed == expected && l.is_clean())
-    })
-    .await?;
-    Ledger::read(stack).await
-}
-
-/// The slot's `confirmed_flush_lsn` and `pg_current_wal_lsn()`, as bytes.
-pub async fn slot_position(stack: &Stack) -> anyhow::Result<(u64, u64)> {
-    let c = connect(&stack.orders_admin_url).await?;
-    let r = c
-        .query_one(
-            "SELECT (confirmed_flush_lsn - '0/0')::bigint, (pg_current_wal_lsn() - '0/0')::bigint \
-             FROM pg_replication_slots WHERE slot_name = $1",
-            &[&stack.slot],
-        )
-        .await?;
-    Ok((
-        u64::try_from(r.get::<_, i64>(0))?,
-        u64::try_from(r.get::<_, i64>(1))?,
-    ))
-}
-
 /// [`start_relay`] with the relay's database URL given: e.g. `stack.relay_url`
 /// rewritten by [`proxied`] to pass through a fault-injecting proxy.
 pub async fn start_relay_with_url(
@@ -396,17 +300,6 @@ pub async fn insert_order_event(db: &tokio_postgres::Client) -> anyhow::Result<u
     ))
     .await?;
     Ok(event)
-}
-
-/// The pid of the walsender holding `slot`, if any.
-pub async fn walsender_pid(db: &tokio_postgres::Client, slot: &str) -> anyhow::Result<Option<i32>> {
-    let r = db
-        .query_one(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await?;
-    Ok(r.get(0))
 }
 
 #[cfg(test)]

@@ -750,7 +750,7 @@ fn shift_http(mut http: load::HttpTally, warm: f64) -> load::HttpTally {
 
 /// Whether every committed outbox event has an inbox row.
 async fn drained(stack: &Stack) -> anyhow::Result<bool> {
-    Ok(crate::app::Ledger::read(stack).await?.lost == 0)
+    Ok(crate::oracle::Ledger::read(stack).await?.lost == 0)
 }
 
 async fn keep_logs(world: &World, cluster: &PgCluster, dir: &Path) -> anyhow::Result<()> {

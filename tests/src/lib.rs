@@ -17,6 +17,10 @@
 //! - [`process`] runs one of our binaries with its output captured.
 //! - [`bins`] finds (and builds once) the workspace binaries.
 //! - [`wait`] is the bounded polling every wait goes through.
+//! - [`scenario`] is the preamble of most system tests in one call (stack,
+//!   setup, inbox, relay streaming); [`oracle`] is what a test judges the
+//!   outcome by: the ledger, the slot's confirmed position (`settle`, the
+//!   one way to prove nothing else happened), the exact expected events.
 //! - [`prom`] parses the Prometheus text format strictly, for tests, demo
 //!   and benchmark alike; [`stats`] holds the one percentile definition.
 
@@ -24,10 +28,12 @@ pub mod app;
 pub mod bins;
 pub mod chaos;
 mod guardian;
+pub mod oracle;
 pub mod pg;
 pub mod process;
 pub mod prom;
 pub mod proxy;
+pub mod scenario;
 pub mod sink;
 pub mod stack;
 pub mod stats;
@@ -35,5 +41,6 @@ pub mod wait;
 
 pub use pg::{ClusterOptions, PgCluster, StopMode};
 pub use process::ServiceProcess;
+pub use scenario::{Inbox, Scenario};
 pub use stack::{Stack, connect};
 pub use wait::wait_until;

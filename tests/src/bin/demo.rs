@@ -59,7 +59,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use harness::app::{self, Ledger, Running, TEST_SECRET};
+use harness::app::{self, Running, TEST_SECRET};
+use harness::oracle::{Ledger, SlotPosition, slot_position};
 use harness::prom::{self, Exposition};
 use harness::stack::Stack;
 use harness::stats::percentile;
@@ -684,8 +685,7 @@ struct Summary {
     last_invoice_after_last_order_us: Option<i64>,
     relay: Exposition,
     billing: Exposition,
-    confirmed_lsn: u64,
-    current_lsn: u64,
+    slot: SlotPosition,
     slot_caught_up: bool,
 }
 
@@ -697,7 +697,8 @@ async fn summarize(
     load: &LoadReport,
 ) -> anyhow::Result<Summary> {
     // The slot: confirmed past everything committed so far?
-    let (_, target) = app::slot_position(stack).await?;
+    let orders = stack.orders_admin().await?;
+    let target = slot_position(&orders, &stack.slot).await?.current;
     let slot_caught_up = harness::wait_until(
         "the slot confirmed past the last commit",
         if load.drained {
@@ -706,17 +707,16 @@ async fn summarize(
             Duration::from_secs(1)
         },
         || async {
-            app::slot_position(stack)
+            slot_position(&orders, &stack.slot)
                 .await
-                .map(|(confirmed, _)| confirmed >= target)
+                .map(|p| p.confirmed >= target)
         },
     )
     .await
     .is_ok();
-    let (confirmed_lsn, current_lsn) = app::slot_position(stack).await?;
+    let slot = slot_position(&orders, &stack.slot).await?;
 
     // Latencies over every invoice, joined to its order by id.
-    let orders = stack.orders_admin().await?;
     let billing_db = stack.billing_admin().await?;
     let all_orders: HashMap<Uuid, RowTimes> = orders
         .query(&format!("SELECT id, {TIMES} FROM orders"), &[])
@@ -769,8 +769,7 @@ async fn summarize(
         last_invoice_after_last_order_us: last_invoice.zip(last_order).map(|(i, o)| i - o),
         relay: relay_metrics,
         billing: billing_metrics,
-        confirmed_lsn,
-        current_lsn,
+        slot,
         slot_caught_up,
     })
 }
@@ -861,11 +860,11 @@ impl Summary {
             self.relay.sum("cdc_relay_events_delivered_total"),
             self.relay.sum("cdc_relay_retries_total"),
         );
-        let lag = self.current_lsn.saturating_sub(self.confirmed_lsn);
+        let lag = self.slot.lag();
         println!(
             "slot           confirmed_flush_lsn {}, pg_current_wal_lsn {}: lag {lag} bytes{}",
-            fmt_lsn(self.confirmed_lsn),
-            fmt_lsn(self.current_lsn),
+            fmt_lsn(self.slot.confirmed),
+            fmt_lsn(self.slot.current),
             if self.slot_caught_up {
                 ""
             } else {

@@ -20,10 +20,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use harness::app::{self, Ledger, Running, TEST_SECRET};
+use harness::app::{self, Running, TEST_SECRET};
+use harness::oracle::{self, Ledger, walsender_pid};
 use harness::proxy::Mode;
 use harness::sink::ScriptedSink;
-use harness::{ClusterOptions, PgCluster, Stack, StopMode, wait_until};
+use harness::{ClusterOptions, Inbox, PgCluster, Scenario, Stack, StopMode, wait_until};
 use uuid::Uuid;
 
 /// How long a fault lasts.
@@ -144,7 +145,7 @@ async fn assert_ledger(stack: &Stack, tally: &Tally, relay: &Running) -> anyhow:
         missing.len(),
         missing.first()
     );
-    match app::wait_ledger_clean(stack, committed.len(), DRAIN).await {
+    match oracle::wait_ledger_clean(stack, committed.len(), DRAIN).await {
         Ok(ledger) => Ok(ledger),
         Err(err) => {
             let ledger = Ledger::read(stack).await?;
@@ -185,10 +186,6 @@ async fn services(stack: &Stack) -> anyhow::Result<(Running, Running)> {
     Ok((billing, orders))
 }
 
-fn inbox(billing: &Running) -> String {
-    format!("{}/inbox", billing.url)
-}
-
 /// Starts the load and waits until orders are accepted and invoiced.
 async fn warm_load(stack: &Stack, orders: &Running) -> anyhow::Result<Load> {
     let load = Load::start(&orders.url);
@@ -202,33 +199,30 @@ async fn warm_load(stack: &Stack, orders: &Running) -> anyhow::Result<Load> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn walsender_terminated_under_load_reconnects_and_resumes() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    let (billing, orders) = services(&stack).await?;
-    let relay = app::start_relay(&stack, &inbox(&billing), &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
-    let load = warm_load(&stack, &orders).await?;
+    let s = Scenario::plan(Inbox::Billing).orders().start().await?;
+    let (stack, db, relay) = (&s.stack, &s.db, &s.relay);
+    let load = warm_load(stack, s.orders()).await?;
 
     let mut recoveries = Vec::new();
     for _ in 0..3 {
-        let pid = app::walsender_pid(&db, &stack.slot)
+        let pid = walsender_pid(db, &stack.slot)
             .await?
             .context("slot active")?;
-        let before = app::sessions(&relay);
+        let before = app::sessions(relay);
         let killed = Instant::now();
         let done: bool = db
             .query_one("SELECT pg_terminate_backend($1)", &[&pid])
             .await?
             .get(0);
         assert!(done, "walsender {pid} terminated");
-        app::wait_new_session(&relay, before, RECOVERY).await?;
+        app::wait_new_session(relay, before, RECOVERY).await?;
         recoveries.push(killed.elapsed());
-        let now = app::walsender_pid(&db, &stack.slot).await?;
+        let now = walsender_pid(db, &stack.slot).await?;
         assert_ne!(now, Some(pid), "a new walsender serves the slot");
         load.wait_more(20).await?;
     }
     let tally = load.stop().await?;
-    let ledger = assert_ledger(&stack, &tally, &relay).await?;
+    let ledger = assert_ledger(stack, &tally, relay).await?;
     let reconnects = relay.metrics().await?.sum("cdc_relay_reconnects_total");
     eprintln!(
         "pg_terminate_backend x3: streaming again after {recoveries:?}; {} orders, {reconnects} reconnects",
@@ -240,23 +234,25 @@ async fn walsender_terminated_under_load_reconnects_and_resumes() -> anyhow::Res
 
 async fn postgres_restart_under_load(mode: StopMode) -> anyhow::Result<()> {
     let cluster = Arc::new(PgCluster::start(ClusterOptions::default())?);
-    let stack = cluster.create_stack().await?;
-    let (billing, orders) = services(&stack).await?;
-    let relay = app::start_relay(&stack, &inbox(&billing), &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let load = warm_load(&stack, &orders).await?;
+    let s = Scenario::plan(Inbox::Billing)
+        .orders()
+        .on(cluster.create_stack().await?)
+        .start()
+        .await?;
+    let (stack, relay) = (&s.stack, &s.relay);
+    let load = warm_load(stack, s.orders()).await?;
 
-    let before = app::sessions(&relay);
+    let before = app::sessions(relay);
     let started = Instant::now();
     let c = Arc::clone(&cluster);
     tokio::task::spawn_blocking(move || c.restart(mode)).await??;
     let restarted = started.elapsed();
-    app::wait_new_session(&relay, before, RECOVERY).await?;
+    app::wait_new_session(relay, before, RECOVERY).await?;
     let streaming = started.elapsed();
     // Orders and Billing reconnect too: the flow resumes end to end.
     load.wait_more(50).await?;
     let tally = load.stop().await?;
-    let ledger = assert_ledger(&stack, &tally, &relay).await?;
+    let ledger = assert_ledger(stack, &tally, relay).await?;
     eprintln!(
         "restart {mode:?}: PostgreSQL back after {restarted:?}, relay streaming after {streaming:?}; \
          {} accepted, {} posts failed, {} committed and invoiced",
@@ -281,14 +277,17 @@ async fn postgres_immediate_restart_under_load_loses_nothing() -> anyhow::Result
 async fn billing_link_fault(fault: Mode) -> anyhow::Result<()> {
     let stack = PgCluster::shared().create_stack().await?;
     let (billing, orders) = services(&stack).await?;
-    let (proxy, sink_url) = app::proxied(&inbox(&billing)).await?;
+    let (proxy, sink_url) = app::proxied(&billing.inbox()).await?;
     // A short request timeout, so the blackhole shows as timeouts and retries.
     let relay = app::start_relay(&stack, &sink_url, &["--request-timeout", "2s"]).await?;
     app::wait_streaming(&relay).await?;
     let load = warm_load(&stack, &orders).await?;
 
     proxy.set_mode(fault);
-    // Requests already past the proxy may still land; then nothing does.
+    // Time is the subject: the fault lasts FAULT, and while it does the
+    // invoice count must stand still (settling cannot prove that: events
+    // are pending). Requests already past the proxy may still land in the
+    // first second; then nothing does.
     let grace = Duration::from_secs(1);
     tokio::time::sleep(grace).await;
     let cut = invoices(&stack).await?;
@@ -337,12 +336,13 @@ async fn postgres_link_fault(cluster: &PgCluster, fault: Mode) -> anyhow::Result
     let stack = cluster.create_stack().await?;
     let (billing, orders) = services(&stack).await?;
     let (proxy, db_url) = app::proxied(&stack.relay_url).await?;
-    let relay = app::start_relay_with_url(&stack, &db_url, &inbox(&billing), &[]).await?;
+    let relay = app::start_relay_with_url(&stack, &db_url, &billing.inbox(), &[]).await?;
     app::wait_streaming(&relay).await?;
     let load = warm_load(&stack, &orders).await?;
 
     let before = app::sessions(&relay);
     proxy.set_mode(fault);
+    // Time is the subject: the link stays down for FAULT.
     tokio::time::sleep(FAULT).await;
     let pending = committed(&stack).await?;
     proxy.set_mode(Mode::Pass);
@@ -393,11 +393,9 @@ const TAKEOVER_BOUND: Duration = Duration::from_secs(2);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_standby_takes_over_from_a_sigkilled_relay_under_load() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    let (billing, orders) = services(&stack).await?;
-    let mut active = app::start_relay(&stack, &inbox(&billing), &[]).await?;
-    app::wait_streaming(&active).await?;
-    let standby = app::start_relay(&stack, &inbox(&billing), &[]).await?;
+    let mut s = Scenario::plan(Inbox::Billing).orders().start().await?;
+    let stack = s.stack.clone();
+    let standby = app::start_relay(&stack, s.inbox_url(), &[]).await?;
     standby
         .process
         .wait_for_line("waiting as hot standby", Duration::from_secs(30))
@@ -406,7 +404,7 @@ async fn hot_standby_takes_over_from_a_sigkilled_relay_under_load() -> anyhow::R
         standby.metrics().await?.value("cdc_relay_standby", &[]),
         Some(1.0)
     );
-    let load = warm_load(&stack, &orders).await?;
+    let load = warm_load(&stack, s.orders()).await?;
     // Several polls later: still one log line, still no session.
     load.wait_more(40).await?;
     let standby_lines = standby
@@ -417,20 +415,19 @@ async fn hot_standby_takes_over_from_a_sigkilled_relay_under_load() -> anyhow::R
     assert_eq!(standby_lines, 1, "one log line while waiting");
     assert_eq!(app::sessions(&standby), 0, "the standby does not stream");
 
-    let db = stack.orders_admin().await?;
-    let old = app::walsender_pid(&db, &stack.slot)
+    let old = walsender_pid(&s.db, &stack.slot)
         .await?
         .context("slot active")?;
     let killed = Instant::now();
-    active.process.sigkill();
+    s.relay.process.sigkill();
     let released = {
-        let db = &db;
+        let db = &s.db;
         let slot = &stack.slot;
         async move {
             wait_until(
                 "the dead relay's walsender to release the slot",
                 RECOVERY,
-                || async { app::walsender_pid(db, slot).await.map(|p| p != Some(old)) },
+                || async { walsender_pid(db, slot).await.map(|p| p != Some(old)) },
             )
             .await
             .map(|()| killed.elapsed())
@@ -469,18 +466,15 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
         max_slot_wal_keep_size: Some("1MB".into()),
         ..Default::default()
     })?;
-    let stack = cluster.create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = ScriptedSink::start().await?;
-    let mut relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    relay.process.sigterm();
-    let status = relay.process.wait_exit(Duration::from_secs(20)).await?;
-    assert!(status.success(), "clean stop: {status}");
+    let mut s = Scenario::plan(Inbox::Scripted)
+        .on(cluster.create_stack().await?)
+        .start()
+        .await?;
+    s.stop_relay().await?;
 
     // While the relay is stopped: an event, then unrelated WAL and checkpoints
     // until the server gives up the slot's WAL.
-    let db = stack.orders_admin().await?;
+    let (stack, db) = (&s.stack, &s.db);
     db.batch_execute(
         "INSERT INTO orders (id, amount_cents, currency) VALUES (gen_random_uuid(), 1, 'EUR') ; \
          INSERT INTO outbox (id, aggregate_id, event_type, payload) \
@@ -491,7 +485,6 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
     let mut written_mb = 0;
     wait_until("wal_status = 'lost'", Duration::from_secs(60), || {
         written_mb += 4;
-        let db = &db;
         let slot = &stack.slot;
         async move {
             db.batch_execute(
@@ -512,7 +505,7 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
     .await?;
 
     let started = Instant::now();
-    let mut relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    let mut relay = app::start_relay(stack, s.inbox_url(), &[]).await?;
     let status = relay.process.wait_exit(Duration::from_secs(30)).await?;
     let exited = started.elapsed();
     let logs = relay.process.logs();
@@ -534,7 +527,7 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
         !logs.contains("reconnecting"),
         "no reconnect attempts:\n{logs}"
     );
-    assert_eq!(sink.arrivals(), 0, "nothing was sent");
+    assert_eq!(s.sink().arrivals(), 0, "nothing was sent");
     Ok(())
 }
 
@@ -595,24 +588,21 @@ async fn stranded_handshake_during_reconnect_is_bounded() -> anyhow::Result<()> 
 /// six lifetime failures every reconnect sleeps uniform(0..5 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnect_backoff_restarts_after_a_healthy_session() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = ScriptedSink::start().await?;
-    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (db, relay) = (&s.db, &s.relay);
     let mut recoveries = Vec::new();
     for _ in 0..8 {
-        let pid = app::walsender_pid(&db, &stack.slot)
+        let pid = walsender_pid(db, &s.stack.slot)
             .await?
             .context("slot active")?;
-        let before = app::sessions(&relay);
+        let before = app::sessions(relay);
         let killed = Instant::now();
         db.query_one("SELECT pg_terminate_backend($1)", &[&pid])
             .await?;
-        app::wait_new_session(&relay, before, Duration::from_secs(30)).await?;
+        app::wait_new_session(relay, before, Duration::from_secs(30)).await?;
         recoveries.push(killed.elapsed());
-        // A healthy session between blips.
+        // Time is the subject: a healthy session of 1 s between blips,
+        // which must reset the reconnect backoff.
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     eprintln!("walsender terminated 8 times, 1 s apart: streaming again after {recoveries:?}");

@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use harness::app::{self, CommandOutput, Ledger, TEST_SECRET};
+use harness::app::{self, CommandOutput, TEST_SECRET};
+use harness::oracle::{self, Ledger};
 use harness::prom::{Exposition, is_metric_name};
-use harness::sink::ScriptedSink;
-use harness::{PgCluster, ServiceProcess, Stack, bins};
+use harness::{Inbox, PgCluster, Scenario, ServiceProcess, Stack, bins};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -48,15 +48,14 @@ const DOCUMENTED: [(&str, &str); 19] = [
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_after_a_delivery_name_every_documented_series() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
-    let orders = app::start_orders(&stack).await?;
+    let s = Scenario::plan(Inbox::ScriptedBilling)
+        .orders()
+        .start()
+        .await?;
+    let (stack, relay, orders, billing) = (&s.stack, &s.relay, s.orders(), s.billing());
     // Billing behind a scripted proxy: one 503 first, so retry series exist.
-    let proxy = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
+    let proxy = s.sink();
     proxy.set_status(503);
-    let relay = app::start_relay(&stack, &proxy.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
 
     let http = reqwest::Client::new();
     app::post_order(&http, &orders.url, 2599).await?;
@@ -65,10 +64,10 @@ async fn metrics_after_a_delivery_name_every_documented_series() -> anyhow::Resu
     })
     .await?;
     proxy.set_status(204);
-    app::wait_ledger_clean(&stack, 1, WAIT).await?;
+    oracle::wait_ledger_clean(stack, 1, WAIT).await?;
 
     // A reconnect, so the cause-labelled counter has a series to show.
-    terminate_walsender(&stack).await?;
+    terminate_walsender(stack).await?;
     harness::wait_until("a counted reconnect", WAIT, || async {
         Ok::<_, anyhow::Error>(relay.metrics().await?.sum("cdc_relay_reconnects_total") >= 1.0)
     })
@@ -171,17 +170,12 @@ async fn metrics_after_a_delivery_name_every_documented_series() -> anyhow::Resu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_is_ready_while_streaming_and_not_while_events_are_stuck() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = ScriptedSink::start().await?;
     // A circuit that never opens: readiness must fail on progress alone.
-    let relay = app::start_relay(
-        &stack,
-        &sink.url,
-        &["--ready-window", "2s", "--failure-threshold", "1000000"],
-    )
-    .await?;
-    app::wait_streaming(&relay).await?;
+    let s = Scenario::plan(Inbox::Scripted)
+        .relay_args(&["--ready-window", "2s", "--failure-threshold", "1000000"])
+        .start()
+        .await?;
+    let (sink, relay) = (s.sink(), &s.relay);
     let http = reqwest::Client::new();
     let probe = |path: &'static str| {
         let http = http.clone();
@@ -200,8 +194,7 @@ async fn readyz_is_ready_while_streaming_and_not_while_events_are_stuck() -> any
     assert_eq!(probe("/readyz").await?.0, 200, "an idle relay is ready");
 
     sink.set_status(503);
-    let db = stack.orders_admin().await?;
-    let event = insert_event(&db, serde_json::json!({})).await?;
+    let event = insert_event(&s.db, serde_json::json!({})).await?;
     harness::wait_until("the sink sees the event", WAIT, || async {
         sink.count() >= 1
     })

@@ -3,33 +3,28 @@
 
 use std::time::Duration;
 
-use harness::PgCluster;
-use harness::app::{self, Ledger, TEST_SECRET};
+use harness::app::{self, TEST_SECRET};
+use harness::oracle::{self, Ledger, slot_position, walsender_pid};
 use harness::sink::ScriptedSink;
+use harness::{Inbox, PgCluster, Scenario};
 
 const DRAIN: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousand_orders_are_invoiced_exactly_once() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    let setup = app::relay_setup(&stack).await?;
-    assert!(setup.contains("created: slot"), "{setup}");
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
-    let orders = app::start_orders(&stack).await?;
     // One runtime thread, as an operator beside PostgreSQL on a small box
     // would run it: the whole pipeline must make progress on one core.
-    let relay = app::start_relay(
-        &stack,
-        &format!("{}/inbox", billing.url),
-        &["--worker-threads", "1"],
-    )
-    .await?;
-    app::wait_streaming(&relay).await?;
+    let s = Scenario::plan(Inbox::Billing)
+        .orders()
+        .relay_args(&["--worker-threads", "1"])
+        .start()
+        .await?;
+    assert!(s.setup.contains("created: slot"), "{}", s.setup);
 
     let http = reqwest::Client::new();
     let posts = (0..1000).map(|i| {
         let http = http.clone();
-        let url = orders.url.clone();
+        let url = s.orders().url.clone();
         async move { app::post_order(&http, &url, 100 + i).await }
     });
     let results = futures::future::join_all(posts).await;
@@ -41,7 +36,7 @@ async fn thousand_orders_are_invoiced_exactly_once() -> anyhow::Result<()> {
         results.iter().find(|r| r.is_err())
     );
 
-    let ledger = app::wait_ledger_clean(&stack, 1000, DRAIN).await?;
+    let ledger = oracle::wait_ledger_clean(&s.stack, 1000, DRAIN).await?;
     assert_eq!(
         ledger,
         Ledger {
@@ -51,29 +46,14 @@ async fn thousand_orders_are_invoiced_exactly_once() -> anyhow::Result<()> {
         }
     );
     // The slot is confirmed past the last commit once the relay catches up.
-    let (_, last_commit) = app::slot_position(&stack).await?;
-    harness::wait_until(
-        "slot confirmed past the last commit",
-        Duration::from_secs(10),
-        || async {
-            app::slot_position(&stack)
-                .await
-                .map(|(confirmed, _)| confirmed >= last_commit)
-        },
-    )
-    .await?;
+    s.settle().await?;
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn body_signature_and_headers_follow_the_wire_format() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = ScriptedSink::start().await?;
-    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-
-    let db = stack.orders_admin().await?;
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (db, sink) = (&s.db, s.sink());
     let order = uuid::Uuid::new_v4();
     let event = uuid::Uuid::new_v4();
     db.execute(
@@ -95,6 +75,8 @@ async fn body_signature_and_headers_follow_the_wire_format() -> anyhow::Result<(
         sink.count() >= 1
     })
     .await?;
+    s.settle().await?;
+    assert_eq!(sink.count(), 1, "one event, one request");
     let got = &sink.received()[0];
     let expected = format!(r#"{{"id":"{event}","type":"OrderCreated","data":{text}}}"#);
     assert_eq!(std::str::from_utf8(&got.body)?, expected);
@@ -133,54 +115,51 @@ async fn unrelated_wal(db: &tokio_postgres::Client, mb: usize) -> anyhow::Result
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn confirmed_lsn_never_passes_an_undelivered_commit() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
-    let sink = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
-    sink.set_status(503);
-    let mut relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
+    let mut s = Scenario::start(Inbox::ScriptedBilling).await?;
+    s.sink().set_status(503);
+    let db = &s.db;
 
-    let before = current_wal(&db).await?;
-    let event = app::insert_order_event(&db).await?;
+    let before = current_wal(db).await?;
+    let event = app::insert_order_event(db).await?;
     let outage = std::time::Instant::now();
     let mut killed = false;
     while outage.elapsed() < Duration::from_secs(20) {
         // Busy unrelated writes must not move the ack past the stuck event.
-        unrelated_wal(&db, 1).await?;
-        let (confirmed, _) = app::slot_position(&stack).await?;
+        unrelated_wal(db, 1).await?;
+        let confirmed = slot_position(db, &s.stack.slot).await?.confirmed;
         assert!(
             confirmed <= before,
             "confirmed_flush_lsn {confirmed} passed the undelivered commit (started after {before})"
         );
         if !killed && outage.elapsed() > Duration::from_secs(10) {
             assert!(
-                sink.count() >= 2,
+                s.sink().count() >= 2,
                 "the relay keeps retrying during the outage"
             );
-            relay.process.sigkill();
-            relay.process.wait_exit(Duration::from_secs(10)).await?;
-            relay = app::start_relay(&stack, &sink.url, &[]).await?;
+            s.relay.process.sigkill();
+            s.relay.process.wait_exit(Duration::from_secs(10)).await?;
+            s.relay = app::start_relay(&s.stack, s.inbox_url(), &[]).await?;
             killed = true;
         }
+        // Time is the subject here: the outage must last (20 s, a kill at
+        // 10 s) while unrelated WAL is written, a batch every 250 ms.
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    let attempts_before_recovery = sink.count();
-    sink.set_status(204);
-    app::wait_ledger_clean(&stack, 1, DRAIN).await?;
-    let after = current_wal(&db).await?;
+    let attempts_before_recovery = s.sink().count();
+    s.sink().set_status(204);
+    oracle::wait_ledger_clean(&s.stack, 1, DRAIN).await?;
+    let after = current_wal(db).await?;
     harness::wait_until(
-        "confirmed past the delivered commit",
+        "confirmed past the delivered commit and the WAL written after it",
         Duration::from_secs(10),
         || async {
-            app::slot_position(&stack)
+            slot_position(db, &s.stack.slot)
                 .await
-                .map(|(c, _)| c > before && c >= after.min(c))
+                .map(|p| p.confirmed > before && p.confirmed >= after)
         },
     )
     .await?;
-    let ids: Vec<String> = sink.received().iter().map(|r| r.id()).collect();
+    let ids: Vec<String> = s.sink().received().iter().map(|r| r.id()).collect();
     assert!(
         ids.iter().all(|id| *id == event.to_string()),
         "only the stuck event was sent"
@@ -189,109 +168,96 @@ async fn confirmed_lsn_never_passes_an_undelivered_commit() -> anyhow::Result<()
         attempts_before_recovery >= 4,
         "retries from both relay processes"
     );
-    drop(relay);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_with_requests_in_flight_redelivers_and_clean_restarts_send_nothing()
 -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
-    let orders = app::start_orders(&stack).await?;
-    let sink = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
-    sink.set_delay(Duration::from_secs(2));
-    let mut relay = app::start_relay(&stack, &sink.url, &["--max-in-flight", "64"]).await?;
-    app::wait_streaming(&relay).await?;
+    let mut s = Scenario::plan(Inbox::ScriptedBilling)
+        .orders()
+        .relay_args(&["--max-in-flight", "64"])
+        .start()
+        .await?;
+    s.sink().set_delay(Duration::from_secs(2));
 
     let http = reqwest::Client::new();
     for i in 0..300 {
-        app::post_order(&http, &orders.url, 1 + i).await?;
+        app::post_order(&http, &s.orders().url, 1 + i).await?;
     }
     harness::wait_until("64 requests in flight", Duration::from_secs(30), || async {
-        sink.in_progress() == 64
+        s.sink().in_progress() == 64
     })
     .await?;
-    relay.process.sigkill();
-    relay.process.wait_exit(Duration::from_secs(10)).await?;
-    sink.set_delay(Duration::ZERO);
-    let mut relay = app::start_relay(&stack, &sink.url, &["--max-in-flight", "64"]).await?;
-    let ledger = app::wait_ledger_clean(&stack, 300, DRAIN).await?;
+    s.relay.process.sigkill();
+    s.relay.process.wait_exit(Duration::from_secs(10)).await?;
+    s.sink().set_delay(Duration::ZERO);
+    s.relay = app::start_relay(&s.stack, s.inbox_url(), &["--max-in-flight", "64"]).await?;
+    let ledger = oracle::wait_ledger_clean(&s.stack, 300, DRAIN).await?;
     assert!(ledger.is_clean(), "{ledger:?}");
-    let redelivered = sink.arrivals() - 300;
+    let redelivered = s.sink().arrivals() - 300;
     eprintln!(
         "SIGKILL with 64 in flight: {redelivered} redelivered requests (absorbed by the inbox)"
     );
     assert!(redelivered >= 64, "the 64 killed requests were sent again");
 
-    // Let the slot catch up, then restart cleanly three times: nothing is re-sent.
-    let (_, end) = app::slot_position(&stack).await?;
-    harness::wait_until("slot caught up", Duration::from_secs(10), || async {
-        app::slot_position(&stack).await.map(|(c, _)| c >= end)
-    })
-    .await?;
-    let sent = sink.arrivals();
+    // Let the slot catch up, then restart cleanly three times: nothing is
+    // re-sent. After each restart, settling proves the new session is done
+    // with everything ever committed, so any redelivery would have arrived.
+    s.settle().await?;
+    let sent = s.sink().arrivals();
     for round in 0..3 {
-        relay.process.sigterm();
-        let status = relay.process.wait_exit(Duration::from_secs(20)).await?;
-        assert!(status.success(), "clean stop {round} exited {status}");
-        relay = app::start_relay(&stack, &sink.url, &[]).await?;
-        app::wait_streaming(&relay).await?;
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        s.stop_relay().await?;
+        s.restart_relay(&[]).await?;
+        s.settle().await?;
+        assert_eq!(
+            s.sink().arrivals(),
+            sent,
+            "clean restart {round} must not redeliver"
+        );
     }
-    assert_eq!(sink.arrivals(), sent, "clean restarts must not redeliver");
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_point_comes_from_the_slot_alone() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
-    let sink_url = format!("{}/inbox", billing.url);
-    let mut relay = app::start_relay(&stack, &sink_url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    relay.process.sigterm();
-    relay.process.wait_exit(Duration::from_secs(20)).await?;
+    let mut s = Scenario::start(Inbox::Billing).await?;
+    s.stop_relay().await?;
     // The relay keeps no local state: a new process in a new working
     // directory is all a restart needs.
-    let db = stack.orders_admin().await?;
     for _ in 0..3 {
-        app::insert_order_event(&db).await?;
+        app::insert_order_event(&s.db).await?;
     }
-    unrelated_wal(&db, 50).await?;
-    let _relay = app::start_relay(&stack, &sink_url, &[]).await?;
-    let ledger = app::wait_ledger_clean(&stack, 3, DRAIN).await?;
+    unrelated_wal(&s.db, 50).await?;
+    s.relay = app::start_relay(&s.stack, s.inbox_url(), &[]).await?;
+    let ledger = oracle::wait_ledger_clean(&s.stack, 3, DRAIN).await?;
     assert_eq!(ledger.invoices, 3);
     Ok(())
 }
 
-async fn idle_outbox_releases_wal(stack: &harness::Stack) -> anyhow::Result<()> {
-    app::relay_setup(stack).await?;
-    let sink = ScriptedSink::start().await?;
-    let relay = app::start_relay(stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
+async fn idle_outbox_releases_wal(stack: harness::Stack) -> anyhow::Result<()> {
+    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
+    let db = &s.db;
     db.batch_execute(
         "CREATE TABLE busy (id bigserial PRIMARY KEY, v int); \
          INSERT INTO busy (v) SELECT g FROM generate_series(1, 200000) g",
     )
     .await?;
     harness::wait_until("slot lag under 1 MB", Duration::from_secs(15), || async {
-        app::slot_position(stack)
+        slot_position(db, &s.stack.slot)
             .await
-            .map(|(confirmed, current)| current.saturating_sub(confirmed) < 1 << 20)
+            .map(|p| p.lag() < 1 << 20)
     })
     .await?;
-    assert_eq!(sink.count(), 0, "no events were posted");
+    s.settle().await?;
+    assert_eq!(s.sink().count(), 0, "no events were posted");
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_outbox_in_a_busy_database_does_not_pin_wal() -> anyhow::Result<()> {
     let stack = PgCluster::shared().create_stack().await?;
-    idle_outbox_releases_wal(&stack).await
+    idle_outbox_releases_wal(stack).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -301,7 +267,7 @@ async fn idle_outbox_releases_wal_with_wal_sender_timeout_disabled() -> anyhow::
         ..Default::default()
     })?;
     let stack = cluster.create_stack().await?;
-    idle_outbox_releases_wal(&stack).await
+    idle_outbox_releases_wal(stack).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -310,25 +276,25 @@ async fn slow_sink_does_not_trip_wal_sender_timeout() -> anyhow::Result<()> {
         wal_sender_timeout: "2s".into(),
         ..Default::default()
     })?;
-    let stack = cluster.create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = ScriptedSink::start().await?;
+    let s = Scenario::plan(Inbox::Scripted)
+        .relay_args(&["--max-in-flight", "1"])
+        .on(cluster.create_stack().await?)
+        .start()
+        .await?;
+    let (db, sink) = (&s.db, s.sink());
     sink.set_delay(Duration::from_secs(3));
-    let relay = app::start_relay(&stack, &sink.url, &["--max-in-flight", "1"]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
-    let first = app::walsender_pid(&db, &stack.slot).await?;
+    let first = walsender_pid(db, &s.stack.slot).await?;
     assert!(first.is_some(), "slot active");
     let mut events = Vec::new();
     for _ in 0..3 {
-        events.push(app::insert_order_event(&db).await?);
+        events.push(app::insert_order_event(db).await?);
     }
     harness::wait_until("3 slow deliveries", Duration::from_secs(30), || async {
         sink.delivered().len() >= 3
     })
     .await?;
     assert_eq!(
-        app::walsender_pid(&db, &stack.slot).await?,
+        walsender_pid(db, &s.stack.slot).await?,
         first,
         "same walsender throughout"
     );
@@ -398,19 +364,20 @@ async fn frozen_walsender_is_detected_by_the_watchdog() -> anyhow::Result<()> {
         wal_sender_timeout: "2s".into(),
         ..Default::default()
     })?;
-    let stack = cluster.create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = ScriptedSink::start().await?;
-    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
-    let frozen = app::walsender_pid(&db, &stack.slot)
+    let s = Scenario::plan(Inbox::Scripted)
+        .on(cluster.create_stack().await?)
+        .start()
+        .await?;
+    let (db, sink, relay) = (&s.db, s.sink(), &s.relay);
+    let frozen = walsender_pid(db, &s.stack.slot)
         .await?
         .expect("slot active");
     let pid = nix::unistd::Pid::from_raw(frozen);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP)?;
-    let event = app::insert_order_event(&db).await?;
-    tokio::time::sleep(Duration::from_secs(6)).await; // 3 x wal_sender_timeout
+    let event = app::insert_order_event(db).await?;
+    // Time is the subject: the walsender stays frozen for 3 x
+    // wal_sender_timeout, longer than the watchdog may wait.
+    tokio::time::sleep(Duration::from_secs(6)).await;
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT)?;
     harness::wait_until(
         "the event delivered by a new session",
@@ -418,7 +385,7 @@ async fn frozen_walsender_is_detected_by_the_watchdog() -> anyhow::Result<()> {
         || async { sink.delivered().iter().any(|r| r.id() == event.to_string()) },
     )
     .await?;
-    let now = app::walsender_pid(&db, &stack.slot).await?;
+    let now = walsender_pid(db, &s.stack.slot).await?;
     assert_ne!(now, Some(frozen), "a new walsender serves the slot");
     let watchdog = relay
         .metrics()

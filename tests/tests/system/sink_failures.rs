@@ -6,11 +6,14 @@
 
 use std::time::{Duration, Instant};
 
-use harness::app::{self, CommandOutput, TEST_SECRET};
-use harness::sink::ScriptedSink;
-use harness::{PgCluster, Stack};
+use harness::app::{self, CommandOutput, Running, TEST_SECRET};
+use harness::oracle::{self, Ledger};
+use harness::{Inbox, PgCluster, Scenario, Stack, wait_until};
 
 const DRAIN: Duration = Duration::from_secs(60);
+
+/// The relay's counter of judged delivery attempts.
+const ATTEMPTS: &str = "cdc_relay_delivery_attempts_total";
 
 async fn insert_order_event(db: &tokio_postgres::Client) -> anyhow::Result<String> {
     Ok(app::insert_order_event(db).await?.to_string())
@@ -27,6 +30,28 @@ async fn dead_letters(stack: &Stack) -> anyhow::Result<Vec<(Option<String>, Opti
         .iter()
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect())
+}
+
+/// Delivery attempts the relay judged `outcome` so far (`dead_letter`,
+/// `retry`, `config_fault`, ...), from its own counter. An attempt is
+/// counted the moment its answer is judged, before any dead-letter row is
+/// written: the counter is the relay's decision, not its side effect.
+async fn judged(relay: &Running, outcome: &str) -> anyhow::Result<f64> {
+    let m = relay.metrics().await?;
+    Ok(m.sum_by(ATTEMPTS, ("outcome", outcome), "outcome")
+        .values()
+        .sum())
+}
+
+/// Waits until the relay judged `more` further attempts `outcome` than
+/// it had when called: evidence that it handled those answers.
+async fn wait_judged(relay: &Running, outcome: &str, more: f64) -> anyhow::Result<()> {
+    let target = judged(relay, outcome).await? + more;
+    let what = format!("{target} delivery attempts judged {outcome}");
+    wait_until(&what, Duration::from_secs(20), || async {
+        judged(relay, outcome).await.map(|n| n >= target)
+    })
+    .await
 }
 
 /// Runs an operator command (`dead-letter ...`, `backfill ...`) as the relay
@@ -46,13 +71,8 @@ async fn cli(stack: &Stack, args: &[&str], sink_url: &str) -> anyhow::Result<Com
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_is_quarantined_others_flow_and_replay_delivers_once() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
-    let sink = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
-    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
+    let s = Scenario::start(Inbox::ScriptedBilling).await?;
+    let (stack, db, sink) = (&s.stack, &s.db, s.sink());
 
     let poison = uuid::Uuid::new_v4().to_string();
     sink.reject(&poison, 422);
@@ -64,49 +84,45 @@ async fn poison_is_quarantined_others_flow_and_replay_delivers_once() -> anyhow:
     ))
     .await?;
     for _ in 0..5 {
-        insert_order_event(&db).await?;
+        insert_order_event(db).await?;
     }
-    harness::wait_until("the poison event quarantined", DRAIN, || async {
-        dead_letters(&stack).await.map(|d| d.len() == 1)
+    wait_until("the poison event quarantined", DRAIN, || async {
+        dead_letters(stack).await.map(|d| d.len() == 1)
     })
     .await?;
-    let dl = dead_letters(&stack).await?;
+    let dl = dead_letters(stack).await?;
     assert_eq!(dl[0].0.as_deref(), Some(poison.as_str()));
     assert_eq!(dl[0].1, Some(422));
     assert!(dl[0].2.contains("http_422"), "{}", dl[0].2);
     // The five after it are delivered; the poison one is not invoiced.
-    harness::wait_until("five invoices", DRAIN, || async {
-        app::Ledger::read(&stack).await.map(|l| l.invoices == 5)
+    wait_until("five invoices", DRAIN, || async {
+        Ledger::read(stack).await.map(|l| l.invoices == 5)
     })
     .await?;
     // The confirmed LSN moves past the quarantined event's transaction.
-    let (_, end) = app::slot_position(&stack).await?;
-    harness::wait_until("slot confirmed past the poison", DRAIN, || async {
-        app::slot_position(&stack).await.map(|(c, _)| c >= end)
-    })
-    .await?;
+    s.settle().await?;
 
-    let list = cli(&stack, &["dead-letter", "list", "--json"], &sink.url).await?;
+    let list = cli(stack, &["dead-letter", "list", "--json"], &sink.url).await?;
     assert!(list.success(), "{}", list.text());
     let rows: serde_json::Value = serde_json::from_str(&list.stdout)?;
     let id = rows[0]["id"].as_i64().expect("row id");
-    let show = cli(&stack, &["dead-letter", "show", &id.to_string()], &sink.url).await?;
+    let show = cli(stack, &["dead-letter", "show", &id.to_string()], &sink.url).await?;
     assert!(show.text().contains("\"payload\""), "{}", show.text());
 
     // Still rejected: replay keeps the row.
     let failed = cli(
-        &stack,
+        stack,
         &["dead-letter", "replay", &id.to_string()],
         &sink.url,
     )
     .await?;
     assert!(!failed.success(), "{}", failed.text());
-    assert_eq!(dead_letters(&stack).await?.len(), 1);
+    assert_eq!(dead_letters(stack).await?.len(), 1);
     // Billing fixed: replay delivers once and removes the row with an audit entry.
     sink.clear_rejections();
-    let ok = cli(&stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
+    let ok = cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
     assert!(ok.success(), "{}", ok.text());
-    assert!(dead_letters(&stack).await?.is_empty());
+    assert!(dead_letters(stack).await?.is_empty());
     let audit: i64 = db
         .query_one(
             "SELECT count(*) FROM cdc_relay_dead_letter_audit WHERE action = 'replay'",
@@ -115,29 +131,26 @@ async fn poison_is_quarantined_others_flow_and_replay_delivers_once() -> anyhow:
         .await?
         .get(0);
     assert_eq!(audit, 1);
-    let ledger = app::wait_ledger_clean(&stack, 6, DRAIN).await?;
+    let ledger = oracle::wait_ledger_clean(stack, 6, DRAIN).await?;
     assert_eq!(ledger.invoices, 6);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn circuit_opens_probes_slowly_and_recovers_within_a_probe_interval() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
-    let sink = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
+    let s = Scenario::start(Inbox::ScriptedBilling).await?;
+    let (sink, relay) = (s.sink(), &s.relay);
     sink.set_status(503);
-    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
     for _ in 0..50 {
-        insert_order_event(&db).await?;
+        insert_order_event(&s.db).await?;
     }
-    harness::wait_until("the circuit opens", Duration::from_secs(20), || async {
+    wait_until("the circuit opens", Duration::from_secs(20), || async {
         relay.process.logs().contains("circuit opened")
     })
     .await?;
-    // Measure the request rate the failing sink sees while the circuit is open.
+    // Time is the subject: the request rate the failing sink sees while the
+    // circuit is open, over 5 s, after 1 s for requests sent before it
+    // opened to come back.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let before = sink.arrivals();
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -158,7 +171,7 @@ async fn circuit_opens_probes_slowly_and_recovers_within_a_probe_interval() -> a
 
     let recovered = Instant::now();
     sink.set_status(204);
-    harness::wait_until(
+    wait_until(
         "first delivery after recovery",
         Duration::from_secs(5),
         || async { !sink.delivered().is_empty() },
@@ -167,12 +180,12 @@ async fn circuit_opens_probes_slowly_and_recovers_within_a_probe_interval() -> a
     let first = recovered.elapsed();
     eprintln!("first 2xx {:?} after the sink recovered", first);
     assert!(first <= Duration::from_millis(1200), "{first:?}");
-    app::wait_ledger_clean(&stack, 50, DRAIN).await?;
+    oracle::wait_ledger_clean(&s.stack, 50, DRAIN).await?;
     assert!(
-        dead_letters(&stack).await?.is_empty(),
+        dead_letters(&s.stack).await?.is_empty(),
         "transient failures never dead-letter"
     );
-    harness::wait_until("the circuit closes", Duration::from_secs(5), || async {
+    wait_until("the circuit closes", Duration::from_secs(5), || async {
         relay.process.logs().contains("circuit closed")
     })
     .await?;
@@ -182,62 +195,80 @@ async fn circuit_opens_probes_slowly_and_recovers_within_a_probe_interval() -> a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_storm_stops_quarantining_and_config_faults_never_dead_letter() -> anyhow::Result<()>
 {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
-    let sink = ScriptedSink::proxy(&format!("{}/inbox", billing.url)).await?;
+    let s = Scenario::plan(Inbox::ScriptedBilling)
+        .relay_args(&["--poison-storm-threshold", "5"])
+        .start()
+        .await?;
+    let (stack, sink, relay) = (&s.stack, s.sink(), &s.relay);
     sink.set_status(422); // a broken sink that refuses everything
-    let relay = app::start_relay(&stack, &sink.url, &["--poison-storm-threshold", "5"]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
     for _ in 0..30 {
-        insert_order_event(&db).await?;
+        insert_order_event(&s.db).await?;
     }
-    harness::wait_until("the storm guard trips", Duration::from_secs(20), || async {
+    wait_until("the storm guard trips", Duration::from_secs(20), || async {
         relay.process.logs().contains("poison storm")
     })
     .await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let quarantined = dead_letters(&stack).await?.len();
-    assert_eq!(quarantined, 4, "quarantining stops at the threshold");
-
-    sink.set_status(401); // now a configuration fault: still nothing dead-lettered
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(dead_letters(&stack).await?.len(), 4);
-    assert!(
-        relay.process.logs().contains("rejects the relay itself")
-            || relay.process.logs().contains("poison storm")
+    // No sleep proves that quarantining stopped; the relay's own verdicts
+    // do. Four events were judged poison before the fifth distinct one
+    // tripped the guard, and the refusals it judges after that are retries.
+    wait_judged(relay, "retry", 2.0).await?;
+    assert_eq!(
+        judged(relay, "dead_letter").await?,
+        4.0,
+        "quarantining stops at the threshold"
     );
-
-    sink.set_status(204);
-    harness::wait_until("26 invoices once the sink is fixed", DRAIN, || async {
-        app::Ledger::read(&stack).await.map(|l| l.invoices == 26)
+    wait_until("the four dead-letter rows", DRAIN, || async {
+        dead_letters(stack).await.map(|d| d.len() >= 4)
     })
     .await?;
-    assert_eq!(dead_letters(&stack).await?.len(), 4);
+    assert_eq!(
+        dead_letters(stack).await?.len(),
+        4,
+        "quarantining stops at the threshold"
+    );
+
+    // Now a configuration fault: judged as one, still nothing dead-lettered.
+    // The relay logs "rejects the relay itself" only when a configuration
+    // fault opens the circuit, and the storm opened it already, so the log
+    // cannot tell; its counter can. Every configuration fault in it comes
+    // after the switch: no 422 is ever judged one.
+    assert_eq!(
+        judged(relay, "config_fault").await?,
+        0.0,
+        "422s are poison or retries, never configuration faults"
+    );
+    sink.set_status(401);
+    wait_judged(relay, "config_fault", 2.0).await?;
+    assert_eq!(judged(relay, "dead_letter").await?, 4.0);
+    assert_eq!(dead_letters(stack).await?.len(), 4);
+
+    sink.set_status(204);
+    wait_until("26 invoices once the sink is fixed", DRAIN, || async {
+        Ledger::read(stack).await.map(|l| l.invoices == 26)
+    })
+    .await?;
+    assert_eq!(dead_letters(stack).await?.len(), 4);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn config_fault_opens_the_circuit_and_keeps_events() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = ScriptedSink::start().await?;
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (sink, relay) = (s.sink(), &s.relay);
     sink.set_status(401);
-    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
-    let event = insert_order_event(&db).await?;
-    harness::wait_until(
+    let event = insert_order_event(&s.db).await?;
+    wait_until(
         "the config fault is reported",
         Duration::from_secs(20),
         || async { relay.process.logs().contains("rejects the relay itself") },
     )
     .await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(dead_letters(&stack).await?.is_empty());
+    // The first 401 opened the circuit; a probe's 401 is judged the same.
+    wait_judged(relay, "config_fault", 2.0).await?;
+    assert_eq!(judged(relay, "dead_letter").await?, 0.0);
+    assert!(dead_letters(&s.stack).await?.is_empty());
     sink.set_status(204);
-    harness::wait_until(
+    wait_until(
         "delivered after the fix",
         Duration::from_secs(10),
         || async { sink.delivered().iter().any(|r| r.id() == event) },
@@ -249,13 +280,13 @@ async fn config_fault_opens_the_circuit_and_keeps_events() -> anyhow::Result<()>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreadable_rows_are_quarantined_instead_of_stopping() -> anyhow::Result<()> {
     let stack = PgCluster::shared().create_stack().await?;
-    let db = stack.orders_admin().await?;
-    db.batch_execute("ALTER TABLE outbox ALTER COLUMN event_type DROP NOT NULL")
+    stack
+        .orders_admin()
+        .await?
+        .batch_execute("ALTER TABLE outbox ALTER COLUMN event_type DROP NOT NULL")
         .await?;
-    app::relay_setup(&stack).await?;
-    let sink = ScriptedSink::start().await?;
-    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
+    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
+    let (db, sink) = (&s.db, s.sink());
     let order = uuid::Uuid::new_v4();
     let bad = uuid::Uuid::new_v4();
     db.batch_execute(&format!(
@@ -263,14 +294,17 @@ async fn unreadable_rows_are_quarantined_instead_of_stopping() -> anyhow::Result
          INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{bad}', '{order}', NULL, '{{\"x\":1}}'); COMMIT"
     ))
     .await?;
-    let good = insert_order_event(&db).await?;
-    harness::wait_until(
+    let good = insert_order_event(db).await?;
+    wait_until(
         "the good event delivered",
         Duration::from_secs(20),
         || async { sink.delivered().iter().any(|r| r.id() == good) },
     )
     .await?;
-    let dl = dead_letters(&stack).await?;
+    // Both transactions done: the bad row's dead letter is written, and
+    // nothing for it is still on its way to the sink.
+    s.settle().await?;
+    let dl = dead_letters(&s.stack).await?;
     assert_eq!(dl.len(), 1);
     assert_eq!(dl[0].0.as_deref(), Some(bad.to_string().as_str()));
     assert!(
@@ -282,40 +316,29 @@ async fn unreadable_rows_are_quarantined_instead_of_stopping() -> anyhow::Result
         sink.received().iter().all(|r| r.id() != bad.to_string()),
         "never posted"
     );
-    drop(relay);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
-    let sink_url = format!("{}/inbox", billing.url);
-    let db = stack.orders_admin().await?;
-    let delivered = {
-        let relay = app::start_relay(&stack, &sink_url, &[]).await?;
-        app::wait_streaming(&relay).await?;
-        insert_order_event(&db).await?;
-        app::wait_ledger_clean(&stack, 1, DRAIN).await?;
-        relay
-    };
-    let mut relay = delivered;
-    relay.process.sigterm();
-    relay.process.wait_exit(Duration::from_secs(20)).await?;
+    let mut s = Scenario::start(Inbox::Billing).await?;
+    insert_order_event(&s.db).await?;
+    oracle::wait_ledger_clean(&s.stack, 1, DRAIN).await?;
+    s.stop_relay().await?;
+    let (stack, db, sink_url) = (s.stack.clone(), &s.db, s.inbox_url().to_owned());
     let since: String = db.query_one("SELECT now()::text", &[]).await?.get(0);
     for _ in 0..3 {
-        insert_order_event(&db).await?;
+        insert_order_event(db).await?;
     }
     // The slot is lost; a new one starts at the current WAL position.
     db.execute("SELECT pg_drop_replication_slot($1)", &[&stack.slot])
         .await?;
     app::relay_setup(&stack).await?;
-    let relay = app::start_relay(&stack, &sink_url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    s.restart_relay(&[]).await?;
+    // Everything committed so far is done as far as the new session goes.
+    s.settle().await?;
     assert_eq!(
-        app::Ledger::read(&stack).await?.invoices,
+        Ledger::read(&stack).await?.invoices,
         1,
         "the new slot skipped them"
     );
@@ -323,27 +346,23 @@ async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
     let out = cli(&stack, &["backfill", "--since", &since], &sink_url).await?;
     assert!(out.success(), "{}", out.text());
     assert!(out.text().contains("3 delivered"), "{}", out.text());
-    let ledger = app::wait_ledger_clean(&stack, 4, DRAIN).await?;
+    let ledger = oracle::wait_ledger_clean(&stack, 4, DRAIN).await?;
     assert_eq!(ledger.invoices, 4);
     // From the beginning: everything again, all absorbed by the inbox.
     let again = cli(&stack, &["backfill", "--since=-infinity"], &sink_url).await?;
     assert!(again.text().contains("4 delivered"), "{}", again.text());
-    assert!(app::Ledger::read(&stack).await?.is_clean());
+    assert!(Ledger::read(&stack).await?.is_clean());
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = ScriptedSink::start().await?;
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, db, sink) = (&s.stack, &s.db, s.sink());
     sink.set_status(400);
-    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
-    let event = insert_order_event(&db).await?;
-    harness::wait_until("quarantined", Duration::from_secs(20), || async {
-        dead_letters(&stack).await.map(|d| d.len() == 1)
+    let event = insert_order_event(db).await?;
+    wait_until("quarantined", Duration::from_secs(20), || async {
+        dead_letters(stack).await.map(|d| d.len() == 1)
     })
     .await?;
     let id: i64 = db
@@ -351,7 +370,7 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
         .await?
         .get(0);
     let out = cli(
-        &stack,
+        stack,
         &[
             "dead-letter",
             "discard",
@@ -363,7 +382,7 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
     )
     .await?;
     assert!(out.success(), "{}", out.text());
-    assert!(dead_letters(&stack).await?.is_empty());
+    assert!(dead_letters(stack).await?.is_empty());
     let row = db
         .query_one(
             "SELECT action, event_id, reason, entry->>'event_id' FROM cdc_relay_dead_letter_audit",
@@ -380,7 +399,7 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
     assert_eq!(audit_event.as_deref(), Some(event.as_str()));
     assert_eq!(reason.as_deref(), Some("test data"));
     assert_eq!(entry.as_deref(), Some(event.as_str()));
-    let missing = cli(&stack, &["dead-letter", "discard", "999999"], &sink.url).await?;
+    let missing = cli(stack, &["dead-letter", "discard", "999999"], &sink.url).await?;
     assert!(!missing.success() && missing.text().contains("999999"));
     Ok(())
 }

@@ -1,0 +1,20 @@
+//! The end-state oracles every system test judges the relay by.
+//!
+//! - [`ledger`]: what was committed against what took effect in Billing
+//!   (lost, duplicated, phantom).
+//! - [`slot`]: the slot's own account of progress, and [`settle`], the one
+//!   way a test proves that something did NOT happen: the relay confirms a
+//!   position only once every transaction before it is done, so once the
+//!   slot's `confirmed_flush_lsn` passed the WAL position taken after the
+//!   last statement, every delivery that will ever come for those
+//!   transactions has come. No sleep can promise that.
+//! - [`expected`]: the events PostgreSQL committed, read back as it returned
+//!   them, and the check that a sink received exactly those, byte for byte.
+
+pub mod expected;
+pub mod ledger;
+pub mod slot;
+
+pub use expected::{Expected, arrival_ids, assert_exact, body_id};
+pub use ledger::{Ledger, wait_ledger_clean};
+pub use slot::{SlotPosition, settle, slot_position, walsender_pid};
