@@ -1,4 +1,31 @@
-//! System tests.
+//! System tests: real PostgreSQL, the real binaries, real HTTP.
+//!
+//! # Where does my test go
+//!
+//! | file | what belongs there |
+//! |---|---|
+//! | `harness.rs` | the harness itself: cluster settings, stacks, the roles and files in `sql/`, process supervision |
+//! | `services/orders.rs` | the Orders API as its clients see it (no relay) |
+//! | `services/billing.rs` | the Billing inbox and invoices API (no relay) |
+//! | `cli.rs` | `cdc-relay` as an operator types it: `setup`, `status`, start-up errors and exit codes |
+//! | `relay.rs` | the relay end to end on a healthy stack: delivery, wire format, acknowledgement, restarts, WAL retention, memory |
+//! | `stream/` | unusual replication streams (`transactions`, `decoding`) and `payloads`, checked event by event |
+//! | `sink_failures.rs` | the sink misbehaves: poison and dead letters, circuit breaker, storm guard, configuration faults, backfill |
+//! | `infra_faults.rs` | PostgreSQL or the network misbehaves: walsender killed, restarts, link faults, standby takeover, invalidated slot, reconnects |
+//! | `observability.rs` | what an operator watches: `/metrics`, `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
+//! | `tls.rs` | TLS to PostgreSQL and to the sink |
+//! | `chaos.rs` | the compressed chaos schedule (CI's variant of `--bin chaos`) |
+//!
+//! # How a test reads
+//!
+//! Start with `Scenario::start` (stack, setup, inbox, relay streaming)
+//! unless the test is about that preamble. Wait only through
+//! `harness::wait_until`, which says what it waits for. Prove that something
+//! did NOT happen with `oracle::settle` (the slot's confirmed position passed
+//! the current WAL position) or, while events are pending, with the relay's
+//! own counters; never with a sleep. Sleep only when time passing is the
+//! subject, and say so. End with an oracle: the `Ledger` or
+//! `Scenario::expect_exactly`.
 
 mod chaos;
 mod cli;
@@ -9,3 +36,4 @@ mod relay;
 mod services;
 mod sink_failures;
 mod stream;
+mod tls;

@@ -1,0 +1,215 @@
+//! The Orders and Billing services as their clients see them, without the
+//! relay: the real binaries over real HTTP against a fresh database pair
+//! from the harness.
+//!
+//! - [`orders`]: `POST /orders`, `GET /orders/{id}`, the transaction that
+//!   writes the order and its outbox row, timeouts and the pool.
+//! - [`billing`]: `POST /inbox` (signature, validation, the inbox row and the
+//!   invoice in one transaction, replays), `GET /invoices`, secret rotation.
+//! - here: the client helpers both use, and what holds for both services.
+//!
+//! Each test names one behaviour and asserts it, including what is in the
+//! database afterwards: an error path must leave no row behind.
+
+mod billing;
+mod orders;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use ::harness::sink::sign;
+use ::harness::{PgCluster, ServiceProcess, Stack, bins};
+use reqwest::header::CONTENT_TYPE;
+use reqwest::{Client, Response, StatusCode};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+/// Longest a service may take to print its listening line.
+const START: Duration = Duration::from_secs(30);
+
+/// The secret Billing is started with unless a test says otherwise.
+const SECRET: &str = "current-event-secret";
+
+/// The body limit both services default to.
+const BODY_LIMIT: usize = 64 * 1024;
+
+/// A running service binary and its base URL.
+struct Service {
+    process: ServiceProcess,
+    url: String,
+}
+
+impl Service {
+    async fn start(bin: &str, args: &[&str], envs: &[(&str, &str)]) -> Service {
+        let mut all = vec!["--listen", "127.0.0.1:0"];
+        all.extend_from_slice(args);
+        let process = ServiceProcess::spawn(bins::path(bin), &all, envs).expect("spawn");
+        let url = process.listen_addr(START).await.expect("listening line");
+        Service { process, url }
+    }
+
+    async fn orders(stack: &Stack, args: &[&str], envs: &[(&str, &str)]) -> Service {
+        let mut all = vec!["--database-url", stack.orders_app_url.as_str()];
+        all.extend_from_slice(args);
+        Service::start("orders", &all, envs).await
+    }
+
+    async fn billing(stack: &Stack, args: &[&str], envs: &[(&str, &str)]) -> Service {
+        let mut all = vec!["--database-url", stack.billing_app_url.as_str()];
+        all.extend_from_slice(args);
+        let mut with_secret = vec![("EVENT_SECRET", SECRET)];
+        with_secret.extend_from_slice(envs);
+        Service::start("billing", &all, &with_secret).await
+    }
+
+    fn at(&self, path: &str) -> String {
+        format!("{}{path}", self.url)
+    }
+
+    async fn metrics(&self, client: &Client) -> String {
+        let response = client
+            .get(self.at("/metrics"))
+            .send()
+            .await
+            .expect("GET /metrics");
+        assert_eq!(response.status(), StatusCode::OK);
+        response.text().await.expect("metrics text")
+    }
+}
+
+async fn stack() -> Stack {
+    PgCluster::shared()
+        .create_stack()
+        .await
+        .expect("create_stack")
+}
+
+fn http() -> Client {
+    Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("reqwest client")
+}
+
+async fn count(db: &tokio_postgres::Client, table: &str) -> i64 {
+    db.query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .await
+        .expect("count")
+        .get(0)
+}
+
+/// Asserts status and `"error"` code of a JSON error; returns the body.
+async fn expect_error(response: Response, status: StatusCode, code: &str) -> Value {
+    let got = response.status();
+    let text = response.text().await.expect("error body");
+    assert_eq!(got, status, "body: {text}");
+    let body: Value = serde_json::from_str(&text).expect("error body is JSON");
+    assert_eq!(body["error"], code, "body: {text}");
+    body
+}
+
+async fn post_order(client: &Client, orders: &Service, body: impl Into<reqwest::Body>) -> Response {
+    client
+        .post(orders.at("/orders"))
+        .header(CONTENT_TYPE, "application/json")
+        .body(body)
+        .send()
+        .await
+        .expect("POST /orders")
+}
+
+fn event(id: Uuid, order_id: Uuid, amount_cents: i64) -> Value {
+    json!({
+        "id": id,
+        "type": "OrderCreated",
+        "data": {"order_id": order_id, "amount_cents": amount_cents, "currency": "EUR"},
+    })
+}
+
+/// POSTs `body` to `/inbox` with `signature` (none: header omitted).
+async fn deliver(
+    client: &Client,
+    billing: &Service,
+    body: &str,
+    signature: Option<&str>,
+) -> Response {
+    let mut request = client
+        .post(billing.at("/inbox"))
+        .header(CONTENT_TYPE, "application/json")
+        .body(body.to_owned());
+    if let Some(signature) = signature {
+        request = request.header("X-Event-Signature", signature);
+    }
+    request.send().await.expect("POST /inbox")
+}
+
+async fn deliver_signed(client: &Client, billing: &Service, body: &str) -> Response {
+    deliver(client, billing, body, Some(&sign(SECRET, body.as_bytes()))).await
+}
+
+fn nested_arrays(depth: usize) -> String {
+    format!("{}{}", "[".repeat(depth), "]".repeat(depth))
+}
+
+/// A valid order body padded to exactly `len` bytes.
+fn order_of_len(len: usize) -> String {
+    let empty = r#"{"amount_cents":1,"currency":"EUR","pad":""}"#;
+    let pad = "x".repeat(len - empty.len());
+    format!(r#"{{"amount_cents":1,"currency":"EUR","pad":"{pad}"}}"#)
+}
+
+#[tokio::test]
+async fn services_never_log_credentials_and_exit_0_on_sigterm() {
+    let stack = stack().await;
+    let debug = [("RUST_LOG", "debug")];
+    let mut orders = Service::orders(&stack, &["--log-format", "json"], &debug).await;
+    let mut billing = Service::billing(&stack, &[], &debug).await;
+    let client = http();
+
+    post_order(&client, &orders, r#"{"amount_cents":1,"currency":"EUR"}"#).await;
+    post_order(&client, &orders, "{").await;
+    let body = event(Uuid::new_v4(), Uuid::new_v4(), 100).to_string();
+    deliver_signed(&client, &billing, &body).await;
+    deliver(&client, &billing, &body, Some("00")).await;
+
+    for (service, url) in [
+        (&mut orders, &stack.orders_app_url),
+        (&mut billing, &stack.billing_app_url),
+    ] {
+        service.process.sigterm();
+        let status = service
+            .process
+            .wait_exit(Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(status.success(), "{status:?}\n{}", service.process.logs());
+        // The last line a service logs; after it, the captured logs are complete.
+        service
+            .process
+            .wait_for_line("stopped", Duration::from_secs(5))
+            .await
+            .unwrap();
+        let logs = service.process.logs();
+        let config = tokio_postgres::Config::from_str(url).unwrap();
+        let password = String::from_utf8(config.get_password().unwrap().to_vec()).unwrap();
+        assert!(
+            !logs.contains(&password),
+            "the database password leaked:\n{logs}"
+        );
+        assert!(!logs.contains(SECRET), "the event secret leaked:\n{logs}");
+        let db = config.get_dbname().unwrap();
+        assert!(
+            logs.contains(&format!("dbname={db}")),
+            "host/db are logged:\n{logs}"
+        );
+    }
+    // JSON logs are one object per line (stdout's listening line aside).
+    let json_lines = orders.process.logs();
+    assert!(
+        json_lines
+            .lines()
+            .filter(|l| !l.starts_with(::harness::process::LISTENING))
+            .all(|l| serde_json::from_str::<Value>(l).is_ok()),
+        "{json_lines}"
+    );
+}

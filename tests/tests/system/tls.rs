@@ -1,0 +1,309 @@
+//! TLS end to end, with a private CA made here with the `openssl` command:
+//! the relay's two PostgreSQL connections with `sslmode=verify-full`, and
+//! delivery to an https sink trusted through `--sink-ca-file`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use harness::app::{self, TEST_SECRET};
+use harness::sink::sign;
+use harness::{ClusterOptions, PgCluster, wait_until};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// TLS end to end with a private CA made here with the `openssl` CLI: the
+/// relay delivers to an https sink it trusts through `--sink-ca-file` (and
+/// not without it), and both its PostgreSQL connections, the side one and
+/// the replication one, run over TLS with `sslmode=verify-full` against a
+/// cluster started with `ssl=on`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_to_postgres_and_to_the_sink_with_a_private_ca() -> anyhow::Result<()> {
+    let pki = Pki::generate()?;
+    let cluster = PgCluster::start(ClusterOptions {
+        extra_settings: vec![
+            ("ssl".into(), "on".into()),
+            ("ssl_cert_file".into(), path_str(&pki.cert)?.into()),
+            ("ssl_key_file".into(), path_str(&pki.pg_key)?.into()),
+        ],
+        ..ClusterOptions::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = TlsSink::start(&pki).await?;
+    // By name: the replication transport (pgwire-replication 0.5) refuses
+    // verify-full with an IP address for a host, even with an IP SAN.
+    let db_url = format!(
+        "{}?sslmode=verify-full&sslrootcert={}",
+        stack.relay_url.replacen("@127.0.0.1:", "@localhost:", 1),
+        path_str(&pki.ca)?
+    );
+    anyhow::ensure!(db_url.contains("@localhost:"), "{db_url}");
+    let db = stack.orders_admin().await?;
+
+    // Without the CA the sink's certificate is refused: nothing arrives.
+    let mut untrusting = app::start_relay_with_url(&stack, &db_url, &sink.url, &[]).await?;
+    app::wait_streaming(&untrusting).await?;
+    let event = app::insert_order_event(&db).await?;
+    wait_until("a failed TLS delivery attempt", WAIT, || async {
+        let m = untrusting.metrics().await?;
+        Ok::<_, anyhow::Error>(
+            m.value(
+                "cdc_relay_delivery_attempts_total",
+                &[("outcome", "retry"), ("status_class", "none")],
+            )
+            .is_some_and(|v| v >= 1.0),
+        )
+    })
+    .await?;
+    assert!(
+        sink.bodies().is_empty(),
+        "delivered without trusting the CA"
+    );
+    untrusting.process.sigkill();
+
+    let relay = app::start_relay_with_url(
+        &stack,
+        &db_url,
+        &sink.url,
+        &["--sink-ca-file", path_str(&pki.ca)?],
+    )
+    .await?;
+    app::wait_streaming(&relay).await?;
+    wait_until("delivery over https", WAIT, || async {
+        sink.bodies()
+            .iter()
+            .any(|(body, _)| body.contains(&event.to_string()))
+    })
+    .await?;
+    let (body, signature) = sink
+        .bodies()
+        .into_iter()
+        .find(|(body, _)| body.contains(&event.to_string()))
+        .context("the event")?;
+    assert_eq!(Some(sign(TEST_SECRET, body.as_bytes())), signature);
+
+    // Both of the relay's sessions are encrypted: the side connection and
+    // the walsender.
+    let rows = db
+        .query(
+            "SELECT a.backend_type, s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.usename = 'cdc_relay' AND a.pid <> pg_backend_pid()",
+            &[],
+        )
+        .await?;
+    let sessions: Vec<(String, bool)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert!(
+        sessions.iter().any(|(t, _)| t == "walsender")
+            && sessions.iter().any(|(t, _)| t == "client backend"),
+        "{sessions:?}"
+    );
+    assert!(sessions.iter().all(|(_, ssl)| *ssl), "{sessions:?}");
+    Ok(())
+}
+
+/// A throwaway certificate authority and one server certificate for
+/// `localhost` and `127.0.0.1`, made with the `openssl` command.
+struct Pki {
+    _dir: tempfile::TempDir,
+    ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+    /// The server key as PostgreSQL insists: mode 0600, owned by the user
+    /// the server runs as.
+    pg_key: PathBuf,
+}
+
+impl Pki {
+    fn generate() -> anyhow::Result<Pki> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir()?;
+        // The server may run as `postgres`: it must reach the files.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        let p = |name: &str| dir.path().join(name);
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        openssl(
+            &[
+                &[
+                    "req",
+                    "-x509",
+                    "-days",
+                    "2",
+                    "-subj",
+                    "/CN=cdc-relay test CA",
+                ][..],
+                &ec,
+                &[
+                    "-keyout",
+                    path_str(&p("ca.key"))?,
+                    "-out",
+                    path_str(&p("ca.pem"))?,
+                ],
+                &["-addext", "basicConstraints=critical,CA:TRUE"],
+                &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+            ]
+            .concat(),
+        )?;
+        openssl(
+            &[
+                &["req", "-subj", "/CN=localhost"][..],
+                &ec,
+                &[
+                    "-keyout",
+                    path_str(&p("server.key"))?,
+                    "-out",
+                    path_str(&p("server.csr"))?,
+                ],
+            ]
+            .concat(),
+        )?;
+        std::fs::write(
+            p("server.ext"),
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n\
+             keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
+        )?;
+        openssl(&[
+            "x509",
+            "-req",
+            "-days",
+            "2",
+            "-in",
+            path_str(&p("server.csr"))?,
+            "-CA",
+            path_str(&p("ca.pem"))?,
+            "-CAkey",
+            path_str(&p("ca.key"))?,
+            "-CAcreateserial",
+            "-extfile",
+            path_str(&p("server.ext"))?,
+            "-out",
+            path_str(&p("server.pem"))?,
+        ])?;
+        let pg_key = p("pg.key");
+        std::fs::copy(p("server.key"), &pg_key)?;
+        std::fs::set_permissions(&pg_key, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::set_permissions(p("server.pem"), std::fs::Permissions::from_mode(0o644))?;
+        if nix::unistd::Uid::effective().is_root() {
+            let pg = nix::unistd::User::from_name(harness::pg::SUPERUSER)?
+                .context("the postgres user the harness runs the server as")?;
+            nix::unistd::chown(&pg_key, Some(pg.uid), Some(pg.gid))?;
+        }
+        Ok(Pki {
+            ca: p("ca.pem"),
+            cert: p("server.pem"),
+            key: p("server.key"),
+            pg_key,
+            _dir: dir,
+        })
+    }
+}
+
+fn openssl(args: &[&str]) -> anyhow::Result<()> {
+    let out = std::process::Command::new("openssl")
+        .args(args)
+        .output()
+        .context("running openssl (the TLS test needs the openssl command)")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+type Received = std::sync::Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
+
+/// An https inbox (axum over tokio-rustls) that answers 204 and records each
+/// body with its `X-Event-Signature`.
+struct TlsSink {
+    url: String,
+    received: Received,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl TlsSink {
+    async fn start(pki: &Pki) -> anyhow::Result<TlsSink> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let certs = CertificateDer::pem_file_iter(&pki.cert)?.collect::<Result<Vec<_>, _>>()?;
+        let key = PrivateKeyDer::from_pem_file(&pki.key)?;
+        let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)?;
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = tcp.local_addr()?.port();
+        let listener = TlsListener {
+            tcp,
+            acceptor: tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)),
+        };
+        let received = Received::default();
+        let app = axum::Router::new()
+            .route("/inbox", axum::routing::post(record))
+            .with_state(received.clone());
+        let stop = harness::sink::serve(listener, app);
+        Ok(TlsSink {
+            url: format!("https://localhost:{port}/inbox"),
+            received,
+            _stop: stop,
+        })
+    }
+
+    fn bodies(&self) -> Vec<(String, Option<String>)> {
+        self.received.lock().expect("sink lock").clone()
+    }
+}
+
+async fn record(
+    axum::extract::State(received): axum::extract::State<Received>,
+    headers: axum::http::HeaderMap,
+    body: String,
+) -> axum::http::StatusCode {
+    let signature = headers
+        .get("x-event-signature")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    received.lock().expect("sink lock").push((body, signature));
+    axum::http::StatusCode::NO_CONTENT
+}
+
+/// TCP accept plus the TLS handshake; a failed handshake (an untrusting
+/// client) is dropped and the next connection accepted.
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Ok((tcp, addr)) = self.tcp.accept().await else {
+                continue;
+            };
+            if let Ok(Ok(tls)) =
+                tokio::time::timeout(Duration::from_secs(5), self.acceptor.accept(tcp)).await
+            {
+                return (tls, addr);
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.tcp.local_addr()
+    }
+}
+
+fn path_str(p: &Path) -> anyhow::Result<&str> {
+    p.to_str().context("a UTF-8 path")
+}
