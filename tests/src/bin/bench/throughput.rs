@@ -1,0 +1,288 @@
+//! Scenarios b and d: sustained throughput draining a backlog (to Billing
+//! and to the null sink; Billing's own maximum as the ceiling) and the peak
+//! memory while draining.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use harness::app::{self, TEST_SECRET};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use crate::Ctx;
+use crate::contender::{Contender, proc_cpu_s, proc_kb, start_contender};
+use crate::results::Results;
+use crate::workload::{billing_invoiced, drop_stack, fresh_stack, insert_backlog, null_sink};
+
+pub(crate) async fn throughput(
+    ctx: &mut Ctx,
+    run: u32,
+    drains: bool,
+    memory_big: bool,
+) -> anyhow::Result<()> {
+    let n = ctx.cfg.backlog;
+    let mifs = ctx.cfg.max_in_flight.clone();
+    let sinks = ctx.cfg.sinks.clone();
+    let has = |s: &str| sinks.iter().any(|x| x == s);
+    if drains && has("billing") {
+        eprintln!("  b. Billing's own maximum insert rate");
+        billing_max(ctx).await?;
+    }
+    let chosen = [(true, has("billing")), (false, has("null"))];
+    for (to_billing, _) in chosen.into_iter().filter(|(_, on)| drains && *on) {
+        let sink = if to_billing { "Billing" } else { "null sink" };
+        let mut contenders: Vec<Contender> = mifs
+            .iter()
+            .map(|&m| Contender::Ours { max_in_flight: m })
+            .collect();
+        if ctx.cfg.baselines {
+            contenders.extend(Contender::BASELINES);
+        }
+        let len = contenders.len();
+        contenders.rotate_left(run as usize % len);
+        for who in contenders {
+            eprintln!("  b. drain {n} → {sink}: {who:?}");
+            if let Err(err) = drain_one(ctx, who, to_billing, n, false).await {
+                ctx.results
+                    .note(format!("b {sink} {who:?} failed: {err:#}"));
+            }
+        }
+    }
+    if memory_big {
+        let big = ctx.cfg.big_backlog;
+        eprintln!("  d. drain {big} → null sink: ours (memory)");
+        drain_one(ctx, Contender::OURS, false, big, true).await?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn drain_one(
+    ctx: &mut Ctx,
+    who: Contender,
+    to_billing: bool,
+    n: u64,
+    big: bool,
+) -> anyhow::Result<()> {
+    let stack = fresh_stack(ctx, who.is_ours()).await?;
+    insert_backlog(&stack, n).await?;
+    let null = null_sink().await?;
+    let billing = if to_billing {
+        Some(app::start_billing(&stack, TEST_SECRET).await?)
+    } else {
+        None
+    };
+    let sink_url = match &billing {
+        Some(b) => format!("{}/inbox", b.url),
+        None => null.url.clone(),
+    };
+    let proc = start_contender(&stack, who, &sink_url).await?;
+    let pid = proc.pid();
+    eprintln!("    draining (pid {pid})");
+    let cap = Duration::from_secs(if who.is_ours() {
+        ctx.cfg.drain_cap_s
+    } else {
+        ctx.cfg.baseline_window_s
+    });
+    let count = async |http: &reqwest::Client| -> anyhow::Result<u64> {
+        match &billing {
+            Some(b) => billing_invoiced(http, b).await,
+            None => Ok(null.count.load(Ordering::Relaxed)),
+        }
+    };
+    let t0 = Instant::now();
+    let mut first: Option<(Instant, u64)> = None;
+    let mut last;
+    // The contender's CPU seconds at the first and the last observation.
+    let mut cpu_first = None;
+    let mut cpu_last = None;
+    let mut rss_samples: Vec<(f64, f64)> = Vec::new();
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let c = count(&ctx.http).await?;
+        let now = Instant::now();
+        let cpu = proc_cpu_s(pid, ctx.clk_tck);
+        if let Some(kb) = proc_kb(pid, "VmRSS:") {
+            rss_samples.push((c as f64 / n as f64, kb));
+        }
+        if c > 0 && first.is_none() {
+            first = Some((now, c));
+            cpu_first = cpu;
+        }
+        if first.is_some() {
+            cpu_last = cpu;
+        }
+        last = (now, c);
+        if c >= n || now - t0 >= cap {
+            break;
+        }
+    }
+    let hwm_mb = proc_kb(pid, "VmHWM:").unwrap_or(0.0) / 1024.0;
+    let (f_at, f_c) = first.unwrap_or((t0, 0));
+    let secs = (last.0 - f_at).as_secs_f64();
+    let rate = if secs > 0.0 {
+        (last.1 - f_c) as f64 / secs
+    } else {
+        0.0
+    };
+    let sink = if to_billing { "Billing" } else { "null sink" };
+    let col = who.column();
+    if big {
+        let scen = "d. memory";
+        ctx.results.add(
+            scen,
+            &format!("peak RSS, {n} backlog → null"),
+            "MB",
+            col,
+            hwm_mb,
+        );
+        // Flatness: RSS while the first and the last fifth of the backlog drained.
+        let max_in = |lo: f64, hi: f64| {
+            rss_samples
+                .iter()
+                .filter(|(f, _)| *f >= lo && *f < hi)
+                .map(|(_, kb)| kb / 1024.0)
+                .fold(0.0, f64::max)
+        };
+        ctx.results
+            .add(scen, "RSS first 20% of drain", "MB", col, max_in(0.0, 0.2));
+        ctx.results
+            .add(scen, "RSS last 20% of drain", "MB", col, max_in(0.8, 1.01));
+        ctx.results.add(
+            scen,
+            &format!("drain rate, {n} backlog → null"),
+            "ev/s",
+            col,
+            rate,
+        );
+    } else {
+        let scen = format!("b. throughput → {sink}");
+        let metric = match who {
+            Contender::Ours { max_in_flight } => format!("max-in-flight {max_in_flight}"),
+            Contender::Baseline { .. } => "baseline (fixed)".to_owned(),
+        };
+        ctx.results.add(&scen, &metric, "ev/s", col, rate);
+        let row = ctx.results.row(&scen, &metric, "ev/s");
+        if who.is_ours() {
+            row.baseline_from = Some(Results::key(&scen, "baseline (fixed)"));
+        }
+        // CPU per event: steadier than the rate on a shared box (it does not
+        // depend on how much CPU the neighbours left).
+        if let (Some(a), Some(b)) = (cpu_first, cpu_last)
+            && last.1 > f_c
+        {
+            let us = (b - a) * 1e6 / (last.1 - f_c) as f64;
+            let cmetric = match who {
+                Contender::Ours { max_in_flight } => format!("CPU per event, mif {max_in_flight}"),
+                Contender::Baseline { .. } => "CPU per event (baseline)".to_owned(),
+            };
+            ctx.results.add(&scen, &cmetric, "µs", col, us);
+            if who.is_ours() {
+                ctx.results.row(&scen, &cmetric, "µs").baseline_from =
+                    Some(Results::key(&scen, "CPU per event (baseline)"));
+            }
+        }
+        let mscen = "d. memory";
+        let mmetric = match who {
+            Contender::Ours { max_in_flight } => format!("peak RSS → {sink}, mif {max_in_flight}"),
+            Contender::Baseline { .. } => format!("peak RSS → {sink} (baseline)"),
+        };
+        ctx.results.add(mscen, &mmetric, "MB", col, hwm_mb);
+        if who.is_ours() {
+            ctx.results.row(mscen, &mmetric, "MB").baseline_from = Some(Results::key(
+                mscen,
+                &format!("peak RSS → {sink} (baseline)"),
+            ));
+        }
+        if who.is_ours() && last.1 < n {
+            ctx.results.note(format!(
+                "{scen} {metric}: only {} of {n} drained within the {} s cap",
+                last.1,
+                cap.as_secs()
+            ));
+        }
+    }
+    drop(proc);
+    drop(billing);
+    drop_stack(ctx, &stack).await;
+    Ok(())
+}
+
+/// Drives Billing's POST /inbox directly with correctly signed, distinct
+/// events at several concurrencies; the best rate is the ceiling.
+pub(crate) async fn billing_max(ctx: &mut Ctx) -> anyhow::Result<()> {
+    let total = ctx.cfg.billing_max_requests;
+    for conc in ctx.cfg.billing_max_concurrency.clone() {
+        let stack = ctx.cluster.create_stack().await?;
+        let billing = app::start_billing(&stack, TEST_SECRET).await?;
+        let url = format!("{}/inbox", billing.url);
+        let next = Arc::new(AtomicU64::new(0));
+        // Warm-up of 500 requests, not counted.
+        drive_billing(&ctx.http, &url, 500, 32, &Arc::new(AtomicU64::new(0))).await?;
+        let t = Instant::now();
+        let errors = drive_billing(&ctx.http, &url, total, conc, &next).await?;
+        let rate = total as f64 / t.elapsed().as_secs_f64();
+        ctx.results.add(
+            "b. throughput → Billing",
+            &format!("Billing max, direct, concurrency {conc}"),
+            "ev/s",
+            "ours",
+            rate,
+        );
+        if errors > 0 {
+            ctx.results
+                .note(format!("Billing max c={conc}: {errors} non-2xx answers"));
+        }
+        drop(billing);
+        drop_stack(ctx, &stack).await;
+    }
+    Ok(())
+}
+
+pub(crate) async fn drive_billing(
+    http: &reqwest::Client,
+    url: &str,
+    total: u64,
+    conc: usize,
+    next: &Arc<AtomicU64>,
+) -> anyhow::Result<u64> {
+    let errors = Arc::new(AtomicU64::new(0));
+    let mut set = JoinSet::new();
+    for _ in 0..conc {
+        let (http, url, next, errors) = (
+            http.clone(),
+            url.to_owned(),
+            Arc::clone(next),
+            Arc::clone(&errors),
+        );
+        set.spawn(async move {
+            let mac = Hmac::<Sha256>::new_from_slice(TEST_SECRET.as_bytes()).expect("any key");
+            while next.fetch_add(1, Ordering::Relaxed) < total {
+                let body = format!(
+                    r#"{{"id":"{}","type":"OrderCreated","data":{{"order_id":"{}","amount_cents":2599,"currency":"EUR"}}}}"#,
+                    Uuid::new_v4(),
+                    Uuid::new_v4()
+                );
+                let sig = hex::encode(mac.clone().chain_update(body.as_bytes()).finalize().into_bytes());
+                let ok = match http
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .header("x-event-signature", sig)
+                    .body(body)
+                    .send()
+                    .await
+                {
+                    Ok(r) => r.status().is_success(),
+                    Err(_) => false,
+                };
+                if !ok {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    while set.join_next().await.is_some() {}
+    Ok(errors.load(Ordering::Relaxed))
+}
