@@ -16,6 +16,10 @@
 //!   files in `sql/`, with least-privilege roles and per-stack names.
 //! - [`process`] runs one of our binaries with its output captured.
 //! - [`bins`] finds (and builds once) the workspace binaries.
+//! - [`app`] starts Orders, Billing and the relay on a stack, runs
+//!   `cdc-relay` as a CLI command, and reads the relay's sessions from its log.
+//! - [`sink`] is the scripted in-process HTTP sink; [`proxy`] the
+//!   fault-injecting TCP proxy; [`chaos`] the chaos run built from them.
 //! - [`wait`] is the bounded polling every wait goes through.
 //! - [`scenario`] is the preamble of most system tests in one call (stack,
 //!   setup, inbox, relay streaming); [`oracle`] is what a test judges the

@@ -100,13 +100,13 @@ impl Exposition {
             .any(|s| self.family_of(&s.name) == Some(family))
     }
 
-    /// Sum of every sample named exactly `name`, whatever its labels.
+    /// Sum of every sample named exactly `name`, whatever its labels; 0
+    /// (not `-0`, which `Iterator::sum` gives for no samples) when absent.
     pub fn sum(&self, name: &str) -> f64 {
         self.samples
             .iter()
             .filter(|s| s.name == name)
-            .map(|s| s.value)
-            .sum()
+            .fold(0.0, |total, s| total + s.value)
     }
 
     /// The sample named `name` with exactly these labels.
@@ -358,6 +358,7 @@ mod tests {
             BTreeSet::from(["204".to_owned(), "401".to_owned()])
         );
         assert_eq!(m.buckets("h"), vec![(f64::INFINITY, 2.0)]);
+        assert_eq!(format!("{:.0}", m.sum("absent_total")), "0");
     }
 
     #[test]

@@ -83,6 +83,7 @@ impl Load {
                                 tokio::time::sleep(Duration::from_millis(50)).await;
                             }
                         }
+                        // Pacing: ~40 orders/s per worker.
                         tokio::time::sleep(Duration::from_millis(25)).await;
                     }
                 })

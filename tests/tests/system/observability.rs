@@ -189,7 +189,8 @@ async fn readyz_is_ready_while_streaming_and_not_while_events_are_stuck() -> any
         probe("/readyz").await.map(|(s, _)| s == 200)
     })
     .await?;
-    // Idle for longer than the window: nothing pending is progress.
+    // Time is the subject: idle for longer than the 2 s ready window, and
+    // still ready, because nothing pending counts as progress.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(probe("/readyz").await?.0, 200, "an idle relay is ready");
 

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use harness::app::{self, TEST_SECRET};
-use harness::oracle::{self, Ledger, slot_position, walsender_pid};
+use harness::oracle::{self, Ledger, settle, slot_position, walsender_pid};
 use harness::sink::ScriptedSink;
 use harness::{Inbox, PgCluster, Scenario};
 
@@ -293,6 +293,7 @@ async fn slow_sink_does_not_trip_wal_sender_timeout() -> anyhow::Result<()> {
         sink.delivered().len() >= 3
     })
     .await?;
+    s.settle().await?;
     assert_eq!(
         walsender_pid(db, &s.stack.slot).await?,
         first,
@@ -451,6 +452,7 @@ async fn partitioned_outbox_leaves_map_to_the_root() -> anyhow::Result<()> {
         || async { sink.delivered().len() >= 2 },
     )
     .await?;
+    settle(&db, &stack.slot).await?;
     assert_eq!(sink.delivered().len(), 2, "each row exactly once");
     // No aggregate key: the two events carry no ordering promise.
     let got: std::collections::BTreeSet<(String, String)> = sink

@@ -38,9 +38,8 @@ async fn dead_letters(stack: &Stack) -> anyhow::Result<Vec<(Option<String>, Opti
 /// written: the counter is the relay's decision, not its side effect.
 async fn judged(relay: &Running, outcome: &str) -> anyhow::Result<f64> {
     let m = relay.metrics().await?;
-    Ok(m.sum_by(ATTEMPTS, ("outcome", outcome), "outcome")
-        .values()
-        .sum())
+    let by_outcome = m.sum_by(ATTEMPTS, ("outcome", outcome), "outcome");
+    Ok(by_outcome.get(outcome).copied().unwrap_or(0.0))
 }
 
 /// Waits until the relay judged `more` further attempts `outcome` than
