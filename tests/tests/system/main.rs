@@ -5,6 +5,7 @@
 //! | file | what belongs there |
 //! |---|---|
 //! | `harness.rs` | the harness itself: cluster settings, stacks, the roles and files in `sql/`, process supervision |
+//! | `upgrade.rs` | `sql/` applied over databases made by the previous release (`tests/fixtures/sql-*`), with data |
 //! | `services/orders.rs` | the Orders API as its clients see it (no relay) |
 //! | `services/billing.rs` | the Billing inbox and invoices API (no relay) |
 //! | `cli.rs` | `cdc-relay` as an operator types it: `setup`, `status`, start-up errors and exit codes |
@@ -37,3 +38,4 @@ mod services;
 mod sink_failures;
 mod stream;
 mod tls;
+mod upgrade;
