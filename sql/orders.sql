@@ -84,6 +84,9 @@ CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter (
 -- Upgrade from 0.1.0, where commit_lsn was NOT NULL (backfill wrote 0/0-based
 -- row counters there). Re-runnable.
 ALTER TABLE cdc_relay_dead_letter ALTER COLUMN commit_lsn DROP NOT NULL;
+-- A payload whose bytes are not UTF-8 (possible in a SQL_ASCII database),
+-- kept exactly; `payload` is NULL then. Added after 0.1.0.
+ALTER TABLE cdc_relay_dead_letter ADD COLUMN IF NOT EXISTS payload_bytes bytea;
 
 CREATE INDEX IF NOT EXISTS cdc_relay_dead_letter_event_id_idx
     ON cdc_relay_dead_letter (event_id);

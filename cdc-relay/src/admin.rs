@@ -33,6 +33,9 @@ pub fn router(metrics: Metrics, health: Arc<Health>) -> Router {
 }
 
 async fn metrics_handler(State(s): State<AdminState>) -> impl IntoResponse {
+    s.metrics
+        .seconds_since_server_message
+        .set(s.health.since_heard().as_secs_f64());
     (
         [(
             header::CONTENT_TYPE,

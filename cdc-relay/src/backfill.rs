@@ -225,7 +225,7 @@ async fn to_item(row: &tokio_postgres::Row, window: &Window) -> Item<BackfillRow
                 event_id: id,
                 aggregate_key,
                 event_type,
-                payload,
+                payload: payload.map(bytes::Bytes::from),
                 commit_lsn: None,
                 problem: format!("NULL {missing} (read by backfill)"),
             };

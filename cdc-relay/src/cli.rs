@@ -21,9 +21,12 @@ use crate::outbox::TableName;
 /// deduplicates by event id (the Idempotency-Key header).
 ///
 /// Exit codes: 0 clean stop; 1 error (the message says which setting or what
-/// to do); 2 bad command line; 3 slot missing (run `cdc-relay setup`); 4 slot
-/// invalidated (see the message for recovery); 5 the stream holds an outbox
-/// row the relay cannot read (nothing after it was acknowledged).
+/// to do); 2 bad command line; 3 the database needs `cdc-relay setup` (slot,
+/// publication, table or column missing); 4 slot invalidated (see the message
+/// for recovery); 5 the stream holds an outbox change the relay cannot map
+/// (a column dropped, the payload no longer json/jsonb, the table renamed
+/// away from --table; nothing after it was acknowledged); 6 the slot was
+/// created before its publication (recreate it and backfill).
 #[derive(Debug, Parser)]
 #[command(name = "cdc-relay", version, about, long_about)]
 pub struct Cli {
@@ -232,9 +235,9 @@ pub struct GlobalArgs {
 /// `cdc-relay setup`.
 #[derive(Debug, Args)]
 pub struct SetupArgs {
-    /// Drop and recreate an invalidated (wal_status = lost) slot. Events
-    /// committed since its confirmed_flush_lsn must then be re-sent with
-    /// `backfill`.
+    /// Drop and recreate the slot when it is invalidated (wal_status = lost)
+    /// or older than its publication. Events committed since its
+    /// confirmed_flush_lsn must then be re-sent with `backfill`.
     #[arg(long)]
     pub recreate_slot: bool,
 }
@@ -308,6 +311,11 @@ pub struct RunArgs {
     /// slot it would silently skip events (use `setup` and `backfill` then).
     #[arg(long, env = "CDC_RELAY_CREATE_SLOT")]
     pub create_slot: bool,
+    /// Stream from a database whose server_encoding is not UTF8 (e.g.
+    /// SQL_ASCII). Rows whose text is not valid UTF-8 then become dead
+    /// letters (their payload bytes kept in payload_bytes) instead of events.
+    #[arg(long, env = "CDC_RELAY_ALLOW_NON_UTF8")]
+    pub allow_non_utf8: bool,
     /// Runtime worker threads (CPU cores the relay may keep busy). Default:
     /// one per available CPU. Running beside PostgreSQL on a small machine,
     /// 1 leaves the other cores to the database.

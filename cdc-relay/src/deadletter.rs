@@ -15,6 +15,7 @@
 
 use std::future::Future;
 
+use bytes::Bytes;
 use serde::Serialize;
 use tokio_postgres::Client;
 
@@ -62,16 +63,19 @@ pub struct NewDeadLetter {
     pub aggregate_key: Option<String>,
     /// Event type, if readable.
     pub event_type: Option<String>,
-    /// Payload JSON text, if any.
-    pub payload: Option<String>,
+    /// The payload column's bytes as read, if any: stored as text when they
+    /// are UTF-8 (JSON text), else in `payload_bytes`.
+    pub payload: Option<Bytes>,
     /// Commit LSN of the event's transaction; `None` for a row a backfill
     /// read from the table.
     pub commit_lsn: Option<Lsn>,
     /// HTTP status of the last response, if one arrived.
     pub http_status: Option<u16>,
-    /// Why it was dead-lettered (reason label and detail).
+    /// Why it was dead-lettered (reason label and detail). Stored without
+    /// NUL characters and cut at [`ERROR_BYTES`].
     pub error: String,
-    /// First bytes of the last response body.
+    /// First bytes of the last response body. Stored without NUL
+    /// characters and cut at [`EXCERPT_BYTES`].
     pub response_excerpt: Option<String>,
     /// Delivery attempts made.
     pub attempts: u32,
@@ -100,10 +104,7 @@ impl NewDeadLetter {
             event_id: Some(event.id.clone()),
             aggregate_key: event.aggregate_key.clone(),
             event_type: Some(event.event_type.clone()),
-            payload: event
-                .payload
-                .as_ref()
-                .map(|p| String::from_utf8_lossy(p).into_owned()),
+            payload: event.payload.clone(),
             commit_lsn: event.commit_lsn,
             http_status: status,
             error: format!("{}: {}", reason.label, attempt.detail()),
@@ -144,6 +145,9 @@ pub struct DeadLetter {
     /// Payload JSON text (only in `show`; `list` leaves it out).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub payload: Option<String>,
+    /// A payload that was not UTF-8, as hex (only in `show`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload_bytes_hex: Option<String>,
     /// Commit LSN (PostgreSQL text form); none for a backfilled row.
     pub commit_lsn: Option<String>,
     /// HTTP status of the last response.
@@ -159,28 +163,62 @@ pub struct DeadLetter {
     pub dead_lettered_at: String,
 }
 
+/// Longest `error` stored, in bytes.
+pub const ERROR_BYTES: usize = 4096;
+
+/// Longest `response_excerpt` stored, in bytes.
+pub const EXCERPT_BYTES: usize = 2048;
+
+/// Longest id, type or key stored, in bytes.
+const NAME_BYTES: usize = 1024;
+
+/// Text safe for a PostgreSQL `text` column: no NUL (which no server
+/// encoding accepts), at most `max` bytes (cut at a character boundary).
+/// Whatever a sink answers, writing its dead letter cannot fail on content.
+pub fn storable(s: &str, max: usize) -> String {
+    let mut out: String = s.chars().filter(|c| *c != '\0').collect();
+    if out.len() > max {
+        let mut cut = max;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+    }
+    out
+}
+
 /// Inserts a dead-letter row; returns its id. One statement, so the row is
-/// committed when this returns `Ok`.
+/// committed when this returns `Ok`. Text is made [`storable`]; a payload
+/// that is not UTF-8 goes to `payload_bytes` as it is.
 async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgres::Error> {
     let status = d.http_status.map(i32::from);
     let attempts = i32::try_from(d.attempts).unwrap_or(i32::MAX);
     let first = d.first_attempt_unix_micros.map(|m| m as f64 / 1e6);
+    let name = |v: &Option<String>| v.as_deref().map(|s| storable(s, NAME_BYTES));
+    let (payload, payload_bytes) = match &d.payload {
+        Some(p) => match std::str::from_utf8(p) {
+            Ok(text) if !text.contains('\0') => (Some(text), None),
+            _ => (None, Some(p.as_ref())),
+        },
+        None => (None, None),
+    };
     let row = client
         .query_one(
             "INSERT INTO cdc_relay_dead_letter \
-               (event_id, aggregate_key, event_type, payload, commit_lsn, http_status, error, \
-                response_excerpt, attempts, first_attempt_at, last_attempt_at) \
-             VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $6, $7, $8, $9, to_timestamp($10), now()) \
+               (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
+                error, response_excerpt, attempts, first_attempt_at, last_attempt_at) \
+             VALUES ($1, $2, $3, $4, $5, $6::text::pg_lsn, $7, $8, $9, $10, to_timestamp($11), now()) \
              RETURNING id",
             &[
-                &d.event_id,
-                &d.aggregate_key,
-                &d.event_type,
-                &d.payload,
+                &name(&d.event_id),
+                &name(&d.aggregate_key),
+                &name(&d.event_type),
+                &payload,
+                &payload_bytes,
                 &d.commit_lsn.map(|l| l.to_string()),
                 &status,
-                &d.error,
-                &d.response_excerpt,
+                &storable(&d.error, ERROR_BYTES),
+                &d.response_excerpt.as_deref().map(|e| storable(e, EXCERPT_BYTES)),
                 &attempts,
                 &first,
             ],
@@ -192,13 +230,18 @@ async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgre
 const COLUMNS: &str = "id, event_id, aggregate_key, event_type, commit_lsn::text, http_status, error, \
      response_excerpt, attempts, to_char(quarantined_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')";
 
-fn from_row(r: &tokio_postgres::Row, payload: Option<String>) -> DeadLetter {
+fn from_row(
+    r: &tokio_postgres::Row,
+    payload: Option<String>,
+    payload_bytes: Option<Vec<u8>>,
+) -> DeadLetter {
     DeadLetter {
         id: r.get(0),
         event_id: r.get(1),
         aggregate_key: r.get(2),
         event_type: r.get(3),
         payload,
+        payload_bytes_hex: payload_bytes.map(hex::encode),
         commit_lsn: r.get(4),
         http_status: r.get(5),
         error: r.get(6),
@@ -216,21 +259,20 @@ pub async fn list(client: &Client) -> Result<Vec<DeadLetter>, tokio_postgres::Er
             &[],
         )
         .await?;
-    Ok(rows.iter().map(|r| from_row(r, None)).collect())
+    Ok(rows.iter().map(|r| from_row(r, None, None)).collect())
 }
 
 /// One row with its payload.
 pub async fn get(client: &Client, id: i64) -> Result<Option<DeadLetter>, tokio_postgres::Error> {
     let row = client
         .query_opt(
-            &format!("SELECT {COLUMNS}, payload FROM cdc_relay_dead_letter WHERE id = $1"),
+            &format!(
+                "SELECT {COLUMNS}, payload, payload_bytes FROM cdc_relay_dead_letter WHERE id = $1"
+            ),
             &[&id],
         )
         .await?;
-    Ok(row.map(|r| {
-        let payload = r.get(10);
-        from_row(&r, payload)
-    }))
+    Ok(row.map(|r| from_row(&r, r.get(10), r.get(11))))
 }
 
 /// Why a row was removed.
@@ -265,4 +307,30 @@ pub async fn remove(
         .await?;
     tx.commit().await?;
     Ok(n == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any text becomes storable: no NUL, within the cap, a prefix of
+        /// the text without its NULs.
+        #[test]
+        fn any_text_is_storable(s in ".{0,300}", max in 1usize..200) {
+            let out = storable(&s, max);
+            prop_assert!(!out.contains('\0'));
+            prop_assert!(out.len() <= max);
+            let without_nul: String = s.chars().filter(|c| *c != '\0').collect();
+            prop_assert!(without_nul.starts_with(&out));
+        }
+    }
+
+    #[test]
+    fn nul_and_long_text_are_made_storable() {
+        assert_eq!(storable("\0", 10), "");
+        assert_eq!(storable("a\0b", 10), "ab");
+        assert_eq!(storable("ééé", 5), "éé");
+    }
 }

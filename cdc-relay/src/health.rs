@@ -14,6 +14,14 @@ use std::time::{Duration, Instant};
 pub struct Health {
     started: Instant,
     streaming: AtomicBool,
+    /// The outbox is in a streamed publication (as last read).
+    publication_ok: AtomicBool,
+    /// Milliseconds since `started` when the server last sent anything (or
+    /// the watchdog found the walsender reading our replies).
+    last_heard_ms: AtomicU64,
+    /// Silence after which `/readyz` fails, milliseconds (the watchdog's
+    /// bound for the current session; 0 before the first).
+    silence_bound_ms: AtomicU64,
     /// Milliseconds since `started` of the last progress (ack advanced or
     /// nothing pending).
     last_progress_ms: AtomicU64,
@@ -27,29 +35,68 @@ impl Health {
         Arc::new(Health {
             started: Instant::now(),
             streaming: AtomicBool::new(false),
+            publication_ok: AtomicBool::new(true),
+            last_heard_ms: AtomicU64::new(0),
+            silence_bound_ms: AtomicU64::new(0),
             last_progress_ms: AtomicU64::new(0),
             ready_window,
         })
     }
 
-    /// The replication stream started (`true`) or ended (`false`).
-    pub fn set_streaming(&self, on: bool) {
+    /// The replication stream started (`true`) or ended (`false`); while
+    /// it runs, more than `silence_bound` without a word from the server
+    /// makes the relay not ready.
+    pub fn set_streaming(&self, on: bool, silence_bound: Duration) {
         self.streaming.store(on, Ordering::Relaxed);
         if on {
+            let bound = u64::try_from(silence_bound.as_millis()).unwrap_or(u64::MAX);
+            self.silence_bound_ms.store(bound, Ordering::Relaxed);
             self.progress();
+            self.heard();
         }
+    }
+
+    /// The server sent something (or proved alive): resets the silence.
+    pub fn heard(&self) {
+        self.last_heard_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// Time since the server last sent anything on the stream.
+    pub fn since_heard(&self) -> Duration {
+        let last = self.last_heard_ms.load(Ordering::Relaxed);
+        Duration::from_millis(self.now_ms().saturating_sub(last))
+    }
+
+    /// The slot monitor read whether the outbox is in its publication.
+    pub fn set_publication_ok(&self, ok: bool) {
+        self.publication_ok.store(ok, Ordering::Relaxed);
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     /// The confirmed LSN advanced, or nothing is pending.
     pub fn progress(&self) {
-        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.last_progress_ms.store(ms, Ordering::Relaxed);
+        self.last_progress_ms
+            .store(self.now_ms(), Ordering::Relaxed);
     }
 
     /// Whether `/readyz` should answer 200, and why not.
     pub fn ready(&self) -> Result<(), &'static str> {
         if !self.streaming.load(Ordering::Relaxed) {
             return Err("not streaming from the slot");
+        }
+        if !self.publication_ok.load(Ordering::Relaxed) {
+            return Err(
+                "the outbox table is not in the streamed publication: its inserts are not streamed (see the log)",
+            );
+        }
+        let bound = self.silence_bound_ms.load(Ordering::Relaxed);
+        if bound > 0 && self.since_heard() > Duration::from_millis(bound) {
+            return Err(
+                "no message from the server within the silence bound (wal_sender_timeout): the stream may be dead",
+            );
         }
         let last = Duration::from_millis(self.last_progress_ms.load(Ordering::Relaxed));
         if self.started.elapsed().saturating_sub(last) > self.ready_window {
@@ -69,13 +116,23 @@ mod tests {
     fn ready_needs_streaming_and_progress() {
         let h = Health::new(Duration::from_secs(30));
         assert!(h.ready().is_err(), "not streaming yet");
-        h.set_streaming(true);
+        h.set_streaming(true, Duration::from_secs(60));
         assert!(h.ready().is_ok());
-        h.set_streaming(false);
+        h.set_publication_ok(false);
+        assert!(h.ready().unwrap_err().contains("publication"));
+        h.set_publication_ok(true);
+        h.set_streaming(false, Duration::ZERO);
         assert!(h.ready().is_err());
 
+        let silent = Health::new(Duration::from_secs(30));
+        silent.set_streaming(true, Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(silent.ready().unwrap_err().contains("silence"));
+        silent.heard();
+        assert!(silent.ready().is_ok());
+
         let stale = Health::new(Duration::from_millis(1));
-        stale.set_streaming(true);
+        stale.set_streaming(true, Duration::from_secs(60));
         std::thread::sleep(Duration::from_millis(20));
         assert!(stale.ready().is_err(), "no progress within the window");
         stale.progress();

@@ -56,7 +56,24 @@ pub struct Metrics {
     /// update, including ones carrying a new confirmed LSN) and
     /// `keepalive_reply` (the server asked for one).
     pub status_updates: IntCounterVec,
+    /// 1 while the outbox is in a streamed publication (as the slot monitor
+    /// last read), else 0.
+    pub publication_includes_outbox: IntGauge,
+    /// Times the outbox was found out of its publication, or out and back
+    /// between two readings: each is a span whose inserts were not streamed.
+    pub publication_gaps: IntCounter,
+    /// Changes the stream carried that are not outbox inserts, by
+    /// `relation` (`schema.table`; at most [`IGNORED_RELATIONS`] values,
+    /// then `other`).
+    pub ignored_changes: IntCounterVec,
+    /// Seconds since the server last sent anything on the stream (or the
+    /// watchdog last found the walsender reading our replies), at scrape time.
+    pub seconds_since_server_message: prometheus::Gauge,
 }
+
+/// Distinct `relation` label values of `cdc_relay_ignored_changes_total`
+/// before the rest count as `other`.
+pub const IGNORED_RELATIONS: usize = 50;
 
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,6 +95,12 @@ fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
 
 fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
     let g = IntGauge::new(name, help).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+fn float_gauge(r: &Registry, name: &str, help: &str) -> prometheus::Gauge {
+    let g = prometheus::Gauge::new(name, help).expect("valid metric");
     r.register(Box::new(g.clone())).expect("unique metric");
     g
 }
@@ -229,6 +252,27 @@ impl Metrics {
                 "Bytes of WAL that can still be written before the slot is lost (-1: unlimited)",
             ),
             status_updates: status_updates(&r),
+            publication_includes_outbox: gauge(
+                &r,
+                "cdc_relay_publication_includes_outbox",
+                "1 while the outbox table is in a streamed publication, else 0",
+            ),
+            publication_gaps: counter(
+                &r,
+                "cdc_relay_publication_gaps_total",
+                "Spans in which the outbox was out of its publication (inserts not streamed: backfill them)",
+            ),
+            ignored_changes: counter_vec(
+                &r,
+                "cdc_relay_ignored_changes_total",
+                "Streamed changes that are not outbox inserts, by relation",
+                &["relation"],
+            ),
+            seconds_since_server_message: float_gauge(
+                &r,
+                "cdc_relay_seconds_since_server_message",
+                "Seconds since the server last sent anything on the replication stream",
+            ),
             registry: r,
         }
         .prime()
@@ -297,6 +341,9 @@ mod tests {
             "cdc_relay_slot_safe_wal_size_bytes",
             "cdc_relay_status_updates_total{cause=\"interval\"} 0",
             "cdc_relay_status_updates_total{cause=\"keepalive_reply\"} 0",
+            "cdc_relay_publication_includes_outbox 0",
+            "cdc_relay_publication_gaps_total 0",
+            "cdc_relay_seconds_since_server_message 0",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

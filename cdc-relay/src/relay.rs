@@ -30,9 +30,10 @@ use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxColumns, OutboxMapper, TableName};
 use crate::sink::HttpSink;
-use crate::source::catalog::{self, SlotInfo};
-use crate::source::stream::{self, Stream, StreamParts, StreamSettings};
-use crate::source::watchdog::{self, Watchdog};
+use crate::source::catalog::{self, OutboxTable, SlotInfo};
+use crate::source::stream::{Stream, StreamParts};
+use crate::source::transport::{self, StreamSettings, Transport};
+use crate::source::watchdog::{self, MonitorOutputs, MonitorSettings, Watchdog};
 use crate::source::{self, ConnParams, SourceError};
 
 pub use crate::source::stream::StreamError as RelayError;
@@ -67,6 +68,8 @@ pub struct RelayConfig {
     /// Create the slot when it is missing (fresh installs only: a new slot
     /// starts at the current WAL position and skips anything older).
     pub create_slot: bool,
+    /// Stream from a server whose encoding is not UTF8.
+    pub allow_non_utf8: bool,
 }
 
 /// First reconnect delay ceiling; doubles per failed session up to
@@ -100,7 +103,7 @@ pub async fn run(
             watchdog_scale,
         };
         let outcome = session.run(&sink, &shutdown, &mut streamed).await;
-        health.set_streaming(false);
+        health.set_streaming(false, Duration::ZERO);
         metrics.pending_events.set(0); // the session's pipeline is gone
         watchdog_scale = match &outcome {
             Err(RelayError::Source(SourceError::Stalled(_))) => (watchdog_scale * 2).min(16),
@@ -156,6 +159,7 @@ struct Prepared {
     side_closed: tokio::sync::oneshot::Receiver<()>,
     wal_sender_timeout: Duration,
     slot: SlotInfo,
+    table: OutboxTable,
 }
 
 impl Session<'_> {
@@ -174,21 +178,33 @@ impl Session<'_> {
             slot: cfg.slot.clone(),
             publications: cfg.publications.clone(),
             application_name: cfg.application_name.clone(),
-            status_interval: stream::status_interval_for(p.wal_sender_timeout),
+            status_interval: transport::status_interval_for(p.wal_sender_timeout),
         };
-        let client = stream::open(&cfg.conn, &settings).await?;
+        let client = transport::open(&cfg.conn, &settings).await?;
+        let silence = watchdog::silence_bound(p.wal_sender_timeout, settings.status_interval)
+            * self.watchdog_scale;
         self.metrics.standby.set(0);
-        self.health.set_streaming(true);
+        self.health.set_streaming(true, silence);
         *streamed = true;
         tracing::info!(slot = %cfg.slot, start = %start, status_interval_ms = settings.status_interval.as_millis() as u64, "streaming");
 
         let (readings_tx, readings) = watch::channel(None);
+        let (ceiling_tx, ceiling) = watch::channel(None);
         let monitor = AbortOnDropHandle::new(tokio::spawn(watchdog::monitor_slot(
             Arc::clone(&p.side),
-            cfg.slot.clone(),
-            cfg.slot_stats_interval,
-            self.metrics.clone(),
-            readings_tx,
+            MonitorSettings {
+                slot: cfg.slot.clone(),
+                publications: cfg.publications.clone(),
+                table: cfg.table.clone(),
+                interval: cfg.slot_stats_interval,
+            },
+            MonitorOutputs {
+                metrics: self.metrics.clone(),
+                health: Arc::clone(self.health),
+                readings: readings_tx,
+                ceiling: ceiling_tx,
+            },
+            start,
         )));
         let (items_tx, items_rx) = mpsc::channel(1024);
         let (confirmed_tx, confirmed_rx) = watch::channel(start);
@@ -205,22 +221,23 @@ impl Session<'_> {
             items_rx,
             confirmed_tx,
         )));
-        let silence = watchdog::silence_bound(p.wal_sender_timeout, settings.status_interval);
         let parts = StreamParts {
             confirmed: confirmed_rx,
+            ceiling,
             items: items_tx,
             window: Window::new(cfg.window_events, cfg.window_bytes),
-            mapper: OutboxMapper::new(cfg.table.clone(), cfg.columns.clone()),
+            mapper: OutboxMapper::new(cfg.table.clone(), cfg.columns.clone(), Some(p.table.oid)),
+            side: Arc::clone(&p.side),
             side_closed: p.side_closed,
             slot: cfg.slot.clone(),
-            watchdog: Watchdog::new(
-                p.side,
-                cfg.slot.clone(),
-                silence * self.watchdog_scale,
-                readings,
-            ),
+            watchdog: Watchdog::new(Arc::clone(&p.side), cfg.slot.clone(), silence, readings),
+            health: Arc::clone(self.health),
+            metrics: self.metrics.clone(),
         };
-        let mut stream = Stream::new(client, settings.status_interval, parts, self.metrics);
+        let mut stream = Stream::new(
+            Transport::new(client, settings.status_interval, start),
+            parts,
+        );
         let read = stream
             .read_until_stopped(shutdown, cfg.shutdown_timeout)
             .await;
@@ -234,8 +251,32 @@ impl Session<'_> {
                 // Deliveries in flight are abandoned with the session; the
                 // confirmed LSN covers only what was done.
                 stream.abort();
-                Err(e)
+                Err(self.diagnose(e, &p.side).await)
             }
+        }
+    }
+
+    /// The walsender not finding a publication means either that the slot
+    /// predates it (the error says so) or that it was dropped while the
+    /// relay streamed: the catalog tells which.
+    async fn diagnose(&self, e: RelayError, side: &tokio_postgres::Client) -> RelayError {
+        let RelayError::Source(SourceError::SlotPredatesPublication { publication, .. }) = &e
+        else {
+            return e;
+        };
+        match catalog::check_stream_config(
+            side,
+            &self.cfg.table,
+            &self.cfg.columns,
+            &self.cfg.publications,
+        )
+        .await
+        {
+            Err(now) if now.is_definite() => {
+                tracing::debug!(publication = %publication, "the publication is gone from the catalog too");
+                now.into()
+            }
+            _ => e,
         }
     }
 
@@ -284,12 +325,41 @@ impl Session<'_> {
         }
         // A publication that does not carry the table would let the slot be
         // confirmed past every event: refuse to stream (the standby too).
-        catalog::check_stream_config(&side, &cfg.table, &cfg.columns, &cfg.publications).await?;
+        let table =
+            catalog::check_stream_config(&side, &cfg.table, &cfg.columns, &cfg.publications)
+                .await?;
+        for warning in
+            catalog::publication_warnings(&side, &cfg.table, &table, &cfg.publications).await?
+        {
+            tracing::warn!("{warning}");
+        }
+        self.check_encoding(&side).await?;
         Ok(Prepared {
             side: Arc::new(side),
             side_closed,
             wal_sender_timeout,
             slot,
+            table,
         })
+    }
+
+    /// Text the relay sends must be UTF-8. A server in another encoding
+    /// (SQL_ASCII stores any bytes) needs the operator's consent: rows that
+    /// are not UTF-8 then become dead letters.
+    async fn check_encoding(&self, side: &tokio_postgres::Client) -> Result<(), SourceError> {
+        let encoding = catalog::server_encoding(side).await?;
+        if encoding == "UTF8" {
+            return Ok(());
+        }
+        if !self.cfg.allow_non_utf8 {
+            return Err(SourceError::Definite(format!(
+                "the source database's server_encoding is {encoding}, not UTF8: its text may hold bytes \
+                 that are not UTF-8, which a JSON body cannot carry. Pass --allow-non-utf8 \
+                 (CDC_RELAY_ALLOW_NON_UTF8=true) to stream anyway: such rows then go to the \
+                 dead-letter table, payload bytes kept, instead of being sent"
+            )));
+        }
+        tracing::warn!(server_encoding = %encoding, "streaming from a database that is not UTF8 (--allow-non-utf8): rows that are not UTF-8 are dead-lettered");
+        Ok(())
     }
 }

@@ -149,6 +149,7 @@ impl RunArgs {
             reconnect_max: self.reconnect_max,
             slot_stats_interval: self.slot_stats_interval,
             create_slot: self.create_slot,
+            allow_non_utf8: self.allow_non_utf8,
         };
         Ok((cfg, sink))
     }

@@ -19,7 +19,9 @@ use crate::source;
 pub async fn execute(global: GlobalArgs, command: Command) -> u8 {
     match command {
         Command::Setup(a) => report(setup::command(&global, a).await),
-        Command::Status(a) => report(status::command(&global, a).await),
+        Command::Status(a) => status::command(&global, a)
+            .await
+            .unwrap_or_else(|e| report(Err(e))),
         Command::Run(a) => run::command(&global, *a).await,
         Command::DeadLetter(c) => report(dead_letter::command(&global, c).await),
         Command::Backfill(a) => report(backfill::command(&global, *a).await),

@@ -24,12 +24,20 @@ pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
     }
 }
 
-/// The process exit code for a relay that stopped for good.
+/// The process exit code for a relay that stopped for good (the table is
+/// in `--help` and docs/operations.md; the shipped unit restarts only 1):
+/// 3 the database needs `setup` (slot, publication, table or column
+/// missing); 4 the slot was invalidated; 5 the stream holds an outbox
+/// change the relay cannot map (nothing after it acknowledged); 6 the slot
+/// predates its publication; 1 anything else.
 pub fn exit_code(e: &RelayError) -> u8 {
     match e {
-        RelayError::Source(SourceError::SlotMissing { .. }) => 3,
+        RelayError::Source(SourceError::SlotMissing { .. } | SourceError::NeedsSetup(_)) => 3,
         RelayError::Source(SourceError::SlotInvalidated { .. }) => 4,
-        RelayError::Decode(_) | RelayError::Outbox(_) => 5,
+        RelayError::Decode(_)
+        | RelayError::Outbox(_)
+        | RelayError::Source(SourceError::PayloadType(_)) => 5,
+        RelayError::Source(SourceError::SlotPredatesPublication { .. }) => 6,
         RelayError::Source(_) => 1,
     }
 }
@@ -112,9 +120,24 @@ mod tests {
         let missing: RelayError = SourceError::SlotMissing { slot: slot() }.into();
         let lost: RelayError = SourceError::SlotInvalidated { slot: slot() }.into();
         let auth: RelayError = SourceError::Definite("auth".into()).into();
+        let no_publication: RelayError = SourceError::NeedsSetup("p".into()).into();
+        let text_payload: RelayError = SourceError::PayloadType("t".into()).into();
+        let predates: RelayError = SourceError::SlotPredatesPublication {
+            slot: slot(),
+            publication: "p".into(),
+        }
+        .into();
         assert_eq!(
-            (exit_code(&missing), exit_code(&lost), exit_code(&auth)),
-            (3, 4, 1)
+            [
+                &missing,
+                &lost,
+                &auth,
+                &no_publication,
+                &text_payload,
+                &predates
+            ]
+            .map(exit_code),
+            [3, 4, 1, 3, 5, 6]
         );
     }
 }

@@ -49,9 +49,14 @@ pub async fn setup(client: &Client, plan: &SetupPlan) -> Result<Vec<String>, Sou
     catalog::check_slot_name(&plan.slot)?;
     let mut report = Vec::new();
     check_settings(client, &mut report).await?;
-    let partitioned = check_table(client, plan, &mut report).await?;
-    ensure_publication(client, plan, partitioned, &mut report).await?;
-    ensure_slot(client, plan, &mut report).await?;
+    let table = check_table(client, plan, &mut report).await?;
+    let created = ensure_publication(client, plan, table.relkind == "p", &mut report).await?;
+    let publications = [plan.publication.clone()];
+    for warning in catalog::publication_warnings(client, &plan.table, &table, &publications).await?
+    {
+        report.push(format!("warning: {warning}"));
+    }
+    ensure_slot(client, plan, created, &mut report).await?;
     Ok(report)
 }
 
@@ -99,26 +104,27 @@ async fn check_settings(client: &Client, report: &mut Vec<String>) -> Result<(),
     Ok(())
 }
 
-/// Checks the table and its columns; returns whether it is partitioned.
+/// Checks the table and its columns (the payload json or jsonb).
 async fn check_table(
     client: &Client,
     plan: &SetupPlan,
     report: &mut Vec<String>,
-) -> Result<bool, SourceError> {
-    let relkind = catalog::check_outbox_table(client, &plan.table, &plan.columns).await?;
+) -> Result<catalog::OutboxTable, SourceError> {
+    let table = catalog::check_outbox_table(client, &plan.table, &plan.columns).await?;
     report.push(format!(
-        "ok: table {} has the columns the relay reads",
+        "ok: table {} has the columns the relay reads (payload json/jsonb)",
         plan.table
     ));
-    Ok(relkind == "p")
+    Ok(table)
 }
 
+/// Creates the publication unless it exists; returns whether it created it.
 async fn ensure_publication(
     client: &Client,
     plan: &SetupPlan,
     partitioned: bool,
     report: &mut Vec<String>,
-) -> Result<(), SourceError> {
+) -> Result<bool, SourceError> {
     let exists = client
         .query_opt("SELECT pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication WHERE pubname = $1", &[&plan.publication])
         .await
@@ -147,11 +153,11 @@ async fn ensure_publication(
         ));
         if upd || del || tru {
             report.push(format!(
-                "warning: publication {:?} also publishes updates/deletes/truncates; the relay ignores them but the slot still decodes them",
+                "warning: publication {:?} also publishes updates/deletes/truncates; the relay ignores them (counted in cdc_relay_ignored_changes_total) but the slot still decodes them",
                 plan.publication
             ));
         }
-        return Ok(());
+        return Ok(false);
     }
     let via_root = if partitioned {
         ", publish_via_partition_root = true"
@@ -177,15 +183,45 @@ async fn ensure_publication(
             ""
         }
     ));
-    Ok(())
+    Ok(true)
 }
 
+/// Creates the slot unless a usable one exists. A slot older than the
+/// publication (created before it, or before setup just created it) cannot
+/// decode with it: refused, or recreated with `--recreate-slot`.
 async fn ensure_slot(
     client: &Client,
     plan: &SetupPlan,
+    created_publication: bool,
     report: &mut Vec<String>,
 ) -> Result<(), SourceError> {
     let info = catalog::slot_info(client, &plan.slot).await?;
+    let publications = [plan.publication.clone()];
+    let predates = match &info {
+        Some(_) if created_publication => true,
+        Some(s) if !s.active => {
+            catalog::slot_predates_publication(client, &plan.slot, &publications).await?
+                == Some(true)
+        }
+        _ => false,
+    };
+    if predates {
+        if !plan.recreate_slot {
+            return Err(SourceError::SlotPredatesPublication {
+                slot: plan.slot.clone(),
+                publication: plan.publication.clone(),
+            });
+        }
+        client
+            .execute("SELECT pg_drop_replication_slot($1)", &[&plan.slot])
+            .await
+            .map_err(|e| SourceError::sql("dropping the slot older than its publication", &e))?;
+        report.push(format!(
+            "dropped: slot {:?}, older than publication {:?} (re-send what it missed with `cdc-relay backfill`)",
+            plan.slot, plan.publication
+        ));
+        return create_slot(client, plan, report).await;
+    }
     match info {
         Some(s) if s.wal_status.as_deref() == Some("lost") => {
             if !plan.recreate_slot {

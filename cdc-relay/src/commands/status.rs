@@ -1,25 +1,37 @@
 //! `cdc-relay status`: the slot and the publication as the database shows
-//! them.
+//! them, and the problems that stop delivery, each with the exit code
+//! `run` would stop with (the first one is `status`'s own exit code).
 
 use serde::Serialize;
 use tokio_postgres::Client;
 
 use super::{connect, outln};
 use crate::cli::{GlobalArgs, StatusArgs};
+use crate::outbox::TableName;
 use crate::source::SourceError;
 use crate::source::catalog::{self, SlotInfo};
 
-/// `cdc-relay status`: prints [`status`] as text or JSON.
-pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<()> {
+/// `cdc-relay status`: prints [`status`] as text or JSON; returns the exit
+/// code (0 when no problem was found).
+pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     let client = connect(g).await?;
-    let publication = g.publication.first().cloned().unwrap_or_default();
-    let s = status(&client, &g.slot, &publication).await?;
+    let s = status(&client, &g.slot, &g.publication, &g.table).await?;
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&s)?);
     } else {
         outln!("{}", s.to_string().trim_end());
     }
-    Ok(())
+    Ok(s.problems.first().map_or(0, |p| p.code))
+}
+
+/// Something that stops delivery.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct Problem {
+    /// The exit code `run` stops with for it (3 needs setup, 4 slot lost,
+    /// 6 slot older than the publication).
+    pub code: u8,
+    /// What is wrong and what to do.
+    pub message: String,
 }
 
 /// What `status` reports.
@@ -41,25 +53,73 @@ pub struct Status {
     pub wal_status: Option<String>,
     /// Bytes of WAL that may still be written before the slot is lost.
     pub safe_wal_size: Option<i64>,
-    /// Publication name.
+    /// Publication name(s), comma-separated.
     pub publication: String,
-    /// Tables it publishes (schema.table).
+    /// Tables they publish (schema.table).
     pub publication_tables: Vec<String>,
+    /// Whether nothing stops delivery.
+    pub healthy: bool,
+    /// What stops delivery, most fundamental first.
+    pub problems: Vec<Problem>,
 }
 
-/// Reads the slot and publication.
-pub async fn status(client: &Client, slot: &str, publication: &str) -> Result<Status, SourceError> {
+/// Reads the slot and the publications and diagnoses them for `table`.
+pub async fn status(
+    client: &Client,
+    slot: &str,
+    publications: &[String],
+    table: &TableName,
+) -> Result<Status, SourceError> {
     let info: Option<SlotInfo> = catalog::slot_info(client, slot).await?;
-    let tables = client
+    let tables: Vec<String> = client
         .query(
-            "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1 ORDER BY 1",
-            &[&publication],
+            "SELECT DISTINCT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = ANY($1) ORDER BY 1",
+            &[&publications],
         )
         .await
         .map_err(|e| SourceError::sql("reading the publication's tables", &e))?
         .iter()
         .map(|r| r.get::<_, String>(0))
         .collect();
+    let mut problems = Vec::new();
+    let mut problem = |code, message: String| problems.push(Problem { code, message });
+    match &info {
+        None => problem(
+            3,
+            format!(
+                "slot {slot} does not exist: run `cdc-relay setup` (events committed before it exists are not delivered; re-send them with `cdc-relay backfill`)"
+            ),
+        ),
+        Some(i) if i.wal_status.as_deref() == Some("lost") => problem(
+            4,
+            SourceError::SlotInvalidated {
+                slot: slot.to_owned(),
+            }
+            .to_string(),
+        ),
+        Some(_) => {}
+    }
+    if !tables.contains(&table.to_string()) {
+        problem(
+            3,
+            format!(
+                "publication {} does not publish {table}: its inserts are not streamed; run `cdc-relay setup` (or ALTER PUBLICATION … ADD TABLE {table}), then backfill what was inserted meanwhile",
+                publications.join(", ")
+            ),
+        );
+    } else if info.as_ref().is_some_and(|i| !i.active)
+        && catalog::slot_predates_publication(client, slot, publications).await? == Some(true)
+    {
+        let publication = publications.join(", ");
+        problem(
+            6,
+            SourceError::SlotPredatesPublication {
+                slot: slot.to_owned(),
+                publication,
+            }
+            .to_string(),
+        );
+    }
     Ok(Status {
         slot: slot.to_owned(),
         exists: info.is_some(),
@@ -72,8 +132,10 @@ pub async fn status(client: &Client, slot: &str, publication: &str) -> Result<St
         lag_bytes: info.as_ref().and_then(|i| i.lag_bytes),
         wal_status: info.as_ref().and_then(|i| i.wal_status.clone()),
         safe_wal_size: info.as_ref().and_then(|i| i.safe_wal_size),
-        publication: publication.to_owned(),
+        publication: publications.join(","),
         publication_tables: tables,
+        healthy: problems.is_empty(),
+        problems,
     })
 }
 
@@ -121,6 +183,14 @@ impl std::fmt::Display for Status {
             } else {
                 self.publication_tables.join(", ")
             }
-        )
+        )?;
+        if self.healthy {
+            writeln!(f, "healthy: nothing stops delivery")
+        } else {
+            for p in &self.problems {
+                writeln!(f, "problem (exit {}): {}", p.code, p.message)?;
+            }
+            Ok(())
+        }
     }
 }

@@ -1,9 +1,12 @@
 //! The mapper: decoded pgoutput messages to outbox events for the
 //! configured table, columns found by name in the latest Relation message.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
-use super::{Mapped, OutboxColumns, OutboxError, OutboxEvent, TableName, TxContext, UnreadableRow};
+use super::{
+    JSON_TYPES, Mapped, OutboxColumns, OutboxError, OutboxEvent, TableName, TxContext,
+    UnreadableRow,
+};
 use crate::pgoutput::{ColumnValue, Insert, Relation, RelationId};
 
 /// Column positions in one version of the outbox's Relation message.
@@ -16,26 +19,64 @@ struct Positions {
     aggregate_key: Option<usize>,
 }
 
+/// What a Relation message means for the relay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RelationKind {
+    /// The outbox, under the configured name (or the table the configured
+    /// name resolved to when the session started, under an older name).
+    Outbox,
+    /// A relation newly seen under the configured name with another OID
+    /// than the outbox had (dropped and recreated, or a swap): it is the
+    /// outbox now; the old OID stays tracked too.
+    NewOutbox {
+        /// Its OID.
+        oid: u32,
+    },
+    /// A relation that is or was the outbox in this session, described
+    /// under another name: either an older name (the WAL predates a rename
+    /// done before the session) or a rename away from the configured name.
+    /// The caller asks the catalog which; the mapper keeps mapping it.
+    OutboxUnderOtherName {
+        /// Its OID.
+        oid: u32,
+        /// `schema.name` as the message says.
+        name: String,
+    },
+    /// Another table of the publication.
+    Other,
+}
+
 /// Maps decoded messages to [`OutboxEvent`]s for one configured table.
+///
+/// The outbox is identified by relation OID: the OID its configured name
+/// had when the session started, and any relation a Relation message
+/// describes under the configured name. So an insert is never dropped
+/// because the table's name changed; whether a name change is acceptable
+/// is the caller's decision ([`RelationKind::OutboxUnderOtherName`]).
 #[derive(Debug)]
 pub struct OutboxMapper {
     table: TableName,
     columns: OutboxColumns,
-    /// Relations seen in this session. `Ok` for the outbox with resolved
-    /// positions, `Err` for the outbox missing a column; other tables are absent
-    /// from `outbox` but present in `known`.
+    /// The OID the configured name resolved to when the session started.
+    start_oid: Option<RelationId>,
+    /// Relations that are or were the outbox, with their latest positions
+    /// (`Err` when the latest Relation message does not fit the settings).
     outbox: HashMap<RelationId, Result<Positions, OutboxError>>,
-    known: HashSet<RelationId>,
+    /// Every relation described in this session, by OID: `schema.name`.
+    names: HashMap<RelationId, String>,
 }
 
 impl OutboxMapper {
-    /// A mapper for inserts into `table` with the given column names.
-    pub fn new(table: TableName, columns: OutboxColumns) -> Self {
+    /// A mapper for inserts into `table` with the given column names;
+    /// `start_oid` is the OID the catalog gives `table` now (`None` when
+    /// unknown: the mapper then knows the outbox by name alone).
+    pub fn new(table: TableName, columns: OutboxColumns, start_oid: Option<u32>) -> Self {
         OutboxMapper {
             table,
             columns,
+            start_oid: start_oid.map(RelationId),
             outbox: HashMap::new(),
-            known: HashSet::new(),
+            names: HashMap::new(),
         }
     }
 
@@ -44,14 +85,39 @@ impl OutboxMapper {
         &self.table
     }
 
-    /// A Relation message arrived: (re)resolve columns when it is the outbox.
-    /// Replaces whatever an earlier Relation message for the same OID said.
-    pub fn on_relation(&mut self, rel: &Relation) {
-        self.known.insert(rel.oid);
-        if rel.namespace == self.table.schema && rel.name == self.table.name {
-            self.outbox.insert(rel.oid, self.resolve(rel));
+    /// `schema.name` of a relation described in this session.
+    pub fn relation_name(&self, oid: RelationId) -> Option<&str> {
+        self.names.get(&oid).map(String::as_str)
+    }
+
+    /// Whether `oid` is or was the outbox in this session.
+    pub fn is_outbox(&self, oid: RelationId) -> bool {
+        self.outbox.contains_key(&oid) || self.start_oid == Some(oid)
+    }
+
+    /// A Relation message arrived: (re)resolve columns when it is the
+    /// outbox (replacing what an earlier message for the same OID said), and
+    /// say what the relation is.
+    pub fn on_relation(&mut self, rel: &Relation) -> RelationKind {
+        let name = format!("{}.{}", rel.namespace, rel.name);
+        self.names.insert(rel.oid, name.clone());
+        let configured = rel.namespace == self.table.schema && rel.name == self.table.name;
+        if !configured && !self.is_outbox(rel.oid) {
+            return RelationKind::Other;
+        }
+        let new = configured
+            && !self.outbox.contains_key(&rel.oid)
+            && self.start_oid.is_some_and(|s| s != rel.oid);
+        self.outbox.insert(rel.oid, self.resolve(rel));
+        if !configured {
+            RelationKind::OutboxUnderOtherName {
+                oid: rel.oid.0,
+                name,
+            }
+        } else if new {
+            RelationKind::NewOutbox { oid: rel.oid.0 }
         } else {
-            self.outbox.remove(&rel.oid);
+            RelationKind::Outbox
         }
     }
 
@@ -66,11 +132,20 @@ impl OutboxMapper {
                     setting,
                 })
         };
+        let payload = find(&self.columns.payload, "--payload-column")?;
+        let payload_type = rel.columns[payload].type_oid;
+        if !JSON_TYPES.contains(&payload_type) {
+            return Err(OutboxError::PayloadType {
+                table: self.table.to_string(),
+                column: self.columns.payload.clone(),
+                type_oid: payload_type,
+            });
+        }
         Ok(Positions {
             columns: rel.columns.len(),
             id: find(&self.columns.id, "--id-column")?,
             event_type: find(&self.columns.event_type, "--type-column")?,
-            payload: find(&self.columns.payload, "--payload-column")?,
+            payload,
             aggregate_key: match &self.columns.aggregate_key {
                 Some(c) => Some(find(c, "--aggregate-column")?),
                 None => None,
@@ -84,7 +159,7 @@ impl OutboxMapper {
         let pos = match self.outbox.get(&ins.relation) {
             Some(Ok(pos)) => pos,
             Some(Err(e)) => return Err(e.clone()),
-            None if self.known.contains(&ins.relation) => return Ok(Mapped::OtherTable),
+            None if self.names.contains_key(&ins.relation) => return Ok(Mapped::OtherTable),
             None => return Err(OutboxError::UnknownRelation(ins.relation.0)),
         };
         let values = ins.new.values();
@@ -112,9 +187,18 @@ impl OutboxMapper {
                 .map(str::to_owned)
                 .ok_or_else(|| format!("NULL in required column {column:?}"))
         };
+        // json/jsonb text is valid JSON in a UTF-8 database; in another
+        // server encoding it may hold bytes that are not UTF-8, which a
+        // JSON body cannot carry.
         let payload = match &values[pos.payload] {
             ColumnValue::Null => None,
-            ColumnValue::Text(b) => Some(b.clone()),
+            ColumnValue::Text(b) if std::str::from_utf8(b).is_ok() => Some(b.clone()),
+            ColumnValue::Text(_) => {
+                return Err(format!(
+                    "column {:?} is not valid UTF-8",
+                    self.columns.payload
+                ));
+            }
             other => return Err(bad_kind(other, &self.columns.payload)),
         };
         let aggregate_key = match (pos.aggregate_key, &self.columns.aggregate_key) {
@@ -139,17 +223,16 @@ fn unreadable(
     tx: TxContext,
     problem: String,
 ) -> UnreadableRow {
-    let lossy = |i: usize| match values.get(i) {
-        Some(ColumnValue::Text(b)) | Some(ColumnValue::Binary(b)) => {
-            Some(String::from_utf8_lossy(b).into_owned())
-        }
+    let raw = |i: usize| match values.get(i) {
+        Some(ColumnValue::Text(b)) | Some(ColumnValue::Binary(b)) => Some(b.clone()),
         _ => None,
     };
+    let lossy = |i: usize| raw(i).map(|b| String::from_utf8_lossy(&b).into_owned());
     UnreadableRow {
         event_id: lossy(pos.id),
         aggregate_key: pos.aggregate_key.and_then(lossy),
         event_type: lossy(pos.event_type),
-        payload: lossy(pos.payload),
+        payload: raw(pos.payload),
         commit_lsn: tx.commit_lsn,
         problem,
     }
@@ -191,7 +274,8 @@ mod tests {
                 .map(|c| Column {
                     flags: ColumnFlags(0),
                     name: (*c).into(),
-                    type_oid: 25,
+                    // text, and jsonb for the payload
+                    type_oid: if *c == "payload" { 3802 } else { 25 },
                     type_modifier: -1,
                 })
                 .collect(),
@@ -225,7 +309,81 @@ mod tests {
     }
 
     fn mapper() -> OutboxMapper {
-        OutboxMapper::new("public.outbox".parse().unwrap(), OutboxColumns::default())
+        OutboxMapper::new(
+            "public.outbox".parse().unwrap(),
+            OutboxColumns::default(),
+            Some(1),
+        )
+    }
+
+    const COLUMNS: [&str; 4] = ["id", "aggregate_id", "event_type", "payload"];
+
+    #[test]
+    fn the_outbox_is_known_by_oid_whatever_its_name() {
+        let mut m = mapper();
+        // The start OID under an older name (WAL from before a rename).
+        assert_eq!(
+            m.on_relation(&rel(1, "outbox_old", &COLUMNS)),
+            RelationKind::OutboxUnderOtherName {
+                oid: 1,
+                name: "public.outbox_old".into()
+            }
+        );
+        let e = event(&m, &insert(1, &[Some("e1"), None, Some("T"), Some("{}")]));
+        assert_eq!(e.id, "e1", "mapped while the caller decides about the name");
+        assert_eq!(
+            m.on_relation(&rel(1, "outbox", &COLUMNS)),
+            RelationKind::Outbox
+        );
+        // Another table under the configured name: the outbox now, too.
+        assert_eq!(
+            m.on_relation(&rel(2, "outbox", &COLUMNS)),
+            RelationKind::NewOutbox { oid: 2 }
+        );
+        assert_eq!(
+            m.on_relation(&rel(2, "outbox", &COLUMNS)),
+            RelationKind::Outbox
+        );
+        // ... and renamed away again.
+        assert!(matches!(
+            m.on_relation(&rel(2, "outbox_v2", &COLUMNS)),
+            RelationKind::OutboxUnderOtherName { oid: 2, .. }
+        ));
+        assert!(m.is_outbox(RelationId(1)) && m.is_outbox(RelationId(2)));
+        assert_eq!(
+            m.on_relation(&rel(3, "orders", &["id"])),
+            RelationKind::Other
+        );
+        assert!(!m.is_outbox(RelationId(3)));
+        assert_eq!(m.relation_name(RelationId(3)), Some("public.orders"));
+    }
+
+    #[test]
+    fn a_payload_that_is_not_json_or_not_utf8_never_becomes_an_event() {
+        let mut m = mapper();
+        let mut r = rel(1, "outbox", &COLUMNS);
+        r.columns[3].type_oid = 25; // ALTER COLUMN payload TYPE text
+        m.on_relation(&r);
+        let err = m
+            .on_insert(
+                &insert(1, &[Some("e"), None, Some("T"), Some("not json")]),
+                TX,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(err, OutboxError::PayloadType { type_oid: 25, .. }),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("json or jsonb"), "{err}");
+
+        m.on_relation(&rel(1, "outbox", &COLUMNS));
+        let mut ins = insert(1, &[Some("e"), None, Some("T"), Some("{}")]);
+        ins.new.0[3] = ColumnValue::Text(Bytes::from_static(b"{\"a\":\"\xff\"}"));
+        let Ok(Mapped::Unreadable(row)) = m.on_insert(&ins, TX) else {
+            panic!("a payload that is not UTF-8 is an unreadable row")
+        };
+        assert_eq!(row.payload.as_deref(), Some(&b"{\"a\":\"\xff\"}"[..]));
+        assert!(row.problem.contains("UTF-8"), "{}", row.problem);
     }
 
     #[test]
@@ -313,7 +471,7 @@ mod tests {
         assert_eq!(row.event_id, None);
         assert_eq!(row.aggregate_key.as_deref(), Some("a"));
         assert_eq!(row.event_type.as_deref(), Some("T"));
-        assert_eq!(row.payload.as_deref(), Some("{}"));
+        assert_eq!(row.payload.as_deref(), Some(&b"{}"[..]));
         assert_eq!(row.commit_lsn, Some(Lsn::new(7)));
         assert!(row.problem.contains("\"id\""), "{}", row.problem);
 

@@ -14,7 +14,11 @@ use std::fmt;
 use bytes::Bytes;
 
 use crate::lsn::Lsn;
-pub use mapper::OutboxMapper;
+pub use mapper::{OutboxMapper, RelationKind};
+
+/// Type OIDs the payload column may have (PostgreSQL's `pg_type.dat`):
+/// `json` and `jsonb`, whose text output is always valid JSON.
+pub const JSON_TYPES: [u32; 2] = [114, 3802];
 
 /// One committed outbox insert, ready for delivery.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -119,8 +123,9 @@ pub struct UnreadableRow {
     pub aggregate_key: Option<String>,
     /// The type column, if readable.
     pub event_type: Option<String>,
-    /// The payload column's text, lossily.
-    pub payload: Option<String>,
+    /// The payload column's bytes as the server sent them (not
+    /// necessarily UTF-8).
+    pub payload: Option<Bytes>,
     /// Commit LSN of the row's transaction (`None` for a backfill).
     pub commit_lsn: Option<Lsn>,
     /// What is wrong with the row.
@@ -130,15 +135,11 @@ pub struct UnreadableRow {
 impl UnreadableRow {
     /// Bytes this row holds in memory (for the window).
     pub fn size_bytes(&self) -> usize {
-        [
-            &self.event_id,
-            &self.aggregate_key,
-            &self.event_type,
-            &self.payload,
-        ]
-        .iter()
-        .map(|v| v.as_ref().map_or(0, String::len))
-        .sum::<usize>()
+        [&self.event_id, &self.aggregate_key, &self.event_type]
+            .iter()
+            .map(|v| v.as_ref().map_or(0, String::len))
+            .sum::<usize>()
+            + self.payload.as_ref().map_or(0, Bytes::len)
             + self.problem.len()
             + 64
     }
@@ -171,6 +172,33 @@ pub enum OutboxError {
         column: String,
         /// The CLI flag that names the column.
         setting: &'static str,
+    },
+    /// The payload column is not `json`/`jsonb` (its type changed while the
+    /// relay streams): its text is not known to be JSON.
+    #[error(
+        "the payload column {table}.{column} (--payload-column) now has type OID {type_oid}, not json or jsonb; its text is not known to be JSON, so the relay stops before acknowledging it. Change the column back to jsonb (or json) and start the relay"
+    )]
+    PayloadType {
+        /// The outbox table.
+        table: String,
+        /// The payload column.
+        column: String,
+        /// The column's type OID in the Relation message.
+        type_oid: u32,
+    },
+    /// The relation that was the outbox now has another name than
+    /// `--table` (renamed while the relay streamed): its changes would no
+    /// longer be the configured table's.
+    #[error(
+        "the outbox {table} (relation OID {oid}) was renamed to {now}; the relay stopped before acknowledging anything from it on. If the rename is intended, start the relay with --table {now} (CDC_RELAY_TABLE): nothing after this point was confirmed, so nothing is lost"
+    )]
+    Renamed {
+        /// The configured table.
+        table: String,
+        /// The relation's OID.
+        oid: u32,
+        /// Its name now (`schema.name`).
+        now: String,
     },
     /// An insert referenced a relation no Relation message described.
     #[error("insert into relation OID {0} arrived before its Relation message")]

@@ -41,6 +41,28 @@ pub enum SourceError {
         /// Slot name.
         slot: String,
     },
+    /// The database lacks what `setup` creates or the flags name: the
+    /// publication, the outbox table or one of its columns. The message
+    /// names the flag or the command.
+    #[error("{0}")]
+    NeedsSetup(String),
+    /// The outbox's payload column is not `json`/`jsonb` (at start, or a
+    /// Relation message said its type changed): its text cannot be sent as
+    /// JSON without parsing, so nothing from it on is acknowledged.
+    #[error("{0}")]
+    PayloadType(String),
+    /// The slot's WAL predates the publication: decoding from the slot's
+    /// position fails (or, on newer servers, skips) because the publication
+    /// did not exist yet at that point in the catalog's history.
+    #[error(
+        "replication slot {slot:?} was created before the publication {publication:?} (its WAL predates it), so the server cannot decode it with that publication. Recreate the slot and re-send what it would have carried: `cdc-relay setup --recreate-slot`, then `cdc-relay backfill --since <time the slot was created>`"
+    )]
+    SlotPredatesPublication {
+        /// Slot name.
+        slot: String,
+        /// The publication the server did not find in the slot's history.
+        publication: String,
+    },
     /// The server refused us for a reason retrying will not fix (auth,
     /// missing publication or database, privileges, protocol), or the
     /// database is not prepared as the relay needs. The message says what
@@ -62,6 +84,9 @@ impl SourceError {
             self,
             SourceError::SlotMissing { .. }
                 | SourceError::SlotInvalidated { .. }
+                | SourceError::SlotPredatesPublication { .. }
+                | SourceError::NeedsSetup(_)
+                | SourceError::PayloadType(_)
                 | SourceError::Definite(_)
         )
     }
@@ -72,6 +97,9 @@ impl SourceError {
             SourceError::SlotMissing { .. } => "slot_missing",
             SourceError::SlotActive { .. } => "slot_active",
             SourceError::SlotInvalidated { .. } => "slot_invalidated",
+            SourceError::SlotPredatesPublication { .. } => "slot_predates_publication",
+            SourceError::NeedsSetup(_) => "needs_setup",
+            SourceError::PayloadType(_) => "payload_type",
             SourceError::Definite(_) => "definite",
             SourceError::Transient(_) => "transient",
             SourceError::Stalled(_) => "watchdog",
@@ -114,6 +142,14 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
             }
             Some("42704") if lower.contains("replication slot") => {
                 return SourceError::SlotMissing { slot };
+            }
+            // The relay checks at start that every publication exists, so
+            // the walsender not finding one means it looks it up in the
+            // slot's catalog history, from before it was created. (Dropped
+            // meanwhile: the session's next start says so instead.)
+            Some("42704") if lower.contains("publication") => {
+                let publication = msg.split('"').nth(1).unwrap_or_default().to_owned();
+                return SourceError::SlotPredatesPublication { slot, publication };
             }
             _ if lower.contains("invalidated")
                 || (code == Some("55000") && lower.contains("can no longer get changes")) =>
@@ -191,7 +227,12 @@ mod tests {
         );
         let e = server(r#"can no longer get changes from replication slot "s" (SQLSTATE 55000)"#);
         assert!(matches!(e, SourceError::SlotInvalidated { .. }));
-        assert!(server("publication \"p\" does not exist (SQLSTATE 42704)").is_definite());
+        let e = server("publication \"p\" does not exist (SQLSTATE 42704)");
+        assert!(
+            matches!(&e, SourceError::SlotPredatesPublication { publication, .. } if publication == "p"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("--recreate-slot") && e.to_string().contains("backfill"));
         assert!(!server("the database system is starting up (SQLSTATE 57P03)").is_definite());
         // Outside the replication path, 42704 is an ordinary definite error.
         let e = classify(

@@ -3,7 +3,7 @@
 //! ```text
 //!  conn (URL, SslMode) ──▶ tls ──▶ connect_sql ──▶ side connection ──▶ catalog (slot, settings, checks)
 //!                                                        │                 watchdog (slot monitor, liveness)
-//!                            stream::open ──▶ replication connection ──▶ stream::Stream (read, decode, map)
+//!                         transport::open ──▶ replication connection ──▶ stream::Stream (read, decode, map)
 //!  every failure ──▶ error::SourceError (definite: stop and say why; transient: reconnect)
 //! ```
 //!
@@ -13,8 +13,10 @@
 //! - [`error`]: [`SourceError`] and the one SQLSTATE/transport classifier.
 //! - [`catalog`]: slot info, settings, slot creation, outbox and
 //!   publication checks, identifier quoting.
-//! - [`stream`]: the replication stream and its reader; the one place that
+//! - [`transport`]: opening the replication stream; the one place that
 //!   sets the flush position.
+//! - [`stream`]: the stream's reader: decode, map, admit, hand on.
+//! - [`membership`]: whether the outbox is still in its publication.
 //! - [`status_updates`]: counts the standby status updates sent.
 //! - [`watchdog`]: the slot monitor and the stream watchdog.
 //!
@@ -25,9 +27,11 @@
 pub mod catalog;
 pub mod conn;
 pub mod error;
+pub mod membership;
 pub mod status_updates;
 pub mod stream;
 pub mod tls;
+pub mod transport;
 pub mod watchdog;
 
 pub use conn::{BadUrl, ConnParams, SslMode};

@@ -1,44 +1,41 @@
-//! The replication stream of one session and its reader.
+//! The reader of one session's replication stream.
 //!
 //! ```text
-//!  START_REPLICATION (0/0) ─▶ recv ─▶ Begin/Commit/Keepalive ───────────────▶ Item
-//!                                 └▶ XLogData ─decode─▶ Relation ─▶ OutboxMapper
-//!                                                    └▶ Insert ─map─▶ admit (window) ─▶ Item::Event
-//!  confirmed LSN (watch, from dispatch) ─▶ Stream::confirm ─▶ standby status update
+//!  Transport::recv ─▶ Begin/Commit/Keepalive ──────────────────────────────▶ Item
+//!                 └▶ XLogData ─decode─▶ Relation ─▶ OutboxMapper (identity by OID)
+//!                                    └▶ Insert ─map─▶ admit (window) ─▶ Item::Event
+//!                                    └▶ other changes ─▶ cdc_relay_ignored_changes_total
+//!  confirmed LSN (watch, from dispatch) ─▶ Transport::confirm ─▶ standby status update
+//!  ceiling (watch, from the slot monitor) ─▶ Transport::hold_at
 //! ```
 //!
-//! The transport is `pgwire-replication` (pinned exactly): it speaks the
-//! streaming replication protocol, answers keepalives and sends standby
-//! status updates on its own timer, even while the reader waits for room in
-//! the window. Decoding pgoutput and deciding what to confirm are ours, and
-//! [`Stream::confirm`] is the only place that hands the transport a flush
-//! position.
-//!
-//! Facts relied on (PostgreSQL docs, "Streaming Replication Protocol" →
-//! `START_REPLICATION SLOT … LOGICAL`): starting at `0/0` resumes at the
-//! slot's `confirmed_flush_lsn` (a start ahead of it would silently skip
-//! committed transactions); the status update's flush position becomes the
-//! slot's `confirmed_flush_lsn`.
+//! Every change the server streams for a relation that is (or was, in this
+//! session) the outbox is delivered, dead-lettered, or stops the session
+//! before its transaction is acknowledged; changes to other relations are
+//! counted and logged once per relation.
 
+use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use pgwire_replication::{PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent};
+use pgwire_replication::ReplicationEvent;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::conn::ConnParams;
+use super::catalog;
 use super::error::SourceError;
 use super::status_updates::{self, StatusUpdateCounter};
-use super::tls;
+use super::transport::Transport;
 use super::watchdog::Watchdog;
 use crate::dispatch::{DispatchError, Item, Window, WindowPermit};
+use crate::health::Health;
 use crate::lsn::Lsn;
-use crate::metrics::Metrics;
-use crate::outbox::{Mapped, OutboxError, OutboxMapper, TxContext};
-use crate::pgoutput::{self, DecodeError, LogicalMessage};
+use crate::metrics::{IGNORED_RELATIONS, Metrics};
+use crate::outbox::{Mapped, OutboxError, OutboxMapper, RelationKind, TxContext};
+use crate::pgoutput::{self, DecodeError, LogicalMessage, RelationId};
 
 /// Why a session's stream ended with an error.
 #[derive(Debug, thiserror::Error)]
@@ -50,116 +47,11 @@ pub enum StreamError {
     /// was acknowledged.
     #[error("cannot decode the replication stream: {0}")]
     Decode(#[from] DecodeError),
-    /// An outbox insert cannot be mapped (the table lost a configured
-    /// column); nothing from it on was acknowledged.
-    #[error("cannot map an outbox insert: {0}")]
+    /// An outbox change cannot be mapped (the table lost a configured
+    /// column, its payload is no longer JSON, it was renamed away from
+    /// `--table`); nothing from it on was acknowledged.
+    #[error("cannot map an outbox change: {0}")]
     Outbox(#[from] OutboxError),
-}
-
-/// Settings for one replication session.
-#[derive(Clone, Debug)]
-pub struct StreamSettings {
-    /// Slot name.
-    pub slot: String,
-    /// Publication names.
-    pub publications: Vec<String>,
-    /// `application_name` shown in `pg_stat_replication`.
-    pub application_name: String,
-    /// Standby status update interval (and idle wake-up).
-    pub status_interval: Duration,
-}
-
-/// The standby status interval for a server whose `wal_sender_timeout` is
-/// `timeout` (zero = disabled): min(1 s, timeout / 3), at least 100 ms.
-pub fn status_interval_for(timeout: Duration) -> Duration {
-    if timeout.is_zero() {
-        return Duration::from_secs(1);
-    }
-    (timeout / 3).clamp(Duration::from_millis(100), Duration::from_secs(1))
-}
-
-/// Transport buffer between its socket task and the reader, in messages.
-/// Small: the relay's own window bounds memory in bytes.
-const TRANSPORT_BUFFER: usize = 64;
-
-/// Opens a pgoutput stream at the slot's own position (`0/0`) and waits
-/// until the server accepted `START_REPLICATION` (the slot is then held).
-/// Bounded by twice the connect timeout.
-pub async fn open(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationClient, SourceError> {
-    let mut cfg = ReplicationConfig::new(
-        conn.host.clone(),
-        conn.user.clone(),
-        conn.password.clone(),
-        conn.dbname.clone(),
-        s.slot.clone(),
-        s.publications.clone(),
-    )
-    .with_port(conn.port)
-    .with_tls(tls::replication_tls(conn))
-    .with_start_lsn(Lsn::ZERO.into())
-    .with_status_interval(s.status_interval)
-    .with_wakeup_interval(s.status_interval)
-    .with_buffer_size(TRANSPORT_BUFFER)
-    .with_application_name(s.application_name.clone())
-    // Text output must not depend on the role's settings.
-    .with_options(
-        "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3",
-    );
-    cfg.max_message_size = 1 << 30;
-    let connect = async {
-        let mut client = ReplicationClient::connect(cfg).await?;
-        client.wait_started().await?;
-        Ok::<_, PgWireError>(client)
-    };
-    let bound = conn.connect_timeout * 2;
-    match tokio::time::timeout(bound, connect).await {
-        Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => Err(SourceError::transport(&e, &s.slot)),
-        Err(_) => Err(SourceError::Transient(format!(
-            "starting replication on {} timed out after {bound:?}",
-            conn.display()
-        ))),
-    }
-}
-
-/// The transport of one session. [`Transport::confirm`] is the one place
-/// that hands the server a flush position.
-struct Transport {
-    client: ReplicationClient,
-    status_interval: Duration,
-}
-
-impl Transport {
-    /// Makes `lsn` the flush (and apply) position of the next standby
-    /// status update; the server stores it as the slot's
-    /// `confirmed_flush_lsn`.
-    fn confirm(&mut self, lsn: Lsn) {
-        self.client.update_applied_lsn(lsn.into());
-    }
-
-    /// Sends `lsn` in a standby status update and waits (bounded) until the
-    /// transport reports it sent, then ends the stream cleanly. The
-    /// transport sends no final update of its own on stop.
-    async fn flush_and_close(mut self, lsn: Lsn) {
-        self.confirm(lsn);
-        let counters = self.client.metrics();
-        let bound = Instant::now() + self.status_interval + Duration::from_millis(500);
-        while Lsn::from(counters.last_applied_lsn()) < lsn && Instant::now() < bound {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let sent = Lsn::from(counters.last_applied_lsn());
-        if sent < lsn {
-            tracing::warn!(confirmed = %lsn, sent = %sent, "final status update not confirmed as sent");
-        }
-        match tokio::time::timeout(Duration::from_secs(2), self.client.shutdown()).await {
-            Ok(Ok(())) => tracing::info!(confirmed = %lsn, "stream closed cleanly"),
-            Ok(Err(e)) => tracing::warn!(error = %e, "stream closed with an error"),
-            Err(_) => {
-                self.client.abort();
-                tracing::warn!("stream did not close within 2 s; aborted");
-            }
-        }
-    }
 }
 
 /// One session's stream, from `START_REPLICATION` to CopyDone.
@@ -168,11 +60,16 @@ pub struct Stream {
     slot: String,
     /// The dispatcher's confirmed LSN.
     confirmed: watch::Receiver<Lsn>,
+    /// The slot monitor's limit on the confirmed LSN.
+    ceiling: watch::Receiver<Option<Lsn>>,
     items: mpsc::Sender<Item<Lsn>>,
     window: Window,
     mapper: OutboxMapper,
     /// The open transaction, between Begin and Commit.
     tx: Option<TxContext>,
+    /// Asked which table a name means when the outbox shows up under
+    /// another name.
+    side: Arc<tokio_postgres::Client>,
     /// Completes when the side connection closes. A fast shutdown of
     /// PostgreSQL closes it first and then waits for every walsender to have
     /// its WAL confirmed: a relay that cannot deliver (its sink may live on
@@ -180,6 +77,8 @@ pub struct Stream {
     /// server's shutdown hostage. Also, dead letters need this connection.
     side_closed: oneshot::Receiver<()>,
     watchdog: Watchdog,
+    health: Arc<Health>,
+    ignored: IgnoredChanges,
     /// Copies the transport's status-update counters into metrics until
     /// the session ends.
     _status_updates: AbortOnDropHandle<()>,
@@ -189,43 +88,47 @@ pub struct Stream {
 pub struct StreamParts {
     /// The dispatcher's confirmed LSN.
     pub confirmed: watch::Receiver<Lsn>,
+    /// The slot monitor's limit on the confirmed LSN.
+    pub ceiling: watch::Receiver<Option<Lsn>>,
     /// Where items go, in stream order.
     pub items: mpsc::Sender<Item<Lsn>>,
     /// The memory window events are admitted to.
     pub window: Window,
     /// Maps inserts to outbox events.
     pub mapper: OutboxMapper,
+    /// The side connection.
+    pub side: Arc<tokio_postgres::Client>,
     /// Completes when the side connection closes.
     pub side_closed: oneshot::Receiver<()>,
     /// The slot streamed (for error messages).
     pub slot: String,
     /// Watches for a silent stream.
     pub watchdog: Watchdog,
+    /// Told when the server was last heard from.
+    pub health: Arc<Health>,
+    /// Metrics.
+    pub metrics: Metrics,
 }
 
 impl Stream {
     /// Wraps an opened transport.
-    pub fn new(
-        client: ReplicationClient,
-        status_interval: Duration,
-        parts: StreamParts,
-        metrics: &Metrics,
-    ) -> Self {
-        let counter = StatusUpdateCounter::new(client.metrics(), metrics.clone());
+    pub fn new(transport: Transport, parts: StreamParts) -> Self {
+        let counter = StatusUpdateCounter::new(transport.counters(), parts.metrics.clone());
         let counting = tokio::spawn(status_updates::count(counter));
         Stream {
-            transport: Transport {
-                client,
-                status_interval,
-            },
+            transport,
             slot: parts.slot,
             confirmed: parts.confirmed,
+            ceiling: parts.ceiling,
             items: parts.items,
             window: parts.window,
             mapper: parts.mapper,
             tx: None,
+            side: parts.side,
             side_closed: parts.side_closed,
             watchdog: parts.watchdog,
+            health: parts.health,
+            ignored: IgnoredChanges::new(parts.metrics),
             _status_updates: AbortOnDropHandle::new(counting),
         }
     }
@@ -249,15 +152,20 @@ impl Stream {
             tokio::select! {
                 biased;
                 r = self.confirmed.changed() => self.forward_ack(r)?,
+                r = self.ceiling.changed() => self.forward_ceiling(r),
                 _ = shutdown.cancelled(), if deadline.is_none() => {
                     tracing::info!(in_transaction = self.tx.is_some(), "shutdown requested: stop reading at the next transaction boundary");
                     deadline = Some(Instant::now() + budget);
                 }
                 _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {}
-                _ = tokio::time::sleep_until(self.watchdog.deadline()) => self.watchdog.check().await?,
+                _ = tokio::time::sleep_until(self.watchdog.deadline()) => {
+                    self.watchdog.check().await?;
+                    self.health.heard();
+                }
                 _ = &mut self.side_closed => return Err(side_lost().into()),
-                ev = self.transport.client.recv() => {
+                ev = self.transport.recv() => {
                     self.watchdog.heard();
+                    self.health.heard();
                     let ev = ev.map_err(|e| SourceError::transport(&e, &self.slot))?;
                     let ev = ev.ok_or_else(|| SourceError::Transient("the server ended the replication stream".into()))?;
                     self.handle(ev, deadline).await?;
@@ -274,6 +182,15 @@ impl Stream {
         let lsn = *self.confirmed.borrow_and_update();
         self.transport.confirm(lsn);
         Ok(())
+    }
+
+    fn forward_ceiling(&mut self, changed: Result<(), watch::error::RecvError>) {
+        // The monitor ends only with the side connection, which ends the
+        // session by its own branch.
+        if changed.is_ok() {
+            let ceiling = *self.ceiling.borrow_and_update();
+            self.transport.hold_at(ceiling);
+        }
     }
 
     async fn handle(
@@ -316,7 +233,10 @@ impl Stream {
 
     async fn change(&mut self, data: Bytes, deadline: Option<Instant>) -> Result<(), StreamError> {
         match pgoutput::decode(data)? {
-            LogicalMessage::Relation(rel) => self.mapper.on_relation(&rel),
+            LogicalMessage::Relation(rel) => {
+                let kind = self.mapper.on_relation(&rel);
+                self.relation(kind).await?;
+            }
             LogicalMessage::Insert(ins) => {
                 let tx = self.tx.ok_or_else(|| {
                     SourceError::Definite("insert outside a transaction in the stream".into())
@@ -331,13 +251,56 @@ impl Stream {
                         let permit = self.admit(row.size_bytes(), deadline).await?;
                         self.send(Item::Unreadable(Box::new(row), permit)).await?;
                     }
-                    Mapped::OtherTable => {}
+                    Mapped::OtherTable => self.ignore(ins.relation, "insert"),
                 }
             }
-            // Updates, deletes, truncates, types and origins are not events.
+            LogicalMessage::Update(u) => self.ignore(u.relation, "update"),
+            LogicalMessage::Delete(d) => self.ignore(d.relation, "delete"),
+            LogicalMessage::Truncate(t) => {
+                for r in &t.relations {
+                    self.ignore(*r, "truncate");
+                }
+            }
+            // Types and origins describe, they change nothing.
             _ => {}
         }
         Ok(())
+    }
+
+    /// What a Relation message means for the outbox. A name change of a
+    /// relation that is (or was) the outbox is checked against the catalog:
+    /// an older name in the WAL is fine; a rename away from `--table` stops
+    /// the session before anything of it is acknowledged.
+    async fn relation(&mut self, kind: RelationKind) -> Result<(), StreamError> {
+        let table = self.mapper.table().to_string();
+        match kind {
+            RelationKind::Outbox | RelationKind::Other => Ok(()),
+            RelationKind::NewOutbox { oid } => {
+                tracing::warn!(table = %table, oid, "{table} is a new relation (OID {oid}): dropped and recreated, or swapped; its inserts are delivered");
+                Ok(())
+            }
+            RelationKind::OutboxUnderOtherName { oid, name } => {
+                if catalog::table_oid(&self.side, self.mapper.table()).await? == Some(oid) {
+                    tracing::info!(table = %table, oid, older_name = %name, "the WAL names the outbox by an older name");
+                    return Ok(());
+                }
+                let now = catalog::relation_name(&self.side, oid)
+                    .await?
+                    .unwrap_or(name);
+                tracing::error!(table = %table, oid, renamed_to = %now, "the outbox was renamed; stopping before acknowledging its changes");
+                Err(OutboxError::Renamed { table, oid, now }.into())
+            }
+        }
+    }
+
+    fn ignore(&mut self, relation: RelationId, kind: &'static str) {
+        let name = self
+            .mapper
+            .relation_name(relation)
+            .unwrap_or("unknown")
+            .to_owned();
+        let outbox = self.mapper.is_outbox(relation);
+        self.ignored.count(relation, &name, kind, outbox);
     }
 
     /// Waits for room in the window, forwarding acks meanwhile.
@@ -354,6 +317,7 @@ impl Stream {
             tokio::select! {
                 biased;
                 r = self.confirmed.changed() => self.forward_ack(r)?,
+                r = self.ceiling.changed() => self.forward_ceiling(r),
                 p = &mut admitted => return Ok(p),
                 _ = &mut self.side_closed => return Err(side_lost()),
                 _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {
@@ -370,7 +334,7 @@ impl Stream {
     /// Ends the stream without a final update (the session failed; the
     /// confirmed LSN covers only what was done).
     pub fn abort(&mut self) {
-        self.transport.client.abort();
+        self.transport.abort();
     }
 
     /// After reading stopped: tells the dispatcher no more items come,
@@ -416,6 +380,45 @@ impl Stream {
     }
 }
 
+/// Counts the stream's changes that are not outbox inserts in
+/// `cdc_relay_ignored_changes_total{relation}` (bounded label values) and
+/// logs each relation's first one.
+struct IgnoredChanges {
+    metrics: Metrics,
+    labels: HashSet<String>,
+    logged: HashSet<(RelationId, &'static str)>,
+}
+
+impl IgnoredChanges {
+    fn new(metrics: Metrics) -> Self {
+        IgnoredChanges {
+            metrics,
+            labels: HashSet::new(),
+            logged: HashSet::new(),
+        }
+    }
+
+    fn count(&mut self, relation: RelationId, name: &str, kind: &'static str, outbox: bool) {
+        let label = if self.labels.contains(name) || self.labels.len() < IGNORED_RELATIONS {
+            self.labels.insert(name.to_owned());
+            name
+        } else {
+            "other"
+        };
+        self.metrics
+            .ignored_changes
+            .with_label_values(&[label])
+            .inc();
+        if self.logged.insert((relation, kind)) {
+            if outbox {
+                tracing::info!(relation = %name, kind, "the publication streams {kind}s of the outbox {name}; they are not events and are counted in cdc_relay_ignored_changes_total (an insert-only publication avoids decoding them)");
+            } else {
+                tracing::info!(relation = %name, kind, "the publication streams {kind}s of {name}, which is not the outbox; they are counted in cdc_relay_ignored_changes_total and not delivered");
+            }
+        }
+    }
+}
+
 fn side_lost() -> SourceError {
     SourceError::Transient(
         "the side connection closed (server shutting down or restarting?)".into(),
@@ -424,26 +427,4 @@ fn side_lost() -> SourceError {
 
 fn pipeline_stopped() -> SourceError {
     SourceError::Transient("delivery pipeline stopped".into())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn status_interval_follows_wal_sender_timeout() {
-        assert_eq!(status_interval_for(Duration::ZERO), Duration::from_secs(1));
-        assert_eq!(
-            status_interval_for(Duration::from_secs(60)),
-            Duration::from_secs(1)
-        );
-        assert_eq!(
-            status_interval_for(Duration::from_secs(2)),
-            Duration::from_secs(2) / 3
-        );
-        assert_eq!(
-            status_interval_for(Duration::from_millis(100)),
-            Duration::from_millis(100)
-        );
-    }
 }

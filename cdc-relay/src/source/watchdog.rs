@@ -1,9 +1,11 @@
 //! The slot monitor and the stream watchdog, both on the side connection.
 //!
-//! - The **monitor** reads the slot's row every `--slot-stats-interval`
-//!   (one statement: the relay's whole cost to an idle database), exports
-//!   lag, `wal_status` and `safe_wal_size`, and publishes the reading on a
-//!   `watch` channel.
+//! - The **monitor** reads the slot's row and the outbox's publication
+//!   membership every `--slot-stats-interval` (at most 30 s; one statement:
+//!   the relay's whole cost to an idle database), exports lag, `wal_status`,
+//!   `safe_wal_size` and membership, publishes the reading on a `watch`
+//!   channel, and holds the confirmed position while the outbox is out of
+//!   its publication (see [`super::membership`]).
 //! - The **watchdog** notices a stream that is open but dead (a frozen
 //!   walsender, a silent network path): after a silence bound without any
 //!   message from the server it asks, on the side connection, whether the
@@ -19,42 +21,143 @@ use tokio::time::Instant;
 
 use super::catalog::{self, SlotInfo};
 use super::error::SourceError;
+use super::membership::{Change, MembershipWatch};
+use crate::health::Health;
+use crate::lsn::Lsn;
 use crate::metrics::Metrics;
+use crate::outbox::TableName;
 
 /// The monitor's latest reading of the slot and when it was taken; `None`
 /// before the first one.
 pub type SlotReading = Option<(Instant, SlotInfo)>;
 
-/// Reads the slot's figures into metrics and `readings` every `interval`
-/// until the side connection fails (then returns; the session notices the
-/// closed connection itself).
+/// What the monitor reads, and how often.
+#[derive(Clone, Debug)]
+pub struct MonitorSettings {
+    /// The slot.
+    pub slot: String,
+    /// The publications streamed.
+    pub publications: Vec<String>,
+    /// The outbox table.
+    pub table: TableName,
+    /// Time between readings (`--slot-stats-interval`, at most 30 s: the
+    /// reading also verifies publication membership).
+    pub interval: Duration,
+}
+
+/// Where the monitor reports.
+pub struct MonitorOutputs {
+    /// Metrics (slot figures, membership).
+    pub metrics: Metrics,
+    /// Readiness (membership).
+    pub health: Arc<Health>,
+    /// The latest slot reading, for the watchdog.
+    pub readings: watch::Sender<SlotReading>,
+    /// The position the confirmed LSN must not pass (`None`: no limit),
+    /// for the stream.
+    pub ceiling: watch::Sender<Option<Lsn>>,
+}
+
+/// Reads the slot's figures and the outbox's publication membership every
+/// interval (one statement) until the side connection fails (then returns;
+/// the session notices the closed connection itself). `start` is where the
+/// session started streaming.
 pub async fn monitor_slot(
     side: Arc<tokio_postgres::Client>,
-    slot: String,
-    interval: Duration,
-    metrics: Metrics,
-    readings: watch::Sender<SlotReading>,
+    settings: MonitorSettings,
+    out: MonitorOutputs,
+    start: Lsn,
 ) {
-    let mut tick = tokio::time::interval(interval);
+    let MonitorSettings {
+        slot,
+        publications,
+        table,
+        interval,
+    } = settings;
+    let mut membership = MembershipWatch::new(start);
+    let mut tick = tokio::time::interval(interval.min(MEMBERSHIP_CHECK_MAX));
     loop {
         tick.tick().await;
-        match catalog::slot_info(&side, &slot).await {
-            Ok(Some(info)) => {
-                metrics.slot_lag_bytes.set(info.lag_bytes.unwrap_or(0));
-                metrics
-                    .slot_safe_wal_size_bytes
-                    .set(info.safe_wal_size.unwrap_or(-1));
-                for s in ["reserved", "extended", "unreserved", "lost"] {
-                    let v = i64::from(info.wal_status.as_deref() == Some(s));
-                    metrics.slot_wal_status.with_label_values(&[s]).set(v);
-                }
-                readings.send_replace(Some((Instant::now(), info)));
-            }
-            Ok(None) => tracing::warn!(slot = %slot, "slot disappeared"),
-            Err(e) => {
+        let reading = catalog::monitor_reading(&side, &slot, &publications, &table);
+        let (info, member) = match tokio::time::timeout(Duration::from_secs(5), reading).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
                 tracing::debug!(error = %e, "slot figures unavailable; side connection lost");
                 return;
             }
+            Err(_) => {
+                tracing::warn!("the slot monitor's query got no answer within 5 s");
+                continue;
+            }
+        };
+        match info {
+            Some(info) => {
+                export_slot(&out.metrics, &info);
+                out.readings.send_replace(Some((Instant::now(), info)));
+            }
+            None => tracing::warn!(slot = %slot, "slot disappeared"),
+        }
+        let change = membership.observe(&member);
+        report_membership(&change, &table, &publications, &out);
+        out.health.set_publication_ok(membership.is_in());
+        out.metrics
+            .publication_includes_outbox
+            .set(i64::from(membership.is_in()));
+        out.ceiling.send_if_modified(|c| {
+            let new = membership.ceiling();
+            std::mem::replace(c, new) != new
+        });
+    }
+}
+
+/// Membership is verified at least this often, whatever
+/// `--slot-stats-interval` says.
+pub const MEMBERSHIP_CHECK_MAX: Duration = Duration::from_secs(30);
+
+fn export_slot(metrics: &Metrics, info: &SlotInfo) {
+    metrics.slot_lag_bytes.set(info.lag_bytes.unwrap_or(0));
+    metrics
+        .slot_safe_wal_size_bytes
+        .set(info.safe_wal_size.unwrap_or(-1));
+    for s in ["reserved", "extended", "unreserved", "lost"] {
+        let v = i64::from(info.wal_status.as_deref() == Some(s));
+        metrics.slot_wal_status.with_label_values(&[s]).set(v);
+    }
+}
+
+fn report_membership(
+    change: &Change,
+    table: &TableName,
+    publications: &[String],
+    out: &MonitorOutputs,
+) {
+    let pubs = publications.join(", ");
+    match change {
+        Change::Steady | Change::StillOut => {}
+        Change::Left { since } => {
+            out.metrics.publication_gaps.inc();
+            tracing::error!(
+                table = %table, publications = %pubs,
+                "the outbox {table} is not in publication {pubs}: its inserts are not streamed, so they \
+                 cannot be delivered. The slot is held where membership was last verified. Fix: \
+                 ALTER PUBLICATION {first} ADD TABLE {table} (or run `cdc-relay setup`), then re-send \
+                 what was inserted meanwhile: cdc-relay backfill --since '{since}'",
+                first = publications.first().map_or("<publication>", String::as_str),
+            );
+        }
+        Change::Back { since, until } => tracing::warn!(
+            table = %table, publications = %pubs,
+            "the outbox {table} is in publication {pubs} again; acknowledging resumes. Inserts \
+             between {since} and {until} were not streamed: cdc-relay backfill --since '{since}' --until '{until}'"
+        ),
+        Change::Gap { since, until } => {
+            out.metrics.publication_gaps.inc();
+            tracing::error!(
+                table = %table, publications = %pubs,
+                "the outbox {table} left the publication and rejoined (or was recreated) between \
+                 {since} and {until}: inserts in between may not have been streamed. Re-send them: \
+                 cdc-relay backfill --since '{since}' --until '{until}'"
+            );
         }
     }
 }

@@ -1,0 +1,313 @@
+//! What the relay reads from (and creates in) the source database's catalog
+//! on a normal SQL connection: the slot's row and the monitor's reading,
+//! settings, slot creation, and (in `outbox`) the checks that the outbox
+//! table and the publications are what the relay needs before it streams.
+//!
+//! Every function returns [`SourceError`]: a precondition the operator must
+//! fix is [`SourceError::Definite`] with a message that names the setting;
+//! a failed statement is classified by [`SourceError::sql`].
+
+use std::time::Duration;
+
+use tokio_postgres::Client;
+
+use super::error::SourceError;
+use crate::lsn::Lsn;
+use crate::outbox::TableName;
+
+mod outbox;
+
+pub use outbox::{
+    OutboxTable, check_outbox_table, check_stream_config, payload_type_message,
+    publication_warnings, relation_name, table_oid,
+};
+
+/// The slot as `pg_replication_slots` shows it, joined with the walsender
+/// that holds it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlotInfo {
+    /// Output plugin, e.g. `pgoutput`.
+    pub plugin: Option<String>,
+    /// Database the slot decodes.
+    pub database: Option<String>,
+    /// Whether a walsender holds it.
+    pub active: bool,
+    /// The walsender's pid.
+    pub active_pid: Option<i32>,
+    /// Where a restart resumes.
+    pub confirmed_flush_lsn: Option<Lsn>,
+    /// `reserved`, `extended`, `unreserved` or `lost`.
+    pub wal_status: Option<String>,
+    /// Bytes of WAL that may still be written before the slot is lost
+    /// (`None` when `max_slot_wal_keep_size` is unlimited).
+    pub safe_wal_size: Option<i64>,
+    /// `pg_current_wal_lsn() - confirmed_flush_lsn`, bytes.
+    pub lag_bytes: Option<i64>,
+    /// Seconds since the walsender holding the slot last read a status
+    /// update from its client (`pg_stat_replication.reply_time`, or its
+    /// start before the first one). `None` when no walsender holds it, or
+    /// its row is not visible to this role.
+    pub reply_age_secs: Option<f64>,
+    /// The walsender's `pg_stat_activity.wait_event_type` (`Activity` or
+    /// `Client` while it waits for WAL or its client; other values or none
+    /// while it works).
+    pub wait_event_type: Option<String>,
+}
+
+/// Reads the slot's row; `None` when it does not exist. One statement.
+pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, SourceError> {
+    let row = client
+        .query_opt(
+            "SELECT s.plugin::text, s.database::text, s.active, s.active_pid, \
+                    s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
+                    (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, \
+                    EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8, \
+                    a.wait_event_type::text \
+             FROM pg_replication_slots s \
+             LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
+             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid \
+             WHERE s.slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the slot", &e))?;
+    Ok(row.map(|r| slot_from_row(&r, 0)))
+}
+
+/// The ten slot columns of [`slot_info`]'s query, starting at column `at`.
+fn slot_from_row(r: &tokio_postgres::Row, at: usize) -> SlotInfo {
+    SlotInfo {
+        plugin: r.get(at),
+        database: r.get(at + 1),
+        active: r.get(at + 2),
+        active_pid: r.get(at + 3),
+        confirmed_flush_lsn: r
+            .get::<_, Option<String>>(at + 4)
+            .and_then(|s| s.parse().ok()),
+        wal_status: r.get(at + 5),
+        safe_wal_size: r.get(at + 6),
+        lag_bytes: r.get(at + 7),
+        reply_age_secs: r.get(at + 8),
+        wait_event_type: r.get(at + 9),
+    }
+}
+
+/// Whether the outbox is in the publications, as one monitor reading saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Membership {
+    /// One of the publications publishes inserts into the outbox table.
+    pub included: bool,
+    /// Identifies the membership: the publications' OIDs, their
+    /// `pg_publication_rel` / `pg_publication_namespace` rows for the table
+    /// and the table's OID. A change between two readings that both say
+    /// `included` means the table left and rejoined (or was recreated)
+    /// in between.
+    pub identity: String,
+    /// `pg_current_wal_lsn()` when read.
+    pub wal_lsn: Lsn,
+    /// The server's clock when read, `YYYY-MM-DD HH:MM:SS+00` (UTC), a
+    /// `--since` value for `backfill`.
+    pub at: String,
+}
+
+/// The slot and the outbox's publication membership in ONE statement (the
+/// slot monitor's reading: its cost is the relay's whole cost to an idle
+/// database). The slot is `None` when it does not exist.
+pub async fn monitor_reading(
+    client: &Client,
+    slot: &str,
+    publications: &[String],
+    table: &TableName,
+) -> Result<(Option<SlotInfo>, Membership), SourceError> {
+    let row = client
+        .query_one(
+            "WITH t AS (SELECT to_regclass(format('%I.%I', $3::text, $4::text)) AS oid), \
+                  p AS (SELECT oid, pubname, puballtables, pubinsert FROM pg_publication WHERE pubname = ANY($2)) \
+             SELECT pg_current_wal_lsn()::text, \
+                    to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00'), \
+                    EXISTS (SELECT 1 FROM pg_publication_tables pt JOIN p ON p.pubname = pt.pubname \
+                            WHERE pt.schemaname = $3 AND pt.tablename = $4 AND p.pubinsert), \
+                    concat_ws(',', (SELECT oid::text FROM t), \
+                      (SELECT string_agg(x, ',' ORDER BY x) FROM ( \
+                         SELECT 'p' || p.oid || CASE WHEN p.puballtables THEN 'a' ELSE '' END AS x FROM p \
+                         UNION ALL SELECT 'r' || pr.oid FROM pg_publication_rel pr JOIN p ON p.oid = pr.prpubid, t \
+                                   WHERE pr.prrelid = t.oid \
+                         UNION ALL SELECT 'n' || pn.oid FROM pg_publication_namespace pn JOIN p ON p.oid = pn.pnpubid \
+                                   JOIN pg_namespace n ON n.oid = pn.pnnspid WHERE n.nspname = $3) ids)), \
+                    s.plugin::text, s.database::text, s.active, s.active_pid, \
+                    s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
+                    (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, \
+                    EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8, \
+                    a.wait_event_type::text, s.slot_name IS NOT NULL \
+             FROM (SELECT 1) one \
+             LEFT JOIN pg_replication_slots s ON s.slot_name = $1 \
+             LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
+             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid",
+            &[&slot, &publications, &table.schema, &table.name],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;
+    let membership = Membership {
+        wal_lsn: row.get::<_, String>(0).parse().unwrap_or_default(),
+        at: row.get(1),
+        included: row.get(2),
+        identity: row.get(3),
+    };
+    let slot = row.get::<_, bool>(14).then(|| slot_from_row(&row, 4));
+    Ok((slot, membership))
+}
+
+/// A server setting as text (`current_setting`).
+pub async fn setting(client: &Client, name: &str) -> Result<String, SourceError> {
+    let row = client
+        .query_one("SELECT current_setting($1)", &[&name])
+        .await
+        .map_err(|e| SourceError::sql("reading server settings", &e))?;
+    Ok(row.get(0))
+}
+
+/// The server's `wal_sender_timeout` (zero: disabled). 60 s when the value
+/// cannot be read as a duration.
+pub async fn wal_sender_timeout(client: &Client) -> Result<Duration, SourceError> {
+    let text = setting(client, "wal_sender_timeout").await?;
+    Ok(parse_pg_duration(&text).unwrap_or(Duration::from_secs(60)))
+}
+
+/// Parses a PostgreSQL duration setting as `SHOW` prints it (`60s`, `1min`,
+/// `500ms`, `0`); `current_setting` prints the same form.
+pub fn parse_pg_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let ms = match unit.trim() {
+        "" | "ms" => n,
+        "s" => n * 1_000,
+        "min" => n * 60_000,
+        "h" => n * 3_600_000,
+        "d" => n * 86_400_000,
+        _ => return None,
+    };
+    Some(Duration::from_millis(ms))
+}
+
+/// Creates a pgoutput slot and returns its starting LSN. The role needs
+/// REPLICATION.
+pub async fn create_slot(client: &Client, slot: &str) -> Result<Lsn, SourceError> {
+    check_slot_name(slot)?;
+    let row = client
+        .query_one(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| SourceError::sql("creating the slot (the role needs REPLICATION)", &e))?;
+    let lsn: String = row.get(0);
+    lsn.parse()
+        .map_err(|e| SourceError::Definite(format!("creating the slot: {e}")))
+}
+
+/// PostgreSQL's rule for slot names: lower-case letters, digits and
+/// underscores, at most 63 bytes. Checked before anything is created.
+pub fn check_slot_name(slot: &str) -> Result<(), SourceError> {
+    let valid = !slot.is_empty()
+        && slot.len() <= 63
+        && slot
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if valid {
+        Ok(())
+    } else {
+        Err(SourceError::Definite(format!(
+            "invalid --slot {slot:?}: use lower-case letters, digits and underscores (at most 63)"
+        )))
+    }
+}
+
+/// Quotes an SQL identifier (`outbox` → `"outbox"`, `a"b` → `"a""b"`).
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// `"schema"."table"`.
+pub fn quote_table(t: &TableName) -> String {
+    format!("{}.{}", quote_ident(&t.schema), quote_ident(&t.name))
+}
+
+/// Whether the slot's pending WAL predates one of `publications`: peeks at
+/// the slot's first pending change with the relay's options, which fails
+/// with "publication … does not exist" exactly then (the server looks the
+/// publication up in the catalog as of that change). `None` when it cannot
+/// tell: the slot is in use (only one process may read it), holds no
+/// published change, or the peek did not finish within 5 s. Needs the
+/// REPLICATION attribute.
+pub async fn slot_predates_publication(
+    client: &Client,
+    slot: &str,
+    publications: &[String],
+) -> Result<Option<bool>, SourceError> {
+    let names = publications
+        .iter()
+        .map(|p| quote_ident(p))
+        .collect::<Vec<_>>()
+        .join(",");
+    client
+        .batch_execute("SET statement_timeout = '5s'")
+        .await
+        .map_err(|e| SourceError::sql("setting a statement timeout", &e))?;
+    let peek = client
+        .query(
+            "SELECT 1 FROM pg_logical_slot_peek_binary_changes($1, NULL, 1, \
+               'proto_version', '1', 'publication_names', $2)",
+            &[&slot, &names],
+        )
+        .await;
+    client
+        .batch_execute("RESET statement_timeout")
+        .await
+        .map_err(|e| SourceError::sql("resetting the statement timeout", &e))?;
+    match peek {
+        Ok(_) => Ok(Some(false)),
+        Err(e) => match e.as_db_error() {
+            Some(db) if db.code().code() == "42704" && db.message().contains("publication") => {
+                Ok(Some(true))
+            }
+            // In use, timed out, or not allowed: no verdict.
+            Some(db) if matches!(db.code().code(), "55006" | "57014" | "42501") => Ok(None),
+            _ => Err(SourceError::sql("peeking at the slot", &e)),
+        },
+    }
+}
+
+/// The server's encoding (`server_encoding`), e.g. `UTF8`.
+pub async fn server_encoding(client: &Client) -> Result<String, SourceError> {
+    setting(client, "server_encoding").await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pg_durations_parse() {
+        assert_eq!(parse_pg_duration("60s"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_pg_duration("1min"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_pg_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_pg_duration("0"), Some(Duration::ZERO));
+        assert_eq!(parse_pg_duration("x"), None);
+    }
+
+    #[test]
+    fn slot_names_follow_postgres_rules() {
+        assert!(check_slot_name("cdc_relay_1").is_ok());
+        for bad in ["", "Bad", "a-b", "a;drop", &"x".repeat(64)] {
+            assert!(check_slot_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn identifiers_are_quoted() {
+        assert_eq!(quote_ident("outbox"), "\"outbox\"");
+        assert_eq!(quote_ident("we\"ird"), "\"we\"\"ird\"");
+    }
+}

@@ -1,0 +1,209 @@
+//! The outbox table and its publications, as the catalog describes them.
+
+use tokio_postgres::Client;
+
+use super::super::error::SourceError;
+use crate::outbox::{JSON_TYPES, OutboxColumns, TableName};
+
+/// The outbox table as the catalog describes it now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxTable {
+    /// Its relation OID: what the stream's Relation messages identify it by.
+    pub oid: u32,
+    /// `r` (table) or `p` (partitioned).
+    pub relkind: String,
+    /// `relreplident`: `d` default (primary key), `n` nothing, `f` full,
+    /// `i` index.
+    pub replica_identity: String,
+    /// Whether it has a primary key (what `d` needs to identify rows).
+    pub has_primary_key: bool,
+}
+
+/// Checks that `table` exists, has every configured column, and that the
+/// payload column is `json` or `jsonb`; returns what the relay needs to
+/// know about it. Errors name the flag to fix; a missing table or column is
+/// [`SourceError::NeedsSetup`], a payload of another type
+/// [`SourceError::PayloadType`].
+pub async fn check_outbox_table(
+    client: &Client,
+    t: &TableName,
+    c: &OutboxColumns,
+) -> Result<OutboxTable, SourceError> {
+    let row = client
+        .query_opt(
+            "SELECT c.oid, c.relkind::text, c.relreplident::text, \
+                    EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary) \
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = $2",
+            &[&t.schema, &t.name],
+        )
+        .await
+        .map_err(|e| SourceError::sql("looking up the outbox table", &e))?;
+    let Some(row) = row else {
+        return Err(SourceError::NeedsSetup(format!(
+            "table {t} does not exist (--table / CDC_RELAY_TABLE); create it first (e.g. sql/orders.sql), or set --table if it was renamed"
+        )));
+    };
+    let table = OutboxTable {
+        oid: row.get(0),
+        relkind: row.get(1),
+        replica_identity: row.get(2),
+        has_primary_key: row.get(3),
+    };
+    let cols: Vec<(String, u32, String)> = client
+        .query(
+            "SELECT a.attname::text, a.atttypid, format_type(a.atttypid, a.atttypmod) \
+             FROM pg_attribute a \
+             WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
+            &[&table.oid],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the outbox columns", &e))?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    if let Some((_, oid, type_name)) = cols.iter().find(|(name, ..)| *name == c.payload)
+        && !JSON_TYPES.contains(oid)
+    {
+        return Err(SourceError::PayloadType(payload_type_message(
+            t, &c.payload, type_name,
+        )));
+    }
+    let cols: Vec<String> = cols.into_iter().map(|(name, ..)| name).collect();
+    let mut wanted = vec![
+        (c.id.as_str(), "--id-column"),
+        (c.event_type.as_str(), "--type-column"),
+        (c.payload.as_str(), "--payload-column"),
+    ];
+    if let Some(a) = &c.aggregate_key {
+        wanted.push((a.as_str(), "--aggregate-column"));
+    }
+    for (col, flag) in wanted {
+        if !cols.iter().any(|have| have == col) {
+            return Err(SourceError::NeedsSetup(format!(
+                "table {t} has no column {col:?} ({flag}); its columns: {}",
+                cols.join(", ")
+            )));
+        }
+    }
+    Ok(table)
+}
+
+/// Why a payload column of `type_name` is refused.
+pub fn payload_type_message(t: &TableName, column: &str, type_name: &str) -> String {
+    format!(
+        "the payload column {t}.{column} (--payload-column) has type {type_name}; it must be json or jsonb, \
+         whose text is always valid JSON (the relay sends it as the body's \"data\" verbatim). \
+         ALTER TABLE ... ALTER COLUMN {column} TYPE jsonb USING {column}::jsonb, or point --payload-column at a json/jsonb column"
+    )
+}
+
+/// Warnings about how `table` is published (for `setup` and the start of
+/// `run`): a publication that also publishes UPDATE or DELETE on an outbox
+/// without a usable replica identity makes those statements fail on the
+/// primary (SQLSTATE 55000), cleanup `DELETE`s included.
+pub async fn publication_warnings(
+    client: &Client,
+    t: &TableName,
+    table: &OutboxTable,
+    publications: &[String],
+) -> Result<Vec<String>, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT coalesce(bool_or(p.pubupdate), false), coalesce(bool_or(p.pubdelete), false) \
+             FROM pg_publication p JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
+             WHERE p.pubname = ANY($1) AND pt.schemaname = $2 AND pt.tablename = $3",
+            &[&publications, &t.schema, &t.name],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the publications", &e))?;
+    let (update, delete): (bool, bool) = (row.get(0), row.get(1));
+    let identity = match table.replica_identity.as_str() {
+        "n" => false,
+        "d" => table.has_primary_key,
+        _ => true,
+    };
+    let mut warnings = Vec::new();
+    if (update || delete) && !identity {
+        warnings.push(format!(
+            "the publication publishes UPDATE/DELETE on {t}, which has no replica identity \
+             (no primary key, or REPLICA IDENTITY NOTHING): every UPDATE or DELETE on it, cleanup \
+             included, fails with SQLSTATE 55000. Use an insert-only publication \
+             (CREATE PUBLICATION ... WITH (publish = 'insert'), what `cdc-relay setup` creates)"
+        ));
+    }
+    Ok(warnings)
+}
+
+/// The name the relation `oid` has now (`schema.name`), `None` when it no
+/// longer exists.
+pub async fn relation_name(client: &Client, oid: u32) -> Result<Option<String>, SourceError> {
+    let row = client
+        .query_opt(
+            "SELECT n.nspname || '.' || c.relname FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1",
+            &[&oid],
+        )
+        .await
+        .map_err(|e| SourceError::sql("looking up a relation", &e))?;
+    Ok(row.map(|r| r.get(0)))
+}
+
+/// The OID `table` names now, `None` when no such table exists.
+pub async fn table_oid(client: &Client, table: &TableName) -> Result<Option<u32>, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT to_regclass(format('%I.%I', $1::text, $2::text))::oid",
+            &[&table.schema, &table.name],
+        )
+        .await
+        .map_err(|e| SourceError::sql("looking up the outbox table", &e))?;
+    Ok(row.get(0))
+}
+
+/// Before streaming: the table and columns exist, the payload is json or
+/// jsonb, and one of `publications` publishes inserts into it. Streaming a
+/// publication that does not carry the table would confirm the slot past
+/// every event: never start like that. Returns the table.
+pub async fn check_stream_config(
+    client: &Client,
+    t: &TableName,
+    c: &OutboxColumns,
+    publications: &[String],
+) -> Result<OutboxTable, SourceError> {
+    let table = check_outbox_table(client, t, c).await?;
+    let existing: Vec<String> = client
+        .query(
+            "SELECT pubname::text FROM pg_publication WHERE pubname = ANY($1)",
+            &[&publications],
+        )
+        .await
+        .map_err(|e| SourceError::sql("looking up the publications", &e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if let Some(missing) = publications.iter().find(|p| !existing.contains(p)) {
+        return Err(SourceError::NeedsSetup(format!(
+            "publication {missing:?} does not exist (--publication / CDC_RELAY_PUBLICATION); run `cdc-relay setup`"
+        )));
+    }
+    // Several publications may carry the table: pgoutput streams their union.
+    let published: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables pt \
+                            JOIN pg_publication p ON p.pubname = pt.pubname \
+                            WHERE pt.pubname = ANY($1) AND pt.schemaname = $2 \
+                              AND pt.tablename = $3 AND p.pubinsert)",
+            &[&publications, &t.schema, &t.name],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the publications' tables", &e))?
+        .get(0);
+    if !published {
+        return Err(SourceError::NeedsSetup(format!(
+            "no publication in --publication ({}) publishes inserts into {t} (--table); fix the flags or run `cdc-relay setup`",
+            publications.join(", ")
+        )));
+    }
+    Ok(table)
+}

@@ -1,0 +1,193 @@
+//! Is the outbox still in its publication? Decided from the slot monitor's
+//! readings (`catalog::monitor_reading`), without statements of its own.
+//!
+//! pgoutput decodes each change with the catalog as it was at that change:
+//! an insert into the outbox while the table is not in the publication
+//! (`ALTER PUBLICATION … DROP TABLE`, or `DROP TABLE` + `CREATE TABLE` under
+//! a `FOR TABLE` publication) is never streamed, and nothing in the stream
+//! says so. So the monitor checks membership on every reading, and:
+//!
+//! - while the table is out, the confirmed position is held at the WAL
+//!   position of the last reading that found it in (the stream's other
+//!   transactions and keepalives would otherwise move the slot on), and
+//!   `/readyz` fails;
+//! - a change of the membership's identity between two readings that both
+//!   found it in (it left and rejoined, or the table was recreated and
+//!   added, faster than the monitor looks) is a gap too.
+//!
+//! Either way the rows inserted meanwhile cannot come from the slot: the
+//! operator re-sends them with `cdc-relay backfill`, and the messages say
+//! the exact `--since`.
+
+use super::catalog::Membership;
+use crate::lsn::Lsn;
+
+/// What a reading changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// Still in, as before.
+    Steady,
+    /// The table left the publication(s).
+    Left {
+        /// When it was last seen in (server time, UTC), a `--since` for backfill.
+        since: String,
+    },
+    /// Still out.
+    StillOut,
+    /// Back in after [`Change::Left`].
+    Back {
+        /// When it was last seen in before it left.
+        since: String,
+        /// Now.
+        until: String,
+    },
+    /// In at both readings, but not the same membership: it left and
+    /// rejoined (or the table was recreated) in between.
+    Gap {
+        /// The earlier reading's time.
+        since: String,
+        /// This reading's time.
+        until: String,
+    },
+}
+
+/// A verified reading: the table was in at this WAL position and time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Verified {
+    wal_lsn: Lsn,
+    at: String,
+    identity: String,
+}
+
+/// The membership state of one session.
+#[derive(Debug)]
+pub struct MembershipWatch {
+    /// The last reading that found the table in; `None` before the first.
+    last_in: Option<Verified>,
+    /// Where the session started (the slot's position): what to hold at
+    /// when the very first reading already finds the table out.
+    start: Lsn,
+    out: bool,
+}
+
+impl MembershipWatch {
+    /// A watch for a session that started streaming at `start`, after the
+    /// start-up check found the table in its publication.
+    pub fn new(start: Lsn) -> Self {
+        MembershipWatch {
+            last_in: None,
+            start,
+            out: false,
+        }
+    }
+
+    /// Takes one reading into account.
+    pub fn observe(&mut self, m: &Membership) -> Change {
+        let since = || {
+            self.last_in
+                .as_ref()
+                .map_or_else(|| "the relay's start".to_owned(), |v| v.at.clone())
+        };
+        let change = match (m.included, self.out) {
+            (false, false) => {
+                self.out = true;
+                return Change::Left { since: since() };
+            }
+            (false, true) => return Change::StillOut,
+            (true, true) => Change::Back {
+                since: since(),
+                until: m.at.clone(),
+            },
+            (true, false) => match &self.last_in {
+                Some(v) if v.identity != m.identity => Change::Gap {
+                    since: v.at.clone(),
+                    until: m.at.clone(),
+                },
+                _ => Change::Steady,
+            },
+        };
+        self.out = false;
+        self.last_in = Some(Verified {
+            wal_lsn: m.wal_lsn,
+            at: m.at.clone(),
+            identity: m.identity.clone(),
+        });
+        change
+    }
+
+    /// The position the confirmed LSN must not pass: `None` while the
+    /// table is in; while it is out, the WAL position of the last reading
+    /// that found it in.
+    pub fn ceiling(&self) -> Option<Lsn> {
+        self.out
+            .then(|| self.last_in.as_ref().map_or(self.start, |v| v.wal_lsn))
+    }
+
+    /// Whether the table is in its publication(s), as last read.
+    pub fn is_in(&self) -> bool {
+        !self.out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reading(included: bool, identity: &str, lsn: u64, at: &str) -> Membership {
+        Membership {
+            included,
+            identity: identity.into(),
+            wal_lsn: Lsn::new(lsn),
+            at: at.into(),
+        }
+    }
+
+    #[test]
+    fn leaving_holds_the_ceiling_at_the_last_verified_position_until_back() {
+        let mut w = MembershipWatch::new(Lsn::new(10));
+        assert_eq!(w.observe(&reading(true, "a", 100, "t1")), Change::Steady);
+        assert_eq!(w.ceiling(), None);
+        assert_eq!(w.observe(&reading(true, "a", 200, "t2")), Change::Steady);
+        assert_eq!(
+            w.observe(&reading(false, "", 300, "t3")),
+            Change::Left { since: "t2".into() }
+        );
+        assert_eq!(w.ceiling(), Some(Lsn::new(200)));
+        assert!(!w.is_in());
+        assert_eq!(w.observe(&reading(false, "", 400, "t4")), Change::StillOut);
+        assert_eq!(w.ceiling(), Some(Lsn::new(200)), "never moves while out");
+        assert_eq!(
+            w.observe(&reading(true, "b", 500, "t5")),
+            Change::Back {
+                since: "t2".into(),
+                until: "t5".into()
+            }
+        );
+        assert_eq!(w.ceiling(), None);
+        assert_eq!(w.observe(&reading(true, "b", 600, "t6")), Change::Steady);
+    }
+
+    #[test]
+    fn a_flap_between_readings_is_a_gap() {
+        let mut w = MembershipWatch::new(Lsn::new(10));
+        w.observe(&reading(true, "7,p1,r5", 100, "t1"));
+        assert_eq!(
+            w.observe(&reading(true, "7,p1,r9", 200, "t2")),
+            Change::Gap {
+                since: "t1".into(),
+                until: "t2".into()
+            }
+        );
+        assert_eq!(w.ceiling(), None);
+    }
+
+    #[test]
+    fn out_at_the_first_reading_holds_at_the_session_start() {
+        let mut w = MembershipWatch::new(Lsn::new(42));
+        assert!(matches!(
+            w.observe(&reading(false, "", 100, "t1")),
+            Change::Left { .. }
+        ));
+        assert_eq!(w.ceiling(), Some(Lsn::new(42)));
+    }
+}

@@ -1,0 +1,240 @@
+//! The replication transport of one session: opening the stream, and the
+//! one place that hands the server a flush position.
+//!
+//! The transport is `pgwire-replication` (pinned exactly): it speaks the
+//! streaming replication protocol, answers keepalives and sends standby
+//! status updates on its own timer, even while the reader waits for room in
+//! the window. Facts relied on (PostgreSQL docs, "Streaming Replication
+//! Protocol" → `START_REPLICATION SLOT … LOGICAL`): starting at `0/0`
+//! resumes at the slot's `confirmed_flush_lsn` (a start ahead of it would
+//! silently skip committed transactions); the status update's flush position
+//! becomes the slot's `confirmed_flush_lsn`.
+
+use std::time::Duration;
+
+use pgwire_replication::{PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent};
+use tokio::time::Instant;
+
+use super::conn::ConnParams;
+use super::error::SourceError;
+use super::tls;
+use crate::lsn::Lsn;
+
+/// Settings for one replication session.
+#[derive(Clone, Debug)]
+pub struct StreamSettings {
+    /// Slot name.
+    pub slot: String,
+    /// Publication names.
+    pub publications: Vec<String>,
+    /// `application_name` shown in `pg_stat_replication`.
+    pub application_name: String,
+    /// Standby status update interval (and idle wake-up).
+    pub status_interval: Duration,
+}
+
+/// The standby status interval for a server whose `wal_sender_timeout` is
+/// `timeout` (zero = disabled): min(1 s, timeout / 3), at least 100 ms.
+pub fn status_interval_for(timeout: Duration) -> Duration {
+    if timeout.is_zero() {
+        return Duration::from_secs(1);
+    }
+    (timeout / 3).clamp(Duration::from_millis(100), Duration::from_secs(1))
+}
+
+/// Transport buffer between its socket task and the reader, in messages.
+/// Small: the relay's own window bounds memory in bytes.
+const TRANSPORT_BUFFER: usize = 64;
+
+/// Opens a pgoutput stream at the slot's own position (`0/0`) and waits
+/// until the server accepted `START_REPLICATION` (the slot is then held).
+/// Bounded by twice the connect timeout.
+pub async fn open(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationClient, SourceError> {
+    let mut cfg = ReplicationConfig::new(
+        conn.host.clone(),
+        conn.user.clone(),
+        conn.password.clone(),
+        conn.dbname.clone(),
+        s.slot.clone(),
+        s.publications.clone(),
+    )
+    .with_port(conn.port)
+    .with_tls(tls::replication_tls(conn))
+    .with_start_lsn(Lsn::ZERO.into())
+    .with_status_interval(s.status_interval)
+    .with_wakeup_interval(s.status_interval)
+    .with_buffer_size(TRANSPORT_BUFFER)
+    .with_application_name(s.application_name.clone())
+    // Text output must not depend on the role's settings.
+    .with_options(
+        "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3",
+    );
+    cfg.max_message_size = 1 << 30;
+    let connect = async {
+        let mut client = ReplicationClient::connect(cfg).await?;
+        client.wait_started().await?;
+        Ok::<_, PgWireError>(client)
+    };
+    let bound = conn.connect_timeout * 2;
+    match tokio::time::timeout(bound, connect).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(SourceError::transport(&e, &s.slot)),
+        Err(_) => Err(SourceError::Transient(format!(
+            "starting replication on {} timed out after {bound:?}",
+            conn.display()
+        ))),
+    }
+}
+
+/// The transport of one session. [`Transport::confirm`] and
+/// [`Transport::hold_at`] are the one place that hands the server a flush
+/// position.
+pub struct Transport {
+    client: ReplicationClient,
+    status_interval: Duration,
+    flush: FlushPosition,
+}
+
+/// The flush position: what the pipeline confirmed, under the slot
+/// monitor's ceiling, never moving back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FlushPosition {
+    /// The position the pipeline confirmed.
+    wanted: Lsn,
+    /// A limit the flush position must not pass (the outbox is out of its
+    /// publication), if any.
+    ceiling: Option<Lsn>,
+    /// What was handed to the transport last.
+    sent: Lsn,
+}
+
+impl FlushPosition {
+    /// The position to send now, if it changed.
+    fn next(&mut self) -> Option<Lsn> {
+        let target = self
+            .ceiling
+            .map_or(self.wanted, |c| self.wanted.min(c))
+            .max(self.sent);
+        (target != self.sent).then(|| {
+            self.sent = target;
+            target
+        })
+    }
+}
+
+impl Transport {
+    /// Wraps an opened stream that started at `start`.
+    pub fn new(client: ReplicationClient, status_interval: Duration, start: Lsn) -> Self {
+        Transport {
+            client,
+            status_interval,
+            flush: FlushPosition {
+                wanted: start,
+                ceiling: None,
+                sent: start,
+            },
+        }
+    }
+
+    /// The next message from the server.
+    pub async fn recv(&mut self) -> Result<Option<ReplicationEvent>, PgWireError> {
+        self.client.recv().await
+    }
+
+    /// The transport's counters (status updates sent).
+    pub fn counters(&self) -> std::sync::Arc<pgwire_replication::client::ReplicationMetrics> {
+        self.client.metrics()
+    }
+
+    /// The pipeline confirmed `lsn`: it becomes the flush (and apply)
+    /// position of the next standby status update, unless a ceiling holds
+    /// it back. The server stores it as the slot's `confirmed_flush_lsn`.
+    pub fn confirm(&mut self, lsn: Lsn) {
+        self.flush.wanted = self.flush.wanted.max(lsn);
+        self.push();
+    }
+
+    /// Holds the flush position at `ceiling` (or releases it: `None`).
+    pub fn hold_at(&mut self, ceiling: Option<Lsn>) {
+        self.flush.ceiling = ceiling;
+        self.push();
+    }
+
+    fn push(&mut self) {
+        if let Some(lsn) = self.flush.next() {
+            self.client.update_applied_lsn(lsn.into());
+        }
+    }
+
+    /// Ends the stream without a final update.
+    pub fn abort(&mut self) {
+        self.client.abort();
+    }
+
+    /// Sends the final position (`lsn` under the ceiling) in a standby
+    /// status update and waits (bounded) until the transport reports it
+    /// sent, then ends the stream cleanly. The transport sends no final
+    /// update of its own on stop.
+    pub async fn flush_and_close(mut self, lsn: Lsn) {
+        self.confirm(lsn);
+        let lsn = self.flush.sent;
+        let counters = self.client.metrics();
+        let bound = Instant::now() + self.status_interval + Duration::from_millis(500);
+        while Lsn::from(counters.last_applied_lsn()) < lsn && Instant::now() < bound {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let sent = Lsn::from(counters.last_applied_lsn());
+        if sent < lsn {
+            tracing::warn!(confirmed = %lsn, sent = %sent, "final status update not confirmed as sent");
+        }
+        match tokio::time::timeout(Duration::from_secs(2), self.client.shutdown()).await {
+            Ok(Ok(())) => tracing::info!(confirmed = %lsn, "stream closed cleanly"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "stream closed with an error"),
+            Err(_) => {
+                self.client.abort();
+                tracing::warn!("stream did not close within 2 s; aborted");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flush_position_stays_under_the_ceiling_and_never_moves_back() {
+        let mut f = FlushPosition {
+            wanted: Lsn::new(100),
+            ceiling: None,
+            sent: Lsn::new(100),
+        };
+        f.wanted = Lsn::new(200);
+        assert_eq!(f.next(), Some(Lsn::new(200)));
+        assert_eq!(f.next(), None, "unchanged: nothing to send");
+        f.ceiling = Some(Lsn::new(150)); // held below what was already sent
+        f.wanted = Lsn::new(300);
+        assert_eq!(f.next(), None, "never backwards, never past the ceiling");
+        f.ceiling = Some(Lsn::new(250));
+        assert_eq!(f.next(), Some(Lsn::new(250)));
+        f.ceiling = None;
+        assert_eq!(f.next(), Some(Lsn::new(300)), "released");
+    }
+
+    #[test]
+    fn status_interval_follows_wal_sender_timeout() {
+        assert_eq!(status_interval_for(Duration::ZERO), Duration::from_secs(1));
+        assert_eq!(
+            status_interval_for(Duration::from_secs(60)),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            status_interval_for(Duration::from_secs(2)),
+            Duration::from_secs(2) / 3
+        );
+        assert_eq!(
+            status_interval_for(Duration::from_millis(100)),
+            Duration::from_millis(100)
+        );
+    }
+}
