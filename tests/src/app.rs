@@ -44,6 +44,18 @@ impl Running {
     pub fn inbox(&self) -> String {
         format!("{}/inbox", self.url)
     }
+
+    /// `GET <url><path>` (e.g. `/readyz`): the status and the body.
+    pub async fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        let response = reqwest::get(format!("{}{path}", self.url)).await?;
+        Ok((response.status().as_u16(), response.text().await?))
+    }
+
+    /// The value of the unlabelled series `name` in its `/metrics`, if
+    /// exposed.
+    pub async fn gauge(&self, name: &str) -> anyhow::Result<Option<f64>> {
+        Ok(self.metrics().await?.value(name, &[]))
+    }
 }
 
 /// Starts the Orders service for `stack` on a free port.

@@ -46,5 +46,5 @@ pub mod wait;
 pub use pg::{ClusterOptions, PgCluster, StopMode};
 pub use process::ServiceProcess;
 pub use scenario::{Inbox, Scenario};
-pub use stack::{Stack, connect};
+pub use stack::{Stack, StackOptions, connect};
 pub use wait::wait_until;

@@ -137,6 +137,21 @@ impl ServiceProcess {
         self.log_dir.path()
     }
 
+    /// Everything printed to stderr so far.
+    pub fn stderr(&self) -> String {
+        fs::read(self.log_dir.path().join("stderr.log"))
+            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+            .unwrap_or_default()
+    }
+
+    /// The exit status if the process has exited (reaping it), without waiting.
+    pub fn try_status(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() && has_exited(self.pid()) {
+            self.reap();
+        }
+        self.status
+    }
+
     /// Everything printed so far, stdout and stderr interleaved in arrival order.
     pub fn logs(&self) -> String {
         fs::read(self.log_dir.path().join("output.log"))

@@ -14,13 +14,14 @@
 //! No event is committed before the relay streams, so a test scripts its
 //! sink (status, delay) after `start` returns and before its first insert.
 
-use std::time::Duration;
+use std::process::ExitStatus;
+use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
 use uuid::Uuid;
 
 use crate::app::{self, Running, TEST_SECRET};
-use crate::oracle::{self, Expected, expected};
+use crate::oracle::{self, Accounting, Expected, expected};
 use crate::sink::ScriptedSink;
 use crate::stack::Stack;
 use crate::{PgCluster, wait_until};
@@ -33,6 +34,13 @@ const CLEAN_STOP: Duration = Duration::from_secs(20);
 
 /// Bound for the walsender to release the slot after the relay exited.
 const SLOT_RELEASE: Duration = Duration::from_secs(10);
+
+/// Bound for the relay to stop on its own after a change it must refuse:
+/// the slot monitor's period (15 s) and a margin.
+const REFUSAL: Duration = Duration::from_secs(30);
+
+/// Pause between two looks at the relay and the slot in [`Scenario::wait_refusal`].
+const REFUSAL_POLL: Duration = Duration::from_millis(50);
 
 /// Where the relay delivers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,10 +212,95 @@ impl Scenario {
         expected::insert_event(&self.db, aggregate, event_type, payload).await
     }
 
+    /// [`Self::insert_event`] into `table` (e.g. a renamed outbox).
+    pub async fn insert_event_into(
+        &self,
+        table: &str,
+        aggregate: Uuid,
+        event_type: &str,
+        payload: Option<&str>,
+    ) -> anyhow::Result<Expected> {
+        expected::insert_event_into(&self.db, table, aggregate, event_type, payload).await
+    }
+
+    /// Waits (bounded) for the relay to stop on its own and returns how it
+    /// exited. `after` is a WAL position read after the commit of a
+    /// transaction the relay must refuse ([`oracle::wal_position`]): the
+    /// wait fails at once if the slot's confirmed position reaches it,
+    /// because that transaction was then acknowledged without delivery.
+    pub async fn wait_refusal(&mut self, after: u64) -> anyhow::Result<ExitStatus> {
+        let deadline = Instant::now() + REFUSAL;
+        loop {
+            if let Some(status) = self.relay.process.try_status() {
+                return Ok(status);
+            }
+            let confirmed = oracle::slot_position(&self.db, &self.stack.slot)
+                .await?
+                .confirmed;
+            anyhow::ensure!(
+                confirmed < after,
+                "the slot is confirmed at {confirmed}, past {after}: a transaction the relay \
+                 had to refuse was acknowledged; the inbox got {} request(s); the relay still runs:\n{}",
+                self.sink.as_ref().map_or(0, ScriptedSink::arrivals),
+                tail(&self.relay.process.logs(), 30)
+            );
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the relay still runs {REFUSAL:?} after a transaction it had to refuse \
+                 (slot confirmed at {confirmed}, before {after}):\n{}",
+                tail(&self.relay.process.logs(), 30)
+            );
+            tokio::time::sleep(REFUSAL_POLL).await;
+        }
+    }
+
     /// Waits until the relay is done with every transaction committed so
     /// far ([`oracle::settle`]).
     pub async fn settle(&self) -> anyhow::Result<()> {
         oracle::settle(&self.db, &self.stack.slot).await
+    }
+
+    /// Distinct event ids the inbox took: Billing's `processed_events` when
+    /// Billing is the inbox, else the scripted sink's 2xx requests.
+    pub async fn delivered_ids(&self) -> anyhow::Result<Vec<String>> {
+        if self.billing.is_some() {
+            let billing = self.stack.billing_admin().await?;
+            return Ok(billing
+                .query("SELECT event_id::text FROM processed_events", &[])
+                .await?
+                .iter()
+                .map(|r| r.get(0))
+                .collect());
+        }
+        Ok(oracle::arrival_ids(&self.sink().delivered()))
+    }
+
+    /// The proof-wide ledger over the outbox rows of `tables` (e.g.
+    /// `&["outbox"]`) against what the inbox took and the dead letters;
+    /// judge it with [`Accounting::assert_balanced`] or
+    /// [`Accounting::assert_held`].
+    pub async fn accounting(&self, tables: &[&str]) -> anyhow::Result<Accounting> {
+        Accounting::read(&self.db, tables, self.delivered_ids().await?).await
+    }
+
+    /// Asserts the ledger of the `outbox` table balances (every row
+    /// delivered or dead-lettered, nothing else) after settling.
+    pub async fn assert_balanced(&self) -> anyhow::Result<()> {
+        self.settle().await?;
+        self.accounting(&["outbox"]).await?.assert_balanced();
+        Ok(())
+    }
+
+    /// Asserts every row of `tables` not delivered nor dead-lettered is
+    /// still held by the slot (peeked through the stack's publications).
+    /// The relay must have stopped or exited: only an inactive slot can be
+    /// peeked.
+    pub async fn assert_held(&self, tables: &[&str]) -> anyhow::Result<Accounting> {
+        let accounting = self.accounting(tables).await?;
+        accounting
+            .assert_held(&self.db, &self.stack.slot, &self.stack.publications())
+            .await?;
+        Ok(accounting)
     }
 
     /// Waits for `expected.len()` requests at the scripted sink, settles,
@@ -258,4 +351,10 @@ impl Scenario {
         })
         .await
     }
+}
+
+/// The last `lines` lines of `text`.
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
 }

@@ -1,5 +1,6 @@
 //! A scripted HTTP sink: a real in-process HTTP server that records every
-//! request the relay sends and answers as the test tells it (status, delay).
+//! request the relay sends and answers as the test tells it (status, delay,
+//! and per event any response body bytes).
 //! Used where Billing's own rules would get in the way (raw payload checks,
 //! outages, slow responses) and as the benchmarks' null sink.
 
@@ -70,8 +71,8 @@ struct Script {
     arrivals: AtomicUsize,
     /// Forward to this URL (after the delay) and answer with its status.
     upstream: Option<(reqwest::Client, String)>,
-    /// Per event id (the body's `id`): answer this status instead.
-    rejections: Mutex<std::collections::HashMap<String, u16>>,
+    /// Per event id (the body's `id`): answer this status and body instead.
+    rejections: Mutex<std::collections::HashMap<String, (u16, Bytes)>>,
 }
 
 /// The running sink; stops when dropped.
@@ -132,11 +133,17 @@ impl ScriptedSink {
 
     /// Answer `status` to every request for event `id` until cleared.
     pub fn reject(&self, id: &str, status: u16) {
+        self.reject_with_body(id, status, Bytes::new());
+    }
+
+    /// Answer `status` with exactly `body` (any bytes: NUL, invalid UTF-8,
+    /// any length) to every request for event `id` until cleared.
+    pub fn reject_with_body(&self, id: &str, status: u16, body: impl Into<Bytes>) {
         self.script
             .rejections
             .lock()
             .expect("sink lock")
-            .insert(id.to_owned(), status);
+            .insert(id.to_owned(), (status, body.into()));
     }
 
     /// Stop rejecting any event by id.
@@ -174,10 +181,14 @@ impl ScriptedSink {
     }
 }
 
-async fn handle(State(script): State<Arc<Script>>, headers: HeaderMap, body: Bytes) -> StatusCode {
+async fn handle(
+    State(script): State<Arc<Script>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, Bytes) {
     script.arrivals.fetch_add(1, Ordering::SeqCst);
     script.in_progress.fetch_add(1, Ordering::SeqCst);
-    let status = answer(&script, &headers, &body).await;
+    let (status, response) = answer(&script, &headers, &body).await;
     script.in_progress.fetch_sub(1, Ordering::SeqCst);
     let header = |k: &str| {
         headers
@@ -193,10 +204,12 @@ async fn handle(State(script): State<Arc<Script>>, headers: HeaderMap, body: Byt
         status,
         at: Instant::now(),
     });
-    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (status, response)
 }
 
-async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> u16 {
+/// The status to answer, and the response body (empty unless scripted).
+async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> (u16, Bytes) {
     let delay = script.delay_ms.load(Ordering::SeqCst);
     if delay > 0 {
         tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -210,14 +223,15 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> u16 {
             .lock()
             .expect("sink lock")
             .get(&id)
-            .copied()
+            .cloned()
     });
-    let scripted = rejected.unwrap_or_else(|| script.status.load(Ordering::SeqCst));
+    let (scripted, response) =
+        rejected.unwrap_or_else(|| (script.status.load(Ordering::SeqCst), Bytes::new()));
     let Some((client, url)) = &script.upstream else {
-        return scripted;
+        return (scripted, response);
     };
     if !(200..300).contains(&scripted) {
-        return scripted;
+        return (scripted, response);
     }
     let mut req = client.post(url).body(body.clone());
     for name in ["content-type", "x-event-signature", "idempotency-key"] {
@@ -226,8 +240,8 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> u16 {
         }
     }
     match req.send().await {
-        Ok(r) => r.status().as_u16(),
-        Err(_) => 502,
+        Ok(r) => (r.status().as_u16(), Bytes::new()),
+        Err(_) => (502, Bytes::new()),
     }
 }
 

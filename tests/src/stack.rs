@@ -60,8 +60,18 @@ pub struct Stack {
     pub billing_admin_url: String,
     /// Replication slot name reserved for this stack; nobody creates it here.
     pub slot: String,
-    /// Insert-only publication of `public.outbox`, created in the orders database.
+    /// Insert-only publication of `public.outbox`, created in the orders
+    /// database. Passed verbatim as `--publication`, so a test may make it
+    /// a comma-separated list of several (see [`Stack::publications`]).
     pub publication: String,
+}
+
+/// How [`PgCluster::create_stack_with`] makes a stack.
+#[derive(Debug, Clone, Default)]
+pub struct StackOptions {
+    /// Server encoding of the orders database (e.g. `SQL_ASCII`), created
+    /// from `template0` with the C locale; `None` keeps the cluster's UTF8.
+    pub orders_encoding: Option<String>,
 }
 
 impl PgCluster {
@@ -69,6 +79,11 @@ impl PgCluster {
     /// publication.sql under this stack's publication name, roles.sql in the
     /// orders database; billing.sql, roles.sql in the billing database).
     pub async fn create_stack(&self) -> anyhow::Result<Stack> {
+        self.create_stack_with(&StackOptions::default()).await
+    }
+
+    /// [`create_stack`](Self::create_stack) with `options`.
+    pub async fn create_stack_with(&self, options: &StackOptions) -> anyhow::Result<Stack> {
         let passwords = self.ensure_roles().await?;
         let n = self.stacks.next.fetch_add(1, Ordering::Relaxed);
         let suffix = format!("{}_{n}", std::process::id());
@@ -76,11 +91,17 @@ impl PgCluster {
         let billing_db = format!("billing_{suffix}");
 
         let admin = self.connect_superuser("postgres").await?;
-        for db in [&orders_db, &billing_db] {
+        let orders_encoding = match &options.orders_encoding {
+            Some(encoding) => {
+                format!(" ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+            }
+            None => String::new(),
+        };
+        for (db, with) in [(&orders_db, orders_encoding.as_str()), (&billing_db, "")] {
             admin
-                .batch_execute(&format!("CREATE DATABASE {db}"))
+                .batch_execute(&format!("CREATE DATABASE {db}{with}"))
                 .await
-                .with_context(|| format!("CREATE DATABASE {db}"))?;
+                .with_context(|| format!("CREATE DATABASE {db}{with}"))?;
         }
 
         let stack = Stack {
@@ -132,6 +153,11 @@ impl PgCluster {
 }
 
 impl Stack {
+    /// The publications `--publication` names, one per list item.
+    pub fn publications(&self) -> Vec<String> {
+        self.publication.split(',').map(str::to_owned).collect()
+    }
+
     /// Superuser connection to the orders database (TCP, SCRAM).
     pub async fn orders_admin(&self) -> anyhow::Result<Client> {
         connect(&self.orders_admin_url).await

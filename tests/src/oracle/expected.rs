@@ -66,10 +66,22 @@ pub async fn insert_event(
     event_type: &str,
     payload: Option<&str>,
 ) -> anyhow::Result<Expected> {
+    insert_event_into(db, "outbox", aggregate, event_type, payload).await
+}
+
+/// [`insert_event`] into `table` (an SQL name the test chose, e.g. a
+/// renamed outbox) with the outbox's columns.
+pub async fn insert_event_into(
+    db: &Client,
+    table: &str,
+    aggregate: Uuid,
+    event_type: &str,
+    payload: Option<&str>,
+) -> anyhow::Result<Expected> {
     let row = db
         .query_one(
             &format!(
-                "INSERT INTO outbox (id, aggregate_id, event_type, payload) \
+                "INSERT INTO {table} (id, aggregate_id, event_type, payload) \
                  VALUES (gen_random_uuid(), $1, $2, $3::text::jsonb) {RETURNING}"
             ),
             &[&aggregate, &event_type, &payload],

@@ -10,11 +10,17 @@
 //!   transactions has come. No sleep can promise that.
 //! - [`expected`]: the events PostgreSQL committed, read back as it returned
 //!   them, and the check that a sink received exactly those, byte for byte.
+//! - [`accounting`]: the proof-wide ledger for any inbox: every outbox row
+//!   delivered or dead-lettered (balanced), or else still held by the slot,
+//!   which [`held`] proves by peeking at it.
 
+pub mod accounting;
 pub mod expected;
+pub mod held;
 pub mod ledger;
 pub mod slot;
 
+pub use accounting::Accounting;
 pub use expected::{Expected, arrival_ids, assert_exact, body_id};
 pub use ledger::{Ledger, wait_ledger_clean};
-pub use slot::{SlotPosition, settle, slot_position, walsender_pid};
+pub use slot::{SlotPosition, settle, slot_position, wal_position, walsender_pid};

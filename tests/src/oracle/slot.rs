@@ -52,6 +52,17 @@ pub async fn slot_position(db: &Client, slot: &str) -> anyhow::Result<SlotPositi
     })
 }
 
+/// `pg_current_wal_lsn()` as a byte position. Read after a commit, it is
+/// past that commit's record: a slot confirmed at or beyond it will never
+/// stream that transaction again.
+pub async fn wal_position(db: &Client) -> anyhow::Result<u64> {
+    let v: i64 = db
+        .query_one("SELECT (pg_current_wal_lsn() - '0/0')::bigint", &[])
+        .await?
+        .get(0);
+    Ok(u64::try_from(v)?)
+}
+
 /// Waits until the relay is done with every transaction committed before
 /// this call: the slot's confirmed position reached the current WAL
 /// position (see the module doc). The relay must be streaming from `slot`.
