@@ -239,7 +239,7 @@ impl Scenario {
                 .confirmed;
             anyhow::ensure!(
                 confirmed < after,
-                "the slot is confirmed at {confirmed}, past {after}: a transaction the relay \
+                "the slot is confirmed at {confirmed}, at or past {after}: a transaction the relay \
                  had to refuse was acknowledged; the inbox got {} request(s); the relay still runs:\n{}",
                 self.sink.as_ref().map_or(0, ScriptedSink::arrivals),
                 tail(&self.relay.process.logs(), 30)

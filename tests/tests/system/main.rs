@@ -9,11 +9,13 @@
 //! | `services/orders.rs` | the Orders API as its clients see it (no relay) |
 //! | `services/billing.rs` | the Billing inbox and invoices API (no relay) |
 //! | `cli.rs` | `cdc-relay` as an operator types it: `setup`, `status`, start-up errors and exit codes |
+//! | `identity.rs` | which relation is the outbox and whether the stream carries it: renames and swaps, publication membership (left, flapped, two publications, other tables), a slot older than its publication |
+//! | `row_shape.rs` | what a row may hold and how the table is declared: the payload column's type, a non-UTF-8 database, replica identity |
 //! | `relay.rs` | the relay end to end on a healthy stack: delivery, wire format, acknowledgement, restarts, WAL retention, memory |
 //! | `stream/` | unusual replication streams (`transactions`, `decoding`) and `payloads`, checked event by event |
-//! | `sink_failures.rs` | the sink misbehaves: poison and dead letters, circuit breaker, storm guard, configuration faults, backfill |
-//! | `infra_faults.rs` | PostgreSQL or the network misbehaves: walsender killed, restarts, link faults, standby takeover, invalidated slot, reconnects |
-//! | `observability.rs` | what an operator watches: `/metrics`, `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
+//! | `sink_failures.rs` | the sink misbehaves: poison and dead letters (whatever bytes the answer holds), circuit breaker, storm guard, configuration faults, backfill |
+//! | `infra_faults.rs` | PostgreSQL or the network misbehaves: walsender killed, restarts, link faults (and `/readyz` on a silent stream), standby takeover, invalidated slot, reconnects |
+//! | `observability.rs` | what an operator watches: `/metrics` (gauges against the real state), `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
 //! | `tls.rs` | TLS to PostgreSQL and to the sink |
 //! | `chaos.rs` | the compressed chaos schedule (CI's variant of `--bin chaos`) |
 //!
@@ -25,15 +27,19 @@
 //! did NOT happen with `oracle::settle` (the slot's confirmed position passed
 //! the current WAL position) or, while events are pending, with the relay's
 //! own counters; never with a sleep. Sleep only when time passing is the
-//! subject, and say so. End with an oracle: the `Ledger` or
-//! `Scenario::expect_exactly`.
+//! subject, and say so. End with an oracle: the `Ledger`,
+//! `Scenario::expect_exactly`, or the proof-wide ledger for any inbox
+//! (`Scenario::assert_balanced`, or `Scenario::assert_held` when the relay
+//! stopped on purpose: the slot still holds every row not done).
 
 mod chaos;
 mod cli;
 mod harness;
+mod identity;
 mod infra_faults;
 mod observability;
 mod relay;
+mod row_shape;
 mod services;
 mod sink_failures;
 mod stream;

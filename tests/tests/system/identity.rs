@@ -1,0 +1,555 @@
+//! Which relation is the outbox, and whether the stream still carries it
+//! (issue 12, "Relation identity and publication membership"): a rename
+//! and a table swap while streaming, the outbox dropped and recreated or
+//! taken out of a `FOR TABLE` publication (and a flap faster than the
+//! membership check), a slot created before its publication, two
+//! publications both carrying the outbox, and other published tables.
+//!
+//! The rule under test: every change the server streams for a relation that
+//! is (or was) the configured outbox is delivered, dead-lettered, or stops
+//! the relay before its transaction is acknowledged. A refusal is proven by
+//! [`Scenario::wait_refusal`] (the slot never reaches the refused commit)
+//! and by peeking at the inactive slot ([`Scenario::assert_held`]); a
+//! membership gap, which no slot position can bring back on PostgreSQL 15
+//! (pgoutput judges membership as of each change), by `backfill` and the
+//! balanced ledger.
+//!
+//! What PostgreSQL 15 streams in these cases (peeked with pgoutput,
+//! protocol 1): a rename re-sends a Relation message with the same OID and
+//! the new name before the next insert; a swap sends the new table's OID
+//! under the old name, and the old OID under its new name; an outbox
+//! dropped and recreated, or dropped from the publication, is simply
+//! absent: its inserts are not streamed at all (not even an empty
+//! transaction), and the walsender reports no error.
+
+use std::time::{Duration, Instant};
+
+use harness::app::{self, CommandOutput, Running, TEST_SECRET};
+use harness::oracle::{self, Ledger, slot_position};
+use harness::sink::ScriptedSink;
+use harness::{Inbox, PgCluster, Scenario, Stack, wait_until};
+
+/// Bound for the relay to notice a membership change: the slot monitor
+/// runs every 15 s (`--slot-stats-interval`), plus a margin.
+const NOTICE: Duration = Duration::from_secs(30);
+
+/// Bound for deliveries and the ledger.
+const DRAIN: Duration = Duration::from_secs(45);
+
+/// The gauge that says whether the configured outbox is in the publication.
+const INCLUDES: &str = "cdc_relay_publication_includes_outbox";
+
+/// The counter of membership gaps (the outbox left and rejoined).
+const GAPS: &str = "cdc_relay_publication_gaps_total";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renamed_outbox_stops_the_relay_unacknowledged_and_new_table_flag_delivers_it()
+-> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Scripted).await?;
+    let agg = s.insert_order().await?;
+    let first = s
+        .insert_event(agg, "BeforeRename", Some(r#"{"r":0}"#))
+        .await?;
+    s.expect_exactly(std::slice::from_ref(&first)).await?;
+
+    s.db.batch_execute("ALTER TABLE outbox RENAME TO outbox_v2")
+        .await?;
+    let renamed = s
+        .insert_event_into("outbox_v2", agg, "AfterRename", Some(r#"{"r":1}"#))
+        .await?;
+    let after = oracle::wal_position(&s.db).await?;
+    let status = s.wait_refusal(after).await?;
+    let stderr = s.relay.process.stderr();
+    assert_eq!(status.code(), Some(5), "exit code 5:\n{stderr}");
+    for words in ["renamed", "public.outbox_v2", "--table public.outbox_v2"] {
+        assert!(stderr.contains(words), "stderr names {words:?}:\n{stderr}");
+    }
+    assert_eq!(s.sink().arrivals(), 1, "nothing sent for the renamed table");
+    // The refused insert is still in the slot: the next session gets it.
+    s.assert_held(&["outbox_v2"]).await?;
+
+    s.restart_relay(&["--table", "public.outbox_v2"]).await?;
+    s.expect_exactly(&[first, renamed]).await?;
+    s.accounting(&["outbox_v2"]).await?.assert_balanced();
+    s.finish().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swapped_outbox_delivers_the_new_table_and_refuses_the_old_one() -> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Scripted).await?;
+    s.db.batch_execute(&format!(
+        "CREATE TABLE outbox_new (LIKE outbox INCLUDING ALL); \
+         GRANT SELECT ON outbox_new TO cdc_relay; \
+         ALTER PUBLICATION {} ADD TABLE outbox_new",
+        s.stack.publication
+    ))
+    .await?;
+    let agg = s.insert_order().await?;
+    let mut expected = vec![
+        s.insert_event(agg, "BeforeSwap", Some(r#"{"w":0}"#))
+            .await?,
+    ];
+    s.db.batch_execute(
+        "BEGIN; ALTER TABLE outbox RENAME TO outbox_old; \
+         ALTER TABLE outbox_new RENAME TO outbox; COMMIT",
+    )
+    .await?;
+    expected.push(s.insert_event(agg, "NewTable", Some(r#"{"w":1}"#)).await?);
+    expected.push(s.insert_event(agg, "NewTable", Some(r#"{"w":2}"#)).await?);
+    s.expect_exactly(&expected).await?;
+
+    let old = s
+        .insert_event_into("outbox_old", agg, "OldTable", Some(r#"{"w":3}"#))
+        .await?;
+    let after = oracle::wal_position(&s.db).await?;
+    let status = s.wait_refusal(after).await?;
+    let stderr = s.relay.process.stderr();
+    assert_eq!(status.code(), Some(5), "exit code 5:\n{stderr}");
+    for words in ["renamed", "public.outbox_old"] {
+        assert!(stderr.contains(words), "stderr names {words:?}:\n{stderr}");
+    }
+    assert!(
+        s.sink().received().iter().all(|r| r.id() != old.id),
+        "the insert into the old table was never sent"
+    );
+    s.assert_held(&["outbox", "outbox_old"]).await?;
+    Ok(())
+}
+
+/// The outbox as `sql/orders.sql` defines it, without the foreign key, and
+/// readable by the relay's role (backfill reads it).
+const OUTBOX_AGAIN: &str = "CREATE TABLE outbox (
+    id uuid PRIMARY KEY, aggregate_id uuid NOT NULL, event_type text NOT NULL,
+    payload jsonb NOT NULL, occurred_at timestamptz NOT NULL DEFAULT now(),
+    available_at timestamptz NOT NULL DEFAULT now(), attempts integer NOT NULL DEFAULT 0,
+    claimed_by text, lease_until timestamptz, published_at timestamptz);
+    GRANT SELECT ON outbox TO cdc_relay";
+
+/// How the outbox leaves its `FOR TABLE` publication.
+#[derive(Debug, Clone, Copy)]
+enum Leave {
+    /// `DROP TABLE outbox; CREATE TABLE outbox (…)` in one transaction
+    /// (copying the rows over).
+    DropAndCreate,
+    /// `ALTER PUBLICATION … DROP TABLE outbox`.
+    DropFromPublication,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_dropped_and_recreated_outside_the_publication_is_noticed_and_held()
+-> anyhow::Result<()> {
+    outbox_leaves_the_publication(Leave::DropAndCreate).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_dropped_from_the_publication_is_noticed_and_held() -> anyhow::Result<()> {
+    outbox_leaves_the_publication(Leave::DropFromPublication).await
+}
+
+/// The outbox leaves the publication, one event is committed while it is
+/// out, the operator re-adds it and backfills: the relay must have said so
+/// (error, `/readyz`, gauge), held its position meanwhile, and nothing is
+/// lost in the end.
+async fn outbox_leaves_the_publication(how: Leave) -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Billing).await?;
+    let (stack, db, relay) = (&s.stack, &s.db, &s.relay);
+    db.batch_execute("CREATE TABLE scratch_wal (id bigserial PRIMARY KEY, filler text)")
+        .await?;
+    wait_until(&format!("{INCLUDES} 1 while healthy"), NOTICE, || async {
+        relay.gauge(INCLUDES).await.map(|v| v == Some(1.0))
+    })
+    .await?;
+    app::insert_order_event(db).await?;
+    oracle::wait_ledger_clean(stack, 1, DRAIN).await?;
+
+    let leave = match how {
+        // A rebuild that keeps the rows, as an operator would.
+        Leave::DropAndCreate => format!(
+            "BEGIN; CREATE TEMP TABLE kept AS SELECT * FROM outbox; DROP TABLE outbox; \
+             {OUTBOX_AGAIN}; INSERT INTO outbox SELECT * FROM kept; COMMIT"
+        ),
+        Leave::DropFromPublication => {
+            format!("ALTER PUBLICATION {} DROP TABLE outbox", stack.publication)
+        }
+    };
+    db.batch_execute(&leave).await?;
+    let since = now(db).await?;
+    let while_out = app::insert_order_event(db).await?;
+
+    // All three within NOTICE of the insert.
+    let left = Instant::now();
+    let error = relay
+        .process
+        .wait_for_line_where(
+            "an ERROR naming the publication and backfill",
+            |l| l.contains("ERROR") && l.contains("publication") && l.contains("backfill"),
+            NOTICE,
+        )
+        .await?;
+    eprintln!("{how:?}: {error}");
+    wait_until(
+        &format!("{INCLUDES} 0"),
+        NOTICE.saturating_sub(left.elapsed()),
+        || async { relay.gauge(INCLUDES).await.map(|v| v == Some(0.0)) },
+    )
+    .await?;
+    wait_until(
+        "/readyz 503 naming the publication",
+        NOTICE.saturating_sub(left.elapsed()),
+        || async {
+            let (status, body) = relay.get("/readyz").await?;
+            anyhow::Ok(status == 503 && body.contains("publication"))
+        },
+    )
+    .await?;
+
+    // Time is the subject: for a few status intervals (1 s each) while
+    // WAL is written elsewhere, the confirmed position stays where the
+    // membership was last verified.
+    let held = slot_position(db, &stack.slot).await?.confirmed;
+    for _ in 0..8 {
+        db.batch_execute(
+            "INSERT INTO scratch_wal (filler) SELECT repeat('x', 500) FROM generate_series(1, 200)",
+        )
+        .await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = slot_position(db, &stack.slot).await?;
+        assert_eq!(
+            now.confirmed, held,
+            "confirmed_flush_lsn advanced while the outbox is out of the publication \
+             (WAL is at {})",
+            now.current
+        );
+    }
+    assert!(
+        slot_position(db, &stack.slot).await?.current > held,
+        "WAL was written past the held position"
+    );
+
+    db.batch_execute(&format!(
+        "ALTER PUBLICATION {} ADD TABLE outbox",
+        stack.publication
+    ))
+    .await?;
+    wait_until(&format!("{INCLUDES} back to 1"), NOTICE, || async {
+        relay.gauge(INCLUDES).await.map(|v| v == Some(1.0))
+    })
+    .await?;
+    wait_until("/readyz 200 again", NOTICE, || async {
+        relay.get("/readyz").await.map(|(status, _)| status == 200)
+    })
+    .await?;
+    app::insert_order_event(db).await?;
+    wait_until("the event after the re-add invoiced", DRAIN, || async {
+        Ledger::read(stack).await.map(|l| l.invoices == 2)
+    })
+    .await?;
+    let ledger = Ledger::read(stack).await?;
+    assert_eq!(
+        ledger.lost, 1,
+        "only the event committed while out: {ledger:?}"
+    );
+
+    backfill(stack, &since, &s.billing().inbox()).await?;
+    oracle::wait_ledger_clean(stack, 3, DRAIN).await?;
+    let accounting = s.accounting(&["outbox"]).await?;
+    assert!(accounting.delivered.contains(&while_out.to_string()));
+    accounting.assert_balanced();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publication_flap_faster_than_the_check_is_reported_as_a_gap() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Billing).await?;
+    let (stack, db, relay) = (&s.stack, &s.db, &s.relay);
+    app::insert_order_event(db).await?;
+    oracle::wait_ledger_clean(stack, 1, DRAIN).await?;
+
+    let since = now(db).await?;
+    let flap = Instant::now();
+    db.batch_execute(&format!(
+        "ALTER PUBLICATION {} DROP TABLE outbox",
+        stack.publication
+    ))
+    .await?;
+    app::insert_order_event(db).await?;
+    db.batch_execute(&format!(
+        "ALTER PUBLICATION {} ADD TABLE outbox",
+        stack.publication
+    ))
+    .await?;
+    let took = flap.elapsed();
+    assert!(took < Duration::from_secs(1), "the flap took {took:?}");
+
+    let error = relay
+        .process
+        .wait_for_line_where(
+            "an ERROR saying the outbox left (or rejoined) the publication, naming backfill",
+            |l| {
+                l.contains("ERROR")
+                    && (l.contains("left the publication") || l.contains("rejoined"))
+                    && l.contains("backfill")
+            },
+            NOTICE,
+        )
+        .await?;
+    eprintln!("flap: {error}");
+    wait_until(&format!("{GAPS} >= 1"), NOTICE, || async {
+        let m = relay.metrics().await?;
+        anyhow::Ok(m.sum(GAPS) >= 1.0)
+    })
+    .await?;
+
+    app::insert_order_event(db).await?;
+    wait_until("the event after the flap invoiced", DRAIN, || async {
+        Ledger::read(stack).await.map(|l| l.invoices == 2)
+    })
+    .await?;
+    backfill(stack, &since, &s.billing().inbox()).await?;
+    oracle::wait_ledger_clean(stack, 3, DRAIN).await?;
+    s.accounting(&["outbox"]).await?.assert_balanced();
+    Ok(())
+}
+
+/// Runs `cdc-relay backfill --since <since>` as the relay role into `inbox`.
+async fn backfill(stack: &Stack, since: &str, inbox: &str) -> anyhow::Result<()> {
+    let out = app::relay_command(
+        stack,
+        &stack.relay_url,
+        &["backfill", "--since", since],
+        &[("CDC_RELAY_SINK_URL", inbox), ("EVENT_SECRET", TEST_SECRET)],
+    )
+    .await?;
+    assert!(out.success(), "backfill: {}", out.text());
+    Ok(())
+}
+
+/// The database's `now()` as text, for `backfill --since`.
+async fn now(db: &tokio_postgres::Client) -> anyhow::Result<String> {
+    Ok(db.query_one("SELECT now()::text", &[]).await?.get(0))
+}
+
+/// `cdc-relay run` as a command (as the relay role) until it exits.
+async fn run_once(stack: &Stack, sink: &ScriptedSink) -> anyhow::Result<CommandOutput> {
+    app::relay_command(
+        stack,
+        &stack.relay_url,
+        &[
+            "run",
+            "--sink-url",
+            &sink.url,
+            "--admin-listen",
+            "127.0.0.1:0",
+        ],
+        &[("EVENT_SECRET", TEST_SECRET)],
+    )
+    .await
+}
+
+/// The stack's slot created by hand while its publication does not exist.
+async fn slot_before_publication(stack: &Stack) -> anyhow::Result<tokio_postgres::Client> {
+    let db = stack.orders_admin().await?;
+    db.batch_execute(&format!("DROP PUBLICATION {}", stack.publication))
+        .await?;
+    db.execute(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+        &[&stack.slot],
+    )
+    .await?;
+    Ok(db)
+}
+
+/// The slot's WAL predates its publication. On PostgreSQL 15 that breaks
+/// the stream only once a change committed between the slot and the
+/// publication must be decoded (the walsender then fails with `publication
+/// … does not exist`, although it exists); without such a change it
+/// streams normally. So one event is committed in between, as an outbox in
+/// use would: it can only come back through `backfill`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_older_than_its_publication_is_diagnosed_by_run_and_status() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let db = slot_before_publication(&stack).await?;
+    let created = slot_position(&db, &stack.slot).await?.confirmed;
+    app::insert_order_event(&db).await?;
+    db.batch_execute(&format!(
+        "CREATE PUBLICATION {} FOR TABLE outbox WITH (publish = 'insert')",
+        stack.publication
+    ))
+    .await?;
+    app::insert_order_event(&db).await?;
+    let sink = ScriptedSink::start().await?;
+
+    let run = run_once(&stack, &sink).await?;
+    assert_eq!(run.code(), Some(6), "run exits 6:\n{}", run.text());
+    let status = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
+    assert_eq!(status.code(), Some(6), "status exits 6:\n{}", status.text());
+    for (command, text) in [("run", run.stderr.clone()), ("status", status.text())] {
+        for words in [
+            stack.slot.as_str(),
+            "before the publication",
+            "--recreate-slot",
+            "backfill",
+        ] {
+            assert!(text.contains(words), "{command} says {words:?}:\n{text}");
+        }
+    }
+    assert_eq!(sink.arrivals(), 0, "nothing was sent");
+    assert_eq!(
+        slot_position(&db, &stack.slot).await?.confirmed,
+        created,
+        "the slot did not move"
+    );
+
+    // The steps the message gives recover every event.
+    let recreate = app::relay_command(
+        &stack,
+        &stack.orders_admin_url,
+        &["setup", "--recreate-slot"],
+        &[],
+    )
+    .await?;
+    assert!(recreate.success(), "{}", recreate.text());
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    backfill(&stack, "-infinity", &sink.url).await?;
+    app::insert_order_event(&db).await?;
+    assert_balanced_at_sink(&stack, &db, &sink, 3).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_refuses_to_adopt_a_slot_older_than_the_publication_it_creates() -> anyhow::Result<()>
+{
+    let stack = PgCluster::shared().create_stack().await?;
+    let db = slot_before_publication(&stack).await?;
+    let out = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(
+        !out.success(),
+        "setup adopted the older slot:\n{}",
+        out.text()
+    );
+    for words in ["--recreate-slot", "backfill"] {
+        assert!(out.text().contains(words), "{words:?}:\n{}", out.text());
+    }
+    let published: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_publication_tables WHERE pubname = $1 AND tablename = 'outbox'",
+            &[&stack.publication],
+        )
+        .await?
+        .get(0);
+    assert_eq!(published, 1, "setup created the publication first");
+
+    let recreate = app::relay_command(
+        &stack,
+        &stack.orders_admin_url,
+        &["setup", "--recreate-slot"],
+        &[],
+    )
+    .await?;
+    assert!(recreate.success(), "{}", recreate.text());
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    app::insert_order_event(&db).await?;
+    assert_balanced_at_sink(&stack, &db, &sink, 1).await
+}
+
+/// Waits for `n` events at `sink`, settles the stack's slot, and asserts
+/// the ledger balances against what the sink took.
+async fn assert_balanced_at_sink(
+    stack: &Stack,
+    db: &tokio_postgres::Client,
+    sink: &ScriptedSink,
+    n: usize,
+) -> anyhow::Result<()> {
+    wait_until(&format!("{n} events delivered"), DRAIN, || async {
+        oracle::Accounting::read(db, &["outbox"], oracle::arrival_ids(&sink.delivered()))
+            .await
+            .map(|a| a.delivered.len() >= n)
+    })
+    .await?;
+    oracle::settle(db, &stack.slot).await?;
+    let accounting =
+        oracle::Accounting::read(db, &["outbox"], oracle::arrival_ids(&sink.delivered())).await?;
+    assert_eq!(accounting.rows.len(), n);
+    accounting.assert_balanced();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_publications_carrying_the_outbox_stream_each_event_once() -> anyhow::Result<()> {
+    let mut stack = PgCluster::shared().create_stack().await?;
+    let second = format!("{}_b", stack.publication);
+    stack
+        .orders_admin()
+        .await?
+        .batch_execute(&format!(
+            "CREATE PUBLICATION {second} FOR TABLE outbox WITH (publish = 'insert')"
+        ))
+        .await?;
+    stack.publication = format!("{},{second}", stack.publication);
+    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
+    let agg = s.insert_order().await?;
+    let event = s.insert_event(agg, "TwoPublications", Some("{}")).await?;
+    s.expect_exactly(&[event]).await?;
+    assert_eq!(
+        s.relay.metrics().await?.sum("cdc_relay_reconnects_total"),
+        0.0,
+        "one session, no reconnect loop:\n{}",
+        s.relay.process.logs()
+    );
+    assert_eq!(app::sessions(&s.relay), 1);
+    s.assert_balanced().await?;
+    s.finish().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_published_tables_are_counted_and_logged_once() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    s.db.batch_execute(&format!(
+        "CREATE TABLE audit_log (id bigserial PRIMARY KEY, note text); \
+         ALTER PUBLICATION {} ADD TABLE audit_log",
+        s.stack.publication
+    ))
+    .await?;
+    for i in 0..3 {
+        s.db.execute(
+            "INSERT INTO audit_log (note) VALUES ($1)",
+            &[&format!("a{i}")],
+        )
+        .await?;
+    }
+    let agg = s.insert_order().await?;
+    s.db.batch_execute("BEGIN").await?;
+    let event = s.insert_event(agg, "WithAudit", Some("{}")).await?;
+    s.db.batch_execute("INSERT INTO audit_log (note) VALUES ('in the same transaction'); COMMIT")
+        .await?;
+    let event_id = event.id.clone();
+    s.expect_exactly(&[event]).await?;
+
+    let ignored = s.relay.metrics().await?.value(
+        "cdc_relay_ignored_changes_total",
+        &[("relation", "public.audit_log")],
+    );
+    assert_eq!(ignored, Some(4.0), "every audit_log insert counted");
+    let lines = log_lines_naming(&s.relay, "public.audit_log");
+    assert_eq!(lines.len(), 1, "logged once, not per change: {lines:#?}");
+    assert!(
+        s.sink().received().iter().all(|r| r.id() == event_id),
+        "nothing but the outbox event was posted"
+    );
+    s.assert_balanced().await?;
+    s.finish().await
+}
+
+/// The relay's log lines at INFO or above (what an operator sees by
+/// default; the tests run it at debug) that contain `words`.
+fn log_lines_naming(relay: &Running, words: &str) -> Vec<String> {
+    relay
+        .process
+        .logs()
+        .lines()
+        .filter(|l| l.contains(words) && !l.contains(" DEBUG ") && !l.contains(" TRACE "))
+        .map(str::to_owned)
+        .collect()
+}

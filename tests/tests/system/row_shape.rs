@@ -1,0 +1,327 @@
+//! What an outbox row may hold and how the table may be declared (issue
+//! 12, "Row shape and content"): the payload column's type (json or jsonb,
+//! checked at setup, at start and from every Relation message), a
+//! `SQL_ASCII` database with a payload that is not UTF-8, and a publication
+//! that publishes deletes on an outbox without a replica identity.
+//!
+//! The rule under test: the request body is always valid JSON whose `data`
+//! is exactly the stored value; a row that cannot be sent as such is
+//! dead-lettered with its raw bytes, or stops the relay before its
+//! transaction is acknowledged ([`Scenario::wait_refusal`], then the slot
+//! is peeked to show it still holds the row).
+
+use std::time::Duration;
+
+use harness::app::{self, CommandOutput, TEST_SECRET};
+use harness::oracle::{self, Accounting};
+use harness::sink::ScriptedSink;
+use harness::{Inbox, PgCluster, Scenario, Stack, StackOptions, wait_until};
+
+/// Bound for deliveries and dead letters.
+const DRAIN: Duration = Duration::from_secs(45);
+
+/// The words every refusal of a non-JSON payload column carries.
+const PAYLOAD_TYPE_WORDS: [&str; 3] = ["--payload-column", "text", "json or jsonb"];
+
+/// `cdc-relay run` as a command (as the relay role) until it exits.
+async fn run_once(
+    stack: &Stack,
+    sink: &ScriptedSink,
+    extra: &[&str],
+) -> anyhow::Result<CommandOutput> {
+    let mut args = vec![
+        "run",
+        "--sink-url",
+        &sink.url,
+        "--admin-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    app::relay_command(
+        stack,
+        &stack.relay_url,
+        &args,
+        &[("EVENT_SECRET", TEST_SECRET)],
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payload_column_of_type_text_is_refused_by_setup_and_run() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let db = stack.orders_admin().await?;
+    db.batch_execute("ALTER TABLE outbox ALTER COLUMN payload TYPE text")
+        .await?;
+
+    let setup = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(
+        !setup.success(),
+        "setup accepted a text payload:\n{}",
+        setup.text()
+    );
+    let sink = ScriptedSink::start().await?;
+    let run = run_once(&stack, &sink, &[]).await?;
+    assert_eq!(run.code(), Some(5), "run exits 5:\n{}", run.text());
+    for (command, out) in [("setup", &setup), ("run", &run)] {
+        for words in PAYLOAD_TYPE_WORDS {
+            assert!(
+                out.text().contains(words),
+                "{command} names {words:?}:\n{}",
+                out.text()
+            );
+        }
+    }
+    assert_eq!(sink.arrivals(), 0);
+
+    // Back to jsonb, the same slot streams again.
+    db.batch_execute("ALTER TABLE outbox ALTER COLUMN payload TYPE jsonb USING payload::jsonb")
+        .await?;
+    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
+    let agg = s.insert_order().await?;
+    let event = s
+        .insert_event(agg, "JsonbAgain", Some(r#"{"j":1}"#))
+        .await?;
+    s.expect_exactly(&[event]).await?;
+    s.assert_balanced().await?;
+    s.finish().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payload_turned_text_while_streaming_stops_before_a_non_json_body() -> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Scripted).await?;
+    let agg = s.insert_order().await?;
+    let good = s.insert_event(agg, "Json", Some(r#"{"ok":true}"#)).await?;
+    s.expect_exactly(std::slice::from_ref(&good)).await?;
+
+    s.db.batch_execute("ALTER TABLE outbox ALTER COLUMN payload TYPE text")
+        .await?;
+    let bad: String =
+        s.db.query_one(
+            "INSERT INTO outbox (id, aggregate_id, event_type, payload) \
+             VALUES (gen_random_uuid(), $1, 'NotJson', 'not json') RETURNING id::text",
+            &[&agg],
+        )
+        .await?
+        .get(0);
+    let after = oracle::wal_position(&s.db).await?;
+    // Whatever the relay does with the row, it does it before it exits or
+    // sends a second request; then every body it sent must be JSON.
+    wait_until("the relay to exit or send again", DRAIN, || {
+        let exited = s.relay.process.try_status().is_some();
+        let sent = s.sink().arrivals();
+        async move { exited || sent >= 2 }
+    })
+    .await?;
+    assert_bodies_are_json(&s.sink().received());
+    let status = s.wait_refusal(after).await?;
+    assert_eq!(
+        status.code(),
+        Some(5),
+        "exit code 5:\n{}",
+        s.relay.process.logs()
+    );
+    assert_bodies_are_json(&s.sink().received());
+    assert!(
+        s.sink().received().iter().all(|r| r.id() != bad),
+        "the non-JSON row was never sent"
+    );
+    let accounting = s.assert_held(&["outbox"]).await?;
+    assert_eq!(accounting.undone(), vec![bad]);
+    Ok(())
+}
+
+fn assert_bodies_are_json(received: &[harness::sink::Received]) {
+    for r in received {
+        assert!(
+            serde_json::from_slice::<serde_json::Value>(&r.body).is_ok(),
+            "the sink received a body that is not JSON (signature valid: {}): {}",
+            r.signature_valid(TEST_SECRET),
+            String::from_utf8_lossy(&r.body)
+        );
+    }
+}
+
+/// A stack whose orders database is `SQL_ASCII`, with the slot created by
+/// hand (after the publication), so `setup`'s own view of the encoding
+/// does not matter here.
+async fn sql_ascii_stack() -> anyhow::Result<(Stack, tokio_postgres::Client)> {
+    let stack = PgCluster::shared()
+        .create_stack_with(&StackOptions {
+            orders_encoding: Some("SQL_ASCII".into()),
+        })
+        .await?;
+    let db = stack.orders_admin().await?;
+    let encoding: String = db
+        .query_one("SELECT current_setting('server_encoding')", &[])
+        .await?
+        .get(0);
+    assert_eq!(encoding, "SQL_ASCII");
+    db.execute(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+        &[&stack.slot],
+    )
+    .await?;
+    Ok((stack, db))
+}
+
+/// Commits an outbox row whose payload string holds byte 0xff (legal in a
+/// `SQL_ASCII` database, never UTF-8); returns its id and the payload's
+/// text bytes as stored (what pgoutput sends).
+async fn insert_non_utf8(db: &tokio_postgres::Client) -> anyhow::Result<(String, Vec<u8>)> {
+    let id = uuid::Uuid::new_v4().to_string();
+    let order = uuid::Uuid::new_v4();
+    db.batch_execute(&format!(
+        "BEGIN; INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 1, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) \
+         VALUES ('{id}', '{order}', 'NotUtf8', E'{{\"note\": \"caf\\xff\"}}'::jsonb); COMMIT"
+    ))
+    .await?;
+    let stored: Vec<u8> = db
+        .query_one(
+            "SELECT convert_to(payload::text, 'SQL_ASCII') FROM outbox WHERE id = $1::text::uuid",
+            &[&id],
+        )
+        .await?
+        .get(0);
+    assert!(
+        stored.contains(&0xff),
+        "the payload holds byte 0xff: {stored:?}"
+    );
+    Ok((id, stored))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_ascii_database_is_refused_without_the_opt_in() -> anyhow::Result<()> {
+    let (stack, db) = sql_ascii_stack().await?;
+    let created = oracle::slot_position(&db, &stack.slot).await?.confirmed;
+    insert_non_utf8(&db).await?;
+    let sink = ScriptedSink::start().await?;
+    let run = run_once(&stack, &sink, &[]).await?;
+    eprintln!("run on SQL_ASCII without --allow-non-utf8:\n{}", run.text());
+    assert_eq!(run.code(), Some(1), "exit code 1:\n{}", run.text());
+    for words in ["server_encoding", "SQL_ASCII", "--allow-non-utf8"] {
+        assert!(
+            run.text().contains(words),
+            "names {words:?}:\n{}",
+            run.text()
+        );
+    }
+    assert_eq!(sink.arrivals(), 0, "nothing was sent");
+    assert_eq!(
+        oracle::slot_position(&db, &stack.slot).await?.confirmed,
+        created,
+        "the slot did not move"
+    );
+    // The peek decodes like the walsender, in this session's client
+    // encoding; SQL_ASCII is the one that passes the stored bytes as they are.
+    db.batch_execute("SET client_encoding = 'SQL_ASCII'")
+        .await?;
+    let accounting = Accounting::read(&db, &["outbox"], []).await?;
+    accounting
+        .assert_held(&db, &stack.slot, &stack.publications())
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_utf8_payload_is_dead_lettered_with_its_raw_bytes() -> anyhow::Result<()> {
+    let (stack, db) = sql_ascii_stack().await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &["--allow-non-utf8"]).await?;
+    app::wait_streaming(&relay).await?;
+    let before = app::insert_order_event(&db).await?.to_string();
+    let (bad, stored) = insert_non_utf8(&db).await?;
+    let later = app::insert_order_event(&db).await?.to_string();
+
+    wait_until("the non-UTF-8 row dead-lettered", DRAIN, || async {
+        let n: i64 = db
+            .query_one(
+                "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = $1",
+                &[&bad],
+            )
+            .await?
+            .get(0);
+        anyhow::Ok(n >= 1)
+    })
+    .await?;
+    let rows = db
+        .query(
+            "SELECT error, payload_bytes FROM cdc_relay_dead_letter WHERE event_id = $1",
+            &[&bad],
+        )
+        .await?;
+    assert_eq!(rows.len(), 1, "one dead letter");
+    let (error, bytes): (String, Option<Vec<u8>>) = (rows[0].get(0), rows[0].get(1));
+    assert!(error.to_lowercase().contains("utf-8"), "{error}");
+    assert_eq!(
+        bytes.as_deref(),
+        Some(&stored[..]),
+        "payload_bytes as stored"
+    );
+
+    wait_until("the later event delivered", DRAIN, || async {
+        oracle::arrival_ids(&sink.delivered()).contains(&later)
+    })
+    .await?;
+    oracle::settle(&db, &stack.slot).await?;
+    let delivered = oracle::arrival_ids(&sink.delivered());
+    assert!(delivered.contains(&before) && !delivered.contains(&bad));
+    assert_eq!(app::sessions(&relay), 1, "no restart loop");
+    assert_eq!(
+        relay.metrics().await?.sum("cdc_relay_reconnects_total"),
+        0.0
+    );
+    Accounting::read(&db, &["outbox"], delivered)
+        .await?
+        .assert_balanced();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deletes_published_without_replica_identity_are_warned_about() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let db = stack.orders_admin().await?;
+    db.batch_execute(&format!(
+        "ALTER PUBLICATION {} SET (publish = 'insert, update, delete'); \
+         ALTER TABLE outbox REPLICA IDENTITY NOTHING",
+        stack.publication
+    ))
+    .await?;
+    // What the warning is about: a cleanup DELETE now fails.
+    let err = db
+        .batch_execute("DELETE FROM outbox WHERE false")
+        .await
+        .expect_err("DELETE on a table that publishes deletes without a replica identity");
+    assert_eq!(err.code().map(|c| c.code()), Some("55000"), "{err}");
+
+    let setup = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(setup.success(), "{}", setup.text());
+    assert!(
+        mentions_replica_identity(&setup.text()),
+        "setup warns:\n{}",
+        setup.text()
+    );
+    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
+    let warning = s
+        .relay
+        .process
+        .wait_for_line_where(
+            "a WARN about the replica identity recommending insert-only",
+            |l| l.contains("WARN") && mentions_replica_identity(l),
+            Duration::from_secs(10),
+        )
+        .await?;
+    eprintln!("{warning}");
+    let agg = s.insert_order().await?;
+    let event = s.insert_event(agg, "Warned", Some("{}")).await?;
+    s.expect_exactly(&[event]).await?;
+    s.assert_balanced().await?;
+    s.finish().await
+}
+
+/// Names the replica identity and recommends the insert-only publication
+/// (case aside: a sentence may start with either).
+fn mentions_replica_identity(text: &str) -> bool {
+    let text = text.to_lowercase();
+    text.contains("replica identity") && text.contains("insert-only")
+}
