@@ -1,8 +1,8 @@
 //! The sink misbehaves (PostgreSQL and the network are fine; see
 //! `infra_faults` for those): poison events and the dead-letter table, the
 //! circuit breaker with probe, the storm guard, configuration faults,
-//! unreadable rows, and backfill after a lost slot. Each ends in a ledger
-//! check.
+//! unreadable rows, poison answers whose bodies are any bytes, and
+//! backfill after a lost slot. Each ends in a ledger check.
 
 use std::time::{Duration, Instant};
 
@@ -401,4 +401,82 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
     let missing = cli(stack, &["dead-letter", "discard", "999999"], &sink.url).await?;
     assert!(!missing.success() && missing.text().contains("999999"));
     Ok(())
+}
+
+/// A poison answer (422) whose body is `body`: its dead letter is written
+/// (one row, status 422), the event counts as done (the slot passes it),
+/// and the events after it flow. Whatever the sink returns, writing the
+/// dead letter must succeed.
+async fn poison_answer_with_body_is_dead_lettered(body: Vec<u8>) -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, db, sink) = (&s.stack, &s.db, s.sink());
+    let poison = uuid::Uuid::new_v4().to_string();
+    sink.reject_with_body(&poison, 422, body);
+    let order = uuid::Uuid::new_v4();
+    db.batch_execute(&format!(
+        "BEGIN; INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 7, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) \
+         VALUES ('{poison}', '{order}', 'OrderCreated', '{{\"p\":1}}'); COMMIT"
+    ))
+    .await?;
+    let mut others = Vec::new();
+    for _ in 0..3 {
+        others.push(insert_order_event(db).await?);
+    }
+    let quarantined = || async {
+        let dl = dead_letters(stack).await?;
+        anyhow::Ok(
+            dl.iter()
+                .filter(|d| d.0.as_deref() == Some(&poison))
+                .count(),
+        )
+    };
+    if let Err(err) = wait_until("the poison event's dead letter", DRAIN, || async {
+        quarantined().await.map(|n| n >= 1)
+    })
+    .await
+    {
+        panic!(
+            "{err:#}\n--- relay log tail ---\n{}",
+            tail(&s.relay.process.logs(), 15)
+        );
+    }
+    wait_until("the events after it delivered", DRAIN, || async {
+        let ids = oracle::arrival_ids(&sink.delivered());
+        others.iter().all(|o| ids.contains(o))
+    })
+    .await?;
+    // Done: the slot passes the poison event's transaction.
+    s.settle().await?;
+    let dl = dead_letters(stack).await?;
+    assert_eq!(dl.len(), 1, "one dead letter: {dl:?}");
+    assert_eq!(dl[0].0.as_deref(), Some(poison.as_str()));
+    assert_eq!(dl[0].1, Some(422));
+    s.assert_balanced().await
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_answer_of_one_nul_byte_is_dead_lettered() -> anyhow::Result<()> {
+    poison_answer_with_body_is_dead_lettered(vec![0]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_answer_of_100_kib_of_random_bytes_is_dead_lettered() -> anyhow::Result<()> {
+    let mut body = vec![0u8; 100 * 1024];
+    rand::Rng::fill(&mut rand::rng(), &mut body[..]);
+    // Whatever the draw, the body holds a NUL and a byte no UTF-8 has.
+    body[0] = 0;
+    body[1] = 0xff;
+    poison_answer_with_body_is_dead_lettered(body).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_answer_of_invalid_utf8_is_dead_lettered() -> anyhow::Result<()> {
+    poison_answer_with_body_is_dead_lettered(b"\xc3\x28 refused \xff\xfe \xed\xa0\x80".to_vec())
+        .await
 }
