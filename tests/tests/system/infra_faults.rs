@@ -614,3 +614,109 @@ async fn reconnect_backoff_restarts_after_a_healthy_session() -> anyhow::Result<
     );
     Ok(())
 }
+
+/// The relay's own measure of the silence on the replication stream.
+const SILENCE: &str = "cdc_relay_seconds_since_server_message";
+
+/// A dead relay↔PostgreSQL path with an idle outbox: the relay's silence
+/// gauge grows, and `/readyz` fails once it passes the silence bound (the
+/// server's `wal_sender_timeout`, 3 s here) — before the watchdog, which
+/// waits for its liveness query (5 s) on top, reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_stream_fails_readyz_before_the_watchdog_reconnects() -> anyhow::Result<()> {
+    let bound = 3.0;
+    let cluster = PgCluster::start(ClusterOptions {
+        wal_sender_timeout: "3s".into(),
+        ..Default::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let (proxy, db_url) = app::proxied(&stack.relay_url).await?;
+    let relay = app::start_relay_with_url(&stack, &db_url, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    wait_until("/readyz 200 while streaming", RECOVERY, || async {
+        relay.get("/readyz").await.map(|(status, _)| status == 200)
+    })
+    .await?;
+    // Time is the subject: an idle but healthy stream stays ready for two
+    // silence bounds. PostgreSQL 15 sends an idle client nothing unless it
+    // asks (keepalives only after wal_sender_timeout/2 without a reply, or
+    // while the client has not confirmed what was sent), so the gauge must
+    // not count a quiet server that answers as a silent one.
+    for _ in 0..12 {
+        let healthy = relay.gauge(SILENCE).await?;
+        assert!(
+            healthy.is_some_and(|s| s < bound),
+            "{SILENCE} exposed and under the bound while streaming: {healthy:?}"
+        );
+        let (status, body) = relay.get("/readyz").await?;
+        assert_eq!(status, 200, "an idle healthy stream is ready: {body}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    proxy.set_mode(Mode::Blackhole);
+    let cut = Instant::now();
+    let first = relay.gauge(SILENCE).await?.unwrap_or_default();
+    wait_until(&format!("{SILENCE} to grow"), RECOVERY, || async {
+        relay
+            .gauge(SILENCE)
+            .await
+            .map(|s| s.is_some_and(|s| s >= first + 1.0))
+    })
+    .await?;
+    // What the relay showed at the first 503: read at once, before the
+    // watchdog may reconnect.
+    let verdict = Mutex::new(None);
+    wait_until("/readyz 503 naming the silence", RECOVERY, || async {
+        let (status, body) = relay.get("/readyz").await?;
+        let lower = body.to_lowercase();
+        if status == 503 && (lower.contains("silen") || lower.contains("server")) {
+            let m = relay.metrics().await?;
+            *verdict.lock().expect("verdict lock") = Some((
+                body,
+                m.value(SILENCE, &[]),
+                m.value("cdc_relay_reconnects_total", &[("cause", "watchdog")]),
+                app::sessions(&relay),
+            ));
+            return anyhow::Ok(true);
+        }
+        anyhow::Ok(false)
+    })
+    .await?;
+    let (body, silence, watchdog, sessions) = verdict
+        .into_inner()
+        .expect("verdict lock")
+        .expect("set when the wait succeeded");
+    eprintln!(
+        "/readyz 503 {:?} after the cut: {body:?}, {SILENCE} {silence:?}",
+        cut.elapsed()
+    );
+    assert!(
+        silence.is_some_and(|s| s >= bound),
+        "past the bound: {silence:?}"
+    );
+    assert_eq!(
+        (watchdog.unwrap_or(0.0), sessions),
+        (0.0, 1),
+        "not ready before the watchdog reconnected:\n{}",
+        tail(&relay.process.logs(), 20)
+    );
+
+    proxy.set_mode(Mode::Pass);
+    wait_until("/readyz 200 after the heal", RECOVERY, || async {
+        relay.get("/readyz").await.map(|(status, _)| status == 200)
+    })
+    .await?;
+    let db = stack.orders_admin().await?;
+    let event = app::insert_order_event(&db).await?.to_string();
+    wait_until("the event delivered after the heal", RECOVERY, || async {
+        oracle::arrival_ids(&sink.delivered()).contains(&event)
+    })
+    .await?;
+    oracle::settle(&db, &stack.slot).await?;
+    oracle::Accounting::read(&db, &["outbox"], oracle::arrival_ids(&sink.delivered()))
+        .await?
+        .assert_balanced();
+    Ok(())
+}
