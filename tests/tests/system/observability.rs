@@ -11,6 +11,8 @@ use anyhow::Context;
 use harness::app::{self, CommandOutput};
 use harness::oracle::{self, Ledger};
 use harness::prom::{Exposition, is_metric_name};
+use harness::proxy::Mode;
+use harness::sink::ScriptedSink;
 use harness::{Inbox, PgCluster, Scenario, ServiceProcess, Stack, bins};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -564,4 +566,94 @@ fn deploy_metric_references() -> anyhow::Result<Vec<(String, String)>> {
         }
     }
     Ok(refs.into_iter().collect())
+}
+
+/// `cdc_relay_pending_events` ("events received and not yet done") and
+/// `cdc_relay_in_flight` are the real state at every checked point, across
+/// sessions that end with an event pending: 0; 1 while the sink refuses
+/// it; still 1 (the same event, redelivered by the new session) after the
+/// walsender was terminated; 0 for both while no session can start (the
+/// relay↔PostgreSQL link resets every connection: nothing is received);
+/// 1 again once a session streams; exactly 0 once it is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_and_in_flight_gauges_follow_the_real_state_across_sessions() -> anyhow::Result<()>
+{
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let (proxy, db_url) = app::proxied(&stack.relay_url).await?;
+    let relay = app::start_relay_with_url(&stack, &db_url, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let gauges = || async {
+        let m = relay.metrics().await?;
+        let value = |name| m.value(name, &[]).unwrap_or(f64::NAN);
+        anyhow::Ok((
+            value("cdc_relay_pending_events"),
+            value("cdc_relay_in_flight"),
+        ))
+    };
+    let at = |pending: f64, in_flight_at_most: f64, what: &str| {
+        let what = format!("cdc_relay_pending_events {pending} ({what})");
+        async move {
+            let reached = harness::wait_until(&what, WAIT, || async {
+                let (p, f) = gauges().await?;
+                anyhow::ensure!(f <= in_flight_at_most, "in flight {f}");
+                anyhow::Ok(p == pending)
+            })
+            .await;
+            let now = gauges().await?;
+            reached.with_context(|| format!("now (pending, in flight) = {now:?}"))
+        }
+    };
+    // A new request from the relay: evidence that a session holds the event.
+    let sink = &sink;
+    let next_request = || {
+        let seen = sink.arrivals();
+        harness::wait_until("the event sent (again)", WAIT, move || async move {
+            sink.arrivals() > seen
+        })
+    };
+    at(0.0, 0.0, "nothing committed").await?;
+
+    sink.set_status(503);
+    let event = insert_event(&db, serde_json::json!({})).await?.to_string();
+    next_request().await?;
+    at(1.0, 1.0, "one event refused").await?;
+
+    let before = app::sessions(&relay);
+    terminate_walsender(&stack).await?;
+    app::wait_new_session(&relay, before, WAIT).await?;
+    next_request().await?;
+    at(1.0, 1.0, "the same event, held by the new session").await?;
+
+    let before = app::sessions(&relay);
+    proxy.set_mode(Mode::Reset);
+    at(0.0, 0.0, "no session: the link resets every connection").await?;
+    assert_eq!(
+        app::sessions(&relay),
+        before,
+        "no session started meanwhile"
+    );
+    proxy.set_mode(Mode::Pass);
+    app::wait_new_session(&relay, before, WAIT).await?;
+    next_request().await?;
+    at(
+        1.0,
+        1.0,
+        "the same event, held by the session after the link healed",
+    )
+    .await?;
+
+    sink.set_status(204);
+    harness::wait_until("the event delivered", WAIT, || async {
+        oracle::arrival_ids(&sink.delivered()).contains(&event)
+    })
+    .await?;
+    oracle::settle(&db, &stack.slot).await?;
+    at(0.0, 0.0, "delivered").await?;
+    oracle::Accounting::read(&db, &["outbox"], oracle::arrival_ids(&sink.delivered()))
+        .await?
+        .assert_balanced();
+    Ok(())
 }
