@@ -26,7 +26,7 @@ const DEBUG_FILTER: &str = "debug";
 
 /// Every relay metric the issue names, with its Prometheus type, so docs,
 /// dashboards and alerts can rely on them.
-const DOCUMENTED: [(&str, &str); 19] = [
+const DOCUMENTED: [(&str, &str); 22] = [
     ("cdc_relay_events_received_total", "counter"),
     ("cdc_relay_events_delivered_total", "counter"),
     ("cdc_relay_events_dead_lettered_total", "counter"),
@@ -46,6 +46,10 @@ const DOCUMENTED: [(&str, &str); 19] = [
     ("cdc_relay_standby", "gauge"),
     ("cdc_relay_status_updates_total", "counter"),
     ("cdc_relay_pending_events", "gauge"),
+    // Issue 12: publication membership and the stream's silence.
+    ("cdc_relay_publication_includes_outbox", "gauge"),
+    ("cdc_relay_publication_gaps_total", "counter"),
+    ("cdc_relay_seconds_since_server_message", "gauge"),
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
