@@ -312,8 +312,9 @@ pub struct RunArgs {
     #[arg(long, env = "CDC_RELAY_CREATE_SLOT")]
     pub create_slot: bool,
     /// Stream from a database whose server_encoding is not UTF8 (e.g.
-    /// SQL_ASCII). Rows whose text is not valid UTF-8 then become dead
-    /// letters (their payload bytes kept in payload_bytes) instead of events.
+    /// SQL_ASCII). The server converts every row to UTF-8 for the relay; a
+    /// row it cannot convert stops the relay (exit 5) with the steps to go
+    /// on, before anything of it is acknowledged.
     #[arg(long, env = "CDC_RELAY_ALLOW_NON_UTF8")]
     pub allow_non_utf8: bool,
     /// Runtime worker threads (CPU cores the relay may keep busy). Default:

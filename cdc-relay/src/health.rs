@@ -61,7 +61,16 @@ impl Health {
         self.last_heard_ms.store(self.now_ms(), Ordering::Relaxed);
     }
 
-    /// Time since the server last sent anything on the stream.
+    /// The stream was last known alive `ago` (a reading showed the
+    /// walsender reading our replies); never moves the evidence back.
+    pub fn heard_ago(&self, ago: Duration) {
+        let at = self
+            .now_ms()
+            .saturating_sub(u64::try_from(ago.as_millis()).unwrap_or(u64::MAX));
+        self.last_heard_ms.fetch_max(at, Ordering::Relaxed);
+    }
+
+    /// Time since the stream was last known alive.
     pub fn since_heard(&self) -> Duration {
         let last = self.last_heard_ms.load(Ordering::Relaxed);
         Duration::from_millis(self.now_ms().saturating_sub(last))

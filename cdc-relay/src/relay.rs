@@ -230,8 +230,13 @@ impl Session<'_> {
             side: Arc::clone(&p.side),
             side_closed: p.side_closed,
             slot: cfg.slot.clone(),
-            watchdog: Watchdog::new(Arc::clone(&p.side), cfg.slot.clone(), silence, readings),
-            health: Arc::clone(self.health),
+            watchdog: Watchdog::new(
+                Arc::clone(&p.side),
+                cfg.slot.clone(),
+                silence,
+                readings,
+                Arc::clone(self.health),
+            ),
             metrics: self.metrics.clone(),
         };
         let mut stream = Stream::new(
@@ -355,11 +360,12 @@ impl Session<'_> {
             return Err(SourceError::Definite(format!(
                 "the source database's server_encoding is {encoding}, not UTF8: its text may hold bytes \
                  that are not UTF-8, which a JSON body cannot carry. Pass --allow-non-utf8 \
-                 (CDC_RELAY_ALLOW_NON_UTF8=true) to stream anyway: such rows then go to the \
-                 dead-letter table, payload bytes kept, instead of being sent"
+                 (CDC_RELAY_ALLOW_NON_UTF8=true) to stream anyway: a row the server cannot \
+                 convert to UTF-8 then stops the relay (exit 5), unacknowledged, with the \
+                 steps to go on"
             )));
         }
-        tracing::warn!(server_encoding = %encoding, "streaming from a database that is not UTF8 (--allow-non-utf8): rows that are not UTF-8 are dead-lettered");
+        tracing::warn!(server_encoding = %encoding, "streaming from a database that is not UTF8 (--allow-non-utf8): a row that is not UTF-8 stops the relay, unacknowledged");
         Ok(())
     }
 }

@@ -36,7 +36,7 @@ pub fn exit_code(e: &RelayError) -> u8 {
         RelayError::Source(SourceError::SlotInvalidated { .. }) => 4,
         RelayError::Decode(_)
         | RelayError::Outbox(_)
-        | RelayError::Source(SourceError::PayloadType(_)) => 5,
+        | RelayError::Source(SourceError::PayloadType(_) | SourceError::Unconvertible(_)) => 5,
         RelayError::Source(SourceError::SlotPredatesPublication { .. }) => 6,
         RelayError::Source(_) => 1,
     }

@@ -63,6 +63,11 @@ pub enum SourceError {
         /// The publication the server did not find in the slot's history.
         publication: String,
     },
+    /// The walsender cannot convert a change to UTF-8 (the relay's client
+    /// encoding): the database is not UTF8 and a row holds bytes that are
+    /// not valid there. The stream cannot pass that transaction.
+    #[error("{0}")]
+    Unconvertible(String),
     /// The server refused us for a reason retrying will not fix (auth,
     /// missing publication or database, privileges, protocol), or the
     /// database is not prepared as the relay needs. The message says what
@@ -87,6 +92,7 @@ impl SourceError {
                 | SourceError::SlotPredatesPublication { .. }
                 | SourceError::NeedsSetup(_)
                 | SourceError::PayloadType(_)
+                | SourceError::Unconvertible(_)
                 | SourceError::Definite(_)
         )
     }
@@ -100,6 +106,7 @@ impl SourceError {
             SourceError::SlotPredatesPublication { .. } => "slot_predates_publication",
             SourceError::NeedsSetup(_) => "needs_setup",
             SourceError::PayloadType(_) => "payload_type",
+            SourceError::Unconvertible(_) => "unconvertible",
             SourceError::Definite(_) => "definite",
             SourceError::Transient(_) => "transient",
             SourceError::Stalled(_) => "watchdog",
@@ -147,6 +154,9 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
             // the walsender not finding one means it looks it up in the
             // slot's catalog history, from before it was created. (Dropped
             // meanwhile: the session's next start says so instead.)
+            // 22021 character_not_in_repertoire, 22P05 untranslatable_character:
+            // pgoutput converts text to the client encoding (UTF8).
+            Some("22021" | "22P05") => return SourceError::Unconvertible(msg),
             Some("42704") if lower.contains("publication") => {
                 let publication = msg.split('"').nth(1).unwrap_or_default().to_owned();
                 return SourceError::SlotPredatesPublication { slot, publication };

@@ -31,7 +31,6 @@ use super::status_updates::{self, StatusUpdateCounter};
 use super::transport::Transport;
 use super::watchdog::Watchdog;
 use crate::dispatch::{DispatchError, Item, Window, WindowPermit};
-use crate::health::Health;
 use crate::lsn::Lsn;
 use crate::metrics::{IGNORED_RELATIONS, Metrics};
 use crate::outbox::{Mapped, OutboxError, OutboxMapper, RelationKind, TxContext};
@@ -77,7 +76,6 @@ pub struct Stream {
     /// server's shutdown hostage. Also, dead letters need this connection.
     side_closed: oneshot::Receiver<()>,
     watchdog: Watchdog,
-    health: Arc<Health>,
     ignored: IgnoredChanges,
     /// Copies the transport's status-update counters into metrics until
     /// the session ends.
@@ -102,10 +100,8 @@ pub struct StreamParts {
     pub side_closed: oneshot::Receiver<()>,
     /// The slot streamed (for error messages).
     pub slot: String,
-    /// Watches for a silent stream.
+    /// Watches for a silent stream (and tells `/readyz`).
     pub watchdog: Watchdog,
-    /// Told when the server was last heard from.
-    pub health: Arc<Health>,
     /// Metrics.
     pub metrics: Metrics,
 }
@@ -127,7 +123,6 @@ impl Stream {
             side: parts.side,
             side_closed: parts.side_closed,
             watchdog: parts.watchdog,
-            health: parts.health,
             ignored: IgnoredChanges::new(parts.metrics),
             _status_updates: AbortOnDropHandle::new(counting),
         }
@@ -158,20 +153,39 @@ impl Stream {
                     deadline = Some(Instant::now() + budget);
                 }
                 _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {}
-                _ = tokio::time::sleep_until(self.watchdog.deadline()) => {
-                    self.watchdog.check().await?;
-                    self.health.heard();
-                }
+                _ = tokio::time::sleep_until(self.watchdog.deadline()) => self.watchdog.check().await?,
                 _ = &mut self.side_closed => return Err(side_lost().into()),
                 ev = self.transport.recv() => {
                     self.watchdog.heard();
-                    self.health.heard();
-                    let ev = ev.map_err(|e| SourceError::transport(&e, &self.slot))?;
+                    let ev = ev.map_err(|e| self.explain(SourceError::transport(&e, &self.slot)))?;
                     let ev = ev.ok_or_else(|| SourceError::Transient("the server ended the replication stream".into()))?;
                     self.handle(ev, deadline).await?;
                 }
             }
         }
+    }
+
+    /// Adds where the stream stood to an error that stops it for good on a
+    /// row the server cannot send.
+    fn explain(&self, e: SourceError) -> SourceError {
+        let SourceError::Unconvertible(msg) = e else {
+            return e;
+        };
+        let confirmed = *self.confirmed.borrow();
+        let at = self.tx.and_then(|t| t.commit_lsn).map_or_else(
+            || format!("the first transaction after {confirmed}"),
+            |l| format!("the transaction committed at {l}"),
+        );
+        SourceError::Unconvertible(format!(
+            "the server cannot send a row of {at} as UTF-8: {msg}. The database's server_encoding is not UTF8 \
+             and the row holds bytes that are not valid UTF-8; the stream cannot pass that transaction and \
+             nothing from it on was acknowledged. To go on: fix the row in {table} (e.g. find it with \
+             `SELECT id FROM {table} WHERE payload::text !~ '^[[:ascii:]]*$'`), then, with \
+             the relay stopped, move the slot past that transaction (`SELECT pg_replication_slot_advance('{slot}', \
+             '<its end LSN>')`) and re-send it with `cdc-relay backfill --since <its commit time>`",
+            table = self.mapper.table(),
+            slot = self.slot,
+        ))
     }
 
     fn forward_ack(

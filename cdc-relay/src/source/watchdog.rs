@@ -175,39 +175,56 @@ pub fn silence_bound(wal_sender_timeout: Duration, status_interval: Duration) ->
 }
 
 /// Watches one session's stream for silence.
+///
+/// It keeps the latest evidence that the stream is alive: a message from
+/// the server, or a reading (the monitor's, or its own query) showing the
+/// walsender read one of our status updates recently. An idle server sends
+/// nothing while our replies reach it, so on an idle stream the readings
+/// are the evidence. It checks a quarter of the silence bound before the
+/// evidence would be too old (then every quarter bound), so `/readyz` — which
+/// fails once the evidence is older than the bound — stays green on a
+/// healthy idle stream and fails on a dead one before the session ends.
 pub struct Watchdog {
     side: Arc<tokio_postgres::Client>,
     slot: String,
     silence: Duration,
-    last_message: Instant,
+    /// The latest evidence that the stream is alive.
+    last_alive: Instant,
+    last_check: Instant,
     readings: watch::Receiver<SlotReading>,
+    health: Arc<Health>,
 }
 
 impl Watchdog {
-    /// A watchdog that tolerates `silence` without a server message.
+    /// A watchdog that tolerates `silence` without evidence of life.
     pub fn new(
         side: Arc<tokio_postgres::Client>,
         slot: String,
         silence: Duration,
         readings: watch::Receiver<SlotReading>,
+        health: Arc<Health>,
     ) -> Self {
+        let now = Instant::now();
         Watchdog {
             side,
             slot,
             silence,
-            last_message: Instant::now(),
+            last_alive: now,
+            last_check: now,
             readings,
+            health,
         }
     }
 
     /// The server sent something: the stream is alive.
     pub fn heard(&mut self) {
-        self.last_message = Instant::now();
+        self.last_alive = Instant::now();
+        self.health.heard();
     }
 
     /// When the next liveness check is due.
     pub fn deadline(&self) -> Instant {
-        self.last_message + self.silence
+        (self.last_alive + self.silence * 3 / 4).max(self.last_check + self.silence / 4)
     }
 
     /// `Ok` when the walsender serving our slot read a status update from
@@ -215,18 +232,17 @@ impl Watchdog {
     /// transaction, reading spilled changes: it reads replies only between
     /// steps). [`SourceError::Stalled`] when it is idle-waiting yet ignores
     /// us (a frozen process, a dead network path), or ignores us for 10
-    /// silence bounds.
+    /// silence bounds, or the side connection does not answer within 5 s.
     pub async fn check(&mut self) -> Result<(), SourceError> {
         let stalled = |why: String| Err(SourceError::Stalled(why));
-        let recent = self.last_message + self.silence / 2;
         let cached = self
             .readings
             .borrow()
             .as_ref()
-            .filter(|(at, _)| *at >= recent)
-            .map(|(_, info)| info.clone());
-        let info = match cached {
-            Some(info) => Some(info),
+            .filter(|(at, _)| *at > self.last_check)
+            .cloned();
+        let (at, info) = match cached {
+            Some((at, info)) => (at, Some(info)),
             None => match tokio::time::timeout(
                 Duration::from_secs(5),
                 catalog::slot_info(&self.side, &self.slot),
@@ -235,12 +251,20 @@ impl Watchdog {
             {
                 Err(_) => return stalled("liveness query on the side connection timed out".into()),
                 Ok(Err(e)) => return stalled(format!("liveness query failed: {e}")),
-                Ok(Ok(info)) => info,
+                Ok(Ok(info)) => (Instant::now(), info),
             },
         };
+        self.last_check = Instant::now();
         let Some(age) = info.as_ref().and_then(|i| i.reply_age_secs) else {
             return stalled("no walsender holds the slot for this session".into());
         };
+        let replied = at
+            .checked_sub(Duration::from_secs_f64(age.max(0.0)))
+            .unwrap_or(at);
+        if replied > self.last_alive {
+            self.last_alive = replied;
+            self.health.heard_ago(self.last_alive.elapsed());
+        }
         let waiting = info
             .as_ref()
             .is_some_and(|i| matches!(i.wait_event_type.as_deref(), Some("Activity" | "Client")));
@@ -250,7 +274,6 @@ impl Watchdog {
                 "the walsender has not read a status update for {age:.1} s"
             ));
         }
-        self.heard();
         Ok(())
     }
 }

@@ -205,7 +205,10 @@ async fn outbox_leaves_the_publication(how: Leave) -> anyhow::Result<()> {
 
     // Time is the subject: for a few status intervals (1 s each) while
     // WAL is written elsewhere, the confirmed position stays where the
-    // membership was last verified.
+    // membership was last verified. The relay holds it the moment it
+    // notices; the server learns the held position with the next status
+    // update, within one status interval: read it after two.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let held = slot_position(db, &stack.slot).await?.confirmed;
     for _ in 0..8 {
         db.batch_execute(
@@ -313,10 +316,11 @@ async fn publication_flap_faster_than_the_check_is_reported_as_a_gap() -> anyhow
 
 /// Runs `cdc-relay backfill --since <since>` as the relay role into `inbox`.
 async fn backfill(stack: &Stack, since: &str, inbox: &str) -> anyhow::Result<()> {
+    let since = format!("--since={since}"); // "-infinity" is a value, not a flag
     let out = app::relay_command(
         stack,
         &stack.relay_url,
-        &["backfill", "--since", since],
+        &["backfill", &since],
         &[("CDC_RELAY_SINK_URL", inbox), ("EVENT_SECRET", TEST_SECRET)],
     )
     .await?;
