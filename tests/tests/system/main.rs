@@ -5,6 +5,7 @@
 //! | file | what belongs there |
 //! |---|---|
 //! | `harness.rs` | the harness itself: cluster settings, stacks, the roles and files in `sql/`, process supervision |
+//! | `oracle.rs` | the harness's oracles (the ledger's peek at the slot) can pass and fail |
 //! | `upgrade.rs` | `sql/` applied over databases made by the previous release (`tests/fixtures/sql-*`), with data |
 //! | `services/orders.rs` | the Orders API as its clients see it (no relay) |
 //! | `services/billing.rs` | the Billing inbox and invoices API (no relay) |
@@ -40,6 +41,7 @@ mod harness;
 mod identity;
 mod infra_faults;
 mod observability;
+mod oracle;
 mod relay;
 mod row_shape;
 mod services;

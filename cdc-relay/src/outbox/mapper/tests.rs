@@ -1,0 +1,227 @@
+//! The mapper against hand-built Relation and Insert messages.
+
+use super::*;
+use crate::lsn::Lsn;
+use crate::pgoutput::{Column, ColumnFlags, ReplicaIdentity, TupleData};
+use bytes::Bytes;
+
+fn rel(oid: u32, name: &str, cols: &[&str]) -> Relation {
+    Relation {
+        oid: RelationId(oid),
+        namespace: "public".into(),
+        name: name.into(),
+        replica_identity: ReplicaIdentity::Default,
+        columns: cols
+            .iter()
+            .map(|c| Column {
+                flags: ColumnFlags(0),
+                name: (*c).into(),
+                // text, and jsonb for the payload
+                type_oid: if *c == "payload" { 3802 } else { 25 },
+                type_modifier: -1,
+            })
+            .collect(),
+    }
+}
+
+fn insert(oid: u32, vals: &[Option<&str>]) -> Insert {
+    Insert {
+        relation: RelationId(oid),
+        new: TupleData(
+            vals.iter()
+                .map(|v| match v {
+                    Some(s) => ColumnValue::Text(Bytes::copy_from_slice(s.as_bytes())),
+                    None => ColumnValue::Null,
+                })
+                .collect(),
+        ),
+    }
+}
+
+const TX: TxContext = TxContext {
+    commit_lsn: Some(Lsn::new(7)),
+    commit_time_micros: 9,
+};
+
+fn event(m: &OutboxMapper, ins: &Insert) -> OutboxEvent {
+    match m.on_insert(ins, TX) {
+        Ok(Mapped::Event(e)) => e,
+        other => panic!("not an event: {other:?}"),
+    }
+}
+
+fn mapper() -> OutboxMapper {
+    OutboxMapper::new(
+        "public.outbox".parse().unwrap(),
+        OutboxColumns::default(),
+        Some(1),
+    )
+}
+
+const COLUMNS: [&str; 4] = ["id", "aggregate_id", "event_type", "payload"];
+
+#[test]
+fn the_outbox_is_known_by_oid_whatever_its_name() {
+    let mut m = mapper();
+    // The start OID under an older name (WAL from before a rename).
+    assert_eq!(
+        m.on_relation(&rel(1, "outbox_old", &COLUMNS)),
+        RelationKind::OutboxUnderOtherName {
+            oid: 1,
+            name: "public.outbox_old".into()
+        }
+    );
+    let e = event(&m, &insert(1, &[Some("e1"), None, Some("T"), Some("{}")]));
+    assert_eq!(e.id, "e1", "mapped while the caller decides about the name");
+    assert_eq!(
+        m.on_relation(&rel(1, "outbox", &COLUMNS)),
+        RelationKind::Outbox
+    );
+    // Another table under the configured name: the outbox now, too.
+    assert_eq!(
+        m.on_relation(&rel(2, "outbox", &COLUMNS)),
+        RelationKind::NewOutbox { oid: 2 }
+    );
+    assert_eq!(
+        m.on_relation(&rel(2, "outbox", &COLUMNS)),
+        RelationKind::Outbox
+    );
+    // ... and renamed away again.
+    assert!(matches!(
+        m.on_relation(&rel(2, "outbox_v2", &COLUMNS)),
+        RelationKind::OutboxUnderOtherName { oid: 2, .. }
+    ));
+    assert!(m.is_outbox(RelationId(1)) && m.is_outbox(RelationId(2)));
+    assert_eq!(
+        m.on_relation(&rel(3, "orders", &["id"])),
+        RelationKind::Other
+    );
+    assert!(!m.is_outbox(RelationId(3)));
+    assert_eq!(m.relation_name(RelationId(3)), Some("public.orders"));
+}
+
+#[test]
+fn a_payload_that_is_not_json_or_not_utf8_never_becomes_an_event() {
+    let mut m = mapper();
+    let mut r = rel(1, "outbox", &COLUMNS);
+    r.columns[3].type_oid = 25; // ALTER COLUMN payload TYPE text
+    m.on_relation(&r);
+    let err = m
+        .on_insert(
+            &insert(1, &[Some("e"), None, Some("T"), Some("not json")]),
+            TX,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, OutboxError::PayloadType { type_oid: 25, .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("json or jsonb"), "{err}");
+
+    m.on_relation(&rel(1, "outbox", &COLUMNS));
+    let mut ins = insert(1, &[Some("e"), None, Some("T"), Some("{}")]);
+    ins.new.0[3] = ColumnValue::Text(Bytes::from_static(b"{\"a\":\"\xff\"}"));
+    let Ok(Mapped::Unreadable(row)) = m.on_insert(&ins, TX) else {
+        panic!("a payload that is not UTF-8 is an unreadable row")
+    };
+    assert_eq!(row.payload.as_deref(), Some(&b"{\"a\":\"\xff\"}"[..]));
+    assert!(row.problem.contains("UTF-8"), "{}", row.problem);
+}
+
+#[test]
+fn maps_columns_by_name_across_relation_changes() {
+    let mut m = mapper();
+    m.on_relation(&rel(
+        1,
+        "outbox",
+        &["id", "aggregate_id", "event_type", "payload"],
+    ));
+    let e = event(
+        &m,
+        &insert(1, &[Some("e1"), Some("a1"), Some("T"), Some("{}")]),
+    );
+    assert_eq!((e.id.as_str(), e.event_type.as_str()), ("e1", "T"));
+    assert_eq!(e.aggregate_key.as_deref(), Some("a1"));
+    assert_eq!(e.payload.as_deref(), Some(&b"{}"[..]));
+    assert_eq!(e.commit_lsn, Some(Lsn::new(7)));
+
+    // Column dropped and re-added at the end: positions follow the new Relation.
+    m.on_relation(&rel(
+        1,
+        "outbox",
+        &["id", "aggregate_id", "payload", "extra", "event_type"],
+    ));
+    let e = event(
+        &m,
+        &insert(1, &[Some("e2"), None, None, Some("x"), Some("U")]),
+    );
+    assert_eq!((e.id.as_str(), e.event_type.as_str()), ("e2", "U"));
+    assert_eq!((e.payload, e.aggregate_key), (None, None));
+}
+
+#[test]
+fn other_tables_are_ignored_and_unknown_relations_are_errors() {
+    let mut m = mapper();
+    m.on_relation(&rel(2, "orders", &["id"]));
+    assert_eq!(
+        m.on_insert(&insert(2, &[Some("x")]), TX),
+        Ok(Mapped::OtherTable)
+    );
+    assert_eq!(
+        m.on_insert(&insert(3, &[Some("x")]), TX),
+        Err(OutboxError::UnknownRelation(3))
+    );
+}
+
+#[test]
+fn missing_columns_and_column_counts_are_errors() {
+    let mut m = mapper();
+    m.on_relation(&rel(1, "outbox", &["id", "aggregate_id", "payload"]));
+    let err = m
+        .on_insert(&insert(1, &[Some("e"), None, None]), TX)
+        .unwrap_err();
+    assert!(err.to_string().contains("\"event_type\""), "{err}");
+    assert!(err.to_string().contains("--type-column"), "{err}");
+
+    m.on_relation(&rel(
+        1,
+        "outbox",
+        &["id", "aggregate_id", "event_type", "payload"],
+    ));
+    let err = m.on_insert(&insert(1, &[Some("e")]), TX).unwrap_err();
+    assert_eq!(
+        err,
+        OutboxError::ColumnCount {
+            expected: 4,
+            got: 1
+        }
+    );
+}
+
+#[test]
+fn bad_rows_are_unreadable_values_with_what_is_readable() {
+    let mut m = mapper();
+    m.on_relation(&rel(
+        1,
+        "outbox",
+        &["id", "aggregate_id", "event_type", "payload"],
+    ));
+    let ins = insert(1, &[None, Some("a"), Some("T"), Some("{}")]);
+    let Ok(Mapped::Unreadable(row)) = m.on_insert(&ins, TX) else {
+        panic!("a NULL id makes the row unreadable")
+    };
+    assert_eq!(row.event_id, None);
+    assert_eq!(row.aggregate_key.as_deref(), Some("a"));
+    assert_eq!(row.event_type.as_deref(), Some("T"));
+    assert_eq!(row.payload.as_deref(), Some(&b"{}"[..]));
+    assert_eq!(row.commit_lsn, Some(Lsn::new(7)));
+    assert!(row.problem.contains("\"id\""), "{}", row.problem);
+
+    let mut bad = insert(1, &[Some("e"), None, Some("T"), Some("{}")]);
+    bad.new.0[2] = ColumnValue::Text(Bytes::from_static(b"\xff"));
+    let Ok(Mapped::Unreadable(row)) = m.on_insert(&bad, TX) else {
+        panic!("a type that is not UTF-8 makes the row unreadable")
+    };
+    assert!(row.problem.contains("UTF-8"), "{}", row.problem);
+    assert_eq!(row.event_type.as_deref(), Some("\u{fffd}"));
+}
