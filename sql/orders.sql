@@ -104,3 +104,20 @@ CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter_audit (
     performed_by   text NOT NULL DEFAULT session_user,
     performed_at   timestamptz NOT NULL DEFAULT now()
 );
+
+-- Where each slot's relay got to, written by the relay itself at most every
+-- few seconds while it delivers (never while idle): the end LSN it confirmed,
+-- and the commit time and id of the last event of the last fully delivered
+-- transaction. Physical replication carries it to the standbys, so after a
+-- failover it says where a backfill must start (`run
+-- --on-slot-loss=recreate-and-backfill`), and it witnesses which relay
+-- progressed. Added after 0.1.0.
+CREATE TABLE IF NOT EXISTS cdc_relay_progress (
+    slot_name     text PRIMARY KEY,
+    confirmed_lsn pg_lsn NOT NULL,
+    commit_time   timestamptz,
+    last_event_id text,
+    -- the relay's application_name (host:pid by default)
+    holder        text,
+    updated_at    timestamptz NOT NULL DEFAULT now()
+);

@@ -91,7 +91,8 @@ BEGIN
     FROM pg_class c
     WHERE c.oid IN (SELECT to_regclass(t) FROM unnest(ARRAY[
               'public.orders', 'public.outbox', 'public.processed_events', 'public.invoices',
-              'public.cdc_relay_dead_letter', 'public.cdc_relay_dead_letter_audit']) AS t)
+              'public.cdc_relay_dead_letter', 'public.cdc_relay_dead_letter_audit',
+              'public.cdc_relay_progress']) AS t)
       AND pg_get_userbyid(c.relowner) IN ('orders_app', 'billing_app', 'cdc_relay')
     LIMIT 1;
     IF owner_role IS NOT NULL THEN
@@ -125,6 +126,12 @@ BEGIN
         EXECUTE format('GRANT USAGE, SELECT ON SEQUENCE %s, %s TO cdc_relay',
             pg_get_serial_sequence('public.cdc_relay_dead_letter', 'id'),
             pg_get_serial_sequence('public.cdc_relay_dead_letter_audit', 'id'));
+    END IF;
+
+    IF has_orders AND to_regclass('public.cdc_relay_progress') IS NOT NULL THEN
+        REVOKE ALL ON public.cdc_relay_progress FROM orders_app, billing_app, cdc_relay;
+        -- The relay upserts its own progress row.
+        GRANT SELECT, INSERT, UPDATE ON public.cdc_relay_progress TO cdc_relay;
     END IF;
 
     IF has_billing THEN

@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 
 use crate::ack::Position;
-use crate::dispatch::{self, DispatchConfig, DispatchError, Item, Services, Window};
+use crate::dispatch::{self, Confirmed, DispatchConfig, DispatchError, Item, Services, Window};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxColumns, OutboxEvent, TableName, UnreadableRow};
@@ -125,7 +125,7 @@ pub async fn run(
         health: Health::new(Duration::from_secs(3600)),
     };
     let (items, items_rx) = mpsc::channel(1024);
-    let (confirmed, _) = watch::channel(BackfillRow::default());
+    let (confirmed, _) = watch::channel(Confirmed::default());
     let dispatcher = tokio::spawn(dispatch::run(
         cfg,
         services,
@@ -174,12 +174,14 @@ pub async fn run(
             break;
         }
         for row in rows {
+            let commit_time_micros = row.get::<_, Option<i64>>(4).unwrap_or(0);
             let item = to_item(&row, &window).await;
             let sent = items.send(Item::Begin).await.is_ok()
                 && items.send(item).await.is_ok()
                 && items
                     .send(Item::Commit {
                         end: BackfillRow(rows_read + 1),
+                        commit_time_micros,
                     })
                     .await
                     .is_ok();

@@ -311,6 +311,26 @@ pub struct RunArgs {
     /// slot it would silently skip events (use `setup` and `backfill` then).
     #[arg(long, env = "CDC_RELAY_CREATE_SLOT")]
     pub create_slot: bool,
+    /// What to do when the slot is missing at start or after a reconnect:
+    /// stop (exit 3) with the steps, or, after a failover to a server
+    /// without a copy of the slot, recreate it and re-send the outbox rows
+    /// committed since the last delivered transaction (the progress record
+    /// in cdc_relay_progress, minus --backfill-margin) before streaming.
+    #[arg(
+        long,
+        env = "CDC_RELAY_ON_SLOT_LOSS",
+        value_enum,
+        default_value = "stop"
+    )]
+    pub on_slot_loss: crate::relay::OnSlotLoss,
+    /// How far before the last delivered commit a recovery backfill starts
+    /// (transactions that were long commit after their rows' insert time).
+    #[arg(long, env = "CDC_RELAY_BACKFILL_MARGIN", default_value = "5m", value_parser = parse_duration)]
+    pub backfill_margin: Duration,
+    /// Column a recovery backfill orders the outbox rows by (their insert
+    /// time).
+    #[arg(long, env = "CDC_RELAY_TIME_COLUMN", default_value = "occurred_at")]
+    pub time_column: String,
     /// Stream from a database whose server_encoding is not UTF8 (e.g.
     /// SQL_ASCII). The server converts every row to UTF-8 for the relay; a
     /// row it cannot convert stops the relay (exit 5) with the steps to go

@@ -66,6 +66,9 @@ pub struct Metrics {
     /// `relation` (`schema.table`; at most [`IGNORED_RELATIONS`] values,
     /// then `other`).
     pub ignored_changes: IntCounterVec,
+    /// Sessions refused because the slot jumped ahead of where this
+    /// process left it with events undelivered (the process then exits 7).
+    pub slot_jumps: IntCounter,
     /// Seconds since the server last sent anything on the stream (or the
     /// watchdog last found the walsender reading our replies), at scrape time.
     pub seconds_since_server_message: prometheus::Gauge,
@@ -267,6 +270,11 @@ impl Metrics {
                 "cdc_relay_ignored_changes_total",
                 "Streamed changes that are not outbox inserts, by relation",
                 &["relation"],
+            ),
+            slot_jumps: counter(
+                &r,
+                "cdc_relay_slot_jumps_total",
+                "Times the slot was found ahead of where this relay left it with events undelivered",
             ),
             seconds_since_server_message: float_gauge(
                 &r,

@@ -150,6 +150,9 @@ impl RunArgs {
             slot_stats_interval: self.slot_stats_interval,
             create_slot: self.create_slot,
             allow_non_utf8: self.allow_non_utf8,
+            on_slot_loss: self.on_slot_loss,
+            backfill_margin: self.backfill_margin,
+            time_column: self.time_column.clone(),
         };
         Ok((cfg, sink))
     }

@@ -29,7 +29,8 @@ pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
 /// 3 the database needs `setup` (slot, publication, table or column
 /// missing); 4 the slot was invalidated; 5 the stream holds an outbox
 /// change the relay cannot map (nothing after it acknowledged); 6 the slot
-/// predates its publication; 1 anything else.
+/// predates its publication; 7 the slot jumped ahead of where this process
+/// left it (events skipped upstream); 1 anything else.
 pub fn exit_code(e: &RelayError) -> u8 {
     match e {
         RelayError::Source(SourceError::SlotMissing { .. } | SourceError::NeedsSetup(_)) => 3,
@@ -38,6 +39,7 @@ pub fn exit_code(e: &RelayError) -> u8 {
         | RelayError::Outbox(_)
         | RelayError::Source(SourceError::PayloadType(_) | SourceError::Unconvertible(_)) => 5,
         RelayError::Source(SourceError::SlotPredatesPublication { .. }) => 6,
+        RelayError::Source(SourceError::SlotJumped { .. }) => 7,
         RelayError::Source(_) => 1,
     }
 }

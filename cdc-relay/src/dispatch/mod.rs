@@ -23,6 +23,7 @@
 //! value through a `watch` channel.
 
 pub mod delivery;
+pub mod progress;
 pub mod scheduler;
 pub mod window;
 
@@ -44,6 +45,8 @@ use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Sink, StatusPolicy};
 use delivery::{Delivery, Work};
+use progress::DoneLog;
+pub use progress::{Confirmed, DoneTx};
 use scheduler::{Scheduler, Ticket};
 pub use window::{Window, WindowPermit};
 
@@ -62,6 +65,8 @@ pub enum Item<P> {
     Commit {
         /// End position of the transaction (its end LSN).
         end: P,
+        /// Its commit time, microseconds since 2000-01-01 UTC.
+        commit_time_micros: i64,
     },
     /// A keepalive reported the server's WAL end.
     Keepalive {
@@ -114,19 +119,22 @@ type Job = (Work, WindowPermit);
 
 /// Runs until `items` closes and everything admitted is done, then returns
 /// the final confirmed position. Dropping the future aborts deliveries in
-/// flight (they are redelivered after a restart: at-least-once).
+/// flight (they are redelivered after a restart: at-least-once). The
+/// confirmed position (and the last done transaction with events) is
+/// published on `confirmed` whenever it moves.
 pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
     cfg: DispatchConfig,
     services: Services<S, D>,
     start: P,
     mut items: mpsc::Receiver<Item<P>>,
-    confirmed: watch::Sender<P>,
+    confirmed: watch::Sender<Confirmed<P>>,
 ) -> Result<P, DispatchError> {
     let metrics = services.metrics.clone();
     let health = Arc::clone(&services.health);
     let breaker = Breaker::new(cfg.breaker.clone(), metrics.clone());
     let delivery = Arc::new(Delivery::new(cfg.clone(), services, breaker));
     let mut scheduler: Scheduler<P, Job> = Scheduler::new(start, cfg.max_in_flight);
+    let mut done = DoneLog::new();
     let mut running: JoinSet<Result<Ticket, DispatchError>> = JoinSet::new();
     let mut items_open = true;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -139,13 +147,13 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
                 Ok(ticket)
             });
         }
-        publish(&scheduler, &confirmed, &metrics, &health);
+        publish(&scheduler, &mut done, &confirmed, &metrics, &health);
         if !items_open && scheduler.is_idle() {
             return Ok(scheduler.confirmed());
         }
         tokio::select! {
             item = items.recv(), if items_open => match item {
-                Some(item) => handle(&mut scheduler, item, &metrics),
+                Some(item) => handle(&mut scheduler, &mut done, item, &metrics),
                 None => items_open = false,
             },
             Some(done) = running.join_next() => {
@@ -161,20 +169,31 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
     }
 }
 
-fn handle<P: Position>(scheduler: &mut Scheduler<P, Job>, item: Item<P>, metrics: &Metrics) {
+fn handle<P: Position>(
+    scheduler: &mut Scheduler<P, Job>,
+    done: &mut DoneLog<P>,
+    item: Item<P>,
+    metrics: &Metrics,
+) {
     match item {
         Item::Begin => scheduler.begin(),
         Item::Event(event, permit) => {
             metrics.events_received.inc();
+            done.event(Some(&event.id));
             let key = event.aggregate_key.clone();
             scheduler.add(key, (Work::Deliver(event), permit), Instant::now());
         }
         Item::Unreadable(row, permit) => {
             metrics.events_received.inc();
+            done.event(row.event_id.as_deref());
             scheduler.add(None, (Work::DeadLetter(row), permit), Instant::now());
         }
-        Item::Commit { end } => {
+        Item::Commit {
+            end,
+            commit_time_micros,
+        } => {
             scheduler.commit(end);
+            done.commit(end, commit_time_micros);
             metrics.received_lsn.set(scheduler.received().gauge());
         }
         Item::Keepalive { wal_end } => {
@@ -188,14 +207,19 @@ fn handle<P: Position>(scheduler: &mut Scheduler<P, Job>, item: Item<P>, metrics
 /// `/readyz`, and sets the gauges derived from the scheduler's state.
 fn publish<P: Position, W>(
     scheduler: &Scheduler<P, W>,
-    confirmed: &watch::Sender<P>,
+    done: &mut DoneLog<P>,
+    confirmed: &watch::Sender<Confirmed<P>>,
     metrics: &Metrics,
     health: &Health,
 ) {
     let position = scheduler.confirmed();
+    let passed = done.passed(position);
     let advanced = confirmed.send_if_modified(|cur| {
-        let changed = *cur != position;
-        *cur = position;
+        let changed = cur.position != position || passed.is_some();
+        cur.position = position;
+        if passed.is_some() {
+            cur.last_done = passed;
+        }
         changed
     });
     let pending = scheduler.pending();

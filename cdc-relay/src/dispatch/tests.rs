@@ -140,7 +140,7 @@ async fn dispatch_all(
         health: Health::new(Duration::from_secs(60)),
     };
     let (items, items_rx) = mpsc::channel(16);
-    let (confirmed, _) = watch::channel(Lsn::ZERO);
+    let (confirmed, _) = watch::channel(Confirmed::default());
     let dispatcher = tokio::spawn(run(cfg, services, Lsn::ZERO, items_rx, confirmed));
     let window = Window::new(10_000, 1 << 20);
     for (i, tx) in txs.into_iter().enumerate() {
@@ -150,7 +150,13 @@ async fn dispatch_all(
             items.send(Item::Event(e, permit)).await.unwrap();
         }
         let end = Lsn::new(100 * (i as u64 + 1));
-        items.send(Item::Commit { end }).await.unwrap();
+        items
+            .send(Item::Commit {
+                end,
+                commit_time_micros: 0,
+            })
+            .await
+            .unwrap();
     }
     drop(items);
     let last = dispatcher.await.unwrap().unwrap();

@@ -68,12 +68,21 @@ impl fmt::Display for SslMode {
 }
 
 /// Where and as whom to connect.
+///
+/// A URL may list several hosts (`postgres://h1:5432,h2:5432/db`, or
+/// `host=h1,h2 port=5432,5433`): the relay tries them in order on every
+/// connect and uses the first that is a primary (not in recovery), for the
+/// side connection and the replication connection alike
+/// ([`super::connect_primary`]). `host`/`port` are the first candidate, or
+/// the one chosen (see [`ConnParams::at`]).
 #[derive(Clone)]
 pub struct ConnParams {
     /// Host name, IP, or a Unix socket directory (starts with `/`).
     pub host: String,
     /// TCP port (also names the Unix socket file).
     pub port: u16,
+    /// Every candidate server, in the URL's order (at least one).
+    pub hosts: Vec<(String, u16)>,
     /// Role name.
     pub user: String,
     /// Password ("" for none).
@@ -105,13 +114,36 @@ impl ConnParams {
     /// Parses a libpq connection string or URL; `connect_timeout` applies
     /// unless the string sets its own.
     pub fn parse(url: &str, connect_timeout: Duration) -> Result<Self, BadUrl> {
-        let cfg = tokio_postgres::Config::from_str(&strip_tls_params(url))
+        let cfg = tokio_postgres::Config::from_str(&strip_own_params(url))
             .map_err(|e| BadUrl(e.to_string()))?;
-        let host = match cfg.get_hosts().first() {
-            Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-            Some(tokio_postgres::config::Host::Unix(p)) => p.to_string_lossy().into_owned(),
-            None => return Err(BadUrl("no host given".into())),
-        };
+        let names: Vec<String> = cfg
+            .get_hosts()
+            .iter()
+            .map(|h| match h {
+                tokio_postgres::config::Host::Tcp(h) => h.clone(),
+                tokio_postgres::config::Host::Unix(p) => p.to_string_lossy().into_owned(),
+            })
+            .collect();
+        if names.is_empty() {
+            return Err(BadUrl("no host given".into()));
+        }
+        let ports = cfg.get_ports();
+        let hosts: Vec<(String, u16)> = names
+            .into_iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+                (h, port)
+            })
+            .collect();
+        match query_param(url, "target_session_attrs").as_deref() {
+            None | Some("any" | "read-write" | "primary") => {}
+            Some(other) => {
+                return Err(BadUrl(format!(
+                    "target_session_attrs={other}: the relay streams only from a primary; use primary (or read-write, any)"
+                )));
+            }
+        }
         let user = cfg
             .get_user()
             .ok_or_else(|| BadUrl("no user given".into()))?
@@ -126,8 +158,9 @@ impl ConnParams {
             None => SslMode::Prefer,
         };
         Ok(ConnParams {
-            host,
-            port: cfg.get_ports().first().copied().unwrap_or(5432),
+            host: hosts[0].0.clone(),
+            port: hosts[0].1,
+            hosts,
             user,
             password,
             dbname,
@@ -140,9 +173,22 @@ impl ConnParams {
         })
     }
 
-    /// `user@host:port/db`, safe to log.
+    /// `user@host:port/db` (`user@h1:p1,h2:p2/db` for several
+    /// candidates), safe to log.
     pub fn display(&self) -> String {
-        format!("{}@{}:{}/{}", self.user, self.host, self.port, self.dbname)
+        let hosts: Vec<String> = self.hosts.iter().map(|(h, p)| format!("{h}:{p}")).collect();
+        format!("{}@{}/{}", self.user, hosts.join(","), self.dbname)
+    }
+
+    /// These parameters for candidate `i` alone.
+    pub fn at(&self, i: usize) -> ConnParams {
+        let (host, port) = self.hosts[i].clone();
+        ConnParams {
+            host: host.clone(),
+            port,
+            hosts: vec![(host, port)],
+            ..self.clone()
+        }
     }
 
     /// A tokio-postgres config for the side (normal SQL) connection; TLS is
@@ -162,11 +208,13 @@ impl ConnParams {
     }
 }
 
-const TLS_PARAMS: [&str; 2] = ["sslmode", "sslrootcert"];
+/// Parameters read here that tokio-postgres would reject (or read
+/// differently).
+const OWN_PARAMS: [&str; 3] = ["sslmode", "sslrootcert", "target_session_attrs"];
 
-/// The string without the TLS parameters tokio-postgres would reject.
-fn strip_tls_params(url: &str) -> String {
-    let keep = |kv: &&str| !TLS_PARAMS.iter().any(|k| kv.starts_with(&format!("{k}=")));
+/// The string without [`OWN_PARAMS`].
+fn strip_own_params(url: &str) -> String {
+    let keep = |kv: &&str| !OWN_PARAMS.iter().any(|k| kv.starts_with(&format!("{k}=")));
     match url.split_once('?') {
         Some((base, q)) => {
             let rest: Vec<&str> = q.split('&').filter(keep).collect();
@@ -221,6 +269,25 @@ mod tests {
         )
         .unwrap();
         assert_eq!((kv.sslmode, kv.dbname.as_str()), (SslMode::Require, "d"));
+        let multi = ConnParams::parse(
+            "postgres://u@h1:5432,h2:5433/d?target_session_attrs=primary",
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        assert_eq!(
+            multi.hosts,
+            [("h1".to_owned(), 5432), ("h2".to_owned(), 5433)]
+        );
+        assert_eq!(multi.display(), "u@h1:5432,h2:5433/d");
+        assert_eq!(multi.at(1).display(), "u@h2:5433/d");
+        let kv = ConnParams::parse("host=a,b port=6000 user=u dbname=d", Duration::from_secs(1))
+            .unwrap();
+        assert_eq!(kv.hosts, [("a".to_owned(), 6000), ("b".to_owned(), 6000)]);
+        let err = ConnParams::parse(
+            "postgres://u@h/d?target_session_attrs=standby",
+            Duration::from_secs(1),
+        );
+        assert!(err.unwrap_err().to_string().contains("primary"));
         let default = ConnParams::parse("postgres://u@h/d", Duration::from_secs(1)).unwrap();
         assert_eq!(default.sslmode, SslMode::Prefer);
         let allow =

@@ -13,13 +13,14 @@
 use pgwire_replication::PgWireError;
 
 use crate::db_message;
+use crate::lsn::Lsn;
 
 /// Why a replication session could not start or ended.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
     /// The slot does not exist.
     #[error(
-        "replication slot {slot:?} does not exist; create it with `cdc-relay setup` (or pass --create-slot, only on a fresh install: a new slot starts at the current WAL position and skips older events)"
+        "replication slot {slot:?} does not exist; create it with `cdc-relay setup` (or pass --create-slot, only on a fresh install: a new slot starts at the current WAL position and skips older events). If it existed before (a failover to a server without a copy of it, a dropped slot), events committed since its last confirmed position were not delivered: after `setup`, re-send them with `cdc-relay backfill --since <commit_time in cdc_relay_progress, minus a margin>` (or run with --on-slot-loss=recreate-and-backfill)"
     )]
     SlotMissing {
         /// Slot name.
@@ -68,6 +69,23 @@ pub enum SourceError {
     /// not valid there. The stream cannot pass that transaction.
     #[error("{0}")]
     Unconvertible(String),
+    /// The slot is further on than this process left it with events still
+    /// undelivered, and no other relay recorded progress since: it was
+    /// dropped and recreated, or this is another server. Events in between
+    /// were skipped upstream.
+    #[error(
+        "replication slot {slot:?} is at {now}, ahead of {left}, where this relay left it with events not yet delivered, and no other relay recorded progress since: the slot was dropped and recreated, or this server (a promoted standby?) holds another copy of it. Events committed in between were skipped upstream. Re-send them: `cdc-relay backfill --since '{since}'` (minus a margin for long transactions), then start the relay"
+    )]
+    SlotJumped {
+        /// Slot name.
+        slot: String,
+        /// Its `confirmed_flush_lsn` now.
+        now: Lsn,
+        /// The position this process last confirmed.
+        left: Lsn,
+        /// Where a backfill should start (UTC text).
+        since: String,
+    },
     /// The server refused us for a reason retrying will not fix (auth,
     /// missing publication or database, privileges, protocol), or the
     /// database is not prepared as the relay needs. The message says what
@@ -90,6 +108,7 @@ impl SourceError {
             SourceError::SlotMissing { .. }
                 | SourceError::SlotInvalidated { .. }
                 | SourceError::SlotPredatesPublication { .. }
+                | SourceError::SlotJumped { .. }
                 | SourceError::NeedsSetup(_)
                 | SourceError::PayloadType(_)
                 | SourceError::Unconvertible(_)
@@ -104,6 +123,7 @@ impl SourceError {
             SourceError::SlotActive { .. } => "slot_active",
             SourceError::SlotInvalidated { .. } => "slot_invalidated",
             SourceError::SlotPredatesPublication { .. } => "slot_predates_publication",
+            SourceError::SlotJumped { .. } => "slot_jumped",
             SourceError::NeedsSetup(_) => "needs_setup",
             SourceError::PayloadType(_) => "payload_type",
             SourceError::Unconvertible(_) => "unconvertible",

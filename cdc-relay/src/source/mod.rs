@@ -17,6 +17,7 @@
 //!   sets the flush position.
 //! - [`stream`]: the stream's reader: decode, map, admit, hand on.
 //! - [`membership`]: whether the outbox is still in its publication.
+//! - [`progress`]: the progress record in `cdc_relay_progress`.
 //! - [`status_updates`]: counts the standby status updates sent.
 //! - [`watchdog`]: the slot monitor and the stream watchdog.
 //!
@@ -28,6 +29,7 @@ pub mod catalog;
 pub mod conn;
 pub mod error;
 pub mod membership;
+pub mod progress;
 pub mod status_updates;
 pub mod stream;
 pub mod tls;
@@ -39,14 +41,66 @@ pub use error::SourceError;
 
 use tokio::sync::oneshot;
 
-/// Connects the side SQL connection (settings, slot figures, the
-/// dead-letter table) with the URL's `sslmode`; its connection task runs in
-/// the background. Errors name the server (`user@host:port/db`).
+/// Connects a SQL connection for a command with the URL's `sslmode`; its
+/// connection task runs in the background. With several hosts in the URL,
+/// the first primary among them ([`connect_primary`]). Errors name the
+/// server (`user@host:port/db`).
 pub async fn connect_sql(
     conn: &ConnParams,
     application_name: &str,
 ) -> Result<tokio_postgres::Client, SourceError> {
+    if conn.hosts.len() > 1 {
+        return Ok(connect_primary(conn, application_name).await?.0);
+    }
     Ok(connect_sql_watched(conn, application_name).await?.0)
+}
+
+/// A connection to the first candidate host (in the URL's order) that
+/// answers and is not in recovery, the receiver that completes when it
+/// closes, and the parameters of that host alone (for the replication
+/// connection, which must go to the same server). Definite only when every
+/// host failed definitely (authentication, say); a host in recovery is a
+/// standby waiting for promotion: transient.
+pub async fn connect_primary(
+    conn: &ConnParams,
+    application_name: &str,
+) -> Result<(tokio_postgres::Client, oneshot::Receiver<()>, ConnParams), SourceError> {
+    let mut failures = Vec::new();
+    let mut all_definite = true;
+    for i in 0..conn.hosts.len() {
+        let one = conn.at(i);
+        let (client, closed) = match connect_sql_watched(&one, application_name).await {
+            Ok(c) => c,
+            Err(e) => {
+                all_definite &= e.is_definite();
+                failures.push(e.to_string());
+                continue;
+            }
+        };
+        let in_recovery: bool = client
+            .query_one("SELECT pg_is_in_recovery()", &[])
+            .await
+            .map_err(|e| SourceError::sql("asking whether the server is a primary", &e))?
+            .get(0);
+        if !in_recovery {
+            return Ok((client, closed, one));
+        }
+        all_definite = false;
+        failures.push(format!(
+            "{}: in recovery (a standby; the relay streams only from a primary)",
+            one.display()
+        ));
+    }
+    let msg = format!(
+        "no primary among {}: {}",
+        conn.display(),
+        failures.join("; ")
+    );
+    Err(if all_definite {
+        SourceError::Definite(msg)
+    } else {
+        SourceError::Transient(msg)
+    })
 }
 
 /// [`connect_sql`], plus a receiver that completes when the connection

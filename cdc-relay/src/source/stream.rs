@@ -30,7 +30,7 @@ use super::error::SourceError;
 use super::status_updates::{self, StatusUpdateCounter};
 use super::transport::Transport;
 use super::watchdog::Watchdog;
-use crate::dispatch::{DispatchError, Item, Window, WindowPermit};
+use crate::dispatch::{Confirmed, DispatchError, Item, Window, WindowPermit};
 use crate::lsn::Lsn;
 use crate::metrics::{IGNORED_RELATIONS, Metrics};
 use crate::outbox::{Mapped, OutboxError, OutboxMapper, RelationKind, TxContext};
@@ -58,7 +58,7 @@ pub struct Stream {
     transport: Transport,
     slot: String,
     /// The dispatcher's confirmed LSN.
-    confirmed: watch::Receiver<Lsn>,
+    confirmed: watch::Receiver<Confirmed<Lsn>>,
     /// The slot monitor's limit on the confirmed LSN.
     ceiling: watch::Receiver<Option<Lsn>>,
     items: mpsc::Sender<Item<Lsn>>,
@@ -85,7 +85,7 @@ pub struct Stream {
 /// What the reader needs besides the transport.
 pub struct StreamParts {
     /// The dispatcher's confirmed LSN.
-    pub confirmed: watch::Receiver<Lsn>,
+    pub confirmed: watch::Receiver<Confirmed<Lsn>>,
     /// The slot monitor's limit on the confirmed LSN.
     pub ceiling: watch::Receiver<Option<Lsn>>,
     /// Where items go, in stream order.
@@ -171,7 +171,7 @@ impl Stream {
         let SourceError::Unconvertible(msg) = e else {
             return e;
         };
-        let confirmed = *self.confirmed.borrow();
+        let confirmed = self.confirmed.borrow().position;
         let at = self.tx.and_then(|t| t.commit_lsn).map_or_else(
             || format!("the first transaction after {confirmed}"),
             |l| format!("the transaction committed at {l}"),
@@ -193,7 +193,7 @@ impl Stream {
         changed: Result<(), watch::error::RecvError>,
     ) -> Result<(), SourceError> {
         changed.map_err(|_| pipeline_stopped())?;
-        let lsn = *self.confirmed.borrow_and_update();
+        let lsn = self.confirmed.borrow_and_update().position;
         self.transport.confirm(lsn);
         Ok(())
     }
@@ -230,10 +230,15 @@ impl Stream {
                 });
                 self.send(Item::Begin).await?;
             }
-            ReplicationEvent::Commit { end_lsn, .. } => {
+            ReplicationEvent::Commit {
+                end_lsn,
+                commit_time_micros,
+                ..
+            } => {
                 self.tx = None;
                 self.send(Item::Commit {
                     end: end_lsn.into(),
+                    commit_time_micros,
                 })
                 .await?;
             }
@@ -345,6 +350,20 @@ impl Stream {
         self.items.send(item).await.map_err(|_| pipeline_stopped())
     }
 
+    /// The flush position last handed to the server.
+    pub fn sent(&self) -> Lsn {
+        self.transport.sent()
+    }
+
+    /// The commit time (UTC, RFC 3339) of the last transaction with events
+    /// the pipeline fully delivered in this session, if any.
+    pub fn last_done_commit(&self) -> Option<String> {
+        let done = self.confirmed.borrow().last_done.clone()?;
+        let unix_micros = done.commit_time_micros.checked_add(PG_EPOCH_UNIX_MICROS)?;
+        let at = std::time::UNIX_EPOCH + Duration::from_micros(u64::try_from(unix_micros).ok()?);
+        Some(humantime::format_rfc3339_micros(at).to_string())
+    }
+
     /// Ends the stream without a final update (the session failed; the
     /// confirmed LSN covers only what was done).
     pub fn abort(&mut self) {
@@ -372,7 +391,7 @@ impl Stream {
             tokio::select! {
                 r = &mut dispatcher => break r.ok().and_then(Result::ok),
                 r = confirmed.changed() => match r {
-                    Ok(()) => transport.confirm(*confirmed.borrow_and_update()),
+                    Ok(()) => transport.confirm(confirmed.borrow_and_update().position),
                     // The dispatcher ended (it drops its sender): its result comes next.
                     Err(_) => {
                         break tokio::time::timeout_at(deadline, &mut dispatcher)
@@ -385,7 +404,7 @@ impl Stream {
                 _ = tokio::time::sleep_until(deadline) => break None,
             }
         };
-        let last = *confirmed.borrow();
+        let last = confirmed.borrow().position;
         let final_lsn = drained.unwrap_or(last).max(last);
         if drained.is_none() {
             tracing::warn!(confirmed = %final_lsn, "shutdown budget spent with deliveries pending; they will be redelivered after restart");
@@ -432,6 +451,9 @@ impl IgnoredChanges {
         }
     }
 }
+
+/// PostgreSQL timestamps count microseconds from 2000-01-01 00:00:00 UTC.
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
 
 fn side_lost() -> SourceError {
     SourceError::Transient(

@@ -166,6 +166,11 @@ impl Transport {
         }
     }
 
+    /// The flush position last handed to the server.
+    pub fn sent(&self) -> Lsn {
+        self.flush.sent
+    }
+
     /// Ends the stream without a final update.
     pub fn abort(&mut self) {
         self.client.abort();

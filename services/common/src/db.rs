@@ -91,9 +91,18 @@ pub enum DbSetupError {
 impl DbArgs {
     /// The connection settings: the URL plus this module's timeouts and
     /// session options, with `application_name` defaulting to `app_name`.
+    ///
+    /// Several hosts (`postgres://h1,h2/db?target_session_attrs=primary`)
+    /// follow a failover: each new connection tries them in order and, with
+    /// `primary` or `read-write`, keeps only a server that accepts writes.
+    /// (`primary` is libpq's name; tokio-postgres calls it `read-write`.)
     pub fn pg_config(&self, app_name: &str) -> Result<Config, DbSetupError> {
-        let mut config = Config::from_str(&self.database_url)
-            .map_err(|e| DbSetupError::InvalidUrl(e.to_string()))?;
+        let url = self.database_url.replace(
+            "target_session_attrs=primary",
+            "target_session_attrs=read-write",
+        );
+        let mut config =
+            Config::from_str(&url).map_err(|e| DbSetupError::InvalidUrl(e.to_string()))?;
         config.connect_timeout(Duration::from_millis(self.connect_timeout_ms));
         if config.get_application_name().is_none() {
             config.application_name(app_name);
@@ -218,6 +227,24 @@ mod tests {
         let described = describe_target(&config);
         assert_eq!(described, "host=db.example port=6543 dbname=orders");
         assert!(!format!("{:?}", args("postgresql://app:s3cret@h/db")).contains("s3cret"));
+    }
+
+    #[test]
+    fn several_hosts_follow_the_primary() {
+        use deadpool_postgres::tokio_postgres::config::TargetSessionAttrs;
+        let config = args("postgresql://app@h1:5432,h2:5433/orders?target_session_attrs=primary")
+            .pg_config("orders")
+            .expect("config");
+        assert_eq!(config.get_hosts().len(), 2);
+        assert_eq!(config.get_ports(), [5432, 5433]);
+        assert_eq!(
+            config.get_target_session_attrs(),
+            TargetSessionAttrs::ReadWrite
+        );
+        assert_eq!(
+            describe_target(&config),
+            "host=h1,h2 port=5432,5433 dbname=orders"
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@
 //! | `stream/` | unusual replication streams (`transactions`, `decoding`) and `payloads`, checked event by event |
 //! | `sink_failures.rs` | the sink misbehaves: poison and dead letters (whatever bytes the answer holds), circuit breaker, storm guard, configuration faults, backfill |
 //! | `dead_letters.rs` | the dead-letter row builder and store against the real table, with arbitrary content |
+//! | `failover.rs` | trusting the slot's position: several hosts, a slot that jumped ahead, recreate-and-backfill, the progress record, primary/standby failover |
 //! | `infra_faults.rs` | PostgreSQL or the network misbehaves: walsender killed, restarts, link faults (and `/readyz` on a silent stream), standby takeover, invalidated slot, reconnects |
 //! | `observability.rs` | what an operator watches: `/metrics` (gauges against the real state), `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
 //! | `tls.rs` | TLS to PostgreSQL and to the sink |
@@ -37,6 +38,7 @@
 mod chaos;
 mod cli;
 mod dead_letters;
+mod failover;
 mod harness;
 mod identity;
 mod infra_faults;

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::backoff::Backoff;
-use crate::dispatch::{self, DispatchConfig, Services, Window};
+use crate::dispatch::{self, Confirmed, DispatchConfig, Services, Window};
 use crate::health::Health;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
@@ -34,7 +34,11 @@ use crate::source::catalog::{self, OutboxTable, SlotInfo};
 use crate::source::stream::{Stream, StreamParts};
 use crate::source::transport::{self, StreamSettings, Transport};
 use crate::source::watchdog::{self, MonitorOutputs, MonitorSettings, Watchdog};
-use crate::source::{self, ConnParams, SourceError};
+use crate::source::{self, ConnParams, SourceError, progress};
+
+mod recovery;
+
+pub use recovery::{LeftAt, OnSlotLoss};
 
 pub use crate::source::stream::StreamError as RelayError;
 
@@ -70,6 +74,14 @@ pub struct RelayConfig {
     pub create_slot: bool,
     /// Stream from a server whose encoding is not UTF8.
     pub allow_non_utf8: bool,
+    /// What to do when the slot is missing.
+    pub on_slot_loss: OnSlotLoss,
+    /// How far before the progress record's last delivered commit a
+    /// recovery backfill starts (long transactions commit after their rows'
+    /// insert time).
+    pub backfill_margin: Duration,
+    /// The outbox column a recovery backfill orders and filters by.
+    pub time_column: String,
 }
 
 /// First reconnect delay ceiling; doubles per failed session up to
@@ -91,6 +103,9 @@ pub async fn run(
     // a walsender replaying a huge transaction reads no replies for a long
     // time, and reconnecting restarts that replay from the beginning.
     let mut watchdog_scale: u32 = 1;
+    let holder = progress::holder(&cfg.application_name);
+    // Where this process left the slot when its last session ended.
+    let mut left: Option<LeftAt> = None;
     loop {
         if shutdown.is_cancelled() {
             return Ok(());
@@ -101,8 +116,14 @@ pub async fn run(
             metrics: &metrics,
             health: &health,
             watchdog_scale,
+            holder: &holder,
         };
-        let outcome = session.run(&sink, &shutdown, &mut streamed).await;
+        let outcome = session
+            .run(&sink, &shutdown, &mut streamed, &mut left)
+            .await;
+        if let Err(RelayError::Source(SourceError::SlotJumped { .. })) = &outcome {
+            metrics.slot_jumps.inc();
+        }
         health.set_streaming(false, Duration::ZERO);
         metrics.pending_events.set(0); // the session's pipeline is gone
         watchdog_scale = match &outcome {
@@ -121,6 +142,9 @@ pub async fn run(
             Err(other) => return Err(other),
         };
         let delay = if let SourceError::SlotActive { pid, .. } = &source_err {
+            // Another relay streams the slot: from now on its progress is
+            // its own, not something this process left undone.
+            left = None;
             metrics.standby.set(1);
             if !standby_logged {
                 tracing::info!(slot = %cfg.slot, active_pid = ?pid, "slot is held by another process; waiting as hot standby");
@@ -151,11 +175,16 @@ struct Session<'a> {
     metrics: &'a Metrics,
     health: &'a Arc<Health>,
     watchdog_scale: u32,
+    /// Who this relay is, in the progress record.
+    holder: &'a str,
 }
 
 /// What start-up learned on the side connection.
 struct Prepared {
     side: Arc<tokio_postgres::Client>,
+    /// The primary chosen among the URL's hosts; the replication
+    /// connection goes to the same server.
+    server: ConnParams,
     side_closed: tokio::sync::oneshot::Receiver<()>,
     wal_sender_timeout: Duration,
     slot: SlotInfo,
@@ -170,9 +199,12 @@ impl Session<'_> {
         sink: &HttpSink,
         shutdown: &CancellationToken,
         streamed: &mut bool,
+        left: &mut Option<LeftAt>,
     ) -> Result<(), RelayError> {
         let cfg = self.cfg;
-        let p = self.prepare().await?;
+        let Some(p) = self.prepare(left.as_ref(), sink, shutdown).await? else {
+            return Ok(()); // shutdown during the recovery backfill
+        };
         let start = p.slot.confirmed_flush_lsn.unwrap_or(Lsn::ZERO);
         let settings = StreamSettings {
             slot: cfg.slot.clone(),
@@ -180,7 +212,7 @@ impl Session<'_> {
             application_name: cfg.application_name.clone(),
             status_interval: transport::status_interval_for(p.wal_sender_timeout),
         };
-        let client = transport::open(&cfg.conn, &settings).await?;
+        let client = transport::open(&p.server, &settings).await?;
         let silence = watchdog::silence_bound(p.wal_sender_timeout, settings.status_interval)
             * self.watchdog_scale;
         self.metrics.standby.set(0);
@@ -207,7 +239,10 @@ impl Session<'_> {
             start,
         )));
         let (items_tx, items_rx) = mpsc::channel(1024);
-        let (confirmed_tx, confirmed_rx) = watch::channel(start);
+        let (confirmed_tx, confirmed_rx) = watch::channel(Confirmed {
+            position: start,
+            last_done: None,
+        });
         let services = Services {
             sink: sink.clone(),
             store: Arc::clone(&p.side),
@@ -220,6 +255,12 @@ impl Session<'_> {
             start,
             items_rx,
             confirmed_tx,
+        )));
+        let _progress = AbortOnDropHandle::new(tokio::spawn(progress::keep_recording(
+            Arc::clone(&p.side),
+            cfg.slot.clone(),
+            self.holder.to_owned(),
+            confirmed_rx.clone(),
         )));
         let parts = StreamParts {
             confirmed: confirmed_rx,
@@ -256,6 +297,12 @@ impl Session<'_> {
                 // Deliveries in flight are abandoned with the session; the
                 // confirmed LSN covers only what was done.
                 stream.abort();
+                *left = Some(LeftAt {
+                    sent: stream.sent(),
+                    pending: self.metrics.pending_events.get() > 0,
+                    at_unix: recovery::now_unix(),
+                    last_done_commit: stream.last_done_commit(),
+                });
                 Err(self.diagnose(e, &p.side).await)
             }
         }
@@ -289,25 +336,38 @@ impl Session<'_> {
     /// publications. tokio-postgres bounds only the TCP connect; a server
     /// that accepts and then never answers must not hang the relay, so the
     /// whole exchange is bounded too.
-    async fn prepare(&self) -> Result<Prepared, SourceError> {
+    async fn prepare(
+        &self,
+        left: Option<&LeftAt>,
+        sink: &HttpSink,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Prepared>, SourceError> {
         let cfg = self.cfg;
         let startup = async {
-            let (side, side_closed) =
-                source::connect_sql_watched(&cfg.conn, &cfg.application_name).await?;
+            let (side, side_closed, server) =
+                source::connect_primary(&cfg.conn, &cfg.application_name).await?;
             let wal_sender_timeout = catalog::wal_sender_timeout(&side).await?;
             let slot = catalog::slot_info(&side, &cfg.slot).await?;
-            Ok::<_, SourceError>((side, side_closed, wal_sender_timeout, slot))
+            Ok::<_, SourceError>((side, side_closed, server, wal_sender_timeout, slot))
         };
-        let bound = cfg.conn.connect_timeout * 2;
-        let (side, side_closed, wal_sender_timeout, slot) =
+        let tries = u32::try_from(cfg.conn.hosts.len()).unwrap_or(u32::MAX);
+        let bound = cfg.conn.connect_timeout * tries.saturating_add(1);
+        let (side, side_closed, server, wal_sender_timeout, slot) =
             tokio::time::timeout(bound, startup).await.map_err(|_| {
                 SourceError::Transient(format!(
                     "{}: no answer within {bound:?} while connecting",
                     cfg.conn.display()
                 ))
             })??;
+        let side = Arc::new(side);
         let slot = match slot {
             Some(slot) => slot,
+            None if cfg.on_slot_loss == OnSlotLoss::RecreateAndBackfill => {
+                match recovery::recreate_and_backfill(&side, &server, cfg, sink, shutdown).await? {
+                    Some(slot) => slot,
+                    None => return Ok(None),
+                }
+            }
             None if cfg.create_slot => {
                 catalog::create_slot(&side, &cfg.slot).await?;
                 tracing::warn!(slot = %cfg.slot, "created the missing slot (--create-slot): events committed before now are not delivered");
@@ -328,6 +388,7 @@ impl Session<'_> {
                 slot: cfg.slot.clone(),
             });
         }
+        recovery::check_not_jumped(&side, cfg, self.holder, &slot, left).await?;
         // A publication that does not carry the table would let the slot be
         // confirmed past every event: refuse to stream (the standby too).
         let table =
@@ -339,13 +400,17 @@ impl Session<'_> {
             tracing::warn!("{warning}");
         }
         self.check_encoding(&side).await?;
-        Ok(Prepared {
-            side: Arc::new(side),
+        if cfg.conn.hosts.len() > 1 {
+            tracing::info!(server = %server.display(), "connected to the primary");
+        }
+        Ok(Some(Prepared {
+            side,
             side_closed,
+            server,
             wal_sender_timeout,
             slot,
             table,
-        })
+        }))
     }
 
     /// Text the relay sends must be UTF-8. A server in another encoding

@@ -1,0 +1,146 @@
+//! The progress record: one row per slot in `cdc_relay_progress` (see
+//! `sql/orders.sql`), written by the relay that streams the slot.
+//!
+//! It holds the end LSN the relay confirmed and the commit time and last
+//! event id of the last fully delivered transaction. Physical replication
+//! carries it to standbys, so after a failover it says where a backfill
+//! must start, and it witnesses which relay progressed (a slot ahead of
+//! this process's own position is legitimate when another relay moved it).
+//!
+//! Written at most every [`PROGRESS_INTERVAL`] while the relay delivers
+//! events, never while idle: the idle statement budget is unchanged.
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_postgres::Client;
+
+use super::error::SourceError;
+use crate::dispatch::Confirmed;
+use crate::lsn::Lsn;
+
+/// Time between two writes of the progress record while events flow.
+pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// PostgreSQL timestamps count microseconds from 2000-01-01 00:00:00 UTC.
+const PG_EPOCH_UNIX_SECS: i64 = 946_684_800;
+
+/// A slot's progress row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProgressRecord {
+    /// The end LSN the relay confirmed when it wrote the row.
+    pub confirmed_lsn: Lsn,
+    /// Commit time of the last fully delivered transaction with events,
+    /// `YYYY-MM-DD HH:MM:SS.ffffff+00` (a `backfill --since` value).
+    pub commit_time: Option<String>,
+    /// Id of that transaction's last event.
+    pub last_event_id: Option<String>,
+    /// Who wrote it (`application_name@host:pid`).
+    pub holder: Option<String>,
+    /// When it was written, seconds since the Unix epoch (server clock).
+    pub updated_unix: f64,
+}
+
+/// Reads `slot`'s progress row; `None` when there is none (or the table
+/// does not exist yet: the schema predates it).
+pub async fn read(client: &Client, slot: &str) -> Result<Option<ProgressRecord>, SourceError> {
+    let exists: bool = client
+        .query_one("SELECT to_regclass('cdc_relay_progress') IS NOT NULL", &[])
+        .await
+        .map_err(|e| SourceError::sql("looking up cdc_relay_progress", &e))?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    let row = client
+        .query_opt(
+            "SELECT confirmed_lsn::text, \
+                    to_char(commit_time AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00'), \
+                    last_event_id, holder, EXTRACT(EPOCH FROM updated_at)::float8 \
+             FROM cdc_relay_progress WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading cdc_relay_progress", &e))?;
+    Ok(row.map(|r| ProgressRecord {
+        confirmed_lsn: r.get::<_, String>(0).parse().unwrap_or_default(),
+        commit_time: r.get(1),
+        last_event_id: r.get(2),
+        holder: r.get(3),
+        updated_unix: r.get(4),
+    }))
+}
+
+/// Writes `slot`'s progress row.
+async fn write(
+    client: &Client,
+    slot: &str,
+    holder: &str,
+    c: &Confirmed<Lsn>,
+) -> Result<(), tokio_postgres::Error> {
+    let done = c.last_done.as_ref();
+    let commit_unix = done.map(|d| d.commit_time_micros as f64 / 1e6 + PG_EPOCH_UNIX_SECS as f64);
+    client
+        .execute(
+            "INSERT INTO cdc_relay_progress AS p \
+               (slot_name, confirmed_lsn, commit_time, last_event_id, holder, updated_at) \
+             VALUES ($1, $2::text::pg_lsn, to_timestamp($3), $4, $5, now()) \
+             ON CONFLICT (slot_name) DO UPDATE SET confirmed_lsn = EXCLUDED.confirmed_lsn, \
+               commit_time = coalesce(EXCLUDED.commit_time, p.commit_time), \
+               last_event_id = coalesce(EXCLUDED.last_event_id, p.last_event_id), \
+               holder = EXCLUDED.holder, updated_at = now()",
+            &[
+                &slot,
+                &c.position.to_string(),
+                &commit_unix,
+                &done.map(|d| d.last_event_id.as_str()),
+                &holder,
+            ],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Writes the progress record every [`PROGRESS_INTERVAL`] when a new
+/// transaction with events was done since the last write; returns when the
+/// dispatcher goes away. A failed write is logged and retried at the next
+/// tick (the record is advice for recovery, never a gate on delivery).
+pub async fn keep_recording(
+    side: std::sync::Arc<Client>,
+    slot: String,
+    holder: String,
+    mut confirmed: watch::Receiver<Confirmed<Lsn>>,
+) {
+    let mut written: Option<Confirmed<Lsn>> = None;
+    let mut tick = tokio::time::interval(PROGRESS_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if confirmed.has_changed().is_err() {
+            return;
+        }
+        let now = confirmed.borrow_and_update().clone();
+        let progressed = now.last_done.is_some()
+            && written
+                .as_ref()
+                .is_none_or(|w| w.last_done != now.last_done);
+        if !progressed {
+            continue;
+        }
+        match write(&side, &slot, &holder, &now).await {
+            Ok(()) => written = Some(now),
+            Err(e) => {
+                tracing::warn!(error = %crate::db_message(&e), "cannot write the progress record (cdc_relay_progress); delivery goes on");
+            }
+        }
+    }
+}
+
+/// `application_name@host:pid`: who holds the slot, for the progress record
+/// and logs.
+pub fn holder(application_name: &str) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "unknown-host".into());
+    format!("{application_name}@{host}:{}", std::process::id())
+}
