@@ -128,6 +128,13 @@ BEGIN
             pg_get_serial_sequence('public.cdc_relay_dead_letter_audit', 'id'));
     END IF;
 
+    -- Failover slots (PostgreSQL 16+ has the function): while a standby's
+    -- copy of the slot is temporary, the relay logs a running-xacts record so
+    -- the copy can become persistent even when the primary is idle.
+    IF has_orders AND to_regprocedure('pg_log_standby_snapshot()') IS NOT NULL THEN
+        GRANT EXECUTE ON FUNCTION pg_log_standby_snapshot() TO cdc_relay;
+    END IF;
+
     IF has_orders AND to_regclass('public.cdc_relay_progress') IS NOT NULL THEN
         REVOKE ALL ON public.cdc_relay_progress FROM orders_app, billing_app, cdc_relay;
         -- The relay upserts its own progress row.

@@ -172,6 +172,18 @@ pub struct GlobalArgs {
         value_delimiter = ','
     )]
     pub publication: Vec<String>,
+    /// A standby to check the slot's failover copy on (PostgreSQL 17+),
+    /// libpq URL; repeat or comma-separate for several. `status` shows each
+    /// copy; `run` exports cdc_relay_failover_ready and nudges the primary
+    /// (pg_log_standby_snapshot) while a copy is temporary.
+    #[arg(
+        long,
+        env = "CDC_RELAY_STANDBY_URLS",
+        global = true,
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub standby_url: Vec<String>,
     /// Outbox table, schema-qualified.
     #[arg(
         long,
@@ -240,6 +252,13 @@ pub struct SetupArgs {
     /// confirmed_flush_lsn must then be re-sent with `backfill`.
     #[arg(long)]
     pub recreate_slot: bool,
+    /// Make the slot a failover slot (PostgreSQL 17+): created with
+    /// FAILOVER, or switched on with ALTER_REPLICATION_SLOT, so standbys
+    /// running with sync_replication_slots keep a copy that survives a
+    /// promotion. Warns when the primary's synchronized_standby_slots is
+    /// empty.
+    #[arg(long, env = "CDC_RELAY_FAILOVER")]
+    pub failover: bool,
 }
 
 /// `cdc-relay status`.
@@ -311,6 +330,14 @@ pub struct RunArgs {
     /// slot it would silently skip events (use `setup` and `backfill` then).
     #[arg(long, env = "CDC_RELAY_CREATE_SLOT")]
     pub create_slot: bool,
+    /// Require a failover slot (PostgreSQL 17+; `setup --failover`): a slot
+    /// without it is refused at every connect.
+    #[arg(long, env = "CDC_RELAY_FAILOVER")]
+    pub failover: bool,
+    /// Largest lag, in bytes behind the primary's slot, a standby's copy
+    /// may have and count as ready (cdc_relay_failover_ready).
+    #[arg(long, env = "CDC_RELAY_FAILOVER_MAX_LAG", default_value = "16MiB", value_parser = parse_bytes)]
+    pub failover_max_lag: u32,
     /// What to do when the slot is missing at start or after a reconnect:
     /// stop (exit 3) with the steps, or, after a failover to a server
     /// without a copy of the slot, recreate it and re-send the outbox rows

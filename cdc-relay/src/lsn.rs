@@ -52,6 +52,13 @@ impl fmt::Display for Lsn {
 #[error("invalid LSN {0:?}: expected two hex numbers separated by '/', e.g. 0/16B3748")]
 pub struct ParseLsnError(pub String);
 
+impl serde::Serialize for Lsn {
+    /// As PostgreSQL prints it: `0/16B3748`.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl FromStr for Lsn {
     type Err = ParseLsnError;
 

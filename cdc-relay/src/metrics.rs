@@ -66,6 +66,11 @@ pub struct Metrics {
     /// `relation` (`schema.table`; at most [`IGNORED_RELATIONS`] values,
     /// then `other`).
     pub ignored_changes: IntCounterVec,
+    /// 1 while every standby listed with `--standby-url` holds a
+    /// persistent, synced copy of the slot within `--failover-max-lag`.
+    pub failover_ready: IntGauge,
+    /// Standbys listed with `--standby-url` (0: failover not watched).
+    pub failover_standbys: IntGauge,
     /// Sessions refused because the slot jumped ahead of where this
     /// process left it with events undelivered (the process then exits 7).
     pub slot_jumps: IntCounter,
@@ -270,6 +275,16 @@ impl Metrics {
                 "cdc_relay_ignored_changes_total",
                 "Streamed changes that are not outbox inserts, by relation",
                 &["relation"],
+            ),
+            failover_ready: gauge(
+                &r,
+                "cdc_relay_failover_ready",
+                "1 while every listed standby holds a persistent, synced copy of the slot within --failover-max-lag",
+            ),
+            failover_standbys: gauge(
+                &r,
+                "cdc_relay_failover_standbys",
+                "Standbys whose copy of the slot the relay watches (--standby-url)",
             ),
             slot_jumps: counter(
                 &r,

@@ -30,6 +30,25 @@ impl GlobalArgs {
         Ok(conn)
     }
 
+    /// The standbys of `--standby-url`, with the password from the flag,
+    /// env or file when their URL has none.
+    pub fn standbys(&self) -> Result<Vec<ConnParams>, String> {
+        let password = self.conn().ok().map(|c| c.password);
+        self.standby_url
+            .iter()
+            .map(|url| {
+                let mut c = ConnParams::parse(url, self.connect_timeout)
+                    .map_err(|e| format!("--standby-url: {e}"))?;
+                if c.password.is_empty()
+                    && let Some(p) = &password
+                {
+                    c.password = p.clone();
+                }
+                Ok(c)
+            })
+            .collect()
+    }
+
     /// Outbox column names.
     pub fn columns(&self) -> OutboxColumns {
         OutboxColumns {
@@ -153,6 +172,9 @@ impl RunArgs {
             on_slot_loss: self.on_slot_loss,
             backfill_margin: self.backfill_margin,
             time_column: self.time_column.clone(),
+            failover: self.failover,
+            standbys: g.standbys()?,
+            failover_max_lag: u64::from(self.failover_max_lag),
         };
         Ok((cfg, sink))
     }

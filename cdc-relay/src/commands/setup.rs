@@ -12,6 +12,7 @@ use crate::cli::{GlobalArgs, SetupArgs};
 use crate::outbox::{OutboxColumns, TableName};
 use crate::source::SourceError;
 use crate::source::catalog;
+use crate::source::{failover, transport};
 
 /// `cdc-relay setup`: runs [`setup`] and prints its report.
 pub async fn command(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
@@ -22,6 +23,8 @@ pub async fn command(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
         publication: g.publication.first().cloned().unwrap_or_default(),
         slot: g.slot.clone(),
         recreate_slot: a.recreate_slot,
+        failover: a.failover,
+        conn: g.conn().map_err(anyhow::Error::msg)?,
     };
     for line in setup(&client, &plan).await? {
         outln!("{line}");
@@ -42,6 +45,10 @@ pub struct SetupPlan {
     pub slot: String,
     /// Recreate the slot when it is invalidated.
     pub recreate_slot: bool,
+    /// Make the slot a failover slot (17+).
+    pub failover: bool,
+    /// The server (for the replication command that switches failover on).
+    pub conn: crate::source::ConnParams,
 }
 
 /// Runs setup and returns one line per check or action, for the operator.
@@ -251,10 +258,56 @@ async fn ensure_slot(
                     .map(|l| l.to_string())
                     .unwrap_or_else(|| "-".into())
             ));
-            Ok(())
+            ensure_failover(client, plan, report).await
         }
-        None => create_slot(client, plan, report).await,
+        None => {
+            create_slot(client, plan, report).await?;
+            ensure_failover(client, plan, report).await
+        }
     }
+}
+
+/// `--failover`: the slot is a failover slot (switched on with
+/// ALTER_REPLICATION_SLOT when it is not), and a warning when the primary
+/// does not hold logical WAL back for the standbys.
+async fn ensure_failover(
+    client: &Client,
+    plan: &SetupPlan,
+    report: &mut Vec<String>,
+) -> Result<(), SourceError> {
+    if !plan.failover {
+        return Ok(());
+    }
+    match failover::slot_failover(client, &plan.slot).await? {
+        None => {
+            return Err(SourceError::Definite(
+                "--failover: failover slots need PostgreSQL 17 or later; without them, run the relay with --on-slot-loss=recreate-and-backfill".into(),
+            ));
+        }
+        Some(true) => report.push(format!("ok: slot {:?} is a failover slot", plan.slot)),
+        Some(false) => {
+            let sql = format!(
+                "ALTER_REPLICATION_SLOT {} ( FAILOVER true )",
+                catalog::quote_ident(&plan.slot)
+            );
+            transport::replication_command(&plan.conn, &plan.slot, &sql).await?;
+            report.push(format!(
+                "altered: slot {:?} is now a failover slot",
+                plan.slot
+            ));
+        }
+    }
+    match failover::synchronized_standby_slots(client).await? {
+        Some(s) if s.trim().is_empty() => report.push(
+            "warning: synchronized_standby_slots is empty on the primary: it may confirm (and the relay deliver) \
+             WAL a standby has not received, and after that standby's promotion those events are phantoms. \
+             Set synchronized_standby_slots = '<the standbys' physical slot names>' in postgresql.conf and reload"
+                .into(),
+        ),
+        Some(s) => report.push(format!("ok: synchronized_standby_slots = {s}")),
+        None => {}
+    }
+    Ok(())
 }
 
 async fn create_slot(
@@ -262,7 +315,7 @@ async fn create_slot(
     plan: &SetupPlan,
     report: &mut Vec<String>,
 ) -> Result<(), SourceError> {
-    let lsn = catalog::create_slot(client, &plan.slot).await?;
+    let lsn = catalog::create_slot(client, &plan.slot, plan.failover).await?;
     report.push(format!(
         "created: slot {:?} (pgoutput) at {lsn}; events committed from now on will be delivered",
         plan.slot

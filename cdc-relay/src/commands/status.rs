@@ -8,14 +8,34 @@ use tokio_postgres::Client;
 use super::{connect, outln};
 use crate::cli::{GlobalArgs, StatusArgs};
 use crate::outbox::TableName;
-use crate::source::SourceError;
 use crate::source::catalog::{self, SlotInfo};
+use crate::source::{self, SourceError, failover};
 
 /// `cdc-relay status`: prints [`status`] as text or JSON; returns the exit
 /// code (0 when no problem was found).
 pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     let client = connect(g).await?;
-    let s = status(&client, &g.slot, &g.publication, &g.table).await?;
+    let mut s = status(&client, &g.slot, &g.publication, &g.table).await?;
+    s.failover = failover::slot_failover(&client, &g.slot).await?;
+    let primary = s
+        .confirmed_flush_lsn
+        .as_deref()
+        .and_then(|l| l.parse().ok());
+    for standby in g.standbys().map_err(anyhow::Error::msg)? {
+        let copy = match source::connect_sql(&standby, "cdc-relay").await {
+            Ok(c) => failover::read_copy(&c, &standby.display(), &g.slot, primary).await,
+            Err(e) => failover::StandbyCopy {
+                standby: standby.display(),
+                error: Some(e.to_string()),
+                exists: false,
+                synced: false,
+                temporary: false,
+                confirmed_flush_lsn: None,
+                lag_bytes: None,
+            },
+        };
+        s.standbys.push(copy);
+    }
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&s)?);
     } else {
@@ -57,6 +77,10 @@ pub struct Status {
     pub publication: String,
     /// Tables they publish (schema.table).
     pub publication_tables: Vec<String>,
+    /// The slot's `failover` flag (PostgreSQL 17+).
+    pub failover: Option<bool>,
+    /// Each `--standby-url`'s copy of the slot.
+    pub standbys: Vec<failover::StandbyCopy>,
     /// Whether nothing stops delivery.
     pub healthy: bool,
     /// What stops delivery, most fundamental first.
@@ -134,6 +158,8 @@ pub async fn status(
         safe_wal_size: info.as_ref().and_then(|i| i.safe_wal_size),
         publication: publications.join(","),
         publication_tables: tables,
+        failover: None,
+        standbys: Vec::new(),
         healthy: problems.is_empty(),
         problems,
     })
@@ -184,6 +210,27 @@ impl std::fmt::Display for Status {
                 self.publication_tables.join(", ")
             }
         )?;
+        if let Some(flag) = self.failover {
+            writeln!(f, "  failover slot:       {flag}")?;
+        }
+        for c in &self.standbys {
+            match &c.error {
+                Some(e) => writeln!(f, "standby {}: cannot read ({e})", c.standby)?,
+                None if !c.exists => writeln!(f, "standby {}: no copy of the slot", c.standby)?,
+                None => writeln!(
+                    f,
+                    "standby {}: copy synced {}, {}, {} behind",
+                    c.standby,
+                    c.synced,
+                    if c.temporary {
+                        "TEMPORARY (dropped at promotion)"
+                    } else {
+                        "persistent"
+                    },
+                    c.lag_bytes.map_or("?".into(), |b| format!("{b} bytes"))
+                )?,
+            }
+        }
         if self.healthy {
             writeln!(f, "healthy: nothing stops delivery")
         } else {

@@ -34,7 +34,7 @@ use crate::source::catalog::{self, OutboxTable, SlotInfo};
 use crate::source::stream::{Stream, StreamParts};
 use crate::source::transport::{self, StreamSettings, Transport};
 use crate::source::watchdog::{self, MonitorOutputs, MonitorSettings, Watchdog};
-use crate::source::{self, ConnParams, SourceError, progress};
+use crate::source::{self, ConnParams, SourceError, failover, progress};
 
 mod recovery;
 
@@ -82,6 +82,12 @@ pub struct RelayConfig {
     pub backfill_margin: Duration,
     /// The outbox column a recovery backfill orders and filters by.
     pub time_column: String,
+    /// Require (and create) a failover slot.
+    pub failover: bool,
+    /// Standbys whose copy of the slot is watched.
+    pub standbys: Vec<ConnParams>,
+    /// Largest lag of a ready copy, bytes.
+    pub failover_max_lag: u64,
 }
 
 /// First reconnect delay ceiling; doubles per failed session up to
@@ -238,6 +244,22 @@ impl Session<'_> {
             },
             start,
         )));
+        self.metrics
+            .failover_standbys
+            .set(i64::try_from(cfg.standbys.len()).unwrap_or(i64::MAX));
+        let _failover = (!cfg.standbys.is_empty()).then(|| {
+            AbortOnDropHandle::new(tokio::spawn(failover::watch_copies(
+                Arc::clone(&p.side),
+                failover::FailoverSettings {
+                    slot: cfg.slot.clone(),
+                    standbys: cfg.standbys.clone(),
+                    max_lag: cfg.failover_max_lag,
+                    interval: cfg.slot_stats_interval,
+                },
+                self.metrics.clone(),
+                readings.clone(),
+            )))
+        });
         let (items_tx, items_rx) = mpsc::channel(1024);
         let (confirmed_tx, confirmed_rx) = watch::channel(Confirmed {
             position: start,
@@ -369,7 +391,7 @@ impl Session<'_> {
                 }
             }
             None if cfg.create_slot => {
-                catalog::create_slot(&side, &cfg.slot).await?;
+                catalog::create_slot(&side, &cfg.slot, cfg.failover).await?;
                 tracing::warn!(slot = %cfg.slot, "created the missing slot (--create-slot): events committed before now are not delivered");
                 catalog::slot_info(&side, &cfg.slot).await?.ok_or_else(|| {
                     SourceError::SlotMissing {
@@ -389,6 +411,12 @@ impl Session<'_> {
             });
         }
         recovery::check_not_jumped(&side, cfg, self.holder, &slot, left).await?;
+        if cfg.failover && failover::slot_failover(&side, &cfg.slot).await? != Some(true) {
+            return Err(SourceError::Definite(format!(
+                "--failover: slot {:?} is not a failover slot (or the server predates PostgreSQL 17): run `cdc-relay setup --failover`",
+                cfg.slot
+            )));
+        }
         // A publication that does not carry the table would let the slot be
         // confirmed past every event: refuse to stream (the standby too).
         let table =

@@ -114,7 +114,7 @@ pub async fn recreate_and_backfill(
             slot: cfg.slot.clone(),
         });
     };
-    let lsn = catalog::create_slot(side, &cfg.slot).await?;
+    let lsn = catalog::create_slot(side, &cfg.slot, cfg.failover).await?;
     let margin = humantime::format_duration(cfg.backfill_margin).to_string();
     tracing::warn!(
         slot = %cfg.slot, created_at = %lsn, since = %since, margin = %margin,

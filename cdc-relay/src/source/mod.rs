@@ -18,6 +18,7 @@
 //! - [`stream`]: the stream's reader: decode, map, admit, hand on.
 //! - [`membership`]: whether the outbox is still in its publication.
 //! - [`progress`]: the progress record in `cdc_relay_progress`.
+//! - [`failover`]: failover slots and the standbys' copies (17+).
 //! - [`status_updates`]: counts the standby status updates sent.
 //! - [`watchdog`]: the slot monitor and the stream watchdog.
 //!
@@ -28,6 +29,7 @@
 pub mod catalog;
 pub mod conn;
 pub mod error;
+pub mod failover;
 pub mod membership;
 pub mod progress;
 pub mod status_updates;

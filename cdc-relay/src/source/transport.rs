@@ -86,6 +86,42 @@ pub async fn open(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationCl
     }
 }
 
+/// Runs one replication command (e.g. `ALTER_REPLICATION_SLOT`) on a
+/// replication connection to `conn`, without starting replication. Bounded
+/// by twice the connect timeout.
+pub async fn replication_command(
+    conn: &ConnParams,
+    slot: &str,
+    sql: &str,
+) -> Result<(), SourceError> {
+    let cfg = ReplicationConfig::new(
+        conn.host.clone(),
+        conn.user.clone(),
+        conn.password.clone(),
+        conn.dbname.clone(),
+        slot.to_owned(),
+        Vec::<String>::new(),
+    )
+    .with_port(conn.port)
+    .with_tls(tls::replication_tls(conn))
+    .with_application_name("cdc-relay-setup".to_owned());
+    let run = async {
+        let mut client = ReplicationClient::connect_gated(cfg).await?;
+        client.simple_query(sql).await?;
+        client.abort();
+        Ok::<_, PgWireError>(())
+    };
+    let bound = conn.connect_timeout * 2;
+    match tokio::time::timeout(bound, run).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(SourceError::transport(&e, slot)),
+        Err(_) => Err(SourceError::Transient(format!(
+            "{sql} on {} got no answer within {bound:?}",
+            conn.display()
+        ))),
+    }
+}
+
 /// The transport of one session. [`Transport::confirm`] and
 /// [`Transport::hold_at`] are the one place that hands the server a flush
 /// position.

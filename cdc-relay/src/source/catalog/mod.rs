@@ -191,15 +191,24 @@ pub fn parse_pg_duration(s: &str) -> Option<Duration> {
     Some(Duration::from_millis(ms))
 }
 
-/// Creates a pgoutput slot and returns its starting LSN. The role needs
-/// REPLICATION.
-pub async fn create_slot(client: &Client, slot: &str) -> Result<Lsn, SourceError> {
+/// Creates a pgoutput slot and returns its starting LSN; with `failover`
+/// (PostgreSQL 17+) standbys with `sync_replication_slots` keep a copy. The
+/// role needs REPLICATION.
+pub async fn create_slot(client: &Client, slot: &str, failover: bool) -> Result<Lsn, SourceError> {
     check_slot_name(slot)?;
+    let sql = if failover {
+        let version = super::failover::server_version(client).await?;
+        if !super::failover::supports_failover_slots(version) {
+            return Err(SourceError::Definite(format!(
+                "failover slots need PostgreSQL 17 or later (this server is {version}); without them, run the relay with --on-slot-loss=recreate-and-backfill"
+            )));
+        }
+        "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+    } else {
+        "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')"
+    };
     let row = client
-        .query_one(
-            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&slot],
-        )
+        .query_one(sql, &[&slot])
         .await
         .map_err(|e| SourceError::sql("creating the slot (the role needs REPLICATION)", &e))?;
     let lsn: String = row.get(0);
