@@ -359,9 +359,9 @@ pub struct RunArgs {
     #[arg(long, env = "CDC_RELAY_TIME_COLUMN", default_value = "occurred_at")]
     pub time_column: String,
     /// Stream from a database whose server_encoding is not UTF8 (e.g.
-    /// SQL_ASCII). The server converts every row to UTF-8 for the relay; a
-    /// row it cannot convert stops the relay (exit 5) with the steps to go
-    /// on, before anything of it is acknowledged.
+    /// SQL_ASCII). The stream then carries the stored bytes as they are, and
+    /// a row that is not valid UTF-8 goes to the dead-letter table (its
+    /// payload bytes kept in payload_bytes) instead of being sent.
     #[arg(long, env = "CDC_RELAY_ALLOW_NON_UTF8")]
     pub allow_non_utf8: bool,
     /// Runtime worker threads (CPU cores the relay may keep busy). Default:

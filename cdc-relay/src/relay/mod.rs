@@ -195,6 +195,8 @@ struct Prepared {
     wal_sender_timeout: Duration,
     slot: SlotInfo,
     table: OutboxTable,
+    /// The server's encoding is SQL_ASCII (bytes without a defined encoding).
+    sql_ascii: bool,
 }
 
 impl Session<'_> {
@@ -217,6 +219,7 @@ impl Session<'_> {
             publications: cfg.publications.clone(),
             application_name: cfg.application_name.clone(),
             status_interval: transport::status_interval_for(p.wal_sender_timeout),
+            raw_encoding: p.sql_ascii,
         };
         let client = transport::open(&p.server, &settings).await?;
         let silence = watchdog::silence_bound(p.wal_sender_timeout, settings.status_interval)
@@ -427,7 +430,7 @@ impl Session<'_> {
         {
             tracing::warn!("{warning}");
         }
-        self.check_encoding(&side).await?;
+        let sql_ascii = self.check_encoding(&side).await?;
         if cfg.conn.hosts.len() > 1 {
             tracing::info!(server = %server.display(), "connected to the primary");
         }
@@ -438,27 +441,30 @@ impl Session<'_> {
             wal_sender_timeout,
             slot,
             table,
+            sql_ascii,
         }))
     }
 
     /// Text the relay sends must be UTF-8. A server in another encoding
-    /// (SQL_ASCII stores any bytes) needs the operator's consent: rows that
-    /// are not UTF-8 then become dead letters.
-    async fn check_encoding(&self, side: &tokio_postgres::Client) -> Result<(), SourceError> {
+    /// needs the operator's consent. The server converts a real encoding
+    /// (LATIN1, …) to UTF-8 itself; SQL_ASCII stores any bytes and has no
+    /// conversion, so the stream then asks for them as they are and rows
+    /// that are not UTF-8 become dead letters. Returns whether the server
+    /// is SQL_ASCII.
+    async fn check_encoding(&self, side: &tokio_postgres::Client) -> Result<bool, SourceError> {
         let encoding = catalog::server_encoding(side).await?;
         if encoding == "UTF8" {
-            return Ok(());
+            return Ok(false);
         }
         if !self.cfg.allow_non_utf8 {
             return Err(SourceError::Definite(format!(
                 "the source database's server_encoding is {encoding}, not UTF8: its text may hold bytes \
                  that are not UTF-8, which a JSON body cannot carry. Pass --allow-non-utf8 \
-                 (CDC_RELAY_ALLOW_NON_UTF8=true) to stream anyway: a row the server cannot \
-                 convert to UTF-8 then stops the relay (exit 5), unacknowledged, with the \
-                 steps to go on"
+                 (CDC_RELAY_ALLOW_NON_UTF8=true) to stream anyway: rows that are not UTF-8 \
+                 then go to the dead-letter table, their payload bytes kept exactly"
             )));
         }
-        tracing::warn!(server_encoding = %encoding, "streaming from a database that is not UTF8 (--allow-non-utf8): a row that is not UTF-8 stops the relay, unacknowledged");
-        Ok(())
+        tracing::warn!(server_encoding = %encoding, "streaming from a database that is not UTF8 (--allow-non-utf8): rows that are not UTF-8 are dead-lettered, payload bytes kept");
+        Ok(encoding == "SQL_ASCII")
     }
 }

@@ -31,6 +31,11 @@ pub struct StreamSettings {
     pub application_name: String,
     /// Standby status update interval (and idle wake-up).
     pub status_interval: Duration,
+    /// The client encoding to ask the walsender for instead of UTF8:
+    /// `SQL_ASCII` on a server that is not UTF8, so it sends the stored
+    /// bytes as they are rather than failing to convert them (the mapper
+    /// then dead-letters what is not UTF-8).
+    pub raw_encoding: bool,
 }
 
 /// The standby status interval for a server whose `wal_sender_timeout` is
@@ -70,8 +75,16 @@ pub async fn open(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationCl
         "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3",
     );
     cfg.max_message_size = 1 << 30;
+    let raw = s.raw_encoding;
     let connect = async {
-        let mut client = ReplicationClient::connect(cfg).await?;
+        let mut client = if raw {
+            let mut c = ReplicationClient::connect_gated(cfg).await?;
+            c.simple_query("SET client_encoding = 'SQL_ASCII'").await?;
+            c.start().await?;
+            c
+        } else {
+            ReplicationClient::connect(cfg).await?
+        };
         client.wait_started().await?;
         Ok::<_, PgWireError>(client)
     };

@@ -223,93 +223,57 @@ async fn sql_ascii_database_is_refused_without_the_opt_in() -> anyhow::Result<()
         .await
 }
 
-/// With the opt-in, the walsender itself cannot convert the row to the
-/// relay's UTF-8 (it errors with 22021 before sending it), so the relay
-/// stops on it — exit 5, nothing of it acknowledged, no restart loop — and
-/// says how to go on. Following those steps delivers everything.
+/// With the opt-in, the stream carries the stored bytes as they are
+/// (client_encoding SQL_ASCII on the replication session): the row that is
+/// not UTF-8 becomes a dead letter with its exact bytes, the rest flows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn non_utf8_row_stops_the_relay_unacknowledged_with_the_way_on() -> anyhow::Result<()> {
+async fn non_utf8_payload_is_dead_lettered_with_its_raw_bytes() -> anyhow::Result<()> {
     let (stack, db) = sql_ascii_stack().await?;
-    let since: String = db
-        .query_one("SELECT (now() - interval '1 second')::text", &[])
-        .await?
-        .get(0);
-    let before = app::insert_order_event(&db).await?.to_string();
-    let before_bad = oracle::wal_position(&db).await?;
-    let (bad, _) = insert_non_utf8(&db).await?;
-    let after_bad = oracle::wal_position(&db).await?;
     let sink = ScriptedSink::start().await?;
-    let run = run_once(&stack, &sink, &["--allow-non-utf8"]).await?;
-    assert_eq!(run.code(), Some(5), "exit 5:\n{}", run.text());
-    for words in [
-        "UTF-8",
-        "pg_replication_slot_advance",
-        "backfill",
-        "SELECT id FROM",
-    ] {
-        assert!(
-            run.text().contains(words),
-            "names {words:?}:\n{}",
-            run.text()
-        );
-    }
-    let delivered = oracle::arrival_ids(&sink.delivered());
-    assert!(
-        delivered.contains(&before),
-        "the row before it was delivered"
-    );
-    assert!(!delivered.contains(&bad));
-    let confirmed = oracle::slot_position(&db, &stack.slot).await?.confirmed;
-    assert!(
-        confirmed <= before_bad,
-        "the slot ({confirmed}) did not pass the unconvertible row ({before_bad})"
+    let relay = app::start_relay(&stack, &sink.url, &["--allow-non-utf8"]).await?;
+    app::wait_streaming(&relay).await?;
+    let before = app::insert_order_event(&db).await?.to_string();
+    let (bad, stored) = insert_non_utf8(&db).await?;
+    let later = app::insert_order_event(&db).await?.to_string();
+
+    wait_until("the non-UTF-8 row dead-lettered", DRAIN, || async {
+        let n: i64 = db
+            .query_one(
+                "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = $1",
+                &[&bad],
+            )
+            .await?
+            .get(0);
+        anyhow::Ok(n >= 1)
+    })
+    .await?;
+    let rows = db
+        .query(
+            "SELECT error, payload_bytes FROM cdc_relay_dead_letter WHERE event_id = $1",
+            &[&bad],
+        )
+        .await?;
+    assert_eq!(rows.len(), 1, "one dead letter");
+    let (error, bytes): (String, Option<Vec<u8>>) = (rows[0].get(0), rows[0].get(1));
+    assert!(error.to_lowercase().contains("utf-8"), "{error}");
+    assert_eq!(
+        bytes.as_deref(),
+        Some(&stored[..]),
+        "payload_bytes as stored"
     );
 
-    // The steps the message gives: fix the row, move the slot past its
-    // transaction, backfill, start again.
-    let found: Vec<String> = db
-        .query(
-            "SELECT id::text FROM outbox WHERE payload::text !~ '^[[:ascii:]]*$'",
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(
-        found,
-        std::slice::from_ref(&bad),
-        "the message's query finds the row"
-    );
-    db.execute(
-        "UPDATE outbox SET payload = '{\"note\": \"cafe\"}' WHERE id = $1::text::uuid",
-        &[&bad],
-    )
-    .await?;
-    let target = format!("{:X}/{:X}", after_bad >> 32, after_bad & 0xFFFF_FFFF);
-    db.execute(
-        "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)",
-        &[&stack.slot, &target],
-    )
-    .await?;
-    let backfill = app::relay_command(
-        &stack,
-        &stack.relay_url,
-        &["backfill", "--since", &since, "--sink-url", &sink.url],
-        &[("EVENT_SECRET", TEST_SECRET)],
-    )
-    .await?;
-    assert!(backfill.success(), "{}", backfill.text());
-    let later = app::insert_order_event(&db).await?.to_string();
-    let relay = app::start_relay(&stack, &sink.url, &["--allow-non-utf8"]).await?;
     wait_until("the later event delivered", DRAIN, || async {
         oracle::arrival_ids(&sink.delivered()).contains(&later)
     })
     .await?;
     oracle::settle(&db, &stack.slot).await?;
     let delivered = oracle::arrival_ids(&sink.delivered());
-    assert!(delivered.contains(&bad), "the fixed row was backfilled");
+    assert!(delivered.contains(&before) && !delivered.contains(&bad));
     assert_eq!(app::sessions(&relay), 1, "no restart loop");
+    assert_eq!(
+        relay.metrics().await?.sum("cdc_relay_reconnects_total"),
+        0.0
+    );
     Accounting::read(&db, &["outbox"], delivered)
         .await?
         .assert_balanced();
