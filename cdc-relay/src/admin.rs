@@ -60,14 +60,21 @@ async fn ready_handler(State(s): State<AdminState>) -> impl IntoResponse {
     }
 }
 
-/// Serves the admin endpoint on an already-bound listener until `shutdown`.
+/// Serves the admin endpoint on an already-bound listener until
+/// `shutdown`, with at most `max_connections` at once and a 5 s
+/// header-read/idle timeout: a flood of idle sockets on the admin port can
+/// never take the descriptors the delivery path needs.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Metrics,
     health: Arc<Health>,
+    max_connections: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router(metrics, health))
-        .with_graceful_shutdown(shutdown)
-        .await
+) {
+    let limits = service_listener::Limits {
+        header_read_timeout: std::time::Duration::from_secs(5),
+        max_connections: max_connections.max(1),
+        drain_timeout: std::time::Duration::from_secs(1),
+    };
+    service_listener::serve(listener, router(metrics, health), limits, shutdown).await;
 }

@@ -318,6 +318,11 @@ pub struct RunArgs {
     /// Admin HTTP address for /metrics, /healthz and /readyz.
     #[arg(long, env = "CDC_RELAY_ADMIN_LISTEN", default_value = "127.0.0.1:9187")]
     pub admin_listen: SocketAddr,
+    /// Connections the admin endpoint serves at once (its own small budget:
+    /// a flood on it never starves deliveries of descriptors); idle ones
+    /// close after 5 s.
+    #[arg(long, env = "CDC_RELAY_ADMIN_MAX_CONNECTIONS", default_value_t = 16)]
+    pub admin_max_connections: usize,
     /// /readyz fails when events are pending and the confirmed LSN has not
     /// advanced for this long.
     #[arg(long, env = "CDC_RELAY_READY_WINDOW", default_value = "60s", value_parser = parse_duration)]

@@ -65,6 +65,7 @@ async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
         listener,
         metrics.clone(),
         health.clone(),
+        a.admin_max_connections,
         async move { admin_stop.cancelled().await },
     ));
     tokio::spawn(watch_signals(shutdown.clone()));

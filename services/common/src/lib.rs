@@ -9,7 +9,7 @@
 //!                 └──▶ telemetry      server::service_router(app routes)
 //!                                        │  /healthz, /metrics, JSON 404/405,
 //!                                        │  request timeout, metrics, body limit
-//!  TcpListener ─────────────────────────▶ server::serve(listener, router, shutdown)
+//!  TcpListener ─────────────────────────▶ server::serve(listener, router, limits, shutdown)
 //!                                           prints `listening on http://ADDR`
 //! ```
 //!

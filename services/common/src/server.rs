@@ -38,6 +38,10 @@ pub struct HttpArgs {
     /// `request_timeout` (an open transaction is rolled back).
     #[arg(long, default_value_t = 10_000)]
     pub request_timeout_ms: u64,
+    /// Connection limits of the listener (header-read/idle timeout,
+    /// connection cap).
+    #[command(flatten)]
+    pub listen: service_listener::LimitArgs,
 }
 
 /// Adds `/healthz`, `/metrics`, a JSON 404, JSON bodies on 405 (axum's
@@ -59,8 +63,14 @@ pub fn service_router(app: Router, metrics: Arc<HttpMetrics>, http: &HttpArgs) -
 }
 
 /// Prints `listening on http://ADDR` to stdout (the line harnesses wait
-/// for), then serves until `shutdown` resolves and in-flight requests finish.
-pub async fn serve<F>(listener: TcpListener, router: Router, shutdown: F) -> std::io::Result<()>
+/// for), then serves within `limits` (see `service_listener`) until
+/// `shutdown` resolves and in-flight requests finish.
+pub async fn serve<F>(
+    listener: TcpListener,
+    router: Router,
+    limits: service_listener::Limits,
+    shutdown: F,
+) -> std::io::Result<()>
 where
     F: Future<Output = ()> + Send + 'static,
 {
@@ -70,10 +80,9 @@ where
         writeln!(stdout, "listening on http://{addr}")?;
         stdout.flush()?;
     }
-    tracing::info!(%addr, "listening");
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    tracing::info!(%addr, max_connections = limits.max_connections, "listening");
+    service_listener::serve(listener, router, limits, shutdown).await;
+    Ok(())
 }
 
 /// Resolves on the first SIGTERM or SIGINT.
@@ -115,7 +124,11 @@ where
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    serve(listener, router, shutdown_signal()).await?;
+    let limits = args
+        .http
+        .listen
+        .limits(Duration::from_millis(args.http.request_timeout_ms));
+    serve(listener, router, limits, shutdown_signal()).await?;
     tracing::info!("stopped");
     Ok(())
 }
@@ -192,7 +205,8 @@ mod tests {
         let metrics = Arc::new(HttpMetrics::new("test").expect("metrics"));
         let router = service_router(app, metrics, &http);
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(serve(listener, router, async {
+        let limits = http.listen.limits(Duration::from_secs(1));
+        tokio::spawn(serve(listener, router, limits, async {
             let _ = rx.await;
         }));
         (format!("http://{addr}"), tx)
@@ -213,6 +227,10 @@ mod tests {
         HttpArgs {
             body_limit_bytes: 16,
             request_timeout_ms: timeout_ms,
+            listen: service_listener::LimitArgs {
+                header_read_timeout: Duration::from_secs(10),
+                max_connections: 64,
+            },
         }
     }
 
