@@ -8,7 +8,11 @@
 --                SELECT; nothing updates or deletes).
 --   cdc_relay    LOGIN REPLICATION: streams the publication through a logical
 --                slot; SELECT, INSERT, DELETE on its dead-letter table,
---                INSERT on the audit table, SELECT on outbox for `backfill`.
+--                INSERT on the audit table, SELECT on outbox for `backfill`,
+--                SELECT, INSERT, UPDATE on its progress record; member of
+--                pg_read_all_stats (its watchdog reads the walsender's
+--                reply time; that role also shows other sessions' queries
+--                in pg_stat_activity: revoke it if that is not acceptable).
 --
 -- None of them is a superuser, owns a database or a table, can create roles,
 -- databases or schema objects, or has a password set by this file.
@@ -62,6 +66,14 @@ BEGIN
                 CASE WHEN r.replication THEN 'REPLICATION' ELSE 'NOREPLICATION' END);
         END IF;
     END LOOP;
+
+    -- The relay's stream watchdog reads pg_stat_replication.reply_time, which
+    -- PostgreSQL shows only to members of pg_read_all_stats. Revoke it to opt
+    -- out (REVOKE pg_read_all_stats FROM cdc_relay): the watchdog then only
+    -- checks that a walsender holds the slot, and says so once in the log.
+    IF NOT pg_has_role('cdc_relay', 'pg_read_all_stats', 'MEMBER') THEN
+        GRANT pg_read_all_stats TO cdc_relay;
+    END IF;
 END
 $roles$;
 

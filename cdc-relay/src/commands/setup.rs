@@ -140,18 +140,13 @@ async fn ensure_publication(
     if let Some(row) = exists {
         let (ins, upd, del, tru): (bool, bool, bool, bool) =
             (row.get(0), row.get(1), row.get(2), row.get(3));
-        let has_table = client
-            .query_opt(
-                "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-                &[&plan.publication, &t.schema, &t.name],
-            )
-            .await
-            .map_err(|e| SourceError::sql("reading the publication's tables", &e))?
-            .is_some();
-        if !ins || !has_table {
+        let publications = std::slice::from_ref(&plan.publication);
+        let m = catalog::membership(client, publications, t, &plan.columns.names()).await?;
+        if !ins || !m.included() {
             return Err(SourceError::Definite(format!(
-                "publication {:?} exists but does not publish inserts into {t}; fix it (ALTER PUBLICATION) or choose another --publication",
-                plan.publication
+                "publication {:?} exists but does not carry every insert into {t}: {}; fix it (ALTER PUBLICATION) or choose another --publication",
+                plan.publication,
+                catalog::membership_problem(&m, publications, t)
             )));
         }
         report.push(format!(
@@ -203,6 +198,9 @@ async fn ensure_slot(
     report: &mut Vec<String>,
 ) -> Result<(), SourceError> {
     let info = catalog::slot_info(client, &plan.slot).await?;
+    if let Some(i) = info.as_ref().filter(|i| !i.local) {
+        return Err(catalog::slot_elsewhere(&plan.slot, i));
+    }
     let publications = [plan.publication.clone()];
     let predates = match &info {
         Some(_) if created_publication => true,

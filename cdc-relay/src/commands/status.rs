@@ -7,7 +7,7 @@ use tokio_postgres::Client;
 
 use super::{connect, outln};
 use crate::cli::{GlobalArgs, StatusArgs};
-use crate::outbox::TableName;
+use crate::outbox::{OutboxColumns, TableName};
 use crate::source::catalog::{self, SlotInfo};
 use crate::source::{self, SourceError, failover};
 
@@ -15,7 +15,7 @@ use crate::source::{self, SourceError, failover};
 /// code (0 when no problem was found).
 pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     let client = connect(g).await?;
-    let mut s = status(&client, &g.slot, &g.publication, &g.table).await?;
+    let mut s = status(&client, &g.slot, &g.publication, &g.table, &g.columns()).await?;
     s.failover = failover::slot_failover(&client, &g.slot).await?;
     let primary = s
         .confirmed_flush_lsn
@@ -93,6 +93,7 @@ pub async fn status(
     slot: &str,
     publications: &[String],
     table: &TableName,
+    columns: &OutboxColumns,
 ) -> Result<Status, SourceError> {
     let info: Option<SlotInfo> = catalog::slot_info(client, slot).await?;
     let tables: Vec<String> = client
@@ -114,6 +115,7 @@ pub async fn status(
                 "slot {slot} does not exist: run `cdc-relay setup` (events committed before it exists are not delivered; re-send them with `cdc-relay backfill`)"
             ),
         ),
+        Some(i) if !i.local => problem(3, catalog::slot_elsewhere(slot, i).to_string()),
         Some(i) if i.wal_status.as_deref() == Some("lost") => problem(
             4,
             SourceError::SlotInvalidated {
@@ -123,14 +125,8 @@ pub async fn status(
         ),
         Some(_) => {}
     }
-    if !tables.contains(&table.to_string()) {
-        problem(
-            3,
-            format!(
-                "publication {} does not publish {table}: its inserts are not streamed; run `cdc-relay setup` (or ALTER PUBLICATION … ADD TABLE {table}), then backfill what was inserted meanwhile",
-                publications.join(", ")
-            ),
-        );
+    if let Err(e) = catalog::check_stream_config(client, table, columns, publications).await {
+        problem(if e.is_definite() { 3 } else { 1 }, e.to_string());
     } else if info.as_ref().is_some_and(|i| !i.active)
         && catalog::slot_predates_publication(client, slot, publications).await? == Some(true)
     {

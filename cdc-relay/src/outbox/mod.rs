@@ -101,6 +101,19 @@ pub struct OutboxColumns {
     pub aggregate_key: Option<String>,
 }
 
+impl OutboxColumns {
+    /// The configured column names (the aggregate key's when set).
+    pub fn names(&self) -> Vec<String> {
+        let mut names = vec![
+            self.id.clone(),
+            self.event_type.clone(),
+            self.payload.clone(),
+        ];
+        names.extend(self.aggregate_key.clone());
+        names
+    }
+}
+
 impl Default for OutboxColumns {
     fn default() -> Self {
         OutboxColumns {
@@ -172,19 +185,6 @@ pub enum OutboxError {
         column: String,
         /// The CLI flag that names the column.
         setting: &'static str,
-    },
-    /// The payload column is not `json`/`jsonb` (its type changed while the
-    /// relay streams): its text is not known to be JSON.
-    #[error(
-        "the payload column {table}.{column} (--payload-column) now has type OID {type_oid}, not json or jsonb; its text is not known to be JSON, so the relay stops before acknowledging it. Change the column back to jsonb (or json) and start the relay"
-    )]
-    PayloadType {
-        /// The outbox table.
-        table: String,
-        /// The payload column.
-        column: String,
-        /// The column's type OID in the Relation message.
-        type_oid: u32,
     },
     /// The relation that was the outbox now has another name than
     /// `--table` (renamed while the relay streamed): its changes would no

@@ -237,6 +237,7 @@ impl Session<'_> {
                 slot: cfg.slot.clone(),
                 publications: cfg.publications.clone(),
                 table: cfg.table.clone(),
+                columns: cfg.columns.names(),
                 interval: cfg.slot_stats_interval,
             },
             MonitorOutputs {
@@ -408,6 +409,9 @@ impl Session<'_> {
                 });
             }
         };
+        if !slot.local {
+            return Err(catalog::slot_elsewhere(&cfg.slot, &slot));
+        }
         if slot.wal_status.as_deref() == Some("lost") {
             return Err(SourceError::SlotInvalidated {
                 slot: cfg.slot.clone(),

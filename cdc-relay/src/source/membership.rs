@@ -56,7 +56,7 @@ pub enum Change {
 struct Verified {
     wal_lsn: Lsn,
     at: String,
-    identity: String,
+    membership: Membership,
 }
 
 /// The membership state of one session.
@@ -88,7 +88,7 @@ impl MembershipWatch {
                 .as_ref()
                 .map_or_else(|| "the relay's start".to_owned(), |v| v.at.clone())
         };
-        let change = match (m.included, self.out) {
+        let change = match (m.included(), self.out) {
             (false, false) => {
                 self.out = true;
                 return Change::Left { since: since() };
@@ -99,7 +99,7 @@ impl MembershipWatch {
                 until: m.at.clone(),
             },
             (true, false) => match &self.last_in {
-                Some(v) if v.identity != m.identity => Change::Gap {
+                Some(v) if m.gap_since(&v.membership) => Change::Gap {
                     since: v.at.clone(),
                     until: m.at.clone(),
                 },
@@ -110,7 +110,7 @@ impl MembershipWatch {
         self.last_in = Some(Verified {
             wal_lsn: m.wal_lsn,
             at: m.at.clone(),
-            identity: m.identity.clone(),
+            membership: m.clone(),
         });
         change
     }
@@ -133,10 +133,16 @@ impl MembershipWatch {
 mod tests {
     use super::*;
 
-    fn reading(included: bool, identity: &str, lsn: u64, at: &str) -> Membership {
+    /// A reading; `carriers` comma-separated ("" for none).
+    fn reading(included: bool, carriers: &str, lsn: u64, at: &str) -> Membership {
         Membership {
-            included,
-            identity: identity.into(),
+            carriers: if included {
+                carriers.split(',').map(str::to_owned).collect()
+            } else {
+                Vec::new()
+            },
+            table_oid: Some(7),
+            problem: None,
             wal_lsn: Lsn::new(lsn),
             at: at.into(),
         }
@@ -170,15 +176,32 @@ mod tests {
     #[test]
     fn a_flap_between_readings_is_a_gap() {
         let mut w = MembershipWatch::new(Lsn::new(10));
-        w.observe(&reading(true, "7,p1,r5", 100, "t1"));
+        w.observe(&reading(true, "p1:r5", 100, "t1"));
         assert_eq!(
-            w.observe(&reading(true, "7,p1,r9", 200, "t2")),
+            w.observe(&reading(true, "p1:r9", 200, "t2")),
             Change::Gap {
                 since: "t1".into(),
                 until: "t2".into()
             }
         );
         assert_eq!(w.ceiling(), None);
+    }
+
+    #[test]
+    fn a_change_in_one_of_two_carriers_is_no_gap() {
+        let mut w = MembershipWatch::new(Lsn::new(10));
+        w.observe(&reading(true, "a:r1,b:r2", 100, "t1"));
+        assert_eq!(w.observe(&reading(true, "a:r1", 200, "t2")), Change::Steady);
+        assert_eq!(
+            w.observe(&reading(true, "a:r1,b:r3", 300, "t3")),
+            Change::Steady
+        );
+        let mut recreated = reading(true, "a:r1", 400, "t4");
+        recreated.table_oid = Some(8);
+        assert!(
+            matches!(w.observe(&recreated), Change::Gap { .. }),
+            "the table is another relation"
+        );
     }
 
     #[test]

@@ -34,7 +34,7 @@ use crate::dispatch::{Confirmed, DispatchError, Item, Window, WindowPermit};
 use crate::lsn::Lsn;
 use crate::metrics::{IGNORED_RELATIONS, Metrics};
 use crate::outbox::{Mapped, OutboxError, OutboxMapper, RelationKind, TxContext};
-use crate::pgoutput::{self, DecodeError, LogicalMessage, RelationId};
+use crate::pgoutput::{self, DecodeError, LogicalMessage, Relation, RelationId};
 
 /// Why a session's stream ended with an error.
 #[derive(Debug, thiserror::Error)]
@@ -254,7 +254,7 @@ impl Stream {
         match pgoutput::decode(data)? {
             LogicalMessage::Relation(rel) => {
                 let kind = self.mapper.on_relation(&rel);
-                self.relation(kind).await?;
+                self.relation(kind, &rel).await?;
             }
             LogicalMessage::Insert(ins) => {
                 let tx = self.tx.ok_or_else(|| {
@@ -290,24 +290,44 @@ impl Stream {
     /// relation that is (or was) the outbox is checked against the catalog:
     /// an older name in the WAL is fine; a rename away from `--table` stops
     /// the session before anything of it is acknowledged.
-    async fn relation(&mut self, kind: RelationKind) -> Result<(), StreamError> {
+    async fn relation(&mut self, kind: RelationKind, rel: &Relation) -> Result<(), StreamError> {
         let table = self.mapper.table().to_string();
         match kind {
-            RelationKind::Outbox | RelationKind::Other => Ok(()),
+            RelationKind::Outbox => Ok(()),
+            RelationKind::Other => {
+                // A partition of the outbox streams under its own name when
+                // the publication does not publish via the partition root.
+                let root = catalog::partition_root(&self.side, rel.oid.0).await?;
+                if root.is_some_and(|r| r != rel.oid.0 && self.mapper.is_outbox(RelationId(r))) {
+                    tracing::info!(table = %table, partition = %format!("{}.{}", rel.namespace, rel.name), "a partition of the outbox streams under its own name (publish_via_partition_root = false): its inserts are delivered as the outbox's");
+                    self.mapper.adopt(rel);
+                }
+                Ok(())
+            }
             RelationKind::NewOutbox { oid } => {
                 tracing::warn!(table = %table, oid, "{table} is a new relation (OID {oid}): dropped and recreated, or swapped; its inserts are delivered");
                 Ok(())
             }
             RelationKind::OutboxUnderOtherName { oid, name } => {
-                if catalog::table_oid(&self.side, self.mapper.table()).await? == Some(oid) {
-                    tracing::info!(table = %table, oid, older_name = %name, "the WAL names the outbox by an older name");
-                    return Ok(());
+                match catalog::table_oid(&self.side, self.mapper.table()).await? {
+                    Some(now) if now == oid => {
+                        tracing::info!(table = %table, oid, older_name = %name, "the WAL names the outbox by an older name");
+                        Ok(())
+                    }
+                    // Another table took the configured name (a swap): both
+                    // are followed, so nothing written to either is lost.
+                    Some(now) => {
+                        tracing::warn!(table = %table, oid, now_named = %name, new_oid = now, "the outbox was swapped: {table} is another relation now (OID {now}); the former one, now {name} (OID {oid}), stays followed and its inserts are delivered too. Stop writing to it (or drop it) when the migration is done");
+                        Ok(())
+                    }
+                    None => {
+                        let now = catalog::relation_name(&self.side, oid)
+                            .await?
+                            .unwrap_or(name);
+                        tracing::error!(table = %table, oid, renamed_to = %now, "the outbox was renamed; stopping before acknowledging its changes");
+                        Err(OutboxError::Renamed { table, oid, now }.into())
+                    }
                 }
-                let now = catalog::relation_name(&self.side, oid)
-                    .await?
-                    .unwrap_or(name);
-                tracing::error!(table = %table, oid, renamed_to = %now, "the outbox was renamed; stopping before acknowledging its changes");
-                Err(OutboxError::Renamed { table, oid, now }.into())
             }
         }
     }

@@ -40,6 +40,8 @@ pub struct MonitorSettings {
     pub publications: Vec<String>,
     /// The outbox table.
     pub table: TableName,
+    /// The columns the relay reads (a publication's column list must keep them).
+    pub columns: Vec<String>,
     /// Time between readings (`--slot-stats-interval`, at most 30 s: the
     /// reading also verifies publication membership).
     pub interval: Duration,
@@ -72,13 +74,14 @@ pub async fn monitor_slot(
         slot,
         publications,
         table,
+        columns,
         interval,
     } = settings;
     let mut membership = MembershipWatch::new(start);
     let mut tick = tokio::time::interval(interval.min(MEMBERSHIP_CHECK_MAX));
     loop {
         tick.tick().await;
-        let reading = catalog::monitor_reading(&side, &slot, &publications, &table);
+        let reading = catalog::monitor_reading(&side, &slot, &publications, &table, &columns);
         let (info, member) = match tokio::time::timeout(Duration::from_secs(5), reading).await {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
@@ -98,7 +101,7 @@ pub async fn monitor_slot(
             None => tracing::warn!(slot = %slot, "slot disappeared"),
         }
         let change = membership.observe(&member);
-        report_membership(&change, &table, &publications, &out);
+        report_membership(&change, &member, &table, &publications, &out);
         out.health.set_publication_ok(membership.is_in());
         out.metrics
             .publication_includes_outbox
@@ -127,6 +130,7 @@ fn export_slot(metrics: &Metrics, info: &SlotInfo) {
 
 fn report_membership(
     change: &Change,
+    member: &catalog::Membership,
     table: &TableName,
     publications: &[String],
     out: &MonitorOutputs,
@@ -136,13 +140,13 @@ fn report_membership(
         Change::Steady | Change::StillOut => {}
         Change::Left { since } => {
             out.metrics.publication_gaps.inc();
+            let why = catalog::membership_problem(member, publications, table);
             tracing::error!(
                 table = %table, publications = %pubs,
-                "the outbox {table} is not in publication {pubs}: its inserts are not streamed, so they \
-                 cannot be delivered. The slot is held where membership was last verified. Fix: \
-                 ALTER PUBLICATION {first} ADD TABLE {table} (or run `cdc-relay setup`), then re-send \
-                 what was inserted meanwhile: cdc-relay backfill --since '{since}'",
-                first = publications.first().map_or("<publication>", String::as_str),
+                "the outbox {table}'s inserts are not (all) streamed by publication {pubs}: {why}. \
+                 Rows inserted meanwhile cannot be delivered from the slot; from now on the relay \
+                 confirms nothing further until that is fixed. Then re-send what was inserted since \
+                 membership was last verified: cdc-relay backfill --since '{since}'"
             );
         }
         Change::Back { since, until } => tracing::warn!(
@@ -193,6 +197,8 @@ pub struct Watchdog {
     last_check: Instant,
     readings: watch::Receiver<SlotReading>,
     health: Arc<Health>,
+    /// The role-cannot-see warning was logged.
+    blind_logged: bool,
 }
 
 impl Watchdog {
@@ -213,6 +219,7 @@ impl Watchdog {
             last_check: now,
             readings,
             health,
+            blind_logged: false,
         }
     }
 
@@ -255,8 +262,22 @@ impl Watchdog {
             },
         };
         self.last_check = Instant::now();
-        let Some(age) = info.as_ref().and_then(|i| i.reply_age_secs) else {
+        let Some(info) = info.filter(|i| i.active_pid.is_some()) else {
             return stalled("no walsender holds the slot for this session".into());
+        };
+        let Some(age) = info.reply_age_secs else {
+            // The role cannot see pg_stat_replication's details: no age to
+            // judge by, and a made-up one would report false stalls. Count
+            // the held slot as life, and say once what would do better.
+            if !self.blind_logged {
+                self.blind_logged = true;
+                tracing::warn!(
+                    "the relay's role cannot read pg_stat_replication.reply_time (it needs pg_read_all_stats, granted by sql/roles.sql): the stream watchdog can only check that a walsender holds the slot"
+                );
+            }
+            self.last_alive = Instant::now();
+            self.health.heard();
+            return Ok(());
         };
         let replied = at
             .checked_sub(Duration::from_secs_f64(age.max(0.0)))
@@ -265,9 +286,7 @@ impl Watchdog {
             self.last_alive = replied;
             self.health.heard_ago(self.last_alive.elapsed());
         }
-        let waiting = info
-            .as_ref()
-            .is_some_and(|i| matches!(i.wait_event_type.as_deref(), Some("Activity" | "Client")));
+        let waiting = matches!(info.wait_event_type.as_deref(), Some("Activity" | "Client"));
         let bound = self.silence.as_secs_f64();
         if age > bound * 10.0 || (age > bound && waiting) {
             return stalled(format!(

@@ -347,6 +347,22 @@ async fn no_app_role_is_privileged_or_owns_anything() {
         .unwrap()
         .get(0);
     assert_eq!(owned, 0);
+    let memberships: Vec<String> = admin
+        .query(
+            "SELECT pg_get_userbyid(member) || ' in ' || pg_get_userbyid(roleid) FROM pg_auth_members
+             WHERE pg_get_userbyid(member) IN ('orders_app', 'billing_app', 'cdc_relay') ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        memberships,
+        ["cdc_relay in pg_read_all_stats"],
+        "the relay's watchdog reads pg_stat_replication details; nothing else is granted a role"
+    );
 }
 
 #[tokio::test]

@@ -75,7 +75,7 @@ async fn renamed_outbox_stops_the_relay_unacknowledged_and_new_table_flag_delive
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn swapped_outbox_delivers_the_new_table_and_refuses_the_old_one() -> anyhow::Result<()> {
+async fn swapped_outbox_is_followed_both_ways_and_a_restart_does_not_wedge() -> anyhow::Result<()> {
     let mut s = Scenario::start(Inbox::Scripted).await?;
     s.db.batch_execute(&format!(
         "CREATE TABLE outbox_new (LIKE outbox INCLUDING ALL); \
@@ -95,24 +95,28 @@ async fn swapped_outbox_delivers_the_new_table_and_refuses_the_old_one() -> anyh
     )
     .await?;
     expected.push(s.insert_event(agg, "NewTable", Some(r#"{"w":1}"#)).await?);
-    expected.push(s.insert_event(agg, "NewTable", Some(r#"{"w":2}"#)).await?);
-    s.expect_exactly(&expected).await?;
-
-    let old = s
-        .insert_event_into("outbox_old", agg, "OldTable", Some(r#"{"w":3}"#))
-        .await?;
-    let after = oracle::wal_position(&s.db).await?;
-    let status = s.wait_refusal(after).await?;
-    let stderr = s.relay.process.stderr();
-    assert_eq!(status.code(), Some(5), "exit code 5:\n{stderr}");
-    for words in ["renamed", "public.outbox_old"] {
-        assert!(stderr.contains(words), "stderr names {words:?}:\n{stderr}");
-    }
-    assert!(
-        s.sink().received().iter().all(|r| r.id() != old.id),
-        "the insert into the old table was never sent"
+    // An application still writing to the former outbox is not lost.
+    expected.push(
+        s.insert_event_into("outbox_old", agg, "OldTable", Some(r#"{"w":2}"#))
+            .await?,
     );
-    s.assert_held(&["outbox", "outbox_old"]).await?;
+    expected.push(s.insert_event(agg, "NewTable", Some(r#"{"w":3}"#)).await?);
+    s.expect_exactly(&expected).await?;
+    let logs = s.relay.process.logs();
+    assert!(logs.contains("was swapped"), "says it was swapped:\n{logs}");
+
+    // A restart replays nothing new and does not stop on the old name.
+    s.stop_relay().await?;
+    s.restart_relay(&[]).await?;
+    let later = s
+        .insert_event(agg, "AfterRestart", Some(r#"{"w":4}"#))
+        .await?;
+    expected.push(later);
+    s.expect_exactly(&expected).await?;
+    s.settle().await?;
+    s.accounting(&["outbox", "outbox_old"])
+        .await?
+        .assert_balanced();
     Ok(())
 }
 
@@ -556,4 +560,106 @@ fn log_lines_naming(relay: &Running, words: &str) -> Vec<String> {
         .filter(|l| l.contains(words) && !l.contains(" DEBUG ") && !l.contains(" TRACE "))
         .map(str::to_owned)
         .collect()
+}
+
+/// A partitioned outbox published without `publish_via_partition_root`:
+/// the server streams each insert under its partition's name and OID. Those
+/// are the outbox's events, delivered, never "other tables".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_outbox_published_by_leaf_is_delivered_as_the_outbox() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    stack
+        .orders_admin()
+        .await?
+        .batch_execute(&format!(
+            "ALTER PUBLICATION {p} DROP TABLE outbox; \
+             ALTER TABLE outbox RENAME TO outbox_plain; \
+             CREATE TABLE outbox (LIKE outbox_plain INCLUDING DEFAULTS, PRIMARY KEY (id)) \
+               PARTITION BY HASH (id); \
+             CREATE TABLE outbox_p0 PARTITION OF outbox FOR VALUES WITH (MODULUS 2, REMAINDER 0); \
+             CREATE TABLE outbox_p1 PARTITION OF outbox FOR VALUES WITH (MODULUS 2, REMAINDER 1); \
+             GRANT SELECT, INSERT ON outbox TO orders_app; GRANT SELECT ON outbox TO cdc_relay; \
+             ALTER PUBLICATION {p} ADD TABLE outbox",
+            p = stack.publication
+        ))
+        .await?;
+    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
+    let agg = s.insert_order().await?;
+    let mut events = Vec::new();
+    for i in 0..8 {
+        events.push(
+            s.insert_event(agg, "Partitioned", Some(&format!(r#"{{"i":{i}}}"#)))
+                .await?,
+        );
+    }
+    let per_partition: Vec<i64> =
+        s.db.query(
+            "SELECT count(*) FROM outbox GROUP BY tableoid ORDER BY tableoid",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        per_partition.len(),
+        2,
+        "both partitions hold events: {per_partition:?}"
+    );
+    s.expect_exactly(&events).await?;
+    let metrics = s.relay.metrics().await?;
+    assert_eq!(
+        metrics.sum("cdc_relay_ignored_changes_total"),
+        0.0,
+        "no partition counted as another table"
+    );
+    assert_eq!(metrics.value(INCLUDES, &[]), Some(1.0));
+    s.assert_balanced().await?;
+    s.finish().await
+}
+
+/// A row filter added to the only publication while streaming: the
+/// publication no longer carries every insert, so it stops counting — the
+/// relay says which publication and what to change, `/readyz` fails, and a
+/// restart refuses it with the same words (exit 3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_filter_on_the_publication_is_not_counted_as_carrying_the_outbox() -> anyhow::Result<()>
+{
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, db, relay) = (&s.stack, &s.db, &s.relay);
+    wait_until(&format!("{INCLUDES} 1 while healthy"), NOTICE, || async {
+        relay.gauge(INCLUDES).await.map(|v| v == Some(1.0))
+    })
+    .await?;
+    db.batch_execute(&format!(
+        "ALTER PUBLICATION {} SET TABLE outbox WHERE (event_type <> 'Hidden')",
+        stack.publication
+    ))
+    .await?;
+    let error = relay
+        .process
+        .wait_for_line_where(
+            "an ERROR naming the row filter",
+            |l| l.contains("ERROR") && l.contains("row filter") && l.contains("backfill"),
+            NOTICE,
+        )
+        .await?;
+    eprintln!("{error}");
+    wait_until(&format!("{INCLUDES} 0"), NOTICE, || async {
+        relay.gauge(INCLUDES).await.map(|v| v == Some(0.0))
+    })
+    .await?;
+    let (status, body) = relay.get("/readyz").await?;
+    assert_eq!(status, 503, "{body}");
+
+    let mut s = s;
+    s.stop_relay().await?;
+    let out = run_once(&s.stack, s.sink()).await?;
+    assert_eq!(out.code(), Some(3), "{}", out.text());
+    assert!(
+        out.text().contains("row filter") && out.text().contains(&s.stack.publication),
+        "names the publication and the filter: {}",
+        out.text()
+    );
+    Ok(())
 }

@@ -16,6 +16,8 @@ struct Positions {
     id: usize,
     event_type: usize,
     payload: usize,
+    /// The payload column's type (json/jsonb text needs no check).
+    payload_type: u32,
     aggregate_key: Option<usize>,
 }
 
@@ -121,6 +123,13 @@ impl OutboxMapper {
         }
     }
 
+    /// Adopts `rel` as the outbox too: a partition of the outbox streamed
+    /// under its own name (`publish_via_partition_root = false`), whose
+    /// columns are the outbox's.
+    pub fn adopt(&mut self, rel: &Relation) {
+        self.outbox.insert(rel.oid, self.resolve(rel));
+    }
+
     fn resolve(&self, rel: &Relation) -> Result<Positions, OutboxError> {
         let find = |column: &str, setting: &'static str| {
             rel.columns
@@ -134,14 +143,8 @@ impl OutboxMapper {
         };
         let payload = find(&self.columns.payload, "--payload-column")?;
         let payload_type = rel.columns[payload].type_oid;
-        if !JSON_TYPES.contains(&payload_type) {
-            return Err(OutboxError::PayloadType {
-                table: self.table.to_string(),
-                column: self.columns.payload.clone(),
-                type_oid: payload_type,
-            });
-        }
         Ok(Positions {
+            payload_type,
             columns: rel.columns.len(),
             id: find(&self.columns.id, "--id-column")?,
             event_type: find(&self.columns.event_type, "--type-column")?,
@@ -190,15 +193,27 @@ impl OutboxMapper {
         // json/jsonb text is valid JSON in a UTF-8 database; in another
         // server encoding it may hold bytes that are not UTF-8, which a
         // JSON body cannot carry.
+        // Text of any other type (a type change, a domain) is checked, row
+        // by row: the body splices it in as JSON. (Stopping on the type
+        // instead would wedge the slot: the WAL keeps the old rows' type.)
         let payload = match &values[pos.payload] {
             ColumnValue::Null => None,
-            ColumnValue::Text(b) if std::str::from_utf8(b).is_ok() => Some(b.clone()),
-            ColumnValue::Text(_) => {
+            ColumnValue::Text(b) if std::str::from_utf8(b).is_err() => {
                 return Err(format!(
                     "column {:?} is not valid UTF-8",
                     self.columns.payload
                 ));
             }
+            ColumnValue::Text(b)
+                if !JSON_TYPES.contains(&pos.payload_type)
+                    && serde_json::from_slice::<serde::de::IgnoredAny>(b).is_err() =>
+            {
+                return Err(format!(
+                    "column {:?} (type OID {}, not json/jsonb) holds text that is not JSON",
+                    self.columns.payload, pos.payload_type
+                ));
+            }
+            ColumnValue::Text(b) => Some(b.clone()),
             other => return Err(bad_kind(other, &self.columns.payload)),
         };
         let aggregate_key = match (pos.aggregate_key, &self.columns.aggregate_key) {

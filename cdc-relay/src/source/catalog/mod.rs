@@ -52,29 +52,31 @@ pub struct SlotInfo {
     /// `Client` while it waits for WAL or its client; other values or none
     /// while it works).
     pub wait_event_type: Option<String>,
+    /// The slot decodes this connection's database (a slot of the same name
+    /// may belong to another database of the cluster).
+    pub local: bool,
 }
 
 /// Reads the slot's row; `None` when it does not exist. One statement.
 pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, SourceError> {
+    let sql = format!(
+        "SELECT s.plugin::text, s.database::text, s.active, s.active_pid, \
+                s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
+                (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
+                a.wait_event_type::text, s.database = current_database() \
+         FROM pg_replication_slots s \
+         LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
+         LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid \
+         WHERE s.slot_name = $1"
+    );
     let row = client
-        .query_opt(
-            "SELECT s.plugin::text, s.database::text, s.active, s.active_pid, \
-                    s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
-                    (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, \
-                    EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8, \
-                    a.wait_event_type::text \
-             FROM pg_replication_slots s \
-             LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
-             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid \
-             WHERE s.slot_name = $1",
-            &[&slot],
-        )
+        .query_opt(&sql, &[&slot])
         .await
         .map_err(|e| SourceError::sql("reading the slot", &e))?;
     Ok(row.map(|r| slot_from_row(&r, 0)))
 }
 
-/// The ten slot columns of [`slot_info`]'s query, starting at column `at`.
+/// The eleven slot columns of [`slot_info`]'s query, starting at column `at`.
 fn slot_from_row(r: &tokio_postgres::Row, at: usize) -> SlotInfo {
     SlotInfo {
         plugin: r.get(at),
@@ -89,25 +91,121 @@ fn slot_from_row(r: &tokio_postgres::Row, at: usize) -> SlotInfo {
         lag_bytes: r.get(at + 7),
         reply_age_secs: r.get(at + 8),
         wait_event_type: r.get(at + 9),
+        local: r.get::<_, Option<bool>>(at + 10).unwrap_or(false),
     }
 }
 
 /// Whether the outbox is in the publications, as one monitor reading saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Membership {
-    /// One of the publications publishes inserts into the outbox table.
-    pub included: bool,
-    /// Identifies the membership: the publications' OIDs, their
-    /// `pg_publication_rel` / `pg_publication_namespace` rows for the table
-    /// and the table's OID. A change between two readings that both say
-    /// `included` means the table left and rejoined (or was recreated)
-    /// in between.
-    pub identity: String,
+    /// The publications that carry the outbox's inserts completely
+    /// (inserts published, no row filter, no column list leaving out a
+    /// configured column), each as a token of its identity: name, OID,
+    /// `publish_via_partition_root`, `FOR ALL TABLES`, and the OIDs of its
+    /// `pg_publication_rel` / `pg_publication_namespace` rows for the table.
+    /// Empty: the outbox's inserts are not (all) streamed.
+    pub carriers: Vec<String>,
+    /// The relation OID `--table` names now.
+    pub table_oid: Option<u32>,
+    /// When no publication carries it: why, per publication that lists it.
+    pub problem: Option<String>,
     /// `pg_current_wal_lsn()` when read.
     pub wal_lsn: Lsn,
     /// The server's clock when read, `YYYY-MM-DD HH:MM:SS+00` (UTC), a
     /// `--since` value for `backfill`.
     pub at: String,
+}
+
+impl Membership {
+    /// Some publication carries the outbox's inserts completely.
+    pub fn included(&self) -> bool {
+        !self.carriers.is_empty()
+    }
+
+    /// Whether, between `earlier` and this reading, no publication can
+    /// have carried the outbox all along: no carrier is the same at both
+    /// readings, or the table is another relation now. (A change in one of
+    /// several publications while another carries it throughout is no gap.)
+    pub fn gap_since(&self, earlier: &Membership) -> bool {
+        self.table_oid != earlier.table_oid
+            || !self.carriers.iter().any(|c| earlier.carriers.contains(c))
+    }
+}
+
+/// The membership part of the monitor's statement: `$2` publications, `$3`
+/// schema, `$4` table, `$5` the configured columns. Five columns: WAL
+/// position, time, table OID, carriers, problem. Published tables are
+/// matched by joining their names to pg_class, never with `to_regclass` on
+/// the view's rows: the planner may evaluate that over every pg_class row,
+/// and `pg_toast` then fails with a permission error for a plain role.
+const MEMBERSHIP_SQL: &str = "\
+    WITH t AS (SELECT to_regclass(format('%I.%I', $3::text, $4::text))::oid AS oid), \
+         p AS (SELECT oid, pubname, puballtables, pubinsert, pubviaroot FROM pg_publication \
+               WHERE pubname = ANY($2)), \
+         listed AS (SELECT p.oid, p.pubname, p.pubinsert, p.pubviaroot, p.puballtables, \
+                           pt.rowfilter, pt.attnames \
+                    FROM p JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
+                    JOIN pg_namespace pn ON pn.nspname = pt.schemaname \
+                    JOIN pg_class pc ON pc.relnamespace = pn.oid AND pc.relname = pt.tablename, t \
+                    WHERE coalesce(pg_partition_root(pc.oid), pc.oid)::oid = t.oid), \
+         carriers AS (SELECT DISTINCT oid, pubname, pubviaroot, puballtables FROM listed \
+                      WHERE pubinsert AND rowfilter IS NULL \
+                        AND (attnames IS NULL OR $5::text[]::name[] <@ attnames)) \
+    SELECT pg_current_wal_lsn()::text, \
+           to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00'), \
+           (SELECT oid FROM t), \
+           ARRAY(SELECT c.pubname || ':' || c.oid || ':' || c.pubviaroot || ':' || c.puballtables || ':' || \
+                   coalesce((SELECT string_agg(pr.oid::text, ',' ORDER BY pr.oid) FROM pg_publication_rel pr, t \
+                             WHERE pr.prpubid = c.oid \
+                               AND coalesce(pg_partition_root(pr.prrelid), pr.prrelid)::oid = t.oid), '') || ':' || \
+                   coalesce((SELECT string_agg(pn.oid::text, ',' ORDER BY pn.oid) FROM pg_publication_namespace pn \
+                             WHERE pn.pnpubid = c.oid), '') \
+                 FROM carriers c ORDER BY 1), \
+           (SELECT string_agg(DISTINCT l.pubname || ' ' || CASE \
+                     WHEN NOT l.pubinsert THEN 'does not publish inserts: ALTER PUBLICATION ' || quote_ident(l.pubname) || ' SET (publish = ''insert'')' \
+                     WHEN l.rowfilter IS NOT NULL THEN 'has a row filter (WHERE ' || l.rowfilter || '): drop it, the relay needs every row' \
+                     ELSE 'has a column list leaving out a column the relay reads: drop the list' END, '; ') \
+            FROM listed l WHERE l.oid NOT IN (SELECT oid FROM carriers))";
+
+/// Why the outbox is not carried, for messages: the reading's problem, or
+/// "not in any of them" with the command that adds it.
+pub fn membership_problem(m: &Membership, publications: &[String], table: &TableName) -> String {
+    m.problem.clone().unwrap_or_else(|| {
+        format!(
+            "{table} is in none of the publications ({}): ALTER PUBLICATION {} ADD TABLE {table} (or run `cdc-relay setup`)",
+            publications.join(", "),
+            publications.first().map_or("<publication>", String::as_str)
+        )
+    })
+}
+
+/// Reads the outbox's publication membership alone (one statement).
+pub async fn membership(
+    client: &Client,
+    publications: &[String],
+    table: &TableName,
+    columns: &[String],
+) -> Result<Membership, SourceError> {
+    // $1 (the slot, in the monitor's statement) is unused here.
+    let sql = format!("SELECT m.* FROM ({MEMBERSHIP_SQL}) m, (SELECT $1::text) unused");
+    let row = client
+        .query_one(
+            &sql,
+            &[&"", &publications, &table.schema, &table.name, &columns],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the publications", &e))?;
+    Ok(membership_from_row(&row))
+}
+
+fn membership_from_row(row: &tokio_postgres::Row) -> Membership {
+    Membership {
+        wal_lsn: row.get::<_, String>(0).parse().unwrap_or_default(),
+        at: row.get(1),
+        table_oid: row.get(2),
+        carriers: row.get(3),
+        problem: row.get(4),
+    }
 }
 
 /// The slot and the outbox's publication membership in ONE statement (the
@@ -118,43 +216,57 @@ pub async fn monitor_reading(
     slot: &str,
     publications: &[String],
     table: &TableName,
+    columns: &[String],
 ) -> Result<(Option<SlotInfo>, Membership), SourceError> {
+    let sql = format!(
+        "WITH m AS ({MEMBERSHIP_SQL}) \
+         SELECT m.*, s.plugin::text, s.database::text, s.active, s.active_pid, \
+                s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
+                (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
+                a.wait_event_type::text, s.database = current_database(), s.slot_name IS NOT NULL \
+         FROM m \
+         LEFT JOIN pg_replication_slots s ON s.slot_name = $1 \
+         LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
+         LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid"
+    );
     let row = client
         .query_one(
-            "WITH t AS (SELECT to_regclass(format('%I.%I', $3::text, $4::text)) AS oid), \
-                  p AS (SELECT oid, pubname, puballtables, pubinsert FROM pg_publication WHERE pubname = ANY($2)) \
-             SELECT pg_current_wal_lsn()::text, \
-                    to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00'), \
-                    EXISTS (SELECT 1 FROM pg_publication_tables pt JOIN p ON p.pubname = pt.pubname \
-                            WHERE pt.schemaname = $3 AND pt.tablename = $4 AND p.pubinsert), \
-                    concat_ws(',', (SELECT oid::text FROM t), \
-                      (SELECT string_agg(x, ',' ORDER BY x) FROM ( \
-                         SELECT 'p' || p.oid || CASE WHEN p.puballtables THEN 'a' ELSE '' END AS x FROM p \
-                         UNION ALL SELECT 'r' || pr.oid FROM pg_publication_rel pr JOIN p ON p.oid = pr.prpubid, t \
-                                   WHERE pr.prrelid = t.oid \
-                         UNION ALL SELECT 'n' || pn.oid FROM pg_publication_namespace pn JOIN p ON p.oid = pn.pnpubid \
-                                   JOIN pg_namespace n ON n.oid = pn.pnnspid WHERE n.nspname = $3) ids)), \
-                    s.plugin::text, s.database::text, s.active, s.active_pid, \
-                    s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
-                    (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, \
-                    EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8, \
-                    a.wait_event_type::text, s.slot_name IS NOT NULL \
-             FROM (SELECT 1) one \
-             LEFT JOIN pg_replication_slots s ON s.slot_name = $1 \
-             LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
-             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid",
-            &[&slot, &publications, &table.schema, &table.name],
+            &sql,
+            &[&slot, &publications, &table.schema, &table.name, &columns],
         )
         .await
         .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;
-    let membership = Membership {
-        wal_lsn: row.get::<_, String>(0).parse().unwrap_or_default(),
-        at: row.get(1),
-        included: row.get(2),
-        identity: row.get(3),
-    };
-    let slot = row.get::<_, bool>(14).then(|| slot_from_row(&row, 4));
-    Ok((slot, membership))
+    let slot = row.get::<_, bool>(16).then(|| slot_from_row(&row, 5));
+    Ok((slot, membership_from_row(&row)))
+}
+
+/// Seconds since the walsender read a status update from its client
+/// (`reply_time`, or its start before the first); NULL when the role
+/// cannot see `pg_stat_replication`'s details (it needs
+/// `pg_read_all_stats`), so no verdict is drawn from a made-up age.
+const REPLY_AGE: &str = "CASE WHEN r.state IS NULL THEN NULL ELSE \
+     EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8 END";
+
+/// The top of the partition tree `oid` belongs to (itself when it is not
+/// a partition; `None` when it no longer exists).
+pub async fn partition_root(client: &Client, oid: u32) -> Result<Option<u32>, SourceError> {
+    let row = client
+        .query_opt(
+            "SELECT coalesce(pg_partition_root(c.oid::regclass), c.oid::regclass)::oid \
+             FROM pg_class c WHERE c.oid = $1",
+            &[&oid],
+        )
+        .await
+        .map_err(|e| SourceError::sql("looking up a partition", &e))?;
+    Ok(row.map(|r| r.get(0)))
+}
+
+/// The error for a slot named like ours that decodes another database.
+pub fn slot_elsewhere(slot: &str, info: &SlotInfo) -> SourceError {
+    SourceError::NeedsSetup(format!(
+        "replication slot {slot:?} belongs to database {:?}, not this one: slots are per database; choose another --slot (CDC_RELAY_SLOT) and run `cdc-relay setup`",
+        info.database.as_deref().unwrap_or("?")
+    ))
 }
 
 /// A server setting as text (`current_setting`).

@@ -187,22 +187,15 @@ pub async fn check_stream_config(
             "publication {missing:?} does not exist (--publication / CDC_RELAY_PUBLICATION); run `cdc-relay setup`"
         )));
     }
-    // Several publications may carry the table: pgoutput streams their union.
-    let published: bool = client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables pt \
-                            JOIN pg_publication p ON p.pubname = pt.pubname \
-                            WHERE pt.pubname = ANY($1) AND pt.schemaname = $2 \
-                              AND pt.tablename = $3 AND p.pubinsert)",
-            &[&publications, &t.schema, &t.name],
-        )
-        .await
-        .map_err(|e| SourceError::sql("reading the publications' tables", &e))?
-        .get(0);
-    if !published {
+    // Several publications may carry the table: pgoutput streams their
+    // union. One carries it only with inserts on, no row filter, and no
+    // column list leaving out a column the relay reads.
+    let m = super::membership(client, publications, t, &c.names()).await?;
+    if !m.included() {
         return Err(SourceError::NeedsSetup(format!(
-            "no publication in --publication ({}) publishes inserts into {t} (--table); fix the flags or run `cdc-relay setup`",
-            publications.join(", ")
+            "no publication in --publication ({}) publishes inserts into {t} (--table) completely: {}",
+            publications.join(", "),
+            super::membership_problem(&m, publications, t)
         )));
     }
     Ok(table)
