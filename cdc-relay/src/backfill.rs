@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 
 use crate::ack::Position;
+use crate::breaker::Breaker;
 use crate::dispatch::{self, Confirmed, DispatchConfig, DispatchError, Item, Services, Window};
 use crate::health::Health;
 use crate::metrics::Metrics;
@@ -123,6 +124,7 @@ pub async fn run(
         store,
         metrics: metrics.clone(),
         health: Health::new(Duration::from_secs(3600)),
+        breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),
     };
     let (items, items_rx) = mpsc::channel(1024);
     let (confirmed, _) = watch::channel(Confirmed::default());

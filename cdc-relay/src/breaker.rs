@@ -27,7 +27,7 @@
 //! dead-lettering stops, the circuit opens, and the events wait for a 2xx.
 
 use std::collections::{BTreeSet, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::Rng;
@@ -87,9 +87,17 @@ struct State {
     proven: bool,
 }
 
-/// Shared by every delivery of one session.
-#[derive(Debug)]
+/// Shared by every delivery, and kept across sessions (a clone is the same
+/// breaker): a reconnect neither closes an open circuit nor forgets a
+/// poison storm, so a broken sink does not get a fresh window, nor a fresh
+/// run of dead letters, every time the stream reconnects.
+#[derive(Clone, Debug)]
 pub struct Breaker {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
     cfg: BreakerConfig,
     state: Mutex<State>,
     changed: Notify,
@@ -110,7 +118,7 @@ impl Breaker {
     /// A closed breaker.
     pub fn new(cfg: BreakerConfig, metrics: Metrics) -> Self {
         metrics.circuit_state.set(CircuitState::Closed as i64);
-        Breaker {
+        let shared = Shared {
             cfg,
             state: Mutex::new(State {
                 circuit: CircuitState::Closed,
@@ -124,7 +132,21 @@ impl Breaker {
             }),
             changed: Notify::new(),
             metrics,
+        };
+        Breaker {
+            shared: Arc::new(shared),
         }
+    }
+
+    /// A new session starts: the deliveries of the last one are gone (their
+    /// tasks were dropped), so nothing waits and no probe is in flight. The
+    /// circuit, the failure count and the storm stay as they were.
+    pub fn new_session(&self) {
+        let mut s = self.lock();
+        s.waiting.clear();
+        s.probe_in_flight = false;
+        drop(s);
+        self.shared.changed.notify_waiters();
     }
 
     /// The current state.
@@ -133,7 +155,8 @@ impl Breaker {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state
+        self.shared
+            .state
             .lock()
             .expect("breaker state lock is never poisoned")
     }
@@ -141,7 +164,7 @@ impl Breaker {
     /// Waits until delivery `seq` (its stream order) may make an attempt.
     pub async fn admit(&self, seq: u64) -> Admission {
         loop {
-            let notified = self.changed.notified();
+            let notified = self.shared.changed.notified();
             let wait_until = {
                 let mut s = self.lock();
                 if s.circuit == CircuitState::Closed && s.proven {
@@ -212,12 +235,12 @@ impl Breaker {
                 s.proven = false;
                 s.consecutive_failures = s.consecutive_failures.saturating_add(1);
                 if s.circuit == CircuitState::Closed
-                    && s.consecutive_failures >= self.cfg.failure_threshold
+                    && s.consecutive_failures >= self.shared.cfg.failure_threshold
                 {
                     tracing::warn!(
                         failures = s.consecutive_failures,
                         reason,
-                        probe_interval_ms = self.cfg.probe_interval.as_millis() as u64,
+                        probe_interval_ms = self.shared.cfg.probe_interval.as_millis() as u64,
                         "circuit opened: dispatch paused, probing"
                     );
                     self.set(&mut s, CircuitState::Open);
@@ -239,7 +262,7 @@ impl Breaker {
             s.next_probe_at = Instant::now() + self.jittered_interval();
         }
         drop(s);
-        self.changed.notify_waiters();
+        self.shared.changed.notify_waiters();
     }
 
     /// A poison verdict for `event_id`: `true` when the event may be
@@ -251,7 +274,7 @@ impl Breaker {
             return false;
         }
         s.poison_run.insert(event_id.to_owned());
-        if s.poison_run.len() >= self.cfg.storm_threshold as usize {
+        if s.poison_run.len() >= self.shared.cfg.storm_threshold as usize {
             s.storm = true;
             tracing::error!(
                 distinct_events = s.poison_run.len(),
@@ -261,7 +284,7 @@ impl Breaker {
                 self.set(&mut s, CircuitState::Open);
             }
             drop(s);
-            self.changed.notify_waiters();
+            self.shared.changed.notify_waiters();
             return false;
         }
         true
@@ -272,13 +295,13 @@ impl Breaker {
         s.consecutive_failures = 0;
         s.probe_in_flight = false;
         s.next_probe_at = Instant::now() + self.jittered_interval();
-        self.metrics.circuit_state.set(to as i64);
+        self.shared.metrics.circuit_state.set(to as i64);
     }
 
     /// The probe interval stretched by up to 20 %: never shorter, so an open
     /// circuit never sends more than one probe per interval.
     fn jittered_interval(&self) -> Duration {
-        let base = self.cfg.probe_interval.as_secs_f64();
+        let base = self.shared.cfg.probe_interval.as_secs_f64();
         Duration::from_secs_f64(base * rand::rng().random_range(1.0..=1.2))
     }
 }

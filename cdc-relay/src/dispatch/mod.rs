@@ -93,8 +93,8 @@ pub struct DispatchConfig {
     pub breaker: BreakerConfig,
 }
 
-/// What a pipeline shares: the sink, the dead-letter store, metrics and
-/// health.
+/// What a pipeline shares: the sink, the dead-letter store, the breaker,
+/// metrics and health.
 pub struct Services<S, D> {
     /// Where events are POSTed.
     pub sink: S,
@@ -104,6 +104,9 @@ pub struct Services<S, D> {
     pub metrics: Metrics,
     /// Readiness.
     pub health: Arc<Health>,
+    /// The circuit breaker and storm guard: the caller keeps it across
+    /// sessions, so a reconnect does not reset an open circuit or a storm.
+    pub breaker: Breaker,
 }
 
 /// The pipeline stopped before its input ended.
@@ -131,7 +134,8 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
 ) -> Result<P, DispatchError> {
     let metrics = services.metrics.clone();
     let health = Arc::clone(&services.health);
-    let breaker = Breaker::new(cfg.breaker.clone(), metrics.clone());
+    let breaker = services.breaker.clone();
+    breaker.new_session();
     let delivery = Arc::new(Delivery::new(cfg.clone(), services, breaker));
     let mut scheduler: Scheduler<P, Job> = Scheduler::new(start, cfg.max_in_flight);
     let mut done = DoneLog::new();

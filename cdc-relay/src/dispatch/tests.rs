@@ -133,10 +133,12 @@ async fn dispatch_all(
     txs: Vec<Vec<OutboxEvent>>,
 ) -> (Lsn, Vec<NewDeadLetter>) {
     let store = Arc::new(MemoryStore::default());
+    let metrics = Metrics::new();
     let services = Services {
         sink,
         store: Arc::clone(&store),
-        metrics: Metrics::new(),
+        breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),
+        metrics,
         health: Health::new(Duration::from_secs(60)),
     };
     let (items, items_rx) = mpsc::channel(16);
@@ -326,4 +328,88 @@ async fn breaker_opens_sends_one_probe_per_interval_then_the_window_resumes() {
         max_concurrency(&after.into_iter().cloned().collect::<Vec<_>>()),
         7
     );
+}
+
+/// One session of `events` (one transaction) with `breaker`, dropped after
+/// `lasting` like a reconnect drops it. Returns the dead letters written.
+async fn session_dropped_after(
+    cfg: DispatchConfig,
+    sink: Arc<ScriptedSink>,
+    breaker: Breaker,
+    events: Vec<OutboxEvent>,
+    lasting: Duration,
+) -> Vec<NewDeadLetter> {
+    let store = Arc::new(MemoryStore::default());
+    let services = Services {
+        sink,
+        store: Arc::clone(&store),
+        breaker,
+        metrics: Metrics::new(),
+        health: Health::new(Duration::from_secs(60)),
+    };
+    let (items, items_rx) = mpsc::channel(16);
+    let (confirmed, _) = watch::channel(Confirmed::default());
+    let dispatcher = tokio::spawn(run(cfg, services, Lsn::ZERO, items_rx, confirmed));
+    let window = Window::new(10_000, 1 << 20);
+    items.send(Item::Begin).await.unwrap();
+    for e in events {
+        let permit = window.admit(e.size_bytes()).await;
+        items.send(Item::Event(e, permit)).await.unwrap();
+    }
+    tokio::time::sleep(lasting).await;
+    dispatcher.abort();
+    let _ = dispatcher.await;
+    store.0.lock().unwrap().clone()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_poison_storm_and_an_open_circuit_outlive_a_reconnect() {
+    // Broken on purpose once each: a fresh Breaker per session (as before
+    // this test) dead-lettered storm_threshold - 1 more events on every
+    // replay; `new_session` doing nothing left the dropped session's probe
+    // "in flight" forever, and no probe went out again.
+    //
+    // The sink refuses every event; from 1 s to 3 s it hangs, so the first
+    // session is dropped with a probe in flight.
+    let t0 = Instant::now();
+    let sink = ScriptedSink::new(move |_, now| {
+        let hang = now >= t0 + Duration::from_secs(1) && now < t0 + Duration::from_secs(3);
+        let latency = if hang { 3_600_000 } else { 2 };
+        (Duration::from_millis(latency), 422)
+    });
+    let mut cfg = config(8);
+    cfg.breaker.storm_threshold = 3;
+    let breaker = Breaker::new(cfg.breaker.clone(), Metrics::new());
+    let events = || (0..6).map(|n| event(&format!("e{n}"), None)).collect();
+    let first = session_dropped_after(
+        cfg.clone(),
+        Arc::clone(&sink),
+        breaker.clone(),
+        events(),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_eq!(first.len(), 2, "dead letters until the storm: {first:?}");
+    assert_eq!(breaker.state(), crate::breaker::CircuitState::Open);
+
+    // The stream reconnects and replays the same transaction.
+    let calls_before = sink.calls().len();
+    let second = session_dropped_after(
+        cfg.clone(),
+        Arc::clone(&sink),
+        breaker.clone(),
+        events(),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert!(
+        second.is_empty(),
+        "no new dead letters in the storm: {second:?}"
+    );
+    let probes = sink.calls().len() - calls_before;
+    assert!(
+        (1..=7).contains(&probes),
+        "only probes go out, about two per second, and they do go out: {probes}"
+    );
+    assert_eq!(breaker.state(), crate::breaker::CircuitState::Open);
 }

@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::backoff::Backoff;
+use crate::breaker::Breaker;
 use crate::dispatch::{self, Confirmed, DispatchConfig, Services, Window};
 use crate::health::Health;
 use crate::lsn::Lsn;
@@ -110,6 +111,9 @@ pub async fn run(
     // time, and reconnecting restarts that replay from the beginning.
     let mut watchdog_scale: u32 = 1;
     let holder = progress::holder(&cfg.application_name);
+    // One breaker for the process: a reconnect keeps an open circuit open
+    // and a poison storm a storm.
+    let breaker = Breaker::new(cfg.dispatch.breaker.clone(), metrics.clone());
     // Where this process left the slot when its last session ended.
     let mut left: Option<LeftAt> = None;
     loop {
@@ -123,6 +127,7 @@ pub async fn run(
             health: &health,
             watchdog_scale,
             holder: &holder,
+            breaker: &breaker,
         };
         let outcome = session
             .run(&sink, &shutdown, &mut streamed, &mut left)
@@ -183,6 +188,8 @@ struct Session<'a> {
     watchdog_scale: u32,
     /// Who this relay is, in the progress record.
     holder: &'a str,
+    /// Kept across sessions.
+    breaker: &'a Breaker,
 }
 
 /// What start-up learned on the side connection.
@@ -274,6 +281,7 @@ impl Session<'_> {
             store: Arc::clone(&p.side),
             metrics: self.metrics.clone(),
             health: Arc::clone(self.health),
+            breaker: self.breaker.clone(),
         };
         let dispatcher = AbortOnDropHandle::new(tokio::spawn(dispatch::run(
             cfg.dispatch.clone(),
