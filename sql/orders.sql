@@ -111,7 +111,9 @@ CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter_audit (
 -- transaction. Physical replication carries it to the standbys, so after a
 -- failover it says where a backfill must start (`run
 -- --on-slot-loss=recreate-and-backfill`), and it witnesses which relay
--- progressed. Added after 0.1.0.
+-- progressed. It also keeps the outbox's publication membership as last
+-- verified (written only when it changes), so a membership change made while
+-- no relay watched is noticed at the next start. Added after 0.1.0.
 CREATE TABLE IF NOT EXISTS cdc_relay_progress (
     slot_name     text PRIMARY KEY,
     confirmed_lsn pg_lsn NOT NULL,
@@ -119,5 +121,10 @@ CREATE TABLE IF NOT EXISTS cdc_relay_progress (
     last_event_id text,
     -- the relay's application_name (host:pid by default)
     holder        text,
-    updated_at    timestamptz NOT NULL DEFAULT now()
+    updated_at    timestamptz NOT NULL DEFAULT now(),
+    -- the publications carrying the outbox (identity tokens), the outbox's
+    -- relation OID, and when that membership was first verified
+    membership_carriers  text[],
+    membership_table_oid oid,
+    membership_at        timestamptz
 );

@@ -246,6 +246,7 @@ impl Session<'_> {
                 table: cfg.table.clone(),
                 columns: cfg.columns.names(),
                 interval: cfg.slot_stats_interval,
+                holder: self.holder.to_owned(),
             },
             MonitorOutputs {
                 metrics: self.metrics.clone(),

@@ -15,6 +15,11 @@
 //!   found it in (it left and rejoined, or the table was recreated and
 //!   added, faster than the monitor looks) is a gap too.
 //!
+//! - the identity last verified is recorded in `cdc_relay_progress` (only
+//!   when it changes), and a session's first reading is compared with it:
+//!   a change made while no relay watched (the relay stopped, or between
+//!   two sessions) is a gap like one between two readings.
+//!
 //! Either way the rows inserted meanwhile cannot come from the slot: the
 //! operator re-sends them with `cdc-relay backfill`, and the messages say
 //! the exact `--since`.
@@ -72,10 +77,17 @@ pub struct MembershipWatch {
 
 impl MembershipWatch {
     /// A watch for a session that started streaming at `start`, after the
-    /// start-up check found the table in its publication.
-    pub fn new(start: Lsn) -> Self {
+    /// start-up check found the table in its publication. `recorded` is the
+    /// membership last verified before this session (its `at` the latest
+    /// time it is known to have held): the first reading is compared with
+    /// it.
+    pub fn new(start: Lsn, recorded: Option<Membership>) -> Self {
         MembershipWatch {
-            last_in: None,
+            last_in: recorded.map(|m| Verified {
+                wal_lsn: start,
+                at: m.at.clone(),
+                membership: m,
+            }),
             start,
             out: false,
         }
@@ -150,7 +162,7 @@ mod tests {
 
     #[test]
     fn leaving_holds_the_ceiling_at_the_last_verified_position_until_back() {
-        let mut w = MembershipWatch::new(Lsn::new(10));
+        let mut w = MembershipWatch::new(Lsn::new(10), None);
         assert_eq!(w.observe(&reading(true, "a", 100, "t1")), Change::Steady);
         assert_eq!(w.ceiling(), None);
         assert_eq!(w.observe(&reading(true, "a", 200, "t2")), Change::Steady);
@@ -175,7 +187,7 @@ mod tests {
 
     #[test]
     fn a_flap_between_readings_is_a_gap() {
-        let mut w = MembershipWatch::new(Lsn::new(10));
+        let mut w = MembershipWatch::new(Lsn::new(10), None);
         w.observe(&reading(true, "p1:r5", 100, "t1"));
         assert_eq!(
             w.observe(&reading(true, "p1:r9", 200, "t2")),
@@ -189,7 +201,7 @@ mod tests {
 
     #[test]
     fn a_change_in_one_of_two_carriers_is_no_gap() {
-        let mut w = MembershipWatch::new(Lsn::new(10));
+        let mut w = MembershipWatch::new(Lsn::new(10), None);
         w.observe(&reading(true, "a:r1,b:r2", 100, "t1"));
         assert_eq!(w.observe(&reading(true, "a:r1", 200, "t2")), Change::Steady);
         assert_eq!(
@@ -206,11 +218,39 @@ mod tests {
 
     #[test]
     fn out_at_the_first_reading_holds_at_the_session_start() {
-        let mut w = MembershipWatch::new(Lsn::new(42));
+        let mut w = MembershipWatch::new(Lsn::new(42), None);
         assert!(matches!(
             w.observe(&reading(false, "", 100, "t1")),
             Change::Left { .. }
         ));
         assert_eq!(w.ceiling(), Some(Lsn::new(42)));
+    }
+
+    #[test]
+    fn a_change_while_no_relay_watched_is_a_gap_at_the_first_reading() {
+        let recorded = reading(true, "p1:r5", 0, "t0");
+        let mut w = MembershipWatch::new(Lsn::new(10), Some(recorded.clone()));
+        assert_eq!(
+            w.observe(&reading(true, "p1:r9", 100, "t1")),
+            Change::Gap {
+                since: "t0".into(),
+                until: "t1".into()
+            }
+        );
+        let mut same = MembershipWatch::new(Lsn::new(10), Some(recorded.clone()));
+        assert_eq!(
+            same.observe(&reading(true, "p1:r5", 100, "t1")),
+            Change::Steady
+        );
+        let mut out = MembershipWatch::new(Lsn::new(10), Some(recorded));
+        assert_eq!(
+            out.observe(&reading(false, "", 100, "t1")),
+            Change::Left { since: "t0".into() }
+        );
+        assert_eq!(
+            out.ceiling(),
+            Some(Lsn::new(10)),
+            "held at the session start"
+        );
     }
 }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
+use super::catalog::Membership;
 use super::error::SourceError;
 use crate::dispatch::Confirmed;
 use crate::lsn::Lsn;
@@ -134,6 +135,75 @@ pub async fn keep_recording(
             }
         }
     }
+}
+
+/// The outbox's publication membership as last recorded for `slot`, with
+/// `at` set to the latest time it is known to have held: the later of when
+/// it was recorded and half a minute before the last progress write (a
+/// delivering relay verifies membership at least every 30 s, and records a
+/// change when it sees one). `wal_lsn` is zero. `None` when nothing is
+/// recorded (or the schema predates the columns).
+pub async fn read_membership(
+    client: &Client,
+    slot: &str,
+) -> Result<Option<Membership>, SourceError> {
+    // to_jsonb(p) reads the columns when they exist and NULL when the
+    // schema predates them, in one statement.
+    let row = client
+        .query_opt(
+            "SELECT (j -> 'membership_carriers')::text, (j ->> 'membership_table_oid')::oid, \
+                    to_char(greatest((j ->> 'membership_at')::timestamptz, \
+                                     (j ->> 'updated_at')::timestamptz - interval '30 s') \
+                            AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00') \
+             FROM (SELECT to_jsonb(p) AS j FROM cdc_relay_progress p WHERE slot_name = $1) r",
+            &[&slot],
+        )
+        .await;
+    let row = match row {
+        Ok(row) => row,
+        // The table does not exist (a schema before 0.2.0): nothing recorded.
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => None,
+        Err(e) => return Err(SourceError::sql("reading cdc_relay_progress", &e)),
+    };
+    let Some(row) = row else { return Ok(None) };
+    let carriers: Option<Vec<String>> = row
+        .get::<_, Option<String>>(0)
+        .and_then(|j| serde_json::from_str(&j).ok());
+    let (Some(carriers), Some(at)) = (carriers, row.get::<_, Option<String>>(2)) else {
+        return Ok(None);
+    };
+    Ok(Some(Membership {
+        carriers,
+        table_oid: row.get(1),
+        problem: None,
+        wal_lsn: Lsn::ZERO,
+        at,
+    }))
+}
+
+/// Records `m` (a reading that found the outbox carried) as `slot`'s
+/// membership; creates the row (at `start`, by `holder`) when there is
+/// none. Touches nothing else of an existing row.
+pub async fn record_membership(
+    client: &Client,
+    slot: &str,
+    holder: &str,
+    start: Lsn,
+    m: &Membership,
+) -> Result<(), tokio_postgres::Error> {
+    client
+        .execute(
+            "INSERT INTO cdc_relay_progress AS p \
+               (slot_name, confirmed_lsn, holder, membership_carriers, membership_table_oid, membership_at) \
+             VALUES ($1, $2::text::pg_lsn, $3, $4, $5, $6::text::timestamptz) \
+             ON CONFLICT (slot_name) DO UPDATE SET \
+               membership_carriers = EXCLUDED.membership_carriers, \
+               membership_table_oid = EXCLUDED.membership_table_oid, \
+               membership_at = EXCLUDED.membership_at",
+            &[&slot, &start.to_string(), &holder, &m.carriers, &m.table_oid, &m.at],
+        )
+        .await?;
+    Ok(())
 }
 
 /// `application_name@host:pid`: who holds the slot, for the progress record

@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use super::catalog::{self, SlotInfo};
 use super::error::SourceError;
 use super::membership::{Change, MembershipWatch};
+use super::progress;
 use crate::health::Health;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
@@ -45,6 +46,9 @@ pub struct MonitorSettings {
     /// Time between readings (`--slot-stats-interval`, at most 30 s: the
     /// reading also verifies publication membership).
     pub interval: Duration,
+    /// Who this relay is, for the progress record (where membership is
+    /// recorded when it changes).
+    pub holder: String,
 }
 
 /// Where the monitor reports.
@@ -76,8 +80,17 @@ pub async fn monitor_slot(
         table,
         columns,
         interval,
+        holder,
     } = settings;
-    let mut membership = MembershipWatch::new(start);
+    let recorded = match progress::read_membership(&side, &slot).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the recorded publication membership; a change made while no relay watched goes unnoticed this session");
+            None
+        }
+    };
+    let mut persisted = recorded.as_ref().map(|m| (m.carriers.clone(), m.table_oid));
+    let mut membership = MembershipWatch::new(start, recorded);
     let mut tick = tokio::time::interval(interval.min(MEMBERSHIP_CHECK_MAX));
     loop {
         tick.tick().await;
@@ -102,6 +115,16 @@ pub async fn monitor_slot(
         }
         let change = membership.observe(&member);
         report_membership(&change, &member, &table, &publications, &out);
+        let identity = (member.carriers.clone(), member.table_oid);
+        if member.included() && persisted.as_ref() != Some(&identity) {
+            // Only on a change: an idle relay writes nothing.
+            match progress::record_membership(&side, &slot, &holder, start, &member).await {
+                Ok(()) => persisted = Some(identity),
+                Err(e) => {
+                    tracing::warn!(error = %crate::db_message(&e), "cannot record the publication membership in cdc_relay_progress (apply sql/orders.sql); retried at the next reading")
+                }
+            }
+        }
         out.health.set_publication_ok(membership.is_in());
         out.metrics
             .publication_includes_outbox
@@ -158,8 +181,10 @@ fn report_membership(
             out.metrics.publication_gaps.inc();
             tracing::error!(
                 table = %table, publications = %pubs,
-                "the outbox {table} left the publication and rejoined (or was recreated) between \
-                 {since} and {until}: inserts in between may not have been streamed. Re-send them: \
+                "the outbox {table}'s publication membership changed between {since} and {until} \
+                 (it left and rejoined, the table was recreated, or the publication carrying it was \
+                 replaced), possibly while no relay watched: inserts in between may not have been \
+                 streamed. Re-send them: \
                  cdc-relay backfill --since '{since}' --until '{until}'"
             );
         }

@@ -663,3 +663,78 @@ async fn row_filter_on_the_publication_is_not_counted_as_carrying_the_outbox() -
     );
     Ok(())
 }
+
+/// The outbox leaves its publication and rejoins while the relay is
+/// stopped: no reading of the running relay can see that, so the
+/// membership last verified is recorded (in `cdc_relay_progress`) and the
+/// next session's first reading is compared with it. The error names a
+/// `--since` whose backfill brings back the event committed while out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_change_while_the_relay_is_stopped_is_reported_at_the_next_start()
+-> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Billing).await?;
+    app::insert_order_event(&s.db).await?;
+    oracle::wait_ledger_clean(&s.stack, 1, DRAIN).await?;
+    wait_until("the membership recorded", NOTICE, || async {
+        let row =
+            s.db.query_opt(
+                "SELECT 1 FROM cdc_relay_progress WHERE slot_name = $1 \
+                 AND membership_carriers IS NOT NULL AND membership_table_oid = 'outbox'::regclass",
+                &[&s.stack.slot],
+            )
+            .await?;
+        anyhow::Ok(row.is_some())
+    })
+    .await?;
+    s.stop_relay().await?;
+
+    let publication = s.stack.publication.clone();
+    s.db.batch_execute(&format!(
+        "ALTER PUBLICATION {publication} DROP TABLE outbox"
+    ))
+    .await?;
+    let while_out = app::insert_order_event(&s.db).await?;
+    s.db.batch_execute(&format!("ALTER PUBLICATION {publication} ADD TABLE outbox"))
+        .await?;
+
+    s.restart_relay(&[]).await?;
+    let error = s
+        .relay
+        .process
+        .wait_for_line_where(
+            "an ERROR saying the membership changed, naming backfill",
+            |l| l.contains("ERROR") && l.contains("membership changed") && l.contains("backfill"),
+            NOTICE,
+        )
+        .await?;
+    eprintln!("{error}");
+    assert_eq!(s.relay.metrics().await?.sum(GAPS), 1.0, "one gap counted");
+    let since = error
+        .split("--since '")
+        .nth(1)
+        .and_then(|rest| rest.split('\'').next())
+        .expect("the message carries --since '<time>'")
+        .to_owned();
+    let ledger = Ledger::read(&s.stack).await?;
+    assert_eq!(
+        ledger.lost, 1,
+        "the event committed while out is not streamed: {ledger:?}"
+    );
+
+    backfill(&s.stack, &since, &s.billing().inbox()).await?;
+    oracle::wait_ledger_clean(&s.stack, 2, DRAIN).await?;
+    let accounting = s.accounting(&["outbox"]).await?;
+    assert!(accounting.delivered.contains(&while_out.to_string()));
+    accounting.assert_balanced();
+
+    // Steady again: a restart with nothing changed reports nothing.
+    s.stop_relay().await?;
+    s.restart_relay(&[]).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        s.relay.metrics().await?.sum(GAPS),
+        0.0,
+        "no gap after a plain restart"
+    );
+    Ok(())
+}
