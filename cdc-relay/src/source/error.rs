@@ -47,16 +47,17 @@ pub enum SourceError {
     /// names the flag or the command.
     #[error("{0}")]
     NeedsSetup(String),
-    /// The outbox's payload column is not `json`/`jsonb` (at start, or a
-    /// Relation message said its type changed): its text cannot be sent as
-    /// JSON without parsing, so nothing from it on is acknowledged.
+    /// The outbox's payload column is not `json`/`jsonb` at start (rows
+    /// streamed while it had another type are checked one by one instead).
     #[error("{0}")]
     PayloadType(String),
     /// The slot's WAL predates the publication: decoding from the slot's
     /// position fails (or, on newer servers, skips) because the publication
-    /// did not exist yet at that point in the catalog's history.
+    /// did not exist yet at that point in the catalog's history — the slot
+    /// was created before it, or it was dropped and created again after the
+    /// slot's confirmed position.
     #[error(
-        "replication slot {slot:?} was created before the publication {publication:?} (its WAL predates it), so the server cannot decode it with that publication. Recreate the slot and re-send what it would have carried: `cdc-relay setup --recreate-slot`, then `cdc-relay backfill --since <time the slot was created>`"
+        "replication slot {slot:?} cannot decode its pending WAL with publication {publication:?}: the publication did not exist at that point of the catalog's history (the slot was created before it, or the publication was dropped and created again since the slot's confirmed position). The slot can never stream those changes; move it past them and re-send them from the table: either `cdc-relay setup --recreate-slot`, or keep the slot and advance it (SELECT pg_replication_slot_advance('{slot}', pg_current_wal_lsn()) as the relay's role); then `cdc-relay backfill --since <when the slot was created, or when the publication was dropped>`"
     )]
     SlotPredatesPublication {
         /// Slot name.

@@ -394,8 +394,9 @@ async fn slot_older_than_its_publication_is_diagnosed_by_run_and_status() -> any
     for (command, text) in [("run", run.stderr.clone()), ("status", status.text())] {
         for words in [
             stack.slot.as_str(),
-            "before the publication",
+            "did not exist at that point",
             "--recreate-slot",
+            "pg_replication_slot_advance",
             "backfill",
         ] {
             assert!(text.contains(words), "{command} says {words:?}:\n{text}");
@@ -736,5 +737,94 @@ async fn membership_change_while_the_relay_is_stopped_is_reported_at_the_next_st
         0.0,
         "no gap after a plain restart"
     );
+    Ok(())
+}
+
+/// The publication dropped and created again (same name) while the relay is
+/// stopped with an event pending. Decoding from the slot reaches a point
+/// where the publication does not exist: PostgreSQL 15-17 fail there (the
+/// relay exits 6 and says how to move past it), 18 skips the publication
+/// (the recorded membership no longer matches: a gap is reported). Either
+/// way the printed steps bring every event back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publication_dropped_and_recreated_under_a_stopped_relay_is_never_silent()
+-> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Billing).await?;
+    app::insert_order_event(&s.db).await?;
+    oracle::wait_ledger_clean(&s.stack, 1, DRAIN).await?;
+    wait_until("the membership recorded", NOTICE, || async {
+        let row = s
+            .db
+            .query_opt(
+                "SELECT 1 FROM cdc_relay_progress WHERE slot_name = $1 AND membership_carriers IS NOT NULL",
+                &[&s.stack.slot],
+            )
+            .await?;
+        anyhow::Ok(row.is_some())
+    })
+    .await?;
+    s.stop_relay().await?;
+
+    let publication = s.stack.publication.clone();
+    let since = now(&s.db).await?;
+    app::insert_order_event(&s.db).await?;
+    // Separate transactions: an event is committed while no publication
+    // exists, another after it is back.
+    s.db.batch_execute(&format!("DROP PUBLICATION {publication}"))
+        .await?;
+    app::insert_order_event(&s.db).await?;
+    s.db.batch_execute(&format!(
+        "CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')"
+    ))
+    .await?;
+    app::insert_order_event(&s.db).await?;
+    let version: i32 =
+        s.db.query_one("SELECT current_setting('server_version_num')::int", &[])
+            .await?
+            .get(0);
+
+    let inbox = s.billing().inbox();
+    if version < 180_000 {
+        let run = app::relay_command(
+            &s.stack,
+            &s.stack.relay_url,
+            &["run", "--admin-listen", "127.0.0.1:0"],
+            &[
+                ("CDC_RELAY_SINK_URL", &inbox),
+                ("EVENT_SECRET", TEST_SECRET),
+            ],
+        )
+        .await?;
+        assert_eq!(run.code(), Some(6), "run exits 6:\n{}", run.text());
+        assert!(
+            run.text().contains("dropped and created again")
+                && run.text().contains("pg_replication_slot_advance"),
+            "names the recreated publication and the advance: {}",
+            run.text()
+        );
+        // The advance the message gives, as the relay's role.
+        harness::connect(&s.stack.relay_url)
+            .await?
+            .batch_execute(&format!(
+                "SELECT pg_replication_slot_advance('{}', pg_current_wal_lsn())",
+                s.stack.slot
+            ))
+            .await?;
+        s.restart_relay(&[]).await?;
+    } else {
+        s.restart_relay(&[]).await?;
+        s.relay
+            .process
+            .wait_for_line_where(
+                "an ERROR saying the membership changed",
+                |l| l.contains("ERROR") && l.contains("membership changed"),
+                NOTICE,
+            )
+            .await?;
+    }
+    backfill(&s.stack, &since, &inbox).await?;
+    app::insert_order_event(&s.db).await?;
+    oracle::wait_ledger_clean(&s.stack, 5, DRAIN).await?;
+    s.accounting(&["outbox"]).await?.assert_balanced();
     Ok(())
 }
