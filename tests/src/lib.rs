@@ -5,13 +5,20 @@
 //!  bins::path("cdc-relay") ──▶ process::ServiceProcess ──▶ logs, listen_addr, signals
 //!                                        │ connects to
 //!  pg::PgCluster::start / shared() ──▶ stack::Stack (orders_N + billing_N, roles, publication)
+//!        │    └── start_standby ──▶ standby::Standby (pg_basebackup, streaming, promote)
 //!        │
 //!        └── guardian (sh) ── kills the postmaster if this process dies, even by SIGKILL
 //! ```
 //!
 //! - [`pg`] owns one PostgreSQL cluster in a temporary directory: `initdb`,
-//!   settings for logical replication, start/stop/restart, and the guarantee
-//!   that no postmaster outlives the process that started it.
+//!   settings for logical replication, start/stop/restart/kill, and the
+//!   guarantee that no postmaster outlives the process that started it.
+//! - [`pgbin`] finds the server binaries (`CDC_RELAY_PG_BINDIR`, e.g. from
+//!   `tests/pg-install.sh`), reads their major version, and starts each of
+//!   them with the installation's `lib` on `LD_LIBRARY_PATH`.
+//! - [`standby`] adds a streaming physical standby to a cluster
+//!   (`pg_basebackup`, physical slot, failover-slot sync on 17+) and
+//!   promotes it: the base of the failover tests.
 //! - [`stack`] creates a fresh pair of databases per test from the operator
 //!   files in `sql/`, with least-privilege roles and per-stack names.
 //! - [`process`] runs one of our binaries with its output captured.
@@ -34,12 +41,14 @@ pub mod chaos;
 mod guardian;
 pub mod oracle;
 pub mod pg;
+pub mod pgbin;
 pub mod process;
 pub mod prom;
 pub mod proxy;
 pub mod scenario;
 pub mod sink;
 pub mod stack;
+pub mod standby;
 pub mod stats;
 pub mod wait;
 
@@ -47,4 +56,5 @@ pub use pg::{ClusterOptions, PgCluster, StopMode};
 pub use process::ServiceProcess;
 pub use scenario::{Inbox, Scenario};
 pub use stack::{Stack, StackOptions, connect};
+pub use standby::{Standby, StandbyOptions};
 pub use wait::wait_until;

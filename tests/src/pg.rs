@@ -13,6 +13,9 @@
 //! PostgreSQL refuses to run as root, and CI runs as root: then the directory
 //! is handed to the `postgres` user and `initdb`/`postgres` run under its
 //! uid/gid (no sudo involved).
+//!
+//! Every server program is started through [`PgBin::command`] (the library
+//! path rule of `pgbin.rs`); a streaming standby of a cluster is in `standby.rs`.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
@@ -32,10 +35,9 @@ use rand::distr::Alphanumeric;
 use tempfile::TempDir;
 
 use crate::guardian::{Guardian, has_exited};
+use crate::pgbin::PgBin;
+pub use crate::pgbin::{BINDIR_ENV, find_bin_dir};
 use crate::stack::StackState;
-
-/// Environment variable naming a directory that holds `postgres` and `initdb`.
-pub const BINDIR_ENV: &str = "CDC_RELAY_PG_BINDIR";
 
 /// The superuser `initdb` creates.
 pub const SUPERUSER: &str = "postgres";
@@ -121,20 +123,60 @@ struct Postmaster {
 pub struct PgCluster {
     root: TempDir,
     data_dir: PathBuf,
-    bin_dir: PathBuf,
+    bin: PgBin,
     log_path: PathBuf,
     port: u16,
     password: String,
     run_as: Option<(Uid, Gid)>,
+    opts: ClusterOptions,
+    /// Physical slots of standbys listed in `synchronized_standby_slots`.
+    standby_slots: Mutex<Vec<String>>,
     postmaster: Mutex<Postmaster>,
     pub(crate) stacks: StackState,
+}
+
+/// Where a new cluster's files go, for the step that fills its data directory.
+pub(crate) struct NewCluster<'a> {
+    /// The binaries in use.
+    pub(crate) bin: &'a PgBin,
+    /// The private directory (socket, log), owned by the server's user.
+    pub(crate) root: &'a Path,
+    /// `<root>/data`, not yet created.
+    pub(crate) data_dir: &'a Path,
+    /// The server's uid/gid when we are root.
+    pub(crate) run_as: Option<(Uid, Gid)>,
+}
+
+impl NewCluster<'_> {
+    /// A command for `tool` that runs as the server's user in the cluster's directory.
+    pub(crate) fn command(&self, tool: &str) -> Command {
+        let mut command = self.bin.command(tool);
+        command.current_dir(self.root).stdin(Stdio::null());
+        as_user(&mut command, self.run_as);
+        command
+    }
 }
 
 impl PgCluster {
     /// Runs `initdb` and starts a postmaster; blocks until it accepts
     /// connections (at most 30 s). Errors carry the server log tail.
     pub fn start(opts: ClusterOptions) -> anyhow::Result<PgCluster> {
-        let bin_dir = find_bin_dir()?;
+        let password = random_token(32);
+        PgCluster::create(PgBin::discover()?, password.clone(), opts, |new| {
+            initdb(new, &password)?;
+            write_hba(new.data_dir)
+        })
+    }
+
+    /// Makes a private directory, lets `fill` create the data directory in it
+    /// (`initdb`, `pg_basebackup`), then starts a postmaster on a free port
+    /// with the harness settings and `opts`.
+    pub(crate) fn create(
+        bin: PgBin,
+        password: String,
+        opts: ClusterOptions,
+        fill: impl FnOnce(&NewCluster<'_>) -> anyhow::Result<()>,
+    ) -> anyhow::Result<PgCluster> {
         let run_as = postgres_user_if_root()?;
         let root = tempfile::Builder::new()
             .prefix("cdc-relay-pg-")
@@ -144,22 +186,27 @@ impl PgCluster {
         fs::set_permissions(root.path(), fs::Permissions::from_mode(0o700))?;
         hand_over(root.path(), run_as)?;
 
-        let password = random_token(32);
         let data_dir = root.path().join("data");
         let log_path = root.path().join("postgres.log");
         // Guard the directory from the first moment on, before any server runs.
         let guardian =
             Guardian::spawn("QUIT", Some(root.path())).context("spawning the guardian")?;
-        initdb(&bin_dir, root.path(), &data_dir, &password, run_as)?;
-        write_hba(&data_dir)?;
+        fill(&NewCluster {
+            bin: &bin,
+            root: root.path(),
+            data_dir: &data_dir,
+            run_as,
+        })?;
 
         let mut cluster = PgCluster {
             data_dir,
-            bin_dir,
+            bin,
             log_path,
             port: 0,
             password,
             run_as,
+            opts,
+            standby_slots: Mutex::new(Vec::new()),
             postmaster: Mutex::new(Postmaster {
                 child: None,
                 guardian,
@@ -167,7 +214,7 @@ impl PgCluster {
             stacks: StackState::default(),
             root,
         };
-        cluster.start_on_free_port(&opts)?;
+        cluster.start_on_free_port()?;
         Ok(cluster)
     }
 
@@ -205,8 +252,32 @@ impl PgCluster {
     }
 
     /// Directory of the server binaries in use (`postgres`, `initdb`, usually `psql`).
+    /// Start them with [`command`](Self::command), which sets the library path.
     pub fn bin_dir(&self) -> &Path {
-        &self.bin_dir
+        self.bin.dir()
+    }
+
+    /// The server binaries in use and their version.
+    pub fn bin(&self) -> &PgBin {
+        &self.bin
+    }
+
+    /// The server's major version (15, 16, 17, 18, ...), for assertions on
+    /// behaviour that differs between versions.
+    pub fn major_version(&self) -> u32 {
+        self.bin.major()
+    }
+
+    /// A command running `tool` (`psql`, `pg_dump`, ...) from [`bin_dir`](Self::bin_dir)
+    /// with the installation's `lib` first on `LD_LIBRARY_PATH`, as this
+    /// process's user.
+    pub fn command(&self, tool: &str) -> Command {
+        self.bin.command(tool)
+    }
+
+    /// The options this cluster was started with.
+    pub fn options(&self) -> &ClusterOptions {
+        &self.opts
     }
 
     /// Password of the superuser `postgres` over TCP.
@@ -288,6 +359,63 @@ impl PgCluster {
         Ok(())
     }
 
+    /// As if the machine died: stops the postmaster (SIGSTOP, so it starts
+    /// nothing more), SIGKILLs every process it started, then the postmaster
+    /// itself, and waits (at most 10 s) until all are gone. Clients see their
+    /// connections reset; the next [`start_again`](Self::start_again) runs
+    /// crash recovery. Killing a stopped cluster is a no-op.
+    pub fn kill(&self) -> anyhow::Result<()> {
+        let mut pm = self.lock();
+        let Some(child) = pm.child.as_mut() else {
+            return Ok(());
+        };
+        let pid = child.id();
+        signal(pid, Signal::SIGSTOP)?;
+        let children = children_of(pid);
+        for &backend in &children {
+            // One may have exited since the listing: nothing to do for it.
+            let _ = signal(backend, Signal::SIGKILL);
+        }
+        signal(pid, Signal::SIGKILL)?;
+        let deadline = Instant::now() + StopMode::Immediate.bound();
+        while !has_exited(pid) || children.iter().any(|&c| running(c)) {
+            if Instant::now() >= deadline {
+                bail!("postmaster {pid} or one of its processes {children:?} survived SIGKILL");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        pm.guardian.forget();
+        if let Some(mut child) = pm.child.take() {
+            child.wait().context("reaping the postmaster")?;
+        }
+        Ok(())
+    }
+
+    /// Runs `sql` with `psql` as the superuser over the unix socket, stopping
+    /// at the first error; returns its unaligned, tuples-only output, trimmed
+    /// (one line per row, `|` between columns). For the harness's own
+    /// blocking steps; tests usually prefer [`connect_superuser`](Self::connect_superuser).
+    pub fn psql(&self, db: &str, sql: &str) -> anyhow::Result<String> {
+        let output = self
+            .command("psql")
+            .arg("-h")
+            .arg(self.socket_dir())
+            .args(["-p", &self.port.to_string(), "-U", SUPERUSER, "-d", db])
+            .args(["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-c", sql])
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("running {}", self.bin.path("psql").display()))?;
+        if !output.status.success() {
+            bail!(
+                "psql on port {} failed ({}) running {sql:?}: {}",
+                self.port,
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+    }
+
     /// Starts the stopped server again: same data directory, same port.
     pub fn start_again(&self) -> anyhow::Result<()> {
         let mut pm = self.lock();
@@ -298,7 +426,7 @@ impl PgCluster {
         let pid = child.id();
         pm.guardian.watch(pid);
         pm.child = Some(child);
-        self.wait_ready(&mut pm)
+        self.wait_status(&mut pm, &["ready", "standby"])
     }
 
     /// [`stop`](Self::stop) in `mode`, then [`start_again`](Self::start_again).
@@ -339,17 +467,11 @@ impl PgCluster {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn start_on_free_port(&mut self, opts: &ClusterOptions) -> anyhow::Result<()> {
+    fn start_on_free_port(&mut self) -> anyhow::Result<()> {
         let mut last_error = None;
         for _ in 0..PORT_ATTEMPTS {
             self.port = free_port()?;
-            write_settings(
-                &self.data_dir,
-                self.root.path(),
-                self.port,
-                opts,
-                &self.bin_dir,
-            )?;
+            self.write_settings()?;
             match self.start_again() {
                 Ok(()) => return Ok(()),
                 Err(err) if self.log_contents().contains("could not bind") => {
@@ -362,13 +484,57 @@ impl PgCluster {
         Err(last_error.unwrap_or_else(|| anyhow!("no port attempt made")))
     }
 
+    /// Changes the list of standby slots in `synchronized_standby_slots`
+    /// with `change`, rewrites the settings and reloads them.
+    pub(crate) fn change_standby_slots(
+        &self,
+        change: impl FnOnce(&mut Vec<String>),
+    ) -> anyhow::Result<String> {
+        let mut slots = self
+            .standby_slots
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        change(&mut slots);
+        let value = slots.join(",");
+        drop(slots);
+        self.write_settings()?;
+        self.psql("postgres", "SELECT pg_reload_conf()")?;
+        Ok(value)
+    }
+
+    /// Writes `harness.conf` from the options, port and standby slots.
+    fn write_settings(&self) -> anyhow::Result<()> {
+        let standby_slots = self
+            .standby_slots
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .join(",");
+        write_settings(
+            &self.data_dir,
+            self.root.path(),
+            self.port,
+            &self.opts,
+            &self.bin,
+            &standby_slots,
+        )
+    }
+
+    /// A command running `tool` as the server's user in the cluster's
+    /// directory (`pg_ctl` refuses root).
+    pub(crate) fn server_command(&self, tool: &str) -> Command {
+        let mut command = self.bin.command(tool);
+        command.current_dir(self.root.path()).stdin(Stdio::null());
+        as_user(&mut command, self.run_as);
+        command
+    }
+
     fn spawn_postmaster(&self) -> anyhow::Result<Child> {
         let log = OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.log_path)
             .with_context(|| format!("opening {}", self.log_path.display()))?;
-        let mut command = Command::new(self.bin_dir.join("postgres"));
+        let mut command = self.bin.command("postgres");
         command
             .arg("-D")
             .arg(&self.data_dir)
@@ -379,12 +545,20 @@ impl PgCluster {
         as_user(&mut command, self.run_as);
         command
             .spawn()
-            .with_context(|| format!("spawning {}", self.bin_dir.join("postgres").display()))
+            .with_context(|| format!("spawning {}", self.bin.path("postgres").display()))
     }
 
-    /// Polls `postmaster.pid` until the server reports `ready`, then checks
-    /// that the TCP port answers.
-    fn wait_ready(&self, pm: &mut Postmaster) -> anyhow::Result<()> {
+    /// Waits (at most 30 s) until `postmaster.pid` reports `status`: `ready`
+    /// once a primary accepts connections (also once a promotion is done),
+    /// `standby` once a hot standby accepts read-only ones.
+    pub(crate) fn wait_until_status(&self, status: &str) -> anyhow::Result<()> {
+        let mut pm = self.lock();
+        self.wait_status(&mut pm, &[status])
+    }
+
+    /// Polls `postmaster.pid` until the server reports one of `statuses`,
+    /// then checks that the TCP port answers.
+    fn wait_status(&self, pm: &mut Postmaster, statuses: &[&str]) -> anyhow::Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         let pid = pm
             .child
@@ -400,14 +574,14 @@ impl PgCluster {
                     self.log_tail(ERROR_LOG_LINES)
                 );
             }
-            if self.reports_ready(pid)
+            if self.reports_status(pid, statuses)
                 && TcpStream::connect((Ipv4Addr::LOCALHOST, self.port)).is_ok()
             {
                 return Ok(());
             }
             if Instant::now() >= deadline {
                 bail!(
-                    "postgres (pid {pid}) not ready within {READY_TIMEOUT:?}\n{}",
+                    "postgres (pid {pid}) not {statuses:?} within {READY_TIMEOUT:?}\n{}",
                     self.log_tail(ERROR_LOG_LINES)
                 );
             }
@@ -416,13 +590,15 @@ impl PgCluster {
     }
 
     /// Line 1 of `postmaster.pid` is the pid, line 8 the status pg_ctl reads.
-    fn reports_ready(&self, pid: u32) -> bool {
+    fn reports_status(&self, pid: u32, statuses: &[&str]) -> bool {
         let Ok(contents) = fs::read_to_string(self.data_dir.join("postmaster.pid")) else {
             return false;
         };
         let lines: Vec<&str> = contents.lines().collect();
         lines.first().map(|l| l.trim()) == Some(pid.to_string().as_str())
-            && lines.get(7).map(|l| l.trim()) == Some("ready")
+            && lines
+                .get(7)
+                .is_some_and(|status| statuses.contains(&status.trim()))
     }
 }
 
@@ -449,59 +625,6 @@ impl std::fmt::Debug for PgCluster {
             .field("postmaster_pid", &self.postmaster_pid())
             .finish_non_exhaustive()
     }
-}
-
-/// Finds a directory holding `postgres` and `initdb`: `$CDC_RELAY_PG_BINDIR`,
-/// else `pg_config --bindir`, else `/usr/lib/postgresql/<version>/bin`,
-/// newest version first.
-pub fn find_bin_dir() -> anyhow::Result<PathBuf> {
-    if let Some(dir) = std::env::var_os(BINDIR_ENV) {
-        let dir = PathBuf::from(dir);
-        if has_server(&dir) {
-            return Ok(dir);
-        }
-        bail!(
-            "{BINDIR_ENV}={} holds no `postgres` and `initdb`",
-            dir.display()
-        );
-    }
-    if let Some(dir) = pg_config_bindir().filter(|dir| has_server(dir)) {
-        return Ok(dir);
-    }
-    let mut versions: Vec<(u32, PathBuf)> = fs::read_dir("/usr/lib/postgresql")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| {
-            let version = entry.file_name().to_str()?.parse::<u32>().ok()?;
-            Some((version, entry.path().join("bin")))
-        })
-        .filter(|(_, dir)| has_server(dir))
-        .collect();
-    versions.sort_by_key(|(version, _)| std::cmp::Reverse(*version));
-    versions
-        .into_iter()
-        .next()
-        .map(|(_, dir)| dir)
-        .ok_or_else(|| {
-            anyhow!(
-                "PostgreSQL server binaries (postgres, initdb) not found. Install the server: \
-             `apt-get install postgresql` on Debian/Ubuntu (as root), or point {BINDIR_ENV} \
-             at a directory that holds them"
-            )
-        })
-}
-
-fn has_server(dir: &Path) -> bool {
-    dir.join("postgres").is_file() && dir.join("initdb").is_file()
-}
-
-fn pg_config_bindir() -> Option<PathBuf> {
-    let output = Command::new("pg_config").arg("--bindir").output().ok()?;
-    output
-        .status
-        .success()
-        .then(|| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
 }
 
 /// When we are root, the uid/gid of `postgres`, the user the server runs as.
@@ -532,35 +655,25 @@ fn as_user(command: &mut Command, run_as: Option<(Uid, Gid)>) {
     }
 }
 
-fn initdb(
-    bin_dir: &Path,
-    root: &Path,
-    data_dir: &Path,
-    password: &str,
-    run_as: Option<(Uid, Gid)>,
-) -> anyhow::Result<()> {
-    let pwfile = root.join("pwfile");
+fn initdb(new: &NewCluster<'_>, password: &str) -> anyhow::Result<()> {
+    let pwfile = new.root.join("pwfile");
     {
         let mut file = File::create(&pwfile)?;
         fs::set_permissions(&pwfile, fs::Permissions::from_mode(0o600))?;
         writeln!(file, "{password}")?;
     }
-    hand_over(&pwfile, run_as)?;
-    let mut command = Command::new(bin_dir.join("initdb"));
-    command
+    hand_over(&pwfile, new.run_as)?;
+    let output = new
+        .command("initdb")
         .arg("-D")
-        .arg(data_dir)
+        .arg(new.data_dir)
         .arg("--username")
         .arg(SUPERUSER)
         .arg(format!("--pwfile={}", pwfile.display()))
         .args(["--auth-local=trust", "--auth-host=scram-sha-256"])
         .args(["--encoding=UTF8", "--locale=C", "--no-sync"])
-        .current_dir(root)
-        .stdin(Stdio::null());
-    as_user(&mut command, run_as);
-    let output = command
         .output()
-        .with_context(|| format!("running {}", bin_dir.join("initdb").display()))?;
+        .with_context(|| format!("running {}", new.bin.path("initdb").display()))?;
     fs::remove_file(&pwfile)?;
     if !output.status.success() {
         bail!(
@@ -587,12 +700,14 @@ host  replication all  127.0.0.1/32  scram-sha-256
 }
 
 /// Writes `harness.conf` and includes it from `postgresql.conf` (once).
+/// A standby gets its own (its port, its directory) over the copy of its primary's.
 fn write_settings(
     data_dir: &Path,
     socket_dir: &Path,
     port: u16,
     opts: &ClusterOptions,
-    bin_dir: &Path,
+    bin: &PgBin,
+    standby_slots: &str,
 ) -> anyhow::Result<()> {
     let durable = if opts.fsync { "on" } else { "off" };
     let mut settings: Vec<(&str, String)> = vec![
@@ -611,11 +726,14 @@ fn write_settings(
         ("logging_collector", "off".to_owned()),
         ("log_line_prefix", "%m [%p] %q%u@%d ".to_owned()),
     ];
-    if has_pg_stat_statements(bin_dir) {
+    if bin.has_pg_stat_statements() {
         settings.push(("shared_preload_libraries", "pg_stat_statements".to_owned()));
     }
     if let Some(size) = &opts.max_slot_wal_keep_size {
         settings.push(("max_slot_wal_keep_size", size.clone()));
+    }
+    if !standby_slots.is_empty() {
+        settings.push(("synchronized_standby_slots", standby_slots.to_owned()));
     }
     let mut conf = String::from("# Written by the cdc-relay test harness.\n");
     for (name, value) in settings.iter().map(|(n, v)| (*n, v.as_str())).chain(
@@ -637,23 +755,35 @@ fn write_settings(
     Ok(())
 }
 
-/// Whether the server's library directory ships pg_stat_statements.
-fn has_pg_stat_statements(bin_dir: &Path) -> bool {
-    let pkglibdir = Command::new(bin_dir.join("pg_config"))
-        .arg("--pkglibdir")
-        .output()
-        .ok()
-        .filter(|out| out.status.success())
-        .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-        .unwrap_or_else(|| bin_dir.join("../lib"));
-    pkglibdir.join("pg_stat_statements.so").is_file()
-}
-
 /// A port the kernel just handed out; the small race with other processes is
 /// handled by retrying the start.
 fn free_port() -> anyhow::Result<u16> {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("binding 127.0.0.1:0")?;
     Ok(listener.local_addr()?.port())
+}
+
+/// Pids whose parent is `pid` (a postmaster's backends and workers).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut children = Vec::new();
+    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // Fields after the command's closing parenthesis: state, ppid, ...
+        let after = &stat[stat.rfind(')').map_or(0, |i| i + 1)..];
+        if after.split_whitespace().nth(1) == Some(pid.to_string().as_str()) {
+            children.push(child);
+        }
+    }
+    children
+}
+
+/// Whether `pid` exists and is not a zombie (an orphan PID 1 may never reap).
+fn running(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
 }
 
 fn signal(pid: u32, sig: Signal) -> anyhow::Result<()> {

@@ -8,6 +8,7 @@
 //! then applies `roles.sql` in its own two databases for the grants.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -25,11 +26,14 @@ pub fn sql_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../sql")
 }
 
-/// Per-cluster state behind [`PgCluster::create_stack`].
-#[derive(Default)]
+/// Per-cluster state behind [`PgCluster::create_stack`]. A standby shares
+/// its primary's (cloned): the roles and databases it replicates are the
+/// same, so after a promotion new stacks neither reuse a name nor reset a
+/// password.
+#[derive(Default, Clone)]
 pub(crate) struct StackState {
-    next: AtomicU32,
-    roles: OnceCell<RolePasswords>,
+    next: Arc<AtomicU32>,
+    roles: Arc<OnceCell<RolePasswords>>,
 }
 
 /// Passwords the harness gave the cluster-wide roles.

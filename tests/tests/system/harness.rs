@@ -4,7 +4,6 @@
 //! The oracles themselves are tested in `oracle.rs`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use ::harness::process::LISTENING;
@@ -290,7 +289,8 @@ async fn relay_role_opens_a_logical_replication_connection() {
         psql.display()
     );
     let stack = stack().await;
-    let output = Command::new(psql)
+    let output = cluster
+        .command("psql")
         .arg(format!("{}?replication=database", stack.relay_url))
         .args(["-X", "-A", "-t", "-c", "IDENTIFY_SYSTEM"])
         .output()
@@ -522,7 +522,6 @@ async fn sql_files_are_rerunnable_by_harness_and_by_psql() {
 
     // As an operator runs them: psql, stop on the first error, twice, with the
     // file's own publication name.
-    let psql = PgCluster::shared().bin_dir().join("psql");
     for round in 0..2 {
         for (url, files) in [
             (
@@ -532,7 +531,8 @@ async fn sql_files_are_rerunnable_by_harness_and_by_psql() {
             (&stack.billing_admin_url, &["billing.sql", "roles.sql"][..]),
         ] {
             for file in files {
-                let output = Command::new(&psql)
+                let output = PgCluster::shared()
+                    .command("psql")
                     .arg(url)
                     .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-f"])
                     .arg(sql_dir().join(file))

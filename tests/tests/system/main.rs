@@ -20,6 +20,7 @@
 //! | `infra_faults.rs` | PostgreSQL or the network misbehaves: walsender killed, restarts, link faults (and `/readyz` on a silent stream), standby takeover, invalidated slot, reconnects |
 //! | `observability.rs` | what an operator watches: `/metrics` (gauges against the real state), `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
 //! | `tls.rs` | TLS to PostgreSQL and to the sink |
+//! | `standby.rs` | what failover tests stand on: the server's library path, `PgCluster::kill`, a streaming standby, promotion, failover-slot sync (17+) |
 //! | `chaos.rs` | the compressed chaos schedule (CI's variant of `--bin chaos`) |
 //!
 //! # How a test reads
@@ -48,6 +49,7 @@ mod relay;
 mod row_shape;
 mod services;
 mod sink_failures;
+mod standby;
 mod stream;
 mod tls;
 mod upgrade;

@@ -5,7 +5,6 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use ::harness::stack::sql_dir;
 use ::harness::{PgCluster, connect};
@@ -18,9 +17,9 @@ fn previous_sql() -> PathBuf {
 
 /// Runs `files` from `dir` with psql, stopping on the first error.
 fn psql(url: &str, dir: &Path, files: &[&str]) {
-    let psql = PgCluster::shared().bin_dir().join("psql");
     for file in files {
-        let output = Command::new(&psql)
+        let output = PgCluster::shared()
+            .command("psql")
             .arg(url)
             .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-f"])
             .arg(dir.join(file))
