@@ -5,6 +5,7 @@ use std::time::Duration;
 use harness::PgCluster;
 use harness::app::{self, TEST_SECRET};
 use harness::sink::ScriptedSink;
+use tokio_postgres::error::SqlState;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn setup_is_idempotent_and_status_reports_the_slot() -> anyhow::Result<()> {
@@ -250,6 +251,124 @@ async fn run_refuses_a_table_or_publication_that_would_skip_events() -> anyhow::
         out.text()
             .contains("\"nope\" does not exist (--publication / CDC_RELAY_PUBLICATION)"),
         "{}",
+        out.text()
+    );
+    Ok(())
+}
+
+/// PostgreSQL 18 added `idle_replication_slot_timeout`; before, the setting
+/// does not exist. Sets it on `cluster` (18+) and says whether it did.
+async fn set_idle_slot_timeout(cluster: &PgCluster, value: &str) -> anyhow::Result<bool> {
+    let admin = cluster.connect_superuser("postgres").await?;
+    let set = admin
+        .batch_execute(&format!(
+            "ALTER SYSTEM SET idle_replication_slot_timeout = '{value}'"
+        ))
+        .await;
+    if cluster.major_version() < 18 {
+        let err = set.expect_err("idle_replication_slot_timeout exists only from 18 on");
+        assert_eq!(err.code(), Some(&SqlState::UNDEFINED_OBJECT), "{err}");
+        return Ok(false);
+    }
+    set?;
+    admin.batch_execute("SELECT pg_reload_conf()").await?;
+    let shown = value.to_owned();
+    harness::wait_until(
+        "idle_replication_slot_timeout to take effect",
+        Duration::from_secs(10),
+        || async {
+            let client = cluster.connect_superuser("postgres").await?;
+            let now: String = client
+                .query_one("SHOW idle_replication_slot_timeout", &[])
+                .await?
+                .get(0);
+            anyhow::Ok(now == shown)
+        },
+    )
+    .await?;
+    Ok(true)
+}
+
+/// On 18 a slot nobody reads for `idle_replication_slot_timeout` is
+/// invalidated at the next checkpoint (`wal_status = lost`,
+/// `invalidation_reason = idle_timeout`): the WAL is still there, so
+/// "max_slot_wal_keep_size exceeded" would send the operator the wrong way.
+/// `status` and `run` (exit 4) name the real cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_invalidated_for_idleness_is_named_by_status_and_run() -> anyhow::Result<()> {
+    let cluster = PgCluster::start(harness::ClusterOptions::default())?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    if !set_idle_slot_timeout(&cluster, "1s").await? {
+        return Ok(());
+    }
+    let db = stack.orders_admin().await?;
+    harness::wait_until(
+        "the idle slot invalidated (idle_timeout)",
+        Duration::from_secs(30),
+        || async {
+            db.batch_execute("CHECKPOINT").await?;
+            let reason: Option<String> = db
+                .query_one(
+                    "SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&stack.slot],
+                )
+                .await?
+                .get(0);
+            anyhow::Ok(reason.as_deref() == Some("idle_timeout"))
+        },
+    )
+    .await?;
+
+    let status = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
+    let sink = ScriptedSink::start().await?;
+    let run = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &[
+            "run",
+            "--sink-url",
+            &sink.url,
+            "--admin-listen",
+            "127.0.0.1:0",
+        ],
+        &[("EVENT_SECRET", TEST_SECRET)],
+    )
+    .await?;
+    for (command, out) in [("run", &run), ("status", &status)] {
+        let text = out.text();
+        assert_eq!(out.code(), Some(4), "{command}:\n{text}");
+        assert!(
+            text.contains("idle_replication_slot_timeout"),
+            "{command} names the cause:\n{text}"
+        );
+        assert!(
+            !text.contains("max_slot_wal_keep_size exceeded"),
+            "{command} blames the wrong setting:\n{text}"
+        );
+        assert!(
+            text.contains("--recreate-slot") && text.contains("backfill"),
+            "{command} gives the recovery steps:\n{text}"
+        );
+    }
+    assert_eq!(sink.arrivals(), 0, "nothing was sent");
+    Ok(())
+}
+
+/// On 18, `setup` warns about an `idle_replication_slot_timeout` that would
+/// invalidate the slot while the relay is down (issue 13, section 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_warns_about_idle_replication_slot_timeout() -> anyhow::Result<()> {
+    let cluster = PgCluster::start(harness::ClusterOptions::default())?;
+    let stack = cluster.create_stack().await?;
+    if !set_idle_slot_timeout(&cluster, "1min").await? {
+        return Ok(());
+    }
+    let out = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(out.success(), "{}", out.text());
+    assert!(
+        out.text().contains("idle_replication_slot_timeout"),
+        "setup warns about the 1min idle_replication_slot_timeout:\n{}",
         out.text()
     );
     Ok(())
