@@ -529,6 +529,15 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
         "no reconnect attempts:\n{logs}"
     );
     assert_eq!(s.sink().arrivals(), 0, "nothing was sent");
+
+    // `status` reports the same problem with the same exit code.
+    let status = app::relay_command(stack, &stack.relay_url, &["status"], &[]).await?;
+    assert_eq!(status.code(), Some(4), "status exits 4:\n{}", status.text());
+    assert!(
+        status.text().contains("setup --recreate-slot") && status.text().contains("backfill"),
+        "status gives the recovery steps:\n{}",
+        status.text()
+    );
     Ok(())
 }
 
