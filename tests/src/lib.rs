@@ -15,7 +15,8 @@
 //!   guarantee that no postmaster outlives the process that started it.
 //! - [`pgbin`] finds the server binaries (`CDC_RELAY_PG_BINDIR`, e.g. from
 //!   `tests/pg-install.sh`), reads their major version, and starts each of
-//!   them with the installation's `lib` on `LD_LIBRARY_PATH`.
+//!   them with the installation's `lib` on `LD_LIBRARY_PATH`; `pgfiles`
+//!   writes a cluster's `pg_hba.conf` and `harness.conf`.
 //! - [`standby`] adds a streaming physical standby to a cluster
 //!   (`pg_basebackup`, physical slot, failover-slot sync on 17+) and
 //!   promotes it: the base of the failover tests.
@@ -42,6 +43,7 @@ mod guardian;
 pub mod oracle;
 pub mod pg;
 pub mod pgbin;
+mod pgfiles;
 pub mod process;
 pub mod prom;
 pub mod proxy;

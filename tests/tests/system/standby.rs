@@ -213,6 +213,28 @@ async fn standby_streams_catches_up_and_takes_writes_once_promoted() {
     next.catch_up(&standby).await.unwrap();
     let n = next.connect_superuser("postgres").await.unwrap();
     assert_eq!(count(&n, "SELECT count(*) FROM t").await, 201);
+
+    // That standby dies for good: its slot and its place in
+    // synchronized_standby_slots go with it.
+    next.kill().unwrap();
+    standby.drop_standby_slot(next.slot()).unwrap();
+    let slots = count(
+        &s,
+        &format!(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+            next.slot()
+        ),
+    )
+    .await;
+    assert_eq!(slots, 0);
+    if next.syncs_slots() {
+        wait_until("synchronized_standby_slots emptied", STEP, || async {
+            let client = standby.connect_superuser("postgres").await?;
+            anyhow::Ok(show(&client, "synchronized_standby_slots").await.is_empty())
+        })
+        .await
+        .unwrap();
+    }
 }
 
 /// Inserts a row, logs a running-xacts record and advances `slot` to the
