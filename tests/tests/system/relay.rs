@@ -93,6 +93,19 @@ async fn body_signature_and_headers_follow_the_wire_format() -> anyhow::Result<(
     Ok(())
 }
 
+/// Where this session's next WAL record goes (`pg_current_wal_insert_lsn()`):
+/// read before a transaction, it is at or below each of its records. Not
+/// `pg_current_wal_lsn()`, the *write* position: while other sessions run big
+/// uncommitted transactions (parallel tests) it lags the insert position by
+/// megabytes, and WAL committed in that gap may rightly be confirmed first.
+async fn insert_position(db: &tokio_postgres::Client) -> anyhow::Result<u64> {
+    let v: i64 = db
+        .query_one("SELECT (pg_current_wal_insert_lsn() - '0/0')::bigint", &[])
+        .await?
+        .get(0);
+    Ok(u64::try_from(v)?)
+}
+
 async fn current_wal(db: &tokio_postgres::Client) -> anyhow::Result<u64> {
     let v: i64 = db
         .query_one("SELECT (pg_current_wal_lsn() - '0/0')::bigint", &[])
@@ -119,7 +132,7 @@ async fn confirmed_lsn_never_passes_an_undelivered_commit() -> anyhow::Result<()
     s.sink().set_status(503);
     let db = &s.db;
 
-    let before = current_wal(db).await?;
+    let before = insert_position(db).await?;
     let event = app::insert_order_event(db).await?;
     let outage = std::time::Instant::now();
     let mut killed = false;
