@@ -121,7 +121,11 @@ mod tests {
     fn exit_codes_are_distinct() {
         let slot = || "s".to_owned();
         let missing: RelayError = SourceError::SlotMissing { slot: slot() }.into();
-        let lost: RelayError = SourceError::SlotInvalidated { slot: slot() }.into();
+        let lost: RelayError = SourceError::SlotInvalidated {
+            slot: slot(),
+            reason: None,
+        }
+        .into();
         let auth: RelayError = SourceError::Definite("auth".into()).into();
         let no_publication: RelayError = SourceError::NeedsSetup("p".into()).into();
         let text_payload: RelayError = SourceError::PayloadType("t".into()).into();

@@ -108,6 +108,22 @@ async fn check_settings(client: &Client, report: &mut Vec<String>) -> Result<(),
     } else {
         report.push(format!("ok: max_slot_wal_keep_size = {keep}"));
     }
+    // PostgreSQL 18: slots inactive this long are invalidated (absent
+    // before 18: NULL).
+    let idle: Option<String> = client
+        .query_one(
+            "SELECT current_setting('idle_replication_slot_timeout', true)",
+            &[],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading idle_replication_slot_timeout", &e))?
+        .get(0);
+    match idle.as_deref() {
+        None | Some("" | "0") => {}
+        Some(t) => report.push(format!(
+            "warning: idle_replication_slot_timeout = {t}: the server invalidates a slot inactive that long, so a relay stopped (or down) longer loses its slot and the events since must be backfilled; set it to 0, or well above the longest outage you plan for"
+        )),
+    }
     Ok(())
 }
 
@@ -205,7 +221,7 @@ async fn ensure_slot(
     let predates = match &info {
         Some(_) if created_publication => true,
         Some(s) if !s.active => {
-            catalog::slot_predates_publication(client, &plan.slot, &publications).await?
+            catalog::slot_predates_publication(&plan.conn, &plan.slot, &publications).await?
                 == Some(true)
         }
         _ => false,
@@ -228,12 +244,12 @@ async fn ensure_slot(
         return create_slot(client, plan, report).await;
     }
     match info {
-        Some(s) if s.wal_status.as_deref() == Some("lost") => {
+        Some(s) if s.invalidated() => {
             if !plan.recreate_slot {
-                return Err(SourceError::Definite(format!(
-                    "slot {:?} is invalidated (wal_status = lost). Run `cdc-relay setup --recreate-slot`, then `cdc-relay backfill --since <time of the last delivered event>` to re-send what it missed",
-                    plan.slot
-                )));
+                return Err(SourceError::SlotInvalidated {
+                    slot: plan.slot.clone(),
+                    reason: s.invalidation_reason.clone(),
+                });
             }
             client
                 .execute("SELECT pg_drop_replication_slot($1)", &[&plan.slot])

@@ -15,7 +15,16 @@ use crate::source::{self, SourceError, failover};
 /// code (0 when no problem was found).
 pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     let client = connect(g).await?;
-    let mut s = status(&client, &g.slot, &g.publication, &g.table, &g.columns()).await?;
+    let conn = g.conn().map_err(anyhow::Error::msg)?;
+    let mut s = status(
+        &client,
+        &conn,
+        &g.slot,
+        &g.publication,
+        &g.table,
+        &g.columns(),
+    )
+    .await?;
     s.failover = failover::slot_failover(&client, &g.slot).await?;
     let primary = s
         .confirmed_flush_lsn
@@ -90,6 +99,7 @@ pub struct Status {
 /// Reads the slot and the publications and diagnoses them for `table`.
 pub async fn status(
     client: &Client,
+    conn: &source::ConnParams,
     slot: &str,
     publications: &[String],
     table: &TableName,
@@ -116,10 +126,11 @@ pub async fn status(
             ),
         ),
         Some(i) if !i.local => problem(3, catalog::slot_elsewhere(slot, i).to_string()),
-        Some(i) if i.wal_status.as_deref() == Some("lost") => problem(
+        Some(i) if i.invalidated() => problem(
             4,
             SourceError::SlotInvalidated {
                 slot: slot.to_owned(),
+                reason: i.invalidation_reason.clone(),
             }
             .to_string(),
         ),
@@ -127,8 +138,8 @@ pub async fn status(
     }
     if let Err(e) = catalog::check_stream_config(client, table, columns, publications).await {
         problem(if e.is_definite() { 3 } else { 1 }, e.to_string());
-    } else if info.as_ref().is_some_and(|i| !i.active)
-        && catalog::slot_predates_publication(client, slot, publications).await? == Some(true)
+    } else if info.as_ref().is_some_and(|i| !i.active && !i.invalidated())
+        && catalog::slot_predates_publication(conn, slot, publications).await? == Some(true)
     {
         let publication = publications.join(", ");
         problem(

@@ -421,9 +421,10 @@ impl Session<'_> {
         if !slot.local {
             return Err(catalog::slot_elsewhere(&cfg.slot, &slot));
         }
-        if slot.wal_status.as_deref() == Some("lost") {
+        if slot.invalidated() {
             return Err(SourceError::SlotInvalidated {
                 slot: cfg.slot.clone(),
+                reason: slot.invalidation_reason.clone(),
             });
         }
         recovery::check_not_jumped(&side, cfg, self.holder, &slot, left).await?;
@@ -442,6 +443,20 @@ impl Session<'_> {
             catalog::publication_warnings(&side, &cfg.table, &table, &cfg.publications).await?
         {
             tracing::warn!("{warning}");
+        }
+        // PostgreSQL 18 decodes past a publication that does not exist at a
+        // point of the WAL with only a WARNING, which the replication stream
+        // does not show: its events would be skipped unseen. Ask first
+        // (15-17 fail on the stream instead, and `diagnose` says why).
+        if !slot.active
+            && failover::server_version(&side).await? >= 180_000
+            && catalog::slot_predates_publication(&server, &cfg.slot, &cfg.publications).await?
+                == Some(true)
+        {
+            return Err(SourceError::SlotPredatesPublication {
+                slot: cfg.slot.clone(),
+                publication: cfg.publications.join(", "),
+            });
         }
         let sql_ascii = self.check_encoding(&side).await?;
         if cfg.conn.hosts.len() > 1 {

@@ -34,13 +34,18 @@ pub enum SourceError {
         /// The active walsender's pid, when known.
         pid: Option<i32>,
     },
-    /// The slot lost required WAL (`wal_status = lost`).
+    /// The server invalidated the slot (`wal_status = lost`, or an
+    /// `invalidation_reason`): it can never stream again.
     #[error(
-        "replication slot {slot:?} is invalidated: the server removed WAL it still needed (max_slot_wal_keep_size exceeded). Events committed since its confirmed_flush_lsn may not have been delivered. Recover: `cdc-relay setup --recreate-slot`, then `cdc-relay backfill --since <time of the last delivered event>`"
+        "replication slot {slot:?} is invalidated: {}. Events committed since its confirmed_flush_lsn may not have been delivered. Recover: `cdc-relay setup --recreate-slot`, then `cdc-relay backfill --since <time of the last delivered event>`",
+        invalidation_cause(.reason.as_deref())
     )]
     SlotInvalidated {
         /// Slot name.
         slot: String,
+        /// The server's `invalidation_reason` (17+; `conflict` on 16), when
+        /// known.
+        reason: Option<String>,
     },
     /// The database lacks what `setup` creates or the flags name: the
     /// publication, the outbox table or one of its columns. The message
@@ -182,10 +187,15 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
                 let publication = msg.split('"').nth(1).unwrap_or_default().to_owned();
                 return SourceError::SlotPredatesPublication { slot, publication };
             }
+            // 15-17: "can no longer get changes from replication slot";
+            // 18: "can no longer access replication slot" (DETAIL: "This
+            // replication slot has been invalidated due to …").
             _ if lower.contains("invalidated")
-                || (code == Some("55000") && lower.contains("can no longer get changes")) =>
+                || (code == Some("55000")
+                    && (lower.contains("can no longer get changes")
+                        || lower.contains("can no longer access replication slot"))) =>
             {
-                return SourceError::SlotInvalidated { slot };
+                return SourceError::SlotInvalidated { slot, reason: None };
             }
             _ => {}
         }
@@ -193,6 +203,27 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
     match code {
         Some(c) if !sqlstate_is_transient(c) => SourceError::Definite(msg),
         _ => SourceError::Transient(msg),
+    }
+}
+
+/// What invalidated a slot, for [`SourceError::SlotInvalidated`], from the
+/// server's `invalidation_reason` (`None`: the server does not say, as
+/// before 17, or the stream only said "invalidated").
+pub fn invalidation_cause(reason: Option<&str>) -> String {
+    match reason {
+        None | Some("wal_removed") => "the server removed WAL it still needed \
+            (max_slot_wal_keep_size exceeded; `cdc-relay status` shows the reason on 17+)"
+            .into(),
+        Some("idle_timeout") => "it was inactive longer than idle_replication_slot_timeout \
+            (PostgreSQL 18); set it to 0, or well above the longest time the relay may be down, \
+            so a stopped relay keeps its slot"
+            .into(),
+        Some("rows_removed" | "conflict") => "it conflicted with recovery on this standby \
+            (rows it needed were removed on the primary): set hot_standby_feedback = on and \
+            use a physical slot for the standby"
+            .into(),
+        Some("wal_level_insufficient") => "wal_level on the primary is below logical".into(),
+        Some(other) => format!("invalidation_reason = {other}"),
     }
 }
 
@@ -258,6 +289,15 @@ mod tests {
         );
         let e = server(r#"can no longer get changes from replication slot "s" (SQLSTATE 55000)"#);
         assert!(matches!(e, SourceError::SlotInvalidated { .. }));
+        // PostgreSQL 18's wording.
+        let e = server(r#"can no longer access replication slot "s" (SQLSTATE 55000)"#);
+        assert!(matches!(e, SourceError::SlotInvalidated { .. }), "{e:?}");
+        let idle = SourceError::SlotInvalidated {
+            slot: "s".into(),
+            reason: Some("idle_timeout".into()),
+        };
+        assert!(idle.to_string().contains("idle_replication_slot_timeout"));
+        assert!(!idle.to_string().contains("max_slot_wal_keep_size"));
         let e = server("publication \"p\" does not exist (SQLSTATE 42704)");
         assert!(
             matches!(&e, SourceError::SlotPredatesPublication { publication, .. } if publication == "p"),

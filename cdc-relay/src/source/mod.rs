@@ -41,6 +41,8 @@ pub mod watchdog;
 pub use conn::{BadUrl, ConnParams, SslMode};
 pub use error::SourceError;
 
+use std::sync::{Arc, Mutex};
+
 use tokio::sync::oneshot;
 
 /// Connects a SQL connection for a command with the URL's `sslmode`; its
@@ -105,11 +107,44 @@ pub async fn connect_primary(
     })
 }
 
+/// The notices (warnings, infos) a connection received, oldest first, at
+/// most [`NOTICES_KEPT`].
+pub type NoticeLog = Arc<Mutex<Vec<tokio_postgres::error::DbError>>>;
+
+/// How many notices a [`NoticeLog`] keeps (the newest are dropped past it).
+pub const NOTICES_KEPT: usize = 64;
+
+/// [`connect_sql`] (to the same server [`connect_primary`] would choose),
+/// plus the log of the notices the server sends it: some server behaviour
+/// is said only in a WARNING (PostgreSQL 18 skipping a publication that
+/// does not exist at a point of the WAL, for one).
+pub async fn connect_sql_noticing(
+    conn: &ConnParams,
+    application_name: &str,
+) -> Result<(tokio_postgres::Client, NoticeLog), SourceError> {
+    let server = if conn.hosts.len() > 1 {
+        connect_primary(conn, application_name).await?.2
+    } else {
+        conn.clone()
+    };
+    let notices = NoticeLog::default();
+    let (client, _closed) = connect(&server, application_name, Some(Arc::clone(&notices))).await?;
+    Ok((client, notices))
+}
+
 /// [`connect_sql`], plus a receiver that completes when the connection
 /// closes (the server shut down or restarted, the network broke).
 pub async fn connect_sql_watched(
     conn: &ConnParams,
     application_name: &str,
+) -> Result<(tokio_postgres::Client, oneshot::Receiver<()>), SourceError> {
+    connect(conn, application_name, None).await
+}
+
+async fn connect(
+    conn: &ConnParams,
+    application_name: &str,
+    notices: Option<NoticeLog>,
 ) -> Result<(tokio_postgres::Client, oneshot::Receiver<()>), SourceError> {
     let context = format!("connecting to {}", conn.display());
     let sql_error = |e: tokio_postgres::Error| SourceError::sql(&context, &e);
@@ -121,7 +156,7 @@ pub async fn connect_sql_watched(
             .connect(tokio_postgres::NoTls)
             .await
             .map_err(sql_error)?;
-        return Ok((client, spawn_connection(connection)));
+        return Ok((client, spawn_connection(connection, notices)));
     };
     config.ssl_mode(match conn.sslmode {
         SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
@@ -131,17 +166,44 @@ pub async fn connect_sql_watched(
         .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
         .await
         .map_err(sql_error)?;
-    Ok((client, spawn_connection(connection)))
+    Ok((client, spawn_connection(connection, notices)))
 }
 
-fn spawn_connection<F>(connection: F) -> oneshot::Receiver<()>
+/// Drives the connection in the background; its notices go to the log at
+/// debug level and, when given, into `notices`.
+fn spawn_connection<S, T>(
+    mut connection: tokio_postgres::Connection<S, T>,
+    notices: Option<NoticeLog>,
+) -> oneshot::Receiver<()>
 where
-    F: std::future::Future<Output = Result<(), tokio_postgres::Error>> + Send + 'static,
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let (closed_tx, closed) = oneshot::channel();
     tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "side connection closed");
+        loop {
+            match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                Some(Ok(tokio_postgres::AsyncMessage::Notice(notice))) => {
+                    tracing::debug!(
+                        severity = notice.severity(),
+                        code = notice.code().code(),
+                        "server notice: {}",
+                        notice.message()
+                    );
+                    if let Some(log) = &notices {
+                        let mut log = log.lock().expect("notice log lock is never poisoned");
+                        if log.len() < NOTICES_KEPT {
+                            log.push(notice);
+                        }
+                    }
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "side connection closed");
+                    break;
+                }
+                None => break,
+            }
         }
         let _ = closed_tx.send(());
     });

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tokio_postgres::Client;
 
+use super::conn::ConnParams;
 use super::error::SourceError;
 use crate::lsn::Lsn;
 use crate::outbox::TableName;
@@ -55,6 +56,16 @@ pub struct SlotInfo {
     /// The slot decodes this connection's database (a slot of the same name
     /// may belong to another database of the cluster).
     pub local: bool,
+    /// Why the server invalidated the slot (see [`INVALIDATION_REASON`]);
+    /// `None` while it is valid or when the server does not say.
+    pub invalidation_reason: Option<String>,
+}
+
+impl SlotInfo {
+    /// The server invalidated the slot: it can never stream again.
+    pub fn invalidated(&self) -> bool {
+        self.wal_status.as_deref() == Some("lost") || self.invalidation_reason.is_some()
+    }
 }
 
 /// Reads the slot's row; `None` when it does not exist. One statement.
@@ -63,7 +74,7 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
         "SELECT s.plugin::text, s.database::text, s.active, s.active_pid, \
                 s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
                 (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
-                a.wait_event_type::text, s.database = current_database() \
+                a.wait_event_type::text, s.database = current_database(), {INVALIDATION_REASON} \
          FROM pg_replication_slots s \
          LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
          LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid \
@@ -92,8 +103,16 @@ fn slot_from_row(r: &tokio_postgres::Row, at: usize) -> SlotInfo {
         reply_age_secs: r.get(at + 8),
         wait_event_type: r.get(at + 9),
         local: r.get::<_, Option<bool>>(at + 10).unwrap_or(false),
+        invalidation_reason: r.get(at + 11),
     }
 }
+
+/// Why the slot was invalidated, on any server: `invalidation_reason`
+/// (PostgreSQL 17+: `wal_removed`, `rows_removed`, `wal_level_insufficient`,
+/// `idle_timeout` on 18), `conflict` when 16 says only `conflicting`, NULL
+/// otherwise. Read through `to_jsonb` so one statement fits every version.
+const INVALIDATION_REASON: &str = "coalesce(to_jsonb(s) ->> 'invalidation_reason', \
+     CASE WHEN (to_jsonb(s) ->> 'conflicting')::bool THEN 'conflict' END)";
 
 /// Whether the outbox is in the publications, as one monitor reading saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -223,7 +242,8 @@ pub async fn monitor_reading(
          SELECT m.*, s.plugin::text, s.database::text, s.active, s.active_pid, \
                 s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
                 (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
-                a.wait_event_type::text, s.database = current_database(), s.slot_name IS NOT NULL \
+                a.wait_event_type::text, s.database = current_database(), {INVALIDATION_REASON}, \
+                s.slot_name IS NOT NULL \
          FROM m \
          LEFT JOIN pg_replication_slots s ON s.slot_name = $1 \
          LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
@@ -236,7 +256,7 @@ pub async fn monitor_reading(
         )
         .await
         .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;
-    let slot = row.get::<_, bool>(16).then(|| slot_from_row(&row, 5));
+    let slot = row.get::<_, bool>(17).then(|| slot_from_row(&row, 5));
     Ok((slot, membership_from_row(&row)))
 }
 
@@ -356,17 +376,20 @@ pub fn quote_table(t: &TableName) -> String {
 }
 
 /// Whether the slot's pending WAL predates one of `publications`: peeks at
-/// the slot's first pending change with the relay's options, which fails
-/// with "publication … does not exist" exactly then (the server looks the
-/// publication up in the catalog as of that change). `None` when it cannot
-/// tell: the slot is in use (only one process may read it), holds no
-/// published change, or the peek did not finish within 5 s. Needs the
-/// REPLICATION attribute.
+/// the slot's first pending change with the relay's options, on a
+/// connection of its own to `conn`. The server looks each publication up
+/// in the catalog as of that change: PostgreSQL 15-17 fail with
+/// "publication … does not exist" (42704) exactly then, 18 sends a WARNING
+/// "skipped loading publication" (55000) and decodes on without it; both
+/// mean yes. `None` when it cannot tell: the slot is in use (only one
+/// process may read it), invalidated, holds no change, or the peek did not
+/// finish within 5 s. Needs the REPLICATION attribute.
 pub async fn slot_predates_publication(
-    client: &Client,
+    conn: &ConnParams,
     slot: &str,
     publications: &[String],
 ) -> Result<Option<bool>, SourceError> {
+    let (client, notices) = super::connect_sql_noticing(conn, "cdc-relay").await?;
     let names = publications
         .iter()
         .map(|p| quote_ident(p))
@@ -383,21 +406,30 @@ pub async fn slot_predates_publication(
             &[&slot, &names],
         )
         .await;
-    client
-        .batch_execute("RESET statement_timeout")
-        .await
-        .map_err(|e| SourceError::sql("resetting the statement timeout", &e))?;
+    let skipped = notices
+        .lock()
+        .expect("notice log lock is never poisoned")
+        .iter()
+        .any(is_skipped_publication);
     match peek {
-        Ok(_) => Ok(Some(false)),
+        Ok(_) => Ok(Some(skipped)),
         Err(e) => match e.as_db_error() {
             Some(db) if db.code().code() == "42704" && db.message().contains("publication") => {
                 Ok(Some(true))
             }
-            // In use, timed out, or not allowed: no verdict.
-            Some(db) if matches!(db.code().code(), "55006" | "57014" | "42501") => Ok(None),
+            // In use, invalidated, timed out, or not allowed: no verdict.
+            Some(db) if matches!(db.code().code(), "55006" | "55000" | "57014" | "42501") => {
+                Ok(skipped.then_some(true))
+            }
             _ => Err(SourceError::sql("peeking at the slot", &e)),
         },
     }
+}
+
+/// PostgreSQL 18's notice for a publication that does not exist at the
+/// decoded point of the WAL: `WARNING: skipped loading publication "p"`.
+fn is_skipped_publication(notice: &tokio_postgres::error::DbError) -> bool {
+    notice.code().code() == "55000" && notice.message().contains("skipped loading publication")
 }
 
 /// The server's encoding (`server_encoding`), e.g. `UTF8`.
