@@ -275,12 +275,9 @@ pub struct SinkArgs {
     /// Inbox URL events are POSTed to (http:// or https://, with a host).
     #[arg(long, env = "CDC_RELAY_SINK_URL", value_parser = parse_sink_url)]
     pub sink_url: url::Url,
-    /// HMAC-SHA256 secret for X-Event-Signature. Prefer the env var or a file.
-    #[arg(long, env = "EVENT_SECRET", hide_env_values = true)]
-    pub event_secret: Option<String>,
-    /// File holding the event secret (first line).
-    #[arg(long, env = "EVENT_SECRET_FILE")]
-    pub event_secret_file: Option<PathBuf>,
+    /// The signing secrets and headers.
+    #[command(flatten)]
+    pub secrets: SecretArgs,
     /// Extra CA certificate (PEM) to trust for an https sink.
     #[arg(long, env = "CDC_RELAY_SINK_CA_FILE")]
     pub sink_ca_file: Option<PathBuf>,
@@ -291,6 +288,39 @@ pub struct SinkArgs {
     /// Whole-request timeout for one delivery attempt.
     #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub request_timeout: Duration,
+}
+
+/// The event secrets and which signature headers carry them
+/// (docs/architecture.md#wire-format). One secret per setting: a plain
+/// secret of at least 32 bytes, or whsec_<base64> of at least 24 decoded
+/// bytes. `run` reads the files again on SIGHUP.
+#[derive(Clone, Debug, Args)]
+pub struct SecretArgs {
+    /// The current secret (signs X-Event-Signature and webhook-signature).
+    /// Prefer the env var or a file.
+    #[arg(long, env = "EVENT_SECRET", hide_env_values = true)]
+    pub event_secret: Option<String>,
+    /// File holding the current secret (one line).
+    #[arg(long, env = "EVENT_SECRET_FILE")]
+    pub event_secret_file: Option<PathBuf>,
+    /// During a rotation, the secret being retired: webhook-signature then
+    /// carries a second signature made with it. Unset (or empty) otherwise.
+    #[arg(long, env = "EVENT_SECRET_PREVIOUS", hide_env_values = true)]
+    pub event_secret_previous: Option<String>,
+    /// File holding the secret being retired (one line; an empty file means
+    /// none, so a rotation ends by emptying it and sending SIGHUP).
+    #[arg(long, env = "EVENT_SECRET_PREVIOUS_FILE")]
+    pub event_secret_previous_file: Option<PathBuf>,
+    /// Signature headers: `standard` (Standard Webhooks: webhook-id,
+    /// webhook-timestamp, webhook-signature), `legacy` (X-Event-Signature)
+    /// or `both`.
+    #[arg(
+        long,
+        env = "CDC_RELAY_SIGNATURE_SCHEME",
+        value_enum,
+        default_value = "both"
+    )]
+    pub signature_scheme: crate::sink::SignatureScheme,
 }
 
 /// `cdc-relay run`.

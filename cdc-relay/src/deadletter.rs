@@ -107,7 +107,7 @@ impl NewDeadLetter {
             payload: event.payload.clone(),
             commit_lsn: event.commit_lsn,
             http_status: status,
-            error: format!("{}: {}", reason.label, attempt.detail()),
+            error: format!("{reason}: {}", attempt.detail()),
             response_excerpt: excerpt,
             attempts,
             first_attempt_unix_micros: Some(first_attempt_unix_micros),

@@ -42,7 +42,9 @@ pub struct Metrics {
     pub reconnects: IntCounterVec,
     /// 1 while waiting as a hot standby for the slot, else 0.
     pub standby: IntGauge,
-    /// Retry reasons by label (e.g. `http_503`, `timeout`).
+    /// Retries by `reason`, a label from the fixed list
+    /// `sink::REASONS` (`http_5xx`, `timeout`, ...):
+    /// exact statuses go to the logs only.
     pub retries: IntCounterVec,
     /// Slot figures from the side connection: lag in bytes.
     pub slot_lag_bytes: IntGauge,
@@ -77,6 +79,10 @@ pub struct Metrics {
     /// Seconds since the server last sent anything on the stream (or the
     /// watchdog last found the walsender reading our replies), at scrape time.
     pub seconds_since_server_message: prometheus::Gauge,
+    /// Event secret reloads (SIGHUP) by `result`: `ok` (the new keys sign
+    /// from the next attempt on) or `error` (the old keys stay; the log
+    /// says why).
+    pub secret_reloads: IntCounterVec,
 }
 
 /// Distinct `relation` label values of `cdc_relay_ignored_changes_total`
@@ -296,6 +302,12 @@ impl Metrics {
                 "cdc_relay_seconds_since_server_message",
                 "Seconds since the server last sent anything on the replication stream",
             ),
+            secret_reloads: counter_vec(
+                &r,
+                "cdc_relay_secret_reloads_total",
+                "Event secret reloads on SIGHUP by result (ok, error: the previous keys stay in use)",
+                &["result"],
+            ),
             registry: r,
         }
         .prime()
@@ -306,6 +318,9 @@ impl Metrics {
     fn prime(self) -> Self {
         for cause in ["transient", "watchdog", "slot_active"] {
             self.reconnects.with_label_values(&[cause]);
+        }
+        for result in ["ok", "error"] {
+            self.secret_reloads.with_label_values(&[result]);
         }
         for outcome in ["delivered", "retry", "dead_letter", "config_fault"] {
             for class in ["2xx", "3xx", "4xx", "5xx", "none"] {
@@ -341,7 +356,7 @@ mod tests {
             .with_label_values(&["delivered", "2xx"])
             .inc();
         m.reconnects.with_label_values(&["io"]).inc();
-        m.retries.with_label_values(&["http_503"]).inc();
+        m.retries.with_label_values(&["http_5xx"]).inc();
         m.slot_wal_status.with_label_values(&["reserved"]).set(1);
         let text = m.render();
         for name in [
@@ -367,6 +382,9 @@ mod tests {
             "cdc_relay_publication_includes_outbox 0",
             "cdc_relay_publication_gaps_total 0",
             "cdc_relay_seconds_since_server_message 0",
+            "cdc_relay_retries_total{reason=\"http_5xx\"} 1",
+            "cdc_relay_secret_reloads_total{result=\"ok\"} 0",
+            "cdc_relay_secret_reloads_total{result=\"error\"} 0",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

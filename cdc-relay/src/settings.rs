@@ -6,11 +6,13 @@
 use std::time::Duration;
 
 use crate::breaker::BreakerConfig;
-use crate::cli::{DeliveryArgs, GlobalArgs, RunArgs, SinkArgs};
+use event_secret::{EventKeys, Source};
+
+use crate::cli::{DeliveryArgs, GlobalArgs, RunArgs, SecretArgs, SinkArgs};
 use crate::dispatch::DispatchConfig;
 use crate::outbox::OutboxColumns;
 use crate::relay::RelayConfig;
-use crate::sink::{HttpSink, Signer, SinkConfig, StatusPolicy};
+use crate::sink::{HttpSink, Signer, Signing, SinkConfig, StatusPolicy};
 use crate::source::ConnParams;
 
 impl GlobalArgs {
@@ -60,32 +62,29 @@ impl GlobalArgs {
     }
 }
 
-impl SinkArgs {
-    /// The event secret from the flag/env or the file; an error names the setting.
-    pub fn secret(&self) -> Result<String, String> {
-        let secret = match (&self.event_secret, &self.event_secret_file) {
-            (Some(_), Some(_)) => {
-                return Err(
-                    "give --event-secret (EVENT_SECRET) or --event-secret-file, not both".into(),
-                );
-            }
-            (Some(s), None) => s.clone(),
-            (None, Some(p)) => read_secret_file(p, "--event-secret-file")?,
-            (None, None) => {
-                return Err(
-                    "an event secret is required: set EVENT_SECRET or --event-secret-file".into(),
-                );
-            }
-        };
-        // Trimmed like Billing trims its list: a stray space or newline must
-        // not make every signature wrong.
-        let secret = secret.trim();
-        if secret.is_empty() {
-            return Err("the event secret (EVENT_SECRET / --event-secret-file) is empty".into());
-        }
-        Ok(secret.to_owned())
+impl SecretArgs {
+    /// The keys, read now (files included); the error names the setting.
+    pub fn keys(&self) -> Result<EventKeys, String> {
+        EventKeys::load(
+            Source {
+                value: self.event_secret.as_deref(),
+                file: self.event_secret_file.as_deref(),
+            },
+            Source {
+                value: self.event_secret_previous.as_deref(),
+                file: self.event_secret_previous_file.as_deref(),
+            },
+        )
+        .map_err(|e| e.to_string())
     }
 
+    /// A signer for the keys read now, under `--signature-scheme`.
+    pub fn signer(&self) -> Result<Signer, String> {
+        Ok(Signer::new(self.signature_scheme, &self.keys()?))
+    }
+}
+
+impl SinkArgs {
     /// Builds the HTTP sink; the error names the setting.
     pub fn build(&self) -> Result<HttpSink, String> {
         if self.request_timeout.is_zero() || self.sink_connect_timeout.is_zero() {
@@ -97,7 +96,7 @@ impl SinkArgs {
                 self.sink_url.scheme()
             ));
         }
-        let secret = self.secret()?;
+        let signer = self.secrets.signer()?;
         let ca_cert_pem = match &self.sink_ca_file {
             Some(p) => {
                 Some(std::fs::read(p).map_err(|e| format!("--sink-ca-file {}: {e}", p.display()))?)
@@ -106,7 +105,7 @@ impl SinkArgs {
         };
         HttpSink::new(SinkConfig {
             url: self.sink_url.clone(),
-            signer: Signer::new(secret.as_bytes()),
+            signing: Signing::new(signer),
             connect_timeout: self.sink_connect_timeout,
             request_timeout: self.request_timeout,
             ca_cert_pem,
@@ -238,12 +237,29 @@ mod tests {
     #[test]
     fn secrets_come_from_env_or_file() {
         let (_, mut run) = run_args(&[]);
-        run.sink.event_secret = None;
-        assert!(run.sink.secret().unwrap_err().contains("EVENT_SECRET"));
-        let path = std::env::temp_dir().join(format!("cdc-relay-secret-{}", std::process::id()));
-        std::fs::write(&path, "s3cret\n").unwrap();
-        run.sink.event_secret_file = Some(path.clone());
-        assert_eq!(run.sink.secret().unwrap(), "s3cret");
-        std::fs::remove_file(path).unwrap();
+        let secrets = &mut run.sink.secrets;
+        secrets.event_secret = None;
+        assert!(secrets.keys().unwrap_err().contains("EVENT_SECRET"));
+        let dir = tempfile_dir();
+        let path = dir.join("secret");
+        std::fs::write(&path, "s3cret-s3cret-s3cret-s3cret-s3cret\n").unwrap();
+        secrets.event_secret_file = Some(path.clone());
+        assert_eq!(
+            secrets.keys().unwrap().current().as_bytes(),
+            b"s3cret-s3cret-s3cret-s3cret-s3cret"
+        );
+        secrets.event_secret_previous = Some("a,b".into());
+        let err = secrets.keys().unwrap_err();
+        assert!(
+            err.starts_with("EVENT_SECRET_PREVIOUS contains a comma"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    fn tempfile_dir() -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("cdc-relay-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
     }
 }

@@ -5,11 +5,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::outln;
 use crate::admin;
-use crate::cli::{GlobalArgs, RunArgs};
+use crate::cli::{GlobalArgs, RunArgs, SecretArgs};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::relay::{self, RelayConfig, RelayError};
-use crate::sink::HttpSink;
+use crate::sink::{HttpSink, Signing};
 use crate::source::SourceError;
 
 /// `cdc-relay run`; returns the exit code (documented in `--help` and
@@ -69,9 +69,16 @@ async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
         async move { admin_stop.cancelled().await },
     ));
     tokio::spawn(watch_signals(shutdown.clone()));
+    tokio::spawn(reload_secrets_on_sighup(
+        a.sink.secrets.clone(),
+        sink.signing().clone(),
+        metrics.clone(),
+    ));
+    let signer = sink.signing().current();
     tracing::info!(
         source = %cfg.conn.display(), slot = %cfg.slot, sink = %sink.display_url(), admin = %addr,
-        max_in_flight = cfg.dispatch.max_in_flight, "cdc-relay starting"
+        max_in_flight = cfg.dispatch.max_in_flight, signature_scheme = ?signer.scheme(),
+        keys = %signer.keys(), "cdc-relay starting"
     );
     let result = relay::run(cfg, sink, metrics, health, shutdown.clone()).await;
     shutdown.cancel();
@@ -111,6 +118,36 @@ async fn watch_signals(shutdown: CancellationToken) {
     }
     tracing::warn!("second signal: exiting without draining");
     std::process::exit(130);
+}
+
+/// On SIGHUP, reads the event secrets again (a `_FILE` picks up its new
+/// contents; environment values cannot change under a running process) and
+/// puts the new signer in place for every attempt from then on. An attempt
+/// in flight finishes with the signer it read. A secret that does not load
+/// changes nothing: the keys in use stay, and the error is logged and
+/// counted.
+async fn reload_secrets_on_sighup(secrets: SecretArgs, signing: Signing, metrics: Metrics) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hangup) = signal(SignalKind::hangup()) else {
+        tracing::error!("cannot install the SIGHUP handler: event secrets cannot be reloaded");
+        return;
+    };
+    while hangup.recv().await.is_some() {
+        match secrets.signer() {
+            Ok(signer) => {
+                tracing::info!(keys = %signer.keys(), "SIGHUP: event secrets reloaded; attempts from now on sign with them");
+                signing.replace(signer);
+                metrics.secret_reloads.with_label_values(&["ok"]).inc();
+            }
+            Err(error) => {
+                tracing::error!(
+                    %error, keys = %signing.current().keys(),
+                    "SIGHUP: event secrets NOT reloaded; still signing with the keys in use"
+                );
+                metrics.secret_reloads.with_label_values(&["error"]).inc();
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -107,10 +107,10 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                 }
                 Disposition::DeadLetter(r) if self.breaker.poison(&event.id) => {
                     self.breaker
-                        .record(admission, Signal::DeadLettered, &r.label);
+                        .record(admission, Signal::DeadLettered, &r.to_string());
                     count_attempt(metrics, "dead_letter", &attempt);
                     tracing::warn!(
-                        event_id = ?event.id, commit_lsn = ?event.commit_lsn, reason = %r.label,
+                        event_id = ?event.id, commit_lsn = ?event.commit_lsn, reason = %r,
                         detail = %attempt.detail(), "poison event: writing it to the dead-letter table"
                     );
                     let row = NewDeadLetter::rejected(event, &attempt, &r, attempts, first_attempt);
@@ -122,9 +122,10 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                 }
                 Disposition::ConfigFault(r) => ("config_fault", Signal::ConfigFault, r),
             };
-            self.breaker.record(admission, signal, &reason.label);
+            // The breaker logs the exact status; the metric gets the bounded label.
+            self.breaker.record(admission, signal, &reason.to_string());
             count_attempt(metrics, outcome, &attempt);
-            metrics.retries.with_label_values(&[&reason.label]).inc();
+            metrics.retries.with_label_values(&[reason.label]).inc();
             let retry_after = match &attempt {
                 Attempt::Response { retry_after, .. } => *retry_after,
                 _ => None,
@@ -133,7 +134,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
             if attempts == 1 || attempts.is_multiple_of(20) {
                 tracing::warn!(
                     event_id = ?event.id, commit_lsn = ?event.commit_lsn, attempts,
-                    reason = %reason.label, detail = %attempt.detail(),
+                    reason = %reason, detail = %attempt.detail(),
                     retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
                 );
             }

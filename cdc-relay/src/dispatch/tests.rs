@@ -62,10 +62,7 @@ impl ScriptedSink {
 
 impl Sink for Arc<ScriptedSink> {
     fn prepare(&self, event: &OutboxEvent) -> Prepared {
-        Prepared {
-            body: crate::sink::encoder::body(event),
-            signature: String::new(),
-        }
+        Prepared::unsigned(crate::sink::encoder::body(event))
     }
 
     async fn post(&self, event_id: &str, _request: &Prepared) -> Attempt {

@@ -10,19 +10,50 @@
 //! | 401, 403, 404, 405, 3xx, anything else | [`Disposition::ConfigFault`]: retried, loudly |
 //!
 //! Unknown cases retry: an infrastructure error is transient until proven
-//! permanent. Every disposition carries a reason that is logged once and
-//! used as a metric label.
+//! permanent. Every disposition carries a reason: its label, one of the
+//! fixed list [`REASONS`], is the metric label (a sink answering a hundred
+//! different statuses must not make a hundred series); the exact status goes
+//! to the logs and the dead-letter row.
+
+use std::fmt;
 
 use crate::sink::service::Attempt;
 
-/// Why an attempt was classified as it was: a short, stable label
-/// (metric-safe) plus the HTTP status when there was one.
+/// Every label a [`Reason`] can have (`cdc_relay_retries_total{reason}`),
+/// documented in `docs/architecture.md#response-classes`.
+pub const REASONS: [&str; 12] = [
+    "timeout",
+    "connect",
+    "tls",
+    "transport",
+    "http_3xx",
+    "http_401",
+    "http_403",
+    "http_404",
+    "http_429",
+    "http_4xx",
+    "http_5xx",
+    "http_other",
+];
+
+/// Why an attempt was classified as it was: a label from [`REASONS`]
+/// (metric-safe) plus the HTTP status when there was one. Displays as the
+/// exact status (`http_503`) for logs, or the label.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reason {
-    /// Stable label, e.g. `http_503`, `timeout`, `connect`.
-    pub label: String,
+    /// One of [`REASONS`].
+    pub label: &'static str,
     /// HTTP status, if a response arrived.
     pub status: Option<u16>,
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.status {
+            Some(status) => write!(f, "http_{status}"),
+            None => f.write_str(self.label),
+        }
+    }
 }
 
 /// What to do with the event after an attempt.
@@ -90,22 +121,37 @@ pub fn classify(attempt: &Attempt, policy: &StatusPolicy) -> Disposition {
         Attempt::Response { status, .. } => *status,
         Attempt::Timeout => return Disposition::Retry(reason("timeout", None)),
         Attempt::Connect(_) => return Disposition::Retry(reason("connect", None)),
+        Attempt::Tls(_) => return Disposition::Retry(reason("tls", None)),
         Attempt::Transport(_) => return Disposition::Retry(reason("transport", None)),
     };
-    let label = format!("http_{status}");
+    let why = reason(status_label(status), Some(status));
     match status {
         200..=299 => Disposition::Delivered,
-        408 | 425 | 429 | 500..=599 => Disposition::Retry(reason(&label, Some(status))),
-        s if policy.poison.contains(&s) => Disposition::DeadLetter(reason(&label, Some(status))),
-        _ => Disposition::ConfigFault(reason(&label, Some(status))),
+        408 | 425 | 429 | 500..=599 => Disposition::Retry(why),
+        s if policy.poison.contains(&s) => Disposition::DeadLetter(why),
+        _ => Disposition::ConfigFault(why),
     }
 }
 
-fn reason(label: &str, status: Option<u16>) -> Reason {
-    Reason {
-        label: label.to_owned(),
-        status,
+/// The label of a status: the ones that name a distinct fault keep their
+/// number (401/403: the secret or credentials; 404: the URL; 429: rate
+/// limited), the rest fall into their class.
+fn status_label(status: u16) -> &'static str {
+    match status {
+        401 => "http_401",
+        403 => "http_403",
+        404 => "http_404",
+        429 => "http_429",
+        300..=399 => "http_3xx",
+        400..=499 => "http_4xx",
+        500..=599 => "http_5xx",
+        _ => "http_other",
     }
+}
+
+fn reason(label: &'static str, status: Option<u16>) -> Reason {
+    debug_assert!(REASONS.contains(&label), "{label} is not in REASONS");
+    Reason { label, status }
 }
 
 /// The status class label for metrics: `2xx`, `4xx`, `5xx`, ... or `none`.
@@ -162,6 +208,7 @@ mod tests {
         for a in [
             Attempt::Timeout,
             Attempt::Connect("refused".into()),
+            Attempt::Tls("unknown issuer".into()),
             Attempt::Transport("reset".into()),
         ] {
             assert!(matches!(classify(&a, &p), Disposition::Retry(_)), "{a:?}");
@@ -180,18 +227,56 @@ mod tests {
     #[test]
     fn poison_list_is_configurable_and_reasons_are_labels() {
         let p = StatusPolicy::new(vec![409]).unwrap();
+        let verdict = classify(&resp(409), &p);
         assert_eq!(
-            classify(&resp(409), &p),
+            verdict,
             Disposition::DeadLetter(Reason {
-                label: "http_409".into(),
+                label: "http_4xx",
                 status: Some(409)
             })
         );
+        let Disposition::DeadLetter(why) = verdict else {
+            unreachable!()
+        };
+        assert_eq!(why.to_string(), "http_409", "logs keep the exact status");
         assert!(matches!(
             classify(&resp(422), &p),
             Disposition::ConfigFault(_)
         ));
         assert_eq!(status_class(&resp(503)), "5xx");
         assert_eq!(status_class(&Attempt::Timeout), "none");
+    }
+
+    /// Every status from 100 to 999 and every transport outcome maps into
+    /// the fixed list, and the list has no label nothing maps to.
+    #[test]
+    fn labels_come_from_the_fixed_list_whatever_the_status() {
+        let p = StatusPolicy::default();
+        let mut seen = std::collections::BTreeSet::new();
+        let attempts = (100..=999).map(resp).chain([
+            Attempt::Timeout,
+            Attempt::Connect(String::new()),
+            Attempt::Tls(String::new()),
+            Attempt::Transport(String::new()),
+        ]);
+        for a in attempts {
+            match classify(&a, &p) {
+                Disposition::Delivered => {}
+                Disposition::Retry(r)
+                | Disposition::DeadLetter(r)
+                | Disposition::ConfigFault(r) => {
+                    assert!(REASONS.contains(&r.label), "{a:?}: {}", r.label);
+                    seen.insert(r.label);
+                }
+            }
+        }
+        assert_eq!(seen, REASONS.into_iter().collect());
+        assert_eq!(status_label(503), "http_5xx");
+        assert_eq!(status_label(599), "http_5xx");
+        assert_eq!(status_label(401), "http_401");
+        assert_eq!(status_label(418), "http_4xx");
+        assert_eq!(status_label(302), "http_3xx");
+        assert_eq!(status_label(600), "http_other");
+        assert_eq!(status_label(101), "http_other");
     }
 }

@@ -1,9 +1,8 @@
-//! Request bodies and signatures: the wire format
+//! Request bodies, built once per event: the wire format
 //! (`docs/architecture.md#wire-format`).
 //!
 //! ```text
 //! {"id":"<outbox.id>","type":"<outbox.event_type>","data":<outbox.payload>}
-//! X-Event-Signature: lowercase hex HMAC-SHA256(secret, exact body bytes)
 //! ```
 //!
 //! `data` is the payload's JSON text exactly as PostgreSQL's `jsonb` output
@@ -11,20 +10,46 @@
 //! strings are never re-escaped, depth is unlimited (jsonb validated it). SQL
 //! NULL becomes JSON `null`. `id` and `type` are escaped as JSON strings.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use http::HeaderValue;
 
 use crate::outbox::OutboxEvent;
+use crate::sink::signature::Signer;
 
-/// A request built once per event: the exact body bytes and their
-/// signature. Cheap to clone (the body is shared).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A request built once per event: the exact body bytes and, under the
+/// legacy scheme, their `X-Event-Signature` with the signer that made it.
+/// The Standard Webhooks signature covers the attempt's timestamp, so it is
+/// made per attempt. Cheap to clone (the body is shared).
+#[derive(Clone, Debug)]
 pub struct Prepared {
     /// The JSON body.
     pub body: Bytes,
-    /// Lowercase hex HMAC-SHA256 of `body` (`X-Event-Signature`).
-    pub signature: String,
+    legacy: Option<(Arc<Signer>, HeaderValue)>,
+}
+
+impl Prepared {
+    /// `body`, with its legacy signature under `signer` when its scheme has one.
+    pub fn signed(body: Bytes, signer: Arc<Signer>) -> Prepared {
+        let legacy = signer.legacy(&body).map(|value| (signer, value));
+        Prepared { body, legacy }
+    }
+
+    /// `body` without a signature made in advance (scripted sinks in tests).
+    pub fn unsigned(body: Bytes) -> Prepared {
+        Prepared { body, legacy: None }
+    }
+
+    /// `X-Event-Signature` for an attempt made with `signer`: the one made
+    /// in advance while the keys are unchanged, else a new one (the keys
+    /// were reloaded since: a retry must carry the key in use now).
+    pub fn legacy_signature(&self, signer: &Arc<Signer>) -> Option<HeaderValue> {
+        match &self.legacy {
+            Some((by, value)) if Arc::ptr_eq(by, signer) => Some(value.clone()),
+            _ => signer.legacy(&self.body),
+        }
+    }
 }
 
 /// Builds the JSON body for `event` (bytes, ready to send and sign).
@@ -45,34 +70,6 @@ fn push_json_string(out: &mut Vec<u8>, s: &str) {
     // serde_json escapes quotes, backslashes and every control character; the
     // write into a Vec cannot fail.
     serde_json::to_writer(&mut *out, s).expect("writing JSON into a Vec cannot fail");
-}
-
-/// An HMAC-SHA256 signing key (the shared event secret).
-#[derive(Clone)]
-pub struct Signer {
-    mac: Hmac<Sha256>,
-}
-
-impl std::fmt::Debug for Signer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Signer(<redacted>)")
-    }
-}
-
-impl Signer {
-    /// A signer for `secret` (any length; HMAC hashes long keys).
-    pub fn new(secret: &[u8]) -> Self {
-        Signer {
-            mac: Hmac::<Sha256>::new_from_slice(secret).expect("HMAC accepts keys of any length"),
-        }
-    }
-
-    /// Lowercase hex HMAC-SHA256 of `body`: 64 characters.
-    pub fn sign(&self, body: &[u8]) -> String {
-        let mut mac = self.mac.clone();
-        mac.update(body);
-        hex::encode(mac.finalize().into_bytes())
-    }
 }
 
 /// Makes a row value safe as an HTTP header value: visible ASCII is kept,
@@ -135,16 +132,6 @@ mod tests {
         assert_eq!(obj.len(), 3, "no injected keys: {v}");
         assert_eq!(obj["id"], "a\"b");
         assert_eq!(obj["type"], "x\",\"admin\":true,\"y\":\"\n\u{1}");
-    }
-
-    #[test]
-    fn signature_matches_known_vector() {
-        // RFC 4231 test case 2.
-        let s = Signer::new(b"Jefe");
-        assert_eq!(
-            s.sign(b"what do ya want for nothing?"),
-            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
-        );
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The HTTP sink: one file per stage of a delivery.
 //!
 //! ```text
-//! OutboxEvent ─encoder─▶ Prepared (body + signature) ─service─▶ POST ─▶ Attempt ─classify─▶ Disposition
+//! OutboxEvent ─encoder─▶ Prepared (body, legacy signature) ─service─▶ POST ─▶ Attempt ─classify─▶ Disposition
+//!                                          signature (per attempt: webhook-timestamp, webhook-signature) ─┘
 //! ```
 //!
 //! The pipeline sees the sink only through the [`Sink`] trait, so its unit
@@ -10,18 +11,20 @@
 pub mod classify;
 pub mod encoder;
 pub mod service;
+pub mod signature;
 
 use std::future::Future;
 
-pub use classify::{Disposition, Reason, StatusPolicy, classify, status_class};
-pub use encoder::{Prepared, Signer};
+pub use classify::{Disposition, REASONS, Reason, StatusPolicy, classify, status_class};
+pub use encoder::Prepared;
 pub use service::{Attempt, HttpSink, SinkConfig, SinkError};
+pub use signature::{SignatureScheme, Signer, Signing};
 
 use crate::outbox::OutboxEvent;
 
 /// Where events are delivered.
 pub trait Sink: Send + Sync + 'static {
-    /// Builds the request for `event` once (body and signature); every
+    /// Builds the request for `event` once (body, legacy signature); every
     /// attempt sends the same bytes.
     fn prepare(&self, event: &OutboxEvent) -> Prepared;
 

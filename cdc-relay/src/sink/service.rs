@@ -3,13 +3,16 @@
 //! One pooled client per relay: hyper-util's legacy client (keep-alive
 //! pool, HTTP/1.1, HTTP/2 when a TLS sink offers it through ALPN) over
 //! rustls. The URI, the `Authorization` header from URL credentials and the
-//! fixed headers are built once; each attempt POSTs the exact signed body
-//! with:
+//! fixed headers are built once; each attempt POSTs the exact body with
+//! (`--signature-scheme both`, the default):
 //!
 //! ```text
 //! Content-Type: application/json
-//! X-Event-Signature: <lowercase hex HMAC-SHA256(secret, body)>
 //! Idempotency-Key: <event id, header-safe>
+//! X-Event-Signature: <lowercase hex HMAC-SHA256(current key, body)>
+//! webhook-id: <the same as Idempotency-Key>
+//! webhook-timestamp: <unix seconds of this attempt>
+//! webhook-signature: v1,<base64 HMAC-SHA256(key, "id.timestamp.body")> [one per key]
 //! ```
 //!
 //! and reports an [`Attempt`]; deciding what it means is
@@ -19,7 +22,7 @@
 //! variables are not read.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -36,7 +39,8 @@ use rustls::pki_types::pem::PemObject;
 
 use crate::outbox::OutboxEvent;
 use crate::sink::Sink;
-use crate::sink::encoder::{self, Prepared, Signer};
+use crate::sink::encoder::{self, Prepared};
+use crate::sink::signature::Signing;
 
 /// How to reach the sink.
 #[derive(Clone, Debug)]
@@ -44,8 +48,8 @@ pub struct SinkConfig {
     /// The inbox URL events are POSTed to (`http` or `https`; a user and
     /// password in it become an `Authorization: Basic` header).
     pub url: url::Url,
-    /// HMAC key for `X-Event-Signature`.
-    pub signer: Signer,
+    /// The signer, replaceable while deliveries run (a reload).
+    pub signing: Signing,
     /// TCP connect timeout.
     pub connect_timeout: Duration,
     /// Whole-attempt timeout: connect, TLS, send, and the response up to the
@@ -83,8 +87,10 @@ pub enum Attempt {
     /// No complete response within the request timeout (or the TCP connect
     /// timeout).
     Timeout,
-    /// Could not connect (refused, DNS, TLS handshake).
+    /// Could not connect (refused, DNS).
     Connect(String),
+    /// The TLS handshake failed (certificate, protocol).
+    Tls(String),
     /// The connection broke mid-request, or another transport error.
     Transport(String),
 }
@@ -103,7 +109,7 @@ impl Attempt {
                 format!("status {status}: {e}")
             }
             Attempt::Timeout => "request timed out".into(),
-            Attempt::Connect(e) | Attempt::Transport(e) => e.clone(),
+            Attempt::Connect(e) | Attempt::Tls(e) | Attempt::Transport(e) => e.clone(),
         }
     }
 }
@@ -127,7 +133,7 @@ struct Target {
 pub struct HttpSink {
     client: Pool,
     target: Arc<Target>,
-    signer: Signer,
+    signing: Signing,
 }
 
 impl HttpSink {
@@ -197,13 +203,18 @@ impl HttpSink {
                 authorization,
                 request_timeout: cfg.request_timeout,
             }),
-            signer: cfg.signer,
+            signing: cfg.signing,
         })
     }
 
     /// The configured URL.
     pub fn url(&self) -> &url::Url {
         &self.target.url
+    }
+
+    /// The signer slot: a reload replaces the signer in it.
+    pub fn signing(&self) -> &Signing {
+        &self.signing
     }
 
     /// The URL without any user or password, safe to log.
@@ -215,18 +226,28 @@ impl HttpSink {
         u.to_string()
     }
 
-    async fn attempt(&self, event_id: &str, body: Bytes, signature: &str) -> Attempt {
-        let key = HeaderValue::from_str(&encoder::header_safe(event_id))
-            .expect("header_safe output is a valid header value");
-        let signature =
-            HeaderValue::from_str(signature).expect("a hex signature is a valid header value");
-        let mut req = Request::new(Full::new(body));
+    async fn attempt(&self, event_id: &str, request: &Prepared) -> Attempt {
+        let id = encoder::header_safe(event_id);
+        // One read per attempt: a reload during it changes the next one.
+        let signer = self.signing.current();
+        let legacy = request.legacy_signature(&signer);
+        let timestamp = unix_seconds();
+        let standard = signer.standard(&id, timestamp, &request.body);
+        let key = HeaderValue::from_str(&id).expect("header_safe output is a valid header value");
+        let mut req = Request::new(Full::new(request.body.clone()));
         *req.method_mut() = Method::POST;
         *req.uri_mut() = self.target.uri.clone();
         let headers = req.headers_mut();
-        headers.reserve(5);
+        headers.reserve(8);
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        headers.insert("x-event-signature", signature);
+        if let Some(signature) = legacy {
+            headers.insert("x-event-signature", signature);
+        }
+        if let Some(signature) = standard {
+            headers.insert("webhook-id", key.clone());
+            headers.insert("webhook-timestamp", HeaderValue::from(timestamp));
+            headers.insert("webhook-signature", signature);
+        }
         headers.insert("idempotency-key", key);
         headers.insert(USER_AGENT, HeaderValue::from_static(USER_AGENT_VALUE));
         if let Some(auth) = &self.target.authorization {
@@ -271,15 +292,13 @@ impl HttpSink {
 
 impl Sink for HttpSink {
     fn prepare(&self, event: &OutboxEvent) -> Prepared {
-        let body = encoder::body(event);
-        let signature = self.signer.sign(&body);
-        Prepared { body, signature }
+        Prepared::signed(encoder::body(event), self.signing.current())
     }
 
     /// POSTs the prepared body once, within the request timeout.
     async fn post(&self, event_id: &str, request: &Prepared) -> Attempt {
         let timeout = self.target.request_timeout;
-        let attempt = self.attempt(event_id, request.body.clone(), &request.signature);
+        let attempt = self.attempt(event_id, request);
         match tokio::time::timeout(timeout, attempt).await {
             Ok(attempt) => attempt,
             Err(_) => Attempt::Timeout,
@@ -288,6 +307,13 @@ impl Sink for HttpSink {
 }
 
 const USER_AGENT_VALUE: &str = concat!("cdc-relay/", env!("CARGO_PKG_VERSION"));
+
+/// `webhook-timestamp`: seconds since the Unix epoch, now.
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
 
 fn percent_decode(s: &str) -> String {
     percent_encoding::percent_decode_str(s)
@@ -299,6 +325,8 @@ fn request_error(e: &hyper_util::client::legacy::Error) -> Attempt {
     if e.is_connect() {
         if source_is_timeout(e) {
             Attempt::Timeout
+        } else if source_is_tls(e) {
+            Attempt::Tls(crate::error_chain(e))
         } else {
             Attempt::Connect(crate::error_chain(e))
         }
@@ -312,6 +340,18 @@ fn source_is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
     std::iter::successors(Some(e), |e| e.source()).any(|err| {
         err.downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+    })
+}
+
+/// A connect error whose cause is the TLS handshake: a rustls error, on
+/// its own or inside the `io::Error` the TLS stream reports it in.
+fn source_is_tls(e: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(e), |e| e.source()).any(|err| {
+        err.is::<rustls::Error>()
+            || err
+                .downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::get_ref)
+                .is_some_and(|inner| inner.is::<rustls::Error>())
     })
 }
 

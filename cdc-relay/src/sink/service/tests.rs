@@ -1,24 +1,61 @@
-//! The HTTP sink against real local servers: headers, credentials,
-//! statuses, excerpts, refused connections, timeouts, bad CA files.
+//! The HTTP sink against real local servers: headers, signatures,
+//! credentials, statuses, excerpts, refused connections, timeouts, bad CA
+//! files.
+
+use event_secret::{CURRENT, EventKeys, Key};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 
 use super::*;
+use crate::sink::signature::{SignatureScheme, Signer};
 
-fn prepared() -> Prepared {
-    Prepared {
-        body: Bytes::from_static(b"{}"),
-        signature: "abc".into(),
-    }
+/// Plain secrets of 32 bytes and more.
+const KEY: &str = "unit-test-event-secret-0123456789";
+const NEW_KEY: &str = "unit-test-event-secret-abcdefghij";
+
+fn signer(scheme: SignatureScheme, current: &str, previous: Option<&str>) -> Signer {
+    let key = |k: &str| Key::parse(k, "EVENT_SECRET", &CURRENT).unwrap();
+    Signer::new(scheme, &EventKeys::new(key(current), previous.map(key)))
+}
+
+fn prepared(s: &HttpSink) -> Prepared {
+    Prepared::signed(Bytes::from_static(b"{}"), s.signing().current())
 }
 
 fn sink(url: &str, request_timeout: Duration) -> HttpSink {
+    sink_signing(
+        url,
+        request_timeout,
+        signer(SignatureScheme::Both, KEY, None),
+    )
+}
+
+fn sink_signing(url: &str, request_timeout: Duration, signer: Signer) -> HttpSink {
     HttpSink::new(SinkConfig {
         url: url.parse().unwrap(),
-        signer: Signer::new(b"k"),
+        signing: Signing::new(signer),
         connect_timeout: Duration::from_secs(1),
         request_timeout,
         ca_cert_pem: None,
     })
     .unwrap()
+}
+
+fn hmac(key: &str, parts: &[&[u8]]) -> Vec<u8> {
+    let mut mac = Hmac::<Sha256>::new_from_slice(key.as_bytes()).unwrap();
+    for p in parts {
+        mac.update(p);
+    }
+    mac.finalize().into_bytes().to_vec()
+}
+
+/// `v1,<base64 HMAC(key, id.ts.body)>`, computed here independently.
+fn v1(key: &str, id: &str, ts: &str, body: &[u8]) -> String {
+    let tag = hmac(key, &[id.as_bytes(), b".", ts.as_bytes(), b".", body]);
+    format!(
+        "v1,{}",
+        base64::engine::general_purpose::STANDARD.encode(tag)
+    )
 }
 
 /// A real HTTP server that answers `status` with a body and records the
@@ -48,8 +85,9 @@ async fn posts_the_wire_headers_and_url_credentials_as_basic_auth() {
     let (base, seen) = recording_server(204, "").await;
     let url = base.replace("http://", "http://relay:p%40ss@") + "/inbox?x=1#frag";
     let s = sink(&url, Duration::from_secs(5));
+    let before = unix_seconds();
     for _ in 0..3 {
-        let got = s.post("e 1", &prepared()).await;
+        let got = s.post("e 1", &prepared(&s)).await;
         assert!(
             matches!(got, Attempt::Response { status: 204, .. }),
             "{got:?}"
@@ -62,8 +100,13 @@ async fn posts_the_wire_headers_and_url_credentials_as_basic_auth() {
     assert_eq!(p.uri.path_and_query().unwrap().as_str(), "/inbox?x=1");
     let h = |n: &str| p.headers.get(n).unwrap().to_str().unwrap().to_owned();
     assert_eq!(h("content-type"), "application/json");
-    assert_eq!(h("x-event-signature"), "abc");
+    assert_eq!(h("x-event-signature"), hex::encode(hmac(KEY, &[b"{}"])));
     assert_eq!(h("idempotency-key"), "e%201");
+    assert_eq!(h("webhook-id"), "e%201");
+    let ts = h("webhook-timestamp");
+    let secs: u64 = ts.parse().unwrap();
+    assert!((before..=unix_seconds()).contains(&secs), "{ts}");
+    assert_eq!(h("webhook-signature"), v1(KEY, "e%201", &ts, b"{}"));
     assert!(h("user-agent").starts_with("cdc-relay/"));
     // base64("relay:p@ss")
     assert_eq!(h("authorization"), "Basic cmVsYXk6cEBzcw==");
@@ -75,7 +118,10 @@ async fn status_retry_after_and_excerpt_are_reported() {
     let long: &'static str = Box::leak("x".repeat(2 * EXCERPT_BYTES).into_boxed_str());
     let (base, _) = recording_server(503, long).await;
     let got = sink(&format!("{base}/inbox"), Duration::from_secs(5))
-        .post("e", &prepared())
+        .post(
+            "e",
+            &prepared(&sink(&format!("{base}/inbox"), Duration::from_secs(5))),
+        )
         .await;
     match got {
         Attempt::Response {
@@ -95,12 +141,11 @@ async fn refused_is_connect_and_silence_is_timeout() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let got = sink(
+    let refused = sink(
         &format!("http://127.0.0.1:{port}/inbox"),
         Duration::from_secs(5),
-    )
-    .post("e", &prepared())
-    .await;
+    );
+    let got = refused.post("e", &prepared(&refused)).await;
     assert!(matches!(got, Attempt::Connect(_)), "{got:?}");
 
     // A server that accepts and never answers.
@@ -113,18 +158,104 @@ async fn refused_is_connect_and_silence_is_timeout() {
         }
     });
     let started = std::time::Instant::now();
-    let got = sink(&format!("http://{addr}/inbox"), Duration::from_millis(300))
-        .post("e", &prepared())
-        .await;
+    let silent = sink(&format!("http://{addr}/inbox"), Duration::from_millis(300));
+    let got = silent.post("e", &prepared(&silent)).await;
     assert_eq!(got, Attempt::Timeout);
     assert!(started.elapsed() < Duration::from_secs(3));
+}
+
+#[tokio::test]
+async fn each_scheme_sends_its_headers_and_a_rotation_signs_with_both_keys() {
+    let (base, seen) = recording_server(204, "").await;
+    let url = format!("{base}/inbox");
+    let legacy = sink_signing(
+        &url,
+        Duration::from_secs(5),
+        signer(SignatureScheme::Legacy, KEY, None),
+    );
+    legacy.post("e1", &prepared(&legacy)).await;
+    let standard = sink_signing(
+        &url,
+        Duration::from_secs(5),
+        signer(SignatureScheme::Standard, NEW_KEY, Some(KEY)),
+    );
+    standard.post("e2", &prepared(&standard)).await;
+    let seen = seen.lock().unwrap();
+    let names = |i: usize| -> Vec<&str> {
+        let mut n: Vec<&str> = seen[i].headers.keys().map(|k| k.as_str()).collect();
+        n.sort_unstable();
+        n
+    };
+    assert_eq!(
+        names(0),
+        [
+            "content-length",
+            "content-type",
+            "host",
+            "idempotency-key",
+            "user-agent",
+            "x-event-signature"
+        ]
+    );
+    assert_eq!(
+        names(1),
+        [
+            "content-length",
+            "content-type",
+            "host",
+            "idempotency-key",
+            "user-agent",
+            "webhook-id",
+            "webhook-signature",
+            "webhook-timestamp"
+        ]
+    );
+    let h = |n: &str| seen[1].headers.get(n).unwrap().to_str().unwrap().to_owned();
+    let ts = h("webhook-timestamp");
+    assert_eq!(
+        h("webhook-signature"),
+        format!(
+            "{} {}",
+            v1(NEW_KEY, "e2", &ts, b"{}"),
+            v1(KEY, "e2", &ts, b"{}")
+        )
+    );
+}
+
+/// A retry after a reload carries the new key's signatures, the legacy one
+/// included, though the request was prepared under the old key.
+#[tokio::test]
+async fn an_attempt_after_a_reload_signs_with_the_new_keys() {
+    let (base, seen) = recording_server(204, "").await;
+    let s = sink(&format!("{base}/inbox"), Duration::from_secs(5));
+    let request = prepared(&s);
+    s.post("e", &request).await;
+    s.signing()
+        .replace(signer(SignatureScheme::Both, NEW_KEY, Some(KEY)));
+    s.post("e", &request).await;
+    let seen = seen.lock().unwrap();
+    let h = |i: usize, n: &str| seen[i].headers.get(n).unwrap().to_str().unwrap().to_owned();
+    assert_eq!(h(0, "x-event-signature"), hex::encode(hmac(KEY, &[b"{}"])));
+    assert_eq!(
+        h(1, "x-event-signature"),
+        hex::encode(hmac(NEW_KEY, &[b"{}"]))
+    );
+    let ts = h(1, "webhook-timestamp");
+    assert_eq!(
+        h(1, "webhook-signature"),
+        format!(
+            "{} {}",
+            v1(NEW_KEY, "e", &ts, b"{}"),
+            v1(KEY, "e", &ts, b"{}")
+        )
+    );
 }
 
 #[test]
 fn a_ca_file_without_certificates_is_refused() {
     let err = HttpSink::new(SinkConfig {
         url: "https://localhost/inbox".parse().unwrap(),
-        signer: Signer::new(b"k"),
+        signing: Signing::new(signer(SignatureScheme::Both, KEY, None)),
         connect_timeout: Duration::from_secs(1),
         request_timeout: Duration::from_secs(1),
         ca_cert_pem: Some(b"not a certificate".to_vec()),
