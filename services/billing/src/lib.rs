@@ -2,8 +2,10 @@
 //! (`docs/architecture.md#data-flow`, `#wire-format`).
 //!
 //! ```text
-//! POST /inbox ─▶ 415/413 ─▶ signature::EventSecrets::verify ─▶ parse ─▶ event::OrderCreated::from_json
-//!                 (bytes)    (exact bytes, before parsing:401)  (400)    (422 naming the field)
+//! POST /inbox ─▶ 415/413 ─▶ signature::Verifier::verify ─▶ parse ─▶ event::OrderCreated::from_json
+//!                 (bytes)    (webhook-signature or           (400)    (422 naming the field; Idempotency-Key
+//!                             X-Event-Signature over the              and webhook-id must equal the id)
+//!                             exact bytes, before parsing: 401)
 //!            ─▶ store::InboxStore::record: ONE statement, its own transaction:
 //!               processed_events row ON CONFLICT DO NOTHING, invoice only if that row is new
 //!            ─▶ 204 (new or replay)

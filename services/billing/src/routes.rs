@@ -8,35 +8,51 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use deadpool_postgres::Pool;
-use prometheus::{IntCounter, Registry};
+use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 use serde::Deserialize;
 use service_common::ServiceError;
 use service_common::body::{RawJsonBody, parse_json};
 use service_common::metrics::HttpMetrics;
 
 use crate::event::{OrderCreated, parse_uuid};
-use crate::signature::EventSecrets;
+use crate::signature::SharedVerifier;
 use crate::store::{InboxStore, Invoice, Recorded};
 
-/// Header carrying the body's HMAC (`docs/architecture.md#wire-format`).
-pub const SIGNATURE_HEADER: &str = "x-event-signature";
-
-/// Optional header repeating the event id.
-pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+/// Optional headers repeating the event id: each, when sent, must equal
+/// the body's `id`.
+pub const EVENT_ID_HEADERS: [&str; 2] = ["idempotency-key", "webhook-id"];
 
 struct AppState {
-    secrets: EventSecrets,
+    verifier: SharedVerifier,
     store: InboxStore,
+    verified: IntCounterVec,
     invoiced: IntCounter,
     duplicates: IntCounter,
 }
 
 /// The service's own routes (`POST /inbox`, `GET /invoices`); registers
+/// `billing_signatures_verified_total{scheme}`,
 /// `billing_invoices_created_total` and `billing_duplicates_absorbed_total`
 /// in `metrics`.
-pub fn router(pool: Pool, metrics: &HttpMetrics, secrets: EventSecrets) -> anyhow::Result<Router> {
+pub fn router(
+    pool: Pool,
+    metrics: &HttpMetrics,
+    verifier: SharedVerifier,
+) -> anyhow::Result<Router> {
+    let verified = IntCounterVec::new(
+        Opts::new(
+            "billing_signatures_verified_total",
+            "Requests whose signature was accepted, by scheme (standard, legacy)",
+        ),
+        &["scheme"],
+    )?;
+    metrics.registry().register(Box::new(verified.clone()))?;
+    for scheme in ["standard", "legacy"] {
+        verified.with_label_values(&[scheme]);
+    }
     let state = Arc::new(AppState {
-        secrets,
+        verifier,
+        verified,
         store: InboxStore::new(pool),
         invoiced: counter(
             metrics.registry(),
@@ -67,20 +83,19 @@ async fn inbox(
     headers: HeaderMap,
     RawJsonBody(body): RawJsonBody,
 ) -> Result<StatusCode, ServiceError> {
-    let signature = headers.get(SIGNATURE_HEADER).map(|v| v.as_bytes());
-    if !state.secrets.verify(&body, signature) {
-        tracing::warn!(
-            present = signature.is_some(),
-            "rejected event: invalid signature"
-        );
-        return Err(ServiceError::new(
-            StatusCode::UNAUTHORIZED,
-            "invalid_signature",
-            "X-Event-Signature is not the HMAC-SHA256 of the body under an accepted secret",
-        ));
+    match state.verifier.current().verify(&headers, &body, unix_now()) {
+        Ok(scheme) => state.verified.with_label_values(&[scheme]).inc(),
+        Err(refusal) => {
+            tracing::warn!(code = refusal.code, detail = %refusal.detail, "rejected event");
+            return Err(ServiceError::new(
+                StatusCode::UNAUTHORIZED,
+                refusal.code,
+                refusal.detail,
+            ));
+        }
     }
     let event = OrderCreated::from_json(&parse_json(&body)?)?;
-    check_idempotency_key(&headers, &event)?;
+    check_event_id_headers(&headers, &event)?;
     match state.store.record(&event).await? {
         Recorded::Invoiced => state.invoiced.inc(),
         Recorded::Duplicate => {
@@ -91,19 +106,35 @@ async fn inbox(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// `Idempotency-Key`, when sent, must name the same event as the body.
-fn check_idempotency_key(headers: &HeaderMap, event: &OrderCreated) -> Result<(), ServiceError> {
-    let Some(key) = headers.get(IDEMPOTENCY_KEY_HEADER) else {
-        return Ok(());
-    };
-    match key.to_str().ok().and_then(parse_uuid) {
-        Some(id) if id == event.id => Ok(()),
-        _ => Err(ServiceError::invalid_field(
-            "invalid_event",
-            "Idempotency-Key",
-            "must equal the body's id",
-        )),
+/// `Idempotency-Key` and `webhook-id`, when sent, must name the same event
+/// as the body.
+fn check_event_id_headers(headers: &HeaderMap, event: &OrderCreated) -> Result<(), ServiceError> {
+    for (name, field) in EVENT_ID_HEADERS
+        .into_iter()
+        .zip(["Idempotency-Key", "webhook-id"])
+    {
+        let Some(key) = headers.get(name) else {
+            continue;
+        };
+        match key.to_str().ok().and_then(parse_uuid) {
+            Some(id) if id == event.id => {}
+            _ => {
+                return Err(ServiceError::invalid_field(
+                    "invalid_event",
+                    field,
+                    "must equal the body's id",
+                ));
+            }
+        }
     }
+    Ok(())
+}
+
+/// Seconds since the Unix epoch, now (for `webhook-timestamp`).
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 #[derive(Deserialize)]

@@ -1,109 +1,247 @@
-//! `X-Event-Signature`: lowercase hex HMAC-SHA256 of the exact body bytes
-//! (`docs/architecture.md#wire-format`), checked against every configured
-//! secret so a secret can be
-//! rotated without downtime (senders switch while both are accepted).
+//! Who sent the event: the signature on the exact body bytes, checked
+//! before anything is parsed (`docs/architecture.md#wire-format`).
+//!
+//! ```text
+//! webhook-signature present (and standard accepted)
+//!     webhook-id, webhook-timestamp present? timestamp within the tolerance?  else 401 why
+//!     any v1 entry = HMAC(key, id.timestamp.body) for an accepted key?        (standardwebhooks crate)
+//! else X-Event-Signature present (and legacy accepted)
+//!     = lowercase hex HMAC(key, body) for an accepted key?                    (constant time)
+//! else 401 naming the headers to send
+//! ```
+//!
+//! The keys are the relay's (`event_secret`: EVENT_SECRET and, during a
+//! rotation, EVENT_SECRET_PREVIOUS); every key is tried, whichever matched,
+//! so timing tells nothing about the keys. The keys can be replaced while
+//! requests run ([`SharedVerifier`], SIGHUP).
 
-use std::path::Path;
+use std::sync::{Arc, PoisonError, RwLock};
 
+use axum::http::HeaderMap;
+use event_secret::EventKeys;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use standardwebhooks::{Webhook, WebhookError};
 use subtle::{Choice, ConstantTimeEq};
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// Length of a signature: 32 bytes as lowercase hex.
+/// Length of a legacy signature: 32 bytes as lowercase hex.
 const SIGNATURE_HEX_LEN: usize = 64;
 
-/// Why no secret set could be built.
-#[derive(Debug, thiserror::Error)]
-pub enum SecretError {
-    /// Neither source held a non-blank secret.
-    #[error(
-        "no event secret configured: set EVENT_SECRET (comma-separated list) or --event-secret, \
-         or --event-secret-file / EVENT_SECRET_FILE (one secret per line)"
-    )]
-    Empty,
-    /// The secret file could not be read.
-    #[error("cannot read --event-secret-file {path}: {source}")]
-    File {
-        /// The file.
-        path: String,
-        /// The I/O error.
-        source: std::io::Error,
-    },
+/// `X-Event-Signature`: the tutorial's header.
+pub const LEGACY_HEADER: &str = "x-event-signature";
+
+/// Which signatures Billing accepts (`--signature-scheme`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SignatureScheme {
+    /// Standard Webhooks only: every request must carry a recent
+    /// `webhook-timestamp` (the replay window).
+    Standard,
+    /// `X-Event-Signature` only.
+    Legacy,
+    /// Either: `webhook-signature` when present, else `X-Event-Signature`.
+    Both,
 }
 
-/// The accepted secrets, keyed once at startup.
-#[derive(Clone)]
-pub struct EventSecrets {
-    keys: Vec<HmacSha256>,
+impl SignatureScheme {
+    fn standard(self) -> bool {
+        matches!(self, SignatureScheme::Standard | SignatureScheme::Both)
+    }
+
+    fn legacy(self) -> bool {
+        matches!(self, SignatureScheme::Legacy | SignatureScheme::Both)
+    }
 }
 
-impl std::fmt::Debug for EventSecrets {
+/// Why a request is refused: the error code and a detail for the 401 body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// `invalid_signature` or `timestamp_outside_tolerance`.
+    pub code: &'static str,
+    /// What is wrong and what to do, for the sender's operator.
+    pub detail: String,
+}
+
+fn invalid(detail: impl Into<String>) -> Refusal {
+    Refusal {
+        code: "invalid_signature",
+        detail: detail.into(),
+    }
+}
+
+/// One accepted key, keyed once for each scheme.
+struct VerifyKey {
+    legacy: HmacSha256,
+    standard: Webhook,
+}
+
+/// Checks signatures with one set of keys.
+pub struct Verifier {
+    keys: Vec<VerifyKey>,
+    accept: SignatureScheme,
+    tolerance_secs: i64,
+    described: String,
+}
+
+impl std::fmt::Debug for Verifier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "EventSecrets({} redacted)", self.keys.len())
+        write!(
+            f,
+            "Verifier({:?}, {}, tolerance {} s)",
+            self.accept, self.described, self.tolerance_secs
+        )
     }
 }
 
-impl EventSecrets {
-    /// Secrets from a comma-separated `list` and/or a `file` with one per
-    /// line, in that order. Surrounding whitespace is trimmed and blank entries
-    /// skipped. Fails when nothing is left: a Billing that accepts no
-    /// signature must not start.
-    pub fn load(list: Option<&str>, file: Option<&Path>) -> Result<Self, SecretError> {
-        let mut secrets: Vec<String> = list
-            .into_iter()
-            .flat_map(|l| l.split(','))
-            .map(|s| s.trim().to_owned())
-            .collect();
-        if let Some(path) = file {
-            let text = std::fs::read_to_string(path).map_err(|source| SecretError::File {
-                path: path.display().to_string(),
-                source,
-            })?;
-            secrets.extend(text.lines().map(|s| s.trim().to_owned()));
-        }
-        Self::new(secrets.iter().map(String::as_bytes))
-    }
-
-    /// Secrets given directly; blank ones are skipped.
-    pub fn new<'a>(secrets: impl IntoIterator<Item = &'a [u8]>) -> Result<Self, SecretError> {
-        let keys: Vec<HmacSha256> = secrets
-            .into_iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| HmacSha256::new_from_slice(s).ok())
-            .collect();
-        if keys.is_empty() {
-            Err(SecretError::Empty)
-        } else {
-            Ok(Self { keys })
+impl Verifier {
+    /// Accepts signatures made with any of `keys`, of the kinds `accept`
+    /// lists; standard timestamps within `tolerance_secs` of now.
+    pub fn new(keys: &EventKeys, accept: SignatureScheme, tolerance_secs: u32) -> Verifier {
+        Verifier {
+            keys: keys
+                .iter()
+                .map(|k| VerifyKey {
+                    legacy: HmacSha256::new_from_slice(k.as_bytes())
+                        .expect("HMAC accepts keys of any length"),
+                    standard: Webhook::from_bytes(k.as_bytes().to_vec())
+                        .expect("a key of at least 24 bytes"),
+                })
+                .collect(),
+            accept,
+            tolerance_secs: i64::from(tolerance_secs),
+            described: keys.describe(),
         }
     }
 
-    /// How many secrets are accepted.
-    pub fn len(&self) -> usize {
-        self.keys.len()
+    /// The keys, for logs: `key 1a2b3c4d, previous key 5e6f7a8b`.
+    pub fn keys(&self) -> &str {
+        &self.described
     }
 
-    /// Always false: construction refuses an empty set.
-    pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
+    /// The accepted schemes.
+    pub fn scheme(&self) -> SignatureScheme {
+        self.accept
+    }
+
+    /// Checks the request's signature over `body`, `now` being the unix
+    /// time in seconds. Returns which scheme vouched for it.
+    pub fn verify(
+        &self,
+        headers: &HeaderMap,
+        body: &[u8],
+        now: i64,
+    ) -> Result<&'static str, Refusal> {
+        let standard = headers.contains_key(standardwebhooks::HEADER_WEBHOOK_SIGNATURE);
+        let legacy = headers.get(LEGACY_HEADER);
+        if standard && self.accept.standard() {
+            return self
+                .verify_standard(headers, body, now)
+                .map(|()| "standard");
+        }
+        if let Some(signature) = legacy.filter(|_| self.accept.legacy()) {
+            return match self.verify_legacy(body, signature.as_bytes()) {
+                true => Ok("legacy"),
+                false => Err(invalid(
+                    "X-Event-Signature is not the lowercase hex HMAC-SHA256 of the body under an \
+                     accepted secret",
+                )),
+            };
+        }
+        Err(invalid(match (standard, legacy.is_some(), self.accept) {
+            (false, true, _) => {
+                "X-Event-Signature is not accepted here (--signature-scheme standard): sign with \
+                 Standard Webhooks (webhook-id, webhook-timestamp, webhook-signature)"
+            }
+            (true, false, _) => {
+                "webhook-signature is not accepted here (--signature-scheme legacy): send \
+                 X-Event-Signature"
+            }
+            (_, _, SignatureScheme::Standard) => {
+                "no signature: send webhook-id, webhook-timestamp and webhook-signature"
+            }
+            (_, _, SignatureScheme::Legacy) => "no signature: send X-Event-Signature",
+            (_, _, SignatureScheme::Both) => {
+                "no signature: send webhook-signature (Standard Webhooks) or X-Event-Signature"
+            }
+        }))
+    }
+
+    fn verify_standard(&self, headers: &HeaderMap, body: &[u8], now: i64) -> Result<(), Refusal> {
+        if !headers.contains_key(standardwebhooks::HEADER_WEBHOOK_ID) {
+            return Err(invalid("webhook-signature without webhook-id"));
+        }
+        let timestamp = headers
+            .get(standardwebhooks::HEADER_WEBHOOK_TIMESTAMP)
+            .ok_or_else(|| invalid("webhook-signature without webhook-timestamp"))?
+            .to_str()
+            .ok()
+            .and_then(|t| t.parse::<i64>().ok())
+            .ok_or_else(|| invalid("webhook-timestamp is not an integer (unix seconds)"))?;
+        self.check_timestamp(timestamp, now)?;
+        // Every key is tried: no early exit tells which one matched.
+        let outcomes: Vec<Result<(), WebhookError>> = self
+            .keys
+            .iter()
+            .map(|k| k.standard.verify(body, headers))
+            .collect();
+        if outcomes.iter().any(Result::is_ok) {
+            return Ok(());
+        }
+        // The library checks the time again with its own clock reading
+        // (its window, 300 s, is our largest): a request exactly at our
+        // limit can age past it between the two checks, by a second.
+        if outcomes
+            .iter()
+            .any(|o| matches!(o, Err(WebhookError::TimestampTooOldError)))
+        {
+            return Err(self.outside_tolerance(timestamp, now + 1));
+        }
+        Err(invalid(
+            "webhook-signature holds no v1 signature of webhook-id.webhook-timestamp.body made \
+             with an accepted secret",
+        ))
+    }
+
+    fn check_timestamp(&self, timestamp: i64, now: i64) -> Result<(), Refusal> {
+        match now.abs_diff(timestamp) > self.tolerance_secs.unsigned_abs() {
+            true => Err(self.outside_tolerance(timestamp, now)),
+            false => Ok(()),
+        }
+    }
+
+    fn outside_tolerance(&self, timestamp: i64, now: i64) -> Refusal {
+        let (by, when) = match now >= timestamp {
+            true => (now.abs_diff(timestamp), "old"),
+            false => (now.abs_diff(timestamp), "in the future"),
+        };
+        Refusal {
+            code: "timestamp_outside_tolerance",
+            detail: format!(
+                "webhook-timestamp {timestamp} is {by} s {when}; accepted: within {} s of this \
+                 server's clock (--timestamp-tolerance-secs). A replayed request, or a clock to \
+                 fix",
+                self.tolerance_secs
+            ),
+        }
     }
 
     /// True when `provided` is the lowercase hex HMAC-SHA256 of `body` under
-    /// any secret. Comparison is constant-time per secret and every secret is
-    /// tried, so timing reveals neither the expected value nor which secret
-    /// matched. Upper-case hex, a prefix, or anything else is refused.
-    pub fn verify(&self, body: &[u8], provided: Option<&[u8]>) -> bool {
-        let Some(provided) = provided else {
-            return false;
-        };
+    /// any key. Comparison is constant-time per key and every key is tried,
+    /// so timing reveals neither the expected value nor which key matched.
+    /// Upper-case hex, a prefix, or anything else is refused.
+    fn verify_legacy(&self, body: &[u8], provided: &[u8]) -> bool {
         if provided.len() != SIGNATURE_HEX_LEN {
             return false;
         }
         let matched = self.keys.iter().fold(Choice::from(0), |acc, key| {
             let mut expected = [0u8; SIGNATURE_HEX_LEN];
-            let tag = key.clone().chain_update(body).finalize().into_bytes();
+            let tag = key
+                .legacy
+                .clone()
+                .chain_update(body)
+                .finalize()
+                .into_bytes();
             // 32 bytes always fit 64 hex digits; on the impossible error the
             // all-zero buffer simply never matches a hex signature.
             let _ = hex::encode_to_slice(tag, &mut expected);
@@ -113,8 +251,59 @@ impl EventSecrets {
     }
 }
 
-/// The signature header value for `body` under `secret` (what a sender puts
-/// in `X-Event-Signature`).
+/// The verifier in use, shared by every request and replaced whole on a
+/// reload; a request keeps the one it read.
+#[derive(Clone, Debug)]
+pub struct SharedVerifier(Arc<RwLock<Arc<Verifier>>>);
+
+impl SharedVerifier {
+    /// A slot holding `verifier`.
+    pub fn new(verifier: Verifier) -> SharedVerifier {
+        SharedVerifier(Arc::new(RwLock::new(Arc::new(verifier))))
+    }
+
+    /// The verifier to use now.
+    pub fn current(&self) -> Arc<Verifier> {
+        // The lock guards a pointer swap that cannot panic midway.
+        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Puts `verifier` in place for every request from now on.
+    pub fn replace(&self, verifier: Verifier) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(verifier);
+    }
+}
+
+/// On every SIGHUP from `hangup`, builds a verifier with `load` (which
+/// reads the secret files again) and puts it in place; counts each reload
+/// in `reloads` by `result` (`ok`, `error`). A secret that does not load
+/// changes nothing: the keys in use stay, and the error is logged.
+pub async fn reload_on_sighup(
+    mut hangup: tokio::signal::unix::Signal,
+    load: impl Fn() -> Result<Verifier, event_secret::SecretError>,
+    shared: SharedVerifier,
+    reloads: prometheus::IntCounterVec,
+) {
+    while hangup.recv().await.is_some() {
+        match load() {
+            Ok(verifier) => {
+                tracing::info!(keys = %verifier.keys(), "SIGHUP: event secrets reloaded");
+                shared.replace(verifier);
+                reloads.with_label_values(&["ok"]).inc();
+            }
+            Err(error) => {
+                tracing::error!(
+                    %error, keys = %shared.current().keys(),
+                    "SIGHUP: event secrets NOT reloaded; still accepting the keys in use"
+                );
+                reloads.with_label_values(&["error"]).inc();
+            }
+        }
+    }
+}
+
+/// The `X-Event-Signature` value for `body` under `secret` (what a legacy
+/// sender puts in the header).
 pub fn sign(secret: &[u8], body: &[u8]) -> String {
     match HmacSha256::new_from_slice(secret) {
         Ok(key) => hex::encode(key.chain_update(body).finalize().into_bytes()),
@@ -124,48 +313,4 @@ pub fn sign(secret: &[u8], body: &[u8]) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const BODY: &[u8] = br#"{"id":"x"}"#;
-
-    #[test]
-    fn rfc4231_test_case_2() {
-        assert_eq!(
-            sign(b"Jefe", b"what do ya want for nothing?"),
-            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
-        );
-    }
-
-    #[test]
-    fn accepts_any_configured_secret_only_in_lowercase_full_hex() {
-        let secrets = EventSecrets::load(Some("old, new ,"), None).expect("secrets");
-        assert_eq!(secrets.len(), 2);
-        for secret in ["old", "new"] {
-            let sig = sign(secret.as_bytes(), BODY);
-            assert!(secrets.verify(BODY, Some(sig.as_bytes())), "{secret}");
-            assert!(!secrets.verify(BODY, Some(sig.to_ascii_uppercase().as_bytes())));
-            assert!(!secrets.verify(BODY, Some(&sig.as_bytes()[..63])));
-            assert!(!secrets.verify(b"{\"id\":\"y\"}", Some(sig.as_bytes())));
-        }
-        assert!(!secrets.verify(BODY, Some(sign(b"other", BODY).as_bytes())));
-        assert!(!secrets.verify(BODY, None));
-    }
-
-    #[test]
-    fn file_and_list_combine_and_blank_is_refused() {
-        let mut file = tempfile::NamedTempFile::new().expect("temp file");
-        std::io::Write::write_all(&mut file, b"\nfrom-file\r\n\n").expect("write");
-        let secrets = EventSecrets::load(Some("from-env"), Some(file.path())).expect("secrets");
-        assert_eq!(secrets.len(), 2);
-        assert!(secrets.verify(BODY, Some(sign(b"from-file", BODY).as_bytes())));
-        assert!(matches!(
-            EventSecrets::load(Some(" , "), None),
-            Err(SecretError::Empty)
-        ));
-        assert!(matches!(
-            EventSecrets::load(None, None),
-            Err(SecretError::Empty)
-        ));
-    }
-}
+mod tests;
