@@ -344,14 +344,17 @@ fn source_is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// A connect error whose cause is the TLS handshake: a rustls error, on
-/// its own or inside the `io::Error` the TLS stream reports it in.
+/// its own or wrapped in `io::Error`s (the TLS stream reports it in one and
+/// the connector wraps that in another; `io::Error::source` skips both, so
+/// their payloads are followed with `get_ref`).
 fn source_is_tls(e: &(dyn std::error::Error + 'static)) -> bool {
     std::iter::successors(Some(e), |e| e.source()).any(|err| {
-        err.is::<rustls::Error>()
-            || err
-                .downcast_ref::<std::io::Error>()
+        std::iter::successors(Some(err), |e| {
+            e.downcast_ref::<std::io::Error>()
                 .and_then(std::io::Error::get_ref)
-                .is_some_and(|inner| inner.is::<rustls::Error>())
+                .map(|inner| inner as &(dyn std::error::Error + 'static))
+        })
+        .any(|e| e.is::<rustls::Error>())
     })
 }
 

@@ -283,3 +283,18 @@ fn retry_after_forms() {
     assert_eq!(parse_retry_after("-1", now), None);
     assert_eq!(parse_retry_after("soon", now), None);
 }
+
+/// How the connector reports a refused certificate: a rustls error in an
+/// `io::Error` in another `io::Error`.
+#[test]
+fn a_rustls_error_however_wrapped_is_tls_and_a_refusal_is_not() {
+    let handshake = std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer),
+    );
+    let wrapped = std::io::Error::other(handshake);
+    assert!(source_is_tls(&wrapped));
+    assert!(source_is_tls(&rustls::Error::General("x".into())));
+    let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+    assert!(!source_is_tls(&std::io::Error::other(refused)));
+}
