@@ -16,8 +16,18 @@ use crate::prom::{self, Exposition};
 use crate::stack::Stack;
 use crate::{bins, wait_until};
 
-/// The event secret every test process shares.
-pub const TEST_SECRET: &str = "test-secret-4f1c2a";
+/// The event secret every test process shares: a plain secret (its bytes
+/// are the key) of at least 32 bytes, the floor both the relay and Billing
+/// enforce.
+pub const TEST_SECRET: &str = "test-secret-4f1c2a-0d9e7b3c5a1f8e62";
+
+/// The secret settings; a started relay gets only the ones a test gives.
+const SECRET_VARS: [&str; 4] = [
+    "EVENT_SECRET",
+    "EVENT_SECRET_FILE",
+    "EVENT_SECRET_PREVIOUS",
+    "EVENT_SECRET_PREVIOUS_FILE",
+];
 
 /// How long a process may take to print its `listening on` line.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -72,18 +82,27 @@ pub async fn start_orders(stack: &Stack) -> anyhow::Result<Running> {
     Ok(Running { process, url })
 }
 
-/// Starts the Billing service for `stack` on a free port, accepting `secrets`
-/// (comma-separated).
-pub async fn start_billing(stack: &Stack, secrets: &str) -> anyhow::Result<Running> {
-    let process = ServiceProcess::spawn(
-        bins::path("billing"),
-        &["--listen", "127.0.0.1:0"],
-        &[
-            ("BILLING_DATABASE_URL", &stack.billing_app_url),
-            ("EVENT_SECRET", secrets),
-            ("RUST_LOG", "warn"),
-        ],
-    )?;
+/// Starts the Billing service for `stack` on a free port, accepting
+/// `secret` (`EVENT_SECRET`).
+pub async fn start_billing(stack: &Stack, secret: &str) -> anyhow::Result<Running> {
+    start_billing_with(stack, &[], &[("EVENT_SECRET", secret)]).await
+}
+
+/// Starts the Billing service for `stack` on a free port with extra `args`
+/// and environment `env` (its secrets among them).
+pub async fn start_billing_with(
+    stack: &Stack,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> anyhow::Result<Running> {
+    let mut argv = vec!["--listen", "127.0.0.1:0"];
+    argv.extend_from_slice(args);
+    let mut envs = vec![
+        ("BILLING_DATABASE_URL", stack.billing_app_url.as_str()),
+        ("RUST_LOG", "warn"),
+    ];
+    envs.extend_from_slice(env);
+    let process = ServiceProcess::spawn(bins::path("billing"), &argv, &envs)?;
     let url = process.listen_addr(START_TIMEOUT).await?;
     Ok(Running { process, url })
 }
@@ -249,6 +268,26 @@ pub async fn start_relay_with_url(
     sink_url: &str,
     args: &[&str],
 ) -> anyhow::Result<Running> {
+    start_relay_with_env(
+        stack,
+        db_url,
+        sink_url,
+        args,
+        &[("EVENT_SECRET", TEST_SECRET)],
+    )
+    .await
+}
+
+/// [`start_relay_with_url`] with the secret settings given in `secrets`
+/// (`EVENT_SECRET`, `EVENT_SECRET_FILE`, `EVENT_SECRET_PREVIOUS`, ...)
+/// instead of [`TEST_SECRET`].
+pub async fn start_relay_with_env(
+    stack: &Stack,
+    db_url: &str,
+    sink_url: &str,
+    args: &[&str],
+    secrets: &[(&str, &str)],
+) -> anyhow::Result<Running> {
     let mut argv = relay_globals(stack);
     argv.extend(
         [
@@ -262,18 +301,20 @@ pub async fn start_relay_with_url(
     );
     argv.extend(args.iter().map(|s| s.to_string()));
     let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-    let process = ServiceProcess::spawn(
-        bins::path("cdc-relay"),
-        &argv,
-        &[
-            ("CDC_RELAY_DATABASE_URL", db_url),
-            ("EVENT_SECRET", TEST_SECRET),
-            (
-                "CDC_RELAY_LOG",
-                "info,cdc_relay=debug,pgwire_replication=off",
-            ),
-        ],
-    )?;
+    let envs = [
+        ("CDC_RELAY_DATABASE_URL", db_url),
+        (
+            "CDC_RELAY_LOG",
+            "info,cdc_relay=debug,pgwire_replication=off",
+        ),
+    ];
+    let mut command = std::process::Command::new(bins::path("cdc-relay"));
+    command.args(&argv).envs(envs);
+    for var in SECRET_VARS {
+        command.env_remove(var);
+    }
+    command.envs(secrets.iter().copied());
+    let process = ServiceProcess::from_command(command)?;
     let url = process.listen_addr(START_TIMEOUT).await?;
     Ok(Running { process, url })
 }

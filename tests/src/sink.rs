@@ -14,6 +14,7 @@ use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
+use base64::Engine as _;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tokio::sync::oneshot;
@@ -27,6 +28,8 @@ pub struct Received {
     pub signature: Option<String>,
     /// `Idempotency-Key`.
     pub idempotency_key: Option<String>,
+    /// `webhook-id`, `webhook-timestamp` and `webhook-signature`.
+    pub webhook: Option<Webhook>,
     /// `Content-Type`.
     pub content_type: Option<String>,
     /// The status the sink answered.
@@ -50,6 +53,75 @@ impl Received {
     pub fn signature_valid(&self, secret: &str) -> bool {
         self.signature.as_deref() == Some(sign(secret, &self.body).as_str())
     }
+
+    /// Which entries of `webhook-signature` (0-based) are the Standard
+    /// Webhooks signature of this request under `key`; empty without the
+    /// headers.
+    pub fn standard_matches(&self, key: &[u8]) -> Vec<usize> {
+        let Some(w) = &self.webhook else {
+            return Vec::new();
+        };
+        let expected = sign_standard(key, &w.id, &w.timestamp, &self.body);
+        w.entries()
+            .enumerate()
+            .filter(|(_, e)| *e == expected)
+            .map(|(i, _)| i)
+            .collect()
+    }
+}
+
+/// The Standard Webhooks headers of one request, as sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Webhook {
+    /// `webhook-id`.
+    pub id: String,
+    /// `webhook-timestamp`.
+    pub timestamp: String,
+    /// `webhook-signature`.
+    pub signature: String,
+}
+
+impl Webhook {
+    /// The space-separated entries of `webhook-signature`.
+    pub fn entries(&self) -> impl Iterator<Item = &str> {
+        self.signature.split(' ')
+    }
+
+    /// `webhook-timestamp` as unix seconds.
+    pub fn unix_seconds(&self) -> Option<u64> {
+        self.timestamp.parse().ok()
+    }
+}
+
+/// A `webhook-signature` entry: `v1,` and the base64 HMAC-SHA256 under
+/// `key` of `id.timestamp.body`, computed here from the specification.
+pub fn sign_standard(key: &[u8], id: &str, timestamp: &str, body: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("any key length");
+    for part in [id.as_bytes(), b".", timestamp.as_bytes(), b".", body] {
+        mac.update(part);
+    }
+    let tag = mac.finalize().into_bytes();
+    format!(
+        "v1,{}",
+        base64::engine::general_purpose::STANDARD.encode(tag)
+    )
+}
+
+/// The key of a `whsec_` secret (its base64 part decoded).
+pub fn whsec_key(secret: &str) -> Vec<u8> {
+    let encoded = secret.strip_prefix("whsec_").expect("a whsec_ secret");
+    base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .expect("base64 after whsec_")
+}
+
+/// A new random `whsec_` secret with a 32-byte key.
+pub fn new_whsec() -> String {
+    let key: [u8; 32] = rand::random();
+    format!(
+        "whsec_{}",
+        base64::engine::general_purpose::STANDARD.encode(key)
+    )
 }
 
 /// The `X-Event-Signature` of `body` under `secret`: the lowercase hex
@@ -58,6 +130,14 @@ pub fn sign(secret: &str, body: &[u8]) -> String {
     let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).expect("any key length");
     mac.update(body);
     hex::encode(mac.finalize().into_bytes())
+}
+
+/// A scripted answer for one event id.
+#[derive(Clone)]
+struct Rejection {
+    status: u16,
+    body: Bytes,
+    remaining: Option<u32>,
 }
 
 #[derive(Default)]
@@ -71,8 +151,9 @@ struct Script {
     arrivals: AtomicUsize,
     /// Forward to this URL (after the delay) and answer with its status.
     upstream: Option<(reqwest::Client, String)>,
-    /// Per event id (the body's `id`): answer this status and body instead.
-    rejections: Mutex<std::collections::HashMap<String, (u16, Bytes)>>,
+    /// Per event id (the body's `id`): answer this status and body instead,
+    /// for this many more requests (`None`: until cleared).
+    rejections: Mutex<std::collections::HashMap<String, Rejection>>,
 }
 
 /// The running sink; stops when dropped.
@@ -139,11 +220,27 @@ impl ScriptedSink {
     /// Answer `status` with exactly `body` (any bytes: NUL, invalid UTF-8,
     /// any length) to every request for event `id` until cleared.
     pub fn reject_with_body(&self, id: &str, status: u16, body: impl Into<Bytes>) {
-        self.script
-            .rejections
-            .lock()
-            .expect("sink lock")
-            .insert(id.to_owned(), (status, body.into()));
+        self.script.rejections.lock().expect("sink lock").insert(
+            id.to_owned(),
+            Rejection {
+                status,
+                body: body.into(),
+                remaining: None,
+            },
+        );
+    }
+
+    /// Answer `status` to the next `times` requests for event `id`, then as
+    /// for any other event.
+    pub fn reject_times(&self, id: &str, status: u16, times: u32) {
+        self.script.rejections.lock().expect("sink lock").insert(
+            id.to_owned(),
+            Rejection {
+                status,
+                body: Bytes::new(),
+                remaining: Some(times),
+            },
+        );
     }
 
     /// Stop rejecting any event by id.
@@ -196,10 +293,23 @@ async fn handle(
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
     };
+    let webhook = match (
+        header("webhook-id"),
+        header("webhook-timestamp"),
+        header("webhook-signature"),
+    ) {
+        (Some(id), Some(timestamp), Some(signature)) => Some(Webhook {
+            id,
+            timestamp,
+            signature,
+        }),
+        _ => None,
+    };
     script.received.lock().expect("sink lock").push(Received {
         body,
         signature: header("x-event-signature"),
         idempotency_key: header("idempotency-key"),
+        webhook,
         content_type: header("content-type"),
         status,
         at: Instant::now(),
@@ -218,12 +328,17 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> (u16, Byt
         .ok()
         .and_then(|v| v["id"].as_str().map(str::to_owned));
     let rejected = id.and_then(|id| {
-        script
-            .rejections
-            .lock()
-            .expect("sink lock")
-            .get(&id)
-            .cloned()
+        let mut rejections = script.rejections.lock().expect("sink lock");
+        let r = rejections.get_mut(&id)?;
+        let answer = (r.status, r.body.clone());
+        match &mut r.remaining {
+            Some(n) if *n <= 1 => {
+                rejections.remove(&id);
+            }
+            Some(n) => *n -= 1,
+            None => {}
+        }
+        Some(answer)
     });
     let (scripted, response) =
         rejected.unwrap_or_else(|| (script.status.load(Ordering::SeqCst), Bytes::new()));
@@ -234,7 +349,14 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> (u16, Byt
         return (scripted, response);
     }
     let mut req = client.post(url).body(body.clone());
-    for name in ["content-type", "x-event-signature", "idempotency-key"] {
+    for name in [
+        "content-type",
+        "x-event-signature",
+        "idempotency-key",
+        "webhook-id",
+        "webhook-timestamp",
+        "webhook-signature",
+    ] {
         if let Some(v) = headers.get(name) {
             req = req.header(name, v.clone());
         }

@@ -140,6 +140,15 @@ pub fn check_body(got: &Received, exp: &Expected) -> Result<(), String> {
     if got.idempotency_key.as_deref() != Some(exp.id.as_str()) {
         return Err(format!("Idempotency-Key {:?}", got.idempotency_key));
     }
+    // The default scheme also signs the Standard Webhooks way.
+    match &got.webhook {
+        Some(w) if w.id != exp.id => return Err(format!("webhook-id {:?}", w.id)),
+        Some(_) if got.standard_matches(TEST_SECRET.as_bytes()) != [0] => {
+            return Err(format!("bad webhook-signature {:?}", got.webhook));
+        }
+        Some(_) => {}
+        None => return Err("no webhook-id, webhook-timestamp, webhook-signature".into()),
+    }
     Ok(())
 }
 
@@ -216,13 +225,18 @@ pub fn assert_exact(received: &[Received], expected: &[Expected]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sink::sign;
+    use crate::sink::{Webhook, sign, sign_standard};
 
     fn signed(body: &str, id: &str) -> Received {
         Received {
             body: axum::body::Bytes::copy_from_slice(body.as_bytes()),
             signature: Some(sign(TEST_SECRET, body.as_bytes())),
             idempotency_key: Some(id.to_owned()),
+            webhook: Some(Webhook {
+                id: id.to_owned(),
+                timestamp: "1700000000".into(),
+                signature: sign_standard(TEST_SECRET.as_bytes(), id, "1700000000", body.as_bytes()),
+            }),
             content_type: Some("application/json".into()),
             status: 204,
             at: std::time::Instant::now(),
@@ -278,6 +292,14 @@ mod tests {
         assert!(check_body(&unsigned, &exp(Some(r#"{"a": 1}"#))).is_err());
         let wrong_key = signed(GOOD, "e2");
         assert!(check_body(&wrong_key, &exp(Some(r#"{"a": 1}"#))).is_err());
+        let mut stale = signed(GOOD, "e1");
+        if let Some(w) = stale.webhook.as_mut() {
+            w.timestamp = "1700000001".into();
+        }
+        assert!(check_body(&stale, &exp(Some(r#"{"a": 1}"#))).is_err());
+        let mut legacy_only = signed(GOOD, "e1");
+        legacy_only.webhook = None;
+        assert!(check_body(&legacy_only, &exp(Some(r#"{"a": 1}"#))).is_err());
     }
 
     #[test]

@@ -134,7 +134,11 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         no_secret.text()
     );
 
-    let timeouts = run(&["--request-timeout", "30s"], &[("EVENT_SECRET", "x")]).await?;
+    let timeouts = run(
+        &["--request-timeout", "30s"],
+        &[("EVENT_SECRET", TEST_SECRET)],
+    )
+    .await?;
     assert!(!timeouts.success());
     assert!(
         timeouts.text().contains("--shutdown-timeout"),
@@ -142,7 +146,11 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         timeouts.text()
     );
 
-    let bad_size = run(&["--max-pending-bytes", "lots"], &[("EVENT_SECRET", "x")]).await?;
+    let bad_size = run(
+        &["--max-pending-bytes", "lots"],
+        &[("EVENT_SECRET", TEST_SECRET)],
+    )
+    .await?;
     assert_eq!(bad_size.code(), Some(2));
     assert!(
         bad_size.text().contains("--max-pending-bytes"),
@@ -161,7 +169,7 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
             "127.0.0.1:0",
         ],
         &[
-            ("EVENT_SECRET", "x"),
+            ("EVENT_SECRET", TEST_SECRET),
             ("CDC_RELAY_DATABASE_PASSWORD", "wrong"),
         ],
     )

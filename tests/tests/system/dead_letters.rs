@@ -56,7 +56,7 @@ fn any_response_body_error_text_and_payload_is_written() {
                 excerpt,
             };
             let reason = Reason {
-                label: format!("http_{status}"),
+                label: "http_4xx",
                 status: Some(status),
             };
             let rejected = NewDeadLetter::rejected(&event, &attempt, &reason, 1, 0);

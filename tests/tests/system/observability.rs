@@ -26,7 +26,7 @@ const DEBUG_FILTER: &str = "debug";
 
 /// Every relay metric the issue names, with its Prometheus type, so docs,
 /// dashboards and alerts can rely on them.
-const DOCUMENTED: [(&str, &str); 22] = [
+const DOCUMENTED: [(&str, &str); 23] = [
     ("cdc_relay_events_received_total", "counter"),
     ("cdc_relay_events_delivered_total", "counter"),
     ("cdc_relay_events_dead_lettered_total", "counter"),
@@ -50,6 +50,25 @@ const DOCUMENTED: [(&str, &str); 22] = [
     ("cdc_relay_publication_includes_outbox", "gauge"),
     ("cdc_relay_publication_gaps_total", "counter"),
     ("cdc_relay_seconds_since_server_message", "gauge"),
+    // Issue 14: secret reloads on SIGHUP.
+    ("cdc_relay_secret_reloads_total", "counter"),
+];
+
+/// Every value `cdc_relay_retries_total{reason}` may take
+/// (docs/architecture.md#response-classes).
+const RETRY_REASONS: [&str; 12] = [
+    "timeout",
+    "connect",
+    "tls",
+    "transport",
+    "http_3xx",
+    "http_401",
+    "http_403",
+    "http_404",
+    "http_429",
+    "http_4xx",
+    "http_5xx",
+    "http_other",
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -119,8 +138,9 @@ async fn metrics_after_a_delivery_name_every_documented_series() -> anyhow::Resu
         )
         .is_some_and(|v| v >= 1.0)
     );
+    // The 503 counts under its class (the exact status is in the logs).
     assert!(
-        m.value("cdc_relay_retries_total", &[("reason", "http_503")])
+        m.value("cdc_relay_retries_total", &[("reason", "http_5xx")])
             .is_some_and(|v| v >= 1.0)
     );
     for status in ["reserved", "extended", "unreserved", "lost"] {
@@ -442,6 +462,112 @@ fn deploy_files_reference_only_registered_metrics() -> anyhow::Result<()> {
             "{file} uses {name}, which is not registered"
         );
     }
+    Ok(())
+}
+
+/// Issue 14, HTTP manners 5: a sink that answers each event with its own
+/// status — all hundred 5xx, a few 4xx, 3xx and statuses above 599 — adds
+/// no series per status. Each event fails once with its status, then gets a
+/// 204; `cdc_relay_retries_total` then counts exactly one retry per event
+/// under the class label of its status, `cdc_relay_delivery_attempts_total`
+/// keeps to its outcome and class values, and the exact statuses are in
+/// the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_distinct_error_statuses_add_no_series_per_status() -> anyhow::Result<()> {
+    let s = Scenario::plan(Inbox::Scripted)
+        .relay_args(&["--failure-threshold", "1000", "--probe-interval", "50ms"])
+        .start()
+        .await?;
+    let statuses: Vec<u16> = (500..=599)
+        .chain([
+            402, 408, 409, 410, 418, 425, 451, 429, 301, 302, 307, 600, 799, 999,
+        ])
+        .collect();
+    let ids: Vec<uuid::Uuid> = statuses.iter().map(|_| uuid::Uuid::new_v4()).collect();
+    for (id, status) in ids.iter().zip(&statuses) {
+        s.sink().reject_times(&id.to_string(), *status, 1);
+    }
+    s.db.batch_execute("BEGIN").await?;
+    for id in &ids {
+        // One order per event: events of one aggregate would go one by one.
+        let order = uuid::Uuid::new_v4();
+        s.db.execute(
+            "INSERT INTO orders (id, amount_cents, currency) VALUES ($1, 100, 'EUR')",
+            &[&order],
+        )
+        .await?;
+        s.db.execute(
+            "INSERT INTO outbox (id, aggregate_id, event_type, payload) \
+             VALUES ($1, $2, 'OrderCreated', '{}')",
+            &[id, &order],
+        )
+        .await?;
+    }
+    s.db.batch_execute("COMMIT").await?;
+    harness::wait_until(
+        "every event delivered after its one failure",
+        WAIT,
+        || async { s.sink().delivered().len() >= ids.len() },
+    )
+    .await?;
+
+    let m = s.relay.metrics().await?;
+    let reasons = m.label_values("cdc_relay_retries_total", "reason");
+    let expected: BTreeSet<String> = ["http_5xx", "http_4xx", "http_429", "http_3xx", "http_other"]
+        .map(String::from)
+        .into();
+    assert_eq!(reasons, expected, "one series per class, none per status");
+    assert!(reasons.iter().all(|r| RETRY_REASONS.contains(&r.as_str())));
+    for (reason, n) in [
+        ("http_5xx", 100.0),
+        ("http_4xx", 7.0),
+        ("http_429", 1.0),
+        ("http_3xx", 3.0),
+        ("http_other", 3.0),
+    ] {
+        assert_eq!(
+            m.value("cdc_relay_retries_total", &[("reason", reason)]),
+            Some(n),
+            "{reason}"
+        );
+    }
+    let outcomes = m.label_values("cdc_relay_delivery_attempts_total", "outcome");
+    let classes = m.label_values("cdc_relay_delivery_attempts_total", "status_class");
+    for o in &outcomes {
+        assert!(
+            ["delivered", "retry", "dead_letter", "config_fault"].contains(&o.as_str()),
+            "{o}"
+        );
+    }
+    for c in &classes {
+        assert!(
+            ["1xx", "2xx", "3xx", "4xx", "5xx", "other", "none"].contains(&c.as_str()),
+            "{c}"
+        );
+    }
+    let series = m
+        .samples()
+        .iter()
+        .filter(|x| x.name == "cdc_relay_delivery_attempts_total")
+        .count();
+    assert!(series <= 4 * 7, "{series} delivery-attempt series");
+    assert_eq!(
+        m.value(
+            "cdc_relay_delivery_attempts_total",
+            &[("outcome", "config_fault"), ("status_class", "other")]
+        ),
+        Some(3.0),
+        "600, 799 and 999"
+    );
+    // The exact statuses are in the log, one warning per event.
+    let logs = s.relay.process.logs();
+    for status in &statuses {
+        assert!(
+            logs.contains(&format!("http_{status}")),
+            "http_{status} not logged"
+        );
+    }
+    s.assert_balanced().await?;
     Ok(())
 }
 

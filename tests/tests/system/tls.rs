@@ -60,6 +60,14 @@ async fn tls_to_postgres_and_to_the_sink_with_a_private_ca() -> anyhow::Result<(
         sink.bodies().is_empty(),
         "delivered without trusting the CA"
     );
+    // A refused certificate is a TLS failure, labelled so (not `connect`).
+    let m = untrusting.metrics().await?;
+    assert!(
+        m.value("cdc_relay_retries_total", &[("reason", "tls")])
+            .is_some_and(|v| v >= 1.0),
+        "{:?}",
+        m.label_values("cdc_relay_retries_total", "reason")
+    );
     untrusting.process.sigkill();
 
     let relay = app::start_relay_with_url(

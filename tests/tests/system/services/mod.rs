@@ -27,8 +27,9 @@ use uuid::Uuid;
 /// Longest a service may take to print its listening line.
 const START: Duration = Duration::from_secs(30);
 
-/// The secret Billing is started with unless a test says otherwise.
-const SECRET: &str = "current-event-secret";
+/// The secret Billing is started with unless a test says otherwise (a
+/// plain secret of at least 32 bytes).
+const SECRET: &str = "current-event-secret-7c2e91d04b5a";
 
 /// The body limit both services default to.
 const BODY_LIMIT: usize = 64 * 1024;
