@@ -342,8 +342,18 @@ pub async fn proxied(url: &str) -> anyhow::Result<(crate::proxy::FaultProxy, Str
 /// Commits an order and its `OrderCreated` outbox row in one transaction
 /// with plain SQL (what the Orders service does); returns the event id.
 pub async fn insert_order_event(db: &tokio_postgres::Client) -> anyhow::Result<uuid::Uuid> {
-    let order = uuid::Uuid::new_v4();
     let event = uuid::Uuid::new_v4();
+    insert_order_event_with_id(db, event).await?;
+    Ok(event)
+}
+
+/// [`insert_order_event`] with the event id chosen by the caller (to script
+/// a sink's answer for it before it is committed).
+pub async fn insert_order_event_with_id(
+    db: &tokio_postgres::Client,
+    event: uuid::Uuid,
+) -> anyhow::Result<()> {
+    let order = uuid::Uuid::new_v4();
     db.batch_execute(&format!(
         "BEGIN; \
          INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 250, 'EUR'); \
@@ -352,7 +362,7 @@ pub async fn insert_order_event(db: &tokio_postgres::Client) -> anyhow::Result<u
          COMMIT"
     ))
     .await?;
-    Ok(event)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -244,6 +244,16 @@ impl ServiceProcess {
         }
     }
 
+    /// Sends SIGHUP (reload its secrets) unless the process already exited.
+    pub fn sighup(&self) {
+        if self.status.is_none()
+            && !has_exited(self.pid())
+            && let Ok(raw) = i32::try_from(self.pid())
+        {
+            let _ = kill(Pid::from_raw(raw), Signal::SIGHUP);
+        }
+    }
+
     /// Sends SIGKILL and reaps the process (blocks until it is gone, which
     /// the kernel makes immediate).
     pub fn sigkill(&mut self) {

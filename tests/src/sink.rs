@@ -127,7 +127,13 @@ pub fn new_whsec() -> String {
 /// The `X-Event-Signature` of `body` under `secret`: the lowercase hex
 /// HMAC-SHA256 of the exact body bytes.
 pub fn sign(secret: &str, body: &[u8]) -> String {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).expect("any key length");
+    sign_key(secret.as_bytes(), body)
+}
+
+/// The `X-Event-Signature` of `body` under the key bytes `key` (a `whsec_`
+/// secret's decoded bytes, see [`whsec_key`]).
+pub fn sign_key(key: &[u8], body: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("any key length");
     mac.update(body);
     hex::encode(mac.finalize().into_bytes())
 }

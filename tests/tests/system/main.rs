@@ -21,6 +21,8 @@
 //! | `observability.rs` | what an operator watches: `/metrics` (gauges against the real state), `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
 //! | `tls.rs` | TLS to PostgreSQL and to the sink |
 //! | `standby.rs` | what failover tests stand on: the server's library path, `PgCluster::kill`, a streaming standby, promotion, failover-slot sync (17+) |
+//! | `signatures.rs` | the signature headers on the wire, secret rotation by SIGHUP (relay and Billing), the secret syntax both refuse alike |
+//! | `interop.rs` | receivers built on the official Standard Webhooks verifiers (Python, Node.js): a run and a rotation drill |
 //! | `chaos.rs` | the compressed chaos schedule (CI's variant of `--bin chaos`) |
 //!
 //! # How a test reads
@@ -48,6 +50,7 @@ mod oracle;
 mod relay;
 mod row_shape;
 mod services;
+mod signatures;
 mod sink_failures;
 mod standby;
 mod stream;
