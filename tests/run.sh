@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: unit, property, fuzz-corpus and system tests. System
 # tests start their own throwaway PostgreSQL cluster (wal_level=logical) from
-# the server binaries installed on this machine; nothing else is needed.
+# the server binaries installed on this machine; the interop tests also need
+# python3 and node with npm, and install the official Standard Webhooks
+# verifiers from PyPI and npm into target/interop when missing.
 #
 # Usage: tests/run.sh [--pg MAJOR] [extra cargo test arguments]
 #
@@ -71,5 +73,9 @@ if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
     echo "running as root: creating the unprivileged 'postgres' user the harness starts the server as" >&2
     useradd --system --home-dir /var/lib/postgresql --shell /usr/sbin/nologin postgres
 fi
+
+# The official Standard Webhooks verifiers (PyPI and npm) the interop
+# receivers are built on, under target/ (tests/tests/system/interop.rs).
+tests/interop/install.sh
 
 exec cargo test --workspace --locked "$@"

@@ -45,6 +45,7 @@ mod failover;
 mod harness;
 mod identity;
 mod infra_faults;
+mod interop;
 mod observability;
 mod oracle;
 mod relay;
