@@ -11,12 +11,23 @@ use harness::stack::Stack;
 /// Who delivers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Contender {
-    Ours { max_in_flight: u32 },
-    Baseline { workers: usize, poll_ms: u64 },
+    /// cdc-relay; `signature` is its `--signature-scheme` (`None`: the
+    /// default), for the A/B of the signing cost.
+    Ours {
+        max_in_flight: u32,
+        signature: Option<&'static str>,
+    },
+    Baseline {
+        workers: usize,
+        poll_ms: u64,
+    },
 }
 
 impl Contender {
-    pub(crate) const OURS: Contender = Contender::Ours { max_in_flight: 64 };
+    pub(crate) const OURS: Contender = Contender::Ours {
+        max_in_flight: 64,
+        signature: None,
+    };
     pub(crate) const BASELINES: [Contender; 3] = [
         Contender::Baseline {
             workers: 1,
@@ -54,6 +65,17 @@ impl Contender {
     pub(crate) fn is_ours(self) -> bool {
         matches!(self, Contender::Ours { .. })
     }
+
+    /// What a figure's name adds for a chosen signature scheme:
+    /// `, signing legacy`, or nothing.
+    pub(crate) fn signing(self) -> String {
+        match self {
+            Contender::Ours {
+                signature: Some(s), ..
+            } => format!(", signing {s}"),
+            _ => String::new(),
+        }
+    }
 }
 
 pub(crate) enum Proc {
@@ -86,7 +108,10 @@ pub(crate) async fn start_contender(
     sink_url: &str,
 ) -> anyhow::Result<Proc> {
     match who {
-        Contender::Ours { max_in_flight } => {
+        Contender::Ours {
+            max_in_flight,
+            signature,
+        } => {
             let mif = max_in_flight.to_string();
             // Info level: the harness's default (debug) logs every event.
             let mut args = vec![
@@ -97,6 +122,9 @@ pub(crate) async fn start_contender(
             ];
             if let Some(t) = RELAY_THREADS.get() {
                 args.extend(["--worker-threads".to_owned(), t.to_string()]);
+            }
+            if let Some(s) = signature {
+                args.extend(["--signature-scheme".to_owned(), s.to_owned()]);
             }
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let relay = app::start_relay(stack, sink_url, &args).await?;

@@ -7,6 +7,7 @@
 //!     [--runs N] [--only a,b,c,d,e] [--out target/bench.json]
 //!     [--sinks billing,null] [--mif 16,64] [--rates 10 --latency-s 60]
 //!     [--no-baselines] [--relay-threads N]                # focused runs
+//!     [--signature-schemes legacy,both]                   # A/B of the signing cost (b)
 //! ```
 //!
 //! Scenarios (a fresh pair of databases per scenario, one cluster per run):
@@ -108,6 +109,12 @@ struct Cli {
     /// Leave the polling baselines out of scenarios a and b (for profiling ours).
     #[arg(long)]
     no_baselines: bool,
+    /// Run ours in scenario b once per listed `--signature-scheme`, in an
+    /// order that alternates from run to run (the A/B of the signing cost:
+    /// `--only b --sinks null --no-baselines --signature-schemes legacy,both
+    /// --runs N`).
+    #[arg(long, value_delimiter = ',', value_parser = ["standard", "legacy", "both"])]
+    signature_schemes: Vec<String>,
     /// Where the JSON goes.
     #[arg(long, default_value = "target/bench.json")]
     out: PathBuf,
@@ -137,6 +144,7 @@ struct Config {
     seed_orders: u64,
     sinks: Vec<String>,
     baselines: bool,
+    signature_schemes: Vec<&'static str>,
 }
 
 impl Config {
@@ -160,6 +168,7 @@ impl Config {
             seed_orders: 10_000,
             sinks: vec!["billing".to_owned(), "null".to_owned()],
             baselines: true,
+            signature_schemes: Vec::new(),
         }
     }
 }
@@ -193,6 +202,15 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
     cfg.max_in_flight = cli.mif.clone();
     cfg.sinks = cli.sinks.clone();
     cfg.baselines = !cli.no_baselines;
+    cfg.signature_schemes = cli
+        .signature_schemes
+        .iter()
+        .map(|s| match s.as_str() {
+            "standard" => "standard",
+            "legacy" => "legacy",
+            _ => "both",
+        })
+        .collect();
     if let Some(rates) = &cli.rates {
         cfg.latency_rates = rates.clone();
     }

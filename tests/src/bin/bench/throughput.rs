@@ -34,9 +34,20 @@ pub(crate) async fn throughput(
     let chosen = [(true, has("billing")), (false, has("null"))];
     for (to_billing, _) in chosen.into_iter().filter(|(_, on)| drains && *on) {
         let sink = if to_billing { "Billing" } else { "null sink" };
+        // With --signature-schemes, every mif once per scheme; the rotation
+        // below alternates their order from run to run.
+        let schemes = match ctx.cfg.signature_schemes.as_slice() {
+            [] => vec![None],
+            listed => listed.iter().map(|s| Some(*s)).collect(),
+        };
         let mut contenders: Vec<Contender> = mifs
             .iter()
-            .map(|&m| Contender::Ours { max_in_flight: m })
+            .flat_map(|&m| {
+                schemes.iter().map(move |&s| Contender::Ours {
+                    max_in_flight: m,
+                    signature: s,
+                })
+            })
             .collect();
         if ctx.cfg.baselines {
             contenders.extend(Contender::BASELINES);
@@ -160,7 +171,9 @@ pub(crate) async fn drain_one(
     } else {
         let scen = format!("b. throughput → {sink}");
         let metric = match who {
-            Contender::Ours { max_in_flight } => format!("max-in-flight {max_in_flight}"),
+            Contender::Ours { max_in_flight, .. } => {
+                format!("max-in-flight {max_in_flight}{}", who.signing())
+            }
             Contender::Baseline { .. } => "baseline (fixed)".to_owned(),
         };
         ctx.results.add(&scen, &metric, "ev/s", col, rate);
@@ -175,7 +188,9 @@ pub(crate) async fn drain_one(
         {
             let us = (b - a) * 1e6 / (last.1 - f_c) as f64;
             let cmetric = match who {
-                Contender::Ours { max_in_flight } => format!("CPU per event, mif {max_in_flight}"),
+                Contender::Ours { max_in_flight, .. } => {
+                    format!("CPU per event, mif {max_in_flight}{}", who.signing())
+                }
                 Contender::Baseline { .. } => "CPU per event (baseline)".to_owned(),
             };
             ctx.results.add(&scen, &cmetric, "µs", col, us);
@@ -186,7 +201,9 @@ pub(crate) async fn drain_one(
         }
         let mscen = "d. memory";
         let mmetric = match who {
-            Contender::Ours { max_in_flight } => format!("peak RSS → {sink}, mif {max_in_flight}"),
+            Contender::Ours { max_in_flight, .. } => {
+                format!("peak RSS → {sink}, mif {max_in_flight}{}", who.signing())
+            }
             Contender::Baseline { .. } => format!("peak RSS → {sink} (baseline)"),
         };
         ctx.results.add(mscen, &mmetric, "MB", col, hwm_mb);
