@@ -70,14 +70,24 @@ impl Running {
 
 /// Starts the Orders service for `stack` on a free port.
 pub async fn start_orders(stack: &Stack) -> anyhow::Result<Running> {
-    let process = ServiceProcess::spawn(
-        bins::path("orders"),
-        &["--listen", "127.0.0.1:0"],
-        &[
-            ("ORDERS_DATABASE_URL", &stack.orders_app_url),
-            ("RUST_LOG", "warn"),
-        ],
-    )?;
+    start_orders_with(stack, &[], &[]).await
+}
+
+/// Starts the Orders service for `stack` on a free port with extra `args`
+/// and environment `env`.
+pub async fn start_orders_with(
+    stack: &Stack,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> anyhow::Result<Running> {
+    let mut argv = vec!["--listen", "127.0.0.1:0"];
+    argv.extend_from_slice(args);
+    let mut envs = vec![
+        ("ORDERS_DATABASE_URL", stack.orders_app_url.as_str()),
+        ("RUST_LOG", "warn"),
+    ];
+    envs.extend_from_slice(env);
+    let process = ServiceProcess::spawn(bins::path("orders"), &argv, &envs)?;
     let url = process.listen_addr(START_TIMEOUT).await?;
     Ok(Running { process, url })
 }

@@ -23,6 +23,7 @@
 //! | `standby.rs` | what failover tests stand on: the server's library path, `PgCluster::kill`, a streaming standby, promotion, failover-slot sync (17+) |
 //! | `signatures.rs` | the signature headers on the wire, secret rotation by SIGHUP (relay and Billing), the secret syntax both refuse alike |
 //! | `interop.rs` | receivers built on the official Standard Webhooks verifiers (Python, Node.js): a run and a rotation drill |
+//! | `listeners.rs` | connection floods on every listener (Orders, Billing, the relay's admin endpoint): caps, timeouts, real requests still served |
 //! | `chaos.rs` | the compressed chaos schedule (CI's variant of `--bin chaos`) |
 //!
 //! # How a test reads
@@ -46,6 +47,7 @@ mod harness;
 mod identity;
 mod infra_faults;
 mod interop;
+mod listeners;
 mod observability;
 mod oracle;
 mod relay;
