@@ -128,3 +128,28 @@ CREATE TABLE IF NOT EXISTS cdc_relay_progress (
     membership_table_oid oid,
     membership_at        timestamptz
 );
+
+-- Idempotency keys of `POST /orders` (the Orders service's
+-- `Idempotency-Key` header): one row per (scope, key), written in the
+-- order's own transaction, so a retried request finds the original order
+-- instead of creating a second one. `fingerprint` is the SHA-256 of the
+-- request body's canonical JSON (the same key with another body is
+-- refused); `status` the original answer's. A row is authoritative until
+-- `expires_at`; after that the same key makes a new order and takes the row
+-- over. Expired rows are otherwise kept: delete them as an admin when you
+-- like (`DELETE FROM order_idempotency_keys WHERE expires_at < now()`).
+-- Added after 0.1.0.
+CREATE TABLE IF NOT EXISTS order_idempotency_keys (
+    scope       text NOT NULL,
+    key         text NOT NULL CHECK (length(key) BETWEEN 1 AND 255),
+    fingerprint bytea NOT NULL,
+    order_id    uuid NOT NULL REFERENCES orders (id),
+    event_id    uuid NOT NULL,
+    status      smallint NOT NULL CHECK (status BETWEEN 200 AND 299),
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    expires_at  timestamptz NOT NULL,
+    PRIMARY KEY (scope, key)
+);
+
+CREATE INDEX IF NOT EXISTS order_idempotency_keys_expires_at_idx
+    ON order_idempotency_keys (expires_at);

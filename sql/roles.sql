@@ -2,7 +2,8 @@
 -- and the relay.
 --
 --   orders_app   SELECT, INSERT on orders and outbox (the Orders service never
---                updates or deletes).
+--                updates or deletes them); SELECT, INSERT, UPDATE on
+--                order_idempotency_keys (an expired key is taken over).
 --   billing_app  SELECT, INSERT on processed_events and invoices (the inbox
 --                insert uses ON CONFLICT DO NOTHING ... RETURNING, which needs
 --                SELECT; nothing updates or deletes).
@@ -104,7 +105,7 @@ BEGIN
     WHERE c.oid IN (SELECT to_regclass(t) FROM unnest(ARRAY[
               'public.orders', 'public.outbox', 'public.processed_events', 'public.invoices',
               'public.cdc_relay_dead_letter', 'public.cdc_relay_dead_letter_audit',
-              'public.cdc_relay_progress']) AS t)
+              'public.cdc_relay_progress', 'public.order_idempotency_keys']) AS t)
       AND pg_get_userbyid(c.relowner) IN ('orders_app', 'billing_app', 'cdc_relay')
     LIMIT 1;
     IF owner_role IS NOT NULL THEN
@@ -127,6 +128,12 @@ BEGIN
         -- Streaming needs no table privilege; `cdc-relay backfill` re-reads
         -- outbox rows by time range, and that is the only reason for this.
         GRANT SELECT ON public.outbox TO cdc_relay;
+    END IF;
+
+    IF has_orders AND to_regclass('public.order_idempotency_keys') IS NOT NULL THEN
+        REVOKE ALL ON public.order_idempotency_keys FROM orders_app, billing_app, cdc_relay;
+        -- UPDATE: a key past expires_at is taken over by the next order with it.
+        GRANT SELECT, INSERT, UPDATE ON public.order_idempotency_keys TO orders_app;
     END IF;
 
     IF has_orders AND has_dlq THEN

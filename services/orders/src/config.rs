@@ -22,6 +22,10 @@ pub struct OrdersArgs {
     /// row, so tests can prove the transaction leaves neither row behind.
     #[arg(long, action = clap::ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub fault_after_order_insert: bool,
+    /// How long an `Idempotency-Key` of `POST /orders` is kept: a repeat
+    /// within it gets the original answer, a later one makes a new order.
+    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    pub idempotency_key_ttl: std::time::Duration,
 }
 
 impl OrdersArgs {

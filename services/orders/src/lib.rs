@@ -6,10 +6,12 @@
 //! ```text
 //! POST /orders ─▶ order::NewOrder::from_json ─▶ store::OrderStore::create
 //!                  (422 naming the field)        BEGIN; INSERT orders; INSERT outbox; COMMIT
+//!   (with Idempotency-Key: also INSERT order_idempotency_keys, or the stored answer)
 //! GET /orders/{id} ─────────────────────────────▶ store::OrderStore::find
 //! ```
 
 pub mod config;
+pub mod idempotency;
 pub mod order;
 pub mod routes;
 pub mod store;

@@ -8,8 +8,9 @@ use orders::OrdersArgs;
 async fn main() -> ExitCode {
     let args = OrdersArgs::parse_env();
     let fault = args.fault_after_order_insert;
+    let key_ttl = args.idempotency_key_ttl;
     let result = service_common::server::run("orders", args.service, move |pool, metrics| {
-        orders::router(pool, &metrics, fault)
+        orders::router(pool, &metrics, fault, key_ttl)
     })
     .await;
     service_common::server::exit_code("orders", result)

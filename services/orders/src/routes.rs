@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -14,34 +14,44 @@ use service_common::body::JsonBody;
 use service_common::metrics::HttpMetrics;
 use uuid::Uuid;
 
+use crate::idempotency::{self, IdempotencyKey};
 use crate::order::NewOrder;
-use crate::store::OrderStore;
+use crate::store::{CreatedOrder, OrderStore, Outcome};
 
 #[derive(Clone)]
 struct AppState {
     store: OrderStore,
     created: IntCounter,
+    replayed: IntCounter,
 }
 
 /// The service's own routes (`POST /orders`, `GET /orders/{id}`); registers
-/// `orders_created_total` in `metrics`. `fault_after_order_insert` is the
-/// test hook of [`crate::OrdersArgs`].
+/// `orders_created_total` and `orders_idempotent_replays_total` in
+/// `metrics`. `fault_after_order_insert` is the test hook of
+/// [`crate::OrdersArgs`]; `key_ttl` how long an `Idempotency-Key` is kept.
 pub fn router(
     pool: Pool,
     metrics: &HttpMetrics,
     fault_after_order_insert: bool,
+    key_ttl: std::time::Duration,
 ) -> anyhow::Result<Router> {
     let created = IntCounter::new(
         "orders_created_total",
         "Orders committed with their outbox event.",
     )?;
     metrics.registry().register(Box::new(created.clone()))?;
+    let replayed = IntCounter::new(
+        "orders_idempotent_replays_total",
+        "POST /orders answered from a stored Idempotency-Key (no new order).",
+    )?;
+    metrics.registry().register(Box::new(replayed.clone()))?;
     if fault_after_order_insert {
         tracing::warn!("TEST HOOK fault_after_order_insert is ON: every POST /orders fails");
     }
     let state = Arc::new(AppState {
-        store: OrderStore::new(pool, fault_after_order_insert),
+        store: OrderStore::new(pool, fault_after_order_insert, key_ttl),
         created,
+        replayed,
     });
     Ok(Router::new()
         .route("/orders", post(create_order))
@@ -51,19 +61,40 @@ pub fn router(
 
 async fn create_order(
     State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ServiceError> {
+    let key = IdempotencyKey::from_request(&headers, &body)?;
     let order = NewOrder::from_json(&body)?;
-    let created = state.store.create(&order).await?;
-    state.created.inc();
+    let (created, status, replayed) = match state.store.create(&order, key.as_ref()).await? {
+        Outcome::Created(created) => {
+            state.created.inc();
+            (created, StatusCode::CREATED, false)
+        }
+        Outcome::Replayed { order, status } => {
+            state.replayed.inc();
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED);
+            (order, status, true)
+        }
+    };
+    created_response(created, status, replayed)
+}
+
+fn created_response(
+    created: CreatedOrder,
+    status: StatusCode,
+    replayed: bool,
+) -> Result<Response, ServiceError> {
     let location = HeaderValue::try_from(format!("/orders/{}", created.order_id))
         .map_err(|_| ServiceError::internal())?;
-    Ok((
-        StatusCode::CREATED,
-        [(header::LOCATION, location)],
-        Json(created),
-    )
-        .into_response())
+    let mut response = (status, [(header::LOCATION, location)], Json(created)).into_response();
+    if replayed {
+        response.headers_mut().insert(
+            idempotency::REPLAYED_HEADER,
+            HeaderValue::from_static("true"),
+        );
+    }
+    Ok(response)
 }
 
 async fn get_order(

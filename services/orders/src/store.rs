@@ -6,18 +6,41 @@
 //! order, so the outbox foreign-key check sees the order. Any error drops the
 //! transaction, which tokio-postgres rolls back, and maps to 500: nothing is
 //! committed. Statements are prepared once per pooled connection.
+//!
+//! With an `Idempotency-Key` (see [`crate::idempotency`]) a third insert,
+//! of the key, joins the same pipeline. When it finds the key already
+//! stored (and not expired) it returns no row: the transaction is rolled
+//! back and the stored answer is read instead.
 
 use deadpool_postgres::Pool;
+use std::time::Duration;
+
+use deadpool_postgres::tokio_postgres::error::SqlState;
 use deadpool_postgres::tokio_postgres::types::ToSql;
 use serde::Serialize;
 use service_common::ServiceError;
 use uuid::Uuid;
 
+use crate::idempotency::{self, IdempotencyKey};
 use crate::order::NewOrder;
 
 const INSERT_ORDER: &str = "INSERT INTO orders (id, amount_cents, currency) VALUES ($1, $2, $3)";
 const INSERT_EVENT: &str = "INSERT INTO outbox (id, aggregate_id, event_type, payload) \
                             VALUES ($1, $2, 'OrderCreated', $3)";
+/// Claims the key for this order; no row when an unexpired claim exists
+/// (after waiting for a concurrent one to commit or roll back). An expired
+/// claim is taken over.
+const CLAIM_KEY: &str = "INSERT INTO order_idempotency_keys AS k \
+                         (scope, key, fingerprint, order_id, event_id, status, expires_at) \
+                         VALUES ($1, $2, $3, $4, $5, 201, now() + make_interval(secs => $6)) \
+                         ON CONFLICT (scope, key) DO UPDATE SET \
+                         fingerprint = EXCLUDED.fingerprint, order_id = EXCLUDED.order_id, \
+                         event_id = EXCLUDED.event_id, status = EXCLUDED.status, \
+                         created_at = now(), expires_at = EXCLUDED.expires_at \
+                         WHERE k.expires_at <= now() \
+                         RETURNING k.order_id";
+const SELECT_KEY: &str = "SELECT fingerprint, order_id, event_id, status \
+                          FROM order_idempotency_keys WHERE scope = $1 AND key = $2";
 const SELECT_ORDER: &str = "SELECT id, amount_cents, currency, \
                             to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
                             FROM orders WHERE id = $1";
@@ -29,6 +52,21 @@ pub struct CreatedOrder {
     pub order_id: Uuid,
     /// `outbox.id`: the id Billing deduplicates on.
     pub event_id: Uuid,
+}
+
+/// What `POST /orders` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A new order was committed (201).
+    Created(CreatedOrder),
+    /// The `Idempotency-Key` was already stored with the same body: the
+    /// original answer (its status and ids); nothing was committed now.
+    Replayed {
+        /// The ids of the original order.
+        order: CreatedOrder,
+        /// The original status.
+        status: u16,
+    },
 }
 
 /// An order as `GET /orders/{id}` returns it.
@@ -49,20 +87,29 @@ pub struct Order {
 pub struct OrderStore {
     pool: Pool,
     fault_after_order_insert: bool,
+    key_ttl: Duration,
 }
 
 impl OrderStore {
     /// A store; `fault_after_order_insert` is the test hook of
-    /// [`crate::OrdersArgs::fault_after_order_insert`].
-    pub fn new(pool: Pool, fault_after_order_insert: bool) -> Self {
+    /// [`crate::OrdersArgs::fault_after_order_insert`], `key_ttl` how long
+    /// an idempotency key is kept.
+    pub fn new(pool: Pool, fault_after_order_insert: bool, key_ttl: Duration) -> Self {
         Self {
             pool,
             fault_after_order_insert,
+            key_ttl,
         }
     }
 
-    /// Commits the order and its outbox row together, or neither.
-    pub async fn create(&self, order: &NewOrder) -> Result<CreatedOrder, ServiceError> {
+    /// Commits the order and its outbox row together, or neither; with a
+    /// `key`, also the key, unless it is stored already: then the stored
+    /// answer (or 422 when it was stored with another body).
+    pub async fn create(
+        &self,
+        order: &NewOrder,
+        key: Option<&IdempotencyKey>,
+    ) -> Result<Outcome, ServiceError> {
         let created = CreatedOrder {
             order_id: Uuid::new_v4(),
             event_id: Uuid::new_v4(),
@@ -73,6 +120,10 @@ impl OrderStore {
             client.prepare_cached(INSERT_ORDER),
             client.prepare_cached(INSERT_EVENT)
         )?;
+        let claim = match key {
+            Some(_) => Some(client.prepare_cached(CLAIM_KEY).await?),
+            None => None,
+        };
         let tx = client.transaction().await?;
         let order_params: [&(dyn ToSql + Sync); 3] =
             [&created.order_id, &order.amount_cents, &order.currency];
@@ -85,9 +136,54 @@ impl OrderStore {
             return Err(ServiceError::internal());
         }
         let event_row = tx.execute(&insert_event, &event_params);
-        tokio::try_join!(order_row, event_row)?;
-        tx.commit().await?;
-        Ok(created)
+        let (Some(key), Some(claim)) = (key, claim) else {
+            tokio::try_join!(order_row, event_row)?;
+            tx.commit().await?;
+            return Ok(Outcome::Created(created));
+        };
+        let ttl_secs = self.key_ttl.as_secs_f64();
+        let claim_params: [&(dyn ToSql + Sync); 6] = [
+            &idempotency::SCOPE,
+            &key.key,
+            &key.fingerprint,
+            &created.order_id,
+            &created.event_id,
+            &ttl_secs,
+        ];
+        let claimed = tx.query_opt(&claim, &claim_params);
+        let (_, _, claimed) = tokio::try_join!(order_row, event_row, claimed).map_err(|e| {
+            // The key's row is locked by a transaction that outlived
+            // lock_timeout: the original request is still running.
+            if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
+                tracing::warn!("Idempotency-Key still held by another request past lock_timeout");
+                idempotency::in_progress()
+            } else {
+                ServiceError::from(e)
+            }
+        })?;
+        if claimed.is_some() {
+            tx.commit().await?;
+            return Ok(Outcome::Created(created));
+        }
+        // Stored already: answer as the first time, commit nothing.
+        let key_params: [&(dyn ToSql + Sync); 2] = [&idempotency::SCOPE, &key.key];
+        let stored = tx.query_opt(SELECT_KEY, &key_params).await?;
+        drop(tx);
+        let Some(row) = stored else {
+            return Err(idempotency::in_progress());
+        };
+        let fingerprint: Vec<u8> = row.get(0);
+        if fingerprint != key.fingerprint {
+            return Err(idempotency::reused());
+        }
+        let status: i16 = row.get(3);
+        Ok(Outcome::Replayed {
+            order: CreatedOrder {
+                order_id: row.get(1),
+                event_id: row.get(2),
+            },
+            status: u16::try_from(status).unwrap_or(201),
+        })
     }
 
     /// The order with `id`, if any.

@@ -186,4 +186,34 @@ async fn sql_upgrades_in_place_from_the_previous_release_with_data() {
         )
         .await
         .unwrap();
+
+    // Issue 18 item 7: the idempotency keys of POST /orders, a new table
+    // that refers to orders made before the upgrade, writable by Orders.
+    orders
+        .batch_execute(
+            "INSERT INTO order_idempotency_keys
+               (scope, key, fingerprint, order_id, event_id, status, expires_at)
+             VALUES ('POST /orders', 'k-before', '\\x00', '11111111-1111-4111-8111-111111111111',
+                     '22222222-2222-4222-8222-222222222222', 201, now() + interval '1 day');",
+        )
+        .await
+        .unwrap();
+    for privilege in ["SELECT", "INSERT", "UPDATE"] {
+        let granted: bool = orders
+            .query_one(
+                "SELECT has_table_privilege('orders_app', 'order_idempotency_keys', $1)",
+                &[&privilege],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(
+            granted,
+            "orders_app lacks {privilege} on order_idempotency_keys"
+        );
+    }
+    // And the files run again over that data, changing nothing.
+    let with_keys = row_counts(&orders).await;
+    psql(&orders_url, &sql_dir(), &orders_files);
+    assert_eq!(row_counts(&orders).await, with_keys);
 }

@@ -722,3 +722,243 @@ async fn orders_healthz_is_up_and_metrics_count_requests_by_route_and_status() {
         );
     }
 }
+
+/// `POST /orders` with an `Idempotency-Key`; the response.
+async fn post_order_with_key(
+    client: &reqwest::Client,
+    orders: &Service,
+    key: &str,
+    body: &str,
+) -> reqwest::Response {
+    client
+        .post(orders.at("/orders"))
+        .header(CONTENT_TYPE, "application/json")
+        .header("Idempotency-Key", key)
+        .body(body.to_owned())
+        .send()
+        .await
+        .expect("POST /orders")
+}
+
+/// A 201's ids, its `Location`, and whether it says it was replayed.
+async fn created(response: reqwest::Response) -> (Uuid, Uuid, String, bool) {
+    let status = response.status();
+    let location = response
+        .headers()
+        .get(LOCATION)
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let replayed = match response.headers().get("idempotent-replayed") {
+        None => false,
+        Some(v) if v == "true" => true,
+        Some(v) => panic!("Idempotent-Replayed: {v:?}"),
+    };
+    let text = response.text().await.unwrap();
+    assert_eq!(status, StatusCode::CREATED, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    let id = |k: &str| Uuid::parse_str(body[k].as_str().unwrap()).unwrap();
+    (id("order_id"), id("event_id"), location, replayed)
+}
+
+#[tokio::test]
+async fn orders_idempotency_key_repeat_gets_the_original_answer_and_another_body_422() {
+    let stack = stack().await;
+    let orders = Service::orders(&stack, &[], &[]).await;
+    let client = http();
+    let db = stack.orders_admin().await.unwrap();
+    let body = r#"{"amount_cents":2599,"currency":"EUR"}"#;
+
+    let (order_id, event_id, location, replayed) =
+        created(post_order_with_key(&client, &orders, "abc-123", body).await).await;
+    assert!(!replayed, "the first answer is not a replay");
+    assert_eq!(location, format!("/orders/{order_id}"));
+
+    // The same request again, formatted differently, and with the key in
+    // its structured-field (quoted) form: the original status and ids.
+    for (key, again) in [
+        ("abc-123", body),
+        ("abc-123", r#"{ "currency": "EUR", "amount_cents": 2599 }"#),
+        ("\"abc-123\"", body),
+    ] {
+        let repeat = created(post_order_with_key(&client, &orders, key, again).await).await;
+        assert_eq!(
+            repeat,
+            (order_id, event_id, location.clone(), true),
+            "{key} {again}"
+        );
+    }
+
+    // The same key with another body: 422, nothing written.
+    for other in [
+        r#"{"amount_cents":2600,"currency":"EUR"}"#,
+        r#"{"amount_cents":2599,"currency":"EUR","note":"x"}"#,
+    ] {
+        let body = expect_error(
+            post_order_with_key(&client, &orders, "abc-123", other).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "idempotency_key_reused",
+        )
+        .await;
+        assert_eq!(body["field"], "Idempotency-Key");
+    }
+    // A malformed key: 400, nothing written.
+    for bad in ["a b", "\"open", &"k".repeat(256)] {
+        expect_error(
+            post_order_with_key(&client, &orders, bad, body).await,
+            StatusCode::BAD_REQUEST,
+            "invalid_idempotency_key",
+        )
+        .await;
+    }
+    assert_eq!(count(&db, "orders").await, 1);
+    assert_eq!(count(&db, "outbox").await, 1);
+
+    // Another key, or no key, is another order.
+    let (other, _, _, replayed) =
+        created(post_order_with_key(&client, &orders, "abc-124", body).await).await;
+    assert!(!replayed);
+    assert_ne!(other, order_id);
+    for _ in 0..2 {
+        assert_eq!(post_order(&client, &orders, body).await.status(), 201);
+    }
+    assert_eq!(count(&db, "orders").await, 4);
+    assert_eq!(count(&db, "outbox").await, 4);
+
+    // Stored under the endpoint's scope with the order, for 24 h by default.
+    let row = db
+        .query_one(
+            "SELECT scope, order_id, event_id, status, \
+                    extract(epoch FROM expires_at - created_at)::float8 \
+             FROM order_idempotency_keys WHERE key = 'abc-123'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "POST /orders");
+    assert_eq!(row.get::<_, Uuid>(1), order_id);
+    assert_eq!(row.get::<_, Uuid>(2), event_id);
+    assert_eq!(row.get::<_, i16>(3), 201);
+    let ttl = row.get::<_, f64>(4);
+    assert!((ttl - 86_400.0).abs() < 60.0, "expires after 24 h: {ttl} s");
+    let metrics = orders.metrics(&client).await;
+    assert!(
+        metrics.contains("orders_idempotent_replays_total 3"),
+        "{metrics}"
+    );
+
+    // Once expired, the key makes a new order and the row follows it.
+    db.batch_execute(
+        "UPDATE order_idempotency_keys SET expires_at = now() - interval '1 second' \
+         WHERE key = 'abc-123'",
+    )
+    .await
+    .unwrap();
+    let (renewed, renewed_event, _, replayed) = created(
+        post_order_with_key(
+            &client,
+            &orders,
+            "abc-123",
+            r#"{"amount_cents":1,"currency":"EUR"}"#,
+        )
+        .await,
+    )
+    .await;
+    assert!(!replayed);
+    assert_ne!(renewed, order_id);
+    let row = db
+        .query_one(
+            "SELECT order_id, event_id, expires_at > now() FROM order_idempotency_keys \
+             WHERE key = 'abc-123'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            row.get::<_, Uuid>(0),
+            row.get::<_, Uuid>(1),
+            row.get::<_, bool>(2)
+        ),
+        (renewed, renewed_event, true)
+    );
+    assert_eq!(count(&db, "orders").await, 5);
+}
+
+#[tokio::test]
+async fn orders_identical_requests_with_one_key_at_once_create_one_order() {
+    const AT_ONCE: usize = 4;
+    let stack = stack().await;
+    let orders = Service::orders(&stack, &[], &[]).await;
+    let client = http();
+    let db = stack.orders_admin().await.unwrap();
+    // Every order insert counts itself (a sequence survives a rollback) and
+    // sleeps, so the requests' transactions overlap for a second. (SECURITY
+    // DEFINER: orders_app has no privilege on the test's sequence.)
+    db.batch_execute(
+        "CREATE SEQUENCE test_order_attempts; \
+         CREATE FUNCTION test_slow_insert() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS \
+         $$ BEGIN PERFORM nextval('test_order_attempts'); PERFORM pg_sleep(1); RETURN NEW; END $$; \
+         CREATE TRIGGER test_slow_insert BEFORE INSERT ON orders \
+         FOR EACH ROW EXECUTE FUNCTION test_slow_insert()",
+    )
+    .await
+    .unwrap();
+
+    let body = r#"{"amount_cents":700,"currency":"EUR"}"#;
+    let requests = futures::future::join_all(
+        (0..AT_ONCE).map(|_| post_order_with_key(&client, &orders, "same-key-1", body)),
+    );
+    // While they run: every one of them is inside its order insert at the
+    // same moment (the proof that they were concurrent).
+    let overlap = async {
+        wait_until(
+            "all requests inside their transactions at once",
+            Duration::from_secs(20),
+            || async {
+                let sleeping: i64 = db
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity \
+                         WHERE usename = 'orders_app' AND datname = current_database() \
+                           AND wait_event = 'PgSleep'",
+                        &[],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                sleeping == AT_ONCE as i64
+            },
+        )
+        .await
+    };
+    let (responses, overlap) = tokio::join!(requests, overlap);
+    overlap.unwrap();
+    let mut answers = Vec::new();
+    for response in responses {
+        answers.push(created(response).await);
+    }
+    let first = answers.iter().find(|a| !a.3).expect("one original answer");
+    assert_eq!(
+        answers.iter().filter(|a| !a.3).count(),
+        1,
+        "exactly one request created the order: {answers:?}"
+    );
+    for a in &answers {
+        assert_eq!(
+            (a.0, a.1),
+            (first.0, first.1),
+            "same ids for all: {answers:?}"
+        );
+    }
+    let attempts: i64 = db
+        .query_one("SELECT last_value FROM test_order_attempts", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        attempts, AT_ONCE as i64,
+        "each request inserted, all but one rolled back"
+    );
+    assert_eq!(count(&db, "orders").await, 1);
+    assert_eq!(count(&db, "outbox").await, 1);
+    assert_eq!(count(&db, "order_idempotency_keys").await, 1);
+}
