@@ -16,7 +16,9 @@
 --                in pg_stat_activity: revoke it if that is not acceptable).
 --
 -- None of them is a superuser, owns a database or a table, can create roles,
--- databases or schema objects, or has a password set by this file.
+-- databases, schema objects, temporary tables or large objects, can connect
+-- to the maintenance databases (postgres, template1), or has a password set
+-- by this file.
 --
 -- How to apply: in EACH application database, after that database's schema
 -- file (orders.sql + publication.sql, or billing.sql), as a superuser:
@@ -78,6 +80,40 @@ BEGIN
 END
 $roles$;
 
+-- The maintenance databases (`postgres`, `template1`) accept every role by
+-- default (CONNECT and TEMPORARY for PUBLIC): an app role could log in there
+-- and create temporary tables. Nothing of ours uses them, so PUBLIC loses
+-- both; superusers are unaffected, and a non-superuser that needs one (a
+-- monitoring agent) gets an explicit GRANT CONNECT. Cluster-wide, like the
+-- roles; re-runnable.
+-- Only when something is granted: the same row changed by two sessions at
+-- once fails with "tuple concurrently updated" (every app database's run
+-- of this file touches these two), so a clash is retried.
+DO $maintenance$
+DECLARE
+    db      text;
+    attempt integer;
+BEGIN
+    FOR db IN SELECT datname FROM pg_database WHERE datname IN ('postgres', 'template1') LOOP
+        FOR attempt IN 1..10 LOOP
+            EXIT WHEN NOT EXISTS (
+                SELECT 1
+                FROM pg_database d,
+                     aclexplode(coalesce(d.datacl, acldefault('d', d.datdba))) a
+                WHERE d.datname = db
+                  AND (a.grantee = 0 OR a.grantee IN (SELECT oid FROM pg_roles
+                       WHERE rolname IN ('orders_app', 'billing_app', 'cdc_relay'))));
+            BEGIN
+                EXECUTE format('REVOKE CONNECT, TEMPORARY ON DATABASE %I FROM PUBLIC', db);
+                EXECUTE format('REVOKE ALL ON DATABASE %I FROM orders_app, billing_app, cdc_relay', db);
+            EXCEPTION WHEN internal_error THEN
+                PERFORM pg_sleep(0.05 * attempt);
+            END;
+        END LOOP;
+    END LOOP;
+END
+$maintenance$;
+
 DO $grants$
 DECLARE
     db          text := current_database();
@@ -88,6 +124,7 @@ DECLARE
     has_dlq     boolean := to_regclass('public.cdc_relay_dead_letter') IS NOT NULL
                            AND to_regclass('public.cdc_relay_dead_letter_audit') IS NOT NULL;
     owner_role  text;
+    fn          record;
 BEGIN
     IF NOT (has_orders OR has_billing) THEN
         RAISE NOTICE 'roles.sql: database % holds neither the orders nor the billing schema; only the roles were ensured', db;
@@ -118,6 +155,22 @@ BEGIN
     EXECUTE format('REVOKE ALL ON DATABASE %I FROM orders_app, billing_app, cdc_relay', db);
     REVOKE CREATE ON SCHEMA public FROM PUBLIC;
     REVOKE ALL ON SCHEMA public FROM orders_app, billing_app, cdc_relay;
+
+    -- Large objects: none of the services uses them, and by default any role
+    -- may create them (lo_creat, lo_create, lo_from_bytea, lo_import with
+    -- the client-side API) and fill the database outside every table's
+    -- grants. EXECUTE on a function is PUBLIC's, so it is revoked from
+    -- PUBLIC, for every large-object function of this database (reading
+    -- ones too: there is nothing to read). Superusers are unaffected.
+    FOR fn IN
+        SELECT p.oid::regprocedure AS sig
+        FROM pg_proc p
+        WHERE p.pronamespace = 'pg_catalog'::regnamespace
+          AND (p.proname LIKE 'lo\_%' OR p.proname IN ('loread', 'lowrite'))
+    LOOP
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', fn.sig);
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM orders_app, billing_app, cdc_relay', fn.sig);
+    END LOOP;
 
     IF has_orders THEN
         EXECUTE format('GRANT CONNECT ON DATABASE %I TO orders_app, cdc_relay', db);

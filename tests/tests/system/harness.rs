@@ -365,6 +365,66 @@ async fn no_app_role_is_privileged_or_owns_anything() {
     );
 }
 
+/// Issue 18, item 9: what `roles.sql` takes from the app roles besides
+/// table grants, tried as each role: the maintenance databases (CONNECT,
+/// TEMPORARY), temporary tables in their own database, and large objects.
+#[tokio::test]
+async fn app_roles_cannot_use_maintenance_databases_temp_tables_or_large_objects() {
+    let stack = stack().await;
+    let admin = stack.orders_admin().await.unwrap();
+    let roles = [
+        ("orders_app", &stack.orders_app_url),
+        ("billing_app", &stack.billing_app_url),
+        ("cdc_relay", &stack.relay_url),
+    ];
+    for (role, url) in roles {
+        let own = connect(url).await.unwrap();
+        for maintenance in ["postgres", "template1"] {
+            let err = connect(&with_db(url, maintenance))
+                .await
+                .expect_err(&format!("{role} connected to {maintenance}"));
+            assert!(
+                format!("{err:#}").contains("permission denied for database"),
+                "{role} -> {maintenance}: {err:#}"
+            );
+            // TEMPORARY is revoked as well, for the day someone grants
+            // CONNECT back (asked of the server, as the role itself).
+            let temp: bool = own
+                .query_one(
+                    "SELECT has_database_privilege($1, 'TEMPORARY')",
+                    &[&maintenance],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            assert!(!temp, "{role} has TEMPORARY on {maintenance}");
+        }
+        assert_denied(&own, "CREATE TEMP TABLE mine (x int)").await;
+        for sql in [
+            "SELECT lo_creat(-1)",
+            "SELECT lo_create(0)",
+            "SELECT lo_from_bytea(0, '\\x00')",
+            "SELECT lo_import('/etc/hostname')",
+            "SELECT lo_open(1, 131072)",
+            "SELECT lo_unlink(1)",
+            "SELECT lo_get(1)",
+            "SELECT lo_put(1, 0, '\\x00')",
+        ] {
+            assert_denied(&own, sql).await;
+        }
+    }
+    // The superuser still may: the revocation is PUBLIC's, not everyone's.
+    let oid: u32 = admin
+        .query_one("SELECT lo_from_bytea(0, '\\x01')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    admin
+        .execute("SELECT lo_unlink($1)", &[&oid])
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn orders_app_writes_orders_but_cannot_read_billing_nor_create_tables() {
     let stack = stack().await;
