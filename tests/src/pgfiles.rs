@@ -46,14 +46,19 @@ pub(crate) fn initdb(new: &NewCluster<'_>, password: &str) -> anyhow::Result<()>
 
 /// Trust over the socket in our private directory; SCRAM over TCP. A logical
 /// replication connection names a database, so it matches the `all` line;
-/// the `replication` line serves physical replication.
+/// the `replication` line serves physical replication (standbys,
+/// `pg_basebackup`) and names the superuser only: the relay's role has
+/// REPLICATION, and a `replication` line for it would let it copy the
+/// whole cluster (issue 18, item 8), as in `deploy/postgresql/pg_hba.conf`.
 pub(crate) fn write_hba(data_dir: &Path) -> anyhow::Result<()> {
-    let hba = "\
+    let hba = format!(
+        "\
 # Written by the cdc-relay test harness.
 local all         all                 trust
 host  all         all  127.0.0.1/32  scram-sha-256
-host  replication all  127.0.0.1/32  scram-sha-256
-";
+host  replication {SUPERUSER}  127.0.0.1/32  scram-sha-256
+"
+    );
     fs::write(data_dir.join("pg_hba.conf"), hba).context("writing pg_hba.conf")
 }
 

@@ -425,6 +425,53 @@ async fn app_roles_cannot_use_maintenance_databases_temp_tables_or_large_objects
         .unwrap();
 }
 
+/// Issue 18, item 8: the relay's role has REPLICATION, but no `replication`
+/// line of `pg_hba.conf` names it, so it cannot copy the cluster with
+/// `pg_basebackup` (a physical replication connection); the superuser can
+/// open one (the line works).
+#[tokio::test]
+async fn relay_role_cannot_open_a_physical_replication_connection() {
+    let stack = stack().await;
+    let cluster = PgCluster::shared();
+    let config: tokio_postgres::Config = stack.relay_url.parse().unwrap();
+    let password = String::from_utf8(config.get_password().unwrap().to_vec()).unwrap();
+    let target = tempfile::tempdir().unwrap();
+    let output = cluster
+        .command("pg_basebackup")
+        .args(["-h", cluster.host(), "-p", &cluster.port().to_string()])
+        .args(["-U", "cdc_relay", "-w", "-X", "none", "-D"])
+        .arg(target.path().join("copy"))
+        .env("PGPASSWORD", &password)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success(),
+        "pg_basebackup as cdc_relay succeeded"
+    );
+    assert!(
+        stderr.contains("no pg_hba.conf entry for replication connection"),
+        "{stderr}"
+    );
+    // The same statement-level check as the superuser: the line exists.
+    let output = cluster
+        .command("psql")
+        .arg(format!(
+            "host={} port={} user=postgres password={} replication=true dbname=replication",
+            cluster.host(),
+            cluster.port(),
+            cluster.superuser_password()
+        ))
+        .args(["-X", "-A", "-t", "-c", "IDENTIFY_SYSTEM"])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "the superuser's physical replication connection: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 #[tokio::test]
 async fn orders_app_writes_orders_but_cannot_read_billing_nor_create_tables() {
     let stack = stack().await;
