@@ -172,6 +172,82 @@ pub fn describe_target(config: &Config) -> String {
     )
 }
 
+/// A database error as the logs show it. `tokio_postgres::Error`'s own
+/// `Display` says only `db error` for everything the server reports (a
+/// wrong password, a missing table, a timeout); this shows the server's
+/// severity, message and SQLSTATE (and its detail and hint when sent), or,
+/// for a client-side failure, the error and its causes (`error connecting
+/// to server: Connection refused`). The server never echoes a password,
+/// and no connection setting is printed.
+pub struct PgErrorReport<'a>(pub &'a deadpool_postgres::tokio_postgres::Error);
+
+impl std::fmt::Display for PgErrorReport<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(db) = self.0.as_db_error() {
+            write!(
+                f,
+                "{}: {} (SQLSTATE {})",
+                db.severity(),
+                db.message(),
+                db.code().code()
+            )?;
+            if let Some(detail) = db.detail() {
+                write!(f, "; detail: {detail}")?;
+            }
+            if let Some(hint) = db.hint() {
+                write!(f, "; hint: {hint}")?;
+            }
+            return Ok(());
+        }
+        write!(f, "{}", self.0)?;
+        let mut cause = std::error::Error::source(self.0);
+        while let Some(err) = cause {
+            write!(f, ": {err}")?;
+            cause = err.source();
+        }
+        Ok(())
+    }
+}
+
+/// The SQLSTATE of `err`, or `-` when the server sent none.
+pub fn sqlstate(err: &deadpool_postgres::tokio_postgres::Error) -> &str {
+    err.code().map_or("-", |c| c.code())
+}
+
+/// A pool error as the logs show it: the database error inside, reported
+/// by [`PgErrorReport`], else the pool's own words.
+pub struct PoolErrorReport<'a>(pub &'a deadpool_postgres::PoolError);
+
+impl std::fmt::Display for PoolErrorReport<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use deadpool_postgres::{HookError, PoolError};
+        match self.0 {
+            PoolError::Backend(e) | PoolError::PostCreateHook(HookError::Backend(e)) => {
+                write!(f, "{}", PgErrorReport(e))
+            }
+            PoolError::Timeout(kind) => write!(
+                f,
+                "timed out {}",
+                match kind {
+                    deadpool_postgres::TimeoutType::Wait => "waiting for a free connection",
+                    deadpool_postgres::TimeoutType::Create => "opening a connection",
+                    deadpool_postgres::TimeoutType::Recycle => "checking a pooled connection",
+                }
+            ),
+            other => write!(f, "{other}"),
+        }
+    }
+}
+
+/// The SQLSTATE inside a pool error, or `-`.
+pub fn pool_sqlstate(err: &deadpool_postgres::PoolError) -> &str {
+    use deadpool_postgres::{HookError, PoolError};
+    match err {
+        PoolError::Backend(e) | PoolError::PostCreateHook(HookError::Backend(e)) => sqlstate(e),
+        _ => "-",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,6 +12,8 @@ use deadpool_postgres::PoolError;
 use deadpool_postgres::tokio_postgres;
 use serde::Serialize;
 
+use crate::db::{PgErrorReport, PoolErrorReport, pool_sqlstate, sqlstate};
+
 /// An HTTP error response with a machine-readable code.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServiceError {
@@ -128,8 +130,11 @@ impl IntoResponse for ServiceError {
 /// A failed statement: logged with its cause, answered with a bare 500.
 impl From<tokio_postgres::Error> for ServiceError {
     fn from(err: tokio_postgres::Error) -> Self {
-        let sqlstate = err.code().map_or("-", |c| c.code());
-        tracing::error!(error = %err, sqlstate, "database statement failed");
+        tracing::error!(
+            error = %PgErrorReport(&err),
+            sqlstate = sqlstate(&err),
+            "database statement failed"
+        );
         Self::internal()
     }
 }
@@ -149,11 +154,19 @@ impl From<PoolError> for ServiceError {
                 )
             }
             PoolError::Timeout(_) | PoolError::Backend(_) => {
-                tracing::error!(error = %err, "database unreachable");
+                tracing::error!(
+                    error = %PoolErrorReport(&err),
+                    sqlstate = pool_sqlstate(&err),
+                    "database unreachable"
+                );
                 Self::unavailable("database_unavailable", "the database is unreachable", 1)
             }
             PoolError::Closed | PoolError::NoRuntimeSpecified | PoolError::PostCreateHook(_) => {
-                tracing::error!(error = %err, "connection pool failure");
+                tracing::error!(
+                    error = %PoolErrorReport(&err),
+                    sqlstate = pool_sqlstate(&err),
+                    "connection pool failure"
+                );
                 Self::internal()
             }
         }

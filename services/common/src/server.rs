@@ -115,7 +115,12 @@ where
     match pool.get().await {
         Ok(_) => tracing::info!(database = %target, "database reachable"),
         Err(e) => {
-            tracing::warn!(database = %target, error = %e, "database not reachable yet; requests get 503 until it is")
+            tracing::warn!(
+                database = %target,
+                error = %crate::db::PoolErrorReport(&e),
+                sqlstate = crate::db::pool_sqlstate(&e),
+                "database not reachable yet; requests get 503 until it is"
+            )
         }
     }
     let metrics = Arc::new(HttpMetrics::new(name)?);

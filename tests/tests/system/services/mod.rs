@@ -214,3 +214,95 @@ async fn services_never_log_credentials_and_exit_0_on_sigterm() {
         "{json_lines}"
     );
 }
+
+/// `url` with its password replaced by `password`.
+fn with_password(url: &str, password: &str) -> String {
+    let mut parsed = reqwest::Url::parse(url).expect("database URL");
+    parsed.set_password(Some(password)).expect("set password");
+    parsed.to_string()
+}
+
+/// Issue 18, item 10: a database error is logged with the server's message
+/// and SQLSTATE (was: `db error`), never the password.
+#[tokio::test]
+async fn services_log_the_servers_message_and_sqlstate_on_database_errors_never_the_password() {
+    let stack = stack().await;
+    let client = http();
+    let wrong = "wrong-password-5d1f0c";
+    let orders_url = with_password(&stack.orders_app_url, wrong);
+    let billing_url = with_password(&stack.billing_app_url, wrong);
+    let mut orders = Service::start("orders", &["--database-url", &orders_url], &[]).await;
+    let mut billing = Service::start(
+        "billing",
+        &["--database-url", &billing_url],
+        &[("EVENT_SECRET", SECRET)],
+    )
+    .await;
+
+    expect_error(
+        post_order(&client, &orders, r#"{"amount_cents":1,"currency":"EUR"}"#).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "database_unavailable",
+    )
+    .await;
+    let body = event(Uuid::new_v4(), Uuid::new_v4(), 100).to_string();
+    expect_error(
+        deliver_signed(&client, &billing, &body).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "database_unavailable",
+    )
+    .await;
+
+    for (name, service, user) in [
+        ("orders", &mut orders, "orders_app"),
+        ("billing", &mut billing, "billing_app"),
+    ] {
+        let expected = format!("password authentication failed for user \"{user}\"");
+        let line = service
+            .process
+            .wait_for_line("database unreachable", Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(
+            line.contains(&expected) && line.contains("28P01"),
+            "{name}: the request's log line names the server's reason: {line}"
+        );
+        let logs = service.process.logs();
+        let startup = logs
+            .lines()
+            .find(|l| l.contains("database not reachable yet"))
+            .unwrap_or_else(|| panic!("{name}: no startup warning:\n{logs}"));
+        assert!(
+            startup.contains(&expected) && startup.contains("28P01"),
+            "{name}: {startup}"
+        );
+        assert!(!logs.contains(wrong), "{name} logged the password:\n{logs}");
+        assert!(
+            !logs.contains("db error"),
+            "{name}: a bare `db error` is left:\n{logs}"
+        );
+    }
+
+    // A failed statement, too: its message and SQLSTATE.
+    let admin = stack.orders_admin().await.unwrap();
+    admin
+        .batch_execute("REVOKE INSERT ON orders FROM orders_app")
+        .await
+        .unwrap();
+    let orders = Service::orders(&stack, &[], &[]).await;
+    expect_error(
+        post_order(&client, &orders, r#"{"amount_cents":1,"currency":"EUR"}"#).await,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal_error",
+    )
+    .await;
+    let line = orders
+        .process
+        .wait_for_line("database statement failed", Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(
+        line.contains("permission denied for table orders") && line.contains("42501"),
+        "{line}"
+    );
+}
