@@ -42,12 +42,34 @@ pub struct Running {
     pub process: ServiceProcess,
     /// `http://127.0.0.1:PORT`.
     pub url: String,
+    /// Where its `/metrics` are: Orders' and Billing's admin listener, the
+    /// relay's (only) admin endpoint (then the same as `url`).
+    pub admin_url: String,
 }
 
 impl Running {
+    /// A relay (or any process with one listener) at `url`.
+    pub fn single(process: ServiceProcess, url: String) -> Running {
+        Running {
+            process,
+            admin_url: url.clone(),
+            url,
+        }
+    }
+
+    /// Orders or Billing: `url`, and the admin URL it printed.
+    pub async fn service(process: ServiceProcess, url: String) -> anyhow::Result<Running> {
+        let admin_url = process.admin_addr(START_TIMEOUT).await?;
+        Ok(Running {
+            process,
+            url,
+            admin_url,
+        })
+    }
+
     /// Its `/metrics`, parsed strictly.
     pub async fn metrics(&self) -> anyhow::Result<Exposition> {
-        prom::scrape(&reqwest::Client::new(), &self.url).await
+        prom::scrape(&reqwest::Client::new(), &self.admin_url).await
     }
 
     /// Billing's inbox: `<url>/inbox`.
@@ -89,7 +111,7 @@ pub async fn start_orders_with(
     envs.extend_from_slice(env);
     let process = ServiceProcess::spawn(bins::path("orders"), &argv, &envs)?;
     let url = process.listen_addr(START_TIMEOUT).await?;
-    Ok(Running { process, url })
+    Running::service(process, url).await
 }
 
 /// Starts the Billing service for `stack` on a free port, accepting
@@ -114,7 +136,7 @@ pub async fn start_billing_with(
     envs.extend_from_slice(env);
     let process = ServiceProcess::spawn(bins::path("billing"), &argv, &envs)?;
     let url = process.listen_addr(START_TIMEOUT).await?;
-    Ok(Running { process, url })
+    Running::service(process, url).await
 }
 
 /// The relay's command-line arguments shared by every command for `stack`.
@@ -326,7 +348,7 @@ pub async fn start_relay_with_env(
     command.envs(secrets.iter().copied());
     let process = ServiceProcess::from_command(command)?;
     let url = process.listen_addr(START_TIMEOUT).await?;
-    Ok(Running { process, url })
+    Ok(Running::single(process, url))
 }
 
 /// Starts a [`FaultProxy`](crate::proxy::FaultProxy) in front of the host

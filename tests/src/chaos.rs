@@ -185,7 +185,7 @@ impl World {
         let url = process.listen_addr(START).await?;
         Ok(Relay {
             name,
-            running: Running { process, url },
+            running: Running::single(process, url),
         })
     }
 

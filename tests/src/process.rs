@@ -27,6 +27,10 @@ use crate::guardian::{Guardian, has_exited};
 /// The start-up line every service prints to stdout once it is bound.
 pub const LISTENING: &str = "listening on http://";
 
+/// The line Orders and Billing print to stdout once their admin listener
+/// (`/metrics`, `/healthz`, operators' reads) is bound, before [`LISTENING`].
+pub const ADMIN_ENDPOINT: &str = "admin endpoint on http://";
+
 /// Lines kept in memory for searching; the log files keep everything.
 const RETAINED_LINES: usize = 100_000;
 
@@ -74,12 +78,24 @@ impl ServiceProcess {
     }
 
     /// Spawns a prepared command; stdin, stdout and stderr are set here.
+    /// Orders and Billing get a free admin port (`<SERVICE>_ADMIN_LISTEN=
+    /// 127.0.0.1:0`) unless the command sets one: their fixed default
+    /// would collide between tests running at once.
     pub fn from_command(mut command: Command) -> anyhow::Result<ServiceProcess> {
         let program = Path::new(command.get_program()).to_path_buf();
         let name = program
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "process".to_owned());
+        for (service, var) in [
+            ("orders", "ORDERS_ADMIN_LISTEN"),
+            ("billing", "BILLING_ADMIN_LISTEN"),
+        ] {
+            let set = command.get_envs().any(|(k, _)| k == var);
+            if name == service && !set {
+                command.env(var, "127.0.0.1:0");
+            }
+        }
         let log_dir = tempfile::Builder::new()
             .prefix(&format!("cdc-relay-{name}-"))
             .tempdir()
@@ -227,6 +243,18 @@ impl ServiceProcess {
         let start = line
             .find("http://")
             .context("no URL in the listening line")?;
+        let url: String = line[start..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || ":/.[]-_%".contains(*c))
+            .collect();
+        Ok(url.trim_end_matches('/').to_owned())
+    }
+
+    /// The admin URL Orders or Billing printed ([`ADMIN_ENDPOINT`]), once
+    /// it is bound; `http://127.0.0.1:PORT`.
+    pub async fn admin_addr(&self, timeout: Duration) -> anyhow::Result<String> {
+        let line = self.wait_for_line(ADMIN_ENDPOINT, timeout).await?;
+        let start = line.find("http://").context("no URL in the admin line")?;
         let url: String = line[start..]
             .chars()
             .take_while(|c| c.is_ascii_alphanumeric() || ":/.[]-_%".contains(*c))

@@ -14,6 +14,9 @@ use crate::signature::{SignatureScheme, Verifier};
 /// Prefix of the environment variables (`BILLING_LISTEN`, ...).
 pub const ENV_PREFIX: &str = "BILLING";
 
+/// Default `--admin-listen` address (`/metrics`, `/healthz`; loopback).
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9181";
+
 /// Default `--listen` address.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8081";
 
@@ -54,7 +57,7 @@ pub struct BillingArgs {
 impl BillingArgs {
     /// Parses the process arguments and variables; exits on error.
     pub fn parse_env() -> Self {
-        service_common::cli::parse_with_env_prefix(ENV_PREFIX, DEFAULT_LISTEN)
+        service_common::cli::parse_with_env_prefix(ENV_PREFIX, DEFAULT_LISTEN, DEFAULT_ADMIN_LISTEN)
     }
 
     /// The accepted keys, read now (files included); the error names the

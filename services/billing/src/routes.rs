@@ -13,6 +13,7 @@ use serde::Deserialize;
 use service_common::ServiceError;
 use service_common::body::{RawJsonBody, parse_json};
 use service_common::metrics::HttpMetrics;
+use service_common::server::Routes;
 
 use crate::event::{OrderCreated, parse_uuid};
 use crate::signature::SharedVerifier;
@@ -30,15 +31,16 @@ struct AppState {
     duplicates: IntCounter,
 }
 
-/// The service's own routes (`POST /inbox`, `GET /invoices`); registers
-/// `billing_signatures_verified_total{scheme}`,
+/// The service's own routes: `POST /inbox` (the relay's) on the public
+/// listener, `GET /invoices` (an operator's read) on the admin listener;
+/// registers `billing_signatures_verified_total{scheme}`,
 /// `billing_invoices_created_total` and `billing_duplicates_absorbed_total`
 /// in `metrics`.
 pub fn router(
     pool: Pool,
     metrics: &HttpMetrics,
     verifier: SharedVerifier,
-) -> anyhow::Result<Router> {
+) -> anyhow::Result<Routes> {
     let verified = IntCounterVec::new(
         Opts::new(
             "billing_signatures_verified_total",
@@ -65,10 +67,14 @@ pub fn router(
             "Redelivered events answered 204 without any change.",
         )?,
     });
-    Ok(Router::new()
-        .route("/inbox", post(inbox))
-        .route("/invoices", get(invoices))
-        .with_state(state))
+    Ok(Routes {
+        public: Router::new()
+            .route("/inbox", post(inbox))
+            .with_state(Arc::clone(&state)),
+        admin: Router::new()
+            .route("/invoices", get(invoices))
+            .with_state(state),
+    })
 }
 
 fn counter(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntCounter> {

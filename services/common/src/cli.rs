@@ -23,6 +23,13 @@ pub struct ServiceArgs {
     /// address is printed to stdout as `listening on http://ADDR`.
     #[arg(long)]
     pub listen: SocketAddr,
+    /// Address of the admin listener: `/metrics`, `/healthz` and the read
+    /// endpoints only operators need (Billing's `GET /invoices`). Loopback
+    /// by default: bind it to a private interface for a remote Prometheus,
+    /// never to the public one. Port 0 picks a free port; the bound address
+    /// is printed to stdout as `admin endpoint on http://ADDR`.
+    #[arg(long)]
+    pub admin_listen: SocketAddr,
     /// Database connection and its timeouts.
     #[command(flatten)]
     pub db: DbArgs,
@@ -35,10 +42,15 @@ pub struct ServiceArgs {
 }
 
 /// Parses `std::env::args_os()` into `T`, giving every long flag without an
-/// explicit `env` the variable `<PREFIX>_<FLAG_ID>` and `--listen` the default
-/// `default_listen`. Exits with clap's usage message on error.
-pub fn parse_with_env_prefix<T: Parser>(env_prefix: &str, default_listen: &str) -> T {
-    let mut cmd = command_with_env_prefix::<T>(env_prefix, default_listen);
+/// explicit `env` the variable `<PREFIX>_<FLAG_ID>`, `--listen` the default
+/// `default_listen` and `--admin-listen` the default `default_admin_listen`.
+/// Exits with clap's usage message on error.
+pub fn parse_with_env_prefix<T: Parser>(
+    env_prefix: &str,
+    default_listen: &str,
+    default_admin_listen: &str,
+) -> T {
+    let mut cmd = command_with_env_prefix::<T>(env_prefix, default_listen, default_admin_listen);
     let matches = cmd.get_matches_mut();
     T::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut cmd).exit())
 }
@@ -48,6 +60,7 @@ pub fn parse_with_env_prefix<T: Parser>(env_prefix: &str, default_listen: &str) 
 pub fn try_parse_with_env_prefix<T, I, A>(
     env_prefix: &str,
     default_listen: &str,
+    default_admin_listen: &str,
     args: I,
 ) -> Result<T, clap::Error>
 where
@@ -55,12 +68,16 @@ where
     I: IntoIterator<Item = A>,
     A: Into<OsString> + Clone,
 {
-    let mut cmd = command_with_env_prefix::<T>(env_prefix, default_listen);
+    let mut cmd = command_with_env_prefix::<T>(env_prefix, default_listen, default_admin_listen);
     let matches = cmd.try_get_matches_from_mut(args)?;
     T::from_arg_matches(&matches).map_err(|e| e.format(&mut cmd))
 }
 
-fn command_with_env_prefix<T: Parser>(env_prefix: &str, default_listen: &str) -> Command {
+fn command_with_env_prefix<T: Parser>(
+    env_prefix: &str,
+    default_listen: &str,
+    default_admin_listen: &str,
+) -> Command {
     T::command()
         .mut_args(|arg| {
             if arg.get_long().is_none() || arg.get_env().is_some() {
@@ -74,6 +91,10 @@ fn command_with_env_prefix<T: Parser>(env_prefix: &str, default_listen: &str) ->
         })
         .mut_arg("listen", |arg| {
             arg.required(false).default_value(default_listen.to_owned())
+        })
+        .mut_arg("admin_listen", |arg| {
+            arg.required(false)
+                .default_value(default_admin_listen.to_owned())
         })
 }
 
@@ -92,7 +113,7 @@ mod tests {
 
     #[test]
     fn flags_get_prefixed_env_names_and_listen_default() {
-        let cmd = command_with_env_prefix::<TestCli>("SVC", "127.0.0.1:8080");
+        let cmd = command_with_env_prefix::<TestCli>("SVC", "127.0.0.1:8080", "127.0.0.1:9180");
         let env_of = |id: &str| {
             cmd.get_arguments()
                 .find(|a| a.get_id() == id)
@@ -101,16 +122,22 @@ mod tests {
         };
         assert_eq!(env_of("database_url").as_deref(), Some("SVC_DATABASE_URL"));
         assert_eq!(env_of("listen").as_deref(), Some("SVC_LISTEN"));
+        assert_eq!(env_of("admin_listen").as_deref(), Some("SVC_ADMIN_LISTEN"));
         assert_eq!(env_of("pool_size").as_deref(), Some("SVC_POOL_SIZE"));
         assert_eq!(env_of("explicit").as_deref(), Some("EXPLICIT_VAR_FOR_TEST"));
 
         let parsed: TestCli = try_parse_with_env_prefix(
             "SVC_UNSET_IN_TESTS",
             "127.0.0.1:8080",
+            "127.0.0.1:9180",
             ["svc", "--database-url", "postgresql://u@h/db"],
         )
         .expect("parses");
         assert_eq!(parsed.common.listen, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(
+            parsed.common.admin_listen,
+            "127.0.0.1:9180".parse().unwrap()
+        );
         assert_eq!(parsed.common.db.pool_size, 16);
         assert_eq!(parsed.common.http.body_limit_bytes, 64 * 1024);
     }
@@ -119,6 +146,7 @@ mod tests {
     fn database_url_is_required() {
         let err = try_parse_with_env_prefix::<TestCli, _, _>(
             "SVC_UNSET_IN_TESTS",
+            "127.0.0.1:0",
             "127.0.0.1:0",
             ["svc"],
         )

@@ -44,21 +44,48 @@ pub struct HttpArgs {
     pub listen: service_listener::LimitArgs,
 }
 
-/// Adds `/healthz`, `/metrics`, a JSON 404, JSON bodies on 405 (axum's
-/// method router already sets `Allow`), the request timeout, the body limit,
-/// request metrics and tracing to a service's `app` routes.
+/// A service's routes, by listener.
+pub struct Routes {
+    /// What clients call, served on `--listen`.
+    pub public: Router,
+    /// Reads only operators need, served on `--admin-listen` next to
+    /// `/metrics` and `/healthz`.
+    pub admin: Router,
+}
+
+/// Connections the admin listener serves at once: its own small budget, as
+/// the relay's, so a flood there takes no descriptors from the service.
+pub const ADMIN_MAX_CONNECTIONS: usize = 16;
+
+/// Header-read (and idle) timeout of the admin listener.
+pub const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Adds `/healthz`, a JSON 404, JSON bodies on 405 (axum's method router
+/// already sets `Allow`), the request timeout, the body limit, request
+/// metrics and tracing to a service's public `app` routes. `/metrics` is
+/// not among them: see [`admin_router`].
 pub fn service_router(app: Router, metrics: Arc<HttpMetrics>, http: &HttpArgs) -> Router {
     let timeout = Duration::from_millis(http.request_timeout_ms);
     app.route("/healthz", get(healthz))
-        .route(
-            "/metrics",
-            get(metrics_endpoint).with_state(Arc::clone(&metrics)),
-        )
         .fallback(not_found)
         .layer(middleware::from_fn(json_method_not_allowed))
         .layer(middleware::from_fn_with_state(timeout, request_timeout))
         .layer(Extension(BodyLimit(http.body_limit_bytes)))
         .layer(middleware::from_fn_with_state(metrics, track_requests))
+        .layer(TraceLayer::new_for_http())
+}
+
+/// The admin listener's routes: `admin` plus `/metrics` and `/healthz`, a
+/// JSON 404 and 405, the request timeout and tracing (not counted in the
+/// request metrics, which are the clients').
+pub fn admin_router(admin: Router, metrics: Arc<HttpMetrics>, http: &HttpArgs) -> Router {
+    let timeout = Duration::from_millis(http.request_timeout_ms);
+    admin
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics_endpoint).with_state(metrics))
+        .fallback(not_found)
+        .layer(middleware::from_fn(json_method_not_allowed))
+        .layer(middleware::from_fn_with_state(timeout, request_timeout))
         .layer(TraceLayer::new_for_http())
 }
 
@@ -107,7 +134,7 @@ pub async fn shutdown_signal() {
 /// metrics namespace.
 pub async fn run<B>(name: &'static str, args: ServiceArgs, build: B) -> anyhow::Result<()>
 where
-    B: FnOnce(Pool, Arc<HttpMetrics>) -> anyhow::Result<Router>,
+    B: FnOnce(Pool, Arc<HttpMetrics>) -> anyhow::Result<Routes>,
 {
     init_tracing(args.log.log_format)?;
     let target = describe_target(&args.db.pg_config(name)?);
@@ -124,16 +151,47 @@ where
         }
     }
     let metrics = Arc::new(HttpMetrics::new(name)?);
-    let app = build(pool, Arc::clone(&metrics))?;
-    let router = service_router(app, metrics, &args.http);
+    let routes = build(pool, Arc::clone(&metrics))?;
+    let admin = admin_router(routes.admin, Arc::clone(&metrics), &args.http);
+    let router = service_router(routes.public, metrics, &args.http);
+    let admin_listener = TcpListener::bind(args.admin_listen)
+        .await
+        .with_context(|| format!("cannot listen on {} (--admin-listen)", args.admin_listen))?;
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let limits = args
-        .http
-        .listen
-        .limits(Duration::from_millis(args.http.request_timeout_ms));
-    serve(listener, router, limits, shutdown_signal()).await?;
+    let drain = Duration::from_millis(args.http.request_timeout_ms);
+    let limits = args.http.listen.limits(drain);
+    let admin_limits = service_listener::Limits {
+        header_read_timeout: ADMIN_HEADER_READ_TIMEOUT,
+        max_connections: ADMIN_MAX_CONNECTIONS,
+        drain_timeout: drain,
+    };
+    let admin_addr = admin_listener.local_addr()?;
+    {
+        // Before the `listening on` line, which says both are bound.
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "admin endpoint on http://{admin_addr}")?;
+        stdout.flush()?;
+    }
+    tracing::info!(%admin_addr, "admin endpoint (/metrics, /healthz) listening");
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let admin_task = tokio::spawn(service_listener::serve(
+        admin_listener,
+        admin,
+        admin_limits,
+        async move {
+            let mut stopped = stopped;
+            let _ = stopped.wait_for(|s| *s).await;
+        },
+    ));
+    let served = serve(listener, router, limits, async move {
+        shutdown_signal().await;
+        let _ = stop.send(true);
+    })
+    .await;
+    let _ = admin_task.await;
+    served?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -7,6 +7,9 @@ use service_common::cli::ServiceArgs;
 /// Prefix of every environment variable (`ORDERS_LISTEN`, ...).
 pub const ENV_PREFIX: &str = "ORDERS";
 
+/// Default `--admin-listen` address (`/metrics`, `/healthz`; loopback).
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9180";
+
 /// Default `--listen` address.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 
@@ -31,7 +34,7 @@ pub struct OrdersArgs {
 impl OrdersArgs {
     /// Parses the process arguments and `ORDERS_*` variables; exits on error.
     pub fn parse_env() -> Self {
-        service_common::cli::parse_with_env_prefix(ENV_PREFIX, DEFAULT_LISTEN)
+        service_common::cli::parse_with_env_prefix(ENV_PREFIX, DEFAULT_LISTEN, DEFAULT_ADMIN_LISTEN)
     }
 }
 
@@ -43,6 +46,7 @@ mod tests {
         service_common::cli::try_parse_with_env_prefix(
             "ORDERS_UNSET_IN_TESTS",
             DEFAULT_LISTEN,
+            DEFAULT_ADMIN_LISTEN,
             std::iter::once("orders").chain(args.iter().copied()),
         )
         .expect("parses")
@@ -53,6 +57,11 @@ mod tests {
         let args = parse(&["--database-url", "postgresql://u@h/db"]);
         assert!(!args.fault_after_order_insert);
         assert_eq!(args.service.listen.to_string(), DEFAULT_LISTEN);
+        assert!(
+            args.service.admin_listen.ip().is_loopback(),
+            "metrics stay on loopback by default"
+        );
+        assert_eq!(args.service.admin_listen.to_string(), DEFAULT_ADMIN_LISTEN);
         let args = parse(&[
             "--database-url",
             "postgresql://u@h/db",

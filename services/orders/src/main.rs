@@ -10,7 +10,11 @@ async fn main() -> ExitCode {
     let fault = args.fault_after_order_insert;
     let key_ttl = args.idempotency_key_ttl;
     let result = service_common::server::run("orders", args.service, move |pool, metrics| {
-        orders::router(pool, &metrics, fault, key_ttl)
+        Ok(service_common::server::Routes {
+            public: orders::router(pool, &metrics, fault, key_ttl)?,
+            // GET /orders/{id} is the clients' (POST answers with its Location).
+            admin: axum::Router::new(),
+        })
     })
     .await;
     service_common::server::exit_code("orders", result)

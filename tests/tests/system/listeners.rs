@@ -153,13 +153,16 @@ async fn start_billing_limited(stack: &::harness::Stack, args: &[&str]) -> Runni
         .args(args)
         .env("BILLING_DATABASE_URL", &stack.billing_app_url)
         .env("EVENT_SECRET", TEST_SECRET)
+        .env("BILLING_ADMIN_LISTEN", "127.0.0.1:0")
         .env("RUST_LOG", "warn");
     let process = ServiceProcess::from_command(command).expect("spawn billing");
     let url = process
         .listen_addr(Duration::from_secs(30))
         .await
         .expect("billing listens");
-    Running { process, url }
+    Running::service(process, url)
+        .await
+        .expect("admin endpoint")
 }
 
 #[tokio::test]
@@ -234,7 +237,7 @@ async fn floods_beyond_the_cap_leave_requests_and_deliveries_working_and_are_rea
     .await
     .unwrap();
     let invoices = http
-        .get(format!("{}/invoices?order_id={during}", billing.url))
+        .get(format!("{}/invoices?order_id={during}", billing.admin_url))
         .send()
         .await
         .expect("GET /invoices during the flood");

@@ -150,7 +150,7 @@ pub(crate) async fn billing_invoiced(
     http: &reqwest::Client,
     billing: &Running,
 ) -> anyhow::Result<u64> {
-    let m = prom::scrape(http, &billing.url).await?;
+    let m = prom::scrape(http, &billing.admin_url).await?;
     Ok(m.sum("billing_invoices_created_total") as u64)
 }
 

@@ -295,12 +295,17 @@ impl Demo {
         println!();
         println!("== the stack keeps running: Ctrl-C stops it and removes everything ==");
         println!(
-            "Orders       {}   POST /orders, GET /orders/{{id}}, /metrics",
+            "Orders       {}   POST /orders, GET /orders/{{id}}",
             self.orders.url
         );
         println!(
-            "Billing      {}   POST /inbox (signed), GET /invoices?order_id=, /metrics",
-            self.billing.url
+            "Orders admin {}   /metrics, /healthz",
+            self.orders.admin_url
+        );
+        println!("Billing      {}   POST /inbox (signed)", self.billing.url);
+        println!(
+            "Billing admin {}  GET /invoices?order_id=, /metrics, /healthz",
+            self.billing.admin_url
         );
         println!(
             "relay admin  {}   /metrics, /healthz, /readyz",
@@ -315,7 +320,7 @@ impl Demo {
         println!("its invoice (order_id from the answer):");
         println!(
             "  curl -sS '{}/invoices?order_id=<order_id>'",
-            self.billing.url
+            self.billing.admin_url
         );
         println!("relay metrics and slot status:");
         println!(

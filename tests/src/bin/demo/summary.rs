@@ -102,7 +102,7 @@ pub(crate) async fn summarize(
     created_us.sort_unstable();
 
     let relay_metrics = prom::scrape(http, &relay.url).await?;
-    let billing_metrics = prom::scrape(http, &billing.url).await?;
+    let billing_metrics = prom::scrape(http, &billing.admin_url).await?;
     Ok(Summary {
         ledger: Ledger::read(stack).await?,
         joined,

@@ -43,7 +43,7 @@ async fn billing_records_an_event_once_and_answers_its_replay_204_without_change
     assert_eq!(count(&db, "invoices").await, 1);
 
     let invoices: Value = client
-        .get(billing.at(&format!("/invoices?order_id={order_id}")))
+        .get(billing.admin_at(&format!("/invoices?order_id={order_id}")))
         .send()
         .await
         .unwrap()
@@ -57,7 +57,7 @@ async fn billing_records_an_event_once_and_answers_its_replay_204_without_change
     assert_eq!(invoices[0]["currency"], "EUR");
 
     let none: Value = client
-        .get(billing.at(&format!("/invoices?order_id={}", Uuid::new_v4())))
+        .get(billing.admin_at(&format!("/invoices?order_id={}", Uuid::new_v4())))
         .send()
         .await
         .unwrap()
@@ -66,7 +66,7 @@ async fn billing_records_an_event_once_and_answers_its_replay_204_without_change
         .unwrap();
     assert_eq!(none, json!([]));
     let response = client
-        .get(billing.at("/invoices?order_id=nope"))
+        .get(billing.admin_at("/invoices?order_id=nope"))
         .send()
         .await
         .unwrap();
@@ -272,7 +272,11 @@ async fn billing_wrong_method_is_405_with_allow() {
         "method_not_allowed",
     )
     .await;
-    let response = client.post(billing.at("/invoices")).send().await.unwrap();
+    let response = client
+        .post(billing.admin_at("/invoices"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.headers()[ALLOW], "GET,HEAD");
     expect_error(
         response,

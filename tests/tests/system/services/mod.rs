@@ -34,19 +34,25 @@ const SECRET: &str = "current-event-secret-7c2e91d04b5a";
 /// The body limit both services default to.
 const BODY_LIMIT: usize = 64 * 1024;
 
-/// A running service binary and its base URL.
+/// A running service binary, its base URL and its admin listener's.
 struct Service {
     process: ServiceProcess,
     url: String,
+    admin: String,
 }
 
 impl Service {
     async fn start(bin: &str, args: &[&str], envs: &[(&str, &str)]) -> Service {
-        let mut all = vec!["--listen", "127.0.0.1:0"];
+        let mut all = vec!["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
         all.extend_from_slice(args);
         let process = ServiceProcess::spawn(bins::path(bin), &all, envs).expect("spawn");
         let url = process.listen_addr(START).await.expect("listening line");
-        Service { process, url }
+        let admin = process.admin_addr(START).await.expect("admin line");
+        Service {
+            process,
+            url,
+            admin,
+        }
     }
 
     async fn orders(stack: &Stack, args: &[&str], envs: &[(&str, &str)]) -> Service {
@@ -67,9 +73,14 @@ impl Service {
         format!("{}{path}", self.url)
     }
 
+    /// `path` on the admin listener.
+    fn admin_at(&self, path: &str) -> String {
+        format!("{}{path}", self.admin)
+    }
+
     async fn metrics(&self, client: &Client) -> String {
         let response = client
-            .get(self.at("/metrics"))
+            .get(self.admin_at("/metrics"))
             .send()
             .await
             .expect("GET /metrics");
@@ -204,12 +215,13 @@ async fn services_never_log_credentials_and_exit_0_on_sigterm() {
             "host/db are logged:\n{logs}"
         );
     }
-    // JSON logs are one object per line (stdout's listening line aside).
+    // JSON logs are one object per line (stdout's two listening lines aside).
     let json_lines = orders.process.logs();
     assert!(
         json_lines
             .lines()
             .filter(|l| !l.starts_with(::harness::process::LISTENING))
+            .filter(|l| !l.starts_with(::harness::process::ADMIN_ENDPOINT))
             .all(|l| serde_json::from_str::<Value>(l).is_ok()),
         "{json_lines}"
     );
@@ -305,4 +317,55 @@ async fn services_log_the_servers_message_and_sqlstate_on_database_errors_never_
         line.contains("permission denied for table orders") && line.contains("42501"),
         "{line}"
     );
+}
+
+/// Issue 18, item 2: `/metrics` and Billing's `GET /invoices` are served on
+/// the admin listener only (loopback by default; its own small connection
+/// budget), never on the public port, which keeps `/healthz` and the
+/// clients' routes.
+#[tokio::test]
+async fn metrics_and_operator_reads_are_on_the_admin_listener_only() {
+    let stack = stack().await;
+    let orders = Service::orders(&stack, &[], &[]).await;
+    let billing = Service::billing(&stack, &[], &[]).await;
+    let client = http();
+    let invoices = format!("/invoices?order_id={}", Uuid::new_v4());
+
+    for (name, service, admin_only) in [
+        ("orders", &orders, vec!["/metrics"]),
+        ("billing", &billing, vec!["/metrics", invoices.as_str()]),
+    ] {
+        for path in admin_only {
+            let public = client.get(service.at(path)).send().await.unwrap();
+            expect_error(public, StatusCode::NOT_FOUND, "not_found").await;
+            let admin = client.get(service.admin_at(path)).send().await.unwrap();
+            assert_eq!(admin.status(), StatusCode::OK, "{name} admin {path}");
+        }
+        for base in [&service.url, &service.admin] {
+            let health = client.get(format!("{base}/healthz")).send().await.unwrap();
+            assert_eq!(health.status(), StatusCode::OK, "{name} {base}/healthz");
+        }
+        // The clients' routes are not on the admin listener.
+        let route = if name == "orders" {
+            "/orders"
+        } else {
+            "/inbox"
+        };
+        let response = client
+            .post(service.admin_at(route))
+            .header(CONTENT_TYPE, "application/json")
+            .body("{}")
+            .send()
+            .await
+            .unwrap();
+        expect_error(response, StatusCode::NOT_FOUND, "not_found").await;
+        assert!(
+            service.admin.starts_with("http://127.0.0.1:"),
+            "{}",
+            service.admin
+        );
+    }
+    // Requests to the admin listener are not the clients' traffic.
+    let text = orders.metrics(&client).await;
+    assert!(!text.contains("route=\"/metrics\""), "{text}");
 }
