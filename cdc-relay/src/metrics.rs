@@ -48,6 +48,8 @@ pub struct Metrics {
     pub retries: IntCounterVec,
     /// Slot figures from the side connection: lag in bytes.
     pub slot_lag_bytes: IntGauge,
+    /// Logical slots of the relay's database other than its own.
+    pub other_logical_slots: IntGauge,
     /// Circuit state: 0 closed, 1 open, 2 half-open (probing).
     pub circuit_state: IntGauge,
     /// Slot `wal_status` as a one-hot gauge by `status`.
@@ -253,6 +255,11 @@ impl Metrics {
                 &r,
                 "cdc_relay_slot_lag_bytes",
                 "pg_current_wal_lsn() - confirmed_flush_lsn of the slot (bytes)",
+            ),
+            other_logical_slots: gauge(
+                &r,
+                "cdc_relay_other_logical_slots",
+                "Logical slots of the relay's database other than its own (each can read every row change there)",
             ),
             circuit_state: gauge(
                 &r,

@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use super::{connect, outln};
 use crate::cli::{GlobalArgs, StatusArgs};
 use crate::outbox::{OutboxColumns, TableName};
-use crate::source::catalog::{self, SlotInfo};
+use crate::source::catalog::{self, OtherSlot, SlotInfo};
 use crate::source::{self, SourceError, failover};
 
 /// `cdc-relay status`: prints [`status`] as text or JSON; returns the exit
@@ -90,6 +90,9 @@ pub struct Status {
     pub failover: Option<bool>,
     /// Each `--standby-url`'s copy of the slot.
     pub standbys: Vec<failover::StandbyCopy>,
+    /// Logical slots of this database other than the relay's: each can read
+    /// every row change here. Reported, not a problem (delivery goes on).
+    pub other_logical_slots: Vec<OtherSlot>,
     /// Whether nothing stops delivery.
     pub healthy: bool,
     /// What stops delivery, most fundamental first.
@@ -106,6 +109,7 @@ pub async fn status(
     columns: &OutboxColumns,
 ) -> Result<Status, SourceError> {
     let info: Option<SlotInfo> = catalog::slot_info(client, slot).await?;
+    let other_logical_slots = catalog::other_logical_slots(client, slot).await?;
     let tables: Vec<String> = client
         .query(
             "SELECT DISTINCT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = ANY($1) ORDER BY 1",
@@ -167,6 +171,7 @@ pub async fn status(
         publication_tables: tables,
         failover: None,
         standbys: Vec::new(),
+        other_logical_slots,
         healthy: problems.is_empty(),
         problems,
     })
@@ -237,6 +242,18 @@ impl std::fmt::Display for Status {
                     c.lag_bytes.map_or("?".into(), |b| format!("{b} bytes"))
                 )?,
             }
+        }
+        for o in &self.other_logical_slots {
+            writeln!(
+                f,
+                "other logical slot {} (plugin {}, {}): it can read every row change in this \
+                 database and holds WAL back; if nobody here owns it, drop it: \
+                 SELECT pg_drop_replication_slot('{}')",
+                o.name,
+                o.plugin,
+                if o.active { "active" } else { "inactive" },
+                o.name
+            )?;
         }
         if self.healthy {
             writeln!(f, "healthy: nothing stops delivery")

@@ -106,6 +106,20 @@ pub async fn monitor_slot(
                 continue;
             }
         };
+        match catalog::other_logical_slots(&side, &slot).await {
+            Ok(others) => {
+                let n = i64::try_from(others.len()).unwrap_or(i64::MAX);
+                if n > out.metrics.other_logical_slots.get() {
+                    let names: Vec<&str> = others.iter().map(|o| o.name.as_str()).collect();
+                    tracing::warn!(
+                        slots = ?names,
+                        "logical slots other than {slot} exist in this database: each can read every row change here (`cdc-relay status` lists them)"
+                    );
+                }
+                out.metrics.other_logical_slots.set(n);
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot list the other logical slots"),
+        }
         match info {
             Some(info) => {
                 export_slot(&out.metrics, &info);

@@ -381,3 +381,123 @@ async fn setup_warns_about_idle_replication_slot_timeout() -> anyhow::Result<()>
     );
     Ok(())
 }
+
+/// Issue 18, item 8: the relay's role (REPLICATION) can create a
+/// `test_decoding` slot and read every row change of the orders database
+/// without any table grant; `status` lists such a slot (without changing
+/// its exit code) and the running relay counts it in
+/// `cdc_relay_other_logical_slots`. Slots of other databases (the other
+/// tests' stacks) are not reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_logical_slots_are_reported_by_status_and_counted_by_the_relay() -> anyhow::Result<()>
+{
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let status = |args: &'static [&'static str]| {
+        let stack = stack.clone();
+        async move { app::relay_command(&stack, &stack.relay_url, args, &[]).await }
+    };
+    let before = status(&["status", "--json"]).await?;
+    let before: serde_json::Value = serde_json::from_str(&before.stdout)?;
+
+    let intruder = format!("intruder_{}", stack.slot);
+    let relay_db = harness::connect(&stack.relay_url).await?;
+    relay_db
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'test_decoding')",
+            &[&intruder],
+        )
+        .await?;
+    let admin = stack.orders_admin().await?;
+    admin
+        .batch_execute(
+            "INSERT INTO orders (id, amount_cents, currency) VALUES (gen_random_uuid(), 4242, 'EUR')",
+        )
+        .await?;
+    let read_orders = relay_db
+        .query(
+            "SELECT data FROM pg_logical_slot_peek_changes($1, NULL, NULL)",
+            &[&intruder],
+        )
+        .await
+        .map(|rows| {
+            rows.iter().any(|r| {
+                r.get::<_, String>(0)
+                    .contains("table public.orders: INSERT")
+            })
+        });
+    let denied_select = relay_db.query("SELECT * FROM orders", &[]).await.is_err();
+
+    let json = status(&["status", "--json"]).await?;
+    let human = status(&["status"]).await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &["--slot-stats-interval", "1s"]).await?;
+    app::wait_streaming(&relay).await?;
+    let counted = harness::wait_until(
+        "cdc_relay_other_logical_slots 1",
+        Duration::from_secs(30),
+        || async {
+            relay
+                .gauge("cdc_relay_other_logical_slots")
+                .await
+                .ok()
+                .flatten()
+                == Some(1.0)
+        },
+    )
+    .await;
+
+    admin
+        .execute("SELECT pg_drop_replication_slot($1)", &[&intruder])
+        .await?;
+    let uncounted = harness::wait_until(
+        "cdc_relay_other_logical_slots 0",
+        Duration::from_secs(30),
+        || async {
+            relay
+                .gauge("cdc_relay_other_logical_slots")
+                .await
+                .ok()
+                .flatten()
+                == Some(0.0)
+        },
+    )
+    .await;
+
+    assert_eq!(
+        before["other_logical_slots"],
+        serde_json::json!([]),
+        "{before}"
+    );
+    assert!(
+        read_orders.as_ref().is_ok_and(|read| *read),
+        "the REPLICATION role reads the orders table's changes: {read_orders:?}"
+    );
+    assert!(denied_select, "while it may not SELECT from orders");
+    assert!(
+        json.success(),
+        "another slot does not stop delivery: {}",
+        json.text()
+    );
+    let v: serde_json::Value = serde_json::from_str(&json.stdout)?;
+    assert_eq!(
+        v["other_logical_slots"],
+        serde_json::json!([{"name": intruder, "plugin": "test_decoding", "active": false}]),
+        "{v}"
+    );
+    assert!(
+        human.text().contains(&format!(
+            "other logical slot {intruder} (plugin test_decoding, inactive)"
+        )),
+        "{}",
+        human.text()
+    );
+    counted?;
+    uncounted?;
+    let logs = relay.process.logs();
+    assert!(
+        logs.contains("logical slots other than") && logs.contains(&intruder),
+        "{logs}"
+    );
+    Ok(())
+}

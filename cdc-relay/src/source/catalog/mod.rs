@@ -68,6 +68,44 @@ impl SlotInfo {
     }
 }
 
+/// A logical slot in the relay's database that is not the relay's.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct OtherSlot {
+    /// `slot_name`.
+    pub name: String,
+    /// Output plugin (`test_decoding`, `pgoutput`, `wal2json`, ...).
+    pub plugin: String,
+    /// Whether a walsender holds it now.
+    pub active: bool,
+}
+
+/// Logical slots of the current database other than `slot`: each can
+/// decode every row change of this database (with `test_decoding`, every
+/// table's, whatever the publications say), and each holds WAL back. A
+/// role with REPLICATION can create one; `status` and
+/// `cdc_relay_other_logical_slots` report them.
+pub async fn other_logical_slots(
+    client: &Client,
+    slot: &str,
+) -> Result<Vec<OtherSlot>, SourceError> {
+    Ok(client
+        .query(
+            "SELECT slot_name::text, plugin::text, active FROM pg_replication_slots \
+             WHERE slot_type = 'logical' AND database = current_database() AND slot_name <> $1 \
+             ORDER BY 1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| SourceError::sql("listing the other logical slots", &e))?
+        .iter()
+        .map(|r| OtherSlot {
+            name: r.get(0),
+            plugin: r.get(1),
+            active: r.get(2),
+        })
+        .collect())
+}
+
 /// Reads the slot's row; `None` when it does not exist. One statement.
 pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, SourceError> {
     let sql = format!(
