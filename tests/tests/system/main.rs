@@ -24,6 +24,7 @@
 //! | `signatures.rs` | the signature headers on the wire, secret rotation by SIGHUP (relay and Billing), the secret syntax both refuse alike |
 //! | `interop.rs` | receivers built on the official Standard Webhooks verifiers (Python, Node.js): a run and a rotation drill |
 //! | `listeners.rs` | connection floods on every listener (Orders, Billing, the relay's admin endpoint): caps, timeouts, real requests still served |
+//! | `slot_persistence.rs` | where a slot resumes after a clean PostgreSQL restart, with and without a CHECKPOINT first (measured per version) |
 //! | `chaos.rs` | the compressed chaos schedule (CI's variant of `--bin chaos`) |
 //!
 //! # How a test reads
@@ -55,6 +56,7 @@ mod row_shape;
 mod services;
 mod signatures;
 mod sink_failures;
+mod slot_persistence;
 mod standby;
 mod stream;
 mod tls;
