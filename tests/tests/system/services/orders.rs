@@ -962,3 +962,57 @@ async fn orders_identical_requests_with_one_key_at_once_create_one_order() {
     assert_eq!(count(&db, "outbox").await, 1);
     assert_eq!(count(&db, "order_idempotency_keys").await, 1);
 }
+
+#[tokio::test]
+async fn orders_idempotency_key_held_past_lock_timeout_is_409_and_free_once_released() {
+    let stack = stack().await;
+    let orders = Service::orders(&stack, &["--lock-timeout-ms", "300"], &[]).await;
+    let client = http();
+    let body = r#"{"amount_cents":5,"currency":"EUR"}"#;
+    // Another transaction holds the key, uncommitted: the original request
+    // still running.
+    let (mut holder, connection) =
+        tokio_postgres::connect(&stack.orders_admin_url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let tx = holder.transaction().await.unwrap();
+    tx.batch_execute(
+        "INSERT INTO orders (id, amount_cents, currency) \
+           VALUES ('44444444-4444-4444-8444-444444444444', 5, 'EUR'); \
+         INSERT INTO order_idempotency_keys (scope, key, fingerprint, order_id, event_id, status, expires_at) \
+           VALUES ('POST /orders', 'held-key', '\\x00', '44444444-4444-4444-8444-444444444444', \
+                   gen_random_uuid(), 201, now() + interval '1 hour')",
+    )
+    .await
+    .unwrap();
+
+    let started = Instant::now();
+    expect_error(
+        post_order_with_key(&client, &orders, "held-key", body).await,
+        StatusCode::CONFLICT,
+        "idempotency_key_in_progress",
+    )
+    .await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "it waited for the lock"
+    );
+    tx.rollback().await.unwrap();
+
+    // Released (the holder rolled back): the key is free, a new order.
+    let (order_id, _, _, replayed) =
+        created(post_order_with_key(&client, &orders, "held-key", body).await).await;
+    assert!(!replayed);
+    let db = stack.orders_admin().await.unwrap();
+    assert_eq!(count(&db, "orders").await, 1);
+    let stored: Uuid = db
+        .query_one(
+            "SELECT order_id FROM order_idempotency_keys WHERE key = 'held-key'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stored, order_id);
+}
