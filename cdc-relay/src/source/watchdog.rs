@@ -95,31 +95,26 @@ pub async fn monitor_slot(
     loop {
         tick.tick().await;
         let reading = catalog::monitor_reading(&side, &slot, &publications, &table, &columns);
-        let (info, member) = match tokio::time::timeout(Duration::from_secs(5), reading).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, "slot figures unavailable; side connection lost");
-                return;
-            }
-            Err(_) => {
-                tracing::warn!("the slot monitor's query got no answer within 5 s");
-                continue;
-            }
-        };
-        match catalog::other_logical_slots(&side, &slot).await {
-            Ok(others) => {
-                let n = i64::try_from(others.len()).unwrap_or(i64::MAX);
-                if n > out.metrics.other_logical_slots.get() {
-                    let names: Vec<&str> = others.iter().map(|o| o.name.as_str()).collect();
-                    tracing::warn!(
-                        slots = ?names,
-                        "logical slots other than {slot} exist in this database: each can read every row change here (`cdc-relay status` lists them)"
-                    );
+        let (info, member, others) =
+            match tokio::time::timeout(Duration::from_secs(5), reading).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "slot figures unavailable; side connection lost");
+                    return;
                 }
-                out.metrics.other_logical_slots.set(n);
-            }
-            Err(e) => tracing::debug!(error = %e, "cannot list the other logical slots"),
+                Err(_) => {
+                    tracing::warn!("the slot monitor's query got no answer within 5 s");
+                    continue;
+                }
+            };
+        let n = i64::try_from(others.len()).unwrap_or(i64::MAX);
+        if n > out.metrics.other_logical_slots.get() {
+            tracing::warn!(
+                slots = ?others,
+                "logical slots other than {slot} exist in this database: each can read every row change here (`cdc-relay status` lists them)"
+            );
         }
+        out.metrics.other_logical_slots.set(n);
         match info {
             Some(info) => {
                 export_slot(&out.metrics, &info);

@@ -82,8 +82,9 @@ pub struct OtherSlot {
 /// Logical slots of the current database other than `slot`: each can
 /// decode every row change of this database (with `test_decoding`, every
 /// table's, whatever the publications say), and each holds WAL back. A
-/// role with REPLICATION can create one; `status` and
-/// `cdc_relay_other_logical_slots` report them.
+/// role with REPLICATION can create one; `status` reports them (and the
+/// running relay counts them from [`monitor_reading`], in the same statement
+/// as the slot's figures).
 pub async fn other_logical_slots(
     client: &Client,
     slot: &str,
@@ -274,14 +275,17 @@ pub async fn monitor_reading(
     publications: &[String],
     table: &TableName,
     columns: &[String],
-) -> Result<(Option<SlotInfo>, Membership), SourceError> {
+) -> Result<(Option<SlotInfo>, Membership, Vec<String>), SourceError> {
     let sql = format!(
         "WITH m AS ({MEMBERSHIP_SQL}) \
          SELECT m.*, s.plugin::text, s.database::text, s.active, s.active_pid, \
                 s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
                 (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
                 a.wait_event_type::text, s.database = current_database(), {INVALIDATION_REASON}, \
-                s.slot_name IS NOT NULL \
+                s.slot_name IS NOT NULL, \
+                ARRAY(SELECT o.slot_name::text FROM pg_replication_slots o \
+                      WHERE o.slot_type = 'logical' AND o.database = current_database() \
+                        AND o.slot_name <> $1 ORDER BY 1) \
          FROM m \
          LEFT JOIN pg_replication_slots s ON s.slot_name = $1 \
          LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
@@ -295,7 +299,8 @@ pub async fn monitor_reading(
         .await
         .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;
     let slot = row.get::<_, bool>(17).then(|| slot_from_row(&row, 5));
-    Ok((slot, membership_from_row(&row)))
+    let others: Vec<String> = row.get(18);
+    Ok((slot, membership_from_row(&row), others))
 }
 
 /// Seconds since the walsender read a status update from its client
