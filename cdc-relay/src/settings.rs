@@ -23,11 +23,18 @@ impl GlobalArgs {
             .as_deref()
             .ok_or("--database-url (CDC_RELAY_DATABASE_URL) is required")?;
         let mut conn = ConnParams::parse(url, self.connect_timeout).map_err(|e| e.to_string())?;
-        if let Some(p) = &self.database_password {
-            conn.password = p.clone();
-        }
-        if let Some(path) = &self.database_password_file {
-            conn.password = read_secret_file(path, "--database-password-file")?;
+        match (&self.database_password, &self.database_password_file) {
+            (Some(_), Some(_)) => {
+                return Err("--database-password (CDC_RELAY_DATABASE_PASSWORD) and \
+                     --database-password-file (CDC_RELAY_DATABASE_PASSWORD_FILE) are both set: \
+                     set one of them"
+                    .into());
+            }
+            (Some(p), None) => conn.password = p.clone(),
+            (None, Some(path)) => {
+                conn.password = read_secret_file(path, "--database-password-file")?;
+            }
+            (None, None) => {}
         }
         Ok(conn)
     }

@@ -137,7 +137,10 @@ pub async fn status(
         Some(_) => {}
     }
     if let Err(e) = catalog::check_stream_config(client, table, columns, publications).await {
-        problem(if e.is_definite() { 3 } else { 1 }, e.to_string());
+        // The code `run` would exit with for the same finding (a payload
+        // column of the wrong type is 5 there, a missing table 3).
+        let text = e.to_string();
+        problem(super::run::exit_code(&e.into()), text);
     } else if info.as_ref().is_some_and(|i| !i.active && !i.invalidated())
         && catalog::slot_predates_publication(conn, slot, publications).await? == Some(true)
     {

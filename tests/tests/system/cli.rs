@@ -186,6 +186,67 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         !wrong_password.text().contains("wrong"),
         "the password is never printed"
     );
+    assert!(
+        wrong_password.text().contains("pg_hba.conf")
+            && wrong_password
+                .text()
+                .contains("CDC_RELAY_DATABASE_PASSWORD"),
+        "an authentication failure names the settings to check: {}",
+        wrong_password.text()
+    );
+
+    // Connect errors found on the client's side are as definite as a
+    // refused password: each exits 1 at once (a retry loop would hide
+    // them) and names what to change.
+    let (scheme, rest) = stack.relay_url.split_once("://").expect("a URL");
+    let (userinfo, host) = rest.split_once('@').expect("a URL with a user");
+    let user = userinfo.split(':').next().unwrap_or_default();
+    let no_password = format!("{scheme}://{user}@{host}");
+    let tls_required = format!("{}?sslmode=require", stack.relay_url);
+    let password_file = tempfile::NamedTempFile::new()?;
+    std::fs::write(password_file.path(), "secret\n")?;
+    let password_file = password_file.path().to_string_lossy().into_owned();
+    for (db_url, env, names) in [
+        (
+            no_password.as_str(),
+            vec![],
+            "CDC_RELAY_DATABASE_PASSWORD_FILE",
+        ),
+        (tls_required.as_str(), vec![], "sslmode=disable"),
+        (
+            stack.relay_url.as_str(),
+            vec![
+                ("CDC_RELAY_DATABASE_PASSWORD", "secret"),
+                ("CDC_RELAY_DATABASE_PASSWORD_FILE", password_file.as_str()),
+            ],
+            "are both set",
+        ),
+    ] {
+        let mut env = env;
+        env.push(("EVENT_SECRET", TEST_SECRET));
+        let started = std::time::Instant::now();
+        let out = app::relay_command(
+            &stack,
+            db_url,
+            &[
+                "run",
+                "--sink-url",
+                "http://127.0.0.1:9/inbox",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ],
+            &env,
+        )
+        .await?;
+        assert_eq!(out.code(), Some(1), "{db_url}: {}", out.text());
+        assert!(out.text().contains(names), "{db_url}: {}", out.text());
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{db_url}: a definite error is not retried ({:?}): {}",
+            started.elapsed(),
+            out.text()
+        );
+    }
     Ok(())
 }
 

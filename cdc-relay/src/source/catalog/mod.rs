@@ -406,6 +406,13 @@ pub async fn slot_predates_publication(
             &[&slot, &names],
         )
         .await;
+    // A failed peek reports its error before its backend releases the slot
+    // (that happens in the abort that follows): one more statement on the
+    // same connection returns only after it, so a caller may drop or use
+    // the slot at once (`setup --recreate-slot` drops it next).
+    if peek.is_err() {
+        let _ = client.batch_execute("SELECT 1").await;
+    }
     let skipped = notices
         .lock()
         .expect("notice log lock is never poisoned")
