@@ -21,7 +21,7 @@ use crate::outbox::TableName;
 /// deduplicates by event id (the Idempotency-Key header).
 ///
 /// Exit codes: 0 clean stop; 1 error (the message says which setting or what
-/// to do); 2 bad command line; 3 the database needs `cdc-relay setup` (slot,
+/// to do); 2 bad configuration (a flag, variable or file: the message names it); 3 the database needs `cdc-relay setup` (slot,
 /// publication, table or column missing); 4 slot invalidated (see the message
 /// for recovery); 5 the stream holds an outbox change the relay cannot map
 /// (a column dropped, the payload no longer json/jsonb, the table renamed

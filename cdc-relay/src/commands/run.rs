@@ -17,15 +17,19 @@ use crate::source::SourceError;
 pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
     match a.relay(g) {
         Ok((cfg, sink)) => serve_and_run(cfg, sink, &a).await,
+        // A flag, variable or file of the configuration: the same code as
+        // a command line clap refuses.
         Err(msg) => {
             eprintln!("error: {msg}");
-            1
+            2
         }
     }
 }
 
 /// The process exit code for a relay that stopped for good (the table is
-/// in `--help` and docs/operations.md; the shipped unit restarts only 1):
+/// in `--help` and docs/operations.md; the shipped unit restarts only 1 and
+/// 2, and 2 only a few times). A configuration error (a flag, variable or
+/// file the relay reads) exits 2 before this applies.
 /// 3 the database needs `setup` (slot, publication, table or column
 /// missing); 4 the slot was invalidated; 5 the stream holds an outbox
 /// change the relay cannot map (nothing after it acknowledged); 6 the slot

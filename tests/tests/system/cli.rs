@@ -126,8 +126,9 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
             app::relay_command(&stack, &stack.relay_url, &args, env).await
         }
     };
+    // Every configuration error exits 2, as a command line clap refuses.
     let no_secret = run(&[], &[]).await?;
-    assert!(!no_secret.success());
+    assert_eq!(no_secret.code(), Some(2), "{}", no_secret.text());
     assert!(
         no_secret.text().contains("EVENT_SECRET"),
         "{}",
@@ -139,7 +140,7 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         &[("EVENT_SECRET", TEST_SECRET)],
     )
     .await?;
-    assert!(!timeouts.success());
+    assert_eq!(timeouts.code(), Some(2), "{}", timeouts.text());
     assert!(
         timeouts.text().contains("--shutdown-timeout"),
         "{}",
@@ -206,13 +207,14 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
     let password_file = tempfile::NamedTempFile::new()?;
     std::fs::write(password_file.path(), "secret\n")?;
     let password_file = password_file.path().to_string_lossy().into_owned();
-    for (db_url, env, names) in [
+    for (db_url, env, names, code) in [
         (
             no_password.as_str(),
             vec![],
             "CDC_RELAY_DATABASE_PASSWORD_FILE",
+            1,
         ),
-        (tls_required.as_str(), vec![], "sslmode=disable"),
+        (tls_required.as_str(), vec![], "sslmode=disable", 1),
         (
             stack.relay_url.as_str(),
             vec![
@@ -220,6 +222,7 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
                 ("CDC_RELAY_DATABASE_PASSWORD_FILE", password_file.as_str()),
             ],
             "are both set",
+            2,
         ),
     ] {
         let mut env = env;
@@ -238,7 +241,7 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
             &env,
         )
         .await?;
-        assert_eq!(out.code(), Some(1), "{db_url}: {}", out.text());
+        assert_eq!(out.code(), Some(code), "{db_url}: {}", out.text());
         assert!(out.text().contains(names), "{db_url}: {}", out.text());
         assert!(
             started.elapsed() < Duration::from_secs(10),
