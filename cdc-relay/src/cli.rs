@@ -21,12 +21,15 @@ use crate::outbox::TableName;
 /// deduplicates by event id (the Idempotency-Key header).
 ///
 /// Exit codes: 0 clean stop; 1 error (the message says which setting or what
-/// to do); 2 bad configuration (a flag, variable or file: the message names it); 3 the database needs `cdc-relay setup` (slot,
-/// publication, table or column missing); 4 slot invalidated (see the message
-/// for recovery); 5 the stream holds an outbox change the relay cannot map
-/// (a column dropped, the payload no longer json/jsonb, the table renamed
-/// away from --table; nothing after it was acknowledged); 6 the slot was
-/// created before its publication (recreate it and backfill).
+/// to do); 2 bad configuration (a flag, variable or file: the message names
+/// it); 3 the database needs `cdc-relay setup` (slot, publication, table or
+/// column missing); 4 slot invalidated (see the message for recovery); 5 the
+/// stream holds an outbox change the relay cannot map (a column dropped, the
+/// payload no longer json/jsonb, the table renamed away from --table;
+/// nothing after it was acknowledged); 6 the slot was created before its
+/// publication (recreate it and backfill); 7 the slot is ahead of where this
+/// relay left it with events undelivered (recreated, or a failover): backfill
+/// from the time the message gives.
 #[derive(Debug, Parser)]
 #[command(name = "cdc-relay", version, about, long_about)]
 pub struct Cli {
