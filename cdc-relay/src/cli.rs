@@ -31,7 +31,7 @@ use crate::outbox::TableName;
 /// relay left it with events undelivered (recreated, or a failover): backfill
 /// from the time the message gives.
 #[derive(Debug, Parser)]
-#[command(name = "cdc-relay", version, about, long_about)]
+#[command(name = "cdc-relay", version = crate::VERSION, about, long_about)]
 pub struct Cli {
     /// Settings shared by every command.
     #[command(flatten)]
@@ -60,6 +60,12 @@ pub enum Command {
     /// delivery path (the inbox deduplicates by id). For recovery after a lost
     /// slot: `backfill --since <time of the last delivered event>`.
     Backfill(Box<BackfillArgs>),
+    /// Print a shell completion script to stdout, e.g.
+    /// `cdc-relay completions bash > /etc/bash_completion.d/cdc-relay`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// `cdc-relay dead-letter …`.

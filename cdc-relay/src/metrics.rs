@@ -176,6 +176,18 @@ impl Metrics {
         .expect("valid metric");
         r.register(Box::new(wal_status.clone()))
             .expect("unique metric");
+        let build_info = IntGaugeVec::new(
+            Opts::new(
+                "cdc_relay_build_info",
+                "Always 1; the labels say which build runs (package version, git commit)",
+            ),
+            &["version", "commit"],
+        )
+        .expect("valid metric");
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), crate::GIT_COMMIT])
+            .set(1);
+        r.register(Box::new(build_info)).expect("unique metric");
         Metrics {
             events_received: counter(
                 &r,

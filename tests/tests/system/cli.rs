@@ -445,3 +445,47 @@ async fn setup_warns_about_idle_replication_slot_timeout() -> anyhow::Result<()>
     );
     Ok(())
 }
+
+/// `--version` names the commit the binary was built from (the one checked
+/// out: cargo rebuilds when HEAD moves), and `completions` prints a script
+/// the shell accepts that knows the subcommands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_names_the_commit_and_completions_are_valid_shell() -> anyhow::Result<()> {
+    let relay = harness::bins::path("cdc-relay");
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(&repo)
+        .output()?;
+    anyhow::ensure!(head.status.success(), "git rev-parse HEAD in {repo:?}");
+    let head = String::from_utf8(head.stdout)?.trim().to_owned();
+    let version = std::process::Command::new(&relay)
+        .arg("--version")
+        .output()?;
+    let version = String::from_utf8(version.stdout)?;
+    assert!(
+        version.starts_with("cdc-relay ") && version.trim_end().ends_with(&format!(" ({head})")),
+        "--version names HEAD {head}: {version}"
+    );
+
+    let script = std::process::Command::new(&relay)
+        .args(["completions", "bash"])
+        .output()?;
+    assert!(script.status.success());
+    let script = String::from_utf8(script.stdout)?;
+    for word in ["setup", "status", "backfill", "dead-letter", "--sink-url"] {
+        assert!(script.contains(word), "the bash completion knows {word}");
+    }
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(file.path(), &script)?;
+    let check = std::process::Command::new("bash")
+        .arg("-n")
+        .arg(file.path())
+        .output()?;
+    assert!(
+        check.status.success(),
+        "bash -n: {}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    Ok(())
+}

@@ -26,7 +26,7 @@ const DEBUG_FILTER: &str = "debug";
 
 /// Every relay metric the issue names, with its Prometheus type, so docs,
 /// dashboards and alerts can rely on them.
-const DOCUMENTED: [(&str, &str); 23] = [
+const DOCUMENTED: [(&str, &str); 24] = [
     ("cdc_relay_events_received_total", "counter"),
     ("cdc_relay_events_delivered_total", "counter"),
     ("cdc_relay_events_dead_lettered_total", "counter"),
@@ -52,6 +52,8 @@ const DOCUMENTED: [(&str, &str); 23] = [
     ("cdc_relay_seconds_since_server_message", "gauge"),
     // Issue 14: secret reloads on SIGHUP.
     ("cdc_relay_secret_reloads_total", "counter"),
+    // Issue 19: which build runs.
+    ("cdc_relay_build_info", "gauge"),
 ];
 
 /// Every value `cdc_relay_retries_total{reason}` may take
@@ -124,6 +126,14 @@ async fn metrics_after_a_delivery_name_every_documented_series() -> anyhow::Resu
     }
     assert!(m.sum("cdc_relay_events_received_total") >= 1.0);
     assert!(m.sum("cdc_relay_events_delivered_total") >= 1.0);
+    let commits = m.label_values("cdc_relay_build_info", "commit");
+    assert_eq!(commits.len(), 1, "one build: {commits:?}");
+    assert!(
+        commits
+            .iter()
+            .all(|c| c.len() == 12 && c.chars().all(|c| c.is_ascii_hexdigit())),
+        "the build's git commit: {commits:?}"
+    );
     assert!(
         m.value(
             "cdc_relay_delivery_attempts_total",
