@@ -41,6 +41,26 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// The command line as clap sees it, with environment values never
+    /// shown in `--help` (`[env: CDC_RELAY_SINK_URL]`, neither a trailing
+    /// `=` nor a value that may be a secret).
+    pub fn command() -> clap::Command {
+        fn hide(cmd: clap::Command) -> clap::Command {
+            cmd.mut_args(|a| a.hide_env_values(true))
+                .mut_subcommands(hide)
+        }
+        hide(<Cli as clap::CommandFactory>::command())
+    }
+
+    /// Parses the process's arguments with [`Cli::command`]; on an error
+    /// prints it and exits 2 (or 0 for `--help` and `--version`).
+    pub fn parse_args() -> Cli {
+        let matches = Cli::command().get_matches();
+        <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    }
+}
+
 /// The commands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -98,6 +118,7 @@ pub enum DeadLetterCommand {
 
 /// `cdc-relay dead-letter replay`.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Replay")]
 pub struct ReplayArgs {
     /// Row id from `list`.
     #[arg(required_unless_present = "all", conflicts_with = "all")]
@@ -112,6 +133,7 @@ pub struct ReplayArgs {
 
 /// `cdc-relay backfill`.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Backfill")]
 pub struct BackfillArgs {
     /// Re-send rows whose time column is at or after this (any PostgreSQL
     /// timestamptz input, e.g. '2026-11-30 10:00:00+00').
@@ -147,6 +169,7 @@ pub struct GlobalArgs {
     /// postgres://cdc_relay@db:5432/orders?sslmode=verify-full&sslrootcert=/etc/ca.pem.
     /// Put the password in CDC_RELAY_DATABASE_PASSWORD or a file, not here.
     #[arg(
+        help_heading = "Database",
         long,
         env = "CDC_RELAY_DATABASE_URL",
         global = true,
@@ -155,6 +178,7 @@ pub struct GlobalArgs {
     pub database_url: Option<String>,
     /// Database password (overrides one in the URL).
     #[arg(
+        help_heading = "Database",
         long,
         env = "CDC_RELAY_DATABASE_PASSWORD",
         global = true,
@@ -162,10 +186,16 @@ pub struct GlobalArgs {
     )]
     pub database_password: Option<String>,
     /// File holding the database password (first line).
-    #[arg(long, env = "CDC_RELAY_DATABASE_PASSWORD_FILE", global = true)]
+    #[arg(
+        help_heading = "Database",
+        long,
+        env = "CDC_RELAY_DATABASE_PASSWORD_FILE",
+        global = true
+    )]
     pub database_password_file: Option<PathBuf>,
     /// Logical replication slot.
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_SLOT",
         default_value = "cdc_relay",
@@ -174,6 +204,7 @@ pub struct GlobalArgs {
     pub slot: String,
     /// Publication streamed from the slot (comma-separated for several).
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_PUBLICATION",
         default_value = "cdc_relay_outbox",
@@ -186,6 +217,7 @@ pub struct GlobalArgs {
     /// copy; `run` exports cdc_relay_failover_ready and nudges the primary
     /// (pg_log_standby_snapshot) while a copy is temporary.
     #[arg(
+        help_heading = "Database",
         long,
         env = "CDC_RELAY_STANDBY_URLS",
         global = true,
@@ -195,6 +227,7 @@ pub struct GlobalArgs {
     pub standby_url: Vec<String>,
     /// Outbox table, schema-qualified.
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_TABLE",
         default_value = "public.outbox",
@@ -202,10 +235,17 @@ pub struct GlobalArgs {
     )]
     pub table: TableName,
     /// Column with the event id (also the Idempotency-Key).
-    #[arg(long, env = "CDC_RELAY_ID_COLUMN", default_value = "id", global = true)]
+    #[arg(
+        help_heading = "Slot and outbox",
+        long,
+        env = "CDC_RELAY_ID_COLUMN",
+        default_value = "id",
+        global = true
+    )]
     pub id_column: String,
     /// Column with the event type.
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_TYPE_COLUMN",
         default_value = "event_type",
@@ -214,6 +254,7 @@ pub struct GlobalArgs {
     pub type_column: String,
     /// Column with the JSON payload.
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_PAYLOAD_COLUMN",
         default_value = "payload",
@@ -223,6 +264,7 @@ pub struct GlobalArgs {
     /// Column with the aggregate key: events sharing a key are never in
     /// flight together and keep commit order. Empty disables it.
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_AGGREGATE_COLUMN",
         default_value = "aggregate_id",
@@ -230,10 +272,11 @@ pub struct GlobalArgs {
     )]
     pub aggregate_column: String,
     /// Connect timeout for database connections.
-    #[arg(long, env = "CDC_RELAY_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration, global = true)]
+    #[arg(help_heading = "Database", long, env = "CDC_RELAY_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration, global = true)]
     pub connect_timeout: Duration,
     /// Log format.
     #[arg(
+        help_heading = "Logging",
         long,
         env = "CDC_RELAY_LOG_FORMAT",
         value_enum,
@@ -245,6 +288,7 @@ pub struct GlobalArgs {
     /// replication transport's own logs are off by default: the relay logs
     /// every session error itself, once, with what it does about it.
     #[arg(
+        help_heading = "Logging",
         long,
         env = "CDC_RELAY_LOG",
         default_value = "info,pgwire_replication=off",
@@ -280,13 +324,11 @@ pub struct StatusArgs {
 
 /// Where and how events are POSTed (`run`, `backfill`, `dead-letter replay`).
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Sink")]
 pub struct SinkArgs {
     /// Inbox URL events are POSTed to (http:// or https://, with a host).
     #[arg(long, env = "CDC_RELAY_SINK_URL", value_parser = parse_sink_url)]
     pub sink_url: url::Url,
-    /// The signing secrets and headers.
-    #[command(flatten)]
-    pub secrets: SecretArgs,
     /// Extra CA certificate (PEM) to trust for an https sink.
     #[arg(long, env = "CDC_RELAY_SINK_CA_FILE")]
     pub sink_ca_file: Option<PathBuf>,
@@ -297,6 +339,9 @@ pub struct SinkArgs {
     /// Whole-request timeout for one delivery attempt.
     #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub request_timeout: Duration,
+    /// The signing secrets and headers.
+    #[command(flatten)]
+    pub secrets: SecretArgs,
 }
 
 /// The event secrets and which signature headers carry them
@@ -304,6 +349,7 @@ pub struct SinkArgs {
 /// secret of at least 32 bytes, or whsec_<base64> of at least 24 decoded
 /// bytes. `run` reads the files again on SIGHUP.
 #[derive(Clone, Debug, Args)]
+#[command(next_help_heading = "Signing")]
 pub struct SecretArgs {
     /// The current secret (signs X-Event-Signature and webhook-signature).
     /// Prefer the env var or a file.
@@ -334,13 +380,8 @@ pub struct SecretArgs {
 
 /// `cdc-relay run`.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Relay")]
 pub struct RunArgs {
-    /// The sink.
-    #[command(flatten)]
-    pub sink: SinkArgs,
-    /// Delivery tuning.
-    #[command(flatten)]
-    pub delivery: DeliveryArgs,
     /// After SIGTERM: time to finish in-flight deliveries and flush the
     /// confirmed LSN. Must exceed --request-timeout.
     #[arg(long, env = "CDC_RELAY_SHUTDOWN_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
@@ -413,10 +454,17 @@ pub struct RunArgs {
     /// 1 leaves the other cores to the database.
     #[arg(long, env = "CDC_RELAY_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub worker_threads: Option<u16>,
+    /// The sink.
+    #[command(flatten)]
+    pub sink: SinkArgs,
+    /// Delivery tuning.
+    #[command(flatten)]
+    pub delivery: DeliveryArgs,
 }
 
 /// Pipelining, memory window, retries and the circuit breaker (`run`, `backfill`).
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Delivery")]
 pub struct DeliveryArgs {
     /// Deliveries at once (pipelining). 1 gives strict global commit order.
     #[arg(long, env = "CDC_RELAY_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
@@ -511,6 +559,52 @@ fn parse_sink_url(s: &str) -> Result<url::Url, String> {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    #[test]
+    fn help_groups_flags_under_headings_and_shows_no_env_values() {
+        let mut cmd = Cli::command();
+        cmd.build(); // propagates the global flags to the subcommands
+        let run = cmd.find_subcommand_mut("run").expect("run");
+        let help = run.render_long_help().to_string();
+        // heading -> the lines under it, up to the next heading.
+        let mut sections: Vec<(String, String)> = Vec::new();
+        for line in help.lines() {
+            match line.strip_suffix(':') {
+                Some(h) if !line.starts_with(' ') && !h.contains(' ') || h == "Slot and outbox" => {
+                    sections.push((h.to_owned(), String::new()));
+                }
+                _ => {
+                    if let Some((_, body)) = sections.last_mut() {
+                        body.push_str(line);
+                        body.push('\n');
+                    }
+                }
+            }
+        }
+        for (flag, heading) in [
+            ("--sink-url", "Sink"),
+            ("--event-secret", "Signing"),
+            ("--max-in-flight", "Delivery"),
+            ("--shutdown-timeout", "Relay"),
+            ("--database-url", "Database"),
+            ("--slot", "Slot and outbox"),
+            ("--log-format", "Logging"),
+        ] {
+            let (_, body) = sections
+                .iter()
+                .find(|(h, _)| h == heading)
+                .unwrap_or_else(|| panic!("heading {heading:?} in:\n{help}"));
+            assert!(
+                body.contains(&format!("      {flag} ")),
+                "{flag} under {heading}:\n{help}"
+            );
+        }
+        assert!(help.contains("[env: CDC_RELAY_SINK_URL]"), "{help}");
+        assert!(
+            !help.contains("=]"),
+            "no env value or trailing '=':\n{help}"
+        );
+    }
 
     #[test]
     fn cli_is_consistent() {
