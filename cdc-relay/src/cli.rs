@@ -558,7 +558,6 @@ fn parse_sink_url(s: &str) -> Result<url::Url, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
 
     #[test]
     fn help_groups_flags_under_headings_and_shows_no_env_values() {
