@@ -74,6 +74,12 @@ pub struct Status {
     pub active: bool,
     /// That walsender's pid.
     pub active_pid: Option<i32>,
+    /// Who streams from that walsender: its `application_name` and client
+    /// address (`cdc-relay from 10.0.0.7`).
+    pub held_by: Option<String>,
+    /// The relay that last recorded delivery progress for this slot
+    /// (`application_name@host:pid`, from `cdc_relay_progress`).
+    pub last_progress_by: Option<String>,
     /// Where a restart resumes (PostgreSQL text form).
     pub confirmed_flush_lsn: Option<String>,
     /// `pg_current_wal_lsn() - confirmed_flush_lsn`, bytes.
@@ -154,11 +160,29 @@ pub async fn status(
             .to_string(),
         );
     }
+    let held_by = match info.as_ref().and_then(|i| i.active_pid) {
+        Some(pid) => client
+            .query_opt(
+                "SELECT coalesce(nullif(application_name, ''), '?') || ' from ' || \
+                        coalesce(host(client_addr), 'a local socket') \
+                 FROM pg_stat_replication WHERE pid = $1",
+                &[&pid],
+            )
+            .await
+            .map_err(|e| SourceError::sql("reading pg_stat_replication", &e))?
+            .map(|r| r.get::<_, String>(0)),
+        None => None,
+    };
+    let last_progress_by = source::progress::read(client, slot)
+        .await?
+        .and_then(|p| p.holder);
     Ok(Status {
         slot: slot.to_owned(),
         exists: info.is_some(),
         active: info.as_ref().is_some_and(|i| i.active),
         active_pid: info.as_ref().and_then(|i| i.active_pid),
+        held_by,
+        last_progress_by,
         confirmed_flush_lsn: info
             .as_ref()
             .and_then(|i| i.confirmed_flush_lsn)
@@ -186,12 +210,20 @@ impl std::fmt::Display for Status {
             )?;
         } else {
             writeln!(f, "slot {}", self.slot)?;
-            writeln!(
-                f,
-                "  active:              {} (pid {})",
-                self.active,
-                self.active_pid.map_or("-".into(), |p| p.to_string())
-            )?;
+            match (&self.held_by, self.active_pid) {
+                (Some(who), Some(pid)) => writeln!(
+                    f,
+                    "  active:              true, held by {who} (walsender pid {pid})"
+                )?,
+                (None, Some(pid)) => {
+                    writeln!(f, "  active:              true (walsender pid {pid})")?
+                }
+                _ => writeln!(f, "  active:              false (no relay streams from it)")?,
+            }
+            if let Some(who) = &self.last_progress_by {
+                writeln!(f, "  last progress by:    {who}")?;
+            }
+            let lost = self.wal_status.as_deref() == Some("lost");
             writeln!(
                 f,
                 "  confirmed_flush_lsn: {}",
@@ -199,15 +231,22 @@ impl std::fmt::Display for Status {
             )?;
             writeln!(
                 f,
-                "  lag:                 {} bytes",
-                self.lag_bytes.map_or("-".into(), |b| b.to_string())
+                "  lag:                 {}",
+                match self.lag_bytes {
+                    _ if lost => "lost".into(),
+                    Some(b) => human_bytes(b),
+                    None => "-".into(),
+                }
             )?;
             writeln!(f, "  wal_status:          {}", opt(&self.wal_status))?;
             writeln!(
                 f,
                 "  safe_wal_size:       {}",
-                self.safe_wal_size
-                    .map_or("unlimited".into(), |b| format!("{b} bytes"))
+                match self.safe_wal_size {
+                    _ if lost => "lost".into(),
+                    Some(b) => human_bytes(b),
+                    None => "unlimited (max_slot_wal_keep_size = -1)".into(),
+                }
             )?;
         }
         writeln!(
@@ -237,7 +276,9 @@ impl std::fmt::Display for Status {
                     } else {
                         "persistent"
                     },
-                    c.lag_bytes.map_or("?".into(), |b| format!("{b} bytes"))
+                    c.lag_bytes.map_or("?".into(), |b| human_bytes(
+                        i64::try_from(b).unwrap_or(i64::MAX)
+                    ))
                 )?,
             }
         }
@@ -249,5 +290,38 @@ impl std::fmt::Display for Status {
             }
             Ok(())
         }
+    }
+}
+
+/// `bytes` for a reader: `512 bytes`, `1.5 KiB`, `12.0 MiB`, `3.2 GiB`
+/// (binary units, one decimal). The JSON output keeps exact bytes.
+fn human_bytes(bytes: i64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes.unsigned_abs() < 1024 {
+        return format!("{bytes} bytes");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value.abs() >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::human_bytes;
+
+    #[test]
+    fn sizes_are_shown_in_binary_units() {
+        assert_eq!(human_bytes(0), "0 bytes");
+        assert_eq!(human_bytes(1023), "1023 bytes");
+        assert_eq!(human_bytes(1024), "1.0 KiB");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(16 * 1024 * 1024), "16.0 MiB");
+        assert_eq!(human_bytes(3_435_973_837), "3.2 GiB");
+        assert_eq!(human_bytes(5 << 40), "5.0 TiB");
+        assert_eq!(human_bytes(-2048), "-2.0 KiB");
     }
 }

@@ -489,3 +489,66 @@ async fn version_names_the_commit_and_completions_are_valid_shell() -> anyhow::R
     );
     Ok(())
 }
+
+/// `status` says who holds the slot (the walsender's client and the relay
+/// that last recorded progress, host and process) and shows sizes in
+/// binary units; `--json` keeps exact bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_the_relay_holding_the_slot_and_shows_readable_sizes() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    app::insert_order_event(&db).await?;
+    // The progress record is written at most every 5 s while events flow.
+    harness::wait_until("the progress record", Duration::from_secs(30), || async {
+        let row = db
+            .query_opt(
+                "SELECT holder FROM cdc_relay_progress WHERE slot_name = $1",
+                &[&stack.slot],
+            )
+            .await?;
+        anyhow::Ok(row.is_some())
+    })
+    .await?;
+
+    let human = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
+    let text = human.text();
+    assert_eq!(human.code(), Some(0), "{text}");
+    let pid = relay.process.pid();
+    for words in [
+        "held by cdc-relay from 127.0.0.1 (walsender pid ".to_owned(),
+        "last progress by:    cdc-relay@".to_owned(),
+        format!(":{pid}\n"),
+    ] {
+        assert!(text.contains(&words), "status says {words:?}:\n{text}");
+    }
+    let lag = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("lag:"))
+        .expect("a lag line")
+        .trim();
+    assert!(
+        lag.ends_with(" bytes") || lag.ends_with(" KiB") || lag.ends_with(" MiB"),
+        "lag in readable units: {lag}"
+    );
+
+    let json = app::relay_command(&stack, &stack.relay_url, &["status", "--json"], &[]).await?;
+    let v: serde_json::Value = serde_json::from_str(&json.stdout)?;
+    assert!(v["lag_bytes"].as_i64().is_some(), "{v}");
+    assert!(
+        v["held_by"]
+            .as_str()
+            .is_some_and(|h| h.starts_with("cdc-relay from ")),
+        "{v}"
+    );
+    assert!(
+        v["last_progress_by"]
+            .as_str()
+            .is_some_and(|h| h.ends_with(&format!(":{pid}"))),
+        "{v}"
+    );
+    Ok(())
+}

@@ -538,6 +538,11 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
         "status gives the recovery steps:\n{}",
         status.text()
     );
+    assert!(
+        status.text().contains("lag:                 lost"),
+        "a lost slot shows 'lost', not numbers:\n{}",
+        status.text()
+    );
     Ok(())
 }
 
