@@ -153,6 +153,15 @@ pub struct BackfillArgs {
     pub delivery: DeliveryArgs,
 }
 
+/// What `run` does after a fatal error (`--on-fatal`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnFatal {
+    /// Exit at once with the error's code.
+    Exit,
+    /// Keep serving the admin endpoint, halted, until stopped.
+    Linger,
+}
+
 /// Log output format.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
@@ -407,6 +416,15 @@ pub struct RunArgs {
     /// advanced for this long.
     #[arg(long, env = "CDC_RELAY_READY_WINDOW", default_value = "60s", value_parser = parse_duration)]
     pub ready_window: Duration,
+    /// After an error that needs an operator (exit codes 3-7): `exit` at
+    /// once with its code, or `linger`: keep serving /metrics
+    /// (`cdc_relay_halted{code}` 1, the slot's state) with /readyz failing
+    /// with the error, until SIGTERM/SIGINT, then exit with the code. With
+    /// `linger` an alert sees a relay that stopped for good (a lost slot
+    /// exits within milliseconds of start otherwise). Exit codes 1 and 2
+    /// always exit.
+    #[arg(long, env = "CDC_RELAY_ON_FATAL", value_enum, default_value = "exit")]
+    pub on_fatal: OnFatal,
     /// application_name shown in pg_stat_replication.
     #[arg(long, env = "CDC_RELAY_APPLICATION_NAME", default_value = "cdc-relay")]
     pub application_name: String,

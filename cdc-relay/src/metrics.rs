@@ -83,6 +83,10 @@ pub struct Metrics {
     /// from the next attempt on) or `error` (the old keys stay; the log
     /// says why).
     pub secret_reloads: IntCounterVec,
+    /// `cdc_relay_halted{code}`: 1 while the relay has stopped for good and
+    /// lingers (`--on-fatal linger`), labelled with the exit code it will
+    /// exit with; no series before.
+    pub halted: IntGaugeVec,
 }
 
 /// Distinct `relation` label values of `cdc_relay_ignored_changes_total`
@@ -320,6 +324,18 @@ impl Metrics {
                 "Event secret reloads on SIGHUP by result (ok, error: the previous keys stay in use)",
                 &["result"],
             ),
+            halted: {
+                let g = IntGaugeVec::new(
+                    Opts::new(
+                        "cdc_relay_halted",
+                        "1 while the relay has stopped for good and lingers (--on-fatal linger); code = the exit code it exits with",
+                    ),
+                    &["code"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
             registry: r,
         }
         .prime()
