@@ -135,11 +135,19 @@ pub struct ReplayArgs {
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Backfill")]
 pub struct BackfillArgs {
-    /// Re-send rows whose time column is at or after this (any PostgreSQL
-    /// timestamptz input, e.g. '2026-11-30 10:00:00+00').
+    /// Re-send rows whose time column is at or after this: a PostgreSQL
+    /// timestamptz with its UTC offset, e.g. '2026-11-30 10:00:00+00' (a
+    /// time without one is refused: it would be read in the server's zone).
     #[arg(long)]
     pub since: String,
-    /// Only rows before this.
+    /// Print what would be re-sent (rows, time range, first and last ids)
+    /// and send nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// With --dry-run: print JSON.
+    #[arg(long, requires = "dry_run")]
+    pub json: bool,
+    /// Only rows before this (with its UTC offset, as --since).
     #[arg(long)]
     pub until: Option<String>,
     /// Column that orders the rows (the tutorial's insert time).

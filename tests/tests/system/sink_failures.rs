@@ -329,7 +329,18 @@ async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
     for _ in 0..3 {
         insert_order_event(db).await?;
     }
-    // The slot is lost; a new one starts at the current WAL position.
+    // The slot is lost; a new one starts at the current WAL position. (The
+    // stopped relay's walsender may hold the slot a moment longer.)
+    wait_until("the slot released", DRAIN, || async {
+        let row = db
+            .query_one(
+                "SELECT NOT active FROM pg_replication_slots WHERE slot_name = $1",
+                &[&stack.slot],
+            )
+            .await?;
+        anyhow::Ok(row.get::<_, bool>(0))
+    })
+    .await?;
     db.execute("SELECT pg_drop_replication_slot($1)", &[&stack.slot])
         .await?;
     app::relay_setup(&stack).await?;
@@ -340,6 +351,65 @@ async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
         Ledger::read(&stack).await?.invoices,
         1,
         "the new slot skipped them"
+    );
+
+    // A bound without a UTC offset is refused (read in the server's zone it
+    // could start hours late and skip events), as is one that is no time.
+    let local = since
+        .trim_end_matches(|c: char| c != '.')
+        .trim_end_matches('.');
+    for (bound, says) in [
+        (local.to_owned(), "has no UTC offset"),
+        ("yesterday-ish".to_owned(), "is not a time"),
+    ] {
+        let out = cli(&stack, &["backfill", "--since", &bound], &sink_url).await?;
+        assert_eq!(out.code(), Some(1), "{bound}: {}", out.text());
+        assert!(
+            out.text().contains(says) && out.text().contains("+00'"),
+            "{bound}: says {says:?} with an example:\n{}",
+            out.text()
+        );
+    }
+    let dry = cli(
+        &stack,
+        &["backfill", "--since", &since, "--dry-run"],
+        &sink_url,
+    )
+    .await?;
+    assert!(dry.success(), "{}", dry.text());
+    assert!(
+        dry.text().contains("3 row(s)") && dry.text().contains("nothing sent"),
+        "{}",
+        dry.text()
+    );
+    let json = cli(
+        &stack,
+        &["backfill", "--since", &since, "--dry-run", "--json"],
+        &sink_url,
+    )
+    .await?;
+    let v: serde_json::Value = serde_json::from_str(&json.stdout)?;
+    assert_eq!(v["rows"], 3, "{v}");
+    let ids: Vec<String> = s
+        .db
+        .query(
+            "SELECT id::text FROM outbox WHERE occurred_at >= $1::text::timestamptz ORDER BY occurred_at, id",
+            &[&since],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(v["first_id"], ids[0].as_str(), "{v}");
+    assert_eq!(v["last_id"], ids[2].as_str(), "{v}");
+    assert!(
+        v["first_time"].as_str().is_some_and(|t| t.ends_with("+00")),
+        "{v}"
+    );
+    assert_eq!(
+        Ledger::read(&stack).await?.invoices,
+        1,
+        "a dry run sends nothing"
     );
 
     let out = cli(&stack, &["backfill", "--since", &since], &sink_url).await?;
