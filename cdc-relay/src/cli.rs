@@ -91,28 +91,47 @@ pub enum Command {
 /// `cdc-relay dead-letter …`.
 #[derive(Debug, Subcommand)]
 pub enum DeadLetterCommand {
-    /// List quarantined events, oldest first (payloads left out).
+    /// List dead-lettered events, oldest first, with their age (payloads
+    /// left out).
     List {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Only rows of this event type.
+        #[arg(long = "type")]
+        event_type: Option<String>,
+        /// At most this many rows (the oldest).
+        #[arg(long)]
+        limit: Option<i64>,
     },
-    /// Show one quarantined event with its payload, as JSON.
+    /// Show one dead-lettered event as JSON, its payload as JSON.
     Show {
         /// Row id from `list`.
         id: i64,
     },
-    /// Re-send quarantined events once each (same body and signature rules);
-    /// a row is removed, with an audit entry, only after a 2xx.
+    /// Re-send dead-lettered events once each (same body and signature
+    /// rules); a row is removed, with an audit entry, only after a 2xx. Stops
+    /// at the first failure that says the sink itself is failing (5xx, 408,
+    /// 429, 401/403/404/405, timeout, connection): the remaining rows are
+    /// not attempted.
     Replay(Box<ReplayArgs>),
-    /// Remove a quarantined event without sending it; the audit table keeps
-    /// a copy of the row, who removed it and why.
+    /// Remove dead-lettered events without sending them; the audit table
+    /// keeps a copy of each row, who removed it and why.
     Discard {
-        /// Row id from `list`.
-        id: i64,
-        /// Why (kept in the audit table).
+        /// Row ids from `list` (one or more).
+        #[arg(required = true, num_args = 1..)]
+        ids: Vec<i64>,
+        /// Why (kept in the audit table). Required.
         #[arg(long)]
-        reason: Option<String>,
+        reason: String,
+        /// Who (kept in the audit table); default: $USER, else the
+        /// database role.
+        #[arg(long, env = "USER")]
+        actor: Option<String>,
+        /// Do not ask for confirmation (needed when stdin is not a
+        /// terminal).
+        #[arg(long)]
+        yes: bool,
     },
 }
 
@@ -126,6 +145,12 @@ pub struct ReplayArgs {
     /// Replay every row, oldest first.
     #[arg(long)]
     pub all: bool,
+    /// Print what would be sent and send nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print the outcome as JSON.
+    #[arg(long)]
+    pub json: bool,
     /// The sink.
     #[command(flatten)]
     pub sink: SinkArgs,
