@@ -87,6 +87,10 @@ pub struct Metrics {
     /// lingers (`--on-fatal linger`), labelled with the exit code it will
     /// exit with; no series before.
     pub halted: IntGaugeVec,
+    /// `cdc_relay_dead_letters_waiting`: rows in `cdc_relay_dead_letter`
+    /// (events neither replayed nor discarded yet), as the slot monitor
+    /// last counted them.
+    pub dead_letters_waiting: prometheus::IntGauge,
 }
 
 /// Distinct `relation` label values of `cdc_relay_ignored_changes_total`
@@ -331,6 +335,15 @@ impl Metrics {
                         "1 while the relay has stopped for good and lingers (--on-fatal linger); code = the exit code it exits with",
                     ),
                     &["code"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            dead_letters_waiting: {
+                let g = prometheus::IntGauge::new(
+                    "cdc_relay_dead_letters_waiting",
+                    "Rows in cdc_relay_dead_letter: events neither replayed nor discarded yet (counted by the slot monitor)",
                 )
                 .expect("valid metric");
                 r.register(Box::new(g.clone())).expect("unique metric");

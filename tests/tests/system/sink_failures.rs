@@ -534,6 +534,24 @@ async fn replay_stops_at_a_failing_sink_and_dry_run_sends_nothing() -> anyhow::R
     })
     .await?;
     let before = sink.arrivals();
+    // The slot monitor counts them for the waiting gauge (and its alert).
+    let waiting = |n: f64| {
+        let relay = &s.relay;
+        async move {
+            wait_until(
+                &format!("cdc_relay_dead_letters_waiting {n}"),
+                DRAIN,
+                || async {
+                    relay
+                        .gauge("cdc_relay_dead_letters_waiting")
+                        .await
+                        .map(|v| v == Some(n))
+                },
+            )
+            .await
+        }
+    };
+    waiting(3.0).await?;
 
     let dry = cli(
         stack,
@@ -574,6 +592,7 @@ async fn replay_stops_at_a_failing_sink_and_dry_run_sends_nothing() -> anyhow::R
     let v: serde_json::Value = serde_json::from_str(&ok.stdout)?;
     assert_eq!(v["delivered"], 3, "{v}");
     assert!(dead_letters(stack).await?.is_empty());
+    waiting(0.0).await?;
     Ok(())
 }
 

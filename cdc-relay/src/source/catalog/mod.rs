@@ -230,20 +230,29 @@ fn membership_from_row(row: &tokio_postgres::Row) -> Membership {
 /// The slot and the outbox's publication membership in ONE statement (the
 /// slot monitor's reading: its cost is the relay's whole cost to an idle
 /// database). The slot is `None` when it does not exist.
+///
+/// With `count_dead_letters` the same statement also counts the rows of
+/// `cdc_relay_dead_letter` (the third value; `None` without).
 pub async fn monitor_reading(
     client: &Client,
     slot: &str,
     publications: &[String],
     table: &TableName,
     columns: &[String],
-) -> Result<(Option<SlotInfo>, Membership), SourceError> {
+    count_dead_letters: bool,
+) -> Result<(Option<SlotInfo>, Membership, Option<i64>), SourceError> {
+    let dead_letters = if count_dead_letters {
+        "(SELECT count(*) FROM cdc_relay_dead_letter)"
+    } else {
+        "NULL::bigint"
+    };
     let sql = format!(
         "WITH m AS ({MEMBERSHIP_SQL}) \
          SELECT m.*, s.plugin::text, s.database::text, s.active, s.active_pid, \
                 s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
                 (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
                 a.wait_event_type::text, s.database = current_database(), {INVALIDATION_REASON}, \
-                s.slot_name IS NOT NULL \
+                s.slot_name IS NOT NULL, {dead_letters} \
          FROM m \
          LEFT JOIN pg_replication_slots s ON s.slot_name = $1 \
          LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
@@ -257,7 +266,7 @@ pub async fn monitor_reading(
         .await
         .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;
     let slot = row.get::<_, bool>(17).then(|| slot_from_row(&row, 5));
-    Ok((slot, membership_from_row(&row)))
+    Ok((slot, membership_from_row(&row), row.get(18)))
 }
 
 /// Seconds since the walsender read a status update from its client
@@ -266,6 +275,19 @@ pub async fn monitor_reading(
 /// `pg_read_all_stats`), so no verdict is drawn from a made-up age.
 const REPLY_AGE: &str = "CASE WHEN r.state IS NULL THEN NULL ELSE \
      EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8 END";
+
+/// Whether `cdc_relay_dead_letter` exists (as the relay's role resolves
+/// the name), so the monitor can count its rows.
+pub async fn dead_letter_table_exists(client: &Client) -> Result<bool, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT to_regclass('cdc_relay_dead_letter') IS NOT NULL",
+            &[],
+        )
+        .await
+        .map_err(|e| SourceError::sql("looking up cdc_relay_dead_letter", &e))?;
+    Ok(row.get(0))
+}
 
 /// The top of the partition tree `oid` belongs to (itself when it is not
 /// a partition; `None` when it no longer exists).
