@@ -362,6 +362,13 @@ pub struct StatusArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// A relay's admin endpoint to ask (/readyz, /metrics), e.g.
+    /// http://10.0.0.7:9187; repeatable. Default: the local relay's
+    /// (http:// + CDC_RELAY_ADMIN_LISTEN, else http://127.0.0.1:9187), which
+    /// is a problem only when no relay holds the slot. A given one that
+    /// does not answer, or is not ready, is a problem (exit 8).
+    #[arg(long = "admin-url")]
+    pub admin_url: Vec<String>,
 }
 
 /// Where and how events are POSTed (`run`, `backfill`, `dead-letter replay`).

@@ -45,12 +45,143 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
         };
         s.standbys.push(copy);
     }
+    s.dead_letters_waiting = dead_letters_waiting(&client).await?;
+    relay_checks(&mut s, &a).await;
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&s)?);
     } else {
         outln!("{}", s.to_string().trim_end());
     }
     Ok(s.problems.first().map_or(0, |p| p.code))
+}
+
+/// Rows in `cdc_relay_dead_letter`; `None` when the table does not exist.
+async fn dead_letters_waiting(client: &Client) -> anyhow::Result<Option<i64>> {
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass('cdc_relay_dead_letter') IS NOT NULL",
+            &[],
+        )
+        .await?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    Ok(Some(
+        client
+            .query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+            .await?
+            .get(0),
+    ))
+}
+
+/// Exit code of `status` when the database is fine but delivery does not
+/// run: no relay holds the slot, or a relay's `/readyz` fails (breaker
+/// open, events stuck, not streaming) or does not answer.
+pub const NOT_DELIVERING: u8 = 8;
+
+/// What one relay's admin endpoint said.
+#[derive(Debug, Serialize)]
+pub struct RelayEndpoint {
+    /// Base URL asked (`http://host:port`).
+    pub url: String,
+    /// `/readyz` answered 200.
+    pub ready: bool,
+    /// `/readyz`'s answer, or why it could not be read.
+    pub detail: String,
+    /// `cdc_relay_circuit_state` (0 closed, 1 open, 2 probing), when read.
+    pub circuit_state: Option<f64>,
+    /// `cdc_relay_oldest_unconfirmed_event_age_seconds`, when read.
+    pub oldest_unconfirmed_event_age_secs: Option<f64>,
+}
+
+/// Asks each admin endpoint and adds what stops delivery to `s.problems`
+/// (after the database's own, which are more fundamental).
+async fn relay_checks(s: &mut Status, a: &StatusArgs) {
+    let slot_usable = s.exists && s.problems.is_empty();
+    if slot_usable && !s.active {
+        s.problems.push(Problem {
+            code: NOT_DELIVERING,
+            message: format!(
+                "no relay streams from slot {}: start `cdc-relay run` (or see why it stopped: `systemctl status cdc-relay`, its log)",
+                s.slot
+            ),
+        });
+    }
+    let (urls, given) = if a.admin_url.is_empty() {
+        let listen = std::env::var("CDC_RELAY_ADMIN_LISTEN")
+            .ok()
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| "127.0.0.1:9187".into());
+        (vec![format!("http://{listen}")], false)
+    } else {
+        (a.admin_url.clone(), true)
+    };
+    for url in urls {
+        let url = url.trim_end_matches('/').to_owned();
+        let e = ask_relay(&url).await;
+        let answered = !e.detail.starts_with("no answer");
+        if !e.ready && (given || answered || (slot_usable && !s.active)) {
+            s.problems.push(Problem {
+                code: NOT_DELIVERING,
+                message: format!("relay at {url}: {}", e.detail),
+            });
+        }
+        s.relays.push(e);
+    }
+    s.healthy = s.problems.is_empty();
+}
+
+/// `GET {url}/readyz` and `/metrics`, 3 s each.
+async fn ask_relay(url: &str) -> RelayEndpoint {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Empty<bytes::Bytes>>();
+    let get = |path: &str| {
+        let uri = format!("{url}{path}");
+        let client = client.clone();
+        async move {
+            let uri: http::Uri = uri.parse().map_err(|e| format!("bad URL: {e}"))?;
+            let fetch = async {
+                let resp = client.get(uri).await.map_err(|e| crate::error_chain(&e))?;
+                let status = resp.status().as_u16();
+                let body = http_body_util::BodyExt::collect(resp.into_body())
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .to_bytes();
+                Ok::<_, String>((status, String::from_utf8_lossy(&body).into_owned()))
+            };
+            tokio::time::timeout(std::time::Duration::from_secs(3), fetch)
+                .await
+                .map_err(|_| "timed out after 3 s".to_owned())?
+        }
+    };
+    let mut e = RelayEndpoint {
+        url: url.to_owned(),
+        ready: false,
+        detail: String::new(),
+        circuit_state: None,
+        oldest_unconfirmed_event_age_secs: None,
+    };
+    match get("/readyz").await {
+        Ok((status, body)) => {
+            e.ready = status == 200;
+            e.detail = body.trim().to_owned();
+        }
+        Err(why) => {
+            e.detail = format!("no answer ({why})");
+            return e;
+        }
+    }
+    if let Ok((200, text)) = get("/metrics").await {
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        };
+        e.circuit_state = value("cdc_relay_circuit_state");
+        e.oldest_unconfirmed_event_age_secs =
+            value("cdc_relay_oldest_unconfirmed_event_age_seconds");
+    }
+    e
 }
 
 /// Something that stops delivery.
@@ -96,6 +227,10 @@ pub struct Status {
     pub failover: Option<bool>,
     /// Each `--standby-url`'s copy of the slot.
     pub standbys: Vec<failover::StandbyCopy>,
+    /// What each relay admin endpoint asked said.
+    pub relays: Vec<RelayEndpoint>,
+    /// Rows in the dead-letter table (`None`: no such table).
+    pub dead_letters_waiting: Option<i64>,
     /// Whether nothing stops delivery.
     pub healthy: bool,
     /// What stops delivery, most fundamental first.
@@ -194,6 +329,8 @@ pub async fn status(
         publication_tables: tables,
         failover: None,
         standbys: Vec::new(),
+        relays: Vec::new(),
+        dead_letters_waiting: None,
         healthy: problems.is_empty(),
         problems,
     })
@@ -281,6 +418,36 @@ impl std::fmt::Display for Status {
                     ))
                 )?,
             }
+        }
+        for r in &self.relays {
+            let circuit = match r.circuit_state {
+                Some(0.0) => ", circuit closed",
+                Some(1.0) => ", circuit OPEN",
+                Some(2.0) => ", circuit probing",
+                _ => "",
+            };
+            writeln!(
+                f,
+                "relay {}: {}{circuit}{}",
+                r.url,
+                if r.ready { "ready" } else { &r.detail },
+                r.oldest_unconfirmed_event_age_secs
+                    .filter(|a| *a > 0.0)
+                    .map_or(String::new(), |a| format!(
+                        ", oldest unconfirmed event {a:.0} s old"
+                    ))
+            )?;
+        }
+        if let Some(n) = self.dead_letters_waiting {
+            writeln!(
+                f,
+                "dead letters waiting: {n}{}",
+                if n > 0 {
+                    " (`cdc-relay dead-letter list`)"
+                } else {
+                    ""
+                }
+            )?;
         }
         if self.healthy {
             writeln!(f, "healthy: nothing stops delivery")

@@ -23,9 +23,19 @@ async fn setup_is_idempotent_and_status_reports_the_slot() -> anyhow::Result<()>
     assert!(again.text().contains("exists: slot"), "{}", again.text());
     assert!(!again.text().contains("created:"), "{}", again.text());
 
+    // The database is ready, but no relay runs: nothing is delivered.
     let status = app::relay_command(&stack, &stack.relay_url, &["status", "--json"], &[]).await?;
-    assert!(status.success(), "{}", status.text());
+    assert_eq!(status.code(), Some(8), "{}", status.text());
     let v: serde_json::Value = serde_json::from_str(&status.stdout)?;
+    assert_eq!(v["healthy"], false);
+    assert_eq!(v["problems"][0]["code"], 8);
+    assert!(
+        v["problems"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no relay streams from slot")),
+        "{v}"
+    );
+    assert_eq!(v["dead_letters_waiting"], 0);
     assert_eq!(v["slot"], stack.slot.as_str());
     assert_eq!(v["exists"], true);
     assert_eq!(v["active"], false);
@@ -514,9 +524,19 @@ async fn status_names_the_relay_holding_the_slot_and_shows_readable_sizes() -> a
     })
     .await?;
 
-    let human = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
+    let human = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--admin-url", &relay.url],
+        &[],
+    )
+    .await?;
     let text = human.text();
     assert_eq!(human.code(), Some(0), "{text}");
+    assert!(
+        text.contains(&format!("relay {}: ready, circuit closed", relay.url)),
+        "status asks the relay: {text}"
+    );
     let pid = relay.process.pid();
     for words in [
         "held by cdc-relay from 127.0.0.1 (walsender pid ".to_owned(),
@@ -550,5 +570,46 @@ async fn status_names_the_relay_holding_the_slot_and_shows_readable_sizes() -> a
             .is_some_and(|h| h.ends_with(&format!(":{pid}"))),
         "{v}"
     );
+
+    // The sink fails: the relay holds the slot but delivers nothing, and
+    // status says so from the relay's own readiness (exit 8).
+    sink.set_status(503);
+    for _ in 0..6 {
+        app::insert_order_event(&db).await?;
+    }
+    harness::wait_until("the circuit open", Duration::from_secs(60), || async {
+        relay
+            .get("/readyz")
+            .await
+            .map(|(code, body)| code == 503 && body.contains("circuit"))
+    })
+    .await?;
+    let failing = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--admin-url", &relay.url, "--json"],
+        &[],
+    )
+    .await?;
+    assert_eq!(failing.code(), Some(8), "{}", failing.text());
+    let v: serde_json::Value = serde_json::from_str(&failing.stdout)?;
+    assert!(
+        v["problems"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&relay.url) && m.contains("circuit")),
+        "{v}"
+    );
+    assert_eq!(v["relays"][0]["circuit_state"], 1.0, "{v}");
+
+    // A relay that does not answer at a given URL is a problem too.
+    let nobody = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--admin-url", "http://127.0.0.1:9"],
+        &[],
+    )
+    .await?;
+    assert_eq!(nobody.code(), Some(8), "{}", nobody.text());
+    assert!(nobody.text().contains("no answer"), "{}", nobody.text());
     Ok(())
 }
