@@ -239,6 +239,8 @@ pub async fn run(
         metrics: metrics.clone(),
         health: Health::new(Duration::from_secs(3600)),
         breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),
+        // Backfill runs to the end: an interrupted one is simply run again.
+        stopping: tokio_util::sync::CancellationToken::new(),
     };
     let (items, items_rx) = mpsc::channel(1024);
     let (confirmed, _) = watch::channel(Confirmed::default());

@@ -91,6 +91,14 @@ pub struct Metrics {
     /// (events neither replayed nor discarded yet), as the slot monitor
     /// last counted them.
     pub dead_letters_waiting: prometheus::IntGauge,
+    /// Times a sink's `Retry-After` paused every delivery (a later pause
+    /// that extends one counts again).
+    pub sink_pauses: IntCounter,
+    /// Requests the sink never processed (an HTTP/2 stream refused or above
+    /// a GOAWAY's last stream, a request canceled on a pooled connection
+    /// that had closed) and that were sent again at once on a new
+    /// connection: at most once per attempt, and not sink failures.
+    pub sink_fresh_connection_retries: IntCounter,
 }
 
 /// Distinct `relation` label values of `cdc_relay_ignored_changes_total`
@@ -349,6 +357,16 @@ impl Metrics {
                 r.register(Box::new(g.clone())).expect("unique metric");
                 g
             },
+            sink_pauses: counter(
+                &r,
+                "cdc_relay_sink_pauses_total",
+                "Times a Retry-After from the sink paused every delivery, probes included",
+            ),
+            sink_fresh_connection_retries: counter(
+                &r,
+                "cdc_relay_sink_fresh_connection_retries_total",
+                "Requests the sink never processed (refused stream, GOAWAY, closed pooled connection) sent again at once on a new connection",
+            ),
             registry: r,
         }
         .prime()
@@ -426,6 +444,8 @@ mod tests {
             "cdc_relay_retries_total{reason=\"http_5xx\"} 1",
             "cdc_relay_secret_reloads_total{result=\"ok\"} 0",
             "cdc_relay_secret_reloads_total{result=\"error\"} 0",
+            "cdc_relay_sink_pauses_total 0",
+            "cdc_relay_sink_fresh_connection_retries_total 0",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
