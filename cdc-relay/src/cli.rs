@@ -385,9 +385,22 @@ pub struct SinkArgs {
     /// --request-timeout, which bounds the whole attempt).
     #[arg(long, env = "CDC_RELAY_SINK_CONNECT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub sink_connect_timeout: Duration,
-    /// Whole-request timeout for one delivery attempt.
-    #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    /// Whole-request timeout for one delivery attempt. Must be shorter
+    /// than --shutdown-timeout, so an attempt on the wire when SIGTERM
+    /// arrives can finish.
+    #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "4s", value_parser = parse_duration)]
     pub request_timeout: Duration,
+    /// Maximum age of a pooled sink connection: once a connection is this
+    /// old it takes no new request, and the next one opens a new connection
+    /// with a fresh DNS lookup (a blue/green switch behind one name is
+    /// followed within this time). At least 1s.
+    #[arg(long, env = "CDC_RELAY_SINK_CONNECTION_MAX_AGE", default_value = "60s", value_parser = parse_duration)]
+    pub sink_connection_max_age: Duration,
+    /// A pooled sink connection idle for this long is closed by the relay,
+    /// before a load balancer's idle timeout (commonly 60 s) can close it
+    /// under a request. At least 1s.
+    #[arg(long, env = "CDC_RELAY_SINK_IDLE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub sink_idle_timeout: Duration,
     /// The signing secrets and headers.
     #[command(flatten)]
     pub secrets: SecretArgs,
@@ -431,9 +444,11 @@ pub struct SecretArgs {
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Relay")]
 pub struct RunArgs {
-    /// After SIGTERM: time to finish in-flight deliveries and flush the
-    /// confirmed LSN. Must exceed --request-timeout.
-    #[arg(long, env = "CDC_RELAY_SHUTDOWN_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
+    /// After SIGTERM: time to finish the attempts on the wire (no new
+    /// attempt starts once shutdown begins) and flush the confirmed LSN.
+    /// Must exceed --request-timeout; 5s keeps the stop under a container
+    /// runtime's usual 10 s grace.
+    #[arg(long, env = "CDC_RELAY_SHUTDOWN_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
     /// Cap of the reconnect backoff after a lost replication connection.
     #[arg(long, env = "CDC_RELAY_RECONNECT_MAX", default_value = "5s", value_parser = parse_duration)]
@@ -540,8 +555,10 @@ pub struct DeliveryArgs {
     /// Retry delay cap. Keep it near a second: long caps oversleep recovery.
     #[arg(long, env = "CDC_RELAY_BACKOFF_CAP", default_value = "1s", value_parser = parse_duration)]
     pub backoff_cap: Duration,
-    /// Largest Retry-After honoured.
-    #[arg(long, env = "CDC_RELAY_RETRY_AFTER_MAX", default_value = "5s", value_parser = parse_duration)]
+    /// Largest Retry-After honoured (delay-seconds or an HTTP-date). A
+    /// Retry-After on a 429 or 503 pauses every request to the sink,
+    /// circuit-breaker probes included, for that long, up to this bound.
+    #[arg(long, env = "CDC_RELAY_RETRY_AFTER_MAX", default_value = "60s", value_parser = parse_duration)]
     pub retry_after_max: Duration,
     /// HTTP statuses that mark an event as poison.
     #[arg(

@@ -84,6 +84,7 @@ async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
         max_in_flight = cfg.dispatch.max_in_flight, signature_scheme = ?signer.scheme(),
         keys = %signer.keys(), "cdc-relay starting"
     );
+    let sink = sink.with_metrics(metrics.clone());
     let result = relay::run(cfg, sink, metrics.clone(), health.clone(), shutdown.clone()).await;
     let code = match &result {
         Ok(()) => {
