@@ -556,8 +556,9 @@ pub struct DeliveryArgs {
     #[arg(long, env = "CDC_RELAY_BACKOFF_CAP", default_value = "1s", value_parser = parse_duration)]
     pub backoff_cap: Duration,
     /// Largest Retry-After honoured (delay-seconds or an HTTP-date). A
-    /// Retry-After on a 429 or 503 pauses every request to the sink,
-    /// circuit-breaker probes included, for that long, up to this bound.
+    /// Retry-After on a failed answer (429, 503, ...) pauses every request
+    /// to the sink, circuit-breaker probes included, for that long, up to
+    /// this bound.
     #[arg(long, env = "CDC_RELAY_RETRY_AFTER_MAX", default_value = "60s", value_parser = parse_duration)]
     pub retry_after_max: Duration,
     /// HTTP statuses that mark an event as poison.
