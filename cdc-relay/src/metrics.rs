@@ -99,6 +99,10 @@ pub struct Metrics {
     /// that had closed) and that were sent again at once on a new
     /// connection: at most once per attempt, and not sink failures.
     pub sink_fresh_connection_retries: IntCounter,
+    /// Connections that refused requests they never processed (an HTTP/2
+    /// GOAWAY or `REFUSED_STREAM`, a closed pooled connection): one per
+    /// connection, however many requests it refused.
+    pub sink_connection_events: IntCounter,
 }
 
 /// Distinct `relation` label values of `cdc_relay_ignored_changes_total`
@@ -367,6 +371,11 @@ impl Metrics {
                 "cdc_relay_sink_fresh_connection_retries_total",
                 "Requests the sink never processed (refused stream, GOAWAY, closed pooled connection) sent again at once on a new connection",
             ),
+            sink_connection_events: counter(
+                &r,
+                "cdc_relay_sink_connection_events_total",
+                "Sink connections that refused requests they never processed (GOAWAY, REFUSED_STREAM, closed while pooled), once per connection",
+            ),
             registry: r,
         }
         .prime()
@@ -446,6 +455,7 @@ mod tests {
             "cdc_relay_secret_reloads_total{result=\"error\"} 0",
             "cdc_relay_sink_pauses_total 0",
             "cdc_relay_sink_fresh_connection_retries_total 0",
+            "cdc_relay_sink_connection_events_total 0",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

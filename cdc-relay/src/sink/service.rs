@@ -50,6 +50,7 @@ use rustls::pki_types::pem::PemObject;
 
 use crate::outbox::OutboxEvent;
 use crate::sink::Sink;
+use crate::sink::connection::{ConnectionTag, Tagging};
 use crate::sink::encoder::{self, Prepared};
 use crate::sink::signature::Signing;
 
@@ -133,7 +134,9 @@ impl Attempt {
 /// Maximum response-body bytes kept in [`Attempt::Response::excerpt`].
 pub const EXCERPT_BYTES: usize = 512;
 
-type Pool = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+type Connector = Tagging<HttpsConnector<HttpConnector>>;
+
+type Pool = Client<Connector, Full<Bytes>>;
 
 /// What every request reuses, built once.
 #[derive(Debug)]
@@ -146,7 +149,7 @@ struct Target {
 
 /// The pooled client and what it takes to make a new one.
 struct Clients {
-    connector: HttpsConnector<HttpConnector>,
+    connector: Connector,
     idle_timeout: Duration,
     max_age: Duration,
     /// The client in use and when it was made.
@@ -163,11 +166,7 @@ impl std::fmt::Debug for Clients {
 }
 
 impl Clients {
-    fn new(
-        connector: HttpsConnector<HttpConnector>,
-        idle_timeout: Duration,
-        max_age: Duration,
-    ) -> Self {
+    fn new(connector: Connector, idle_timeout: Duration, max_age: Duration) -> Self {
         let client = build_client(connector.clone(), idle_timeout);
         Clients {
             connector,
@@ -198,7 +197,7 @@ impl Clients {
     }
 }
 
-fn build_client(connector: HttpsConnector<HttpConnector>, idle_timeout: Duration) -> Pool {
+fn build_client(connector: Connector, idle_timeout: Duration) -> Pool {
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(idle_timeout)
         .pool_timer(TokioTimer::new())
@@ -250,7 +249,7 @@ impl HttpSink {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(tcp);
-        let clients = Clients::new(connector, cfg.idle_timeout, cfg.connection_max_age);
+        let clients = Clients::new(Tagging(connector), cfg.idle_timeout, cfg.connection_max_age);
 
         let mut bare = cfg.url.clone();
         let authorization = if cfg.url.username().is_empty() && cfg.url.password().is_none() {
@@ -347,11 +346,18 @@ impl HttpSink {
             Err(e) if never_processed(&e) => {
                 // Not a sink failure: the same request once more, at once,
                 // on a new connection (the one it met is not reused).
-                if let Some(connected) = e.connect_info() {
+                let connection = e.connect_info();
+                if let Some(connected) = connection {
                     connected.poison();
                 }
                 if let Some(m) = &self.metrics {
                     m.sink_fresh_connection_retries.inc();
+                    // One refusing connection is one event, however many
+                    // of its requests come back.
+                    let tag = connection.and_then(ConnectionTag::of);
+                    if tag.is_none_or(|t| t.first_refusal()) {
+                        m.sink_connection_events.inc();
+                    }
                 }
                 tracing::debug!(event_id = ?id, error = %crate::error_chain(&e), "the sink did not process the request; sending it again on a new connection");
                 match self.clients.get().request(build()).await {

@@ -117,8 +117,10 @@ async fn tls_to_postgres_and_to_the_sink_with_a_private_ca() -> anyhow::Result<(
 /// batch's ten streams in flight on that connection, it takes one, refuses
 /// the others (`REFUSED_STREAM`) and drains (GOAWAY) like a server shutting
 /// down. The refused streams were never processed: the relay sends each
-/// again at once on a new connection; none counts as a sink failure (no
-/// retry counted, the circuit never opens) and every event is delivered.
+/// again at once on a new connection; together they count as one
+/// connection event (`cdc_relay_sink_connection_events_total` 1), none as a
+/// sink failure (no retry counted, the circuit never opens), and every
+/// event is delivered.
 ///
 /// Fails without the fix: the refused streams counted as transient failures
 /// (`cdc_relay_retries_total{reason="transport"}`) and went out again only
@@ -184,6 +186,11 @@ async fn http2_goaway_with_streams_in_flight_is_a_connection_event() -> anyhow::
         m.value("cdc_relay_sink_fresh_connection_retries_total", &[]) >= Some(3.0),
         "{:?}",
         m.value("cdc_relay_sink_fresh_connection_retries_total", &[])
+    );
+    assert_eq!(
+        m.value("cdc_relay_sink_connection_events_total", &[]),
+        Some(1.0),
+        "one draining connection is one connection event"
     );
     assert_eq!(m.value("cdc_relay_circuit_state", &[]), Some(0.0));
     assert!(!relay.process.logs().contains("circuit opened"));
