@@ -46,6 +46,12 @@ async fn metrics_handler(State(s): State<AdminState>) -> impl IntoResponse {
 }
 
 async fn ready_handler(State(s): State<AdminState>) -> impl IntoResponse {
+    if let Some(why) = s.health.halted() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        );
+    }
     let circuit_open = s.metrics.circuit_state.get() != 0;
     let verdict = match s.health.ready() {
         Ok(()) if circuit_open => Err("the circuit breaker is open: the sink is failing"),

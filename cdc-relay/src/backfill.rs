@@ -89,10 +89,124 @@ pub enum BackfillError {
     /// The pipeline stopped.
     #[error(transparent)]
     Dispatch(#[from] DispatchError),
+    /// A bound would be read in the server's time zone (or is not a time).
+    #[error("{0}")]
+    Bound(String),
 }
 
 /// Rows fetched per round trip.
 const FETCH_ROWS: i32 = 500;
+
+/// Checks that `--since` and `--until` name instants: a time without a
+/// UTC offset (`2026-11-30 10:00`) would be read in the server's
+/// `TimeZone`, hours away from what the operator meant, and a backfill that
+/// starts late skips events. Each bound is read under two time zones 26
+/// hours apart; a bound that reads differently names no offset.
+/// `infinity`, `-infinity` and `now` are instants.
+pub async fn check_bounds(reader: &Client, plan: &BackfillPlan) -> Result<(), BackfillError> {
+    let bounds = [
+        ("--since", Some(&plan.since)),
+        ("--until", plan.until.as_ref()),
+    ];
+    for (flag, value) in bounds {
+        let Some(value) = value else { continue };
+        let mut read = Vec::new();
+        for zone in ["Etc/GMT+12", "Etc/GMT-14"] {
+            reader
+                .batch_execute(&format!("SET TimeZone = '{zone}'"))
+                .await
+                .map_err(|e| read_error(plan, e))?;
+            let row = reader
+                .query_one("SELECT $1::text::timestamptz::text", &[value])
+                .await;
+            match row {
+                Ok(r) => read.push(r.get::<_, String>(0)),
+                Err(e) => {
+                    let _ = reader.batch_execute("RESET TimeZone").await;
+                    return Err(BackfillError::Bound(format!(
+                        "{flag} {value:?} is not a time PostgreSQL reads ({}); give one with a UTC offset, e.g. {flag} '2026-11-30 10:00:00+00'",
+                        crate::db_message(&e)
+                    )));
+                }
+            }
+        }
+        reader
+            .batch_execute("RESET TimeZone")
+            .await
+            .map_err(|e| read_error(plan, e))?;
+        // The same instant prints with a different offset per zone; compare
+        // instants, not text.
+        let instant = reader
+            .query_one(
+                "SELECT $1::text::timestamptz = $2::text::timestamptz",
+                &[&read[0], &read[1]],
+            )
+            .await
+            .map_err(|e| read_error(plan, e))?
+            .get::<_, bool>(0);
+        if !instant {
+            return Err(BackfillError::Bound(format!(
+                "{flag} {value:?} has no UTC offset: it would be read in the server's TimeZone. Give the offset, e.g. {flag} '{}+00' (UTC) or {flag} '{}-05'",
+                value.trim(),
+                value.trim()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What a `--dry-run` reports: the rows `plan` covers, their time range and
+/// the first and last event ids in sending order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct BackfillPreview {
+    /// Rows covered.
+    pub rows: u64,
+    /// Time column of the first row (UTC text), `None` without rows.
+    pub first_time: Option<String>,
+    /// Time column of the last row (UTC text).
+    pub last_time: Option<String>,
+    /// Id of the first row sent.
+    pub first_id: Option<String>,
+    /// Id of the last row sent.
+    pub last_id: Option<String>,
+}
+
+/// The rows `plan` covers, without sending anything.
+pub async fn preview(
+    reader: &Client,
+    plan: &BackfillPlan,
+) -> Result<BackfillPreview, BackfillError> {
+    let (table, t, id) = (
+        quote_table(&plan.table),
+        quote_ident(&plan.time_column),
+        quote_ident(&plan.columns.id),
+    );
+    let range = format!(
+        "{t} >= $1::text::timestamptz AND ($2::text IS NULL OR {t} < $2::text::timestamptz)"
+    );
+    let utc =
+        |col: &str| format!("to_char({col} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00')");
+    let sql = format!(
+        "SELECT (SELECT count(*) FROM {table} WHERE {range}), \
+                first.t, first.id, last.t, last.id \
+         FROM (SELECT 1) one \
+         LEFT JOIN LATERAL (SELECT {} AS t, {id}::text AS id FROM {table} WHERE {range} ORDER BY {t}, {id} LIMIT 1) first ON true \
+         LEFT JOIN LATERAL (SELECT {} AS t, {id}::text AS id FROM {table} WHERE {range} ORDER BY {t} DESC, {id} DESC LIMIT 1) last ON true",
+        utc(&t),
+        utc(&t),
+    );
+    let row = reader
+        .query_one(&sql, &[&plan.since, &plan.until])
+        .await
+        .map_err(|e| read_error(plan, e))?;
+    Ok(BackfillPreview {
+        rows: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
+        first_time: row.get(1),
+        first_id: row.get(2),
+        last_time: row.get(3),
+        last_id: row.get(4),
+    })
+}
 
 /// Counts the rows `plan` covers.
 pub async fn count(reader: &Client, plan: &BackfillPlan) -> Result<u64, BackfillError> {
@@ -125,6 +239,8 @@ pub async fn run(
         metrics: metrics.clone(),
         health: Health::new(Duration::from_secs(3600)),
         breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),
+        // Backfill runs to the end: an interrupted one is simply run again.
+        stopping: tokio_util::sync::CancellationToken::new(),
     };
     let (items, items_rx) = mpsc::channel(1024);
     let (confirmed, _) = watch::channel(Confirmed::default());

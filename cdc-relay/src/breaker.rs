@@ -22,6 +22,11 @@
 //! started while the sink is down, or a window of retries after an outage
 //! begins, sends it one request at a time, not the whole window.
 //!
+//! Pause: a `Retry-After` from the sink (a 429 or 503 asking for quiet)
+//! holds every delivery in [`Breaker::admit`], probes included, until the
+//! time it named (capped by `--retry-after-max`): the sink asked the relay,
+//! not one event, to come back later.
+//!
 //! Storm guard: when poison verdicts hit `storm_threshold` distinct events in
 //! a row (no 2xx between), the sink is more likely broken than the events:
 //! dead-lettering stops, the circuit opens, and the events wait for a 2xx.
@@ -81,6 +86,8 @@ struct State {
     /// Distinct events with a poison verdict since the last 2xx.
     poison_run: HashSet<String>,
     storm: bool,
+    /// No attempt may start before this instant (a sink's `Retry-After`).
+    paused_until: Option<Instant>,
     /// The sink has answered (2xx or a poison verdict) since this breaker
     /// started. Until then one attempt at a time goes out: a relay that
     /// starts while the sink is down must not send its whole window to it.
@@ -128,6 +135,7 @@ impl Breaker {
                 waiting: BTreeSet::new(),
                 poison_run: HashSet::new(),
                 storm: false,
+                paused_until: None,
                 proven: false,
             }),
             changed: Notify::new(),
@@ -167,39 +175,55 @@ impl Breaker {
             let notified = self.shared.changed.notified();
             let wait_until = {
                 let mut s = self.lock();
-                if s.circuit == CircuitState::Closed && s.proven {
-                    s.waiting.remove(&seq);
-                    return Admission::Normal;
-                }
-                s.waiting.insert(seq);
-                let oldest = s.waiting.first().copied() == Some(seq);
-                if s.circuit == CircuitState::Closed {
-                    // Slow start: the oldest waiting delivery goes alone
-                    // until the sink first answers.
-                    if oldest && !s.probe_in_flight {
+                if let Some(until) = s.paused_until.filter(|&u| u > Instant::now()) {
+                    // The sink asked for quiet: nobody goes, not even a probe.
+                    s.waiting.insert(seq);
+                    until
+                } else {
+                    s.paused_until = None;
+                    if s.circuit == CircuitState::Closed && s.proven {
+                        s.waiting.remove(&seq);
+                        return Admission::Normal;
+                    }
+                    s.waiting.insert(seq);
+                    let oldest = s.waiting.first().copied() == Some(seq);
+                    if s.circuit == CircuitState::Closed {
+                        // Slow start: the oldest waiting delivery goes alone
+                        // until the sink first answers.
+                        if oldest && !s.probe_in_flight {
+                            s.probe_in_flight = true;
+                            s.waiting.remove(&seq);
+                            return Admission::Probe;
+                        }
+                        Instant::now() + Duration::from_secs(3600)
+                    } else if !oldest || s.probe_in_flight {
+                        // Only the probe's outcome can change anything for this
+                        // delivery, and `record` notifies. (Waiting until
+                        // `next_probe_at`, already past while a probe is in
+                        // flight, would spin until the probe returns.)
+                        Instant::now() + Duration::from_secs(3600)
+                    } else if Instant::now() >= s.next_probe_at {
                         s.probe_in_flight = true;
                         s.waiting.remove(&seq);
                         return Admission::Probe;
+                    } else {
+                        s.next_probe_at
                     }
-                    Instant::now() + Duration::from_secs(3600)
-                } else if !oldest || s.probe_in_flight {
-                    // Only the probe's outcome can change anything for this
-                    // delivery, and `record` notifies. (Waiting until
-                    // `next_probe_at`, already past while a probe is in
-                    // flight, would spin until the probe returns.)
-                    Instant::now() + Duration::from_secs(3600)
-                } else if Instant::now() >= s.next_probe_at {
-                    s.probe_in_flight = true;
-                    s.waiting.remove(&seq);
-                    return Admission::Probe;
-                } else {
-                    s.next_probe_at
                 }
             };
             tokio::select! {
                 _ = notified => {}
                 _ = tokio::time::sleep_until(wait_until) => {}
             }
+        }
+    }
+
+    /// Delivery `seq` stopped waiting in [`admit`](Self::admit) (the
+    /// pipeline is stopping): it no longer counts as the oldest waiting one.
+    pub fn withdraw(&self, seq: u64) {
+        let removed = self.lock().waiting.remove(&seq);
+        if removed {
+            self.shared.changed.notify_waiters();
         }
     }
 
@@ -262,6 +286,20 @@ impl Breaker {
             s.next_probe_at = Instant::now() + self.jittered_interval();
         }
         drop(s);
+        self.shared.changed.notify_waiters();
+    }
+
+    /// The sink asked for quiet (`Retry-After`): no attempt starts, probes
+    /// included, before `until`. A later pause extends it; an earlier one
+    /// changes nothing.
+    pub fn pause_until(&self, until: Instant) {
+        let mut s = self.lock();
+        if s.paused_until.is_some_and(|u| u >= until) {
+            return;
+        }
+        s.paused_until = Some(until);
+        drop(s);
+        self.shared.metrics.sink_pauses.inc();
         self.shared.changed.notify_waiters();
     }
 
@@ -413,6 +451,31 @@ mod tests {
             (16..=20).contains(&probes),
             "{probes} probes in 10 s: never above 2/s"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_after_pause_holds_every_delivery_and_the_probe() {
+        let b = breaker();
+        b.record(Admission::Normal, Signal::ConfigFault, "http_401");
+        assert_eq!(b.state(), CircuitState::Open);
+        let t0 = Instant::now();
+        b.pause_until(t0 + Duration::from_secs(20));
+        b.pause_until(t0 + Duration::from_secs(5)); // an earlier end changes nothing
+        assert_eq!(
+            b.admit(1).await,
+            Admission::Probe,
+            "the probe waits out the pause"
+        );
+        assert_eq!(t0.elapsed(), Duration::from_secs(20));
+
+        // A closed, proven circuit pauses every delivery too.
+        b.record(Admission::Probe, Signal::Success, "");
+        assert_eq!(b.admit(2).await, Admission::Normal);
+        let t1 = Instant::now();
+        b.pause_until(t1 + Duration::from_secs(3));
+        let (a, c) = tokio::join!(b.admit(3), b.admit(4));
+        assert_eq!((a, c), (Admission::Normal, Admission::Normal));
+        assert_eq!(t1.elapsed(), Duration::from_secs(3));
     }
 
     #[test]

@@ -21,14 +21,17 @@ use crate::outbox::TableName;
 /// deduplicates by event id (the Idempotency-Key header).
 ///
 /// Exit codes: 0 clean stop; 1 error (the message says which setting or what
-/// to do); 2 bad command line; 3 the database needs `cdc-relay setup` (slot,
-/// publication, table or column missing); 4 slot invalidated (see the message
-/// for recovery); 5 the stream holds an outbox change the relay cannot map
-/// (a column dropped, the payload no longer json/jsonb, the table renamed
-/// away from --table; nothing after it was acknowledged); 6 the slot was
-/// created before its publication (recreate it and backfill).
+/// to do); 2 bad configuration (a flag, variable or file: the message names
+/// it); 3 the database needs `cdc-relay setup` (slot, publication, table or
+/// column missing); 4 slot invalidated (see the message for recovery); 5 the
+/// stream holds an outbox change the relay cannot map (a column dropped, the
+/// payload no longer json/jsonb, the table renamed away from --table;
+/// nothing after it was acknowledged); 6 the slot was created before its
+/// publication (recreate it and backfill); 7 the slot is ahead of where this
+/// relay left it with events undelivered (recreated, or a failover): backfill
+/// from the time the message gives.
 #[derive(Debug, Parser)]
-#[command(name = "cdc-relay", version, about, long_about)]
+#[command(name = "cdc-relay", version = crate::VERSION, about, long_about)]
 pub struct Cli {
     /// Settings shared by every command.
     #[command(flatten)]
@@ -36,6 +39,26 @@ pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+}
+
+impl Cli {
+    /// The command line as clap sees it, with environment values never
+    /// shown in `--help` (`[env: CDC_RELAY_SINK_URL]`, neither a trailing
+    /// `=` nor a value that may be a secret).
+    pub fn command() -> clap::Command {
+        fn hide(cmd: clap::Command) -> clap::Command {
+            cmd.mut_args(|a| a.hide_env_values(true))
+                .mut_subcommands(hide)
+        }
+        hide(<Cli as clap::CommandFactory>::command())
+    }
+
+    /// Parses the process's arguments with [`Cli::command`]; on an error
+    /// prints it and exits 2 (or 0 for `--help` and `--version`).
+    pub fn parse_args() -> Cli {
+        let matches = Cli::command().get_matches();
+        <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    }
 }
 
 /// The commands.
@@ -57,38 +80,64 @@ pub enum Command {
     /// delivery path (the inbox deduplicates by id). For recovery after a lost
     /// slot: `backfill --since <time of the last delivered event>`.
     Backfill(Box<BackfillArgs>),
+    /// Print a shell completion script to stdout, e.g.
+    /// `cdc-relay completions bash > /etc/bash_completion.d/cdc-relay`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// `cdc-relay dead-letter …`.
 #[derive(Debug, Subcommand)]
 pub enum DeadLetterCommand {
-    /// List quarantined events, oldest first (payloads left out).
+    /// List dead-lettered events, oldest first, with their age (payloads
+    /// left out).
     List {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Only rows of this event type.
+        #[arg(long = "type")]
+        event_type: Option<String>,
+        /// At most this many rows (the oldest).
+        #[arg(long)]
+        limit: Option<i64>,
     },
-    /// Show one quarantined event with its payload, as JSON.
+    /// Show one dead-lettered event as JSON, its payload as JSON.
     Show {
         /// Row id from `list`.
         id: i64,
     },
-    /// Re-send quarantined events once each (same body and signature rules);
-    /// a row is removed, with an audit entry, only after a 2xx.
+    /// Re-send dead-lettered events once each (same body and signature
+    /// rules); a row is removed, with an audit entry, only after a 2xx. Stops
+    /// at the first failure that says the sink itself is failing (5xx, 408,
+    /// 429, 401/403/404/405, timeout, connection): the remaining rows are
+    /// not attempted.
     Replay(Box<ReplayArgs>),
-    /// Remove a quarantined event without sending it; the audit table keeps
-    /// a copy of the row, who removed it and why.
+    /// Remove dead-lettered events without sending them; the audit table
+    /// keeps a copy of each row, who removed it and why.
     Discard {
-        /// Row id from `list`.
-        id: i64,
-        /// Why (kept in the audit table).
+        /// Row ids from `list` (one or more).
+        #[arg(required = true, num_args = 1..)]
+        ids: Vec<i64>,
+        /// Why (kept in the audit table). Required.
         #[arg(long)]
-        reason: Option<String>,
+        reason: String,
+        /// Who (kept in the audit table); default: $USER, else the
+        /// database role.
+        #[arg(long, env = "USER")]
+        actor: Option<String>,
+        /// Do not ask for confirmation (needed when stdin is not a
+        /// terminal).
+        #[arg(long)]
+        yes: bool,
     },
 }
 
 /// `cdc-relay dead-letter replay`.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Replay")]
 pub struct ReplayArgs {
     /// Row id from `list`.
     #[arg(required_unless_present = "all", conflicts_with = "all")]
@@ -96,6 +145,12 @@ pub struct ReplayArgs {
     /// Replay every row, oldest first.
     #[arg(long)]
     pub all: bool,
+    /// Print what would be sent and send nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print the outcome as JSON.
+    #[arg(long)]
+    pub json: bool,
     /// The sink.
     #[command(flatten)]
     pub sink: SinkArgs,
@@ -103,12 +158,21 @@ pub struct ReplayArgs {
 
 /// `cdc-relay backfill`.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Backfill")]
 pub struct BackfillArgs {
-    /// Re-send rows whose time column is at or after this (any PostgreSQL
-    /// timestamptz input, e.g. '2026-11-30 10:00:00+00').
+    /// Re-send rows whose time column is at or after this: a PostgreSQL
+    /// timestamptz with its UTC offset, e.g. '2026-11-30 10:00:00+00' (a
+    /// time without one is refused: it would be read in the server's zone).
     #[arg(long)]
     pub since: String,
-    /// Only rows before this.
+    /// Print what would be re-sent (rows, time range, first and last ids)
+    /// and send nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// With --dry-run: print JSON.
+    #[arg(long, requires = "dry_run")]
+    pub json: bool,
+    /// Only rows before this (with its UTC offset, as --since).
     #[arg(long)]
     pub until: Option<String>,
     /// Column that orders the rows (the tutorial's insert time).
@@ -120,6 +184,15 @@ pub struct BackfillArgs {
     /// Delivery tuning.
     #[command(flatten)]
     pub delivery: DeliveryArgs,
+}
+
+/// What `run` does after a fatal error (`--on-fatal`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnFatal {
+    /// Exit at once with the error's code.
+    Exit,
+    /// Keep serving the admin endpoint, halted, until stopped.
+    Linger,
 }
 
 /// Log output format.
@@ -138,6 +211,7 @@ pub struct GlobalArgs {
     /// postgres://cdc_relay@db:5432/orders?sslmode=verify-full&sslrootcert=/etc/ca.pem.
     /// Put the password in CDC_RELAY_DATABASE_PASSWORD or a file, not here.
     #[arg(
+        help_heading = "Database",
         long,
         env = "CDC_RELAY_DATABASE_URL",
         global = true,
@@ -146,6 +220,7 @@ pub struct GlobalArgs {
     pub database_url: Option<String>,
     /// Database password (overrides one in the URL).
     #[arg(
+        help_heading = "Database",
         long,
         env = "CDC_RELAY_DATABASE_PASSWORD",
         global = true,
@@ -153,10 +228,16 @@ pub struct GlobalArgs {
     )]
     pub database_password: Option<String>,
     /// File holding the database password (first line).
-    #[arg(long, env = "CDC_RELAY_DATABASE_PASSWORD_FILE", global = true)]
+    #[arg(
+        help_heading = "Database",
+        long,
+        env = "CDC_RELAY_DATABASE_PASSWORD_FILE",
+        global = true
+    )]
     pub database_password_file: Option<PathBuf>,
     /// Logical replication slot.
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_SLOT",
         default_value = "cdc_relay",
@@ -165,6 +246,7 @@ pub struct GlobalArgs {
     pub slot: String,
     /// Publication streamed from the slot (comma-separated for several).
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_PUBLICATION",
         default_value = "cdc_relay_outbox",
@@ -177,6 +259,7 @@ pub struct GlobalArgs {
     /// copy; `run` exports cdc_relay_failover_ready and nudges the primary
     /// (pg_log_standby_snapshot) while a copy is temporary.
     #[arg(
+        help_heading = "Database",
         long,
         env = "CDC_RELAY_STANDBY_URLS",
         global = true,
@@ -186,6 +269,7 @@ pub struct GlobalArgs {
     pub standby_url: Vec<String>,
     /// Outbox table, schema-qualified.
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_TABLE",
         default_value = "public.outbox",
@@ -193,10 +277,17 @@ pub struct GlobalArgs {
     )]
     pub table: TableName,
     /// Column with the event id (also the Idempotency-Key).
-    #[arg(long, env = "CDC_RELAY_ID_COLUMN", default_value = "id", global = true)]
+    #[arg(
+        help_heading = "Slot and outbox",
+        long,
+        env = "CDC_RELAY_ID_COLUMN",
+        default_value = "id",
+        global = true
+    )]
     pub id_column: String,
     /// Column with the event type.
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_TYPE_COLUMN",
         default_value = "event_type",
@@ -205,6 +296,7 @@ pub struct GlobalArgs {
     pub type_column: String,
     /// Column with the JSON payload.
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_PAYLOAD_COLUMN",
         default_value = "payload",
@@ -214,6 +306,7 @@ pub struct GlobalArgs {
     /// Column with the aggregate key: events sharing a key are never in
     /// flight together and keep commit order. Empty disables it.
     #[arg(
+        help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_AGGREGATE_COLUMN",
         default_value = "aggregate_id",
@@ -221,10 +314,11 @@ pub struct GlobalArgs {
     )]
     pub aggregate_column: String,
     /// Connect timeout for database connections.
-    #[arg(long, env = "CDC_RELAY_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration, global = true)]
+    #[arg(help_heading = "Database", long, env = "CDC_RELAY_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration, global = true)]
     pub connect_timeout: Duration,
     /// Log format.
     #[arg(
+        help_heading = "Logging",
         long,
         env = "CDC_RELAY_LOG_FORMAT",
         value_enum,
@@ -236,6 +330,7 @@ pub struct GlobalArgs {
     /// replication transport's own logs are off by default: the relay logs
     /// every session error itself, once, with what it does about it.
     #[arg(
+        help_heading = "Logging",
         long,
         env = "CDC_RELAY_LOG",
         default_value = "info,pgwire_replication=off",
@@ -267,17 +362,22 @@ pub struct StatusArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// A relay's admin endpoint to ask (/readyz, /metrics), e.g.
+    /// http://10.0.0.7:9187; repeatable. Default: the local relay's
+    /// (http:// + CDC_RELAY_ADMIN_LISTEN, else http://127.0.0.1:9187), which
+    /// is a problem only when no relay holds the slot. A given one that
+    /// does not answer, or is not ready, is a problem (exit 8).
+    #[arg(long = "admin-url")]
+    pub admin_url: Vec<String>,
 }
 
 /// Where and how events are POSTed (`run`, `backfill`, `dead-letter replay`).
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Sink")]
 pub struct SinkArgs {
     /// Inbox URL events are POSTed to (http:// or https://, with a host).
     #[arg(long, env = "CDC_RELAY_SINK_URL", value_parser = parse_sink_url)]
     pub sink_url: url::Url,
-    /// The signing secrets and headers.
-    #[command(flatten)]
-    pub secrets: SecretArgs,
     /// Extra CA certificate (PEM) to trust for an https sink.
     #[arg(long, env = "CDC_RELAY_SINK_CA_FILE")]
     pub sink_ca_file: Option<PathBuf>,
@@ -285,9 +385,25 @@ pub struct SinkArgs {
     /// --request-timeout, which bounds the whole attempt).
     #[arg(long, env = "CDC_RELAY_SINK_CONNECT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub sink_connect_timeout: Duration,
-    /// Whole-request timeout for one delivery attempt.
-    #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    /// Whole-request timeout for one delivery attempt. Must be shorter
+    /// than --shutdown-timeout, so an attempt on the wire when SIGTERM
+    /// arrives can finish.
+    #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "4s", value_parser = parse_duration)]
     pub request_timeout: Duration,
+    /// Maximum age of a pooled sink connection: once a connection is this
+    /// old it takes no new request, and the next one opens a new connection
+    /// with a fresh DNS lookup (a blue/green switch behind one name is
+    /// followed within this time). At least 1s.
+    #[arg(long, env = "CDC_RELAY_SINK_CONNECTION_MAX_AGE", default_value = "60s", value_parser = parse_duration)]
+    pub sink_connection_max_age: Duration,
+    /// A pooled sink connection idle for this long is closed by the relay,
+    /// before a load balancer's idle timeout (commonly 60 s) can close it
+    /// under a request. At least 1s.
+    #[arg(long, env = "CDC_RELAY_SINK_IDLE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub sink_idle_timeout: Duration,
+    /// The signing secrets and headers.
+    #[command(flatten)]
+    pub secrets: SecretArgs,
 }
 
 /// The event secrets and which signature headers carry them
@@ -295,6 +411,7 @@ pub struct SinkArgs {
 /// secret of at least 32 bytes, or whsec_<base64> of at least 24 decoded
 /// bytes. `run` reads the files again on SIGHUP.
 #[derive(Clone, Debug, Args)]
+#[command(next_help_heading = "Signing")]
 pub struct SecretArgs {
     /// The current secret (signs X-Event-Signature and webhook-signature).
     /// Prefer the env var or a file.
@@ -325,16 +442,13 @@ pub struct SecretArgs {
 
 /// `cdc-relay run`.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Relay")]
 pub struct RunArgs {
-    /// The sink.
-    #[command(flatten)]
-    pub sink: SinkArgs,
-    /// Delivery tuning.
-    #[command(flatten)]
-    pub delivery: DeliveryArgs,
-    /// After SIGTERM: time to finish in-flight deliveries and flush the
-    /// confirmed LSN. Must exceed --request-timeout.
-    #[arg(long, env = "CDC_RELAY_SHUTDOWN_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
+    /// After SIGTERM: time to finish the attempts on the wire (no new
+    /// attempt starts once shutdown begins) and flush the confirmed LSN.
+    /// Must exceed --request-timeout; 5s keeps the stop under a container
+    /// runtime's usual 10 s grace.
+    #[arg(long, env = "CDC_RELAY_SHUTDOWN_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
     /// Cap of the reconnect backoff after a lost replication connection.
     #[arg(long, env = "CDC_RELAY_RECONNECT_MAX", default_value = "5s", value_parser = parse_duration)]
@@ -357,6 +471,15 @@ pub struct RunArgs {
     /// advanced for this long.
     #[arg(long, env = "CDC_RELAY_READY_WINDOW", default_value = "60s", value_parser = parse_duration)]
     pub ready_window: Duration,
+    /// After an error that needs an operator (exit codes 3-7): `exit` at
+    /// once with its code, or `linger`: keep serving /metrics
+    /// (`cdc_relay_halted{code}` 1, the slot's state) with /readyz failing
+    /// with the error, until SIGTERM/SIGINT, then exit with the code. With
+    /// `linger` an alert sees a relay that stopped for good (a lost slot
+    /// exits within milliseconds of start otherwise). Exit codes 1 and 2
+    /// always exit.
+    #[arg(long, env = "CDC_RELAY_ON_FATAL", value_enum, default_value = "exit")]
+    pub on_fatal: OnFatal,
     /// application_name shown in pg_stat_replication.
     #[arg(long, env = "CDC_RELAY_APPLICATION_NAME", default_value = "cdc-relay")]
     pub application_name: String,
@@ -404,10 +527,17 @@ pub struct RunArgs {
     /// 1 leaves the other cores to the database.
     #[arg(long, env = "CDC_RELAY_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub worker_threads: Option<u16>,
+    /// The sink.
+    #[command(flatten)]
+    pub sink: SinkArgs,
+    /// Delivery tuning.
+    #[command(flatten)]
+    pub delivery: DeliveryArgs,
 }
 
 /// Pipelining, memory window, retries and the circuit breaker (`run`, `backfill`).
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Delivery")]
 pub struct DeliveryArgs {
     /// Deliveries at once (pipelining). 1 gives strict global commit order.
     #[arg(long, env = "CDC_RELAY_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
@@ -425,8 +555,11 @@ pub struct DeliveryArgs {
     /// Retry delay cap. Keep it near a second: long caps oversleep recovery.
     #[arg(long, env = "CDC_RELAY_BACKOFF_CAP", default_value = "1s", value_parser = parse_duration)]
     pub backoff_cap: Duration,
-    /// Largest Retry-After honoured.
-    #[arg(long, env = "CDC_RELAY_RETRY_AFTER_MAX", default_value = "5s", value_parser = parse_duration)]
+    /// Largest Retry-After honoured (delay-seconds or an HTTP-date). A
+    /// Retry-After on a failed answer (429, 503, ...) pauses every request
+    /// to the sink, circuit-breaker probes included, for that long, up to
+    /// this bound.
+    #[arg(long, env = "CDC_RELAY_RETRY_AFTER_MAX", default_value = "60s", value_parser = parse_duration)]
     pub retry_after_max: Duration,
     /// HTTP statuses that mark an event as poison.
     #[arg(
@@ -501,7 +634,52 @@ fn parse_sink_url(s: &str) -> Result<url::Url, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
+
+    #[test]
+    fn help_groups_flags_under_headings_and_shows_no_env_values() {
+        let mut cmd = Cli::command();
+        cmd.build(); // propagates the global flags to the subcommands
+        let run = cmd.find_subcommand_mut("run").expect("run");
+        let help = run.render_long_help().to_string();
+        // heading -> the lines under it, up to the next heading.
+        let mut sections: Vec<(String, String)> = Vec::new();
+        for line in help.lines() {
+            match line.strip_suffix(':') {
+                Some(h) if !line.starts_with(' ') && !h.contains(' ') || h == "Slot and outbox" => {
+                    sections.push((h.to_owned(), String::new()));
+                }
+                _ => {
+                    if let Some((_, body)) = sections.last_mut() {
+                        body.push_str(line);
+                        body.push('\n');
+                    }
+                }
+            }
+        }
+        for (flag, heading) in [
+            ("--sink-url", "Sink"),
+            ("--event-secret", "Signing"),
+            ("--max-in-flight", "Delivery"),
+            ("--shutdown-timeout", "Relay"),
+            ("--database-url", "Database"),
+            ("--slot", "Slot and outbox"),
+            ("--log-format", "Logging"),
+        ] {
+            let (_, body) = sections
+                .iter()
+                .find(|(h, _)| h == heading)
+                .unwrap_or_else(|| panic!("heading {heading:?} in:\n{help}"));
+            assert!(
+                body.contains(&format!("      {flag} ")),
+                "{flag} under {heading}:\n{help}"
+            );
+        }
+        assert!(help.contains("[env: CDC_RELAY_SINK_URL]"), "{help}");
+        assert!(
+            !help.contains("=]"),
+            "no env value or trailing '=':\n{help}"
+        );
+    }
 
     #[test]
     fn cli_is_consistent() {

@@ -161,6 +161,8 @@ pub struct DeadLetter {
     /// When it was written (RFC 3339, UTC; the table's `quarantined_at`).
     #[serde(rename = "quarantined_at")]
     pub dead_lettered_at: String,
+    /// How long it has waited, seconds.
+    pub age_secs: i64,
 }
 
 /// Longest `error` stored, in bytes.
@@ -228,7 +230,8 @@ async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgre
 }
 
 const COLUMNS: &str = "id, event_id, aggregate_key, event_type, commit_lsn::text, http_status, error, \
-     response_excerpt, attempts, to_char(quarantined_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')";
+     response_excerpt, attempts, to_char(quarantined_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
+     EXTRACT(EPOCH FROM now() - quarantined_at)::bigint";
 
 fn from_row(
     r: &tokio_postgres::Row,
@@ -248,15 +251,29 @@ fn from_row(
         response_excerpt: r.get(7),
         attempts: r.get(8),
         dead_lettered_at: r.get(9),
+        age_secs: r.get(10),
     }
 }
 
 /// All rows, oldest first, without payloads.
 pub async fn list(client: &Client) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
+    list_filtered(client, None, None).await
+}
+
+/// Rows of `event_type` (all when `None`), oldest first, at most `limit`,
+/// without payloads.
+pub async fn list_filtered(
+    client: &Client,
+    event_type: Option<&str>,
+    limit: Option<i64>,
+) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
     let rows = client
         .query(
-            &format!("SELECT {COLUMNS} FROM cdc_relay_dead_letter ORDER BY id"),
-            &[],
+            &format!(
+                "SELECT {COLUMNS} FROM cdc_relay_dead_letter \
+                 WHERE $1::text IS NULL OR event_type = $1 ORDER BY id LIMIT $2"
+            ),
+            &[&event_type, &limit],
         )
         .await?;
     Ok(rows.iter().map(|r| from_row(r, None, None)).collect())
@@ -272,7 +289,7 @@ pub async fn get(client: &Client, id: i64) -> Result<Option<DeadLetter>, tokio_p
             &[&id],
         )
         .await?;
-    Ok(row.map(|r| from_row(&r, r.get(10), r.get(11))))
+    Ok(row.map(|r| from_row(&r, r.get(11), r.get(12))))
 }
 
 /// Why a row was removed.
@@ -286,11 +303,15 @@ pub enum Removal {
 
 /// Deletes row `id` and records the removal in the audit table, in one
 /// transaction. Returns `false` when the row did not exist.
+///
+/// `actor` (the operator's name) goes into `performed_by`; the database
+/// role when `None`.
 pub async fn remove(
     client: &mut Client,
     id: i64,
     why: Removal,
     reason: Option<&str>,
+    actor: Option<&str>,
 ) -> Result<bool, tokio_postgres::Error> {
     let action = match why {
         Removal::Replay => "replay",
@@ -300,9 +321,10 @@ pub async fn remove(
     let n = tx
         .execute(
             "WITH gone AS (DELETE FROM cdc_relay_dead_letter WHERE id = $1 RETURNING *) \
-             INSERT INTO cdc_relay_dead_letter_audit (action, dead_letter_id, event_id, entry, reason) \
-             SELECT $2, id, event_id, to_jsonb(gone), $3 FROM gone",
-            &[&id, &action, &reason],
+             INSERT INTO cdc_relay_dead_letter_audit \
+               (action, dead_letter_id, event_id, entry, reason, performed_by) \
+             SELECT $2, id, event_id, to_jsonb(gone), $3, coalesce($4, session_user) FROM gone",
+            &[&id, &action, &reason, &actor],
         )
         .await?;
     tx.commit().await?;

@@ -5,8 +5,8 @@
 //! LSN advanced, or nothing was pending, within the ready window. A relay
 //! stuck while events wait is alive but not ready.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Liveness and progress, shared between the relay and the admin endpoint.
@@ -26,6 +26,9 @@ pub struct Health {
     /// nothing pending).
     last_progress_ms: AtomicU64,
     ready_window: Duration,
+    /// Set when the relay stopped for good and lingers (`--on-fatal
+    /// linger`): why, for `/readyz`.
+    halted: OnceLock<String>,
 }
 
 impl Health {
@@ -40,7 +43,21 @@ impl Health {
             silence_bound_ms: AtomicU64::new(0),
             last_progress_ms: AtomicU64::new(0),
             ready_window,
+            halted: OnceLock::new(),
         })
+    }
+
+    /// The relay stopped for good (exit code `code`, `why` its error) and
+    /// the process lingers: `/readyz` fails with this until it exits.
+    pub fn halt(&self, code: u8, why: &str) {
+        let _ = self
+            .halted
+            .set(format!("halted with exit code {code}: {why}"));
+    }
+
+    /// Why the relay halted, when it did.
+    pub fn halted(&self) -> Option<&str> {
+        self.halted.get().map(String::as_str)
     }
 
     /// The replication stream started (`true`) or ended (`false`); while

@@ -39,6 +39,18 @@
 //!    error-text helpers below
 
 // 1. Operator surface.
+/// The git commit the binary was built from (12 hex digits, or `unknown`;
+/// see `build.rs`).
+pub const GIT_COMMIT: &str = env!("CDC_RELAY_GIT_COMMIT");
+
+/// `--version`: the package version and the commit, e.g. `0.1.0 (8ce51a9c0f12)`.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("CDC_RELAY_GIT_COMMIT"),
+    ")"
+);
+
 pub mod cli;
 pub mod commands;
 pub mod settings;

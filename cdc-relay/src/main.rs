@@ -5,10 +5,9 @@ use std::process::ExitCode;
 
 use cdc_relay::cli::{Cli, Command, GlobalArgs, LogFormat};
 use cdc_relay::commands;
-use clap::Parser;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args();
     init_tracing(&cli.global);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Command::Run(a) = &cli.command

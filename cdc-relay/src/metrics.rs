@@ -85,6 +85,26 @@ pub struct Metrics {
     /// from the next attempt on) or `error` (the old keys stay; the log
     /// says why).
     pub secret_reloads: IntCounterVec,
+    /// `cdc_relay_halted{code}`: 1 while the relay has stopped for good and
+    /// lingers (`--on-fatal linger`), labelled with the exit code it will
+    /// exit with; no series before.
+    pub halted: IntGaugeVec,
+    /// `cdc_relay_dead_letters_waiting`: rows in `cdc_relay_dead_letter`
+    /// (events neither replayed nor discarded yet), as the slot monitor
+    /// last counted them.
+    pub dead_letters_waiting: prometheus::IntGauge,
+    /// Times a sink's `Retry-After` paused every delivery (a later pause
+    /// that extends one counts again).
+    pub sink_pauses: IntCounter,
+    /// Requests the sink never processed (an HTTP/2 stream refused or above
+    /// a GOAWAY's last stream, a request canceled on a pooled connection
+    /// that had closed) and that were sent again at once on a new
+    /// connection: at most once per attempt, and not sink failures.
+    pub sink_fresh_connection_retries: IntCounter,
+    /// Connections that refused requests they never processed (an HTTP/2
+    /// GOAWAY or `REFUSED_STREAM`, a closed pooled connection): one per
+    /// connection, however many requests it refused.
+    pub sink_connection_events: IntCounter,
 }
 
 /// Distinct `relation` label values of `cdc_relay_ignored_changes_total`
@@ -178,6 +198,18 @@ impl Metrics {
         .expect("valid metric");
         r.register(Box::new(wal_status.clone()))
             .expect("unique metric");
+        let build_info = IntGaugeVec::new(
+            Opts::new(
+                "cdc_relay_build_info",
+                "Always 1; the labels say which build runs (package version, git commit)",
+            ),
+            &["version", "commit"],
+        )
+        .expect("valid metric");
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), crate::GIT_COMMIT])
+            .set(1);
+        r.register(Box::new(build_info)).expect("unique metric");
         Metrics {
             events_received: counter(
                 &r,
@@ -315,6 +347,42 @@ impl Metrics {
                 "Event secret reloads on SIGHUP by result (ok, error: the previous keys stay in use)",
                 &["result"],
             ),
+            halted: {
+                let g = IntGaugeVec::new(
+                    Opts::new(
+                        "cdc_relay_halted",
+                        "1 while the relay has stopped for good and lingers (--on-fatal linger); code = the exit code it exits with",
+                    ),
+                    &["code"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            dead_letters_waiting: {
+                let g = prometheus::IntGauge::new(
+                    "cdc_relay_dead_letters_waiting",
+                    "Rows in cdc_relay_dead_letter: events neither replayed nor discarded yet (counted by the slot monitor)",
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            sink_pauses: counter(
+                &r,
+                "cdc_relay_sink_pauses_total",
+                "Times a Retry-After from the sink paused every delivery, probes included",
+            ),
+            sink_fresh_connection_retries: counter(
+                &r,
+                "cdc_relay_sink_fresh_connection_retries_total",
+                "Requests the sink never processed (refused stream, GOAWAY, closed pooled connection) sent again at once on a new connection",
+            ),
+            sink_connection_events: counter(
+                &r,
+                "cdc_relay_sink_connection_events_total",
+                "Sink connections that refused requests they never processed (GOAWAY, REFUSED_STREAM, closed while pooled), once per connection",
+            ),
             registry: r,
         }
         .prime()
@@ -392,6 +460,9 @@ mod tests {
             "cdc_relay_retries_total{reason=\"http_5xx\"} 1",
             "cdc_relay_secret_reloads_total{result=\"ok\"} 0",
             "cdc_relay_secret_reloads_total{result=\"error\"} 0",
+            "cdc_relay_sink_pauses_total 0",
+            "cdc_relay_sink_fresh_connection_retries_total 0",
+            "cdc_relay_sink_connection_events_total 0",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

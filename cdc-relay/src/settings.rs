@@ -23,11 +23,18 @@ impl GlobalArgs {
             .as_deref()
             .ok_or("--database-url (CDC_RELAY_DATABASE_URL) is required")?;
         let mut conn = ConnParams::parse(url, self.connect_timeout).map_err(|e| e.to_string())?;
-        if let Some(p) = &self.database_password {
-            conn.password = p.clone();
-        }
-        if let Some(path) = &self.database_password_file {
-            conn.password = read_secret_file(path, "--database-password-file")?;
+        match (&self.database_password, &self.database_password_file) {
+            (Some(_), Some(_)) => {
+                return Err("--database-password (CDC_RELAY_DATABASE_PASSWORD) and \
+                     --database-password-file (CDC_RELAY_DATABASE_PASSWORD_FILE) are both set: \
+                     set one of them"
+                    .into());
+            }
+            (Some(p), None) => conn.password = p.clone(),
+            (None, Some(path)) => {
+                conn.password = read_secret_file(path, "--database-password-file")?;
+            }
+            (None, None) => {}
         }
         Ok(conn)
     }
@@ -90,6 +97,13 @@ impl SinkArgs {
         if self.request_timeout.is_zero() || self.sink_connect_timeout.is_zero() {
             return Err("--request-timeout and --sink-connect-timeout must be above 0".into());
         }
+        if self.sink_connection_max_age < Duration::from_secs(1)
+            || self.sink_idle_timeout < Duration::from_secs(1)
+        {
+            return Err(
+                "--sink-connection-max-age and --sink-idle-timeout must be at least 1s".into(),
+            );
+        }
         if !matches!(self.sink_url.scheme(), "http" | "https") {
             return Err(format!(
                 "--sink-url must be http or https, got {}",
@@ -108,6 +122,8 @@ impl SinkArgs {
             signing: Signing::new(signer),
             connect_timeout: self.sink_connect_timeout,
             request_timeout: self.request_timeout,
+            connection_max_age: self.sink_connection_max_age,
+            idle_timeout: self.sink_idle_timeout,
             ca_cert_pem,
         })
         .map_err(|e| e.to_string())
@@ -221,6 +237,19 @@ mod tests {
                 .unwrap_err()
                 .contains("--backoff-base")
         );
+    }
+
+    /// Issue 14, HTTP manners 1, 2 and 4: the defaults an operator gets.
+    #[test]
+    fn defaults_keep_http_manners() {
+        let (g, run) = run_args(&[]);
+        assert_eq!(run.delivery.retry_after_max, Duration::from_secs(60));
+        assert!(run.sink.sink_connection_max_age <= Duration::from_secs(300));
+        assert!(run.sink.sink_idle_timeout < Duration::from_secs(60));
+        assert!(run.shutdown_timeout <= Duration::from_secs(5));
+        // The default request timeout fits in the default shutdown budget.
+        let err = run.relay(&g).map(|_| ()).unwrap_err();
+        assert!(!err.contains("--shutdown-timeout"), "{err}");
     }
 
     #[test]

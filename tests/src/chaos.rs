@@ -222,6 +222,7 @@ impl World {
             caught_up_after: None,
             redelivered: 0,
             sink_requests_during: 0,
+            sink_requests_after_first_second: None,
             overlapped: false,
         };
         let result = match fault.kind {
@@ -240,9 +241,10 @@ impl World {
             FaultKind::Billing503 => {
                 out.started = self.now();
                 self.sink.set_status(503);
-                tokio::time::sleep(fault.hold).await;
+                let counted = self.count_sink_requests(false, fault.hold).await;
                 self.sink.set_status(204);
                 out.ended = self.now();
+                out.sink_requests_after_first_second = Some(counted.finish(&self));
                 Ok(())
             }
             FaultKind::PgRestartImmediate => {
@@ -285,10 +287,40 @@ impl World {
     ) -> anyhow::Result<()> {
         out.started = self.now();
         proxy.set_mode(mode);
-        tokio::time::sleep(out.fault.hold).await;
+        let billing = std::ptr::eq(proxy, &self.billing_link);
+        let counted = self.count_sink_requests(billing, out.fault.hold).await;
         proxy.set_mode(Mode::Pass);
         out.ended = self.now();
+        if billing {
+            out.sink_requests_after_first_second = Some(counted.finish(self));
+        }
         Ok(())
+    }
+
+    /// Requests reaching Billing's side now: new connections at the
+    /// relay↔Billing proxy (`link`: when it cuts or resets them, every
+    /// attempt needs a new one), else requests at the sink in front of
+    /// Billing.
+    fn sink_requests(&self, link: bool) -> usize {
+        if link {
+            self.billing_link.accepted()
+        } else {
+            self.sink.arrivals()
+        }
+    }
+
+    /// Sleeps `hold` (a fault holds), counting the requests that reach
+    /// Billing's side from one second in.
+    async fn count_sink_requests(&self, link: bool, hold: Duration) -> Counted {
+        let first = Duration::from_secs(1).min(hold);
+        tokio::time::sleep(first).await;
+        let counted = Counted {
+            link,
+            from: self.now(),
+            before: self.sink_requests(link),
+        };
+        tokio::time::sleep(hold - first).await;
+        counted
     }
 
     async fn kill_relay(&self, out: &mut FaultOutcome) -> anyhow::Result<()> {
@@ -356,7 +388,7 @@ impl World {
         out.started = self.now();
         service.process.sigkill();
         out.victim = Some(name.to_owned());
-        tokio::time::sleep(out.fault.hold).await;
+        let counted = self.count_sink_requests(false, out.fault.hold).await;
         let mut last = None;
         for _ in 0..3 {
             let started = if billing {
@@ -370,6 +402,9 @@ impl World {
                     let old = std::mem::replace(&mut *service, new);
                     self.bury(name, old.process);
                     out.ended = self.now();
+                    if billing {
+                        out.sink_requests_after_first_second = Some(counted.finish(self));
+                    }
                     return Ok(());
                 }
                 Err(err) => last = Some(err),
@@ -432,6 +467,21 @@ impl World {
             }
             i += 1;
         }
+    }
+}
+
+/// Requests to Billing's side counted from one second into a fault.
+struct Counted {
+    link: bool,
+    from: f64,
+    before: usize,
+}
+
+impl Counted {
+    /// The requests since then and the seconds they span, up to now.
+    fn finish(self, world: &World) -> (usize, f64) {
+        let n = world.sink_requests(self.link).saturating_sub(self.before);
+        (n, world.now() - self.from)
     }
 }
 
@@ -577,6 +627,7 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Report> {
                     caught_up_after: None,
                     redelivered: 0,
                     sink_requests_during: 0,
+                    sink_requests_after_first_second: None,
                     overlapped: false,
                 });
             }

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
+use axum::http::header::RETRY_AFTER;
+use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::routing::post;
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
@@ -34,8 +35,12 @@ pub struct Received {
     pub content_type: Option<String>,
     /// The status the sink answered.
     pub status: u16,
-    /// When it arrived.
+    /// When it was answered.
     pub at: Instant,
+    /// When it arrived (before any scripted delay).
+    pub arrived: Instant,
+    /// The client's address: one port per TCP connection.
+    pub peer: SocketAddr,
 }
 
 impl Received {
@@ -155,6 +160,10 @@ struct Script {
     in_progress: AtomicUsize,
     /// Requests that arrived, answered or not (a client may disconnect first).
     arrivals: AtomicUsize,
+    /// `Retry-After` value sent with every answer that is not a 2xx.
+    retry_after: Mutex<Option<String>>,
+    /// Arrival time of every request, answered or not.
+    arrival_times: Mutex<Vec<Instant>>,
     /// Forward to this URL (after the delay) and answer with its status.
     upstream: Option<(reqwest::Client, String)>,
     /// Per event id (the body's `id`): answer this status and body instead,
@@ -198,7 +207,7 @@ impl ScriptedSink {
             .with_state(Arc::clone(&script));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let stop = serve(listener, app);
+        let stop = serve_with_peers(listener, app);
         Ok(ScriptedSink {
             url: format!("http://{addr}/inbox"),
             addr,
@@ -216,6 +225,17 @@ impl ScriptedSink {
     pub fn set_delay(&self, delay: Duration) {
         let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.script.delay_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// Send `Retry-After: value` (delay-seconds or an HTTP-date) with every
+    /// following answer that is not a 2xx; `None` stops.
+    pub fn set_retry_after(&self, value: Option<&str>) {
+        *self.script.retry_after.lock().expect("sink lock") = value.map(str::to_owned);
+    }
+
+    /// When each request arrived, answered or not, in arrival order.
+    pub fn arrival_times(&self) -> Vec<Instant> {
+        self.script.arrival_times.lock().expect("sink lock").clone()
     }
 
     /// Answer `status` to every request for event `id` until cleared.
@@ -286,9 +306,16 @@ impl ScriptedSink {
 
 async fn handle(
     State(script): State<Arc<Script>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     body: Bytes,
-) -> (StatusCode, Bytes) {
+) -> (StatusCode, [(HeaderName, String); 1], Bytes) {
+    let arrived = Instant::now();
+    script
+        .arrival_times
+        .lock()
+        .expect("sink lock")
+        .push(arrived);
     script.arrivals.fetch_add(1, Ordering::SeqCst);
     script.in_progress.fetch_add(1, Ordering::SeqCst);
     let (status, response) = answer(&script, &headers, &body).await;
@@ -319,9 +346,16 @@ async fn handle(
         content_type: header("content-type"),
         status,
         at: Instant::now(),
+        arrived,
+        peer,
     });
+    // An empty header name would be refused: a harmless one stands in.
+    let retry_after = match script.retry_after.lock().expect("sink lock").clone() {
+        Some(v) if !(200..300).contains(&status) => (RETRY_AFTER, v),
+        _ => (HeaderName::from_static("x-scripted-sink"), "1".to_owned()),
+    };
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (status, response)
+    (status, [retry_after], response)
 }
 
 /// The status to answer, and the response body (empty unless scripted).
@@ -371,6 +405,23 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> (u16, Byt
         Ok(r) => (r.status().as_u16(), Bytes::new()),
         Err(_) => (502, Bytes::new()),
     }
+}
+
+/// [`serve`] on a TCP listener, with each request's client address
+/// ([`Received::peer`]).
+fn serve_with_peers(listener: tokio::net::TcpListener, app: Router) -> oneshot::Sender<()> {
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async {
+            let _ = stopped.await;
+        })
+        .await;
+    });
+    stop
 }
 
 /// Serves `app` on `listener` in a task, until the returned sender is

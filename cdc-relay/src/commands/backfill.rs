@@ -23,6 +23,27 @@ pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
         window_events: a.delivery.max_pending_events as usize,
         window_bytes: a.delivery.max_pending_bytes,
     };
+    backfill::check_bounds(&reader, &plan).await?;
+    if a.dry_run {
+        let p = backfill::preview(&reader, &plan).await?;
+        if a.json {
+            outln!("{}", serde_json::to_string_pretty(&p)?);
+        } else {
+            let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+            outln!(
+                "backfill --dry-run: {} row(s) in {} from {} to {}; nothing sent\n  first: {} (id {})\n  last:  {} (id {})",
+                p.rows,
+                plan.table,
+                plan.since,
+                plan.until.as_deref().unwrap_or("now"),
+                opt(&p.first_time),
+                opt(&p.first_id),
+                opt(&p.last_time),
+                opt(&p.last_id)
+            );
+        }
+        return Ok(());
+    }
     let total = backfill::count(&reader, &plan).await?;
     eprintln!(
         "backfill: {total} row(s) in {} from {} to {}",

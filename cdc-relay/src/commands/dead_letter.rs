@@ -1,12 +1,15 @@
 //! `cdc-relay dead-letter list|show|replay|discard`: inspect and resolve
 //! dead-lettered events.
 
+use std::io::{BufRead, IsTerminal, Write};
+
 use anyhow::Context;
+use serde::Serialize;
 use tokio_postgres::Client;
 
 use super::{connect, outln};
 use crate::cli::{DeadLetterCommand, GlobalArgs, ReplayArgs};
-use crate::deadletter::{self, Removal};
+use crate::deadletter::{self, DeadLetter, Removal};
 use crate::outbox::OutboxEvent;
 use crate::sink::{Attempt, Sink};
 
@@ -14,47 +17,82 @@ use crate::sink::{Attempt, Sink};
 pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()> {
     let mut client = connect(g).await?;
     match c {
-        DeadLetterCommand::List { json } => list(&client, json).await?,
+        DeadLetterCommand::List {
+            json,
+            event_type,
+            limit,
+        } => list(&client, json, event_type.as_deref(), limit).await?,
         DeadLetterCommand::Show { id } => {
             let row = deadletter::get(&client, id)
                 .await?
                 .with_context(|| format!("no dead-letter row {id}"))?;
-            outln!("{}", serde_json::to_string_pretty(&row)?);
+            outln!("{}", serde_json::to_string_pretty(&shown(row))?);
         }
         DeadLetterCommand::Replay(a) => replay(&mut client, *a).await?,
-        DeadLetterCommand::Discard { id, reason } => {
-            anyhow::ensure!(
-                deadletter::remove(&mut client, id, Removal::Discard, reason.as_deref()).await?,
-                "no dead-letter row {id}"
-            );
-            outln!("discarded dead-letter row {id} (kept in cdc_relay_dead_letter_audit)");
-        }
+        DeadLetterCommand::Discard {
+            ids,
+            reason,
+            actor,
+            yes,
+        } => discard(&mut client, &ids, &reason, actor.as_deref(), yes).await?,
     }
     Ok(())
 }
 
-async fn list(client: &Client, json: bool) -> anyhow::Result<()> {
-    let rows = deadletter::list(client).await?;
+/// `show`'s JSON: the row, its payload as a JSON value when it is JSON
+/// (else as the stored text).
+fn shown(row: DeadLetter) -> serde_json::Value {
+    let payload = row.payload.as_deref().map(|p| {
+        serde_json::from_str::<serde_json::Value>(p)
+            .unwrap_or_else(|_| serde_json::Value::String(p.to_owned()))
+    });
+    let mut v = serde_json::to_value(&row).unwrap_or_default();
+    if let (Some(obj), Some(p)) = (v.as_object_mut(), payload) {
+        obj.insert("payload".into(), p);
+    }
+    v
+}
+
+/// `3 s`, `4 min`, `2 h 5 min`, `3 d 4 h`: an age at a glance.
+fn age(secs: i64) -> String {
+    let s = secs.max(0);
+    match s {
+        0..60 => format!("{s} s"),
+        60..3600 => format!("{} min", s / 60),
+        3600..86_400 => format!("{} h {} min", s / 3600, s % 3600 / 60),
+        _ => format!("{} d {} h", s / 86_400, s % 86_400 / 3600),
+    }
+}
+
+async fn list(
+    client: &Client,
+    json: bool,
+    event_type: Option<&str>,
+    limit: Option<i64>,
+) -> anyhow::Result<()> {
+    let rows = deadletter::list_filtered(client, event_type, limit).await?;
     if json {
         outln!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
     outln!(
-        "{:>6}  {:<36}  {:<16}  {:>6}  {:>8}  error",
+        "{:>6}  {:<36}  {:<16}  {:>6}  {:>8}  {:>10}  error",
         "id",
         "event_id",
         "type",
         "status",
-        "attempts"
+        "attempts",
+        "age"
     );
     for r in &rows {
         outln!(
-            "{:>6}  {:<36}  {:<16}  {:>6}  {:>8}  {}",
+            "{:>6}  {:<36}  {:<16}  {:>6}  {:>8}  {:>10}  {}",
             r.id,
             r.event_id.as_deref().unwrap_or("(none)"),
             r.event_type.as_deref().unwrap_or("(none)"),
             r.http_status.map_or("-".into(), |s| s.to_string()),
             r.attempts,
+            age(r.age_secs),
             r.error.chars().take(80).collect::<String>()
         );
     }
@@ -62,8 +100,94 @@ async fn list(client: &Client, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Removes `ids` without sending them, after a confirmation (unless
+/// `yes`), recording `reason` and `actor` in the audit table.
+async fn discard(
+    client: &mut Client,
+    ids: &[i64],
+    reason: &str,
+    actor: Option<&str>,
+    yes: bool,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !reason.trim().is_empty(),
+        "--reason is empty: say why the events are dropped (it is kept in the audit table)"
+    );
+    let mut rows = Vec::new();
+    for id in ids {
+        let row = deadletter::get(client, *id)
+            .await?
+            .with_context(|| format!("no dead-letter row {id}; nothing was discarded"))?;
+        rows.push(row);
+    }
+    if !yes {
+        anyhow::ensure!(
+            std::io::stdin().is_terminal(),
+            "discarding drops {} event(s) for good: confirm with --yes (stdin is not a terminal to ask on)",
+            rows.len()
+        );
+        for r in &rows {
+            eprintln!(
+                "  row {}: {} {} ({})",
+                r.id,
+                r.event_type.as_deref().unwrap_or("(no type)"),
+                r.event_id.as_deref().unwrap_or("(no id)"),
+                r.error.chars().take(80).collect::<String>()
+            );
+        }
+        eprint!(
+            "discard these {} event(s) without sending them? [y/N] ",
+            rows.len()
+        );
+        std::io::stderr().flush()?;
+        let mut answer = String::new();
+        std::io::stdin().lock().read_line(&mut answer)?;
+        anyhow::ensure!(
+            matches!(answer.trim(), "y" | "Y" | "yes"),
+            "not confirmed; nothing was discarded"
+        );
+    }
+    for r in &rows {
+        anyhow::ensure!(
+            deadletter::remove(client, r.id, Removal::Discard, Some(reason), actor).await?,
+            "dead-letter row {} was removed meanwhile",
+            r.id
+        );
+        outln!(
+            "discarded dead-letter row {} (kept in cdc_relay_dead_letter_audit)",
+            r.id
+        );
+    }
+    Ok(())
+}
+
+/// What `replay` did with one row.
+#[derive(Debug, Serialize)]
+struct Replayed {
+    id: i64,
+    event_id: Option<String>,
+    /// delivered, rejected, unsendable, would_send (dry run), not_attempted.
+    outcome: &'static str,
+    /// The sink's answer or why it was not sent.
+    detail: String,
+}
+
+/// A failure that says the sink (or how it is reached: the secret, the
+/// URL) is failing, not this event: the next rows would get the same answer,
+/// and sending them now only adds load. The same classes the relay retries
+/// and its breaker counts; a 4xx about the event (400, 409, 422, ...) is
+/// that row's alone.
+fn sink_failing(a: &Attempt) -> bool {
+    match a {
+        Attempt::Response { status, .. } => {
+            *status >= 500 || matches!(status, 401 | 403 | 404 | 405 | 408 | 429)
+        }
+        Attempt::Timeout | Attempt::Connect(_) | Attempt::Tls(_) | Attempt::Transport(_) => true,
+    }
+}
+
 /// Re-sends rows once each; a row is removed (with an audit entry) only
-/// after a 2xx.
+/// after a 2xx. Stops at the first answer that says the sink is failing.
 async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
     let sink = a.sink.build().map_err(anyhow::Error::msg)?;
     let ids: Vec<i64> = match a.id {
@@ -74,19 +198,43 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
             .map(|r| r.id)
             .collect(),
     };
-    let mut failed = 0;
+    let mut done: Vec<Replayed> = Vec::new();
+    let mut stopped: Option<String> = None;
     for id in ids {
         let row = deadletter::get(client, id)
             .await?
             .with_context(|| format!("no dead-letter row {id}"))?;
+        let mut record = |outcome, detail: String| {
+            if !a.json {
+                outln!("row {id}: {}", detail);
+            }
+            done.push(Replayed {
+                id,
+                event_id: row.event_id.clone(),
+                outcome,
+                detail,
+            });
+        };
+        if let Some(why) = &stopped {
+            record("not_attempted", format!("not attempted ({why})"));
+            continue;
+        }
         let (Some(event_id), Some(event_type)) = (row.event_id.clone(), row.event_type.clone())
         else {
-            outln!(
-                "row {id}: no event id or type; cannot be sent (discard it after fixing the source row)"
+            record(
+                "unsendable",
+                "no event id or type: cannot be sent (discard it after fixing the source row)"
+                    .into(),
             );
-            failed += 1;
             continue;
         };
+        if a.dry_run {
+            record(
+                "would_send",
+                format!("would send {event_type} {event_id} (dry run)"),
+            );
+            continue;
+        }
         let event = OutboxEvent {
             id: event_id,
             event_type,
@@ -96,17 +244,90 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
             commit_time_micros: 0,
         };
         let request = sink.prepare(&event);
-        match sink.post(&event.id, &request).await {
-            Attempt::Response { status, .. } if (200..300).contains(&status) => {
-                deadletter::remove(client, id, Removal::Replay, None).await?;
-                outln!("row {id}: delivered ({status}); removed");
+        let attempt = sink.post(&event.id, &request).await;
+        match &attempt {
+            Attempt::Response { status, .. } if (200..300).contains(status) => {
+                deadletter::remove(client, id, Removal::Replay, None, None).await?;
+                record("delivered", format!("delivered ({status}); removed"));
             }
             other => {
-                outln!("row {id}: not delivered ({}); kept", other.detail());
-                failed += 1;
+                let detail = other.detail();
+                if sink_failing(other) {
+                    stopped = Some(format!("the sink is failing: {detail}"));
+                }
+                record("rejected", format!("not delivered ({detail}); kept"));
             }
         }
     }
-    anyhow::ensure!(failed == 0, "{failed} row(s) not replayed");
+    let count = |o: &str| done.iter().filter(|r| r.outcome == o).count();
+    let (delivered, kept) = (count("delivered"), done.len() - count("delivered"));
+    if a.json {
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "dry_run": a.dry_run,
+                "delivered": delivered,
+                "kept": kept,
+                "stopped": stopped,
+                "rows": done,
+            }))?
+        );
+    } else {
+        outln!(
+            "replay{}: {} row(s): {delivered} delivered, {} rejected, {} unsendable, {} not attempted{}",
+            if a.dry_run { " (dry run)" } else { "" },
+            done.len(),
+            count("rejected"),
+            count("unsendable"),
+            count("not_attempted"),
+            stopped
+                .as_deref()
+                .map_or(String::new(), |w| format!("; stopped: {w}"))
+        );
+    }
+    anyhow::ensure!(
+        a.dry_run || kept == 0,
+        "{kept} row(s) not replayed{}",
+        stopped
+            .as_deref()
+            .map_or(String::new(), |w| format!(" (stopped: {w})"))
+    );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_read_at_a_glance() {
+        assert_eq!(age(-1), "0 s");
+        assert_eq!(age(59), "59 s");
+        assert_eq!(age(61), "1 min");
+        assert_eq!(age(7_500), "2 h 5 min");
+        assert_eq!(age(3 * 86_400 + 4 * 3600 + 5), "3 d 4 h");
+    }
+
+    #[test]
+    fn only_answers_about_the_sink_stop_a_replay() {
+        let answer = |status| Attempt::Response {
+            status,
+            retry_after: None,
+            excerpt: String::new(),
+        };
+        for failing in [500, 503, 599, 408, 429] {
+            assert!(sink_failing(&answer(failing)), "{failing}");
+        }
+        for failing in [401, 403, 404, 405] {
+            assert!(
+                sink_failing(&answer(failing)),
+                "a configuration fault: {failing}"
+            );
+        }
+        for event in [400, 409, 410, 413, 415, 422] {
+            assert!(!sink_failing(&answer(event)), "{event}");
+        }
+        assert!(sink_failing(&Attempt::Timeout));
+        assert!(sink_failing(&Attempt::Connect("refused".into())));
+    }
 }

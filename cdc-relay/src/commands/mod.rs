@@ -25,6 +25,13 @@ pub async fn execute(global: GlobalArgs, command: Command) -> u8 {
         Command::Run(a) => run::command(&global, *a).await,
         Command::DeadLetter(c) => report(dead_letter::command(&global, c).await),
         Command::Backfill(a) => report(backfill::command(&global, *a).await),
+        Command::Completions { shell } => {
+            let mut cli = crate::cli::Cli::command();
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut cli, "cdc-relay", &mut out);
+            outln!("{}", String::from_utf8_lossy(&out).trim_end());
+            0
+        }
     }
 }
 

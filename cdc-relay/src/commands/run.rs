@@ -5,7 +5,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::outln;
 use crate::admin;
-use crate::cli::{GlobalArgs, RunArgs, SecretArgs};
+use crate::cli::{GlobalArgs, OnFatal, RunArgs, SecretArgs};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::relay::{self, RelayConfig, RelayError};
@@ -17,15 +17,19 @@ use crate::source::SourceError;
 pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
     match a.relay(g) {
         Ok((cfg, sink)) => serve_and_run(cfg, sink, &a).await,
+        // A flag, variable or file of the configuration: the same code as
+        // a command line clap refuses.
         Err(msg) => {
             eprintln!("error: {msg}");
-            1
+            2
         }
     }
 }
 
 /// The process exit code for a relay that stopped for good (the table is
-/// in `--help` and docs/operations.md; the shipped unit restarts only 1):
+/// in `--help` and docs/operations.md; the shipped unit restarts only 1 and
+/// 2, and 2 only a few times). A configuration error (a flag, variable or
+/// file the relay reads) exits 2 before this applies.
 /// 3 the database needs `setup` (slot, publication, table or column
 /// missing); 4 the slot was invalidated; 5 the stream holds an outbox
 /// change the relay cannot map (nothing after it acknowledged); 6 the slot
@@ -80,20 +84,56 @@ async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
         max_in_flight = cfg.dispatch.max_in_flight, signature_scheme = ?signer.scheme(),
         keys = %signer.keys(), "cdc-relay starting"
     );
-    let result = relay::run(cfg, sink, metrics, health, shutdown.clone()).await;
-    shutdown.cancel();
-    let _ = admin.await;
-    match result {
+    let sink = sink.with_metrics(metrics.clone());
+    let result = relay::run(cfg, sink, metrics.clone(), health.clone(), shutdown.clone()).await;
+    let code = match &result {
         Ok(()) => {
             tracing::info!("stopped");
             0
         }
         Err(e) => {
-            tracing::error!(error = %e, "stopping");
+            let code = exit_code(e);
+            tracing::error!(error = %e, code, "stopping");
             eprintln!("error: {e}");
-            exit_code(&e)
+            // 3-7 need an operator (the unit does not restart them); 1 exits
+            // so the unit's restart can retry it.
+            if a.on_fatal == OnFatal::Linger && code >= 3 && !shutdown.is_cancelled() {
+                linger(code, e, &metrics, &health, &shutdown).await;
+            }
+            code
         }
+    };
+    shutdown.cancel();
+    let _ = admin.await;
+    code
+}
+
+/// `--on-fatal linger`: the relay stopped for good with `code`; export
+/// that (and, for a lost slot, the slot's state) and fail `/readyz` until
+/// `shutdown`, so an alert sees a relay that would otherwise be gone.
+async fn linger(
+    code: u8,
+    e: &RelayError,
+    metrics: &Metrics,
+    health: &Health,
+    shutdown: &CancellationToken,
+) {
+    metrics
+        .halted
+        .with_label_values(&[code.to_string().as_str()])
+        .set(1);
+    if let RelayError::Source(SourceError::SlotInvalidated { .. }) = e {
+        for status in ["reserved", "extended", "unreserved"] {
+            metrics.slot_wal_status.with_label_values(&[status]).set(0);
+        }
+        metrics.slot_wal_status.with_label_values(&["lost"]).set(1);
     }
+    health.halt(code, &e.to_string());
+    tracing::error!(
+        code,
+        "halted: serving /metrics (cdc_relay_halted) with /readyz failing until SIGTERM (--on-fatal linger); the process then exits {code}"
+    );
+    shutdown.cancelled().await;
 }
 
 /// The first SIGTERM/SIGINT starts a graceful shutdown; a second one exits

@@ -45,12 +45,143 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
         };
         s.standbys.push(copy);
     }
+    s.dead_letters_waiting = dead_letters_waiting(&client).await?;
+    relay_checks(&mut s, &a).await;
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&s)?);
     } else {
         outln!("{}", s.to_string().trim_end());
     }
     Ok(s.problems.first().map_or(0, |p| p.code))
+}
+
+/// Rows in `cdc_relay_dead_letter`; `None` when the table does not exist.
+async fn dead_letters_waiting(client: &Client) -> anyhow::Result<Option<i64>> {
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass('cdc_relay_dead_letter') IS NOT NULL",
+            &[],
+        )
+        .await?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    Ok(Some(
+        client
+            .query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+            .await?
+            .get(0),
+    ))
+}
+
+/// Exit code of `status` when the database is fine but delivery does not
+/// run: no relay holds the slot, or a relay's `/readyz` fails (breaker
+/// open, events stuck, not streaming) or does not answer.
+pub const NOT_DELIVERING: u8 = 8;
+
+/// What one relay's admin endpoint said.
+#[derive(Debug, Serialize)]
+pub struct RelayEndpoint {
+    /// Base URL asked (`http://host:port`).
+    pub url: String,
+    /// `/readyz` answered 200.
+    pub ready: bool,
+    /// `/readyz`'s answer, or why it could not be read.
+    pub detail: String,
+    /// `cdc_relay_circuit_state` (0 closed, 1 open, 2 probing), when read.
+    pub circuit_state: Option<f64>,
+    /// `cdc_relay_oldest_unconfirmed_event_age_seconds`, when read.
+    pub oldest_unconfirmed_event_age_secs: Option<f64>,
+}
+
+/// Asks each admin endpoint and adds what stops delivery to `s.problems`
+/// (after the database's own, which are more fundamental).
+async fn relay_checks(s: &mut Status, a: &StatusArgs) {
+    let slot_usable = s.exists && s.problems.is_empty();
+    if slot_usable && !s.active {
+        s.problems.push(Problem {
+            code: NOT_DELIVERING,
+            message: format!(
+                "no relay streams from slot {}: start `cdc-relay run` (or see why it stopped: `systemctl status cdc-relay`, its log)",
+                s.slot
+            ),
+        });
+    }
+    let (urls, given) = if a.admin_url.is_empty() {
+        let listen = std::env::var("CDC_RELAY_ADMIN_LISTEN")
+            .ok()
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| "127.0.0.1:9187".into());
+        (vec![format!("http://{listen}")], false)
+    } else {
+        (a.admin_url.clone(), true)
+    };
+    for url in urls {
+        let url = url.trim_end_matches('/').to_owned();
+        let e = ask_relay(&url).await;
+        let answered = !e.detail.starts_with("no answer");
+        if !e.ready && (given || answered || (slot_usable && !s.active)) {
+            s.problems.push(Problem {
+                code: NOT_DELIVERING,
+                message: format!("relay at {url}: {}", e.detail),
+            });
+        }
+        s.relays.push(e);
+    }
+    s.healthy = s.problems.is_empty();
+}
+
+/// `GET {url}/readyz` and `/metrics`, 3 s each.
+async fn ask_relay(url: &str) -> RelayEndpoint {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Empty<bytes::Bytes>>();
+    let get = |path: &str| {
+        let uri = format!("{url}{path}");
+        let client = client.clone();
+        async move {
+            let uri: http::Uri = uri.parse().map_err(|e| format!("bad URL: {e}"))?;
+            let fetch = async {
+                let resp = client.get(uri).await.map_err(|e| crate::error_chain(&e))?;
+                let status = resp.status().as_u16();
+                let body = http_body_util::BodyExt::collect(resp.into_body())
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .to_bytes();
+                Ok::<_, String>((status, String::from_utf8_lossy(&body).into_owned()))
+            };
+            tokio::time::timeout(std::time::Duration::from_secs(3), fetch)
+                .await
+                .map_err(|_| "timed out after 3 s".to_owned())?
+        }
+    };
+    let mut e = RelayEndpoint {
+        url: url.to_owned(),
+        ready: false,
+        detail: String::new(),
+        circuit_state: None,
+        oldest_unconfirmed_event_age_secs: None,
+    };
+    match get("/readyz").await {
+        Ok((status, body)) => {
+            e.ready = status == 200;
+            e.detail = body.trim().to_owned();
+        }
+        Err(why) => {
+            e.detail = format!("no answer ({why})");
+            return e;
+        }
+    }
+    if let Ok((200, text)) = get("/metrics").await {
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        };
+        e.circuit_state = value("cdc_relay_circuit_state");
+        e.oldest_unconfirmed_event_age_secs =
+            value("cdc_relay_oldest_unconfirmed_event_age_seconds");
+    }
+    e
 }
 
 /// Something that stops delivery.
@@ -74,6 +205,12 @@ pub struct Status {
     pub active: bool,
     /// That walsender's pid.
     pub active_pid: Option<i32>,
+    /// Who streams from that walsender: its `application_name` and client
+    /// address (`cdc-relay from 10.0.0.7`).
+    pub held_by: Option<String>,
+    /// The relay that last recorded delivery progress for this slot
+    /// (`application_name@host:pid`, from `cdc_relay_progress`).
+    pub last_progress_by: Option<String>,
     /// Where a restart resumes (PostgreSQL text form).
     pub confirmed_flush_lsn: Option<String>,
     /// `pg_current_wal_lsn() - confirmed_flush_lsn`, bytes.
@@ -93,6 +230,10 @@ pub struct Status {
     /// Logical slots of this database other than the relay's: each can read
     /// every row change here. Reported, not a problem (delivery goes on).
     pub other_logical_slots: Vec<OtherSlot>,
+    /// What each relay admin endpoint asked said.
+    pub relays: Vec<RelayEndpoint>,
+    /// Rows in the dead-letter table (`None`: no such table).
+    pub dead_letters_waiting: Option<i64>,
     /// Whether nothing stops delivery.
     pub healthy: bool,
     /// What stops delivery, most fundamental first.
@@ -141,7 +282,10 @@ pub async fn status(
         Some(_) => {}
     }
     if let Err(e) = catalog::check_stream_config(client, table, columns, publications).await {
-        problem(if e.is_definite() { 3 } else { 1 }, e.to_string());
+        // The code `run` would exit with for the same finding (a payload
+        // column of the wrong type is 5 there, a missing table 3).
+        let text = e.to_string();
+        problem(super::run::exit_code(&e.into()), text);
     } else if info.as_ref().is_some_and(|i| !i.active && !i.invalidated())
         && catalog::slot_predates_publication(conn, slot, publications).await? == Some(true)
     {
@@ -155,11 +299,29 @@ pub async fn status(
             .to_string(),
         );
     }
+    let held_by = match info.as_ref().and_then(|i| i.active_pid) {
+        Some(pid) => client
+            .query_opt(
+                "SELECT coalesce(nullif(application_name, ''), '?') || ' from ' || \
+                        coalesce(host(client_addr), 'a local socket') \
+                 FROM pg_stat_replication WHERE pid = $1",
+                &[&pid],
+            )
+            .await
+            .map_err(|e| SourceError::sql("reading pg_stat_replication", &e))?
+            .map(|r| r.get::<_, String>(0)),
+        None => None,
+    };
+    let last_progress_by = source::progress::read(client, slot)
+        .await?
+        .and_then(|p| p.holder);
     Ok(Status {
         slot: slot.to_owned(),
         exists: info.is_some(),
         active: info.as_ref().is_some_and(|i| i.active),
         active_pid: info.as_ref().and_then(|i| i.active_pid),
+        held_by,
+        last_progress_by,
         confirmed_flush_lsn: info
             .as_ref()
             .and_then(|i| i.confirmed_flush_lsn)
@@ -172,6 +334,8 @@ pub async fn status(
         failover: None,
         standbys: Vec::new(),
         other_logical_slots,
+        relays: Vec::new(),
+        dead_letters_waiting: None,
         healthy: problems.is_empty(),
         problems,
     })
@@ -188,12 +352,20 @@ impl std::fmt::Display for Status {
             )?;
         } else {
             writeln!(f, "slot {}", self.slot)?;
-            writeln!(
-                f,
-                "  active:              {} (pid {})",
-                self.active,
-                self.active_pid.map_or("-".into(), |p| p.to_string())
-            )?;
+            match (&self.held_by, self.active_pid) {
+                (Some(who), Some(pid)) => writeln!(
+                    f,
+                    "  active:              true, held by {who} (walsender pid {pid})"
+                )?,
+                (None, Some(pid)) => {
+                    writeln!(f, "  active:              true (walsender pid {pid})")?
+                }
+                _ => writeln!(f, "  active:              false (no relay streams from it)")?,
+            }
+            if let Some(who) = &self.last_progress_by {
+                writeln!(f, "  last progress by:    {who}")?;
+            }
+            let lost = self.wal_status.as_deref() == Some("lost");
             writeln!(
                 f,
                 "  confirmed_flush_lsn: {}",
@@ -201,15 +373,22 @@ impl std::fmt::Display for Status {
             )?;
             writeln!(
                 f,
-                "  lag:                 {} bytes",
-                self.lag_bytes.map_or("-".into(), |b| b.to_string())
+                "  lag:                 {}",
+                match self.lag_bytes {
+                    _ if lost => "lost".into(),
+                    Some(b) => human_bytes(b),
+                    None => "-".into(),
+                }
             )?;
             writeln!(f, "  wal_status:          {}", opt(&self.wal_status))?;
             writeln!(
                 f,
                 "  safe_wal_size:       {}",
-                self.safe_wal_size
-                    .map_or("unlimited".into(), |b| format!("{b} bytes"))
+                match self.safe_wal_size {
+                    _ if lost => "lost".into(),
+                    Some(b) => human_bytes(b),
+                    None => "unlimited (max_slot_wal_keep_size = -1)".into(),
+                }
             )?;
         }
         writeln!(
@@ -239,7 +418,9 @@ impl std::fmt::Display for Status {
                     } else {
                         "persistent"
                     },
-                    c.lag_bytes.map_or("?".into(), |b| format!("{b} bytes"))
+                    c.lag_bytes.map_or("?".into(), |b| human_bytes(
+                        i64::try_from(b).unwrap_or(i64::MAX)
+                    ))
                 )?,
             }
         }
@@ -255,6 +436,36 @@ impl std::fmt::Display for Status {
                 o.name
             )?;
         }
+        for r in &self.relays {
+            let circuit = match r.circuit_state {
+                Some(0.0) => ", circuit closed",
+                Some(1.0) => ", circuit OPEN",
+                Some(2.0) => ", circuit probing",
+                _ => "",
+            };
+            writeln!(
+                f,
+                "relay {}: {}{circuit}{}",
+                r.url,
+                if r.ready { "ready" } else { &r.detail },
+                r.oldest_unconfirmed_event_age_secs
+                    .filter(|a| *a > 0.0)
+                    .map_or(String::new(), |a| format!(
+                        ", oldest unconfirmed event {a:.0} s old"
+                    ))
+            )?;
+        }
+        if let Some(n) = self.dead_letters_waiting {
+            writeln!(
+                f,
+                "dead letters waiting: {n}{}",
+                if n > 0 {
+                    " (`cdc-relay dead-letter list`)"
+                } else {
+                    ""
+                }
+            )?;
+        }
         if self.healthy {
             writeln!(f, "healthy: nothing stops delivery")
         } else {
@@ -263,5 +474,38 @@ impl std::fmt::Display for Status {
             }
             Ok(())
         }
+    }
+}
+
+/// `bytes` for a reader: `512 bytes`, `1.5 KiB`, `12.0 MiB`, `3.2 GiB`
+/// (binary units, one decimal). The JSON output keeps exact bytes.
+fn human_bytes(bytes: i64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes.unsigned_abs() < 1024 {
+        return format!("{bytes} bytes");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value.abs() >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::human_bytes;
+
+    #[test]
+    fn sizes_are_shown_in_binary_units() {
+        assert_eq!(human_bytes(0), "0 bytes");
+        assert_eq!(human_bytes(1023), "1023 bytes");
+        assert_eq!(human_bytes(1024), "1.0 KiB");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(16 * 1024 * 1024), "16.0 MiB");
+        assert_eq!(human_bytes(3_435_973_837), "3.2 GiB");
+        assert_eq!(human_bytes(5 << 40), "5.0 TiB");
+        assert_eq!(human_bytes(-2048), "-2.0 KiB");
     }
 }

@@ -10,7 +10,13 @@
 //! A dead-letter write is retried until it commits; the event stays pending
 //! meanwhile. Only a lost store (the side connection closed) ends the
 //! pipeline, and with it the session.
+//!
+//! Once the pipeline is stopping (shutdown), no new attempt starts: a
+//! delivery waiting for the breaker or sleeping in backoff gives up at once
+//! and its event stays pending (unconfirmed, so it is sent again after a
+//! restart); an attempt already on the wire finishes.
 
+use std::future::Future;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crate::backoff::Backoff;
@@ -21,6 +27,16 @@ use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Attempt, Disposition, Sink, classify, status_class};
 
 use super::{DispatchConfig, DispatchError, Services};
+
+/// How a job ended.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Finished {
+    /// The event is done: delivered or dead-lettered.
+    Done,
+    /// The pipeline is stopping and the event is not done: it stays
+    /// pending and is never confirmed by this session.
+    Abandoned,
+}
 
 /// What a job does.
 #[derive(Debug)]
@@ -65,8 +81,9 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
         }
     }
 
-    /// Does job `seq` (its place in stream order) until it is done.
-    pub async fn run(&self, seq: u64, work: Work) -> Result<(), DispatchError> {
+    /// Does job `seq` (its place in stream order) until it is done, or
+    /// until the pipeline stops with it not done.
+    pub async fn run(&self, seq: u64, work: Work) -> Result<Finished, DispatchError> {
         match work {
             Work::Deliver(event) => self.deliver(seq, &event).await,
             Work::DeadLetter(row) => {
@@ -76,15 +93,27 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
         }
     }
 
+    /// Waits for `wait` unless the pipeline starts stopping first (`None`).
+    async fn unless_stopping<T>(&self, wait: impl Future<Output = T>) -> Option<T> {
+        tokio::select! {
+            biased;
+            _ = self.services.stopping.cancelled() => None,
+            t = wait => Some(t),
+        }
+    }
+
     /// Delivers one event until it is done: a 2xx, or dead-lettered.
-    async fn deliver(&self, seq: u64, event: &OutboxEvent) -> Result<(), DispatchError> {
+    async fn deliver(&self, seq: u64, event: &OutboxEvent) -> Result<Finished, DispatchError> {
         let metrics = &self.services.metrics;
         let request = self.services.sink.prepare(event);
         let mut backoff = self.backoff();
         let first_attempt = unix_micros();
         let mut attempts: u32 = 0;
         loop {
-            let admission = self.breaker.admit(seq).await;
+            let Some(admission) = self.unless_stopping(self.breaker.admit(seq)).await else {
+                self.breaker.withdraw(seq);
+                return Ok(Finished::Abandoned);
+            };
             attempts += 1;
             let started = Instant::now();
             let attempt = {
@@ -103,7 +132,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                         .commit_to_delivery
                         .observe(seconds_since_commit(event.commit_time_micros));
                     tracing::debug!(event_id = ?event.id, commit_lsn = ?event.commit_lsn, attempts, "delivered");
-                    return Ok(());
+                    return Ok(Finished::Done);
                 }
                 Disposition::DeadLetter(r) if self.breaker.poison(&event.id) => {
                     self.breaker
@@ -130,6 +159,16 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                 Attempt::Response { retry_after, .. } => *retry_after,
                 _ => None,
             };
+            if let Some(asked) = retry_after {
+                // The sink asked for quiet: every delivery waits, not just this one.
+                let pause = asked.min(self.cfg.retry_after_max);
+                self.breaker
+                    .pause_until(tokio::time::Instant::now() + pause);
+                tracing::warn!(
+                    event_id = ?event.id, reason = %reason, retry_after_s = asked.as_secs_f64(),
+                    pause_s = pause.as_secs_f64(), "the sink asked for quiet (Retry-After): every delivery pauses"
+                );
+            }
             let delay = backoff.next_delay(retry_after, &mut rand::rng());
             if attempts == 1 || attempts.is_multiple_of(20) {
                 tracing::warn!(
@@ -138,26 +177,38 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                     retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
                 );
             }
-            tokio::time::sleep(delay).await;
+            if self
+                .unless_stopping(tokio::time::sleep(delay))
+                .await
+                .is_none()
+            {
+                return Ok(Finished::Abandoned);
+            }
         }
     }
 
     /// Writes a dead-letter row, retrying until it is committed. The event
     /// stays pending meanwhile; a lost store ends the pipeline.
-    async fn dead_letter(&self, row: &NewDeadLetter) -> Result<(), DispatchError> {
+    async fn dead_letter(&self, row: &NewDeadLetter) -> Result<Finished, DispatchError> {
         let mut backoff = self.backoff();
         loop {
             match self.services.store.insert(row).await {
                 Ok(id) => {
                     self.services.metrics.events_dead_lettered.inc();
                     tracing::warn!(dead_letter_id = id, event_id = ?row.event_id, error = %row.error, "dead-lettered");
-                    return Ok(());
+                    return Ok(Finished::Done);
                 }
                 Err(StoreError::Lost(e)) => return Err(DispatchError::StoreLost(e)),
                 Err(StoreError::Failed(e)) => {
                     tracing::error!(error = %e, event_id = ?row.event_id, "cannot write the dead-letter row; the event stays pending");
                     let delay = backoff.next_delay(None, &mut rand::rng());
-                    tokio::time::sleep(delay).await;
+                    if self
+                        .unless_stopping(tokio::time::sleep(delay))
+                        .await
+                        .is_none()
+                    {
+                        return Ok(Finished::Abandoned);
+                    }
                 }
             }
         }

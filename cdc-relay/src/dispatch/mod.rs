@@ -36,6 +36,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::ack::Position;
 use crate::breaker::{Breaker, BreakerConfig};
@@ -44,7 +45,7 @@ use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Sink, StatusPolicy};
-use delivery::{Delivery, Work};
+use delivery::{Delivery, Finished, Work};
 use progress::DoneLog;
 pub use progress::{Confirmed, DoneTx};
 use scheduler::{Scheduler, Ticket};
@@ -107,6 +108,9 @@ pub struct Services<S, D> {
     /// The circuit breaker and storm guard: the caller keeps it across
     /// sessions, so a reconnect does not reset an open circuit or a storm.
     pub breaker: Breaker,
+    /// Cancelled when shutdown begins: from then on no new attempt starts
+    /// (`docs/architecture.md#shutdown`); attempts on the wire finish.
+    pub stopping: CancellationToken,
 }
 
 /// The pipeline stopped before its input ended.
@@ -121,8 +125,11 @@ pub enum DispatchError {
 type Job = (Work, WindowPermit);
 
 /// Runs until `items` closes and everything admitted is done, then returns
-/// the final confirmed position. Dropping the future aborts deliveries in
-/// flight (they are redelivered after a restart: at-least-once). The
+/// the final confirmed position. Once `services.stopping` is cancelled no
+/// new attempt starts: it returns when `items` is closed and the attempts
+/// on the wire have finished, with what was not done left unconfirmed.
+/// Dropping the future aborts deliveries in flight (they are redelivered
+/// after a restart: at-least-once). The
 /// confirmed position (and the last done transaction with events) is
 /// published on `confirmed` whenever it moves.
 pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
@@ -135,24 +142,31 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
     let metrics = services.metrics.clone();
     let health = Arc::clone(&services.health);
     let breaker = services.breaker.clone();
+    let stopping = services.stopping.clone();
     breaker.new_session();
     let delivery = Arc::new(Delivery::new(cfg.clone(), services, breaker));
     let mut scheduler: Scheduler<P, Job> = Scheduler::new(start, cfg.max_in_flight);
     let mut done = DoneLog::new();
-    let mut running: JoinSet<Result<Ticket, DispatchError>> = JoinSet::new();
+    let mut running: JoinSet<Result<Option<Ticket>, DispatchError>> = JoinSet::new();
     let mut items_open = true;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
-        while let Some((ticket, (work, permit))) = scheduler.next_job() {
+        while !stopping.is_cancelled()
+            && let Some((ticket, (work, permit))) = scheduler.next_job()
+        {
             let delivery = Arc::clone(&delivery);
             running.spawn(async move {
-                delivery.run(ticket.seq, work).await?;
-                drop(permit);
-                Ok(ticket)
+                match delivery.run(ticket.seq, work).await? {
+                    Finished::Done => {
+                        drop(permit);
+                        Ok(Some(ticket))
+                    }
+                    Finished::Abandoned => Ok(None),
+                }
             });
         }
         publish(&scheduler, &mut done, &confirmed, &metrics, &health);
-        if !items_open && scheduler.is_idle() {
+        if !items_open && (scheduler.is_idle() || (stopping.is_cancelled() && running.is_empty())) {
             return Ok(scheduler.confirmed());
         }
         tokio::select! {
@@ -161,8 +175,13 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
                 None => items_open = false,
             },
             Some(done) = running.join_next() => {
-                scheduler.complete(done.expect("delivery tasks do not panic")?);
+                if let Some(ticket) = done.expect("delivery tasks do not panic")? {
+                    scheduler.complete(ticket);
+                }
             }
+            // Stopping: wake up to stop spawning and to see whether the
+            // attempts on the wire are all done.
+            _ = stopping.cancelled(), if !stopping.is_cancelled() => {}
             _ = tick.tick() => {
                 let age = scheduler
                     .oldest_pending_since()

@@ -75,13 +75,25 @@ impl Sink for Arc<ScriptedSink> {
             end: Instant::now(),
             status,
         });
-        Attempt::Response {
-            status,
-            retry_after: None,
-            excerpt: String::new(),
+        match status {
+            TIMEOUT => Attempt::Timeout,
+            CONNECT => Attempt::Connect("connection refused".into()),
+            TLS => Attempt::Tls("invalid peer certificate".into()),
+            TRANSPORT => Attempt::Transport("connection reset by peer".into()),
+            status => Attempt::Response {
+                status,
+                retry_after: None,
+                excerpt: String::new(),
+            },
         }
     }
 }
+
+/// Scripted "statuses" that stand for the failures without a response.
+const TIMEOUT: u16 = 0;
+const CONNECT: u16 = 1;
+const TLS: u16 = 2;
+const TRANSPORT: u16 = 3;
 
 /// Dead letters, in memory.
 #[derive(Default)]
@@ -137,6 +149,7 @@ async fn dispatch_all(
         breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),
         metrics,
         health: Health::new(Duration::from_secs(60)),
+        stopping: tokio_util::sync::CancellationToken::new(),
     };
     let (items, items_rx) = mpsc::channel(16);
     let (confirmed, _) = watch::channel(Confirmed::default());
@@ -343,6 +356,7 @@ async fn session_dropped_after(
         breaker,
         metrics: Metrics::new(),
         health: Health::new(Duration::from_secs(60)),
+        stopping: tokio_util::sync::CancellationToken::new(),
     };
     let (items, items_rx) = mpsc::channel(16);
     let (confirmed, _) = watch::channel(Confirmed::default());
@@ -409,4 +423,98 @@ async fn a_poison_storm_and_an_open_circuit_outlive_a_reconnect() {
         "only probes go out, about two per second, and they do go out: {probes}"
     );
     assert_eq!(breaker.state(), crate::breaker::CircuitState::Open);
+}
+
+/// Issue 14, HTTP manners 6: every failure class counts toward the
+/// breaker, so a dead sink sees at most about two requests per second
+/// whatever the failure looks like: the first failures (the threshold, 3
+/// here), then one probe per 500 ms (plus up to 20 % jitter).
+#[tokio::test(start_paused = true)]
+async fn a_dead_sink_sees_two_requests_per_second_whatever_the_failure() {
+    for class in [TIMEOUT, CONNECT, TLS, TRANSPORT, 503, 502, 429, 401] {
+        let sink = ScriptedSink::new(move |_, _| (Duration::from_millis(2), class));
+        let cfg = config(8);
+        let breaker = Breaker::new(cfg.breaker.clone(), Metrics::new());
+        let events = (0..20).map(|n| event(&format!("e{n}"), None)).collect();
+        let t0 = Instant::now();
+        session_dropped_after(
+            cfg,
+            Arc::clone(&sink),
+            breaker,
+            events,
+            Duration::from_secs(11),
+        )
+        .await;
+        let after_first_second = sink
+            .calls()
+            .iter()
+            .filter(|c| c.start >= t0 + Duration::from_secs(1))
+            .count();
+        assert!(
+            after_first_second <= 2 * 10 + 1,
+            "failure {class}: {after_first_second} requests in the 10 s after the first second"
+        );
+        assert!(
+            sink.calls().len() <= 3 + 2 * 11 + 1,
+            "failure {class}: {}",
+            sink.calls().len()
+        );
+    }
+}
+
+/// Issue 14, HTTP manners 4: once the pipeline is stopping no new attempt
+/// starts: a delivery in backoff gives up at once, the dispatcher returns
+/// without waiting for it, and the confirmed position stays before the
+/// undelivered event's transaction.
+#[tokio::test(start_paused = true)]
+async fn stopping_starts_no_new_attempt_and_confirms_nothing_undone() {
+    let sink = ScriptedSink::new(|id, _| {
+        (
+            Duration::from_millis(2),
+            if id == "bad" { 503 } else { 204 },
+        )
+    });
+    let store = Arc::new(MemoryStore::default());
+    let metrics = Metrics::new();
+    let stopping = tokio_util::sync::CancellationToken::new();
+    let cfg = config(8);
+    let services = Services {
+        sink: Arc::clone(&sink),
+        store,
+        breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),
+        metrics,
+        health: Health::new(Duration::from_secs(60)),
+        stopping: stopping.clone(),
+    };
+    let (items, items_rx) = mpsc::channel(16);
+    let (confirmed, _) = watch::channel(Confirmed::default());
+    let dispatcher = tokio::spawn(run(cfg, services, Lsn::ZERO, items_rx, confirmed));
+    let window = Window::new(10_000, 1 << 20);
+    for (n, id) in ["ok", "bad"].into_iter().enumerate() {
+        items.send(Item::Begin).await.unwrap();
+        let e = event(id, None);
+        let permit = window.admit(e.size_bytes()).await;
+        items.send(Item::Event(e, permit)).await.unwrap();
+        let end = Lsn::new(100 * (n as u64 + 1));
+        items
+            .send(Item::Commit {
+                end,
+                commit_time_micros: 0,
+            })
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = sink.calls().len();
+    let t = Instant::now();
+    stopping.cancel();
+    drop(items);
+    let confirmed = dispatcher.await.unwrap().unwrap();
+    assert_eq!(t.elapsed(), Duration::ZERO, "returned at once");
+    assert_eq!(sink.calls().len(), before, "no attempt after the stop");
+    assert_eq!(
+        confirmed,
+        Lsn::new(100),
+        "the failing event's transaction is not confirmed"
+    );
 }

@@ -283,6 +283,7 @@ impl Session<'_> {
             metrics: self.metrics.clone(),
             health: Arc::clone(self.health),
             breaker: self.breaker.clone(),
+            stopping: shutdown.clone(),
         };
         let dispatcher = AbortOnDropHandle::new(tokio::spawn(dispatch::run(
             cfg.dispatch.clone(),

@@ -2,7 +2,18 @@
 //!
 //! One pooled client per relay: hyper-util's legacy client (keep-alive
 //! pool, HTTP/1.1, HTTP/2 when a TLS sink offers it through ALPN) over
-//! rustls. The URI, the `Authorization` header from URL credentials and the
+//! rustls. A pooled connection idle for `--sink-idle-timeout` is closed,
+//! and none is reused past `--sink-connection-max-age`: the client (with
+//! its pool) is replaced by a new one once it is that old, so the next
+//! requests look the name up again and follow a DNS change; requests on the
+//! old connections finish there.
+//!
+//! A request the sink never processed — canceled on a pooled connection
+//! that had closed, an HTTP/2 stream refused (`REFUSED_STREAM`) or above a
+//! GOAWAY's last stream id — is sent again at once on a new connection, once: it is a
+//! connection event, not a sink failure. Whatever the second try gives is
+//! the attempt's result (so a dead sink still sees at most two requests per
+//! attempt, and the breaker judges the second). The URI, the `Authorization` header from URL credentials and the
 //! fixed headers are built once; each attempt POSTs the exact body with
 //! (`--signature-scheme both`, the default):
 //!
@@ -21,8 +32,8 @@
 //! `docs/architecture.md#response-classes`); proxy environment
 //! variables are not read.
 
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -39,6 +50,7 @@ use rustls::pki_types::pem::PemObject;
 
 use crate::outbox::OutboxEvent;
 use crate::sink::Sink;
+use crate::sink::connection::{ConnectionTag, Tagging};
 use crate::sink::encoder::{self, Prepared};
 use crate::sink::signature::Signing;
 
@@ -55,6 +67,11 @@ pub struct SinkConfig {
     /// Whole-attempt timeout: connect, TLS, send, and the response up to the
     /// end of its body (or [`EXCERPT_BYTES`] of it).
     pub request_timeout: Duration,
+    /// Age after which a pooled connection takes no new request (the
+    /// client and its pool are replaced).
+    pub connection_max_age: Duration,
+    /// Idle time after which a pooled connection is closed.
+    pub idle_timeout: Duration,
     /// Extra PEM CA certificate(s) to trust for an `https` sink, besides
     /// the webpki roots.
     pub ca_cert_pem: Option<Vec<u8>>,
@@ -117,7 +134,9 @@ impl Attempt {
 /// Maximum response-body bytes kept in [`Attempt::Response::excerpt`].
 pub const EXCERPT_BYTES: usize = 512;
 
-type Pool = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+type Connector = Tagging<HttpsConnector<HttpConnector>>;
+
+type Pool = Client<Connector, Full<Bytes>>;
 
 /// What every request reuses, built once.
 #[derive(Debug)]
@@ -128,12 +147,74 @@ struct Target {
     request_timeout: Duration,
 }
 
+/// The pooled client and what it takes to make a new one.
+struct Clients {
+    connector: Connector,
+    idle_timeout: Duration,
+    max_age: Duration,
+    /// The client in use and when it was made.
+    current: RwLock<(Pool, Instant)>,
+}
+
+impl std::fmt::Debug for Clients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Clients")
+            .field("idle_timeout", &self.idle_timeout)
+            .field("max_age", &self.max_age)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Clients {
+    fn new(connector: Connector, idle_timeout: Duration, max_age: Duration) -> Self {
+        let client = build_client(connector.clone(), idle_timeout);
+        Clients {
+            connector,
+            idle_timeout,
+            max_age,
+            current: RwLock::new((client, Instant::now())),
+        }
+    }
+
+    /// The client for the next request: a new one (an empty pool) once the
+    /// current one is `max_age` old. The old one lives on in the requests
+    /// that hold it, and its connections close when the last one ends.
+    fn get(&self) -> Pool {
+        {
+            let current = self.current.read().expect("client lock is never poisoned");
+            if current.1.elapsed() < self.max_age {
+                return current.0.clone();
+            }
+        }
+        let mut current = self.current.write().expect("client lock is never poisoned");
+        if current.1.elapsed() >= self.max_age {
+            *current = (
+                build_client(self.connector.clone(), self.idle_timeout),
+                Instant::now(),
+            );
+        }
+        current.0.clone()
+    }
+}
+
+fn build_client(connector: Connector, idle_timeout: Duration) -> Pool {
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(idle_timeout)
+        .pool_timer(TokioTimer::new())
+        .timer(TokioTimer::new())
+        // Our own single retry on a new connection replaces hyper-util's,
+        // which loops for as long as it finds closed pooled connections.
+        .retry_canceled_requests(false)
+        .build(connector)
+}
+
 /// The HTTP sink: shared by all deliveries; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct HttpSink {
-    client: Pool,
+    clients: Arc<Clients>,
     target: Arc<Target>,
     signing: Signing,
+    metrics: Option<crate::metrics::Metrics>,
 }
 
 impl HttpSink {
@@ -168,11 +249,7 @@ impl HttpSink {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(tcp);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .build(connector);
+        let clients = Clients::new(Tagging(connector), cfg.idle_timeout, cfg.connection_max_age);
 
         let mut bare = cfg.url.clone();
         let authorization = if cfg.url.username().is_empty() && cfg.url.password().is_none() {
@@ -196,7 +273,8 @@ impl HttpSink {
             .parse()
             .map_err(|e: http::uri::InvalidUri| SinkError::Client(format!("sink URL: {e}")))?;
         Ok(HttpSink {
-            client,
+            clients: Arc::new(clients),
+            metrics: None,
             target: Arc::new(Target {
                 url: cfg.url,
                 uri,
@@ -205,6 +283,13 @@ impl HttpSink {
             }),
             signing: cfg.signing,
         })
+    }
+
+    /// Counts the sink's own events (immediate retries on a new
+    /// connection) in `metrics`.
+    pub fn with_metrics(mut self, metrics: crate::metrics::Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// The configured URL.
@@ -234,27 +319,52 @@ impl HttpSink {
         let timestamp = unix_seconds();
         let standard = signer.standard(&id, timestamp, &request.body);
         let key = HeaderValue::from_str(&id).expect("header_safe output is a valid header value");
-        let mut req = Request::new(Full::new(request.body.clone()));
-        *req.method_mut() = Method::POST;
-        *req.uri_mut() = self.target.uri.clone();
-        let headers = req.headers_mut();
-        headers.reserve(8);
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if let Some(signature) = legacy {
-            headers.insert("x-event-signature", signature);
-        }
-        if let Some(signature) = standard {
-            headers.insert("webhook-id", key.clone());
-            headers.insert("webhook-timestamp", HeaderValue::from(timestamp));
-            headers.insert("webhook-signature", signature);
-        }
-        headers.insert("idempotency-key", key);
-        headers.insert(USER_AGENT, HeaderValue::from_static(USER_AGENT_VALUE));
-        if let Some(auth) = &self.target.authorization {
-            headers.insert(AUTHORIZATION, auth.clone());
-        }
-        let resp = match self.client.request(req).await {
+        let build = || {
+            let mut req = Request::new(Full::new(request.body.clone()));
+            *req.method_mut() = Method::POST;
+            *req.uri_mut() = self.target.uri.clone();
+            let headers = req.headers_mut();
+            headers.reserve(8);
+            headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            if let Some(signature) = &legacy {
+                headers.insert("x-event-signature", signature.clone());
+            }
+            if let Some(signature) = &standard {
+                headers.insert("webhook-id", key.clone());
+                headers.insert("webhook-timestamp", HeaderValue::from(timestamp));
+                headers.insert("webhook-signature", signature.clone());
+            }
+            headers.insert("idempotency-key", key.clone());
+            headers.insert(USER_AGENT, HeaderValue::from_static(USER_AGENT_VALUE));
+            if let Some(auth) = &self.target.authorization {
+                headers.insert(AUTHORIZATION, auth.clone());
+            }
+            req
+        };
+        let resp = match self.clients.get().request(build()).await {
             Ok(r) => r,
+            Err(e) if never_processed(&e) => {
+                // Not a sink failure: the same request once more, at once,
+                // on a new connection (the one it met is not reused).
+                let connection = e.connect_info();
+                if let Some(connected) = connection {
+                    connected.poison();
+                }
+                if let Some(m) = &self.metrics {
+                    m.sink_fresh_connection_retries.inc();
+                    // One refusing connection is one event, however many
+                    // of its requests come back.
+                    let tag = connection.and_then(ConnectionTag::of);
+                    if tag.is_none_or(|t| t.first_refusal()) {
+                        m.sink_connection_events.inc();
+                    }
+                }
+                tracing::debug!(event_id = ?id, error = %crate::error_chain(&e), "the sink did not process the request; sending it again on a new connection");
+                match self.clients.get().request(build()).await {
+                    Ok(r) => r,
+                    Err(e) => return request_error(&e),
+                }
+            }
             Err(e) => return request_error(&e),
         };
         let status = resp.status().as_u16();
@@ -333,6 +443,27 @@ fn request_error(e: &hyper_util::client::legacy::Error) -> Attempt {
     } else {
         Attempt::Transport(crate::error_chain(e))
     }
+}
+
+/// Whether the sink cannot have processed the request: it was canceled
+/// before it was written (a pooled connection found closed), or its HTTP/2
+/// stream was refused (`REFUSED_STREAM`, RFC 9113 §8.7) or reset by the
+/// peer's GOAWAY (§6.8: streams above its last stream id were not
+/// processed). A stream at or below that id cut by the connection closing
+/// may have been processed: h2 reports it as a broken pipe, a transport
+/// failure like any other.
+fn never_processed(e: &hyper_util::client::legacy::Error) -> bool {
+    std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| {
+        e.source()
+    })
+    .any(|err| {
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            return h.is_canceled();
+        }
+        err.downcast_ref::<h2::Error>().is_some_and(|h| {
+            h.reason() == Some(h2::Reason::REFUSED_STREAM) || (h.is_go_away() && h.is_remote())
+        })
+    })
 }
 
 /// A connect error whose cause is the TCP connect timeout.

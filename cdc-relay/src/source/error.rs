@@ -141,9 +141,19 @@ impl SourceError {
 
     /// A failed SQL statement or connect on a normal connection, `context`
     /// saying what was being done (e.g. `reading the slot`).
+    ///
+    /// A connect that fails on the client's side before any server answer
+    /// is definite when retrying cannot help: a missing password, a server
+    /// that refuses TLS under `sslmode=require`, a certificate the trust
+    /// store refuses. A refused login (28000, 28P01) is definite too. Each
+    /// says which setting to change.
     pub fn sql(context: &str, e: &tokio_postgres::Error) -> Self {
         let code = e.code().map(|c| c.code());
-        classify(code, format!("{context}: {}", db_message(e)), None)
+        let msg = format!("{context}: {}", db_message(e));
+        if let Some(hint) = connect_hint(code, &msg) {
+            return SourceError::Definite(format!("{msg}. {hint}"));
+        }
+        classify(code, msg, None)
     }
 
     /// A replication transport error while streaming `slot`.
@@ -203,6 +213,40 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
     match code {
         Some(c) if !sqlstate_is_transient(c) => SourceError::Definite(msg),
         _ => SourceError::Transient(msg),
+    }
+}
+
+/// What to change for a connect error that retrying cannot fix; `None`
+/// for every other error. `msg` is the error chain (tokio-postgres says
+/// "invalid configuration: password missing", "error performing TLS
+/// handshake: server does not support TLS", "...: invalid peer
+/// certificate: ...").
+fn connect_hint(code: Option<&str>, msg: &str) -> Option<&'static str> {
+    const PASSWORD: &str = "Set the password with CDC_RELAY_DATABASE_PASSWORD \
+        (--database-password) or CDC_RELAY_DATABASE_PASSWORD_FILE (--database-password-file), \
+        or in the URL";
+    match code {
+        Some("28P01" | "28000") => Some(
+            "Check the role and password (CDC_RELAY_DATABASE_PASSWORD or \
+             CDC_RELAY_DATABASE_PASSWORD_FILE, or the URL) and that the server's pg_hba.conf \
+             admits this role from this host",
+        ),
+        Some(_) => None,
+        None if msg.contains("invalid configuration: password missing") => Some(PASSWORD),
+        None if msg.contains("server does not support TLS") => Some(
+            "The server has ssl = off: connect with sslmode=disable (or prefer), or enable TLS \
+             on the server",
+        ),
+        None if msg.contains("invalid peer certificate") => Some(
+            "The server's certificate is not trusted for this host name: give its CA with \
+             sslrootcert=FILE in the URL, or connect by the name the certificate carries",
+        ),
+        None if msg.contains("invalid configuration")
+            || msg.contains("invalid connection string") =>
+        {
+            Some("Fix --database-url (CDC_RELAY_DATABASE_URL)")
+        }
+        None => None,
     }
 }
 
@@ -269,6 +313,56 @@ mod tests {
             assert!(classify(Some(c), "x".into(), None).is_definite(), "{c}");
         }
         assert!(!classify(None, "connection reset".into(), None).is_definite());
+    }
+
+    #[test]
+    fn connect_errors_that_retrying_cannot_fix_say_what_to_change() {
+        for (code, msg, names) in [
+            (
+                None,
+                "c: invalid configuration: password missing",
+                "CDC_RELAY_DATABASE_PASSWORD_FILE",
+            ),
+            (
+                None,
+                "c: error performing TLS handshake: server does not support TLS",
+                "sslmode=disable",
+            ),
+            (
+                None,
+                "c: error performing TLS handshake: invalid peer certificate: UnknownIssuer",
+                "sslrootcert",
+            ),
+            (
+                Some("28P01"),
+                "c: password authentication failed for user \"x\" (SQLSTATE 28P01)",
+                "pg_hba.conf",
+            ),
+            (
+                Some("28000"),
+                "c: no pg_hba.conf entry (SQLSTATE 28000)",
+                "pg_hba.conf",
+            ),
+        ] {
+            let hint = connect_hint(code, msg).unwrap_or_else(|| panic!("a hint for {msg}"));
+            assert!(hint.contains(names), "{msg}: {hint}");
+        }
+        for (code, msg) in [
+            (
+                None,
+                "c: error connecting to server: Connection refused (os error 111)",
+            ),
+            (
+                None,
+                "c: error performing TLS handshake: connection reset by peer",
+            ),
+            (
+                Some("57P03"),
+                "c: the database system is starting up (SQLSTATE 57P03)",
+            ),
+        ] {
+            assert_eq!(connect_hint(code, msg), None, "{msg}");
+        }
     }
 
     #[test]

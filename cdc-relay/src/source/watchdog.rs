@@ -1,7 +1,8 @@
 //! The slot monitor and the stream watchdog, both on the side connection.
 //!
-//! - The **monitor** reads the slot's row and the outbox's publication
-//!   membership every `--slot-stats-interval` (at most 30 s; one statement:
+//! - The **monitor** reads the slot's row, the outbox's publication
+//!   membership and the number of dead letters waiting every
+//!   `--slot-stats-interval` (at most 30 s; one statement:
 //!   the relay's whole cost to an idle database), exports lag, `wal_status`,
 //!   `safe_wal_size` and membership, publishes the reading on a `watch`
 //!   channel, and holds the confirmed position while the outbox is out of
@@ -89,13 +90,33 @@ pub async fn monitor_slot(
             None
         }
     };
+    let count_dead_letters = match catalog::dead_letter_table_exists(&side).await {
+        Ok(true) => true,
+        Ok(false) => {
+            tracing::warn!(
+                "table cdc_relay_dead_letter does not exist (apply sql/orders.sql): a poison event cannot be dead-lettered, and cdc_relay_dead_letters_waiting stays unset"
+            );
+            false
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot look up cdc_relay_dead_letter");
+            false
+        }
+    };
     let mut persisted = recorded.as_ref().map(|m| (m.carriers.clone(), m.table_oid));
     let mut membership = MembershipWatch::new(start, recorded);
     let mut tick = tokio::time::interval(interval.min(MEMBERSHIP_CHECK_MAX));
     loop {
         tick.tick().await;
-        let reading = catalog::monitor_reading(&side, &slot, &publications, &table, &columns);
-        let (info, member, others) =
+        let reading = catalog::monitor_reading(
+            &side,
+            &slot,
+            &publications,
+            &table,
+            &columns,
+            count_dead_letters,
+        );
+        let (info, member, others, dead_letters) =
             match tokio::time::timeout(Duration::from_secs(5), reading).await {
                 Ok(Ok(r)) => r,
                 Ok(Err(e)) => {
@@ -115,6 +136,9 @@ pub async fn monitor_slot(
             );
         }
         out.metrics.other_logical_slots.set(n);
+        if let Some(n) = dead_letters {
+            out.metrics.dead_letters_waiting.set(n);
+        }
         match info {
             Some(info) => {
                 export_slot(&out.metrics, &info);

@@ -44,6 +44,11 @@ async fn main() -> anyhow::Result<()> {
         println!("BILLING_ADMIN_URL={}", stack.billing_admin_url);
         println!("SLOT={}", stack.slot);
         println!("PUBLICATION={}", stack.publication);
+        // The names `cdc-relay` itself reads: `eval` or `export` these and
+        // run `cdc-relay status` (or `run --sink-url …`) against the stack.
+        println!("CDC_RELAY_DATABASE_URL={}", stack.relay_url);
+        println!("CDC_RELAY_SLOT={}", stack.slot);
+        println!("CDC_RELAY_PUBLICATION={}", stack.publication);
     }
     println!("READY");
 

@@ -55,6 +55,15 @@ pub struct FaultOutcome {
     pub redelivered: usize,
     /// Requests the sink answered while the fault held (any status).
     pub sink_requests_during: usize,
+    /// Faults between the relay and Billing (Billing killed, a 503 burst,
+    /// the link cut or reset): requests that reached the sink's side from
+    /// one second after the fault began until it was lifted (Billing's
+    /// front for a kill or a burst, new connections at the relay↔Billing
+    /// proxy for a cut or a reset: each attempt there needs one), and the
+    /// length of that span in seconds. The first second is left out: it
+    /// holds the requests already in flight and the failures that open the
+    /// circuit.
+    pub sink_requests_after_first_second: Option<(usize, f64)>,
     /// Another fault held during this one, or had ended less than
     /// [`SETTLE`] seconds before it started: its figures mix both, and the
     /// per-kind statistics leave it out.
@@ -168,6 +177,10 @@ pub struct KindFigures {
     pub caught_up_after: Stats,
     /// Redelivered requests, total over this kind's windows.
     pub redelivered: usize,
+    /// Faults against Billing: the highest rate of requests reaching it
+    /// after the fault's first second, requests per second, over the
+    /// faults that overlapped no other.
+    pub sink_rps_after_first_second_max: Option<f64>,
 }
 
 /// The reported figures.
@@ -468,6 +481,12 @@ pub fn analyse(
                 first_2xx_after: Stats::of(of.iter().filter_map(|o| o.first_2xx_after).collect()),
                 caught_up_after: Stats::of(of.iter().filter_map(|o| o.caught_up_after).collect()),
                 redelivered: all.iter().map(|o| o.redelivered).sum(),
+                sink_rps_after_first_second_max: of
+                    .iter()
+                    .filter_map(|o| o.sink_requests_after_first_second)
+                    .filter(|&(_, secs)| secs > 0.0)
+                    .map(|(n, secs)| n as f64 / secs)
+                    .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v)))),
             }
         })
         .collect();
@@ -633,12 +652,12 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "\n| fault | n (overlapped) | fault end → next 2xx: p50 / max | fault end → backlog invoiced: p50 / max | redelivered after it |\n|---|---:|---:|---:|---:|"
+            "\n| fault | n (overlapped) | fault end → next 2xx: p50 / max | fault end → backlog invoiced: p50 / max | redelivered after it | requests/s to Billing after the fault's first second: max |\n|---|---:|---:|---:|---:|---:|"
         );
         for k in &self.by_kind {
             let _ = writeln!(
                 s,
-                "| {} | {} ({}) | {} / {} | {} / {} | {} |",
+                "| {} | {} ({}) | {} / {} | {} / {} | {} | {} |",
                 k.kind,
                 k.count,
                 k.overlapped,
@@ -646,7 +665,9 @@ impl Report {
                 secs(k.first_2xx_after.max),
                 secs(k.caught_up_after.p50),
                 secs(k.caught_up_after.max),
-                k.redelivered
+                k.redelivered,
+                k.sink_rps_after_first_second_max
+                    .map_or_else(|| "–".to_owned(), |r| format!("{r:.1}/s"))
             );
         }
         if !self.unexpected_exits.is_empty() {

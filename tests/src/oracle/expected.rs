@@ -240,6 +240,8 @@ mod tests {
             content_type: Some("application/json".into()),
             status: 204,
             at: std::time::Instant::now(),
+            arrived: std::time::Instant::now(),
+            peer: ([127, 0, 0, 1], 1).into(),
         }
     }
 

@@ -4,6 +4,10 @@
 //! ledger. Every must-be-zero figure is asserted; the table is printed
 //! (`--nocapture`). The seed is fixed so CI is reproducible;
 //! `CDC_RELAY_CHAOS_SEED` overrides it.
+//!
+//! Issue 14, HTTP manners 6: whatever a dead Billing looks like (killed, a
+//! 503 burst, the link cut or reset), it sees at most 2 requests per second
+//! once the fault's first second is over, per fault kind.
 
 use harness::chaos::{self, Config};
 
@@ -57,5 +61,26 @@ async fn chaos_compressed_schedule_loses_nothing_and_charges_no_one_twice() -> a
             .all(|f| f.note.is_none() || f.fault.kind == chaos::schedule::FaultKind::RelayKill),
         "a fault could not be applied: {context}"
     );
+    // ≤ 2 requests/s to a dead sink, per fault kind. Probes are at least
+    // 500 ms apart, so a span of `secs` holds at most 2·secs + 1 of them
+    // (one on each edge). Faults overlapping another (a relay kill starts a
+    // relay that does not know the sink is down) are left out, as in the
+    // per-kind table.
+    let mut measured = std::collections::BTreeSet::new();
+    for f in report.faults.iter().filter(|f| !f.overlapped) {
+        let Some((requests, secs)) = f.sink_requests_after_first_second else {
+            continue;
+        };
+        measured.insert(f.fault.kind);
+        assert!(
+            requests as f64 <= 2.0 * secs + 1.0,
+            "{} #{}: {requests} requests reached Billing in the {secs:.2} s after its first second \
+             ({:.1}/s, more than 2/s): {context}",
+            f.fault.kind,
+            f.fault.n,
+            requests as f64 / secs
+        );
+    }
+    eprintln!("requests to a dead Billing held to ≤ 2/s for: {measured:?}");
     Ok(())
 }

@@ -23,9 +23,19 @@ async fn setup_is_idempotent_and_status_reports_the_slot() -> anyhow::Result<()>
     assert!(again.text().contains("exists: slot"), "{}", again.text());
     assert!(!again.text().contains("created:"), "{}", again.text());
 
+    // The database is ready, but no relay runs: nothing is delivered.
     let status = app::relay_command(&stack, &stack.relay_url, &["status", "--json"], &[]).await?;
-    assert!(status.success(), "{}", status.text());
+    assert_eq!(status.code(), Some(8), "{}", status.text());
     let v: serde_json::Value = serde_json::from_str(&status.stdout)?;
+    assert_eq!(v["healthy"], false);
+    assert_eq!(v["problems"][0]["code"], 8);
+    assert!(
+        v["problems"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no relay streams from slot")),
+        "{v}"
+    );
+    assert_eq!(v["dead_letters_waiting"], 0);
     assert_eq!(v["slot"], stack.slot.as_str());
     assert_eq!(v["exists"], true);
     assert_eq!(v["active"], false);
@@ -126,8 +136,9 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
             app::relay_command(&stack, &stack.relay_url, &args, env).await
         }
     };
+    // Every configuration error exits 2, as a command line clap refuses.
     let no_secret = run(&[], &[]).await?;
-    assert!(!no_secret.success());
+    assert_eq!(no_secret.code(), Some(2), "{}", no_secret.text());
     assert!(
         no_secret.text().contains("EVENT_SECRET"),
         "{}",
@@ -139,7 +150,7 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         &[("EVENT_SECRET", TEST_SECRET)],
     )
     .await?;
-    assert!(!timeouts.success());
+    assert_eq!(timeouts.code(), Some(2), "{}", timeouts.text());
     assert!(
         timeouts.text().contains("--shutdown-timeout"),
         "{}",
@@ -186,6 +197,69 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         !wrong_password.text().contains("wrong"),
         "the password is never printed"
     );
+    assert!(
+        wrong_password.text().contains("pg_hba.conf")
+            && wrong_password
+                .text()
+                .contains("CDC_RELAY_DATABASE_PASSWORD"),
+        "an authentication failure names the settings to check: {}",
+        wrong_password.text()
+    );
+
+    // Connect errors found on the client's side are as definite as a
+    // refused password: each exits 1 at once (a retry loop would hide
+    // them) and names what to change.
+    let (scheme, rest) = stack.relay_url.split_once("://").expect("a URL");
+    let (userinfo, host) = rest.split_once('@').expect("a URL with a user");
+    let user = userinfo.split(':').next().unwrap_or_default();
+    let no_password = format!("{scheme}://{user}@{host}");
+    let tls_required = format!("{}?sslmode=require", stack.relay_url);
+    let password_file = tempfile::NamedTempFile::new()?;
+    std::fs::write(password_file.path(), "secret\n")?;
+    let password_file = password_file.path().to_string_lossy().into_owned();
+    for (db_url, env, names, code) in [
+        (
+            no_password.as_str(),
+            vec![],
+            "CDC_RELAY_DATABASE_PASSWORD_FILE",
+            1,
+        ),
+        (tls_required.as_str(), vec![], "sslmode=disable", 1),
+        (
+            stack.relay_url.as_str(),
+            vec![
+                ("CDC_RELAY_DATABASE_PASSWORD", "secret"),
+                ("CDC_RELAY_DATABASE_PASSWORD_FILE", password_file.as_str()),
+            ],
+            "are both set",
+            2,
+        ),
+    ] {
+        let mut env = env;
+        env.push(("EVENT_SECRET", TEST_SECRET));
+        let started = std::time::Instant::now();
+        let out = app::relay_command(
+            &stack,
+            db_url,
+            &[
+                "run",
+                "--sink-url",
+                "http://127.0.0.1:9/inbox",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ],
+            &env,
+        )
+        .await?;
+        assert_eq!(out.code(), Some(code), "{db_url}: {}", out.text());
+        assert!(out.text().contains(names), "{db_url}: {}", out.text());
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{db_url}: a definite error is not retried ({:?}): {}",
+            started.elapsed(),
+            out.text()
+        );
+    }
     Ok(())
 }
 
@@ -397,8 +471,8 @@ async fn other_logical_slots_are_reported_by_status_and_counted_by_the_relay() -
         let stack = stack.clone();
         async move { app::relay_command(&stack, &stack.relay_url, args, &[]).await }
     };
-    let before = status(&["status", "--json"]).await?;
-    let before: serde_json::Value = serde_json::from_str(&before.stdout)?;
+    let before_out = status(&["status", "--json"]).await?;
+    let before: serde_json::Value = serde_json::from_str(&before_out.stdout)?;
 
     let intruder = format!("intruder_{}", stack.slot);
     let relay_db = harness::connect(&stack.relay_url).await?;
@@ -474,9 +548,11 @@ async fn other_logical_slots_are_reported_by_status_and_counted_by_the_relay() -
         "the REPLICATION role reads the orders table's changes: {read_orders:?}"
     );
     assert!(denied_select, "while it may not SELECT from orders");
-    assert!(
-        json.success(),
-        "another slot does not stop delivery: {}",
+    // No relay runs yet (exit 8 either way): the other slot changes nothing.
+    assert_eq!(
+        json.code(),
+        before_out.code(),
+        "another slot does not change the verdict: {}",
         json.text()
     );
     let v: serde_json::Value = serde_json::from_str(&json.stdout)?;
@@ -499,5 +575,163 @@ async fn other_logical_slots_are_reported_by_status_and_counted_by_the_relay() -
         logs.contains("logical slots other than") && logs.contains(&intruder),
         "{logs}"
     );
+    Ok(())
+}
+
+/// `--version` names the commit the binary was built from (the one checked
+/// out: cargo rebuilds when HEAD moves), and `completions` prints a script
+/// the shell accepts that knows the subcommands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_names_the_commit_and_completions_are_valid_shell() -> anyhow::Result<()> {
+    let relay = harness::bins::path("cdc-relay");
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(&repo)
+        .output()?;
+    anyhow::ensure!(head.status.success(), "git rev-parse HEAD in {repo:?}");
+    let head = String::from_utf8(head.stdout)?.trim().to_owned();
+    let version = std::process::Command::new(&relay)
+        .arg("--version")
+        .output()?;
+    let version = String::from_utf8(version.stdout)?;
+    assert!(
+        version.starts_with("cdc-relay ") && version.trim_end().ends_with(&format!(" ({head})")),
+        "--version names HEAD {head}: {version}"
+    );
+
+    let script = std::process::Command::new(&relay)
+        .args(["completions", "bash"])
+        .output()?;
+    assert!(script.status.success());
+    let script = String::from_utf8(script.stdout)?;
+    for word in ["setup", "status", "backfill", "dead-letter", "--sink-url"] {
+        assert!(script.contains(word), "the bash completion knows {word}");
+    }
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(file.path(), &script)?;
+    let check = std::process::Command::new("bash")
+        .arg("-n")
+        .arg(file.path())
+        .output()?;
+    assert!(
+        check.status.success(),
+        "bash -n: {}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    Ok(())
+}
+
+/// `status` says who holds the slot (the walsender's client and the relay
+/// that last recorded progress, host and process) and shows sizes in
+/// binary units; `--json` keeps exact bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_the_relay_holding_the_slot_and_shows_readable_sizes() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    app::insert_order_event(&db).await?;
+    // The progress record is written at most every 5 s while events flow.
+    harness::wait_until("the progress record", Duration::from_secs(30), || async {
+        let row = db
+            .query_opt(
+                "SELECT holder FROM cdc_relay_progress WHERE slot_name = $1",
+                &[&stack.slot],
+            )
+            .await?;
+        anyhow::Ok(row.is_some())
+    })
+    .await?;
+
+    let human = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--admin-url", &relay.url],
+        &[],
+    )
+    .await?;
+    let text = human.text();
+    assert_eq!(human.code(), Some(0), "{text}");
+    assert!(
+        text.contains(&format!("relay {}: ready, circuit closed", relay.url)),
+        "status asks the relay: {text}"
+    );
+    let pid = relay.process.pid();
+    for words in [
+        "held by cdc-relay from 127.0.0.1 (walsender pid ".to_owned(),
+        "last progress by:    cdc-relay@".to_owned(),
+        format!(":{pid}\n"),
+    ] {
+        assert!(text.contains(&words), "status says {words:?}:\n{text}");
+    }
+    let lag = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("lag:"))
+        .expect("a lag line")
+        .trim();
+    assert!(
+        lag.ends_with(" bytes") || lag.ends_with(" KiB") || lag.ends_with(" MiB"),
+        "lag in readable units: {lag}"
+    );
+
+    let json = app::relay_command(&stack, &stack.relay_url, &["status", "--json"], &[]).await?;
+    let v: serde_json::Value = serde_json::from_str(&json.stdout)?;
+    assert!(v["lag_bytes"].as_i64().is_some(), "{v}");
+    assert!(
+        v["held_by"]
+            .as_str()
+            .is_some_and(|h| h.starts_with("cdc-relay from ")),
+        "{v}"
+    );
+    assert!(
+        v["last_progress_by"]
+            .as_str()
+            .is_some_and(|h| h.ends_with(&format!(":{pid}"))),
+        "{v}"
+    );
+
+    // The sink fails: the relay holds the slot but delivers nothing, and
+    // status says so from the relay's own readiness (exit 8).
+    sink.set_status(503);
+    for _ in 0..6 {
+        app::insert_order_event(&db).await?;
+    }
+    harness::wait_until("the circuit open", Duration::from_secs(60), || async {
+        relay
+            .get("/readyz")
+            .await
+            .map(|(code, body)| code == 503 && body.contains("circuit"))
+    })
+    .await?;
+    let failing = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--admin-url", &relay.url, "--json"],
+        &[],
+    )
+    .await?;
+    assert_eq!(failing.code(), Some(8), "{}", failing.text());
+    let v: serde_json::Value = serde_json::from_str(&failing.stdout)?;
+    assert!(
+        v["problems"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&relay.url) && m.contains("circuit")),
+        "{v}"
+    );
+    assert_eq!(v["relays"][0]["circuit_state"], 1.0, "{v}");
+
+    // A relay that does not answer at a given URL is a problem too.
+    let nobody = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--admin-url", "http://127.0.0.1:9"],
+        &[],
+    )
+    .await?;
+    assert_eq!(nobody.code(), Some(8), "{}", nobody.text());
+    assert!(nobody.text().contains("no answer"), "{}", nobody.text());
     Ok(())
 }

@@ -538,6 +538,69 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
         "status gives the recovery steps:\n{}",
         status.text()
     );
+    assert!(
+        status.text().contains("lag:                 lost"),
+        "a lost slot shows 'lost', not numbers:\n{}",
+        status.text()
+    );
+
+    // With --on-fatal linger (the shipped unit's setting) the fatal exit
+    // stays visible: the process serves /metrics, halted, with /readyz
+    // failing, and exits 4 only when stopped.
+    let mut lingering = app::start_relay(stack, s.inbox_url(), &["--on-fatal", "linger"]).await?;
+    wait_until(
+        "/readyz names the halt",
+        Duration::from_secs(30),
+        || async {
+            let (code, body) = lingering.get("/readyz").await?;
+            anyhow::Ok(code == 503 && body.contains("halted with exit code 4"))
+        },
+    )
+    .await?;
+    let m = lingering.metrics().await?;
+    assert_eq!(m.value("cdc_relay_halted", &[("code", "4")]), Some(1.0));
+    assert_eq!(
+        m.value("cdc_relay_slot_wal_status", &[("status", "lost")]),
+        Some(1.0)
+    );
+    // The promtool test of the alerts feeds these series: each must be one
+    // the real process exports, with the value the test gives it.
+    let alert_tests = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/prometheus/alerts_test.yml"),
+    )?;
+    let mut checked = 0;
+    for series in alert_tests
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- series: '"))
+        .filter_map(|l| l.strip_suffix('\''))
+        .filter(|l| l.starts_with("cdc_relay_halted{") || l.contains("status=\"lost\""))
+    {
+        let (name, labels) = series.split_once('{').context("a series with labels")?;
+        let labels: Vec<(&str, &str)> = labels
+            .trim_end_matches('}')
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k, v.trim_matches('"')))
+            // Target labels Prometheus adds at scrape time.
+            .filter(|(k, _)| !matches!(*k, "job" | "instance" | "slot"))
+            .collect();
+        assert_eq!(
+            m.value(name, &labels),
+            Some(1.0),
+            "alerts_test.yml feeds {series}: the halted relay exports it"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 2, "the alert tests feed the halted series");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        lingering.process.try_status().is_none(),
+        "still running, halted"
+    );
+    lingering.process.sigterm();
+    let status = lingering.process.wait_exit(Duration::from_secs(10)).await?;
+    assert_eq!(status.code(), Some(4), "a stop exits with the halt's code");
     Ok(())
 }
 

@@ -63,7 +63,14 @@ async fn payload_column_of_type_text_is_refused_by_setup_and_run() -> anyhow::Re
     let sink = ScriptedSink::start().await?;
     let run = run_once(&stack, &sink, &[]).await?;
     assert_eq!(run.code(), Some(5), "run exits 5:\n{}", run.text());
-    for (command, out) in [("setup", &setup), ("run", &run)] {
+    let status = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
+    assert_eq!(
+        status.code(),
+        Some(5),
+        "status exits with run's code:\n{}",
+        status.text()
+    );
+    for (command, out) in [("setup", &setup), ("run", &run), ("status", &status)] {
         for words in PAYLOAD_TYPE_WORDS {
             assert!(
                 out.text().contains(words),
@@ -81,6 +88,46 @@ async fn payload_column_of_type_text_is_refused_by_setup_and_run() -> anyhow::Re
     let agg = s.insert_order().await?;
     let event = s
         .insert_event(agg, "JsonbAgain", Some(r#"{"j":1}"#))
+        .await?;
+    s.expect_exactly(&[event]).await?;
+    s.assert_balanced().await?;
+    s.finish().await
+}
+
+/// A payload column whose type is a domain over jsonb (e.g. one with a
+/// CHECK constraint) has jsonb's text: setup, status and run accept it and
+/// the payload arrives verbatim. A domain over text is refused like text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payload_of_a_domain_over_jsonb_is_accepted_and_over_text_refused() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let db = stack.orders_admin().await?;
+    db.batch_execute(
+        "CREATE DOMAIN payload_text AS text; \
+         ALTER TABLE outbox ALTER COLUMN payload TYPE payload_text USING payload::text",
+    )
+    .await?;
+    let setup = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(
+        !setup.success(),
+        "setup accepted a domain over text:\n{}",
+        setup.text()
+    );
+    assert!(setup.text().contains("payload_text"), "{}", setup.text());
+
+    db.batch_execute(
+        "CREATE DOMAIN payload_object AS jsonb CHECK (jsonb_typeof(VALUE) = 'object'); \
+         CREATE DOMAIN event_payload AS payload_object; \
+         ALTER TABLE outbox ALTER COLUMN payload TYPE event_payload USING payload::text::jsonb",
+    )
+    .await?;
+    app::relay_setup(&stack).await?;
+    // The table is fine (not 5); no relay runs yet (8).
+    let status = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
+    assert_eq!(status.code(), Some(8), "status:\n{}", status.text());
+    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
+    let agg = s.insert_order().await?;
+    let event = s
+        .insert_event(agg, "InDomain", Some(r#"{"d":[1,2]}"#))
         .await?;
     s.expect_exactly(&[event]).await?;
     s.assert_balanced().await?;

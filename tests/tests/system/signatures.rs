@@ -456,7 +456,12 @@ async fn relay_and_billing_refuse_the_same_bad_secrets_naming_the_setting() -> a
             &env,
         )
         .await?;
-        assert_eq!(relay.code(), Some(1), "relay, {env:?}: {}", relay.text());
+        assert_eq!(
+            relay.code(),
+            Some(2),
+            "relay: a configuration error, {env:?}: {}",
+            relay.text()
+        );
         assert!(
             relay.stderr.contains(message),
             "relay, {env:?}: {}",

@@ -105,8 +105,13 @@ async fn poison_is_quarantined_others_flow_and_replay_delivers_once() -> anyhow:
     assert!(list.success(), "{}", list.text());
     let rows: serde_json::Value = serde_json::from_str(&list.stdout)?;
     let id = rows[0]["id"].as_i64().expect("row id");
+    assert!(rows[0]["age_secs"].as_i64().is_some(), "{rows}");
     let show = cli(stack, &["dead-letter", "show", &id.to_string()], &sink.url).await?;
-    assert!(show.text().contains("\"payload\""), "{}", show.text());
+    let shown: serde_json::Value = serde_json::from_str(&show.stdout)?;
+    assert!(
+        shown["payload"].is_object(),
+        "show prints the payload as JSON, not as a string: {shown}"
+    );
 
     // Still rejected: replay keeps the row.
     let failed = cli(
@@ -329,7 +334,18 @@ async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
     for _ in 0..3 {
         insert_order_event(db).await?;
     }
-    // The slot is lost; a new one starts at the current WAL position.
+    // The slot is lost; a new one starts at the current WAL position. (The
+    // stopped relay's walsender may hold the slot a moment longer.)
+    wait_until("the slot released", DRAIN, || async {
+        let row = db
+            .query_one(
+                "SELECT NOT active FROM pg_replication_slots WHERE slot_name = $1",
+                &[&stack.slot],
+            )
+            .await?;
+        anyhow::Ok(row.get::<_, bool>(0))
+    })
+    .await?;
     db.execute("SELECT pg_drop_replication_slot($1)", &[&stack.slot])
         .await?;
     app::relay_setup(&stack).await?;
@@ -340,6 +356,65 @@ async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
         Ledger::read(&stack).await?.invoices,
         1,
         "the new slot skipped them"
+    );
+
+    // A bound without a UTC offset is refused (read in the server's zone it
+    // could start hours late and skip events), as is one that is no time.
+    let local = since
+        .trim_end_matches(|c: char| c != '.')
+        .trim_end_matches('.');
+    for (bound, says) in [
+        (local.to_owned(), "has no UTC offset"),
+        ("yesterday-ish".to_owned(), "is not a time"),
+    ] {
+        let out = cli(&stack, &["backfill", "--since", &bound], &sink_url).await?;
+        assert_eq!(out.code(), Some(1), "{bound}: {}", out.text());
+        assert!(
+            out.text().contains(says) && out.text().contains("+00'"),
+            "{bound}: says {says:?} with an example:\n{}",
+            out.text()
+        );
+    }
+    let dry = cli(
+        &stack,
+        &["backfill", "--since", &since, "--dry-run"],
+        &sink_url,
+    )
+    .await?;
+    assert!(dry.success(), "{}", dry.text());
+    assert!(
+        dry.text().contains("3 row(s)") && dry.text().contains("nothing sent"),
+        "{}",
+        dry.text()
+    );
+    let json = cli(
+        &stack,
+        &["backfill", "--since", &since, "--dry-run", "--json"],
+        &sink_url,
+    )
+    .await?;
+    let v: serde_json::Value = serde_json::from_str(&json.stdout)?;
+    assert_eq!(v["rows"], 3, "{v}");
+    let ids: Vec<String> = s
+        .db
+        .query(
+            "SELECT id::text FROM outbox WHERE occurred_at >= $1::text::timestamptz ORDER BY occurred_at, id",
+            &[&since],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(v["first_id"], ids[0].as_str(), "{v}");
+    assert_eq!(v["last_id"], ids[2].as_str(), "{v}");
+    assert!(
+        v["first_time"].as_str().is_some_and(|t| t.ends_with("+00")),
+        "{v}"
+    );
+    assert_eq!(
+        Ledger::read(&stack).await?.invoices,
+        1,
+        "a dry run sends nothing"
     );
 
     let out = cli(&stack, &["backfill", "--since", &since], &sink_url).await?;
@@ -368,14 +443,52 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
         .query_one("SELECT id FROM cdc_relay_dead_letter", &[])
         .await?
         .get(0);
+    let id = id.to_string();
+    // A reason is required; without --yes (no terminal to ask on) nothing
+    // is discarded.
+    let no_reason = cli(stack, &["dead-letter", "discard", &id, "--yes"], &sink.url).await?;
+    assert_eq!(no_reason.code(), Some(2), "{}", no_reason.text());
+    let unconfirmed = cli(
+        stack,
+        &["dead-letter", "discard", &id, "--reason", "test data"],
+        &sink.url,
+    )
+    .await?;
+    assert!(
+        !unconfirmed.success() && unconfirmed.text().contains("--yes"),
+        "{}",
+        unconfirmed.text()
+    );
+    assert_eq!(dead_letters(stack).await?.len(), 1, "nothing discarded");
+    // One missing id among several: nothing is discarded.
+    let missing = cli(
+        stack,
+        &[
+            "dead-letter",
+            "discard",
+            &id,
+            "999999",
+            "--reason",
+            "x",
+            "--yes",
+        ],
+        &sink.url,
+    )
+    .await?;
+    assert!(!missing.success() && missing.text().contains("999999"));
+    assert_eq!(dead_letters(stack).await?.len(), 1, "nothing discarded");
+
     let out = cli(
         stack,
         &[
             "dead-letter",
             "discard",
-            &id.to_string(),
+            &id,
             "--reason",
             "test data",
+            "--actor",
+            "alice",
+            "--yes",
         ],
         &sink.url,
     )
@@ -384,22 +497,102 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
     assert!(dead_letters(stack).await?.is_empty());
     let row = db
         .query_one(
-            "SELECT action, event_id, reason, entry->>'event_id' FROM cdc_relay_dead_letter_audit",
+            "SELECT action, event_id, reason, entry->>'event_id', performed_by \
+             FROM cdc_relay_dead_letter_audit",
             &[],
         )
         .await?;
-    let (action, audit_event, reason, entry): (
+    let (action, audit_event, reason, entry, actor): (
         String,
         Option<String>,
         Option<String>,
         Option<String>,
-    ) = (row.get(0), row.get(1), row.get(2), row.get(3));
+        String,
+    ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
     assert_eq!(action, "discard");
     assert_eq!(audit_event.as_deref(), Some(event.as_str()));
     assert_eq!(reason.as_deref(), Some("test data"));
     assert_eq!(entry.as_deref(), Some(event.as_str()));
-    let missing = cli(stack, &["dead-letter", "discard", "999999"], &sink.url).await?;
-    assert!(!missing.success() && missing.text().contains("999999"));
+    assert_eq!(actor, "alice", "the operator, not the database role");
+    Ok(())
+}
+
+/// `replay` stops at the first answer that says the sink is failing (it
+/// would answer every row the same): one request reaches a 503 sink, the
+/// other rows are reported not attempted and kept. `--dry-run` sends
+/// nothing; `--json` gives the outcome per row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_stops_at_a_failing_sink_and_dry_run_sends_nothing() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, db, sink) = (&s.stack, &s.db, s.sink());
+    sink.set_status(400);
+    for _ in 0..3 {
+        insert_order_event(db).await?;
+    }
+    wait_until("three dead letters", DRAIN, || async {
+        dead_letters(stack).await.map(|d| d.len() == 3)
+    })
+    .await?;
+    let before = sink.arrivals();
+    // The slot monitor counts them for the waiting gauge (and its alert).
+    let waiting = |n: f64| {
+        let relay = &s.relay;
+        async move {
+            wait_until(
+                &format!("cdc_relay_dead_letters_waiting {n}"),
+                DRAIN,
+                || async {
+                    relay
+                        .gauge("cdc_relay_dead_letters_waiting")
+                        .await
+                        .map(|v| v == Some(n))
+                },
+            )
+            .await
+        }
+    };
+    waiting(3.0).await?;
+
+    let dry = cli(
+        stack,
+        &["dead-letter", "replay", "--all", "--dry-run", "--json"],
+        &sink.url,
+    )
+    .await?;
+    assert!(dry.success(), "{}", dry.text());
+    let v: serde_json::Value = serde_json::from_str(&dry.stdout)?;
+    assert_eq!(v["rows"].as_array().map(Vec::len), Some(3), "{v}");
+    assert!(
+        v["rows"]
+            .as_array()
+            .is_some_and(|r| r.iter().all(|r| r["outcome"] == "would_send")),
+        "{v}"
+    );
+    assert_eq!(sink.arrivals(), before, "a dry run sends nothing");
+
+    sink.set_status(503);
+    let out = cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
+    assert!(!out.success(), "{}", out.text());
+    assert_eq!(sink.arrivals(), before + 1, "one request, then it stopped");
+    assert!(
+        out.text().contains("2 not attempted") && out.text().contains("the sink is failing"),
+        "{}",
+        out.text()
+    );
+    assert_eq!(dead_letters(stack).await?.len(), 3, "every row kept");
+
+    sink.set_status(204);
+    let ok = cli(
+        stack,
+        &["dead-letter", "replay", "--all", "--json"],
+        &sink.url,
+    )
+    .await?;
+    assert!(ok.success(), "{}", ok.text());
+    let v: serde_json::Value = serde_json::from_str(&ok.stdout)?;
+    assert_eq!(v["delivered"], 3, "{v}");
+    assert!(dead_letters(stack).await?.is_empty());
+    waiting(0.0).await?;
     Ok(())
 }
 

@@ -1,6 +1,8 @@
 //! TLS end to end, with a private CA made here with the `openssl` command:
 //! the relay's two PostgreSQL connections with `sslmode=verify-full`, and
-//! delivery to an https sink trusted through `--sink-ca-file`.
+//! delivery to an https sink trusted through `--sink-ca-file`; and an
+//! HTTP/2 sink that sends GOAWAY with streams in flight (issue 14, HTTP
+//! manners 3).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -108,6 +110,259 @@ async fn tls_to_postgres_and_to_the_sink_with_a_private_ca() -> anyhow::Result<(
     );
     assert!(sessions.iter().all(|(_, ssl)| *ssl), "{sessions:?}");
     Ok(())
+}
+
+/// Issue 14, HTTP manners 3: an HTTP/2 sink (h2 over TLS, the `h2`
+/// crate's server) takes the relay's first event; then, with the next
+/// batch's ten streams in flight on that connection, it takes one, refuses
+/// the others (`REFUSED_STREAM`) and drains (GOAWAY) like a server shutting
+/// down. The refused streams were never processed: the relay sends each
+/// again at once on a new connection; together they count as one
+/// connection event (`cdc_relay_sink_connection_events_total` 1), none as a
+/// sink failure (no retry counted, the circuit never opens), and every
+/// event is delivered.
+///
+/// Fails without the fix: the refused streams counted as transient failures
+/// (`cdc_relay_retries_total{reason="transport"}`) and went out again only
+/// after their backoff.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_goaway_with_streams_in_flight_is_a_connection_event() -> anyhow::Result<()> {
+    let pki = Pki::generate()?;
+    let stack = harness::PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = H2Sink::start(&pki).await?;
+    let relay =
+        app::start_relay(&stack, &sink.url, &["--sink-ca-file", path_str(&pki.ca)?]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    app::insert_order_event(&db).await?;
+    wait_until("the first event over h2", WAIT, || async {
+        sink.state().delivered.len() == 1
+    })
+    .await?;
+    // Ten events of ten orders in one transaction: all in flight at once,
+    // multiplexed on the one h2 connection.
+    let mut sql = String::from("BEGIN;");
+    for _ in 0..10 {
+        let (order, event) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+        sql.push_str(&format!(
+            "INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 1, 'EUR'); \
+             INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{event}', '{order}', \
+             'OrderCreated', '{{}}');"
+        ));
+    }
+    sql.push_str("COMMIT;");
+    db.batch_execute(&sql).await?;
+    wait_until("the ten events delivered", WAIT, || async {
+        sink.state().delivered.len() == 11
+    })
+    .await?;
+    let state = sink.state();
+    let took = state.goaway_at.map(|t| state.last_delivery - t);
+    eprintln!(
+        "h2 sink: {} connections, {} streams refused; the batch delivered {took:?} after the GOAWAY",
+        state.connections, state.refused
+    );
+    assert!(
+        state.refused >= 3 && took.is_some(),
+        "the scenario happened: {state:?}"
+    );
+    assert!(state.connections >= 2, "{state:?}");
+    let m = relay.metrics().await?;
+    assert_eq!(
+        m.sum("cdc_relay_retries_total"),
+        0.0,
+        "streams the sink never processed are not sink failures: {:?}\n{}",
+        m.label_values("cdc_relay_retries_total", "reason"),
+        relay
+            .process
+            .logs()
+            .lines()
+            .filter(|l| l.contains("will retry"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(
+        m.value("cdc_relay_sink_fresh_connection_retries_total", &[]) >= Some(3.0),
+        "{:?}",
+        m.value("cdc_relay_sink_fresh_connection_retries_total", &[])
+    );
+    assert_eq!(
+        m.value("cdc_relay_sink_connection_events_total", &[]),
+        Some(1.0),
+        "one draining connection is one connection event"
+    );
+    assert_eq!(m.value("cdc_relay_circuit_state", &[]), Some(0.0));
+    assert!(!relay.process.logs().contains("circuit opened"));
+    // At once: no backoff, and well within one probe interval.
+    assert!(
+        took.is_some_and(|t| t < Duration::from_millis(500)),
+        "{took:?}"
+    );
+    Ok(())
+}
+
+/// What the [`H2Sink`] saw.
+#[derive(Debug, Clone)]
+struct H2State {
+    /// TLS connections accepted.
+    connections: usize,
+    /// Event ids answered 204, in order.
+    delivered: Vec<String>,
+    /// Streams reset with `REFUSED_STREAM`.
+    refused: usize,
+    /// When the GOAWAY went out.
+    goaway_at: Option<std::time::Instant>,
+    /// When the last 204 went out.
+    last_delivery: std::time::Instant,
+}
+
+/// An HTTP/2 inbox (h2 over tokio-rustls, ALPN `h2`). Its first connection
+/// answers the first request; of the next ones it takes the first (and
+/// answers it 100 ms later) and refuses the others (`REFUSED_STREAM`);
+/// with three refused it drains like a server shutting down (GOAWAY, the
+/// taken stream finished, the connection closed). Every other connection
+/// answers 204.
+struct H2Sink {
+    url: String,
+    state: std::sync::Arc<std::sync::Mutex<H2State>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for H2Sink {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+impl H2Sink {
+    async fn start(pki: &Pki) -> anyhow::Result<H2Sink> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let certs = CertificateDer::pem_file_iter(&pki.cert)?.collect::<Result<Vec<_>, _>>()?;
+        let key = PrivateKeyDer::from_pem_file(&pki.key)?;
+        let mut config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = tcp.local_addr()?.port();
+        let state = std::sync::Arc::new(std::sync::Mutex::new(H2State {
+            connections: 0,
+            delivered: Vec::new(),
+            refused: 0,
+            goaway_at: None,
+            last_delivery: std::time::Instant::now(),
+        }));
+        let shared = std::sync::Arc::clone(&state);
+        let accept = tokio::spawn(async move {
+            while let Ok((tcp, _)) = tcp.accept().await {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    continue;
+                };
+                let first = {
+                    let mut s = shared.lock().expect("h2 sink lock");
+                    s.connections += 1;
+                    s.connections == 1
+                };
+                tokio::spawn(serve_h2(tls, first, std::sync::Arc::clone(&shared)));
+            }
+        });
+        Ok(H2Sink {
+            url: format!("https://localhost:{port}/inbox"),
+            state,
+            accept,
+        })
+    }
+
+    fn state(&self) -> H2State {
+        self.state.lock().expect("h2 sink lock").clone()
+    }
+}
+
+async fn serve_h2(
+    tls: tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+    first: bool,
+    state: std::sync::Arc<std::sync::Mutex<H2State>>,
+) {
+    let Ok(mut conn) = h2::server::handshake(tls).await else {
+        return;
+    };
+    let mut held = None;
+    let mut draining = false;
+    while let Some(Ok((request, mut respond))) = conn.accept().await {
+        let warmed = !state.lock().expect("h2 sink lock").delivered.is_empty();
+        if !(first && warmed) {
+            tokio::spawn(answer_204(
+                request,
+                respond,
+                std::sync::Arc::clone(&state),
+                Duration::ZERO,
+            ));
+            continue;
+        }
+        // The batch on the first connection: the first stream is taken and
+        // answered a little later; the others are refused, and with three
+        // refused the connection drains (GOAWAY) like a server shutting down.
+        if held.is_none() && !draining {
+            held = Some((request, respond));
+            continue;
+        }
+        respond.send_reset(h2::Reason::REFUSED_STREAM);
+        let refused = {
+            let mut s = state.lock().expect("h2 sink lock");
+            s.refused += 1;
+            s.refused
+        };
+        if refused >= 3 && !draining {
+            draining = true;
+            state.lock().expect("h2 sink lock").goaway_at = Some(std::time::Instant::now());
+            conn.graceful_shutdown();
+            if let Some((request, respond)) = held.take() {
+                let delay = Duration::from_millis(100);
+                tokio::spawn(answer_204(
+                    request,
+                    respond,
+                    std::sync::Arc::clone(&state),
+                    delay,
+                ));
+            }
+        }
+    }
+}
+
+/// Reads the request's body and answers 204 after `delay`, recording the
+/// event id.
+async fn answer_204(
+    request: axum::http::Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<bytes::Bytes>,
+    state: std::sync::Arc<std::sync::Mutex<H2State>>,
+    delay: Duration,
+) {
+    let mut body = request.into_body();
+    let mut bytes = Vec::new();
+    while let Some(Ok(chunk)) = body.data().await {
+        let _ = body.flow_control().release_capacity(chunk.len());
+        bytes.extend_from_slice(&chunk);
+    }
+    tokio::time::sleep(delay).await;
+    let id = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| v["id"].as_str().map(str::to_owned))
+        .unwrap_or_default();
+    let response = axum::http::Response::builder()
+        .status(204)
+        .body(())
+        .expect("a valid response");
+    if respond.send_response(response, true).is_ok() {
+        let mut s = state.lock().expect("h2 sink lock");
+        s.delivered.push(id);
+        s.last_delivery = std::time::Instant::now();
+    }
 }
 
 /// A throwaway certificate authority and one server certificate for

@@ -36,6 +36,8 @@ fn sink_signing(url: &str, request_timeout: Duration, signer: Signer) -> HttpSin
         signing: Signing::new(signer),
         connect_timeout: Duration::from_secs(1),
         request_timeout,
+        connection_max_age: Duration::from_secs(60),
+        idle_timeout: Duration::from_secs(30),
         ca_cert_pem: None,
     })
     .unwrap()
@@ -258,6 +260,8 @@ fn a_ca_file_without_certificates_is_refused() {
         signing: Signing::new(signer(SignatureScheme::Both, KEY, None)),
         connect_timeout: Duration::from_secs(1),
         request_timeout: Duration::from_secs(1),
+        connection_max_age: Duration::from_secs(60),
+        idle_timeout: Duration::from_secs(30),
         ca_cert_pem: Some(b"not a certificate".to_vec()),
     })
     .unwrap_err();

@@ -269,13 +269,23 @@ fn membership_from_row(row: &tokio_postgres::Row) -> Membership {
 /// The slot and the outbox's publication membership in ONE statement (the
 /// slot monitor's reading: its cost is the relay's whole cost to an idle
 /// database). The slot is `None` when it does not exist.
+///
+/// The same statement lists the other logical slots of this database (the
+/// third value) and, with `count_dead_letters`, counts the rows of
+/// `cdc_relay_dead_letter` (the fourth; `None` without).
 pub async fn monitor_reading(
     client: &Client,
     slot: &str,
     publications: &[String],
     table: &TableName,
     columns: &[String],
-) -> Result<(Option<SlotInfo>, Membership, Vec<String>), SourceError> {
+    count_dead_letters: bool,
+) -> Result<(Option<SlotInfo>, Membership, Vec<String>, Option<i64>), SourceError> {
+    let dead_letters = if count_dead_letters {
+        "(SELECT count(*) FROM cdc_relay_dead_letter)"
+    } else {
+        "NULL::bigint"
+    };
     let sql = format!(
         "WITH m AS ({MEMBERSHIP_SQL}) \
          SELECT m.*, s.plugin::text, s.database::text, s.active, s.active_pid, \
@@ -285,7 +295,8 @@ pub async fn monitor_reading(
                 s.slot_name IS NOT NULL, \
                 ARRAY(SELECT o.slot_name::text FROM pg_replication_slots o \
                       WHERE o.slot_type = 'logical' AND o.database = current_database() \
-                        AND o.slot_name <> $1 ORDER BY 1) \
+                        AND o.slot_name <> $1 ORDER BY 1), \
+                {dead_letters} \
          FROM m \
          LEFT JOIN pg_replication_slots s ON s.slot_name = $1 \
          LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
@@ -300,7 +311,7 @@ pub async fn monitor_reading(
         .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;
     let slot = row.get::<_, bool>(17).then(|| slot_from_row(&row, 5));
     let others: Vec<String> = row.get(18);
-    Ok((slot, membership_from_row(&row), others))
+    Ok((slot, membership_from_row(&row), others, row.get(19)))
 }
 
 /// Seconds since the walsender read a status update from its client
@@ -309,6 +320,19 @@ pub async fn monitor_reading(
 /// `pg_read_all_stats`), so no verdict is drawn from a made-up age.
 const REPLY_AGE: &str = "CASE WHEN r.state IS NULL THEN NULL ELSE \
      EXTRACT(EPOCH FROM (clock_timestamp() - coalesce(r.reply_time, r.backend_start)))::float8 END";
+
+/// Whether `cdc_relay_dead_letter` exists (as the relay's role resolves
+/// the name), so the monitor can count its rows.
+pub async fn dead_letter_table_exists(client: &Client) -> Result<bool, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT to_regclass('cdc_relay_dead_letter') IS NOT NULL",
+            &[],
+        )
+        .await
+        .map_err(|e| SourceError::sql("looking up cdc_relay_dead_letter", &e))?;
+    Ok(row.get(0))
+}
 
 /// The top of the partition tree `oid` belongs to (itself when it is not
 /// a partition; `None` when it no longer exists).
@@ -449,6 +473,13 @@ pub async fn slot_predates_publication(
             &[&slot, &names],
         )
         .await;
+    // A failed peek reports its error before its backend releases the slot
+    // (that happens in the abort that follows): one more statement on the
+    // same connection returns only after it, so a caller may drop or use
+    // the slot at once (`setup --recreate-slot` drops it next).
+    if peek.is_err() {
+        let _ = client.batch_execute("SELECT 1").await;
+    }
     let skipped = notices
         .lock()
         .expect("notice log lock is never poisoned")

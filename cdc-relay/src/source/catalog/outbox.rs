@@ -20,7 +20,7 @@ pub struct OutboxTable {
 }
 
 /// Checks that `table` exists, has every configured column, and that the
-/// payload column is `json` or `jsonb`; returns what the relay needs to
+/// payload column is `json` or `jsonb` (or a domain over one); returns what the relay needs to
 /// know about it. Errors name the flag to fix; a missing table or column is
 /// [`SourceError::NeedsSetup`], a payload of another type
 /// [`SourceError::PayloadType`].
@@ -52,7 +52,16 @@ pub async fn check_outbox_table(
     };
     let cols: Vec<(String, u32, String)> = client
         .query(
-            "SELECT a.attname::text, a.atttypid, format_type(a.atttypid, a.atttypmod) \
+            // The type, or for a domain the type it is built on (domains
+            // over domains followed to the base): a domain over jsonb has
+            // jsonb's text.
+            "SELECT a.attname::text, \
+                    (WITH RECURSIVE d(oid, base) AS ( \
+                         SELECT t.oid, t.typbasetype FROM pg_type t WHERE t.oid = a.atttypid \
+                         UNION ALL \
+                         SELECT t.oid, t.typbasetype FROM pg_type t JOIN d ON t.oid = d.base) \
+                     SELECT oid FROM d WHERE base = 0), \
+                    format_type(a.atttypid, a.atttypmod) \
              FROM pg_attribute a \
              WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
             &[&table.oid],
