@@ -89,7 +89,9 @@ pub enum BackfillError {
     /// The pipeline stopped.
     #[error(transparent)]
     Dispatch(#[from] DispatchError),
-    /// A bound would be read in the server's time zone (or is not a time).
+    /// A setting is wrong: a bound would be read in the server's time zone
+    /// (or is not a time, or the range is empty), a column flag names no
+    /// column.
     #[error("{0}")]
     Bound(String),
 }
@@ -145,10 +147,32 @@ pub async fn check_bounds(reader: &Client, plan: &BackfillPlan) -> Result<(), Ba
             .map_err(|e| read_error(plan, e))?
             .get::<_, bool>(0);
         if !instant {
+            // Suggest the value with an offset only when it reads as a date
+            // and time; a word (`yesterday`) gets a plain example.
+            let v = value.trim();
+            let example = if v.starts_with(|c: char| c.is_ascii_digit()) {
+                format!("{flag} '{v}+00' (UTC) or {flag} '{v}-05'")
+            } else {
+                format!("{flag} '2026-11-30 10:00:00+00'")
+            };
             return Err(BackfillError::Bound(format!(
-                "{flag} {value:?} has no UTC offset: it would be read in the server's TimeZone. Give the offset, e.g. {flag} '{}+00' (UTC) or {flag} '{}-05'",
-                value.trim(),
-                value.trim()
+                "{flag} {value:?} has no UTC offset: it would be read in the server's TimeZone. Give the offset, e.g. {example}"
+            )));
+        }
+    }
+    if let Some(until) = &plan.until {
+        let ordered: bool = reader
+            .query_one(
+                "SELECT $1::text::timestamptz < $2::text::timestamptz",
+                &[&plan.since, until],
+            )
+            .await
+            .map_err(|e| read_error(plan, e))?
+            .get(0);
+        if !ordered {
+            return Err(BackfillError::Bound(format!(
+                "--since {:?} is not before --until {until:?}: the range is empty",
+                plan.since
             )));
         }
     }
@@ -356,6 +380,15 @@ async fn to_item(row: &tokio_postgres::Row, window: &Window) -> Item<BackfillRow
 }
 
 fn read_error(plan: &BackfillPlan, source: tokio_postgres::Error) -> BackfillError {
+    // 42703 undefined_column: a column flag names no column of the table.
+    if let Some(db) = source.as_db_error().filter(|d| d.code().code() == "42703") {
+        return BackfillError::Bound(format!(
+            "{} in {} (check --time-column, CDC_RELAY_TIME_COLUMN, now {:?}, and the column flags --id-column, --type-column, --payload-column, --aggregate-column)",
+            db.message(),
+            plan.table,
+            plan.time_column
+        ));
+    }
     BackfillError::Read {
         table: plan.table.to_string(),
         source,

@@ -198,12 +198,14 @@ impl RunArgs {
 fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, String> {
     let text =
         std::fs::read_to_string(path).map_err(|e| format!("{setting} {}: {e}", path.display()))?;
-    Ok(text
-        .lines()
-        .next()
-        .unwrap_or("")
-        .trim_end_matches('\r')
-        .to_owned())
+    let first = text.lines().next().unwrap_or("").trim_end_matches('\r');
+    if first.is_empty() {
+        return Err(format!(
+            "{setting} {}: the file is empty (its first line is the password)",
+            path.display()
+        ));
+    }
+    Ok(first.to_owned())
 }
 
 #[cfg(test)]

@@ -4,14 +4,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{connect, outln};
+use super::{ConfigError, connect, outln};
 use crate::backfill::{self, BackfillPlan};
 use crate::cli::{BackfillArgs, GlobalArgs};
 
 /// Runs a backfill to the end (or the first error).
 pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
-    let dispatch = a.delivery.dispatch().map_err(anyhow::Error::msg)?;
-    let sink = a.sink.build().map_err(anyhow::Error::msg)?;
+    let dispatch = a.delivery.dispatch().map_err(ConfigError)?;
+    let sink = a.sink.build().map_err(ConfigError)?;
     let mut reader = connect(g).await?;
     let store = Arc::new(connect(g).await?);
     let plan = BackfillPlan {
@@ -23,9 +23,11 @@ pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
         window_events: a.delivery.max_pending_events as usize,
         window_bytes: a.delivery.max_pending_bytes,
     };
-    backfill::check_bounds(&reader, &plan).await?;
+    backfill::check_bounds(&reader, &plan)
+        .await
+        .map_err(config)?;
     if a.dry_run {
-        let p = backfill::preview(&reader, &plan).await?;
+        let p = backfill::preview(&reader, &plan).await.map_err(config)?;
         if a.json {
             outln!("{}", serde_json::to_string_pretty(&p)?);
         } else {
@@ -44,7 +46,7 @@ pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let total = backfill::count(&reader, &plan).await?;
+    let total = backfill::count(&reader, &plan).await.map_err(config)?;
     eprintln!(
         "backfill: {total} row(s) in {} from {} to {}",
         plan.table,
@@ -69,4 +71,12 @@ pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
         report.dead_lettered
     );
     Ok(())
+}
+
+/// A setting the message names is wrong: exit 2; anything else: exit 1.
+fn config(e: backfill::BackfillError) -> anyhow::Error {
+    match e {
+        backfill::BackfillError::Bound(m) => ConfigError(m).into(),
+        other => other.into(),
+    }
 }

@@ -189,7 +189,7 @@ fn sink_failing(a: &Attempt) -> bool {
 /// Re-sends rows once each; a row is removed (with an audit entry) only
 /// after a 2xx. Stops at the first answer that says the sink is failing.
 async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
-    let sink = a.sink.build().map_err(anyhow::Error::msg)?;
+    let sink = a.sink.build().map_err(super::ConfigError)?;
     let ids: Vec<i64> = match a.id {
         Some(id) => vec![id],
         None => deadletter::list(client)

@@ -35,19 +35,29 @@ pub async fn execute(global: GlobalArgs, command: Command) -> u8 {
     }
 }
 
+/// A configuration mistake of a command (a flag, variable or file the
+/// message names): the command exits 2, as `run` and clap do.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
 fn report(r: anyhow::Result<()>) -> u8 {
     match r {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");
-            1
+            if e.downcast_ref::<ConfigError>().is_some() {
+                2
+            } else {
+                1
+            }
         }
     }
 }
 
 /// A side SQL connection for a command.
 async fn connect(g: &GlobalArgs) -> anyhow::Result<tokio_postgres::Client> {
-    let conn = g.conn().map_err(anyhow::Error::msg)?;
+    let conn = g.conn().map_err(ConfigError)?;
     Ok(source::connect_sql(&conn, "cdc-relay").await?)
 }
 

@@ -329,10 +329,27 @@ async fn create_slot(
     plan: &SetupPlan,
     report: &mut Vec<String>,
 ) -> Result<(), SourceError> {
+    // A progress record for this slot name means a slot of that name
+    // delivered before: this new one starts at the current WAL, so events
+    // committed since the record's last delivered transaction were never
+    // delivered by either. Say so with the command that re-sends them.
+    let previous = crate::source::progress::read(client, &plan.slot).await?;
     let lsn = catalog::create_slot(client, &plan.slot, plan.failover).await?;
     report.push(format!(
         "created: slot {:?} (pgoutput) at {lsn}; events committed from now on will be delivered",
         plan.slot
     ));
+    if let Some(p) = previous {
+        let since = p
+            .commit_time
+            .clone()
+            .unwrap_or_else(|| "<the time of the last event the receiver got>".into());
+        report.push(format!(
+            "warning: a previous slot {:?} delivered up to {} (last delivered commit {since}, by {}); events committed after that and before this slot was created were NOT delivered: re-send them with `cdc-relay backfill --since '{since}'` (receivers deduplicate by id)",
+            plan.slot,
+            p.confirmed_lsn,
+            p.holder.as_deref().unwrap_or("an earlier relay")
+        ));
+    }
     Ok(())
 }

@@ -15,7 +15,18 @@ use crate::source::{self, SourceError, failover};
 /// code (0 when no problem was found).
 pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     let client = connect(g).await?;
-    let conn = g.conn().map_err(anyhow::Error::msg)?;
+    for url in &a.admin_url {
+        let ok = url
+            .parse::<http::Uri>()
+            .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
+        if !ok {
+            return Err(super::ConfigError(format!(
+                "--admin-url {url:?} is not an http:// URL with a host, e.g. http://10.0.0.7:9187"
+            ))
+            .into());
+        }
+    }
+    let conn = g.conn().map_err(super::ConfigError)?;
     let mut s = status(
         &client,
         &conn,
@@ -30,7 +41,7 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
         .confirmed_flush_lsn
         .as_deref()
         .and_then(|l| l.parse().ok());
-    for standby in g.standbys().map_err(anyhow::Error::msg)? {
+    for standby in g.standbys().map_err(super::ConfigError)? {
         let copy = match source::connect_sql(&standby, "cdc-relay").await {
             Ok(c) => failover::read_copy(&c, &standby.display(), &g.slot, primary).await,
             Err(e) => failover::StandbyCopy {
@@ -93,6 +104,9 @@ pub struct RelayEndpoint {
     pub circuit_state: Option<f64>,
     /// `cdc_relay_oldest_unconfirmed_event_age_seconds`, when read.
     pub oldest_unconfirmed_event_age_secs: Option<f64>,
+    /// `cdc_relay_standby` is 1: a hot standby waiting for the slot another
+    /// relay holds (not ready by design, not a problem while one streams).
+    pub standby: bool,
 }
 
 /// Asks each admin endpoint and adds what stops delivery to `s.problems`
@@ -121,7 +135,10 @@ async fn relay_checks(s: &mut Status, a: &StatusArgs) {
         let url = url.trim_end_matches('/').to_owned();
         let e = ask_relay(&url).await;
         let answered = !e.detail.starts_with("no answer");
-        if !e.ready && (given || answered || (slot_usable && !s.active)) {
+        // A hot standby is not ready by design; while another relay
+        // streams from the slot it is what an HA pair should look like.
+        let standing_by = e.standby && s.active;
+        if !e.ready && !standing_by && (given || answered || (slot_usable && !s.active)) {
             s.problems.push(Problem {
                 code: NOT_DELIVERING,
                 message: format!("relay at {url}: {}", e.detail),
@@ -161,6 +178,7 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
         detail: String::new(),
         circuit_state: None,
         oldest_unconfirmed_event_age_secs: None,
+        standby: false,
     };
     match get("/readyz").await {
         Ok((status, body)) => {
@@ -180,6 +198,7 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
         e.circuit_state = value("cdc_relay_circuit_state");
         e.oldest_unconfirmed_event_age_secs =
             value("cdc_relay_oldest_unconfirmed_event_age_seconds");
+        e.standby = value("cdc_relay_standby") == Some(1.0);
     }
     e
 }
@@ -447,7 +466,13 @@ impl std::fmt::Display for Status {
                 f,
                 "relay {}: {}{circuit}{}",
                 r.url,
-                if r.ready { "ready" } else { &r.detail },
+                if r.ready {
+                    "ready"
+                } else if r.standby {
+                    "hot standby, waiting for the slot"
+                } else {
+                    &r.detail
+                },
                 r.oldest_unconfirmed_event_age_secs
                     .filter(|a| *a > 0.0)
                     .map_or(String::new(), |a| format!(

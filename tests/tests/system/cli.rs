@@ -693,6 +693,44 @@ async fn status_names_the_relay_holding_the_slot_and_shows_readable_sizes() -> a
         "{v}"
     );
 
+    // A hot standby beside it (not ready by design) is what an HA pair
+    // looks like: still healthy, asked on either relay.
+    let standby = app::start_relay(&stack, &sink.url, &[]).await?;
+    harness::wait_until(
+        "the second relay waits as standby",
+        Duration::from_secs(30),
+        || async {
+            standby
+                .gauge("cdc_relay_standby")
+                .await
+                .map(|v| v == Some(1.0))
+        },
+    )
+    .await?;
+    let pair = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &[
+            "status",
+            "--admin-url",
+            &relay.url,
+            "--admin-url",
+            &standby.url,
+        ],
+        &[],
+    )
+    .await?;
+    assert_eq!(pair.code(), Some(0), "{}", pair.text());
+    assert!(
+        pair.text().contains(&format!(
+            "relay {}: hot standby, waiting for the slot",
+            standby.url
+        )),
+        "{}",
+        pair.text()
+    );
+    drop(standby);
+
     // The sink fails: the relay holds the slot but delivers nothing, and
     // status says so from the relay's own readiness (exit 8).
     sink.set_status(503);

@@ -348,7 +348,13 @@ async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
     .await?;
     db.execute("SELECT pg_drop_replication_slot($1)", &[&stack.slot])
         .await?;
-    app::relay_setup(&stack).await?;
+    // setup recreates it and, finding the old slot's progress record, says
+    // events may be missing and how to re-send them.
+    let setup = app::relay_setup(&stack).await?;
+    assert!(
+        setup.contains("a previous slot") && setup.contains("cdc-relay backfill --since"),
+        "{setup}"
+    );
     s.restart_relay(&[]).await?;
     // Everything committed so far is done as far as the new session goes.
     s.settle().await?;
@@ -363,15 +369,29 @@ async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
     let local = since
         .trim_end_matches(|c: char| c != '.')
         .trim_end_matches('.');
-    for (bound, says) in [
-        (local.to_owned(), "has no UTC offset"),
-        ("yesterday-ish".to_owned(), "is not a time"),
-    ] {
-        let out = cli(&stack, &["backfill", "--since", &bound], &sink_url).await?;
-        assert_eq!(out.code(), Some(1), "{bound}: {}", out.text());
+    // Each is a configuration mistake: exit 2, naming what to give.
+    let range = format!("--until={since}");
+    let cases: [(&[&str], &str); 5] = [
+        (&["--since", local], "has no UTC offset"),
+        (&["--since", "yesterday-ish"], "is not a time"),
+        (&["--since", "yesterday"], "'2026-11-30 10:00:00+00'"),
+        (
+            &["--since", &since, range.as_str()],
+            "is not before --until",
+        ),
+        (
+            &["--since", &since, "--time-column", "nope"],
+            "--time-column",
+        ),
+    ];
+    for (args, says) in cases {
+        let mut argv = vec!["backfill"];
+        argv.extend_from_slice(args);
+        let out = cli(&stack, &argv, &sink_url).await?;
+        assert_eq!(out.code(), Some(2), "{args:?}: {}", out.text());
         assert!(
-            out.text().contains(says) && out.text().contains("+00'"),
-            "{bound}: says {says:?} with an example:\n{}",
+            out.text().contains(says) && !out.text().contains("yesterday+00"),
+            "{args:?}: says {says:?}:\n{}",
             out.text()
         );
     }
