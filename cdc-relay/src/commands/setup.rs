@@ -141,6 +141,25 @@ async fn check_table(
     Ok(table)
 }
 
+/// Whether `publication` lists `t` at all (with or without a row filter or
+/// column list), or publishes every table.
+async fn publishes_table(
+    client: &Client,
+    publication: &str,
+    t: &TableName,
+) -> Result<bool, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables \
+                            WHERE pubname = $1 AND schemaname = $2 AND tablename = $3) \
+                 OR EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1 AND puballtables)",
+            &[&publication, &t.schema, &t.name],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the publication's tables", &e))?;
+    Ok(row.get(0))
+}
+
 /// Creates the publication unless it exists; returns whether it created it.
 async fn ensure_publication(
     client: &Client,
@@ -157,7 +176,27 @@ async fn ensure_publication(
         let (ins, upd, del, tru): (bool, bool, bool, bool) =
             (row.get(0), row.get(1), row.get(2), row.get(3));
         let publications = std::slice::from_ref(&plan.publication);
-        let m = catalog::membership(client, publications, t, &plan.columns.names()).await?;
+        let mut m = catalog::membership(client, publications, t, &plan.columns.names()).await?;
+        if ins && !m.included() && !publishes_table(client, &plan.publication, t).await? {
+            // The table left the publication (ALTER PUBLICATION ... DROP
+            // TABLE, or it was dropped and created again): put it back, as
+            // the relay's and status's messages say setup does.
+            let stmt = format!(
+                "ALTER PUBLICATION {} ADD TABLE {}.{}",
+                catalog::quote_ident(&plan.publication),
+                catalog::quote_ident(&t.schema),
+                catalog::quote_ident(&t.name)
+            );
+            client
+                .batch_execute(&stmt)
+                .await
+                .map_err(|e| SourceError::sql("adding the table to the publication", &e))?;
+            report.push(format!(
+                "added: {t} to publication {:?} (inserts committed while it was out were not streamed: re-send them with `cdc-relay backfill --since <when it left> --until <now>`; a running relay logs the exact command)",
+                plan.publication
+            ));
+            m = catalog::membership(client, publications, t, &plan.columns.names()).await?;
+        }
         if !ins || !m.included() {
             return Err(SourceError::Definite(format!(
                 "publication {:?} exists but does not carry every insert into {t}: {}; fix it (ALTER PUBLICATION) or choose another --publication",

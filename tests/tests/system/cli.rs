@@ -81,6 +81,30 @@ async fn setup_creates_a_missing_publication_and_checks_columns() -> anyhow::Res
         "insert-only publication"
     );
 
+    // The outbox taken out of the publication: setup puts it back (as the
+    // relay's and status's messages say) and says what to re-send.
+    db.batch_execute(&format!(
+        "ALTER PUBLICATION \"{}\" DROP TABLE outbox",
+        stack.publication
+    ))
+    .await?;
+    let readd = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(readd.success(), "{}", readd.text());
+    assert!(
+        readd.text().contains("added: public.outbox to publication")
+            && readd.text().contains("backfill"),
+        "{}",
+        readd.text()
+    );
+    let listed: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_publication_tables WHERE pubname = $1 AND tablename = 'outbox'",
+            &[&stack.publication],
+        )
+        .await?
+        .get(0);
+    assert_eq!(listed, 1, "the outbox is back in the publication");
+
     let bad = app::relay_command(
         &stack,
         &stack.orders_admin_url,
