@@ -163,19 +163,20 @@ impl PgCluster {
     /// connections (at most 30 s). Errors carry the server log tail.
     pub fn start(opts: ClusterOptions) -> anyhow::Result<PgCluster> {
         let password = random_token(32);
-        PgCluster::create(PgBin::discover()?, password.clone(), opts, |new| {
+        PgCluster::create(PgBin::discover()?, password.clone(), opts, None, |new| {
             initdb(new, &password)?;
             write_hba(new.data_dir)
         })
     }
 
     /// Makes a private directory, lets `fill` create the data directory in it
-    /// (`initdb`, `pg_basebackup`), then starts a postmaster on a free port
-    /// with the harness settings and `opts`.
+    /// (`initdb`, `pg_basebackup`), then starts a postmaster on `port` (a
+    /// free one when `None`) with the harness settings and `opts`.
     pub(crate) fn create(
         bin: PgBin,
         password: String,
         opts: ClusterOptions,
+        port: Option<u16>,
         fill: impl FnOnce(&NewCluster<'_>) -> anyhow::Result<()>,
     ) -> anyhow::Result<PgCluster> {
         let run_as = postgres_user_if_root()?;
@@ -215,7 +216,14 @@ impl PgCluster {
             stacks: StackState::default(),
             root,
         };
-        cluster.start_on_free_port()?;
+        match port {
+            None => cluster.start_on_free_port()?,
+            Some(port) => {
+                cluster.port = port;
+                cluster.write_settings()?;
+                cluster.start_again()?;
+            }
+        }
         Ok(cluster)
     }
 

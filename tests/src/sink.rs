@@ -290,6 +290,16 @@ impl ScriptedSink {
         self.script.received.lock().expect("sink lock").clone()
     }
 
+    /// The answered requests from the `start`-th on (0-based, arrival
+    /// order): for a long run that reads what is new since its last look.
+    pub fn received_from(&self, start: usize) -> Vec<Received> {
+        let received = self.script.received.lock().expect("sink lock");
+        received
+            .get(start..)
+            .map(<[Received]>::to_vec)
+            .unwrap_or_default()
+    }
+
     /// Number of requests so far.
     pub fn count(&self) -> usize {
         self.script.received.lock().expect("sink lock").len()

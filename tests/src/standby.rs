@@ -62,6 +62,10 @@ pub struct StandbyOptions {
     pub sync_slots: bool,
     /// Further settings of the standby, after the primary's and the ones above.
     pub extra_settings: Vec<(String, String)>,
+    /// The standby's port; `None` (the default) picks a free one. A failover
+    /// drill gives the next standby the dead primary's port, so clients
+    /// configured with both hosts (`h:p1,h:p2`) find every new server.
+    pub port: Option<u16>,
 }
 
 impl Default for StandbyOptions {
@@ -70,6 +74,7 @@ impl Default for StandbyOptions {
             slot: format!("standby_{}", random_token(8).to_lowercase()),
             sync_slots: true,
             extra_settings: Vec::new(),
+            port: None,
         }
     }
 }
@@ -124,6 +129,7 @@ impl PgCluster {
             self.bin().clone(),
             self.superuser_password().to_owned(),
             settings,
+            opts.port,
             |new| base_backup(new, &conninfo, &opts.slot, self.options()),
         )?;
         cluster.stacks = self.stacks.clone();
