@@ -44,15 +44,7 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     for standby in g.standbys().map_err(super::ConfigError)? {
         let copy = match source::connect_sql(&standby, "cdc-relay").await {
             Ok(c) => failover::read_copy(&c, &standby.display(), &g.slot, primary).await,
-            Err(e) => failover::StandbyCopy {
-                standby: standby.display(),
-                error: Some(e.to_string()),
-                exists: false,
-                synced: false,
-                temporary: false,
-                confirmed_flush_lsn: None,
-                lag_bytes: None,
-            },
+            Err(e) => failover::StandbyCopy::unread(&standby.display(), Some(e.to_string())),
         };
         s.standbys.push(copy);
     }
@@ -426,6 +418,11 @@ impl std::fmt::Display for Status {
         for c in &self.standbys {
             match &c.error {
                 Some(e) => writeln!(f, "standby {}: cannot read ({e})", c.standby)?,
+                None if c.primary => writeln!(
+                    f,
+                    "standby {}: not in recovery (a primary): no copy to check",
+                    c.standby
+                )?,
                 None if !c.exists => writeln!(f, "standby {}: no copy of the slot", c.standby)?,
                 None => writeln!(
                     f,

@@ -78,6 +78,10 @@ pub struct StandbyCopy {
     pub standby: String,
     /// Why it could not be read, if it could not.
     pub error: Option<String>,
+    /// The server is not in recovery: a primary, not a standby (after a
+    /// failover a listed standby is the new primary). It holds no copy to
+    /// count and is left out of `cdc_relay_failover_ready`.
+    pub primary: bool,
     /// Whether the standby has a copy of the slot.
     pub exists: bool,
     /// `pg_replication_slots.synced`: maintained by slot sync.
@@ -92,6 +96,20 @@ pub struct StandbyCopy {
 }
 
 impl StandbyCopy {
+    /// A copy not read (yet): `error` says why, if known.
+    pub fn unread(standby: &str, error: Option<String>) -> StandbyCopy {
+        StandbyCopy {
+            standby: standby.to_owned(),
+            error,
+            primary: false,
+            exists: false,
+            synced: false,
+            temporary: false,
+            confirmed_flush_lsn: None,
+            lag_bytes: None,
+        }
+    }
+
     /// Whether a promotion of this standby would keep the slot, within
     /// `max_lag` bytes of the primary's.
     pub fn ready(&self, max_lag: u64) -> bool {
@@ -110,21 +128,24 @@ pub async fn read_copy(
     slot: &str,
     primary: Option<Lsn>,
 ) -> StandbyCopy {
+    let mut copy = StandbyCopy::unread(standby, None);
+    match client.query_one("SELECT pg_is_in_recovery()", &[]).await {
+        Err(e) => {
+            copy.error = Some(crate::db_message(&e));
+            return copy;
+        }
+        Ok(r) if !r.get::<_, bool>(0) => {
+            copy.primary = true;
+            return copy;
+        }
+        Ok(_) => {}
+    }
     let row = client
         .query_opt(
             "SELECT synced, temporary, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot],
         )
         .await;
-    let mut copy = StandbyCopy {
-        standby: standby.to_owned(),
-        error: None,
-        exists: false,
-        synced: false,
-        temporary: false,
-        confirmed_flush_lsn: None,
-        lag_bytes: None,
-    };
     match row {
         Err(e) => copy.error = Some(crate::db_message(&e)),
         Ok(None) => {}
@@ -181,17 +202,13 @@ pub async fn watch_copies(
             }
             let copy = match client {
                 Some(c) => read_copy(c, &conn.display(), &settings.slot, confirmed).await,
-                None => StandbyCopy {
-                    standby: conn.display(),
-                    error: Some("cannot connect".into()),
-                    exists: false,
-                    synced: false,
-                    temporary: false,
-                    confirmed_flush_lsn: None,
-                    lag_bytes: None,
-                },
+                None => StandbyCopy::unread(&conn.display(), Some("cannot connect".into())),
             };
-            copies.push(copy);
+            // A listed server out of recovery is a primary (the one the
+            // relay streams from, after a failover): no standby to count.
+            if !copy.primary {
+                copies.push(copy);
+            }
         }
         let ready = !copies.is_empty() && copies.iter().all(|c| c.ready(settings.max_lag));
         metrics.failover_ready.set(i64::from(ready));
@@ -228,6 +245,7 @@ mod tests {
         let copy = StandbyCopy {
             standby: "s".into(),
             error: None,
+            primary: false,
             exists: true,
             synced: true,
             temporary: false,

@@ -189,3 +189,57 @@ async fn a_lost_slot_is_recreated_and_backfilled_and_nothing_is_lost() -> anyhow
     );
     Ok(())
 }
+
+/// After a failover a listed standby is the primary: `--standby-url`
+/// names every server of the cluster, and the one out of recovery holds no
+/// copy to count. `status` says so (on every version: before 17 the copy's
+/// columns do not even exist), and the relay, with only a primary listed,
+/// never reports the slot safe to fail over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_url_naming_a_primary_is_skipped_not_counted_as_a_copy() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let listed = ["--standby-url", stack.relay_url.as_str()];
+    let json = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &[&["status", "--json"][..], &listed[..]].concat(),
+        &[],
+    )
+    .await?;
+    assert_eq!(json.code(), Some(0), "{}", json.text());
+    let report: serde_json::Value = serde_json::from_str(&json.stdout)?;
+    let copy = &report["standbys"][0];
+    assert_eq!(copy["primary"], true, "{report:#}");
+    assert_eq!(copy["error"], serde_json::Value::Null, "{report:#}");
+    let human = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &[&["status"][..], &listed[..]].concat(),
+        &[],
+    )
+    .await?;
+    assert!(
+        human
+            .stdout
+            .contains("not in recovery (a primary): no copy to check"),
+        "{}",
+        human.text()
+    );
+
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &listed).await?;
+    app::wait_streaming(&relay).await?;
+    wait_until("the failover watch to run", DRAIN, || async {
+        anyhow::Ok(relay.gauge("cdc_relay_failover_standbys").await? == Some(1.0))
+    })
+    .await?;
+    let db = stack.orders_admin().await?;
+    let id = app::insert_order_event(&db).await?.to_string();
+    wait_until("the event delivered", DRAIN, || async {
+        oracle::arrival_ids(&sink.delivered()).contains(&id)
+    })
+    .await?;
+    assert_eq!(relay.gauge("cdc_relay_failover_ready").await?, Some(0.0));
+    Ok(())
+}
