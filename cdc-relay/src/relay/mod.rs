@@ -396,11 +396,18 @@ impl Session<'_> {
                 ))
             })??;
         let side = Arc::new(side);
+        // The slot was recreated and the gap since the progress record
+        // re-sent: the new slot is ahead of where this process left the old
+        // one by design, and nothing in between is skipped.
+        let mut recovered = false;
         let slot = match slot {
             Some(slot) => slot,
             None if cfg.on_slot_loss == OnSlotLoss::RecreateAndBackfill => {
                 match recovery::recreate_and_backfill(&side, &server, cfg, sink, shutdown).await? {
-                    Some(slot) => slot,
+                    Some(slot) => {
+                        recovered = true;
+                        slot
+                    }
                     None => return Ok(None),
                 }
             }
@@ -428,7 +435,9 @@ impl Session<'_> {
                 reason: slot.invalidation_reason.clone(),
             });
         }
-        recovery::check_not_jumped(&side, cfg, self.holder, &slot, left).await?;
+        if !recovered {
+            recovery::check_not_jumped(&side, cfg, self.holder, &slot, left).await?;
+        }
         if cfg.failover && failover::slot_failover(&side, &cfg.slot).await? != Some(true) {
             return Err(SourceError::Definite(format!(
                 "--failover: slot {:?} is not a failover slot (or the server predates PostgreSQL 17): run `cdc-relay setup --failover`",
