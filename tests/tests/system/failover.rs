@@ -243,3 +243,5 @@ async fn a_standby_url_naming_a_primary_is_skipped_not_counted_as_a_copy() -> an
     assert_eq!(relay.gauge("cdc_relay_failover_ready").await?, Some(0.0));
     Ok(())
 }
+
+mod drill;
