@@ -256,8 +256,10 @@ pub struct GlobalArgs {
     )]
     pub publication: Vec<String>,
     /// A standby to check the slot's failover copy on (PostgreSQL 17+),
-    /// libpq URL; repeat or comma-separate for several. `status` shows each
-    /// copy; `run` exports cdc_relay_failover_ready and nudges the primary
+    /// libpq URL; repeat or comma-separate for several. A listed server out
+    /// of recovery is a primary and is skipped, so list every server of the
+    /// cluster. `status` shows each copy; `run` exports
+    /// cdc_relay_failover_ready and nudges the primary
     /// (pg_log_standby_snapshot) while a copy is temporary.
     #[arg(
         help_heading = "Database",

@@ -463,7 +463,7 @@ async fn primary_sigkilled_under_load_standby_promoted_relay_follows_nothing_los
             e.context(format!("failover {round}: {} lost: {lost:?}", lost.len()))
         })?;
         let redelivered: Vec<(String, Instant, Instant)> =
-            tally.borrow().again[again_seen..].iter().cloned().collect();
+            tally.borrow().again[again_seen..].to_vec();
         let stale = redelivered
             .iter()
             .map(|(_, first, _)| *first)
