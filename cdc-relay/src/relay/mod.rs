@@ -303,7 +303,12 @@ impl Session<'_> {
             ceiling,
             items: items_tx,
             window: Window::new(cfg.window_events, cfg.window_bytes),
-            mapper: OutboxMapper::new(cfg.table.clone(), cfg.columns.clone(), Some(p.table.oid)),
+            mapper: {
+                let mut m =
+                    OutboxMapper::new(cfg.table.clone(), cfg.columns.clone(), Some(p.table.oid));
+                m.seed_layout(&p.table.columns);
+                m
+            },
             side: Arc::clone(&p.side),
             side_closed: p.side_closed,
             slot: cfg.slot.clone(),

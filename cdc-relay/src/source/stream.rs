@@ -254,6 +254,13 @@ impl Stream {
         match pgoutput::decode(data)? {
             LogicalMessage::Relation(rel) => {
                 let kind = self.mapper.on_relation(&rel);
+                for (configured, now) in self.mapper.followed_renames(rel.oid) {
+                    tracing::warn!(
+                        relation = %format!("{}.{}", rel.namespace, rel.name),
+                        column = %configured, named = %now,
+                        "the outbox's column {configured:?} is named {now:?} here (renamed; same position and type): following it"
+                    );
+                }
                 self.relation(kind, &rel).await?;
             }
             LogicalMessage::Insert(ins) => {

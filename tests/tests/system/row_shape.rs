@@ -407,3 +407,55 @@ fn mentions_replica_identity(text: &str) -> bool {
     let text = text.to_lowercase();
     text.contains("replica identity") && text.contains("insert-only")
 }
+
+/// A configured column renamed and renamed back, with events committed in
+/// between, while the relay streams and while it is stopped: the rows the
+/// WAL describes under the other name keep their column's position and
+/// type, so the relay follows the column (and logs it) instead of stopping
+/// with exit 5 on every start (the WAL keeps the old name forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_renamed_and_back_is_followed_and_never_wedges() -> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Scripted).await?;
+    let agg = s.insert_order().await?;
+    let first = s.insert_event(agg, "Before", Some(r#"{"n":0}"#)).await?;
+    let renamed_insert = |t: &'static str| {
+        format!(
+            "INSERT INTO outbox (id, aggregate_id, etype, payload) \
+             VALUES (gen_random_uuid(), '{agg}', '{t}', '{{\"n\":1}}') \
+             RETURNING id::text, etype, payload::text, aggregate_id::text"
+        )
+    };
+    let mut expected = vec![first];
+    // While streaming.
+    s.db.batch_execute("ALTER TABLE outbox RENAME COLUMN event_type TO etype")
+        .await?;
+    let row = s.db.query_one(&renamed_insert("WhileRenamed"), &[]).await?;
+    expected.push(oracle::Expected::from_row(&row));
+    s.db.batch_execute("ALTER TABLE outbox RENAME COLUMN etype TO event_type")
+        .await?;
+    expected.push(s.insert_event(agg, "RenamedBack", Some("{}")).await?);
+    s.expect_exactly(&expected).await?;
+    assert!(
+        s.relay
+            .process
+            .logs()
+            .contains("renamed; same position and type"),
+        "the rename is logged:\n{}",
+        s.relay.process.logs()
+    );
+
+    // While stopped: the next session's first description of the table
+    // carries the other name.
+    s.stop_relay().await?;
+    s.db.batch_execute("ALTER TABLE outbox RENAME COLUMN event_type TO etype")
+        .await?;
+    let row = s.db.query_one(&renamed_insert("WhileStopped"), &[]).await?;
+    expected.push(oracle::Expected::from_row(&row));
+    s.db.batch_execute("ALTER TABLE outbox RENAME COLUMN etype TO event_type")
+        .await?;
+    expected.push(s.insert_event(agg, "AfterRestart", Some("{}")).await?);
+    s.restart_relay(&[]).await?;
+    s.expect_exactly(&expected).await?;
+    s.assert_balanced().await?;
+    s.finish().await
+}

@@ -12,6 +12,11 @@ use crate::pgoutput::{ColumnValue, Insert, Relation, RelationId};
 /// Column positions in one version of the outbox's Relation message.
 #[derive(Clone, Debug)]
 struct Positions {
+    /// Every column's type OID, in order: the table's shape.
+    types: Vec<u32>,
+    /// Configured columns found at their old position under another name
+    /// (`configured`, `name now`): renamed, followed.
+    followed: Vec<(String, String)>,
     columns: usize,
     id: usize,
     event_type: usize,
@@ -130,29 +135,98 @@ impl OutboxMapper {
         self.outbox.insert(rel.oid, self.resolve(rel));
     }
 
-    fn resolve(&self, rel: &Relation) -> Result<Positions, OutboxError> {
-        let find = |column: &str, setting: &'static str| {
-            rel.columns
+    /// Seeds what the outbox (`start_oid`) looks like in the catalog now:
+    /// its columns as pgoutput sends them (name and type OID, in attnum
+    /// order, dropped and generated columns left out). The WAL may describe
+    /// the table with a column under an older name (renamed since, e.g.
+    /// renamed away and back while events were committed): with the same
+    /// shape, the column at the same position is followed.
+    pub fn seed_layout(&mut self, columns: &[(String, u32)]) {
+        let Some(oid) = self.start_oid else { return };
+        let seed = Relation {
+            oid,
+            namespace: self.table.schema.clone(),
+            name: self.table.name.clone(),
+            replica_identity: crate::pgoutput::ReplicaIdentity::Default,
+            columns: columns
                 .iter()
-                .position(|c| c.name == column)
-                .ok_or_else(|| OutboxError::MissingColumn {
+                .map(|(name, type_oid)| crate::pgoutput::Column {
+                    flags: crate::pgoutput::ColumnFlags(0),
+                    name: name.clone(),
+                    type_oid: *type_oid,
+                    type_modifier: -1,
+                })
+                .collect(),
+        };
+        if let Ok(p) = self.resolve(&seed) {
+            self.outbox.insert(oid, Ok(p));
+        }
+    }
+
+    /// Configured columns the latest Relation message of `oid` names
+    /// otherwise, followed by position: `(configured, name now)`.
+    pub fn followed_renames(&self, oid: RelationId) -> &[(String, String)] {
+        match self.outbox.get(&oid) {
+            Some(Ok(p)) => &p.followed,
+            _ => &[],
+        }
+    }
+
+    fn resolve(&self, rel: &Relation) -> Result<Positions, OutboxError> {
+        let types: Vec<u32> = rel.columns.iter().map(|c| c.type_oid).collect();
+        // The positions this relation had when last described, when its
+        // shape (every column's type, in order) is unchanged: a configured
+        // name missing now was renamed, and its column is still there.
+        let before = match self.outbox.get(&rel.oid) {
+            Some(Ok(p)) if p.types == types => Some(p),
+            _ => None,
+        };
+        let configured = self.columns.names();
+        let followed = std::cell::RefCell::new(Vec::new());
+        let find = |column: &str, setting: &'static str, old: Option<usize>| {
+            if let Some(i) = rel.columns.iter().position(|c| c.name == column) {
+                return Ok(i);
+            }
+            match old {
+                Some(i) if !configured.iter().any(|c| *c == rel.columns[i].name) => {
+                    followed
+                        .borrow_mut()
+                        .push((column.to_owned(), rel.columns[i].name.clone()));
+                    Ok(i)
+                }
+                _ => Err(OutboxError::MissingColumn {
                     table: self.table.to_string(),
                     column: column.to_owned(),
                     setting,
-                })
+                }),
+            }
         };
-        let payload = find(&self.columns.payload, "--payload-column")?;
+        let payload = find(
+            &self.columns.payload,
+            "--payload-column",
+            before.map(|b| b.payload),
+        )?;
         let payload_type = rel.columns[payload].type_oid;
         Ok(Positions {
+            types: types.clone(),
             payload_type,
             columns: rel.columns.len(),
-            id: find(&self.columns.id, "--id-column")?,
-            event_type: find(&self.columns.event_type, "--type-column")?,
+            id: find(&self.columns.id, "--id-column", before.map(|b| b.id))?,
+            event_type: find(
+                &self.columns.event_type,
+                "--type-column",
+                before.map(|b| b.event_type),
+            )?,
             payload,
             aggregate_key: match &self.columns.aggregate_key {
-                Some(c) => Some(find(c, "--aggregate-column")?),
+                Some(c) => Some(find(
+                    c,
+                    "--aggregate-column",
+                    before.and_then(|b| b.aggregate_key),
+                )?),
                 None => None,
             },
+            followed: followed.take(),
         })
     }
 

@@ -231,3 +231,91 @@ fn bad_rows_are_unreadable_values_with_what_is_readable() {
     assert!(row.problem.contains("UTF-8"), "{}", row.problem);
     assert_eq!(row.event_type.as_deref(), Some("\u{fffd}"));
 }
+
+/// A configured column renamed (same position, same shape) is followed:
+/// renamed away while rows are committed, then back, the WAL's rows under
+/// either name map, and the rename is reported; a changed shape (a column
+/// added) is not guessed at.
+#[test]
+fn a_renamed_column_of_the_same_shape_is_followed_by_position() {
+    let cols = ["id", "aggregate_id", "event_type", "payload"];
+    let mut m = mapper();
+    m.on_relation(&rel(1, "outbox", &cols));
+    m.on_relation(&rel(
+        1,
+        "outbox",
+        &["id", "aggregate_id", "etype", "payload"],
+    ));
+    assert_eq!(
+        m.followed_renames(RelationId(1)),
+        [("event_type".to_owned(), "etype".to_owned())]
+    );
+    let e = event(
+        &m,
+        &insert(1, &[Some("e1"), Some("a"), Some("Renamed"), Some("{}")]),
+    );
+    assert_eq!(e.event_type, "Renamed");
+    // Renamed back: found by name again, nothing followed.
+    m.on_relation(&rel(1, "outbox", &cols));
+    assert!(m.followed_renames(RelationId(1)).is_empty());
+
+    // A column added meanwhile: another shape, no guess.
+    m.on_relation(&rel(
+        1,
+        "outbox",
+        &["id", "aggregate_id", "etype", "payload", "x"],
+    ));
+    let err = m
+        .on_insert(&insert(1, &[Some("e"), None, None, None, None]), TX)
+        .unwrap_err();
+    assert!(err.to_string().contains("--type-column"), "{err}");
+    // Nor is a name another configured column has.
+    let mut m = mapper();
+    m.on_relation(&rel(1, "outbox", &cols));
+    m.on_relation(&rel(1, "outbox", &["id", "aggregate_id", "id", "payload"]));
+    assert!(
+        m.on_insert(&insert(1, &[Some("e"), None, None, None]), TX)
+            .is_err()
+    );
+}
+
+/// The catalog's layout seeds the outbox: a session whose first Relation
+/// message names a column as it was before a rename (renamed back since)
+/// still maps it.
+#[test]
+fn the_catalog_layout_lets_a_session_follow_an_older_column_name() {
+    let mut m = mapper();
+    m.seed_layout(&[
+        ("id".into(), 25),
+        ("aggregate_id".into(), 25),
+        ("event_type".into(), 25),
+        ("payload".into(), 3802),
+    ]);
+    m.on_relation(&rel(
+        1,
+        "outbox",
+        &["id", "aggregate_id", "etype", "payload"],
+    ));
+    let e = event(
+        &m,
+        &insert(1, &[Some("e1"), Some("a"), Some("FromWal"), Some("{}")]),
+    );
+    assert_eq!(e.event_type, "FromWal");
+    // A different payload type in the seed: not the same shape.
+    let mut m = mapper();
+    m.seed_layout(&[
+        ("id".into(), 25),
+        ("aggregate_id".into(), 25),
+        ("event_type".into(), 25),
+        ("payload".into(), 25),
+    ]);
+    m.on_relation(&rel(
+        1,
+        "outbox",
+        &["id", "aggregate_id", "etype", "payload"],
+    ));
+    assert!(
+        m.on_insert(&insert(1, &[Some("e"), None, None, None]), TX)
+            .is_err()
+    );
+}

@@ -17,6 +17,9 @@ pub struct OutboxTable {
     pub replica_identity: String,
     /// Whether it has a primary key (what `d` needs to identify rows).
     pub has_primary_key: bool,
+    /// Its columns as pgoutput describes them: name and type OID in attnum
+    /// order, dropped and generated columns left out.
+    pub columns: Vec<(String, u32)>,
 }
 
 /// Checks that `table` exists, has every configured column, and that the
@@ -49,8 +52,9 @@ pub async fn check_outbox_table(
         relkind: row.get(1),
         replica_identity: row.get(2),
         has_primary_key: row.get(3),
+        columns: Vec::new(),
     };
-    let cols: Vec<(String, u32, String)> = client
+    let rows = client
         .query(
             // The type, or for a domain the type it is built on (domains
             // over domains followed to the base): a domain over jsonb has
@@ -61,13 +65,14 @@ pub async fn check_outbox_table(
                          UNION ALL \
                          SELECT t.oid, t.typbasetype FROM pg_type t JOIN d ON t.oid = d.base) \
                      SELECT oid FROM d WHERE base = 0), \
-                    format_type(a.atttypid, a.atttypmod) \
+                    format_type(a.atttypid, a.atttypmod), a.atttypid, a.attgenerated = '' \
              FROM pg_attribute a \
              WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
             &[&table.oid],
         )
         .await
-        .map_err(|e| SourceError::sql("reading the outbox columns", &e))?
+        .map_err(|e| SourceError::sql("reading the outbox columns", &e))?;
+    let cols: Vec<(String, u32, String)> = rows
         .iter()
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect();
@@ -78,6 +83,12 @@ pub async fn check_outbox_table(
             t, &c.payload, type_name,
         )));
     }
+    let mut table = table;
+    table.columns = rows
+        .iter()
+        .filter(|r| r.get::<_, bool>(4))
+        .map(|r| (r.get(0), r.get(3)))
+        .collect();
     let cols: Vec<String> = cols.into_iter().map(|(name, ..)| name).collect();
     let mut wanted = vec![
         (c.id.as_str(), "--id-column"),
