@@ -367,9 +367,10 @@ pub struct StatusArgs {
     pub json: bool,
     /// A relay's admin endpoint to ask (/readyz, /metrics), e.g.
     /// http://10.0.0.7:9187; repeatable. Default: the local relay's
-    /// (http:// + CDC_RELAY_ADMIN_LISTEN, else http://127.0.0.1:9187), which
-    /// is a problem only when no relay holds the slot. A given one that
-    /// does not answer, or is not ready, is a problem (exit 8).
+    /// (http:// + CDC_RELAY_ADMIN_LISTEN, else http://127.0.0.1:9187), a
+    /// problem only when it answers not ready (a hot standby is fine). A
+    /// given one that does not answer, or is not ready, is a problem (exit
+    /// 8). Without any relay holding the slot, status exits 8 anyway.
     #[arg(long = "admin-url")]
     pub admin_url: Vec<String>,
 }

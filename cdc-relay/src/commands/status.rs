@@ -130,7 +130,9 @@ async fn relay_checks(s: &mut Status, a: &StatusArgs) {
         // A hot standby is not ready by design; while another relay
         // streams from the slot it is what an HA pair should look like.
         let standing_by = e.standby && s.active;
-        if !e.ready && !standing_by && (given || answered || (slot_usable && !s.active)) {
+        // The default (local) endpoint not answering is no problem of its
+        // own: whether any relay streams is judged from the slot above.
+        if !e.ready && !standing_by && (given || answered) {
             s.problems.push(Problem {
                 code: NOT_DELIVERING,
                 message: format!("relay at {url}: {}", e.detail),

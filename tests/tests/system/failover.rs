@@ -207,8 +207,21 @@ async fn a_standby_url_naming_a_primary_is_skipped_not_counted_as_a_copy() -> an
         &[],
     )
     .await?;
-    assert_eq!(json.code(), Some(0), "{}", json.text());
+    // No relay runs here (exit 8, its only problem): the listed primary
+    // is no problem of its own.
+    assert_eq!(json.code(), Some(8), "{}", json.text());
     let report: serde_json::Value = serde_json::from_str(&json.stdout)?;
+    assert_eq!(
+        report["problems"].as_array().map(Vec::len),
+        Some(1),
+        "{report:#}"
+    );
+    assert!(
+        report["problems"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no relay streams")),
+        "{report:#}"
+    );
     let copy = &report["standbys"][0];
     assert_eq!(copy["primary"], true, "{report:#}");
     assert_eq!(copy["error"], serde_json::Value::Null, "{report:#}");
