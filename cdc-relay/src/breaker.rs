@@ -349,6 +349,9 @@ fn config_fault_hint(reason: &str) -> &'static str {
     match reason {
         "http_401" | "http_403" => "check the event secret (EVENT_SECRET) and the sink's auth",
         "http_404" | "http_405" => "check --sink-url (path and method POST)",
+        "http_415" => {
+            "the sink refuses the body's Content-Type or Content-Encoding: is a proxy in front of it compressing requests?"
+        }
         r if r.starts_with("http_3") => "the sink redirects; point --sink-url at the final URL",
         _ => {
             "an unexpected status; if it means the event itself is refused, add it to --poison-statuses"

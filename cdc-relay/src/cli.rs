@@ -569,7 +569,7 @@ pub struct DeliveryArgs {
     #[arg(
         long,
         env = "CDC_RELAY_POISON_STATUSES",
-        default_value = "400,413,415,422",
+        default_value = "400,413,422",
         value_delimiter = ','
     )]
     pub poison_statuses: Vec<u16>,

@@ -1,6 +1,6 @@
 //! The dead-letter table: where poison events go instead of being dropped.
 //!
-//! A poison event (the sink refused the event itself: 400, 413, 415, 422 by
+//! A poison event (the sink refused the event itself: 400, 413, 422 by
 //! default) or an unreadable outbox row (NULL id or type, bad text) becomes a
 //! row in `cdc_relay_dead_letter` (see `sql/orders.sql`) in the source
 //! database. The event counts as done only after that row is committed; if

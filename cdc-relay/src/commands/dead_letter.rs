@@ -180,7 +180,7 @@ struct Replayed {
 fn sink_failing(a: &Attempt) -> bool {
     match a {
         Attempt::Response { status, .. } => {
-            *status >= 500 || matches!(status, 401 | 403 | 404 | 405 | 408 | 429)
+            *status >= 500 || matches!(status, 401 | 403 | 404 | 405 | 408 | 415 | 429)
         }
         Attempt::Timeout | Attempt::Connect(_) | Attempt::Tls(_) | Attempt::Transport(_) => true,
     }
@@ -318,13 +318,13 @@ mod tests {
         for failing in [500, 503, 599, 408, 429] {
             assert!(sink_failing(&answer(failing)), "{failing}");
         }
-        for failing in [401, 403, 404, 405] {
+        for failing in [401, 403, 404, 405, 415] {
             assert!(
                 sink_failing(&answer(failing)),
                 "a configuration fault: {failing}"
             );
         }
-        for event in [400, 409, 410, 413, 415, 422] {
+        for event in [400, 409, 410, 413, 422] {
             assert!(!sink_failing(&answer(event)), "{event}");
         }
         assert!(sink_failing(&Attempt::Timeout));

@@ -6,8 +6,8 @@
 //! |---|---|
 //! | 2xx | [`Disposition::Delivered`] |
 //! | timeout, connection error, 408, 425, 429, 5xx | [`Disposition::Retry`] |
-//! | 400, 413, 415, 422 (configurable) | [`Disposition::DeadLetter`] |
-//! | 401, 403, 404, 405, 3xx, anything else | [`Disposition::ConfigFault`]: retried, loudly |
+//! | 400, 413, 422 (configurable) | [`Disposition::DeadLetter`] |
+//! | 401, 403, 404, 405, 415, 3xx, anything else | [`Disposition::ConfigFault`]: retried, loudly |
 //!
 //! Unknown cases retry: an infrastructure error is transient until proven
 //! permanent. Every disposition carries a reason: its label, one of the
@@ -70,20 +70,21 @@ pub enum Disposition {
     ConfigFault(Reason),
 }
 
-/// Which HTTP statuses are poison. Defaults: 400, 413, 415, 422.
+/// Which HTTP statuses are poison. Defaults: 400, 413, 422.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StatusPolicy {
     poison: Vec<u16>,
 }
 
 /// Statuses that are never the event's fault: configuration faults (the
-/// URL, the secret, the method) and "try again later".
-const NEVER_POISON: [u16; 7] = [401, 403, 404, 405, 408, 425, 429];
+/// URL, the secret, the method, the body's media type or encoding: a proxy
+/// compressing requests) and "try again later".
+const NEVER_POISON: [u16; 8] = [401, 403, 404, 405, 415, 408, 425, 429];
 
 impl Default for StatusPolicy {
     fn default() -> Self {
         StatusPolicy {
-            poison: vec![400, 413, 415, 422],
+            poison: vec![400, 413, 422],
         }
     }
 }
@@ -101,9 +102,10 @@ impl StatusPolicy {
         }
         if let Some(bad) = poison.iter().find(|s| NEVER_POISON.contains(*s)) {
             return Err(format!(
-                "--poison-statuses cannot list {bad}: 401, 403, 404 and 405 say the relay's own \
+                "--poison-statuses cannot list {bad}: 401, 403, 404, 405 and 415 say the relay's own \
                  configuration is wrong (events are kept and the circuit opens; a wrong \
-                 --sink-url must not dead-letter every event), 408, 425 and 429 are retried"
+                 --sink-url, or a proxy compressing requests, must not dead-letter every event), \
+                 408, 425 and 429 are retried"
             ));
         }
         Ok(StatusPolicy { poison })
@@ -193,13 +195,13 @@ mod tests {
                 "{s}"
             );
         }
-        for s in [400, 413, 415, 422] {
+        for s in [400, 413, 422] {
             assert!(
                 matches!(classify(&resp(s), &p), Disposition::DeadLetter(_)),
                 "{s}"
             );
         }
-        for s in [301, 302, 307, 401, 403, 404, 405, 409, 410, 100] {
+        for s in [301, 302, 307, 401, 403, 404, 405, 409, 410, 415, 100] {
             assert!(
                 matches!(classify(&resp(s), &p), Disposition::ConfigFault(_)),
                 "{s}"

@@ -1,9 +1,12 @@
 //! Request bodies: content type, size limit, nesting depth, JSON syntax.
 //!
 //! The checks run cheapest first so hostile input costs little:
-//! 415 (header only) → 413 (`Content-Length` or streamed count, never more
+//! 415 (headers only: a media type other than JSON, or a `Content-Encoding`
+//! other than `identity`) → 413 (`Content-Length` or streamed count, never more
 //! than the limit buffered) → 400 depth (one linear byte scan, before any
-//! recursive parser sees the input) → 400 syntax. A rejected body is read
+//! recursive parser sees the input) → 400 syntax, including a key repeated in
+//! one object (`{"id":"E1","id":"E2"}`: which one counts would depend on the
+//! parser, so neither does). A rejected body is read
 //! and discarded (bounded, see [`DRAIN_LIMIT_BYTES`]) so the client reliably
 //! receives the status.
 
@@ -48,7 +51,8 @@ impl<S: Send + Sync> FromRequest<S> for RawJsonBody {
             .get::<BodyLimit>()
             .map_or(DEFAULT_BODY_LIMIT_BYTES, |l| l.0);
         let declared = declared_length(req.headers());
-        let content_type = require_json_content_type(req.headers());
+        let content_type = require_identity_encoding(req.headers())
+            .and_then(|()| require_json_content_type(req.headers()));
         let body = req.into_body();
         if let Err(unsupported) = content_type {
             drain(body, declared).await;
@@ -72,12 +76,102 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
 }
 
 /// Parses `bytes` as JSON after rejecting nesting deeper than
-/// [`MAX_JSON_DEPTH`]; both failures are 400 `invalid_json` with the reason.
+/// [`MAX_JSON_DEPTH`]; both failures, and a key repeated within one object,
+/// are 400 `invalid_json` with the reason.
 pub fn parse_json(bytes: &[u8]) -> Result<Value, ServiceError> {
     check_depth(bytes, MAX_JSON_DEPTH)
         .map_err(|e| ServiceError::bad_request("invalid_json", e.to_string()))?;
-    serde_json::from_slice(bytes)
+    serde_json::from_slice::<StrictValue>(bytes)
+        .map(|v| v.0)
         .map_err(|e| ServiceError::bad_request("invalid_json", format!("invalid JSON: {e}")))
+}
+
+/// A JSON value whose objects have no repeated key (serde_json's `Value`
+/// keeps the last one silently).
+struct StrictValue(Value);
+
+impl<'de> serde::Deserialize<'de> for StrictValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(StrictValue)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        serde::Deserialize::deserialize(d).map(|v: StrictValue| v.0)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(StrictValue(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(Value::Array(items))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if object.contains_key(&key) {
+                return Err(serde::de::Error::custom(format_args!(
+                    "duplicate key {key:?} in one object"
+                )));
+            }
+            let StrictValue(v) = map.next_value()?;
+            object.insert(key, v);
+        }
+        Ok(Value::Object(object))
+    }
+}
+
+/// 415 unless the body is sent as is: a `Content-Encoding` other than
+/// `identity` (a proxy compressing requests) is refused before the body is
+/// read, so the sender sees a configuration fault, not a malformed event.
+fn require_identity_encoding(headers: &http::HeaderMap) -> Result<(), ServiceError> {
+    for value in headers.get_all(header::CONTENT_ENCODING) {
+        let text = value.to_str().unwrap_or("?");
+        for coding in text.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+            if !coding.eq_ignore_ascii_case("identity") {
+                return Err(ServiceError::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported_content_encoding",
+                    format!(
+                        "Content-Encoding {coding:?} is not accepted: send the body uncompressed (identity); a proxy in front of this service must not compress requests"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Nesting deeper than allowed, found at `offset` (bytes into the body).
@@ -238,6 +332,45 @@ mod tests {
         assert_eq!(deep.status(), StatusCode::BAD_REQUEST);
         let malformed = parse_json(b"{\"a\":").unwrap_err();
         assert_eq!(malformed.code(), "invalid_json");
+    }
+
+    #[test]
+    fn parse_json_refuses_a_key_repeated_in_one_object_only() {
+        for twice in [
+            r#"{"id":"E1","id":"E2"}"#,
+            r#"{"a":{"b":1,"b":1}}"#,
+            r#"[{"k":1},{"k":2,"k":3}]"#,
+        ] {
+            let e = parse_json(twice.as_bytes()).unwrap_err();
+            assert_eq!(e.status(), StatusCode::BAD_REQUEST, "{twice}");
+        }
+        let v =
+            parse_json(br#"{"k":1,"o":{"k":2},"a":[{"k":3},{"k":4}],"n":null,"f":1.5,"t":true}"#)
+                .unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"k":1,"o":{"k":2},"a":[{"k":3},{"k":4}],"n":null,"f":1.5,"t":true})
+        );
+        assert_eq!(parse_json(b"-7").unwrap(), serde_json::json!(-7));
+        assert_eq!(
+            parse_json(b"18446744073709551615").unwrap(),
+            serde_json::json!(u64::MAX)
+        );
+    }
+
+    #[test]
+    fn only_identity_content_encoding_is_accepted() {
+        let with = |v: &str| {
+            let mut h = http::HeaderMap::new();
+            h.insert(header::CONTENT_ENCODING, v.parse().unwrap());
+            require_identity_encoding(&h)
+        };
+        assert!(require_identity_encoding(&http::HeaderMap::new()).is_ok());
+        assert!(with("identity").is_ok() && with("IDENTITY").is_ok());
+        for refused in ["gzip", "br", "deflate", "identity, gzip", "x-custom"] {
+            let e = with(refused).unwrap_err();
+            assert_eq!(e.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE, "{refused}");
+        }
     }
 
     #[test]

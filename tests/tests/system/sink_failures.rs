@@ -278,6 +278,27 @@ async fn config_fault_opens_the_circuit_and_keeps_events() -> anyhow::Result<()>
         || async { sink.delivered().iter().any(|r| r.id() == event) },
     )
     .await?;
+
+    // 415 (Billing's answer to a compressed body: a proxy compressing
+    // requests) is the relay's configuration too, for every event alike.
+    sink.set_status(415);
+    let event = insert_order_event(&s.db).await?;
+    wait_judged(relay, "config_fault", 1.0).await?;
+    wait_until(
+        "the 415 hint is logged",
+        Duration::from_secs(20),
+        || async { relay.process.logs().contains("Content-Encoding") },
+    )
+    .await?;
+    assert_eq!(judged(relay, "dead_letter").await?, 0.0);
+    assert!(dead_letters(&s.stack).await?.is_empty());
+    sink.set_status(204);
+    wait_until(
+        "delivered after the proxy is fixed",
+        Duration::from_secs(10),
+        || async { sink.delivered().iter().any(|r| r.id() == event) },
+    )
+    .await?;
     Ok(())
 }
 
