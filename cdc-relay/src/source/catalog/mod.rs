@@ -449,8 +449,9 @@ pub fn quote_table(t: &TableName) -> String {
 /// "publication … does not exist" (42704) exactly then, 18 sends a WARNING
 /// "skipped loading publication" (55000) and decodes on without it; both
 /// mean yes. `None` when it cannot tell: the slot is in use (only one
-/// process may read it), invalidated, holds no change, or the peek did not
-/// finish within 5 s. Needs the REPLICATION attribute.
+/// process may read it), invalidated, holds no change, holds a change not
+/// valid in UTF-8, or the peek did not finish within 5 s. Needs the
+/// REPLICATION attribute.
 pub async fn slot_predates_publication(
     conn: &ConnParams,
     slot: &str,
@@ -491,8 +492,15 @@ pub async fn slot_predates_publication(
             Some(db) if db.code().code() == "42704" && db.message().contains("publication") => {
                 Ok(Some(true))
             }
-            // In use, invalidated, timed out, or not allowed: no verdict.
-            Some(db) if matches!(db.code().code(), "55006" | "55000" | "57014" | "42501") => {
+            // In use, invalidated, timed out, not allowed, or a change this
+            // connection's encoding cannot carry (a SQL_ASCII database,
+            // which the relay's own encoding check reports): no verdict.
+            Some(db)
+                if matches!(
+                    db.code().code(),
+                    "55006" | "55000" | "57014" | "42501" | "22021" | "22P05"
+                ) =>
+            {
                 Ok(skipped.then_some(true))
             }
             _ => Err(SourceError::sql("peeking at the slot", &e)),
