@@ -132,8 +132,24 @@ async fn confirmed_lsn_never_passes_an_undelivered_commit() -> anyhow::Result<()
     s.sink().set_status(503);
     let db = &s.db;
 
+    // The bound is where the event's commit record goes: PostgreSQL resends
+    // every transaction whose commit record starts at or after the slot's
+    // confirmed position, so the relay may confirm up to there (a
+    // keepalive's position can rightly fall between the event's INSERT and
+    // its COMMIT, before the walsender has decoded the transaction), never
+    // past it. Read inside the transaction, just before COMMIT, it is at or
+    // below the commit record's start.
+    let event = uuid::Uuid::new_v4();
+    let order = uuid::Uuid::new_v4();
+    db.batch_execute("BEGIN").await?;
+    db.batch_execute(&format!(
+        "INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 250, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{event}', '{order}', \
+           'OrderCreated', jsonb_build_object('order_id', '{order}'::uuid, 'amount_cents', 250, 'currency', 'EUR'))"
+    ))
+    .await?;
     let before = insert_position(db).await?;
-    let event = app::insert_order_event(db).await?;
+    db.batch_execute("COMMIT").await?;
     let outage = std::time::Instant::now();
     let mut killed = false;
     while outage.elapsed() < Duration::from_secs(20) {
@@ -142,7 +158,7 @@ async fn confirmed_lsn_never_passes_an_undelivered_commit() -> anyhow::Result<()
         let confirmed = slot_position(db, &s.stack.slot).await?.confirmed;
         assert!(
             confirmed <= before,
-            "confirmed_flush_lsn {confirmed} passed the undelivered commit (started after {before})"
+            "confirmed_flush_lsn {confirmed} passed the undelivered commit (its record starts at or after {before})"
         );
         if !killed && outage.elapsed() > Duration::from_secs(10) {
             assert!(
