@@ -297,5 +297,30 @@ fn read(source: Source<'_>, which: &Setting) -> Result<Option<Key>, SecretError>
     Key::parse(&text, &setting, which).map(Some)
 }
 
+/// Which signature headers a request carries (the relay's
+/// `--signature-scheme`) or a receiver accepts (Billing's).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SignatureScheme {
+    /// Standard Webhooks: `webhook-id`, `webhook-timestamp` and
+    /// `webhook-signature` (a receiver then requires a recent timestamp).
+    Standard,
+    /// `X-Event-Signature` only (the tutorial's receivers).
+    Legacy,
+    /// Both.
+    Both,
+}
+
+impl SignatureScheme {
+    /// Whether the Standard Webhooks headers are in use.
+    pub fn standard(self) -> bool {
+        matches!(self, SignatureScheme::Standard | SignatureScheme::Both)
+    }
+
+    /// Whether `X-Event-Signature` is in use.
+    pub fn legacy(self) -> bool {
+        matches!(self, SignatureScheme::Legacy | SignatureScheme::Both)
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -182,10 +182,9 @@ async fn ensure_publication(
             // TABLE, or it was dropped and created again): put it back, as
             // the relay's and status's messages say setup does.
             let stmt = format!(
-                "ALTER PUBLICATION {} ADD TABLE {}.{}",
+                "ALTER PUBLICATION {} ADD TABLE {}",
                 catalog::quote_ident(&plan.publication),
-                catalog::quote_ident(&t.schema),
-                catalog::quote_ident(&t.name)
+                catalog::quote_table(t)
             );
             client
                 .batch_execute(&stmt)
@@ -222,10 +221,9 @@ async fn ensure_publication(
         ""
     };
     let stmt = format!(
-        "CREATE PUBLICATION {} FOR TABLE {}.{} WITH (publish = 'insert'{via_root})",
+        "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert'{via_root})",
         catalog::quote_ident(&plan.publication),
-        catalog::quote_ident(&t.schema),
-        catalog::quote_ident(&t.name)
+        catalog::quote_table(t)
     );
     client
         .batch_execute(&stmt)

@@ -25,26 +25,9 @@ use hmac::{Hmac, Mac};
 use http::HeaderValue;
 use sha2::Sha256;
 
-/// Which signature headers the relay sends (`--signature-scheme`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum SignatureScheme {
-    /// `webhook-id`, `webhook-timestamp` and `webhook-signature` only.
-    Standard,
-    /// `X-Event-Signature` only (the tutorial's receivers).
-    Legacy,
-    /// Both, so receivers of either kind verify the same request.
-    Both,
-}
-
-impl SignatureScheme {
-    fn standard(self) -> bool {
-        matches!(self, SignatureScheme::Standard | SignatureScheme::Both)
-    }
-
-    fn legacy(self) -> bool {
-        matches!(self, SignatureScheme::Legacy | SignatureScheme::Both)
-    }
-}
+/// Which signature headers the relay sends (`--signature-scheme`); the
+/// same type Billing accepts by.
+pub use event_secret::SignatureScheme;
 
 /// HMAC-SHA256 keyed once: cloning the keyed state per message skips the
 /// key schedule.

@@ -32,27 +32,9 @@ const SIGNATURE_HEX_LEN: usize = 64;
 /// `X-Event-Signature`: the tutorial's header.
 pub const LEGACY_HEADER: &str = "x-event-signature";
 
-/// Which signatures Billing accepts (`--signature-scheme`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum SignatureScheme {
-    /// Standard Webhooks only: every request must carry a recent
-    /// `webhook-timestamp` (the replay window).
-    Standard,
-    /// `X-Event-Signature` only.
-    Legacy,
-    /// Either: `webhook-signature` when present, else `X-Event-Signature`.
-    Both,
-}
-
-impl SignatureScheme {
-    fn standard(self) -> bool {
-        matches!(self, SignatureScheme::Standard | SignatureScheme::Both)
-    }
-
-    fn legacy(self) -> bool {
-        matches!(self, SignatureScheme::Legacy | SignatureScheme::Both)
-    }
-}
+/// Which signatures Billing accepts (`--signature-scheme`; with `Both`,
+/// `webhook-signature` decides when present); the relay's type.
+pub use event_secret::SignatureScheme;
 
 /// Why a request is refused: the error code and a detail for the 401 body.
 #[derive(Clone, Debug, PartialEq, Eq)]
