@@ -102,16 +102,13 @@ pub async fn start_orders_with(
     args: &[&str],
     env: &[(&str, &str)],
 ) -> anyhow::Result<Running> {
-    let mut argv = vec!["--listen", "127.0.0.1:0"];
-    argv.extend_from_slice(args);
-    let mut envs = vec![
-        ("ORDERS_DATABASE_URL", stack.orders_app_url.as_str()),
-        ("RUST_LOG", "warn"),
-    ];
-    envs.extend_from_slice(env);
-    let process = ServiceProcess::spawn(bins::path("orders"), &argv, &envs)?;
-    let url = process.listen_addr(START_TIMEOUT).await?;
-    Running::service(process, url).await
+    start_service(
+        "orders",
+        ("ORDERS_DATABASE_URL", &stack.orders_app_url),
+        args,
+        env,
+    )
+    .await
 }
 
 /// Starts the Billing service for `stack` on a free port, accepting
@@ -127,14 +124,28 @@ pub async fn start_billing_with(
     args: &[&str],
     env: &[(&str, &str)],
 ) -> anyhow::Result<Running> {
+    start_service(
+        "billing",
+        ("BILLING_DATABASE_URL", &stack.billing_app_url),
+        args,
+        env,
+    )
+    .await
+}
+
+/// Starts service binary `bin` on a free port with its database URL
+/// variable `db`, extra `args` and environment `env`; returns once it listens.
+async fn start_service(
+    bin: &str,
+    db: (&str, &str),
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> anyhow::Result<Running> {
     let mut argv = vec!["--listen", "127.0.0.1:0"];
     argv.extend_from_slice(args);
-    let mut envs = vec![
-        ("BILLING_DATABASE_URL", stack.billing_app_url.as_str()),
-        ("RUST_LOG", "warn"),
-    ];
+    let mut envs = vec![db, ("RUST_LOG", "warn")];
     envs.extend_from_slice(env);
-    let process = ServiceProcess::spawn(bins::path("billing"), &argv, &envs)?;
+    let process = ServiceProcess::spawn(bins::path(bin), &argv, &envs)?;
     let url = process.listen_addr(START_TIMEOUT).await?;
     Running::service(process, url).await
 }
