@@ -7,16 +7,32 @@
 #     (cdc-relay/src/metrics.rs, the services' metrics).
 #   - systemd: `systemd-analyze verify` on the units, when systemd-analyze is
 #     installed (skipped with a note otherwise).
+#   - Kubernetes (deploy/kubernetes/): yamllint over deploy/'s YAML; every
+#     manifest validated strictly against the Kubernetes schemas bundled in
+#     the PyPI package kubernetes-validate (the versions in K8S_VERSIONS),
+#     the objects' selectors, ports and labels checked against each other
+#     (kubernetes/validate.py); the PrometheusRule is exactly what
+#     kubernetes/gen-prometheusrule.sh makes from prometheus/alerts.yml and
+#     carries the same rules; the Dockerfile builds with the Rust version of
+#     rust-toolchain.toml.
 #
 # promtool comes from Debian's `prometheus` package. When it is missing and
 # this runs as root on Debian/Ubuntu, only the promtool binary is taken from
 # that package (downloaded, unpacked, copied to /usr/local/bin): no Prometheus
 # server gets installed or started. Otherwise the script says what to install.
 #
+# kubernetes-validate and yamllint (pinned in kubernetes/requirements.txt)
+# are installed from PyPI into a venv, ${CARGO_TARGET_DIR:-target}/deploy-venv,
+# again only when the requirements change.
+#
 # Usage: deploy/check.sh        (exits non-zero on the first failure)
 set -euo pipefail
 cd "$(dirname "$0")"
 repo=$(cd .. && pwd)
+
+# The Kubernetes versions the manifests must be valid for: the three newest
+# minors that kubernetes-validate==1.37.0 carries schemas for.
+K8S_VERSIONS=(1.35 1.36 1.37)
 
 step() { echo "== $*"; }
 fail() { echo "deploy/check.sh: $*" >&2; exit 1; }
@@ -119,5 +135,39 @@ if command -v systemd-analyze >/dev/null 2>&1; then
 else
     echo "   systemd-analyze not installed: skipped"
 fi
+
+step "kubernetes: kubernetes-validate and yamllint in a venv"
+command -v python3 >/dev/null 2>&1 || fail "python3 (with venv) is needed for the Kubernetes checks"
+target="${CARGO_TARGET_DIR:-target}"
+case "$target" in /*) ;; *) target="$repo/$target" ;; esac
+venv="$target/deploy-venv"
+if [ -f "$venv/.installed" ] && cmp -s kubernetes/requirements.txt "$venv/.installed"; then
+    echo "   up to date ($venv)"
+else
+    echo "   installing kubernetes/requirements.txt into $venv"
+    rm -rf "$venv"
+    mkdir -p "$target"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r kubernetes/requirements.txt
+    cp kubernetes/requirements.txt "$venv/.installed"
+fi
+
+step "yamllint (kubernetes/yamllint.yml) kubernetes/ prometheus/"
+"$venv/bin/yamllint" --strict -c kubernetes/yamllint.yml kubernetes/ prometheus/ ||
+    fail "yamllint found problems"
+
+step "kubernetes/*.yaml valid against Kubernetes ${K8S_VERSIONS[*]}, wired together"
+"$venv/bin/python" kubernetes/validate.py "${K8S_VERSIONS[@]}" ||
+    fail "the Kubernetes manifests do not validate"
+
+step "kubernetes/prometheusrule.yaml is generated from prometheus/alerts.yml"
+kubernetes/gen-prometheusrule.sh --check || fail "prometheusrule.yaml is out of date"
+
+step "the Dockerfile builds with rust-toolchain.toml's Rust"
+toolchain=$(sed -n 's/^channel = "\(.*\)"$/\1/p' "$repo/rust-toolchain.toml")
+image=$(sed -n 's/^ARG RUST_VERSION=\(.*\)$/\1/p' "$repo/Dockerfile")
+[ -n "$toolchain" ] && [ "$toolchain" = "$image" ] ||
+    fail "the Dockerfile's RUST_VERSION is '$image', rust-toolchain.toml's channel '$toolchain'"
+echo "   Rust $image"
 
 echo "deploy/check.sh: all checks passed"
