@@ -11,12 +11,14 @@
 //! deduplicates by event id, so rows that were delivered before are
 //! absorbed.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
 
 use crate::ack::Position;
 use crate::breaker::Breaker;
@@ -72,6 +74,39 @@ pub struct BackfillReport {
     pub delivered: u64,
     /// Rows dead-lettered.
     pub dead_lettered: u64,
+    /// Every row of the range is done (delivered or dead-lettered).
+    pub complete: bool,
+    /// Rows done from the first one on without a gap: those a resumed
+    /// backfill need not send again.
+    pub done_prefix: u64,
+    /// When not complete: the `--since` that resumes where this one
+    /// stopped (UTC text, e.g. `2026-11-30 10:00:00.123456+00`): the time
+    /// of the first row not done. Rows of that instant done before are sent
+    /// again, which the inbox absorbs.
+    pub resume_since: Option<String>,
+}
+
+/// How a running backfill is watched and stopped from outside: the
+/// pipeline's metrics (delivered, dead-lettered, retries) for a progress
+/// line, and a token that stops it. Once `stopping` is cancelled no row is
+/// handed to delivery and no new attempt starts; attempts on the wire finish
+/// (each within `--request-timeout`), and [`run`] returns a report with the
+/// `--since` to resume from.
+#[derive(Clone)]
+pub struct BackfillControl {
+    /// The pipeline's metrics.
+    pub metrics: Metrics,
+    /// Cancel to stop.
+    pub stopping: CancellationToken,
+}
+
+impl Default for BackfillControl {
+    fn default() -> Self {
+        Self {
+            metrics: Metrics::new(),
+            stopping: CancellationToken::new(),
+        }
+    }
 }
 
 /// Backfill failed part-way; rows sent so far stay sent (harmless to repeat).
@@ -246,28 +281,30 @@ pub async fn count(reader: &Client, plan: &BackfillPlan) -> Result<u64, Backfill
     Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
 }
 
-/// Re-sends the rows; `progress(sent_so_far)` is called after each row is
-/// handed to the pipeline.
+/// Re-sends the rows, oldest first, until every row is done or
+/// `control.stopping` is cancelled (see [`BackfillControl`]).
+///
+/// Errors: [`BackfillError::Read`] when the table cannot be read,
+/// [`BackfillError::Dispatch`] when dead letters cannot be written.
 pub async fn run(
     reader: &mut Client,
     store: Arc<Client>,
     sink: HttpSink,
     cfg: DispatchConfig,
     plan: &BackfillPlan,
-    mut progress: impl FnMut(u64),
+    control: BackfillControl,
 ) -> Result<BackfillReport, BackfillError> {
-    let metrics = Metrics::new();
+    let BackfillControl { metrics, stopping } = control;
     let services = Services {
         sink,
         store,
         metrics: metrics.clone(),
         health: Health::new(Duration::from_secs(3600)),
         breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),
-        // Backfill runs to the end: an interrupted one is simply run again.
-        stopping: tokio_util::sync::CancellationToken::new(),
+        stopping: stopping.clone(),
     };
     let (items, items_rx) = mpsc::channel(1024);
-    let (confirmed, _) = watch::channel(Confirmed::default());
+    let (confirmed, confirmed_rx) = watch::channel(Confirmed::default());
     let dispatcher = tokio::spawn(dispatch::run(
         cfg,
         services,
@@ -285,7 +322,8 @@ pub async fn run(
     let t = quote_ident(&plan.time_column);
     let sql = format!(
         "SELECT {}::text, {}::text, {}::text, {agg}, \
-                (EXTRACT(EPOCH FROM {t} - '2000-01-01 00:00:00+00'::timestamptz) * 1000000)::int8 \
+                (EXTRACT(EPOCH FROM {t} - '2000-01-01 00:00:00+00'::timestamptz) * 1000000)::int8, \
+                to_char({t} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00') \
          FROM {} WHERE {t} >= $1::text::timestamptz AND ($2::text IS NULL OR {t} < $2::text::timestamptz) \
          ORDER BY {t}, {}",
         quote_ident(&c.id),
@@ -307,17 +345,25 @@ pub async fn run(
         .await
         .map_err(|e| read_error(plan, e))?;
     let mut rows_read: u64 = 0;
+    let mut exhausted = false;
+    let mut resume = ResumePoint::new(&plan.since);
     'fetch: loop {
-        let rows = tx
-            .query_portal(&portal, FETCH_ROWS)
-            .await
-            .map_err(|e| read_error(plan, e))?;
+        let rows = tokio::select! {
+            rows = tx.query_portal(&portal, FETCH_ROWS) => rows.map_err(|e| read_error(plan, e))?,
+            () = stopping.cancelled() => break,
+        };
         if rows.is_empty() {
+            exhausted = true;
             break;
         }
         for row in rows {
+            resume.advance(confirmed_rx.borrow().position);
             let commit_time_micros = row.get::<_, Option<i64>>(4).unwrap_or(0);
-            let item = to_item(&row, &window).await;
+            let time: Option<String> = row.get(5);
+            let item = tokio::select! {
+                item = to_item(&row, &window) => item,
+                () = stopping.cancelled() => break 'fetch,
+            };
             let sent = items.send(Item::Begin).await.is_ok()
                 && items.send(item).await.is_ok()
                 && items
@@ -331,17 +377,64 @@ pub async fn run(
                 break 'fetch; // the pipeline stopped; its error comes below
             }
             rows_read += 1;
-            progress(rows_read);
+            resume.handed(BackfillRow(rows_read), time);
         }
     }
     drop(items);
-    tx.commit().await.map_err(|e| read_error(plan, e))?;
-    dispatcher.await.expect("the dispatcher does not panic")?;
+    // Ending the snapshot can wait for the pipeline: the rows are read.
+    let _ = tx.commit().await;
+    let done = dispatcher.await.expect("the dispatcher does not panic")?;
+    resume.advance(done);
+    let complete = exhausted && done.0 == rows_read;
     Ok(BackfillReport {
         rows: rows_read,
         delivered: metrics.events_delivered.get(),
         dead_lettered: metrics.events_dead_lettered.get(),
+        complete,
+        done_prefix: done.0,
+        resume_since: (!complete).then(|| resume.since()),
     })
+}
+
+/// Where a stopped backfill resumes: the times of the rows handed to
+/// delivery and not yet done (at most a window's worth), oldest first.
+struct ResumePoint {
+    pending: VecDeque<(BackfillRow, Option<String>)>,
+    /// Time of the last row done without a gap before it (or `--since`).
+    last_done: String,
+}
+
+impl ResumePoint {
+    fn new(since: &str) -> Self {
+        Self {
+            pending: VecDeque::new(),
+            last_done: since.to_owned(),
+        }
+    }
+
+    fn handed(&mut self, row: BackfillRow, time: Option<String>) {
+        self.pending.push_back((row, time));
+    }
+
+    /// Forgets the rows up to `done` (the pipeline's confirmed position).
+    fn advance(&mut self, done: BackfillRow) {
+        while self.pending.front().is_some_and(|(row, _)| *row <= done) {
+            if let Some((_, Some(time))) = self.pending.pop_front() {
+                self.last_done = time;
+            }
+        }
+    }
+
+    /// The first row not done, or, when every row handed is done (the stop
+    /// came while reading), the last done: rows are read in time order, so
+    /// nothing unsent is earlier. (Every row read has a time: a NULL one is
+    /// outside any range.)
+    fn since(&self) -> String {
+        self.pending
+            .iter()
+            .find_map(|(_, t)| t.clone())
+            .unwrap_or_else(|| self.last_done.clone())
+    }
 }
 
 async fn to_item(row: &tokio_postgres::Row, window: &Window) -> Item<BackfillRow> {

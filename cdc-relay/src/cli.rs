@@ -51,7 +51,7 @@ impl Cli {
             cmd.mut_args(|a| a.hide_env_values(true))
                 .mut_subcommands(hide)
         }
-        hide(<Cli as clap::CommandFactory>::command())
+        hide_unused_globals(hide(<Cli as clap::CommandFactory>::command()))
     }
 
     /// Parses the process's arguments with [`Cli::command`]; on an error
@@ -60,6 +60,72 @@ impl Cli {
         let matches = Cli::command().get_matches();
         <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
     }
+}
+
+/// The global flags (`GlobalArgs` field ids) by what they are for.
+const DATABASE_FLAGS: &[&str] = &[
+    "database_url",
+    "database_password",
+    "database_password_file",
+    "connect_timeout",
+];
+const SLOT_FLAGS: &[&str] = &["slot", "publication"];
+const STANDBY_FLAGS: &[&str] = &["standby_url"];
+const OUTBOX_FLAGS: &[&str] = &[
+    "table",
+    "id_column",
+    "type_column",
+    "payload_column",
+    "aggregate_column",
+];
+const LOG_FLAGS: &[&str] = &["log_format", "log"];
+
+/// The global flag groups a subcommand reads; `None` for every group.
+fn globals_read_by(subcommand: &str) -> Option<&'static [&'static [&'static str]]> {
+    match subcommand {
+        "setup" => Some(&[DATABASE_FLAGS, SLOT_FLAGS, OUTBOX_FLAGS, LOG_FLAGS]),
+        "backfill" => Some(&[DATABASE_FLAGS, OUTBOX_FLAGS, LOG_FLAGS]),
+        "dead-letter" => Some(&[DATABASE_FLAGS, LOG_FLAGS]),
+        "completions" => Some(&[]),
+        _ => None, // run, status: all of them
+    }
+}
+
+/// Hides from each subcommand's help (and completions) the global flags it
+/// does not read. They stay accepted, so one environment file or one set
+/// of flags before the subcommand serves every command. Done by giving the
+/// subcommand a hidden copy of each such flag before clap copies the
+/// global flags down (clap keeps a copy that is already there, and hands
+/// it on to nested subcommands such as `dead-letter list`).
+fn hide_unused_globals(cmd: clap::Command) -> clap::Command {
+    let all = [
+        DATABASE_FLAGS,
+        SLOT_FLAGS,
+        STANDBY_FLAGS,
+        OUTBOX_FLAGS,
+        LOG_FLAGS,
+    ];
+    let globals: Vec<clap::Arg> = cmd
+        .get_arguments()
+        .filter(|a| a.is_global_set())
+        .cloned()
+        .collect();
+    cmd.mut_subcommands(|sub| {
+        let Some(read) = globals_read_by(sub.get_name()) else {
+            return sub;
+        };
+        let unused = all
+            .iter()
+            .filter(|group| !read.contains(group))
+            .flat_map(|group| group.iter());
+        unused.fold(sub, |sub, id| {
+            let arg = globals
+                .iter()
+                .find(|a| a.get_id() == id)
+                .unwrap_or_else(|| panic!("{id} is a global flag"));
+            sub.arg(arg.clone().hide(true))
+        })
+    })
 }
 
 /// The commands.
@@ -170,12 +236,18 @@ pub struct BackfillArgs {
     /// and send nothing.
     #[arg(long)]
     pub dry_run: bool,
-    /// With --dry-run: print JSON.
-    #[arg(long, requires = "dry_run")]
+    /// Print the summary (or, with --dry-run, the preview) as JSON on
+    /// stdout; the progress line stays on stderr.
+    #[arg(long)]
     pub json: bool,
     /// Only rows before this (with its UTC offset, as --since).
     #[arg(long)]
     pub until: Option<String>,
+    /// Stop when no row has been delivered or dead-lettered for this long
+    /// while rows wait (the sink stays down), and print the --since to
+    /// resume from; exit 1. 0 waits for ever.
+    #[arg(long, env = "CDC_RELAY_BACKFILL_GIVE_UP_AFTER", default_value = "10m", value_parser = parse_duration)]
+    pub give_up_after: Duration,
     /// Column that orders the rows (the tutorial's insert time).
     #[arg(long, env = "CDC_RELAY_TIME_COLUMN", default_value = "occurred_at")]
     pub time_column: String,
@@ -336,10 +408,15 @@ pub struct GlobalArgs {
         help_heading = "Logging",
         long,
         env = "CDC_RELAY_LOG",
-        default_value = "info,pgwire_replication=off",
+        default_value = GlobalArgs::DEFAULT_LOG,
         global = true
     )]
     pub log: String,
+}
+
+impl GlobalArgs {
+    /// `--log`'s default filter.
+    pub const DEFAULT_LOG: &str = "info,pgwire_replication=off";
 }
 
 /// `cdc-relay setup`.
@@ -380,8 +457,9 @@ pub struct StatusArgs {
 #[command(next_help_heading = "Sink")]
 pub struct SinkArgs {
     /// Inbox URL events are POSTed to (http:// or https://, with a host).
+    /// Required to send anything (not by `--dry-run`).
     #[arg(long, env = "CDC_RELAY_SINK_URL", value_parser = parse_sink_url)]
-    pub sink_url: url::Url,
+    pub sink_url: Option<url::Url>,
     /// Extra CA certificate (PEM) to trust for an https sink.
     #[arg(long, env = "CDC_RELAY_SINK_CA_FILE")]
     pub sink_ca_file: Option<PathBuf>,
@@ -682,6 +760,108 @@ mod tests {
         assert!(
             !help.contains("=]"),
             "no env value or trailing '=':\n{help}"
+        );
+    }
+
+    fn help_of(path: &[&str]) -> String {
+        let mut argv = vec!["cdc-relay"];
+        argv.extend_from_slice(path);
+        argv.push("--help");
+        let err = Cli::command().try_get_matches_from(argv).unwrap_err();
+        assert_eq!(err.kind(), clap::error::ErrorKind::DisplayHelp);
+        err.to_string()
+    }
+
+    #[test]
+    fn each_subcommand_shows_only_the_flags_it_reads() {
+        let shows = |path: &[&str], flag: &str| help_of(path).contains(&format!(" {flag} "));
+        for (path, shown, hidden) in [
+            (
+                &["completions"][..],
+                &[][..],
+                &["--database-url", "--log"][..],
+            ),
+            (
+                &["dead-letter", "list"],
+                &["--database-url", "--log-format"],
+                &["--slot", "--table", "--standby-url"],
+            ),
+            (
+                &["backfill"],
+                &["--database-url", "--table", "--id-column"],
+                &["--slot", "--publication", "--standby-url"],
+            ),
+            (
+                &["setup"],
+                &["--slot", "--publication", "--table"],
+                &["--standby-url"],
+            ),
+            (&["status"], &["--slot", "--standby-url", "--table"], &[]),
+            (&["run"], &["--slot", "--standby-url", "--table"], &[]),
+        ] {
+            for flag in shown {
+                assert!(
+                    shows(path, flag),
+                    "{path:?} shows {flag}:\n{}",
+                    help_of(path)
+                );
+            }
+            for flag in hidden {
+                assert!(
+                    !shows(path, flag),
+                    "{path:?} hides {flag}:\n{}",
+                    help_of(path)
+                );
+            }
+        }
+        // Hidden, not refused: one set of flags serves every command.
+        let cli = Cli::try_parse_from([
+            "cdc-relay",
+            "--slot",
+            "s2",
+            "dead-letter",
+            "--table",
+            "t2",
+            "list",
+        ])
+        .expect("hidden global flags are accepted");
+        assert_eq!(
+            (
+                cli.global.slot.as_str(),
+                cli.global.table.to_string().as_str()
+            ),
+            ("s2", "t2")
+        );
+    }
+
+    #[test]
+    fn a_required_setting_is_never_one_an_environment_variable_could_give() {
+        // clap's "required argument" error names only the flag; a setting
+        // with an environment variable is checked where the error can name
+        // both (`--sink-url (or CDC_RELAY_SINK_URL) is required`).
+        fn walk(cmd: &clap::Command, path: &str) {
+            for a in cmd.get_arguments() {
+                assert!(
+                    !(a.is_required_set() && a.get_env().is_some()),
+                    "{path} {:?} is required by clap but has an env var",
+                    a.get_id()
+                );
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()));
+            }
+        }
+        let mut cmd = Cli::command();
+        cmd.build();
+        walk(&cmd, "cdc-relay");
+        let cli = Cli::try_parse_from(["cdc-relay", "run"]).expect("parses without --sink-url");
+        let Command::Run(run) = cli.command else {
+            panic!("run")
+        };
+        let err = run.sink.build().unwrap_err();
+        assert!(
+            err.contains("--sink-url") && err.contains("CDC_RELAY_SINK_URL"),
+            "{err}"
         );
     }
 

@@ -8,7 +8,7 @@ use cdc_relay::commands;
 
 fn main() -> ExitCode {
     let cli = Cli::parse_args();
-    init_tracing(&cli.global);
+    init_tracing(&cli.global, matches!(cli.command, Command::Backfill(_)));
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Command::Run(a) = &cli.command
         && let Some(n) = a.worker_threads
@@ -29,8 +29,14 @@ fn main() -> ExitCode {
     ExitCode::from(code)
 }
 
-fn init_tracing(g: &GlobalArgs) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&g.log)
+/// Logs to stderr in the chosen format. For `backfill` (`progress_line`),
+/// unless `--log` says otherwise, each event's retry and dead-letter
+/// warnings drop to debug level: the progress line counts retries by reason
+/// and the summary counts dead letters; on a terminal each log line first
+/// clears the progress line so the two do not run together.
+fn init_tracing(g: &GlobalArgs, progress_line: bool) {
+    let default_filter = g.log == GlobalArgs::DEFAULT_LOG;
+    let mut filter = tracing_subscriber::EnvFilter::try_new(&g.log)
         .unwrap_or_else(|e| {
             eprintln!(
                 "error: invalid --log (CDC_RELAY_LOG) filter {:?}: {e}",
@@ -45,10 +51,25 @@ fn init_tracing(g: &GlobalArgs) {
                 .parse()
                 .expect("a valid directive"),
         );
+    if progress_line && default_filter {
+        filter = filter.add_directive(
+            "cdc_relay::dispatch::delivery=error"
+                .parse()
+                .expect("a valid directive"),
+        );
+    }
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let clear_line = progress_line && terminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
+        .with_ansi(terminal)
+        .with_writer(move || {
+            let mut stderr = std::io::stderr();
+            if clear_line {
+                let _ = std::io::Write::write_all(&mut stderr, b"\r\x1b[K");
+            }
+            stderr
+        });
     match g.log_format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

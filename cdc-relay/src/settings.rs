@@ -104,10 +104,16 @@ impl SinkArgs {
                 "--sink-connection-max-age and --sink-idle-timeout must be at least 1s".into(),
             );
         }
-        if !matches!(self.sink_url.scheme(), "http" | "https") {
+        let Some(url) = &self.sink_url else {
+            return Err(
+                "--sink-url (or CDC_RELAY_SINK_URL) is required: the inbox URL events are POSTed to, e.g. http://billing:8080/inbox"
+                    .into(),
+            );
+        };
+        if !matches!(url.scheme(), "http" | "https") {
             return Err(format!(
                 "--sink-url must be http or https, got {}",
-                self.sink_url.scheme()
+                url.scheme()
             ));
         }
         let signer = self.secrets.signer()?;
@@ -118,7 +124,7 @@ impl SinkArgs {
             None => None,
         };
         HttpSink::new(SinkConfig {
-            url: self.sink_url.clone(),
+            url: url.clone(),
             signing: Signing::new(signer),
             connect_timeout: self.sink_connect_timeout,
             request_timeout: self.request_timeout,

@@ -272,6 +272,16 @@ impl ServiceProcess {
         }
     }
 
+    /// Sends SIGINT (Ctrl-C) unless the process already exited.
+    pub fn sigint(&self) {
+        if self.status.is_none()
+            && !has_exited(self.pid())
+            && let Ok(raw) = i32::try_from(self.pid())
+        {
+            let _ = kill(Pid::from_raw(raw), Signal::SIGINT);
+        }
+    }
+
     /// Sends SIGHUP (reload its secrets) unless the process already exited.
     pub fn sighup(&self) {
         if self.status.is_none()

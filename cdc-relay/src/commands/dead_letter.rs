@@ -189,7 +189,12 @@ fn sink_failing(a: &Attempt) -> bool {
 /// Re-sends rows once each; a row is removed (with an audit entry) only
 /// after a 2xx. Stops at the first answer that says the sink is failing.
 async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
-    let sink = a.sink.build().map_err(super::ConfigError)?;
+    // A dry run sends nothing: it needs neither sink URL nor secret.
+    let sink = if a.dry_run {
+        None
+    } else {
+        Some(a.sink.build().map_err(super::ConfigError)?)
+    };
     let ids: Vec<i64> = match a.id {
         Some(id) => vec![id],
         None => deadletter::list(client)
@@ -228,13 +233,13 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
             );
             continue;
         };
-        if a.dry_run {
+        let Some(sink) = &sink else {
             record(
                 "would_send",
                 format!("would send {event_type} {event_id} (dry run)"),
             );
             continue;
-        }
+        };
         let event = OutboxEvent {
             id: event_id,
             event_type,

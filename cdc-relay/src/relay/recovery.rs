@@ -175,7 +175,7 @@ async fn backfill_since(
         sink.clone(),
         cfg.dispatch.clone(),
         &plan,
-        |_| {},
+        backfill::BackfillControl::default(),
     )
     .await
     .map_err(|e| SourceError::Transient(format!("backfill after slot loss: {e}")))?;

@@ -470,6 +470,152 @@ async fn backfill_resends_what_a_lost_slot_missed() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A backfill that cannot finish stops with the exact `--since` to resume
+/// from: the time of the first row not done, not of the last row read. Here
+/// the third of five rows is refused with 503 while the others are
+/// delivered; the give-up limit stops it, the resume command finishes it,
+/// and SIGINT stops one whose sink is down, with the same kind of summary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backfill_stops_with_the_since_that_resumes_it() -> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Scripted).await?;
+    s.stop_relay().await?;
+    let (stack, db, sink) = (s.stack.clone(), &s.db, s.sink());
+    let since: String = db.query_one("SELECT now()::text", &[]).await?.get(0);
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        ids.push(insert_order_event(db).await?);
+    }
+    let time_of = |id: &str| {
+        let id = id.to_owned();
+        async move {
+            let row = db
+                .query_one(
+                    "SELECT occurred_at::text FROM outbox WHERE id = $1::uuid",
+                    &[&id],
+                )
+                .await?;
+            anyhow::Ok(row.get::<_, String>(0))
+        }
+    };
+    // Same instant, whatever the text's zone: compare in PostgreSQL.
+    let same_instant = |a: String, b: String| async move {
+        let row = db
+            .query_one(
+                "SELECT $1::text::timestamptz = $2::text::timestamptz",
+                &[&a, &b],
+            )
+            .await?;
+        anyhow::Ok(row.get::<_, bool>(0))
+    };
+
+    // A dry run needs no sink: neither URL nor secret.
+    let dry = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["backfill", "--since", &since, "--dry-run"],
+        &[],
+    )
+    .await?;
+    assert!(
+        dry.success() && dry.text().contains("5 row(s)"),
+        "{}",
+        dry.text()
+    );
+
+    sink.reject(&ids[2], 503);
+    let args = [
+        "backfill",
+        "--since",
+        &since,
+        "--give-up-after",
+        "2s",
+        "--json",
+    ];
+    let out = cli(&stack, &args, &sink.url).await?;
+    assert_eq!(out.code(), Some(1), "{}", out.text());
+    let v: serde_json::Value =
+        serde_json::from_str(&out.stdout).map_err(|e| anyhow::anyhow!("{e}: {}", out.text()))?;
+    assert_eq!(v["complete"], false, "{v}");
+    assert!(
+        v["stopped_by"]
+            .as_str()
+            .is_some_and(|r| r.contains("gave up")),
+        "{v}"
+    );
+    assert_eq!(
+        (v["rows_total"].as_u64(), v["delivered"].as_u64()),
+        (Some(5), Some(4)),
+        "{v}"
+    );
+    let resume = v["resume_since"].as_str().expect("resume_since").to_owned();
+    assert!(
+        same_instant(resume.clone(), time_of(&ids[2]).await?).await?,
+        "resume at the refused row's time: {resume} vs {}",
+        time_of(&ids[2]).await?
+    );
+    assert!(
+        v["resume_command"]
+            .as_str()
+            .is_some_and(|c| c == format!("cdc-relay backfill --since '{resume}'")),
+        "{v}"
+    );
+    assert!(
+        out.stderr.contains("backfill stopped: gave up"),
+        "{}",
+        out.text()
+    );
+
+    // The resume command sends the refused row and those after it, and ends.
+    sink.clear_rejections();
+    let before = sink.received().len();
+    let out = cli(&stack, &["backfill", "--since", &resume], &sink.url).await?;
+    assert!(out.success(), "{}", out.text());
+    assert!(out.text().contains("3 delivered"), "{}", out.text());
+    let resent: Vec<String> = sink.received()[before..].iter().map(|r| r.id()).collect();
+    assert_eq!(
+        resent,
+        ids[2..].to_vec(),
+        "the rows from the resume point, in order"
+    );
+
+    // SIGINT while the sink is down: stopped, with the first row's time.
+    sink.set_status(503);
+    let mut command = std::process::Command::new(harness::bins::path("cdc-relay"));
+    command
+        .args(app::relay_globals(&stack))
+        .args(["backfill", "--since", &since])
+        .env("CDC_RELAY_DATABASE_URL", &stack.relay_url)
+        .env("CDC_RELAY_SINK_URL", &sink.url)
+        .env("EVENT_SECRET", TEST_SECRET);
+    let mut p = harness::ServiceProcess::from_command(command)?;
+    p.wait_for_line("5 row(s) in", DRAIN).await?;
+    wait_until("a refused attempt", DRAIN, || async {
+        Ok(sink.received().len() > before + 3)
+    })
+    .await?;
+    p.sigint();
+    let status = p.wait_exit(Duration::from_secs(10)).await?;
+    let logs = p.logs();
+    assert_eq!(status.code(), Some(1), "{logs}");
+    assert!(
+        logs.contains("backfill stopped after") && logs.contains("(SIGINT)"),
+        "{logs}"
+    );
+    let line = logs
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("resume with: cdc-relay backfill --since '")
+        })
+        .unwrap_or_else(|| panic!("a resume line in:\n{logs}"));
+    let resume = line.trim_end_matches('\'').to_owned();
+    assert!(
+        same_instant(resume, time_of(&ids[0]).await?).await?,
+        "{logs}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
     let s = Scenario::start(Inbox::Scripted).await?;
@@ -594,10 +740,12 @@ async fn replay_stops_at_a_failing_sink_and_dry_run_sends_nothing() -> anyhow::R
     };
     waiting(3.0).await?;
 
-    let dry = cli(
+    // Without sink URL or secret: a dry run sends nothing and needs neither.
+    let dry = app::relay_command(
         stack,
+        &stack.relay_url,
         &["dead-letter", "replay", "--all", "--dry-run", "--json"],
-        &sink.url,
+        &[],
     )
     .await?;
     assert!(dry.success(), "{}", dry.text());
