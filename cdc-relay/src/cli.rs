@@ -830,7 +830,7 @@ mod tests {
                 cli.global.slot.as_str(),
                 cli.global.table.to_string().as_str()
             ),
-            ("s2", "t2")
+            ("s2", "public.t2")
         );
     }
 
