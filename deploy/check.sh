@@ -2,6 +2,8 @@
 # Checks the deploy/ material:
 #   - Prometheus: `promtool check config`, `promtool check rules`, and the
 #     rule unit tests (`promtool test rules`).
+#   - Every alert carries a runbook_url to a section of docs/operations.md
+#     as installed (/usr/share/doc/cdc-relay/).
 #   - Grafana: the dashboard is valid JSON.
 #   - Dashboard and alert rules name only metrics the code registers
 #     (cdc-relay/src/metrics.rs, the services' metrics).
@@ -69,6 +71,28 @@ promtool check rules prometheus/alerts.yml
 
 step "promtool test rules prometheus/alerts_test.yml"
 promtool test rules prometheus/alerts_test.yml
+
+step "every alert has a runbook_url naming a section of docs/operations.md"
+python3 - "$repo/docs/operations.md" prometheus/alerts.yml <<'PY'
+import re, sys
+doc, rules = sys.argv[1], sys.argv[2]
+# GitHub's heading anchors: lower case, punctuation other than '-' dropped,
+# spaces to '-'.
+anchors = set()
+for line in open(doc, encoding="utf-8"):
+    m = re.match(r"#{1,6} (.+)", line)
+    if m:
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        anchors.add(slug)
+text = open(rules, encoding="utf-8").read()
+alerts = re.findall(r"^\s*- alert: (\S+)", text, re.M)
+urls = re.findall(r'^\s*runbook_url: "file:///usr/share/doc/cdc-relay/operations\.md#([^"]+)"', text, re.M)
+bad = [u for u in urls if u not in anchors]
+if len(urls) != len(alerts) or bad:
+    sys.exit(f"{rules}: {len(alerts)} alerts, {len(urls)} runbook_url annotations "
+             f"(file:///usr/share/doc/cdc-relay/operations.md#...); anchors not in {doc}: {bad}")
+print(f"{len(alerts)} alerts, each with a runbook_url to an existing section")
+PY
 
 step "grafana/cdc-relay.json is valid JSON, its queries valid PromQL"
 if command -v python3 >/dev/null 2>&1; then
