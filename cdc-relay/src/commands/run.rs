@@ -5,7 +5,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::outln;
 use crate::admin;
-use crate::cli::{GlobalArgs, OnFatal, RunArgs, SecretArgs};
+use crate::cli::{GlobalArgs, LogFormat, OnFatal, RunArgs, SecretArgs};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::relay::{self, RelayConfig, RelayError};
@@ -16,7 +16,7 @@ use crate::source::SourceError;
 /// `docs/operations.md`).
 pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
     match a.relay(g) {
-        Ok((cfg, sink)) => serve_and_run(cfg, sink, &a).await,
+        Ok((cfg, sink)) => serve_and_run(cfg, sink, &a, g.log_format).await,
         // A flag, variable or file of the configuration: the same code as
         // a command line clap refuses.
         Err(msg) => {
@@ -48,7 +48,7 @@ pub fn exit_code(e: &RelayError) -> u8 {
     }
 }
 
-async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
+async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs, log_format: LogFormat) -> u8 {
     let metrics = Metrics::new();
     let health = Health::new(a.ready_window);
     let shutdown = CancellationToken::new();
@@ -63,7 +63,7 @@ async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs) -> u8 {
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
-    outln!("listening on http://{addr}");
+    outln!("{}", listening_line(log_format, &addr));
     let admin_stop = shutdown.clone();
     let admin = tokio::spawn(admin::serve(
         listener,
@@ -136,6 +136,25 @@ async fn linger(
     shutdown.cancelled().await;
 }
 
+/// The line on stdout that says the admin endpoint is bound:
+/// `listening on http://ADDR`, or with `--log-format json` the same as a
+/// JSON object shaped like the log's lines (`timestamp`, `level`, `fields`
+/// with `message` and `addr`, `target`), so every line a log shipper reads
+/// parses.
+fn listening_line(format: LogFormat, addr: &str) -> String {
+    let message = format!("listening on http://{addr}");
+    match format {
+        LogFormat::Text => message,
+        LogFormat::Json => serde_json::json!({
+            "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+            "level": "INFO",
+            "fields": { "message": message, "addr": addr },
+            "target": "cdc_relay::admin",
+        })
+        .to_string(),
+    }
+}
+
 /// The first SIGTERM/SIGINT starts a graceful shutdown; a second one exits
 /// at once (130) without draining.
 async fn watch_signals(shutdown: CancellationToken) {
@@ -193,6 +212,27 @@ async fn reload_secrets_on_sighup(secrets: SecretArgs, signing: Signing, metrics
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_listening_line_follows_the_log_format() {
+        assert_eq!(
+            listening_line(LogFormat::Text, "127.0.0.1:9187"),
+            "listening on http://127.0.0.1:9187"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&listening_line(LogFormat::Json, "127.0.0.1:9187"))
+                .expect("a JSON line");
+        assert_eq!(
+            json["fields"]["message"],
+            "listening on http://127.0.0.1:9187"
+        );
+        assert_eq!(json["fields"]["addr"], "127.0.0.1:9187");
+        assert_eq!(json["level"], "INFO");
+        assert!(
+            json["timestamp"].as_str().is_some_and(|t| t.ends_with('Z')),
+            "{json}"
+        );
+    }
 
     #[test]
     fn exit_codes_are_distinct() {
