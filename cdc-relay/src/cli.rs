@@ -29,8 +29,9 @@ use crate::outbox::TableName;
 /// nothing after it was acknowledged); 6 the slot was created before its
 /// publication (recreate it and backfill); 7 the slot is ahead of where this
 /// relay left it with events undelivered (recreated, or a failover): backfill
-/// from the time the message gives. `status` exits with the same codes, and
-/// 8 when the database is fine but no relay delivers.
+/// from the time the message gives. `status` exits with the same codes, 8
+/// when the database is fine but no relay delivers, and 9 when the slot is
+/// about to be invalidated (wal_status unreserved).
 #[derive(Debug, Parser)]
 #[command(name = "cdc-relay", version = crate::VERSION, about, long_about)]
 pub struct Cli {

@@ -50,6 +50,16 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     }
     s.dead_letters_waiting = dead_letters_waiting(&client).await?;
     relay_checks(&mut s, &a).await;
+    if s.wal_status.as_deref() == Some("unreserved") {
+        s.problems.push(Problem {
+            code: SLOT_AT_RISK,
+            message: format!(
+                "slot {} has wal_status unreserved: it needs more WAL than max_slot_wal_keep_size keeps, and the next checkpoint may remove it and invalidate the slot (recovery then needs a backfill). Get the relay delivering now, or raise max_slot_wal_keep_size and reload",
+                s.slot
+            ),
+        });
+        s.healthy = false;
+    }
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&s)?);
     } else {
@@ -82,6 +92,11 @@ async fn dead_letters_waiting(client: &Client) -> anyhow::Result<Option<i64>> {
 /// run: no relay holds the slot, or a relay's `/readyz` fails (breaker
 /// open, events stuck, not streaming) or does not answer.
 pub const NOT_DELIVERING: u8 = 8;
+
+/// Exit code of `status` when delivery works but the slot is about to be
+/// invalidated (`wal_status` unreserved). A problem found before it (the
+/// database's, then "nothing delivers") gives its own code instead.
+pub const SLOT_AT_RISK: u8 = 9;
 
 /// What one relay's admin endpoint said.
 #[derive(Debug, Serialize)]

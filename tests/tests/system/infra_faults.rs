@@ -483,6 +483,51 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
          CREATE TABLE noise (id bigserial PRIMARY KEY, filler text)",
     )
     .await?;
+    // First without checkpoints: the slot needs WAL past
+    // max_slot_wal_keep_size that is not removed yet (unreserved), which
+    // `status` reports as a problem of its own.
+    let wal_status = || async {
+        let status: Option<String> = db
+            .query_one(
+                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+                &[&stack.slot],
+            )
+            .await?
+            .get(0);
+        anyhow::Ok(status)
+    };
+    wait_until("wal_status = 'unreserved'", Duration::from_secs(60), || async {
+        db.batch_execute(
+            "INSERT INTO noise (filler) SELECT repeat(md5(g::text), 30) FROM generate_series(1, 4000) g; \
+             SELECT pg_switch_wal()",
+        )
+        .await?;
+        let status = wal_status().await?;
+        anyhow::ensure!(
+            status.as_deref() != Some("lost"),
+            "the slot was lost before `status` could see it unreserved (an automatic checkpoint?)"
+        );
+        anyhow::Ok(status.as_deref() == Some("unreserved"))
+    })
+    .await?;
+    let at_risk = app::relay_command(stack, &stack.relay_url, &["status", "--json"], &[]).await?;
+    let v: serde_json::Value = serde_json::from_str(&at_risk.stdout)
+        .map_err(|e| anyhow::anyhow!("{e}: {}", at_risk.text()))?;
+    assert_eq!(v["healthy"], false, "{v}");
+    let codes: Vec<u64> = v["problems"]
+        .as_array()
+        .map(|p| p.iter().filter_map(|p| p["code"].as_u64()).collect())
+        .unwrap_or_default();
+    // No relay runs: that comes first (8); the slot at risk is named too (9).
+    assert_eq!(codes, [8, 9], "{v}");
+    assert_eq!(at_risk.code(), Some(8), "{}", at_risk.text());
+    assert!(
+        v["problems"][1]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("unreserved") && m.contains("max_slot_wal_keep_size")),
+        "{v}"
+    );
+
     let mut written_mb = 0;
     wait_until("wal_status = 'lost'", Duration::from_secs(60), || {
         written_mb += 4;
