@@ -54,6 +54,24 @@ async fn renamed_outbox_stops_the_relay_unacknowledged_and_new_table_flag_delive
 
     s.db.batch_execute("ALTER TABLE outbox RENAME TO outbox_v2")
         .await?;
+    // Before any insert says so, the monitor finds no table by that name:
+    // not ready, and the log says why.
+    wait_until(
+        "/readyz fails after the rename",
+        Duration::from_secs(60),
+        || async {
+            let (code, _) = s.relay.get("/readyz").await?;
+            anyhow::Ok(code == 503)
+        },
+    )
+    .await?;
+    s.relay
+        .process
+        .wait_for_line(
+            "does not exist (renamed or dropped?)",
+            Duration::from_secs(10),
+        )
+        .await?;
     let renamed = s
         .insert_event_into("outbox_v2", agg, "AfterRename", Some(r#"{"r":1}"#))
         .await?;

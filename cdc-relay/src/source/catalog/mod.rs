@@ -228,6 +228,11 @@ const MEMBERSHIP_SQL: &str = "\
 /// Why the outbox is not carried, for messages: the reading's problem, or
 /// "not in any of them" with the command that adds it.
 pub fn membership_problem(m: &Membership, publications: &[String], table: &TableName) -> String {
+    if m.table_oid.is_none() {
+        return format!(
+            "{table} does not exist (renamed or dropped?): if it was renamed, set --table (CDC_RELAY_TABLE) to the new name"
+        );
+    }
     m.problem.clone().unwrap_or_else(|| {
         format!(
             "{table} is in none of the publications ({}): ALTER PUBLICATION {} ADD TABLE {table} (or run `cdc-relay setup`)",
