@@ -134,12 +134,73 @@ pub enum BackfillError {
 /// Rows fetched per round trip.
 const FETCH_ROWS: i32 = 500;
 
-/// Checks that `--since` and `--until` name instants: a time without a
-/// UTC offset (`2026-11-30 10:00`) would be read in the server's
-/// `TimeZone`, hours away from what the operator meant, and a backfill that
-/// starts late skips events. Each bound is read under two time zones 26
-/// hours apart; a bound that reads differently names no offset.
-/// `infinity`, `-infinity` and `now` are instants.
+/// A time bound an operator gave is unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum BoundError {
+    /// Not an instant: the message says why and gives an example.
+    #[error("{0}")]
+    Bad(String),
+    /// The check itself failed.
+    #[error("checking a time bound: {0}")]
+    Sql(#[from] tokio_postgres::Error),
+}
+
+/// Checks that `value` (given as `flag`) names an instant: a time without
+/// a UTC offset (`2026-11-30 10:00`) would be read in the server's
+/// `TimeZone`, hours away from what the operator meant. It is read under
+/// two time zones 26 hours apart; a bound that reads differently names no
+/// offset. `infinity`, `-infinity` and `now` are instants.
+pub async fn check_instant(reader: &Client, flag: &str, value: &str) -> Result<(), BoundError> {
+    // One transaction: `now` (the transaction's start) is the same instant
+    // for both reads; SET LOCAL ends with it.
+    reader.batch_execute("BEGIN READ ONLY").await?;
+    let mut read = Vec::new();
+    for zone in ["Etc/GMT+12", "Etc/GMT-14"] {
+        reader
+            .batch_execute(&format!("SET LOCAL TimeZone = '{zone}'"))
+            .await?;
+        let row = reader
+            .query_one("SELECT $1::text::timestamptz::text", &[&value])
+            .await;
+        match row {
+            Ok(r) => read.push(r.get::<_, String>(0)),
+            Err(e) => {
+                let _ = reader.batch_execute("ROLLBACK").await;
+                return Err(BoundError::Bad(format!(
+                    "{flag} {value:?} is not a time PostgreSQL reads ({}); give one with a UTC offset, e.g. {flag} '2026-11-30 10:00:00+00'",
+                    crate::db_message(&e)
+                )));
+            }
+        }
+    }
+    reader.batch_execute("COMMIT").await?;
+    // The same instant prints with a different offset per zone; compare
+    // instants, not text.
+    let instant = reader
+        .query_one(
+            "SELECT $1::text::timestamptz = $2::text::timestamptz",
+            &[&read[0], &read[1]],
+        )
+        .await?
+        .get::<_, bool>(0);
+    if !instant {
+        // Suggest the value with an offset only when it reads as a date
+        // and time; a word (`yesterday`) gets a plain example.
+        let v = value.trim();
+        let example = if v.starts_with(|c: char| c.is_ascii_digit()) {
+            format!("{flag} '{v}+00' (UTC) or {flag} '{v}-05'")
+        } else {
+            format!("{flag} '2026-11-30 10:00:00+00'")
+        };
+        return Err(BoundError::Bad(format!(
+            "{flag} {value:?} has no UTC offset: it would be read in the server's TimeZone. Give the offset, e.g. {example}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `--since` and `--until` name instants ([`check_instant`])
+/// and that the range is not empty.
 pub async fn check_bounds(reader: &Client, plan: &BackfillPlan) -> Result<(), BackfillError> {
     let bounds = [
         ("--since", Some(&plan.since)),
@@ -147,53 +208,12 @@ pub async fn check_bounds(reader: &Client, plan: &BackfillPlan) -> Result<(), Ba
     ];
     for (flag, value) in bounds {
         let Some(value) = value else { continue };
-        let mut read = Vec::new();
-        for zone in ["Etc/GMT+12", "Etc/GMT-14"] {
-            reader
-                .batch_execute(&format!("SET TimeZone = '{zone}'"))
-                .await
-                .map_err(|e| read_error(plan, e))?;
-            let row = reader
-                .query_one("SELECT $1::text::timestamptz::text", &[value])
-                .await;
-            match row {
-                Ok(r) => read.push(r.get::<_, String>(0)),
-                Err(e) => {
-                    let _ = reader.batch_execute("RESET TimeZone").await;
-                    return Err(BackfillError::Bound(format!(
-                        "{flag} {value:?} is not a time PostgreSQL reads ({}); give one with a UTC offset, e.g. {flag} '2026-11-30 10:00:00+00'",
-                        crate::db_message(&e)
-                    )));
-                }
-            }
-        }
-        reader
-            .batch_execute("RESET TimeZone")
+        check_instant(reader, flag, value)
             .await
-            .map_err(|e| read_error(plan, e))?;
-        // The same instant prints with a different offset per zone; compare
-        // instants, not text.
-        let instant = reader
-            .query_one(
-                "SELECT $1::text::timestamptz = $2::text::timestamptz",
-                &[&read[0], &read[1]],
-            )
-            .await
-            .map_err(|e| read_error(plan, e))?
-            .get::<_, bool>(0);
-        if !instant {
-            // Suggest the value with an offset only when it reads as a date
-            // and time; a word (`yesterday`) gets a plain example.
-            let v = value.trim();
-            let example = if v.starts_with(|c: char| c.is_ascii_digit()) {
-                format!("{flag} '{v}+00' (UTC) or {flag} '{v}-05'")
-            } else {
-                format!("{flag} '2026-11-30 10:00:00+00'")
-            };
-            return Err(BackfillError::Bound(format!(
-                "{flag} {value:?} has no UTC offset: it would be read in the server's TimeZone. Give the offset, e.g. {example}"
-            )));
-        }
+            .map_err(|e| match e {
+                BoundError::Bad(m) => BackfillError::Bound(m),
+                BoundError::Sql(e) => read_error(plan, e),
+            })?;
     }
     if let Some(until) = &plan.until {
         let ordered: bool = reader

@@ -165,9 +165,9 @@ pub enum DeadLetterCommand {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
-        /// Only rows of this event type.
-        #[arg(long = "type")]
-        event_type: Option<String>,
+        /// Which rows.
+        #[command(flatten)]
+        filter: DeadLetterFilterArgs,
         /// At most this many rows (the oldest).
         #[arg(long)]
         limit: Option<i64>,
@@ -181,14 +181,24 @@ pub enum DeadLetterCommand {
     /// rules); a row is removed, with an audit entry, only after a 2xx. Stops
     /// at the first failure that says the sink itself is failing (5xx, 408,
     /// 429, 401/403/404/405, timeout, connection): the remaining rows are
-    /// not attempted.
+    /// not attempted. An aggregate's events keep their order: after one is
+    /// refused, its aggregate's later ones are not attempted.
     Replay(Box<ReplayArgs>),
     /// Remove dead-lettered events without sending them; the audit table
-    /// keeps a copy of each row, who removed it and why.
+    /// keeps a copy of each row, who removed it and why. Rows are named by
+    /// id, or chosen by the filters (or `--all`).
     Discard {
-        /// Row ids from `list` (one or more).
-        #[arg(required = true, num_args = 1..)]
+        /// Row ids from `list`.
         ids: Vec<i64>,
+        /// Every row the filters select (every row, without a filter).
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// Which rows, instead of ids.
+        #[command(flatten)]
+        filter: DeadLetterFilterArgs,
+        /// Print what would be discarded and remove nothing.
+        #[arg(long)]
+        dry_run: bool,
         /// Why (kept in the audit table). Required.
         #[arg(long)]
         reason: String,
@@ -208,11 +218,19 @@ pub enum DeadLetterCommand {
 #[command(next_help_heading = "Replay")]
 pub struct ReplayArgs {
     /// Row id from `list`.
-    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    #[arg(conflicts_with = "all")]
     pub id: Option<i64>,
-    /// Replay every row, oldest first.
+    /// Replay every row the filters select (every row, without a filter),
+    /// oldest first.
     #[arg(long)]
     pub all: bool,
+    /// Which rows (with `--all`).
+    #[command(flatten)]
+    pub filter: DeadLetterFilterArgs,
+    /// At most this many requests per second (default: as fast as the sink
+    /// answers, one at a time).
+    #[arg(long, value_parser = parse_rate)]
+    pub rate: Option<f64>,
     /// Print what would be sent and send nothing.
     #[arg(long)]
     pub dry_run: bool,
@@ -222,6 +240,59 @@ pub struct ReplayArgs {
     /// The sink.
     #[command(flatten)]
     pub sink: SinkArgs,
+}
+
+/// Which dead letters (`list`, `replay --all`, `discard --all`): every
+/// filter given must match.
+#[derive(Clone, Debug, Default, Args)]
+#[command(next_help_heading = "Filter")]
+pub struct DeadLetterFilterArgs {
+    /// Only rows of this event type; `*` matches any characters
+    /// (`--type 'Order*'`).
+    #[arg(long = "type")]
+    pub event_type: Option<String>,
+    /// Only rows whose recorded error contains this text, ignoring case
+    /// (`http_422`, `unreadable`, `order_already_invoiced`).
+    #[arg(long)]
+    pub error_contains: Option<String>,
+    /// Only rows dead-lettered at or after this time, with its UTC offset
+    /// (e.g. '2026-11-30 10:00:00+00').
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Only rows dead-lettered before this time (with its UTC offset).
+    #[arg(long)]
+    pub until: Option<String>,
+    /// Only rows of this aggregate (the aggregate column's value, e.g. an
+    /// order id).
+    #[arg(long)]
+    pub aggregate: Option<String>,
+}
+
+impl DeadLetterFilterArgs {
+    /// The filter these flags describe.
+    pub fn filter(&self) -> crate::deadletter::Filter {
+        crate::deadletter::Filter {
+            event_type: self.event_type.clone(),
+            reason: self.error_contains.clone(),
+            since: self.since.clone(),
+            until: self.until.clone(),
+            aggregate: self.aggregate.clone(),
+        }
+    }
+}
+
+/// Parses a rate in requests per second: `50`, `2.5`, `100/s`.
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let n: f64 = s
+        .trim()
+        .trim_end_matches("/s")
+        .parse()
+        .map_err(|_| format!("invalid rate {s:?} (requests per second, e.g. 50 or 50/s)"))?;
+    if n.is_finite() && n > 0.0 {
+        Ok(n)
+    } else {
+        Err(format!("the rate must be above 0, got {s:?}"))
+    }
 }
 
 /// `cdc-relay backfill`.

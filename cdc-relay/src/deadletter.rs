@@ -255,25 +255,79 @@ fn from_row(
     }
 }
 
-/// All rows, oldest first, without payloads.
-pub async fn list(client: &Client) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    list_filtered(client, None, None).await
+/// Which dead letters a command works on: every condition given must hold
+/// (`None` is no condition). One filter serves `list`, `replay` and
+/// `discard`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// Event type: an exact name, or a glob where `*` matches any run of
+    /// characters (`Order*`).
+    pub event_type: Option<String>,
+    /// Text the row's error contains, case-insensitively (`http_422`,
+    /// `unreadable`, `order_already_invoiced`).
+    pub reason: Option<String>,
+    /// Dead-lettered at or after this instant (timestamptz text with a
+    /// UTC offset).
+    pub since: Option<String>,
+    /// Dead-lettered before this instant.
+    pub until: Option<String>,
+    /// Aggregate key (the ordering key column's value), exactly.
+    pub aggregate: Option<String>,
 }
 
-/// Rows of `event_type` (all when `None`), oldest first, at most `limit`,
-/// without payloads.
-pub async fn list_filtered(
+impl Filter {
+    /// Whether no condition is set: every row matches.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// The `LIKE` pattern for the event-type glob: `*` becomes `%`, and
+    /// `%`, `_` and `\` match themselves.
+    fn type_pattern(&self) -> Option<String> {
+        self.event_type.as_ref().map(|t| {
+            let mut p = String::with_capacity(t.len());
+            for c in t.chars() {
+                match c {
+                    '*' => p.push('%'),
+                    '%' | '_' | '\\' => {
+                        p.push('\\');
+                        p.push(c);
+                    }
+                    c => p.push(c),
+                }
+            }
+            p
+        })
+    }
+}
+
+/// The rows `filter` selects, oldest first, at most `limit`, without
+/// payloads. A `since`/`until` PostgreSQL cannot read as a time is an
+/// error (22007/22008).
+pub async fn list(
     client: &Client,
-    event_type: Option<&str>,
+    filter: &Filter,
     limit: Option<i64>,
 ) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
     let rows = client
         .query(
             &format!(
                 "SELECT {COLUMNS} FROM cdc_relay_dead_letter \
-                 WHERE $1::text IS NULL OR event_type = $1 ORDER BY id LIMIT $2"
+                 WHERE ($1::text IS NULL OR event_type LIKE $1) \
+                   AND ($2::text IS NULL OR strpos(lower(error), lower($2)) > 0) \
+                   AND ($3::text IS NULL OR quarantined_at >= $3::text::timestamptz) \
+                   AND ($4::text IS NULL OR quarantined_at < $4::text::timestamptz) \
+                   AND ($5::text IS NULL OR aggregate_key = $5) \
+                 ORDER BY id LIMIT $6"
             ),
-            &[&event_type, &limit],
+            &[
+                &filter.type_pattern(),
+                &filter.reason,
+                &filter.since,
+                &filter.until,
+                &filter.aggregate,
+                &limit,
+            ],
         )
         .await?;
     Ok(rows.iter().map(|r| from_row(r, None, None)).collect())
@@ -335,6 +389,21 @@ pub async fn remove(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn type_globs_become_like_patterns_that_match_only_what_they_say() {
+        let f = |t: &str| Filter {
+            event_type: Some(t.into()),
+            ..Filter::default()
+        };
+        assert_eq!(f("Order*").type_pattern().as_deref(), Some("Order%"));
+        assert_eq!(
+            f("OrderCreated").type_pattern().as_deref(),
+            Some("OrderCreated")
+        );
+        assert_eq!(f("a_b%c").type_pattern().as_deref(), Some("a\\_b\\%c"));
+        assert!(Filter::default().is_empty() && !f("x").is_empty());
+    }
 
     proptest! {
         /// Any text becomes storable: no NUL, within the cap, a prefix of

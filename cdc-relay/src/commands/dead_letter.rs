@@ -1,13 +1,15 @@
 //! `cdc-relay dead-letter list|show|replay|discard`: inspect and resolve
 //! dead-lettered events.
 
+use std::collections::HashSet;
 use std::io::{BufRead, IsTerminal, Write};
+use std::time::Duration;
 
 use anyhow::Context;
 use serde::Serialize;
 use tokio_postgres::Client;
 
-use super::{connect, outln};
+use super::{ConfigError, connect, outln};
 use crate::cli::{DeadLetterCommand, GlobalArgs, ReplayArgs};
 use crate::deadletter::{self, DeadLetter, Removal};
 use crate::outbox::OutboxEvent;
@@ -19,9 +21,9 @@ pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()>
     match c {
         DeadLetterCommand::List {
             json,
-            event_type,
+            filter,
             limit,
-        } => list(&client, json, event_type.as_deref(), limit).await?,
+        } => list(&client, json, &checked(&client, &filter).await?, limit).await?,
         DeadLetterCommand::Show { id } => {
             let row = deadletter::get(&client, id)
                 .await?
@@ -31,12 +33,91 @@ pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()>
         DeadLetterCommand::Replay(a) => replay(&mut client, *a).await?,
         DeadLetterCommand::Discard {
             ids,
+            all,
+            filter,
+            dry_run,
             reason,
             actor,
             yes,
-        } => discard(&mut client, &ids, &reason, actor.as_deref(), yes).await?,
+        } => {
+            let selection = Selection::new(ids, all, checked(&client, &filter).await?)?;
+            let rows = selection.rows(&client).await?;
+            let how = Discard {
+                reason: &reason,
+                actor: actor.as_deref(),
+                yes,
+                dry_run,
+            };
+            discard(&mut client, rows, &how).await?
+        }
     }
     Ok(())
+}
+
+/// The filter of `args`, its `--since`/`--until` checked to be instants
+/// (exit 2 otherwise, as for `backfill`).
+async fn checked(
+    client: &Client,
+    args: &crate::cli::DeadLetterFilterArgs,
+) -> anyhow::Result<deadletter::Filter> {
+    let filter = args.filter();
+    for (flag, value) in [("--since", &filter.since), ("--until", &filter.until)] {
+        if let Some(v) = value {
+            crate::backfill::check_instant(client, flag, v)
+                .await
+                .map_err(|e| match e {
+                    crate::backfill::BoundError::Bad(m) => anyhow::Error::new(ConfigError(m)),
+                    other => other.into(),
+                })?;
+        }
+    }
+    Ok(filter)
+}
+
+/// The rows a `replay` or `discard` works on: ids given, or a filter with
+/// `--all`, or a filter alone.
+enum Selection {
+    Ids(Vec<i64>),
+    Filtered(deadletter::Filter),
+}
+
+impl Selection {
+    fn new(ids: Vec<i64>, all: bool, filter: deadletter::Filter) -> anyhow::Result<Self> {
+        match (ids.is_empty(), all || !filter.is_empty()) {
+            (false, false) => Ok(Self::Ids(ids)),
+            (true, true) => Ok(Self::Filtered(filter)),
+            (false, true) => Err(ConfigError(
+                "give row ids or filters (--all, --type, ...), not both".into(),
+            )
+            .into()),
+            (true, false) => Err(ConfigError(
+                "which rows? give row ids, a filter (--type, --error-contains, --since, --until, --aggregate), or --all for every row"
+                    .into(),
+            )
+            .into()),
+        }
+    }
+
+    /// The rows, oldest first, with their payloads.
+    async fn rows(&self, client: &Client) -> anyhow::Result<Vec<DeadLetter>> {
+        let ids: Vec<i64> = match self {
+            Self::Ids(ids) => ids.clone(),
+            Self::Filtered(f) => deadletter::list(client, f, None)
+                .await?
+                .iter()
+                .map(|r| r.id)
+                .collect(),
+        };
+        let mut rows = Vec::with_capacity(ids.len());
+        for id in ids {
+            rows.push(
+                deadletter::get(client, id)
+                    .await?
+                    .with_context(|| format!("no dead-letter row {id}; nothing was changed"))?,
+            );
+        }
+        Ok(rows)
+    }
 }
 
 /// `show`'s JSON: the row, its payload as a JSON value when it is JSON
@@ -67,10 +148,10 @@ fn age(secs: i64) -> String {
 async fn list(
     client: &Client,
     json: bool,
-    event_type: Option<&str>,
+    filter: &deadletter::Filter,
     limit: Option<i64>,
 ) -> anyhow::Result<()> {
-    let rows = deadletter::list_filtered(client, event_type, limit).await?;
+    let rows = deadletter::list(client, filter, limit).await?;
     if json {
         outln!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
@@ -100,40 +181,57 @@ async fn list(
     Ok(())
 }
 
-/// Removes `ids` without sending them, after a confirmation (unless
-/// `yes`), recording `reason` and `actor` in the audit table.
+/// How `discard` goes about it.
+struct Discard<'a> {
+    /// Why (kept in the audit table).
+    reason: &'a str,
+    /// Who; the database role when `None`.
+    actor: Option<&'a str>,
+    /// No confirmation question.
+    yes: bool,
+    /// List the rows and remove nothing.
+    dry_run: bool,
+}
+
+/// Removes `rows` without sending them, after a confirmation (unless
+/// `yes`), recording the reason and actor in the audit table.
 async fn discard(
     client: &mut Client,
-    ids: &[i64],
-    reason: &str,
-    actor: Option<&str>,
-    yes: bool,
+    rows: Vec<DeadLetter>,
+    how: &Discard<'_>,
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
-        !reason.trim().is_empty(),
+        !how.reason.trim().is_empty(),
         "--reason is empty: say why the events are dropped (it is kept in the audit table)"
     );
-    let mut rows = Vec::new();
-    for id in ids {
-        let row = deadletter::get(client, *id)
-            .await?
-            .with_context(|| format!("no dead-letter row {id}; nothing was discarded"))?;
-        rows.push(row);
+    let describe = |r: &DeadLetter| {
+        format!(
+            "row {}: {} {} ({})",
+            r.id,
+            r.event_type.as_deref().unwrap_or("(no type)"),
+            r.event_id.as_deref().unwrap_or("(no id)"),
+            r.error.chars().take(80).collect::<String>()
+        )
+    };
+    if how.dry_run {
+        for r in &rows {
+            outln!("would discard {}", describe(r));
+        }
+        outln!("discard (dry run): {} row(s); nothing removed", rows.len());
+        return Ok(());
     }
-    if !yes {
+    if rows.is_empty() {
+        outln!("no dead-letter row matches; nothing discarded");
+        return Ok(());
+    }
+    if !how.yes {
         anyhow::ensure!(
             std::io::stdin().is_terminal(),
             "discarding drops {} event(s) for good: confirm with --yes (stdin is not a terminal to ask on)",
             rows.len()
         );
         for r in &rows {
-            eprintln!(
-                "  row {}: {} {} ({})",
-                r.id,
-                r.event_type.as_deref().unwrap_or("(no type)"),
-                r.event_id.as_deref().unwrap_or("(no id)"),
-                r.error.chars().take(80).collect::<String>()
-            );
+            eprintln!("  {}", describe(r));
         }
         eprint!(
             "discard these {} event(s) without sending them? [y/N] ",
@@ -149,7 +247,7 @@ async fn discard(
     }
     for r in &rows {
         anyhow::ensure!(
-            deadletter::remove(client, r.id, Removal::Discard, Some(reason), actor).await?,
+            deadletter::remove(client, r.id, Removal::Discard, Some(how.reason), how.actor).await?,
             "dead-letter row {} was removed meanwhile",
             r.id
         );
@@ -195,20 +293,21 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
     } else {
         Some(a.sink.build().map_err(super::ConfigError)?)
     };
-    let ids: Vec<i64> = match a.id {
-        Some(id) => vec![id],
-        None => deadletter::list(client)
-            .await?
-            .iter()
-            .map(|r| r.id)
-            .collect(),
-    };
+    let filter = checked(client, &a.filter).await?;
+    let selection = Selection::new(a.id.into_iter().collect(), a.all, filter)?;
+    let rows = selection.rows(client).await?;
+    let mut pace = a.rate.map(|per_s| {
+        let mut i = tokio::time::interval(Duration::from_secs_f64(1.0 / per_s));
+        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        i
+    });
     let mut done: Vec<Replayed> = Vec::new();
     let mut stopped: Option<String> = None;
-    for id in ids {
-        let row = deadletter::get(client, id)
-            .await?
-            .with_context(|| format!("no dead-letter row {id}"))?;
+    // Aggregates with an event that was not delivered: their later events
+    // wait, so an aggregate's events still arrive in order.
+    let mut held: HashSet<String> = HashSet::new();
+    for row in rows {
+        let id = row.id;
         let mut record = |outcome, detail: String| {
             if !a.json {
                 outln!("row {id}: {}", detail);
@@ -222,6 +321,15 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
         };
         if let Some(why) = &stopped {
             record("not_attempted", format!("not attempted ({why})"));
+            continue;
+        }
+        if let Some(key) = row.aggregate_key.as_ref().filter(|k| held.contains(*k)) {
+            record(
+                "not_attempted",
+                format!(
+                    "not attempted: an earlier event of aggregate {key} was not delivered, and this one must not overtake it"
+                ),
+            );
             continue;
         }
         let (Some(event_id), Some(event_type)) = (row.event_id.clone(), row.event_type.clone())
@@ -248,6 +356,9 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
             commit_lsn: row.commit_lsn.as_deref().and_then(|l| l.parse().ok()),
             commit_time_micros: 0,
         };
+        if let Some(pace) = pace.as_mut() {
+            pace.tick().await;
+        }
         let request = sink.prepare(&event);
         let attempt = sink.post(&event.id, &request).await;
         match &attempt {
@@ -259,6 +370,9 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
                 let detail = other.detail();
                 if sink_failing(other) {
                     stopped = Some(format!("the sink is failing: {detail}"));
+                }
+                if let Some(key) = &row.aggregate_key {
+                    held.insert(key.clone());
                 }
                 record("rejected", format!("not delivered ({detail}); kept"));
             }

@@ -621,6 +621,175 @@ async fn backfill_stops_with_the_since_that_resumes_it() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One filter (`--type` glob, `--error-contains`, `--since`/`--until`,
+/// `--aggregate`) selects rows for `list`, `discard` and `replay`; a
+/// discard by filter can be tried with `--dry-run`; `replay` keeps each
+/// aggregate's order (a later event of an aggregate whose earlier one is
+/// refused again is not attempted) and `--rate` paces it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_filters_select_rows_and_replay_keeps_aggregate_order() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, sink) = (&s.stack, s.sink());
+    sink.set_status(400);
+    let (a, b, c) = (
+        s.insert_order().await?,
+        s.insert_order().await?,
+        s.insert_order().await?,
+    );
+    let a1 = s.insert_event(a, "OrderCreated", Some("{}")).await?;
+    let a2 = s.insert_event(a, "OrderPaid", Some("{}")).await?;
+    let b1 = s.insert_event(b, "OrderCreated", Some("{}")).await?;
+    let c1 = s.insert_event(c, "InvoiceSent", Some("{}")).await?;
+    wait_until("four dead letters", DRAIN, || async {
+        dead_letters(stack).await.map(|d| d.len() == 4)
+    })
+    .await?;
+    let listed = |args: Vec<String>| async move {
+        let mut argv = vec![
+            "dead-letter".to_owned(),
+            "list".to_owned(),
+            "--json".to_owned(),
+        ];
+        argv.extend(args);
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let out = cli(stack, &argv, &sink.url).await?;
+        anyhow::ensure!(out.success(), "{argv:?}: {}", out.text());
+        let rows: serde_json::Value = serde_json::from_str(&out.stdout)?;
+        let mut ids: Vec<String> = rows
+            .as_array()
+            .map(|r| {
+                r.iter()
+                    .filter_map(|r| r["event_id"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        ids.sort();
+        anyhow::Ok(ids)
+    };
+    let sorted = |ids: &[&str]| {
+        let mut v: Vec<String> = ids.iter().map(|s| (*s).to_owned()).collect();
+        v.sort();
+        v
+    };
+    let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    assert_eq!(
+        listed(args(&["--type", "Order*"])).await?,
+        sorted(&[&a1.id, &a2.id, &b1.id])
+    );
+    assert_eq!(
+        listed(args(&["--aggregate", &a.to_string()])).await?,
+        sorted(&[&a1.id, &a2.id])
+    );
+    assert_eq!(
+        listed(args(&["--error-contains", "HTTP_400"])).await?.len(),
+        4
+    );
+    assert_eq!(
+        listed(args(&["--since=-infinity", "--until", "now"]))
+            .await?
+            .len(),
+        4
+    );
+    assert!(listed(args(&["--since", "now"])).await?.is_empty());
+    for bad in [&["--since", "2026-11-30 10:00"][..], &["--until", "soon"]] {
+        let mut argv = vec!["dead-letter", "list"];
+        argv.extend_from_slice(bad);
+        let out = cli(stack, &argv, &sink.url).await?;
+        assert_eq!(out.code(), Some(2), "{bad:?}: {}", out.text());
+    }
+
+    // Discard by filter: tried first, then done.
+    let discard = [
+        "dead-letter",
+        "discard",
+        "--type",
+        "InvoiceSent",
+        "--reason",
+        "test",
+    ];
+    let dry = cli(stack, &[&discard[..], &["--dry-run"]].concat(), &sink.url).await?;
+    assert!(
+        dry.success() && dry.text().contains(&c1.id),
+        "{}",
+        dry.text()
+    );
+    assert_eq!(
+        dead_letters(stack).await?.len(),
+        4,
+        "a dry run removes nothing"
+    );
+    let none = cli(
+        stack,
+        &["dead-letter", "discard", "--reason", "x", "--yes"],
+        &sink.url,
+    )
+    .await?;
+    assert_eq!(
+        none.code(),
+        Some(2),
+        "no ids and no filter: {}",
+        none.text()
+    );
+    let out = cli(stack, &[&discard[..], &["--yes"]].concat(), &sink.url).await?;
+    assert!(out.success(), "{}", out.text());
+    assert_eq!(listed(vec![]).await?, sorted(&[&a1.id, &a2.id, &b1.id]));
+
+    // Replay keeps aggregate a's order: a1 refused again, so a2 waits.
+    sink.set_status(204);
+    sink.reject(&a1.id, 422);
+    let before = sink.received().len();
+    let out = cli(
+        stack,
+        &[
+            "dead-letter",
+            "replay",
+            "--all",
+            "--type",
+            "Order*",
+            "--json",
+        ],
+        &sink.url,
+    )
+    .await?;
+    assert!(!out.success(), "a row was kept: {}", out.text());
+    let v: serde_json::Value = serde_json::from_str(&out.stdout)?;
+    let outcome = |id: &str| {
+        v["rows"]
+            .as_array()
+            .and_then(|r| r.iter().find(|r| r["event_id"] == id))
+            .map(|r| r["outcome"].as_str().unwrap_or_default().to_owned())
+    };
+    assert_eq!(outcome(&a1.id).as_deref(), Some("rejected"), "{v}");
+    assert_eq!(outcome(&a2.id).as_deref(), Some("not_attempted"), "{v}");
+    assert_eq!(outcome(&b1.id).as_deref(), Some("delivered"), "{v}");
+    let sent: Vec<String> = sink.received()[before..].iter().map(|r| r.id()).collect();
+    assert!(!sent.contains(&a2.id), "a2 never overtakes a1: {sent:?}");
+
+    // Paced: two requests at 4/s are a quarter second apart at least.
+    sink.clear_rejections();
+    let started = Instant::now();
+    let out = cli(
+        stack,
+        &["dead-letter", "replay", "--all", "--rate", "4/s"],
+        &sink.url,
+    )
+    .await?;
+    assert!(out.success(), "{}", out.text());
+    assert!(
+        started.elapsed() >= Duration::from_millis(240),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(dead_letters(stack).await?.is_empty());
+    let sent: Vec<String> = sink.received()[before..].iter().map(|r| r.id()).collect();
+    let (i1, i2) = (
+        sent.iter().rposition(|id| *id == a1.id),
+        sent.iter().position(|id| *id == a2.id),
+    );
+    assert!(i1 < i2, "a1 delivered before a2: {sent:?}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
     let s = Scenario::start(Inbox::Scripted).await?;
