@@ -136,8 +136,13 @@ impl OrderStore {
             return Err(ServiceError::internal());
         }
         let event_row = tx.execute(&insert_event, &event_params);
+        // Pipelined, but the first failure is the one to report: after it
+        // the statements behind it only say the transaction is aborted
+        // (25P02), and `try_join!` returns whichever error it polls first.
         let (Some(key), Some(claim)) = (key, claim) else {
-            tokio::try_join!(order_row, event_row)?;
+            let (order_done, event_done) = tokio::join!(order_row, event_row);
+            order_done?;
+            event_done?;
             tx.commit().await?;
             return Ok(Outcome::Created(created));
         };
@@ -151,7 +156,8 @@ impl OrderStore {
             &ttl_secs,
         ];
         let claimed = tx.query_opt(&claim, &claim_params);
-        let (_, _, claimed) = tokio::try_join!(order_row, event_row, claimed).map_err(|e| {
+        let (order_done, event_done, claimed) = tokio::join!(order_row, event_row, claimed);
+        let claimed = order_done.and(event_done).and(claimed).map_err(|e| {
             // The key's row is locked by a transaction that outlived
             // lock_timeout: the original request is still running.
             if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
