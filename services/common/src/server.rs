@@ -104,7 +104,11 @@ where
     let addr = listener.local_addr()?;
     {
         let mut stdout = std::io::stdout().lock();
-        writeln!(stdout, "listening on http://{addr}")?;
+        let line = crate::telemetry::startup_line(
+            &format!("listening on http://{addr}"),
+            &addr.to_string(),
+        );
+        writeln!(stdout, "{line}")?;
         stdout.flush()?;
     }
     tracing::info!(%addr, max_connections = limits.max_connections, "listening");
@@ -171,7 +175,11 @@ where
     {
         // Before the `listening on` line, which says both are bound.
         let mut stdout = std::io::stdout().lock();
-        writeln!(stdout, "admin endpoint on http://{admin_addr}")?;
+        let line = crate::telemetry::startup_line(
+            &format!("admin endpoint on http://{admin_addr}"),
+            &admin_addr.to_string(),
+        );
+        writeln!(stdout, "{line}")?;
         stdout.flush()?;
     }
     tracing::info!(%admin_addr, "admin endpoint (/metrics, /healthz) listening");

@@ -22,8 +22,29 @@ pub struct LogArgs {
     pub log_format: LogFormat,
 }
 
+/// The format [`init_tracing`] set up, for [`startup_line`].
+static FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
+
+/// A line for stdout announcing a bound address (`listening on
+/// http://ADDR`): plain text, or, when the logs are JSON, a JSON object
+/// shaped like a log line (`timestamp`, `level`, `fields.message`,
+/// `fields.addr`, `target`), so every line a log shipper reads parses.
+pub fn startup_line(message: &str, addr: &str) -> String {
+    match FORMAT.get() {
+        Some(LogFormat::Json) => serde_json::json!({
+            "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+            "level": "INFO",
+            "fields": { "message": message, "addr": addr },
+            "target": "service_common::server",
+        })
+        .to_string(),
+        _ => message.to_owned(),
+    }
+}
+
 /// Installs the global subscriber. Fails if one is already installed.
 pub fn init_tracing(format: LogFormat) -> anyhow::Result<()> {
+    let _ = FORMAT.set(format);
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new("info"))
         // tokio-postgres logs every statement's parameters at debug: order

@@ -428,11 +428,18 @@ async fn no_process_logs_a_secret_a_password_or_a_payload() -> anyhow::Result<()
         assert_json_lines(name, &fs_read(&p.log_dir().join("stderr.log"))?);
         outputs.push((name.to_owned(), p.logs()));
     }
-    // The relay's stdout (its `listening on` line) is in the format too.
-    assert_json_lines(
-        "cdc-relay run (stdout)",
-        &fs_read(&relay.log_dir().join("stdout.log"))?,
-    );
+    // Stdout (the `listening on` and `admin endpoint on` lines) is in the
+    // format too.
+    for (name, p) in [
+        ("cdc-relay run", &relay),
+        ("orders", &orders),
+        ("billing", &billing),
+    ] {
+        assert_json_lines(
+            &format!("{name} (stdout)"),
+            &fs_read(&p.log_dir().join("stdout.log"))?,
+        );
+    }
     for (name, text) in &outputs {
         for needle in forbidden.iter().chain([&marker]) {
             assert!(
