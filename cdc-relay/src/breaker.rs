@@ -22,6 +22,14 @@
 //! started while the sink is down, or a window of retries after an outage
 //! begins, sends it one request at a time, not the whole window.
 //!
+//! Start: until the sink has answered once, a failed attempt is followed by
+//! the next only after a (jittered) probe interval, the pace of an open
+//! circuit. A fresh relay knows nothing of the sink: one that takes over
+//! from a relay killed during an outage must not send the K failures that
+//! open its circuit back to back, on top of the probes the killed one sent
+//! (`docs/architecture.md#circuit-breaker`). Its first attempt still goes at
+//! once, so a start with a healthy sink loses nothing.
+//!
 //! Pause: a `Retry-After` from the sink (a 429 or 503 asking for quiet)
 //! holds every delivery in [`Breaker::admit`], probes included, until the
 //! time it named (capped by `--retry-after-max`): the sink asked the relay,
@@ -88,10 +96,14 @@ struct State {
     storm: bool,
     /// No attempt may start before this instant (a sink's `Retry-After`).
     paused_until: Option<Instant>,
-    /// The sink has answered (2xx or a poison verdict) since this breaker
-    /// started. Until then one attempt at a time goes out: a relay that
-    /// starts while the sink is down must not send its whole window to it.
+    /// The sink has answered (2xx or a poison verdict) since the last
+    /// failure, or since this breaker was made. Until then one attempt at a
+    /// time goes out: a relay that starts while the sink is down must not
+    /// send its whole window to it.
     proven: bool,
+    /// The sink has answered at least once since this breaker was made.
+    /// Until then attempts are paced like an open circuit's probes.
+    answered: bool,
 }
 
 /// Shared by every delivery, and kept across sessions (a clone is the same
@@ -117,7 +129,7 @@ pub enum Admission {
     /// The circuit is closed.
     Normal,
     /// The only attempt allowed now: the circuit is open, or the sink has
-    /// not answered since start (slow start).
+    /// not answered since the last failure or since start (slow start).
     Probe,
 }
 
@@ -137,6 +149,7 @@ impl Breaker {
                 storm: false,
                 paused_until: None,
                 proven: false,
+                answered: false,
             }),
             changed: Notify::new(),
             metrics,
@@ -185,24 +198,19 @@ impl Breaker {
                         s.waiting.remove(&seq);
                         return Admission::Normal;
                     }
+                    // Open, or closed in slow start: the oldest waiting
+                    // delivery goes alone. Paced (one per probe interval)
+                    // while open, and while the sink has never answered.
                     s.waiting.insert(seq);
                     let oldest = s.waiting.first().copied() == Some(seq);
-                    if s.circuit == CircuitState::Closed {
-                        // Slow start: the oldest waiting delivery goes alone
-                        // until the sink first answers.
-                        if oldest && !s.probe_in_flight {
-                            s.probe_in_flight = true;
-                            s.waiting.remove(&seq);
-                            return Admission::Probe;
-                        }
-                        Instant::now() + Duration::from_secs(3600)
-                    } else if !oldest || s.probe_in_flight {
+                    let paced = s.circuit == CircuitState::Open || !s.answered;
+                    if !oldest || s.probe_in_flight {
                         // Only the probe's outcome can change anything for this
                         // delivery, and `record` notifies. (Waiting until
                         // `next_probe_at`, already past while a probe is in
                         // flight, would spin until the probe returns.)
                         Instant::now() + Duration::from_secs(3600)
-                    } else if Instant::now() >= s.next_probe_at {
+                    } else if !paced || Instant::now() >= s.next_probe_at {
                         s.probe_in_flight = true;
                         s.waiting.remove(&seq);
                         return Admission::Probe;
@@ -236,6 +244,7 @@ impl Breaker {
         match signal {
             Signal::Success => {
                 s.proven = true;
+                s.answered = true;
                 s.consecutive_failures = 0;
                 s.poison_run.clear();
                 s.storm = false;
@@ -246,6 +255,7 @@ impl Breaker {
             }
             Signal::DeadLettered => {
                 s.proven = true;
+                s.answered = true;
                 s.consecutive_failures = 0;
                 if s.circuit == CircuitState::Open {
                     tracing::info!("circuit closed: the sink answers again");
@@ -282,7 +292,8 @@ impl Breaker {
                 }
             }
         }
-        if s.circuit == CircuitState::Open && admission == Admission::Probe {
+        if admission == Admission::Probe && (s.circuit == CircuitState::Open || !s.answered) {
+            // The next paced attempt: a probe interval after this one ended.
             s.next_probe_at = Instant::now() + self.jittered_interval();
         }
         drop(s);
@@ -396,6 +407,46 @@ mod tests {
             "then the whole window"
         );
         assert_eq!(b.admit(3).await, Admission::Normal);
+    }
+
+    /// Issue 14, HTTP manners 6: a relay that starts (or takes over from
+    /// one killed mid-outage) while the sink is down sends its first
+    /// attempt at once and every later one a probe interval after the last
+    /// failure: not the K failures that open the circuit back to back.
+    /// Once the sink has answered, a failure is retried at once again
+    /// (one at a time), and K failures open the circuit as before.
+    #[tokio::test(start_paused = true)]
+    async fn a_fresh_breaker_paces_its_attempts_until_the_sink_first_answers() {
+        let b = breaker();
+        let t0 = Instant::now();
+        let mut starts = Vec::new();
+        for n in 1..=5 {
+            assert_eq!(b.admit(1).await, Admission::Probe);
+            starts.push(t0.elapsed());
+            b.record(Admission::Probe, Signal::Transient, "connect");
+            let expected = if n < 3 {
+                CircuitState::Closed
+            } else {
+                CircuitState::Open
+            };
+            assert_eq!(b.state(), expected, "after {n} failures");
+        }
+        assert_eq!(starts[0], Duration::ZERO, "the first attempt goes at once");
+        for pair in starts.windows(2) {
+            let gap = pair[1] - pair[0];
+            assert!(
+                gap >= Duration::from_millis(500) && gap <= Duration::from_millis(600),
+                "attempts {gap:?} apart: {starts:?}"
+            );
+        }
+
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        b.record(Admission::Probe, Signal::Success, "");
+        assert_eq!(b.admit(2).await, Admission::Normal);
+        b.record(Admission::Normal, Signal::Transient, "http_503");
+        let t1 = Instant::now();
+        assert_eq!(b.admit(2).await, Admission::Probe);
+        assert_eq!(t1.elapsed(), Duration::ZERO, "not paced once answered");
     }
 
     #[tokio::test(start_paused = true)]
