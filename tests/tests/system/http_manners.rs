@@ -2,15 +2,20 @@
 //! manners"), each against a real HTTP peer: a `Retry-After` pauses every
 //! request to the sink, probes included (1); pooled connections have a
 //! maximum age and an idle timeout (2); SIGTERM while an event is in
-//! backoff starts no new attempt and exits within 5 s (4). Item 3 (HTTP/2
-//! GOAWAY) is in `tls.rs`, which has the https peer; item 6 in `chaos.rs`.
+//! backoff starts no new attempt and exits within 5 s (4); a relay that
+//! starts or takes over while the sink is dead sends it at most 2 requests
+//! per second from its first one (6). Item 3 (HTTP/2 GOAWAY) is in
+//! `tls.rs`, which has the https peer; item 6 per fault kind, across relay
+//! kills, in `chaos.rs`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant, SystemTime};
 
 use harness::app;
-use harness::{Inbox, Scenario, wait_until};
+use harness::proxy::{FaultProxy, Mode};
+use harness::sink::ScriptedSink;
+use harness::{Inbox, PgCluster, Scenario, wait_until};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -234,6 +239,126 @@ async fn sigterm_during_backoff_starts_no_attempt_and_exits_within_5s() -> anyho
     s.sink().set_status(204);
     s.restart_relay(&[]).await?;
     s.assert_balanced().await
+}
+
+/// How long each relay's requests are counted from its first one.
+const COUNTED: Duration = Duration::from_secs(3);
+
+/// How often [`first_connection_after`] looks at the proxy.
+const LOOK: Duration = Duration::from_millis(5);
+
+/// Waits until `front` accepted more than `before` connections; returns
+/// when it saw that (at most [`LOOK`] after the connection came).
+async fn first_connection_after(front: &FaultProxy, before: usize) -> anyhow::Result<Instant> {
+    let deadline = Instant::now() + WAIT;
+    while front.accepted() <= before {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "no request reached the sink's front within {WAIT:?}"
+        );
+        tokio::time::sleep(LOOK).await;
+    }
+    Ok(Instant::now())
+}
+
+/// Requests a relay sent from its first one after `before`.
+struct Counted {
+    /// When the first one was seen.
+    first: Instant,
+    /// Requests (new connections: the front resets each one, so every
+    /// attempt needs one) from the first through [`COUNTED`].
+    requests: usize,
+    /// The most 2 per second allow over that span: probes are at least
+    /// 500 ms apart, so a span of `secs` holds at most `2·secs + 1`.
+    bound: usize,
+}
+
+async fn requests_from_first(front: &FaultProxy, before: usize) -> anyhow::Result<Counted> {
+    let first = first_connection_after(front, before).await?;
+    tokio::time::sleep_until((first + COUNTED).into()).await;
+    let requests = front.accepted() - before;
+    // The first connection came up to LOOK before it was seen.
+    let secs = (first.elapsed() + LOOK).as_secs_f64();
+    Ok(Counted {
+        first,
+        requests,
+        bound: (2.0 * secs + 1.0).floor() as usize,
+    })
+}
+
+/// Issue 14, HTTP manners 6, across relay starts and takeovers: with a
+/// backlog waiting and the sink's front resetting every connection, a relay
+/// that starts sends at most 2 requests per second from its first one, and
+/// so does a hot standby taking over after it is SIGKILLed: its first
+/// request goes at once, each later one a probe interval after the last
+/// failure, with or without its circuit open. When the front passes again,
+/// the whole backlog is delivered.
+///
+/// Measured: 6 requests in each relay's first 3 s (the standby's first
+/// 0.32 s after the kill). Fails without the fix: "10 requests in a started
+/// relay's first 3s" (the 5 failures that open a fresh relay's circuit went
+/// back to back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_starting_or_taking_over_during_an_outage_sends_at_most_two_requests_per_second()
+-> anyhow::Result<()> {
+    const BACKLOG: usize = 20;
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let (front, sink_url) = app::proxied(&sink.url).await?;
+    front.set_mode(Mode::Reset);
+    let db = stack.orders_admin().await?;
+    db.batch_execute(&many_events(BACKLOG)).await?;
+
+    let mut first = app::start_relay(&stack, &sink_url, &[]).await?;
+    let started = requests_from_first(&front, 0).await?;
+    eprintln!(
+        "a relay started during the outage: {} requests in its first {COUNTED:?} (at most {})",
+        started.requests, started.bound
+    );
+    assert!(
+        started.requests <= started.bound,
+        "{} requests in a started relay's first {COUNTED:?}, more than 2/s",
+        started.requests
+    );
+
+    let standby = app::start_relay(&stack, &sink_url, &[]).await?;
+    standby
+        .process
+        .wait_for_line("waiting as hot standby", WAIT)
+        .await?;
+    // Kill right after a probe, so no request of the killed relay can be
+    // counted as the standby's.
+    let probed = front.accepted();
+    first_connection_after(&front, probed).await?;
+    let before = front.accepted();
+    let killed = Instant::now();
+    first.process.sigkill();
+    let taking_over = requests_from_first(&front, before).await?;
+    eprintln!(
+        "a standby taking over during the outage, first request {:?} after the kill: \
+         {} requests in its first {COUNTED:?} (at most {})",
+        taking_over.first - killed,
+        taking_over.requests,
+        taking_over.bound
+    );
+    assert!(
+        taking_over.requests <= taking_over.bound,
+        "{} requests in the first {COUNTED:?} of a relay that took over, more than 2/s",
+        taking_over.requests
+    );
+
+    front.set_mode(Mode::Pass);
+    wait_until("the backlog delivered", WAIT, || async {
+        sink.delivered().len() >= BACKLOG
+    })
+    .await?;
+    let delivered: std::collections::BTreeSet<String> =
+        sink.delivered().iter().map(|r| r.id()).collect();
+    assert_eq!(delivered.len(), BACKLOG, "every event of the backlog");
+    let m = standby.metrics().await?;
+    assert_eq!(m.value("cdc_relay_circuit_state", &[]), Some(0.0));
+    Ok(())
 }
 
 /// `n` events in one transaction, each of its own order (aggregate), so
