@@ -22,11 +22,13 @@
 //! started while the sink is down, or a window of retries after an outage
 //! begins, sends it one request at a time, not the whole window.
 //!
-//! Start: until the sink has answered once, a failed attempt is followed by
-//! the next only after a (jittered) probe interval, the pace of an open
-//! circuit. A fresh relay knows nothing of the sink: one that takes over
-//! from a relay killed during an outage must not send the K failures that
-//! open its circuit back to back, on top of the probes the killed one sent
+//! Session start: until the sink has answered in this session, a failed
+//! attempt is followed by the next only after a (jittered) probe interval,
+//! the pace of an open circuit. A relay that starts or takes over the slot
+//! knows nothing of the sink now — what it answered in an earlier session
+//! may be long stale (a standby that held the slot before) — and must not
+//! send the K failures that open its circuit back to back, nor its whole
+//! window, on top of the probes a relay killed during the outage sent
 //! (`docs/architecture.md#circuit-breaker`). Its first attempt still goes at
 //! once, so a start with a healthy sink loses nothing.
 //!
@@ -101,8 +103,8 @@ struct State {
     /// time goes out: a relay that starts while the sink is down must not
     /// send its whole window to it.
     proven: bool,
-    /// The sink has answered at least once since this breaker was made.
-    /// Until then attempts are paced like an open circuit's probes.
+    /// The sink has answered at least once in this session. Until then
+    /// attempts are paced like an open circuit's probes.
     answered: bool,
 }
 
@@ -161,11 +163,17 @@ impl Breaker {
 
     /// A new session starts: the deliveries of the last one are gone (their
     /// tasks were dropped), so nothing waits and no probe is in flight. The
-    /// circuit, the failure count and the storm stay as they were.
+    /// circuit, the failure count and the storm stay as they were; that the
+    /// sink answered does not: the session may begin long after the last
+    /// answer (a standby that held the slot before takes it over again), so
+    /// it starts like a fresh relay, one paced attempt at a time until the
+    /// sink answers.
     pub fn new_session(&self) {
         let mut s = self.lock();
         s.waiting.clear();
         s.probe_in_flight = false;
+        s.proven = false;
+        s.answered = false;
         drop(s);
         self.shared.changed.notify_waiters();
     }
@@ -447,6 +455,37 @@ mod tests {
         let t1 = Instant::now();
         assert_eq!(b.admit(2).await, Admission::Probe);
         assert_eq!(t1.elapsed(), Duration::ZERO, "not paced once answered");
+    }
+
+    /// A relay that held the slot, lost it (a reconnect, or another relay
+    /// took over) and takes it over again later must not trust what the
+    /// sink answered back then: not a whole window at once, and failures
+    /// paced. Fails without the reset in `new_session`: the first admission
+    /// after it is Normal.
+    #[tokio::test(start_paused = true)]
+    async fn a_new_session_forgets_that_the_sink_answered() {
+        let b = breaker();
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        b.record(Admission::Probe, Signal::Success, "");
+        assert_eq!(b.admit(2).await, Admission::Normal);
+
+        b.new_session();
+        assert_eq!(b.admit(1).await, Admission::Probe, "one attempt at a time");
+        let second = tokio::spawn({
+            let b = b.clone();
+            async move { b.admit(2).await }
+        });
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!second.is_finished(), "the second waits for the first");
+        b.record(Admission::Probe, Signal::Transient, "connect");
+        let failed = Instant::now();
+        assert_eq!(second.await.unwrap(), Admission::Probe);
+        assert!(
+            failed.elapsed() >= Duration::from_millis(500),
+            "paced: {:?}",
+            failed.elapsed()
+        );
     }
 
     #[tokio::test(start_paused = true)]
