@@ -22,6 +22,16 @@
 //! started while the sink is down, or a window of retries after an outage
 //! begins, sends it one request at a time, not the whole window.
 //!
+//! Session start: until the sink has answered in this session, a failed
+//! attempt is followed by the next only after a (jittered) probe interval,
+//! the pace of an open circuit. A relay that starts or takes over the slot
+//! knows nothing of the sink now — what it answered in an earlier session
+//! may be long stale (a standby that held the slot before) — and must not
+//! send the K failures that open its circuit back to back, nor its whole
+//! window, on top of the probes a relay killed during the outage sent
+//! (`docs/architecture.md#circuit-breaker`). Its first attempt still goes at
+//! once, so a start with a healthy sink loses nothing.
+//!
 //! Pause: a `Retry-After` from the sink (a 429 or 503 asking for quiet)
 //! holds every delivery in [`Breaker::admit`], probes included, until the
 //! time it named (capped by `--retry-after-max`): the sink asked the relay,
@@ -88,10 +98,14 @@ struct State {
     storm: bool,
     /// No attempt may start before this instant (a sink's `Retry-After`).
     paused_until: Option<Instant>,
-    /// The sink has answered (2xx or a poison verdict) since this breaker
-    /// started. Until then one attempt at a time goes out: a relay that
-    /// starts while the sink is down must not send its whole window to it.
+    /// The sink has answered (2xx or a poison verdict) since the last
+    /// failure, or since this breaker was made. Until then one attempt at a
+    /// time goes out: a relay that starts while the sink is down must not
+    /// send its whole window to it.
     proven: bool,
+    /// The sink has answered at least once in this session. Until then
+    /// attempts are paced like an open circuit's probes.
+    answered: bool,
 }
 
 /// Shared by every delivery, and kept across sessions (a clone is the same
@@ -117,7 +131,7 @@ pub enum Admission {
     /// The circuit is closed.
     Normal,
     /// The only attempt allowed now: the circuit is open, or the sink has
-    /// not answered since start (slow start).
+    /// not answered since the last failure or since start (slow start).
     Probe,
 }
 
@@ -137,6 +151,7 @@ impl Breaker {
                 storm: false,
                 paused_until: None,
                 proven: false,
+                answered: false,
             }),
             changed: Notify::new(),
             metrics,
@@ -148,11 +163,17 @@ impl Breaker {
 
     /// A new session starts: the deliveries of the last one are gone (their
     /// tasks were dropped), so nothing waits and no probe is in flight. The
-    /// circuit, the failure count and the storm stay as they were.
+    /// circuit, the failure count and the storm stay as they were; that the
+    /// sink answered does not: the session may begin long after the last
+    /// answer (a standby that held the slot before takes it over again), so
+    /// it starts like a fresh relay, one paced attempt at a time until the
+    /// sink answers.
     pub fn new_session(&self) {
         let mut s = self.lock();
         s.waiting.clear();
         s.probe_in_flight = false;
+        s.proven = false;
+        s.answered = false;
         drop(s);
         self.shared.changed.notify_waiters();
     }
@@ -185,24 +206,19 @@ impl Breaker {
                         s.waiting.remove(&seq);
                         return Admission::Normal;
                     }
+                    // Open, or closed in slow start: the oldest waiting
+                    // delivery goes alone. Paced (one per probe interval)
+                    // while open, and while the sink has never answered.
                     s.waiting.insert(seq);
                     let oldest = s.waiting.first().copied() == Some(seq);
-                    if s.circuit == CircuitState::Closed {
-                        // Slow start: the oldest waiting delivery goes alone
-                        // until the sink first answers.
-                        if oldest && !s.probe_in_flight {
-                            s.probe_in_flight = true;
-                            s.waiting.remove(&seq);
-                            return Admission::Probe;
-                        }
-                        Instant::now() + Duration::from_secs(3600)
-                    } else if !oldest || s.probe_in_flight {
+                    let paced = s.circuit == CircuitState::Open || !s.answered;
+                    if !oldest || s.probe_in_flight {
                         // Only the probe's outcome can change anything for this
                         // delivery, and `record` notifies. (Waiting until
                         // `next_probe_at`, already past while a probe is in
                         // flight, would spin until the probe returns.)
                         Instant::now() + Duration::from_secs(3600)
-                    } else if Instant::now() >= s.next_probe_at {
+                    } else if !paced || Instant::now() >= s.next_probe_at {
                         s.probe_in_flight = true;
                         s.waiting.remove(&seq);
                         return Admission::Probe;
@@ -236,6 +252,7 @@ impl Breaker {
         match signal {
             Signal::Success => {
                 s.proven = true;
+                s.answered = true;
                 s.consecutive_failures = 0;
                 s.poison_run.clear();
                 s.storm = false;
@@ -246,6 +263,7 @@ impl Breaker {
             }
             Signal::DeadLettered => {
                 s.proven = true;
+                s.answered = true;
                 s.consecutive_failures = 0;
                 if s.circuit == CircuitState::Open {
                     tracing::info!("circuit closed: the sink answers again");
@@ -282,7 +300,8 @@ impl Breaker {
                 }
             }
         }
-        if s.circuit == CircuitState::Open && admission == Admission::Probe {
+        if admission == Admission::Probe && (s.circuit == CircuitState::Open || !s.answered) {
+            // The next paced attempt: a probe interval after this one ended.
             s.next_probe_at = Instant::now() + self.jittered_interval();
         }
         drop(s);
@@ -396,6 +415,77 @@ mod tests {
             "then the whole window"
         );
         assert_eq!(b.admit(3).await, Admission::Normal);
+    }
+
+    /// Issue 14, HTTP manners 6: a relay that starts (or takes over from
+    /// one killed mid-outage) while the sink is down sends its first
+    /// attempt at once and every later one a probe interval after the last
+    /// failure: not the K failures that open the circuit back to back.
+    /// Once the sink has answered, a failure is retried at once again
+    /// (one at a time), and K failures open the circuit as before.
+    #[tokio::test(start_paused = true)]
+    async fn a_fresh_breaker_paces_its_attempts_until_the_sink_first_answers() {
+        let b = breaker();
+        let t0 = Instant::now();
+        let mut starts = Vec::new();
+        for n in 1..=5 {
+            assert_eq!(b.admit(1).await, Admission::Probe);
+            starts.push(t0.elapsed());
+            b.record(Admission::Probe, Signal::Transient, "connect");
+            let expected = if n < 3 {
+                CircuitState::Closed
+            } else {
+                CircuitState::Open
+            };
+            assert_eq!(b.state(), expected, "after {n} failures");
+        }
+        assert_eq!(starts[0], Duration::ZERO, "the first attempt goes at once");
+        for pair in starts.windows(2) {
+            let gap = pair[1] - pair[0];
+            assert!(
+                gap >= Duration::from_millis(500) && gap <= Duration::from_millis(600),
+                "attempts {gap:?} apart: {starts:?}"
+            );
+        }
+
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        b.record(Admission::Probe, Signal::Success, "");
+        assert_eq!(b.admit(2).await, Admission::Normal);
+        b.record(Admission::Normal, Signal::Transient, "http_503");
+        let t1 = Instant::now();
+        assert_eq!(b.admit(2).await, Admission::Probe);
+        assert_eq!(t1.elapsed(), Duration::ZERO, "not paced once answered");
+    }
+
+    /// A relay that held the slot, lost it (a reconnect, or another relay
+    /// took over) and takes it over again later must not trust what the
+    /// sink answered back then: not a whole window at once, and failures
+    /// paced. Fails without the reset in `new_session`: the first admission
+    /// after it is Normal.
+    #[tokio::test(start_paused = true)]
+    async fn a_new_session_forgets_that_the_sink_answered() {
+        let b = breaker();
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        b.record(Admission::Probe, Signal::Success, "");
+        assert_eq!(b.admit(2).await, Admission::Normal);
+
+        b.new_session();
+        assert_eq!(b.admit(1).await, Admission::Probe, "one attempt at a time");
+        let second = tokio::spawn({
+            let b = b.clone();
+            async move { b.admit(2).await }
+        });
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!second.is_finished(), "the second waits for the first");
+        b.record(Admission::Probe, Signal::Transient, "connect");
+        let failed = Instant::now();
+        assert_eq!(second.await.unwrap(), Admission::Probe);
+        assert!(
+            failed.elapsed() >= Duration::from_millis(500),
+            "paced: {:?}",
+            failed.elapsed()
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -223,6 +223,7 @@ impl World {
             redelivered: 0,
             sink_requests_during: 0,
             sink_requests_after_first_second: None,
+            relay_kills_while_counted: 0,
             overlapped: false,
         };
         let result = match fault.kind {
@@ -628,6 +629,7 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Report> {
                     redelivered: 0,
                     sink_requests_during: 0,
                     sink_requests_after_first_second: None,
+                    relay_kills_while_counted: 0,
                     overlapped: false,
                 });
             }

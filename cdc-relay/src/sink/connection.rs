@@ -16,11 +16,14 @@ use http::Uri;
 use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper_util::client::legacy::connect::{Connected, Connection};
 
-/// One connection's identity, found in [`Connected::get_extras`].
+/// One connection's identity, found in [`Connected::get_extras`] (and in
+/// the extensions of every response that came back on it).
 #[derive(Clone, Debug, Default)]
 pub struct ConnectionTag {
     /// Set once a request met this connection refusing it.
     refused: Arc<AtomicBool>,
+    /// Set once a response came back on this connection.
+    answered: Arc<AtomicBool>,
 }
 
 impl ConnectionTag {
@@ -35,6 +38,18 @@ impl ConnectionTag {
     /// time only, so one connection is one event.
     pub fn first_refusal(&self) -> bool {
         !self.refused.swap(true, Ordering::Relaxed)
+    }
+
+    /// A response came back on this connection.
+    pub fn mark_answered(&self) {
+        self.answered.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a response came back on this connection: an HTTP/1.1
+    /// connection then went back to the pool, and a request that finds it
+    /// closed met the server closing an idle connection, not refusing one.
+    pub fn has_answered(&self) -> bool {
+        self.answered.load(Ordering::Relaxed)
     }
 }
 

@@ -12,8 +12,10 @@
 //! that had closed, an HTTP/2 stream refused (`REFUSED_STREAM`) or above a
 //! GOAWAY's last stream id — is sent again at once on a new connection, once: it is a
 //! connection event, not a sink failure. Whatever the second try gives is
-//! the attempt's result (so a dead sink still sees at most two requests per
-//! attempt, and the breaker judges the second). The URI, the `Authorization` header from URL credentials and the
+//! the attempt's result (the breaker judges the second). A request canceled
+//! on a brand-new HTTP/1.1 connection is not sent again: a front that
+//! closes or resets every new connection is a dead sink, and each attempt
+//! must stay one request there (`docs/architecture.md#circuit-breaker`). The URI, the `Authorization` header from URL credentials and the
 //! fixed headers are built once; each attempt POSTs the exact body with
 //! (`--signature-scheme both`, the default):
 //!
@@ -343,7 +345,7 @@ impl HttpSink {
         };
         let resp = match self.clients.get().request(build()).await {
             Ok(r) => r,
-            Err(e) if never_processed(&e) => {
+            Err(e) if never_processed(&e) && met_a_live_connection(&e) => {
                 // Not a sink failure: the same request once more, at once,
                 // on a new connection (the one it met is not reused).
                 let connection = e.connect_info();
@@ -367,6 +369,9 @@ impl HttpSink {
             }
             Err(e) => return request_error(&e),
         };
+        if let Some(tag) = resp.extensions().get::<ConnectionTag>() {
+            tag.mark_answered();
+        }
         let status = resp.status().as_u16();
         let retry_after = resp
             .headers()
@@ -463,6 +468,19 @@ fn never_processed(e: &hyper_util::client::legacy::Error) -> bool {
         err.downcast_ref::<h2::Error>().is_some_and(|h| {
             h.reason() == Some(h2::Reason::REFUSED_STREAM) || (h.is_go_away() && h.is_remote())
         })
+    })
+}
+
+/// Whether the connection a never-processed request met was a live one:
+/// it had answered before (an HTTP/1.1 connection back from the pool that
+/// the server closed while idle), or speaks HTTP/2 (the server completed
+/// TLS and ALPN, then refused streams or drained). A request canceled on a
+/// brand-new HTTP/1.1 connection met a front that closes or resets new
+/// connections, which is a dead sink: a failure for the breaker, not a
+/// reason to send the request again at once.
+fn met_a_live_connection(e: &hyper_util::client::legacy::Error) -> bool {
+    e.connect_info().is_some_and(|c| {
+        c.is_negotiated_h2() || ConnectionTag::of(c).is_some_and(|t| t.has_answered())
     })
 }
 

@@ -64,10 +64,29 @@ pub struct FaultOutcome {
     /// holds the requests already in flight and the failures that open the
     /// circuit.
     pub sink_requests_after_first_second: Option<(usize, f64)>,
+    /// Relay kills within the span `sink_requests_after_first_second`
+    /// counts: the relay taking over knows nothing of the sink and sends
+    /// its first request at once, possibly less than a probe interval after
+    /// the killed relay's last one.
+    pub relay_kills_while_counted: usize,
     /// Another fault held during this one, or had ended less than
     /// [`SETTLE`] seconds before it started: its figures mix both, and the
     /// per-kind statistics leave it out.
     pub overlapped: bool,
+}
+
+impl FaultOutcome {
+    /// For a fault against Billing, the most requests "at most 2 per
+    /// second" allows in the span `sink_requests_after_first_second`
+    /// counts (issue 14, HTTP manners 6): each relay keeps its requests to
+    /// a dead sink at least a probe interval (500 ms) apart, so a span of
+    /// `secs` holds at most `2·secs + 1` of them (one may sit on each
+    /// edge), plus one per relay kill inside it (the relay taking over
+    /// sends its first request at once).
+    pub fn sink_requests_allowed(&self) -> Option<usize> {
+        let (_, secs) = self.sink_requests_after_first_second?;
+        Some((2.0 * secs + 1.0).floor() as usize + self.relay_kills_while_counted)
+    }
 }
 
 /// Seconds after a fault's end during which it still counts as overlapping.
@@ -178,8 +197,8 @@ pub struct KindFigures {
     /// Redelivered requests, total over this kind's windows.
     pub redelivered: usize,
     /// Faults against Billing: the highest rate of requests reaching it
-    /// after the fault's first second, requests per second, over the
-    /// faults that overlapped no other.
+    /// after the fault's first second, requests per second, over every
+    /// fault of the kind (those with a relay kill inside included).
     pub sink_rps_after_first_second_max: Option<f64>,
 }
 
@@ -351,10 +370,23 @@ pub fn analyse(
         .iter()
         .map(|o| (o.fault.n, o.started, o.ended))
         .collect();
+    let kills_at: Vec<f64> = outcomes
+        .iter()
+        .filter(|o| o.fault.kind == FaultKind::RelayKill)
+        .map(|o| o.started)
+        .collect();
     for o in &mut outcomes {
         o.overlapped = windows
             .iter()
             .any(|&(n, s, e)| n != o.fault.n && s <= o.ended && e + SETTLE >= o.started);
+        if let Some((_, secs)) = o.sink_requests_after_first_second {
+            // The counted span ends when the fault was lifted.
+            let from = o.ended - secs;
+            o.relay_kills_while_counted = kills_at
+                .iter()
+                .filter(|&&t| t >= from && t <= o.ended)
+                .count();
+        }
     }
     let mut seen = HashSet::new();
     let mut redelivered_total = 0;
@@ -481,7 +513,7 @@ pub fn analyse(
                 first_2xx_after: Stats::of(of.iter().filter_map(|o| o.first_2xx_after).collect()),
                 caught_up_after: Stats::of(of.iter().filter_map(|o| o.caught_up_after).collect()),
                 redelivered: all.iter().map(|o| o.redelivered).sum(),
-                sink_rps_after_first_second_max: of
+                sink_rps_after_first_second_max: all
                     .iter()
                     .filter_map(|o| o.sink_requests_after_first_second)
                     .filter(|&(_, secs)| secs > 0.0)
@@ -648,7 +680,7 @@ impl Report {
         let _ = writeln!(s, "| drain after the load stopped | {} |\n", secs(f.drain));
         let _ = writeln!(
             s,
-            "Per-kind times leave out faults that overlapped another one (or began within {SETTLE:.0} s of its end); every fault is in the JSON file."
+            "Per-kind times leave out faults that overlapped another one (or began within {SETTLE:.0} s of its end); the requests/s column does not; every fault is in the JSON file."
         );
         let _ = writeln!(
             s,

@@ -2,15 +2,20 @@
 //! manners"), each against a real HTTP peer: a `Retry-After` pauses every
 //! request to the sink, probes included (1); pooled connections have a
 //! maximum age and an idle timeout (2); SIGTERM while an event is in
-//! backoff starts no new attempt and exits within 5 s (4). Item 3 (HTTP/2
-//! GOAWAY) is in `tls.rs`, which has the https peer; item 6 in `chaos.rs`.
+//! backoff starts no new attempt and exits within 5 s (4); a relay that
+//! starts or takes over while the sink is dead sends it at most 2 requests
+//! per second from its first one (6). Item 3 (HTTP/2 GOAWAY) is in
+//! `tls.rs`, which has the https peer; item 6 per fault kind, across relay
+//! kills, in `chaos.rs`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant, SystemTime};
 
 use harness::app;
-use harness::{Inbox, Scenario, wait_until};
+use harness::proxy::{FaultProxy, Mode};
+use harness::sink::ScriptedSink;
+use harness::{Inbox, PgCluster, Scenario, wait_until};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -234,6 +239,226 @@ async fn sigterm_during_backoff_starts_no_attempt_and_exits_within_5s() -> anyho
     s.sink().set_status(204);
     s.restart_relay(&[]).await?;
     s.assert_balanced().await
+}
+
+/// How long each relay's requests are counted from its first one.
+const COUNTED: Duration = Duration::from_secs(3);
+
+/// How often [`first_connection_after`] looks at the proxy.
+const LOOK: Duration = Duration::from_millis(5);
+
+/// Waits until `front` accepted more than `before` connections; returns
+/// when it saw that (at most [`LOOK`] after the connection came).
+async fn first_connection_after(front: &FaultProxy, before: usize) -> anyhow::Result<Instant> {
+    let deadline = Instant::now() + WAIT;
+    while front.accepted() <= before {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "no request reached the sink's front within {WAIT:?}"
+        );
+        tokio::time::sleep(LOOK).await;
+    }
+    Ok(Instant::now())
+}
+
+/// Requests a relay sent from its first one after `before`.
+struct Counted {
+    /// When the first one was seen.
+    first: Instant,
+    /// Requests (new connections: the front resets each one, so every
+    /// attempt needs one) from the first through [`COUNTED`].
+    requests: usize,
+    /// The most 2 per second allow over that span: probes are at least
+    /// 500 ms apart, so a span of `secs` holds at most `2·secs + 1`.
+    bound: usize,
+}
+
+async fn requests_from_first(front: &FaultProxy, before: usize) -> anyhow::Result<Counted> {
+    let first = first_connection_after(front, before).await?;
+    tokio::time::sleep_until((first + COUNTED).into()).await;
+    let requests = front.accepted() - before;
+    // The first connection came up to LOOK before it was seen.
+    let secs = (first.elapsed() + LOOK).as_secs_f64();
+    Ok(Counted {
+        first,
+        requests,
+        bound: (2.0 * secs + 1.0).floor() as usize,
+    })
+}
+
+/// The application_name of the relay whose walsender holds `slot`.
+async fn slot_holder(db: &tokio_postgres::Client, slot: &str) -> anyhow::Result<Option<String>> {
+    let row = db
+        .query_opt(
+            "SELECT r.application_name FROM pg_replication_slots s \
+             JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(row.map(|r| r.get(0)))
+}
+
+/// Starts relay `name` delivering through `sink_url`.
+async fn relay_named(
+    stack: &harness::Stack,
+    sink_url: &str,
+    name: &str,
+) -> anyhow::Result<app::Running> {
+    app::start_relay(stack, sink_url, &["--application-name", name]).await
+}
+
+/// SIGKILLs `relay` right after one of its requests reached `front`, so
+/// none of its requests can be counted as the next relay's; returns the
+/// connection count then and the instant of the kill.
+async fn kill_after_a_request(
+    front: &FaultProxy,
+    relay: &mut app::Running,
+) -> anyhow::Result<(usize, Instant)> {
+    first_connection_after(front, front.accepted()).await?;
+    let before = front.accepted();
+    let killed = Instant::now();
+    relay.process.sigkill();
+    Ok((before, killed))
+}
+
+/// Asserts that `relay` sent at most 2 requests per second from its first
+/// one; says how many immediate retries on a new connection (allowed once
+/// per failure) it made so far.
+async fn assert_two_per_second(
+    what: &str,
+    c: &Counted,
+    since: Option<Instant>,
+    relay: &app::Running,
+) -> anyhow::Result<()> {
+    let m = relay.metrics().await?;
+    let retries = m.sum("cdc_relay_sink_fresh_connection_retries_total");
+    let first = since.map_or(String::new(), |t| {
+        format!(", the first {:?} after the kill", c.first - t)
+    });
+    eprintln!(
+        "{what}: {} requests in its first {COUNTED:?} (at most {}){first}; \
+         retries on a new connection so far {retries}",
+        c.requests, c.bound
+    );
+    anyhow::ensure!(
+        c.requests <= c.bound,
+        "{what}: {} requests in its first {COUNTED:?}, more than 2/s\n{}",
+        c.requests,
+        relay.process.logs()
+    );
+    Ok(())
+}
+
+/// Issue 14, HTTP manners 6, across relay starts and takeovers: with a
+/// backlog waiting and the sink's front resetting every connection, a relay
+/// sends at most 2 requests per second from its first one — when it
+/// starts, when it is a fresh hot standby taking over after the active
+/// relay is SIGKILLed, and when it is a standby that held the slot before
+/// (the sink answered it then) and takes it over again: its first request
+/// goes at once, each later one a probe interval after the last failure,
+/// with or without its circuit open. Each time the front passes again, the
+/// whole backlog is delivered.
+///
+/// Measured (PG 15): 6 requests in each relay's first 3 s (at most 7), the
+/// standby's first 0.02-0.55 s after the kill. Fails without the fix: "10
+/// requests in a started relay's first 3s" (the 5 failures that open a
+/// fresh relay's circuit went back to back); without the breaker's
+/// session reset, "a standby that held the slot before taking over again:
+/// 25 requests in its first 3s" (its whole window at once); without the
+/// sink client's rule for brand-new connections, 7 to 9 in a started
+/// relay's first 3 s now and then (immediate retries on a new connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_starting_or_taking_over_during_an_outage_sends_at_most_two_requests_per_second()
+-> anyhow::Result<()> {
+    const BACKLOG: usize = 20;
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let (front, sink_url) = app::proxied(&sink.url).await?;
+    let db = stack.orders_admin().await?;
+    let outage = |n: usize| {
+        front.set_mode(Mode::Reset);
+        many_events(n)
+    };
+    let heal = |total: usize| {
+        front.set_mode(Mode::Pass);
+        let sink = &sink;
+        async move {
+            wait_until("the backlog delivered", WAIT, || async {
+                sink.delivered()
+                    .iter()
+                    .map(|r| r.id())
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .len()
+                    >= total
+            })
+            .await
+        }
+    };
+
+    // A relay starts during the outage.
+    db.batch_execute(&outage(BACKLOG)).await?;
+    let mut a = relay_named(&stack, &sink_url, "relay-a").await?;
+    assert_two_per_second(
+        "a relay started during the outage",
+        &requests_from_first(&front, 0).await?,
+        None,
+        &a,
+    )
+    .await?;
+
+    // A fresh hot standby takes over from it.
+    let b = relay_named(&stack, &sink_url, "relay-b").await?;
+    b.process
+        .wait_for_line("waiting as hot standby", WAIT)
+        .await?;
+    let (before, killed) = kill_after_a_request(&front, &mut a).await?;
+    assert_two_per_second(
+        "a fresh standby taking over",
+        &requests_from_first(&front, before).await?,
+        Some(killed),
+        &b,
+    )
+    .await?;
+    heal(BACKLOG).await?;
+
+    // relay-b, which the sink answered, loses the slot to a new standby
+    // (its walsender is terminated until the other one holds the slot),
+    // waits as a standby, and takes over again during the next outage.
+    let mut c = relay_named(&stack, &sink_url, "relay-c").await?;
+    c.process
+        .wait_for_line("waiting as hot standby", WAIT)
+        .await?;
+    wait_until("relay-c holding the slot", WAIT, || async {
+        if slot_holder(&db, &stack.slot).await?.as_deref() == Some("relay-c") {
+            return Ok::<_, anyhow::Error>(true);
+        }
+        db.execute(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+             WHERE slot_name = $1 AND active_pid IS NOT NULL",
+            &[&stack.slot],
+        )
+        .await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok(false)
+    })
+    .await?;
+    b.process
+        .wait_for_line("waiting as hot standby", WAIT)
+        .await?;
+    db.batch_execute(&outage(BACKLOG)).await?;
+    let (before, killed) = kill_after_a_request(&front, &mut c).await?;
+    assert_two_per_second(
+        "a standby that held the slot before taking over again",
+        &requests_from_first(&front, before).await?,
+        Some(killed),
+        &b,
+    )
+    .await?;
+    heal(2 * BACKLOG).await?;
+    let m = b.metrics().await?;
+    assert_eq!(m.value("cdc_relay_circuit_state", &[]), Some(0.0));
+    Ok(())
 }
 
 /// `n` events in one transaction, each of its own order (aggregate), so

@@ -166,6 +166,42 @@ async fn refused_is_connect_and_silence_is_timeout() {
     assert!(started.elapsed() < Duration::from_secs(3));
 }
 
+/// Issue 14, HTTP manners 6: a front that resets every new connection
+/// (Billing killed behind it) is a dead sink, and each attempt there is one
+/// request, never two: the immediate retry on a new connection is for a
+/// connection that answered before (or speaks HTTP/2), not for a new one
+/// closed before it could take the request.
+#[tokio::test]
+async fn a_front_resetting_every_new_connection_gets_one_per_attempt() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            #[allow(deprecated)] // SO_LINGER 0: close with a reset
+            let _ = sock.set_linger(Some(Duration::ZERO));
+            drop(sock);
+        }
+    });
+    let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(5));
+    for n in 1..=40 {
+        let got = s.post("e", &prepared(&s)).await;
+        assert!(
+            matches!(got, Attempt::Transport(_) | Attempt::Connect(_)),
+            "{got:?}"
+        );
+        // The client saw the reset, so the server had accepted (and
+        // counted) every connection this attempt made.
+        assert_eq!(
+            accepted.load(std::sync::atomic::Ordering::SeqCst),
+            n,
+            "connections after {n} attempts"
+        );
+    }
+}
+
 #[tokio::test]
 async fn each_scheme_sends_its_headers_and_a_rotation_signs_with_both_keys() {
     let (base, seen) = recording_server(204, "").await;
