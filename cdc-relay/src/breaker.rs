@@ -106,6 +106,41 @@ struct State {
     /// The sink has answered at least once in this session. Until then
     /// attempts are paced like an open circuit's probes.
     answered: bool,
+    /// While open: when it opened, the probes failed since, and when the
+    /// last "still open" line was logged (or it opened).
+    open: Option<OpenSpell>,
+}
+
+/// How long the circuit has been open, for the periodic "still open" log.
+#[derive(Clone, Copy, Debug)]
+struct OpenSpell {
+    since: Instant,
+    failed_probes: u32,
+    logged: Instant,
+}
+
+/// While the circuit stays open, a warning says so this often (the
+/// "opened" line alone scrolls away in a long outage).
+pub const STILL_OPEN_LOG_EVERY: Duration = Duration::from_secs(60);
+
+impl OpenSpell {
+    fn new(now: Instant) -> Self {
+        Self {
+            since: now,
+            failed_probes: 0,
+            logged: now,
+        }
+    }
+
+    /// Counts a failed probe; returns how long the circuit has been open
+    /// and the probes failed when a "still open" line is due.
+    fn probe_failed(&mut self, now: Instant) -> Option<(Duration, u32)> {
+        self.failed_probes = self.failed_probes.saturating_add(1);
+        (now.duration_since(self.logged) >= STILL_OPEN_LOG_EVERY).then(|| {
+            self.logged = now;
+            (now.duration_since(self.since), self.failed_probes)
+        })
+    }
 }
 
 /// Shared by every delivery, and kept across sessions (a clone is the same
@@ -152,6 +187,7 @@ impl Breaker {
                 paused_until: None,
                 proven: false,
                 answered: false,
+                open: None,
             }),
             changed: Notify::new(),
             metrics,
@@ -300,6 +336,20 @@ impl Breaker {
                 }
             }
         }
+        let failed = matches!(signal, Signal::Transient | Signal::ConfigFault);
+        if admission == Admission::Probe
+            && failed
+            && s.circuit == CircuitState::Open
+            && let Some((open_for, probes)) =
+                s.open.as_mut().and_then(|o| o.probe_failed(Instant::now()))
+        {
+            tracing::warn!(
+                open_for_s = open_for.as_secs(),
+                failed_probes = probes,
+                reason,
+                "circuit still open: the sink keeps failing; dispatch stays paused, probing"
+            );
+        }
         if admission == Admission::Probe && (s.circuit == CircuitState::Open || !s.answered) {
             // The next paced attempt: a probe interval after this one ended.
             s.next_probe_at = Instant::now() + self.jittered_interval();
@@ -348,6 +398,7 @@ impl Breaker {
     }
 
     fn set(&self, s: &mut State, to: CircuitState) {
+        s.open = (to == CircuitState::Open).then(|| OpenSpell::new(Instant::now()));
         s.circuit = to;
         s.consecutive_failures = 0;
         s.probe_in_flight = false;
@@ -382,6 +433,28 @@ fn config_fault_hint(reason: &str) -> &'static str {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[tokio::test(start_paused = true)]
+    async fn an_open_circuit_says_it_is_still_open_once_a_minute() {
+        let opened = Instant::now();
+        let mut spell = OpenSpell::new(opened);
+        let mut lines = Vec::new();
+        // A failed probe every 5 s for 3.5 minutes.
+        for _ in 0..42 {
+            tokio::time::advance(Duration::from_secs(5)).await;
+            if let Some(line) = spell.probe_failed(Instant::now()) {
+                lines.push(line);
+            }
+        }
+        assert_eq!(
+            lines,
+            [
+                (Duration::from_secs(60), 12),
+                (Duration::from_secs(120), 24),
+                (Duration::from_secs(180), 36)
+            ]
+        );
+    }
 
     fn breaker() -> Arc<Breaker> {
         Arc::new(Breaker::new(
