@@ -131,10 +131,10 @@ CREATE TABLE IF NOT EXISTS cdc_relay_progress (
 
 -- Prune marks (`cdc-relay prune`, `run --prune-older-than`): the proof that
 -- outbox rows were delivered before they are deleted. A `mark` row is taken
--- in one statement: `xid_horizon` is the oldest transaction still running
--- in that statement's snapshot (every older transaction had finished, its
--- commit record written) and `wal_lsn` the WAL insert position read after
--- it. Once the slot's confirmed_flush_lsn reaches `wal_lsn`, every row
+-- in one statement: `xid_horizon` is the oldest transaction of this
+-- database still running in that statement's snapshot (every older one had
+-- finished, its commit record written) and `wal_lsn` the WAL insert
+-- position read after it. Once the slot's confirmed_flush_lsn reaches `wal_lsn`, every row
 -- whose inserting transaction precedes `xid_horizon` was streamed and done
 -- (delivered or dead-lettered). The `birth` row is written when the relay
 -- or `setup` creates the slot: `xid_horizon` is then the next transaction

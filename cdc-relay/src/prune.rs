@@ -3,10 +3,10 @@
 //! when a partition is entirely old and delivered.
 //!
 //! **The proof** (docs/architecture.md#retention). A *prune mark* is taken
-//! in one statement: the oldest transaction still running in that
-//! statement's snapshot (`xid_horizon`: every older transaction had
-//! finished, its commit record already in the WAL) and, after it, the WAL
-//! insert position (`wal_lsn`). The relay confirms a position only when
+//! in one statement: the oldest transaction of this database still running
+//! in that statement's snapshot (`HORIZON`, `xid_horizon`: every older
+//! transaction of the database had finished, its commit record already in
+//! the WAL) and, after it, the WAL insert position (`wal_lsn`). The relay confirms a position only when
 //! every transaction committed before it is done (delivered or
 //! dead-lettered), so once the slot's `confirmed_flush_lsn` reaches a
 //! mark's `wal_lsn`, every outbox row inserted by a transaction older than
@@ -134,6 +134,26 @@ pub struct Probe {
     pub prunable: Option<bool>,
 }
 
+/// A mark's horizon (`xid8`): the oldest transaction of THIS database
+/// still running in the statement's snapshot (`pg_snapshot_xip`, matched
+/// with `pg_stat_activity` and `pg_prepared_xacts`: a transaction of
+/// another database cannot write the outbox, so a long one there does not
+/// hold pruning back), else the snapshot's `xmax`. A transaction of the list
+/// that ended between the snapshot and the look at the activity ended
+/// before the WAL position the mark reads next. Without
+/// `pg_read_all_stats` other sessions' `backend_xid` is hidden, so the
+/// cluster-wide `pg_snapshot_xmin` is used. The WAL position must be read
+/// after this is computed (the mark's INSERT reads it from a row of it).
+const HORIZON: &str = "CASE WHEN pg_has_role('pg_read_all_stats', 'MEMBER') THEN \
+       coalesce((SELECT min(r.x) FROM pg_snapshot_xip(pg_current_snapshot()) r (x) \
+                 WHERE r.x::xid IN ( \
+                   SELECT backend_xid FROM pg_stat_activity \
+                    WHERE datname = current_database() AND backend_xid IS NOT NULL \
+                   UNION ALL \
+                   SELECT transaction FROM pg_prepared_xacts WHERE database = current_database())), \
+                pg_snapshot_xmax(pg_current_snapshot())) \
+     ELSE pg_snapshot_xmin(pg_current_snapshot()) END";
+
 /// The predicate a row of alias `o` must meet to be deleted: older than
 /// `cutoff`, inserted by a transaction older than `horizon` and not older
 /// than `birth` (both `xid8` SQL expressions; `birth` may be NULL), and no
@@ -235,10 +255,11 @@ pub async fn probe(
          waiting AS ( \
            SELECT max(m.wal_lsn) AS l FROM cdc_relay_prune_mark m, s \
            WHERE m.slot_name = $1 AND m.kind = 'mark' AND m.wal_lsn > s.c), \
+         h AS MATERIALIZED (SELECT {HORIZON} AS horizon), \
          mark AS ( \
            INSERT INTO cdc_relay_prune_mark (slot_name, kind, wal_lsn, xid_horizon) \
-           SELECT $1, 'mark', pg_current_wal_insert_lsn(), pg_snapshot_xmin(pg_current_snapshot()) \
-           FROM s, waiting WHERE waiting.l IS NULL AND s.c IS NOT NULL \
+           SELECT $1, 'mark', pg_current_wal_insert_lsn(), h.horizon \
+           FROM h, s, waiting WHERE waiting.l IS NULL AND s.c IS NOT NULL \
            ON CONFLICT DO NOTHING RETURNING wal_lsn), \
          proven AS ( \
            SELECT m.wal_lsn, m.xid_horizon, m.taken_at FROM cdc_relay_prune_mark m, s \

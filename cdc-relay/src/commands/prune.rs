@@ -157,24 +157,42 @@ async fn prune_table(g: &GlobalArgs, a: &PruneArgs) -> anyhow::Result<()> {
     print_summary(&summary, a.json)
 }
 
-/// Probes until the slot has passed a mark, at most `wait`.
+/// Probes until the slot has passed the newest mark (the one waiting when
+/// prune started, taken now unless one was waiting already), at most
+/// `wait`; then settles for the newest mark it has passed, if any.
 async fn wait_for_proof(
     client: &tokio_postgres::Client,
     plan: &PrunePlan,
     wait: Duration,
 ) -> Result<(Probe, Proof), PruneError> {
     let started = Instant::now();
+    let mut target = None;
     loop {
         let probe = prune::probe(client, plan, false).await?;
-        if let Some(proof) = probe.proof.clone() {
+        let target = *target.get_or_insert(probe.waiting_mark);
+        if let Some(proof) = &probe.proof
+            && target.is_none_or(|t| proof.wal_lsn >= t)
+        {
+            let proof = proof.clone();
             return Ok((probe, proof));
         }
         if started.elapsed() >= wait {
-            return Err(PruneError::Unproven(prune::unproven_message(
-                plan,
-                &probe,
-                started.elapsed(),
-            )));
+            return match probe.proof.clone() {
+                Some(proof) => {
+                    eprintln!(
+                        "prune: the slot (confirmed at {}) has not passed the mark taken now within {:.0} s; proving with the older mark at {}",
+                        probe.confirmed,
+                        wait.as_secs_f64(),
+                        proof.wal_lsn
+                    );
+                    Ok((probe, proof))
+                }
+                None => Err(PruneError::Unproven(prune::unproven_message(
+                    plan,
+                    &probe,
+                    started.elapsed(),
+                ))),
+            };
         }
         tokio::time::sleep(PROOF_POLL).await;
     }
