@@ -280,7 +280,9 @@ pub async fn probe(
                 {prunable} \
          FROM (SELECT now() - make_interval(secs => $3) AS cutoff) c \
          LEFT JOIN proven p ON true \
-         LEFT JOIN cdc_relay_prune_mark b ON b.slot_name = $1 AND b.kind = 'birth'"
+         LEFT JOIN LATERAL (SELECT xid_horizon FROM cdc_relay_prune_mark \
+                            WHERE slot_name = $1 AND kind = 'birth' \
+                            ORDER BY wal_lsn DESC LIMIT 1) b ON true"
     );
     let row = client
         .query_one(
