@@ -220,6 +220,48 @@ async fn prune_refuses_when_delivery_cannot_be_proven() -> anyhow::Result<()> {
     s.finish().await
 }
 
+/// A slot lost and created again (`setup`) starts at the current WAL
+/// position: rows committed while it was gone were never delivered, and
+/// only `backfill` can send them. The new slot's birth bounds the proof:
+/// prune deletes only rows committed after it, never those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_slot_proves_nothing_about_rows_before_it() -> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Scripted).await?;
+    let before = insert_events(&s, 4, "BeforeLoss").await?;
+    wait_delivered(&s, &before).await?;
+    s.settle().await?;
+    s.stop_relay().await?;
+    let slot = s.stack.slot.clone();
+    wait_until("the old slot dropped", DRAIN, || async {
+        s.db.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await
+            .map(|_| true)
+            .map_err(anyhow::Error::from)
+    })
+    .await?;
+    let lost = insert_events(&s, 3, "WhileLost").await?;
+    app::relay_setup(&s.stack).await?;
+    s.restart_relay(&[]).await?;
+    let after = insert_events(&s, 2, "AfterSetup").await?;
+    wait_delivered(&s, &after).await?;
+    s.settle().await?;
+
+    let done = json(&prune(&s.stack, &["--older-than", "0s", "--json"]).await?)?;
+    assert_eq!(done["rows_deleted"], 2, "{done}");
+    assert_eq!(
+        still_there(&s.db, &lost).await?,
+        3,
+        "rows committed while the slot was gone stay for backfill"
+    );
+    assert_eq!(
+        still_there(&s.db, &before).await?,
+        4,
+        "older than the slot: kept"
+    );
+    assert_eq!(still_there(&s.db, &after).await?, 0);
+    s.finish().await
+}
+
 /// A range-partitioned outbox: a partition entirely older than the cutoff,
 /// every row delivered, is detached and dropped (a dry run only names it);
 /// the current partition's recent rows stay, and delivery goes on.
