@@ -219,8 +219,10 @@ pub struct PruneArgs {
     /// decoding and to other writers).
     #[arg(long, default_value = "200ms", value_parser = parse_duration)]
     pub pause: Duration,
-    /// When the slot has not yet passed any prune mark: how long to wait for
-    /// it to pass the one taken now before refusing.
+    /// How long to wait for the slot to pass the prune mark taken now (a
+    /// caught-up relay passes it within about a second). After that the
+    /// newest mark the slot has passed is the proof; with none, prune
+    /// refuses (exit 1).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub wait: Duration,
     /// Never detach and drop partitions; delete rows only.
