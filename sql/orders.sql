@@ -129,6 +129,27 @@ CREATE TABLE IF NOT EXISTS cdc_relay_progress (
     membership_at        timestamptz
 );
 
+-- Prune marks (`cdc-relay prune`, `run --prune-older-than`): the proof that
+-- outbox rows were delivered before they are deleted. A `mark` row is taken
+-- in one statement: `xid_horizon` is the oldest transaction of this
+-- database still running in that statement's snapshot (every older one had
+-- finished, its commit record written) and `wal_lsn` the WAL insert
+-- position read after it. Once the slot's confirmed_flush_lsn reaches `wal_lsn`, every row
+-- whose inserting transaction precedes `xid_horizon` was streamed and done
+-- (delivered or dead-lettered). The `birth` row is written when the relay
+-- or `setup` creates the slot: `xid_horizon` is then the next transaction
+-- id, so rows of older transactions (never streamed by this slot) are not
+-- proven by it. Creating the slot again replaces every row of the slot.
+-- Added after 0.2.0.
+CREATE TABLE IF NOT EXISTS cdc_relay_prune_mark (
+    slot_name   text NOT NULL,
+    kind        text NOT NULL DEFAULT 'mark' CHECK (kind IN ('mark', 'birth')),
+    wal_lsn     pg_lsn NOT NULL,
+    xid_horizon xid8 NOT NULL,
+    taken_at    timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (slot_name, kind, wal_lsn)
+);
+
 -- Idempotency keys of `POST /orders` (the Orders service's
 -- `Idempotency-Key` header): one row per (scope, key), written in the
 -- order's own transaction, so a retried request finds the original order

@@ -10,7 +10,11 @@
 --   cdc_relay    LOGIN REPLICATION: streams the publication through a logical
 --                slot; SELECT, INSERT, DELETE on its dead-letter table,
 --                INSERT on the audit table, SELECT on outbox for `backfill`,
---                SELECT, INSERT, UPDATE on its progress record; member of
+--                SELECT, INSERT, UPDATE on its progress record; SELECT,
+--                INSERT, DELETE on its prune marks (DELETE on outbox is NOT
+--                granted: `run --prune-older-than` needs an explicit
+--                GRANT DELETE ON outbox TO cdc_relay, which this file
+--                then keeps); member of
 --                pg_read_all_stats (its watchdog reads the walsender's
 --                reply time; that role also shows other sessions' queries
 --                in pg_stat_activity: revoke it if that is not acceptable).
@@ -125,6 +129,7 @@ DECLARE
                            AND to_regclass('public.cdc_relay_dead_letter_audit') IS NOT NULL;
     owner_role  text;
     fn          record;
+    relay_prunes boolean;
 BEGIN
     IF NOT (has_orders OR has_billing) THEN
         RAISE NOTICE 'roles.sql: database % holds neither the orders nor the billing schema; only the roles were ensured', db;
@@ -142,7 +147,8 @@ BEGIN
     WHERE c.oid IN (SELECT to_regclass(t) FROM unnest(ARRAY[
               'public.orders', 'public.outbox', 'public.processed_events', 'public.invoices',
               'public.cdc_relay_dead_letter', 'public.cdc_relay_dead_letter_audit',
-              'public.cdc_relay_progress', 'public.order_idempotency_keys']) AS t)
+              'public.cdc_relay_progress', 'public.order_idempotency_keys',
+              'public.cdc_relay_prune_mark']) AS t)
       AND pg_get_userbyid(c.relowner) IN ('orders_app', 'billing_app', 'cdc_relay')
     LIMIT 1;
     IF owner_role IS NOT NULL THEN
@@ -176,11 +182,17 @@ BEGIN
         EXECUTE format('GRANT CONNECT ON DATABASE %I TO orders_app, cdc_relay', db);
         GRANT USAGE ON SCHEMA public TO orders_app, cdc_relay;
 
+        -- DELETE on the outbox is the relay's only by an explicit grant, for
+        -- `run --prune-older-than`; once given, it is kept.
+        relay_prunes := has_table_privilege('cdc_relay', 'public.outbox', 'DELETE');
         REVOKE ALL ON public.orders, public.outbox FROM orders_app, billing_app, cdc_relay;
         GRANT SELECT, INSERT ON public.orders, public.outbox TO orders_app;
         -- Streaming needs no table privilege; `cdc-relay backfill` re-reads
         -- outbox rows by time range, and that is the only reason for this.
         GRANT SELECT ON public.outbox TO cdc_relay;
+        IF relay_prunes THEN
+            GRANT DELETE ON public.outbox TO cdc_relay;
+        END IF;
     END IF;
 
     IF has_orders AND to_regclass('public.order_idempotency_keys') IS NOT NULL THEN
@@ -205,6 +217,13 @@ BEGIN
     -- the copy can become persistent even when the primary is idle.
     IF has_orders AND to_regprocedure('pg_log_standby_snapshot()') IS NOT NULL THEN
         GRANT EXECUTE ON FUNCTION pg_log_standby_snapshot() TO cdc_relay;
+    END IF;
+
+    IF has_orders AND to_regclass('public.cdc_relay_prune_mark') IS NOT NULL THEN
+        REVOKE ALL ON public.cdc_relay_prune_mark FROM orders_app, billing_app, cdc_relay;
+        -- The relay records marks while it prunes (`run --prune-older-than`)
+        -- and replaces its slot's rows when it creates the slot.
+        GRANT SELECT, INSERT, DELETE ON public.cdc_relay_prune_mark TO cdc_relay;
     END IF;
 
     IF has_orders AND to_regclass('public.cdc_relay_progress') IS NOT NULL THEN

@@ -84,7 +84,7 @@ const LOG_FLAGS: &[&str] = &["log_format", "log"];
 /// The global flag groups a subcommand reads; `None` for every group.
 fn globals_read_by(subcommand: &str) -> Option<&'static [&'static [&'static str]]> {
     match subcommand {
-        "setup" => Some(&[DATABASE_FLAGS, SLOT_FLAGS, OUTBOX_FLAGS, LOG_FLAGS]),
+        "setup" | "prune" => Some(&[DATABASE_FLAGS, SLOT_FLAGS, OUTBOX_FLAGS, LOG_FLAGS]),
         "backfill" => Some(&[DATABASE_FLAGS, OUTBOX_FLAGS, LOG_FLAGS]),
         "dead-letter" => Some(&[DATABASE_FLAGS, LOG_FLAGS]),
         "completions" => Some(&[]),
@@ -148,6 +148,13 @@ pub enum Command {
     /// delivery path (the inbox deduplicates by id). For recovery after a lost
     /// slot: `backfill --since <time of the last delivered event>`.
     Backfill(Box<BackfillArgs>),
+    /// Delete outbox rows older than --older-than that are proven delivered
+    /// (the slot confirmed past a prune mark taken after their insert) and
+    /// have no dead letter waiting; whole time-range partitions that qualify
+    /// are detached and dropped instead. Small batches with a pause,
+    /// progress on stderr, a summary on stdout. Deletes are not streamed
+    /// (the publication is insert-only).
+    Prune(Box<PruneArgs>),
     /// Print a shell completion script to stdout, e.g.
     /// `cdc-relay completions bash > /etc/bash_completion.d/cdc-relay`.
     Completions {
@@ -329,6 +336,47 @@ pub struct BackfillArgs {
     /// Delivery tuning.
     #[command(flatten)]
     pub delivery: DeliveryArgs,
+}
+
+/// `cdc-relay prune`.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Prune")]
+pub struct PruneArgs {
+    /// Retention window: rows whose time column is older than now minus
+    /// this may go (e.g. 7d, 36h). Keep it longer than any backfill you may
+    /// need (docs/operations.md, "Outbox retention").
+    #[arg(long, value_parser = parse_duration)]
+    pub older_than: Duration,
+    /// Count what would go (rows, partitions) and delete nothing. Still
+    /// records a prune mark, the proof a later run uses.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Rows per delete batch, each its own short transaction (about: a
+    /// batch is a range of the table's blocks sized from the planner's
+    /// rows-per-block estimate).
+    #[arg(long, default_value_t = 5000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub batch: u32,
+    /// Pause between two batches (leaves room to vacuum, to the relay's
+    /// decoding and to other writers).
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    pub pause: Duration,
+    /// How long to wait for the slot to pass the prune mark taken now (a
+    /// caught-up relay passes it within about a second). After that the
+    /// newest mark the slot has passed is the proof; with none, prune
+    /// refuses (exit 1).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub wait: Duration,
+    /// Never detach and drop partitions; delete rows only.
+    #[arg(long)]
+    pub keep_partitions: bool,
+    /// Column with the row's insert time (the window applies to it; a
+    /// range-partitioned outbox must be partitioned on it for partitions
+    /// to be dropped).
+    #[arg(long, env = "CDC_RELAY_TIME_COLUMN", default_value = "occurred_at")]
+    pub time_column: String,
 }
 
 /// What `run` does after a fatal error (`--on-fatal`).
@@ -676,6 +724,23 @@ pub struct RunArgs {
     /// payload bytes kept in payload_bytes) instead of being sent.
     #[arg(long, env = "CDC_RELAY_ALLOW_NON_UTF8")]
     pub allow_non_utf8: bool,
+    /// Opt-in retention: delete outbox rows older than this (e.g. 7d) and
+    /// proven delivered, at a low rate, from the relay itself (as
+    /// `cdc-relay prune` does, rows only: partitions need the table's
+    /// owner). The relay's role needs `GRANT DELETE ON <outbox> TO
+    /// cdc_relay`. Unset: the relay never deletes.
+    #[arg(long, env = "CDC_RELAY_PRUNE_OLDER_THAN", value_parser = parse_duration, help_heading = "Retention")]
+    pub prune_older_than: Option<Duration>,
+    /// Time between two prune ticks. An idle tick is one statement; keep it
+    /// at a minute or more to stay within the idle budget. At least 1s.
+    #[arg(long, env = "CDC_RELAY_PRUNE_INTERVAL", default_value = "10m", value_parser = parse_duration, help_heading = "Retention")]
+    pub prune_interval: Duration,
+    /// Rows per prune batch (about).
+    #[arg(long, env = "CDC_RELAY_PRUNE_BATCH", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000), help_heading = "Retention")]
+    pub prune_batch: u32,
+    /// Pause between two prune batches.
+    #[arg(long, env = "CDC_RELAY_PRUNE_PAUSE", default_value = "1s", value_parser = parse_duration, help_heading = "Retention")]
+    pub prune_pause: Duration,
     /// Runtime worker threads (CPU cores the relay may keep busy). Default:
     /// one per available CPU. Running beside PostgreSQL on a small machine,
     /// 1 leaves the other cores to the database.

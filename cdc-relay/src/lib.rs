@@ -30,7 +30,8 @@
 //! 1. operator surface: [`cli`] (the clap schema), [`settings`] (validate
 //!    and build), [`commands`] (one module per command)
 //! 2. engines: [`relay`] (`run`'s session supervisor), [`backfill`]
-//!    (re-send from the table), [`admin`] (the admin endpoint)
+//!    (re-send from the table), [`prune`] (retention: delete delivered
+//!    rows), [`admin`] (the admin endpoint)
 //! 3. the pipeline, in flow order — [`source`] → [`pgoutput`] → [`outbox`]
 //!    → [`dispatch`] → [`sink`] → [`ack`] — and its policies: [`breaker`]
 //!    (circuit breaker, storm guard), [`deadletter`] (where poison goes);
@@ -58,6 +59,7 @@ pub mod settings;
 // 2. Engines.
 pub mod admin;
 pub mod backfill;
+pub mod prune;
 pub mod relay;
 
 // 3. The pipeline, in flow order, and its policies.

@@ -105,6 +105,13 @@ pub struct Metrics {
     /// GOAWAY or `REFUSED_STREAM`, a closed pooled connection): one per
     /// connection, however many requests it refused.
     pub sink_connection_events: IntCounter,
+    /// `cdc_relay_pruned_rows_total`: outbox rows deleted by the relay's
+    /// opt-in pruning (`run --prune-older-than`).
+    pub pruned_rows: IntCounter,
+    /// `cdc_relay_outbox_table_size_bytes`: the outbox's total size
+    /// (`pg_total_relation_size`: heap, indexes, TOAST, every partition),
+    /// bytes, as the last prune tick read it; 0 without pruning.
+    pub outbox_table_bytes: IntGauge,
 }
 
 /// Distinct `relation` label values of `cdc_relay_ignored_changes_total`
@@ -383,6 +390,16 @@ impl Metrics {
                 "cdc_relay_sink_connection_events_total",
                 "Sink connections that refused requests they never processed (GOAWAY, REFUSED_STREAM, closed while pooled), once per connection",
             ),
+            pruned_rows: counter(
+                &r,
+                "cdc_relay_pruned_rows_total",
+                "Outbox rows deleted by the relay's pruning (run --prune-older-than): older than the window and proven delivered",
+            ),
+            outbox_table_bytes: gauge(
+                &r,
+                "cdc_relay_outbox_table_size_bytes",
+                "Total size of the outbox table (heap, indexes, TOAST, partitions) at the last prune tick, bytes",
+            ),
             registry: r,
         }
         .prime()
@@ -463,6 +480,8 @@ mod tests {
             "cdc_relay_sink_pauses_total 0",
             "cdc_relay_sink_fresh_connection_retries_total 0",
             "cdc_relay_sink_connection_events_total 0",
+            "cdc_relay_pruned_rows_total 0",
+            "cdc_relay_outbox_table_size_bytes 0",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

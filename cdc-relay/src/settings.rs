@@ -8,9 +8,10 @@ use std::time::Duration;
 use crate::breaker::BreakerConfig;
 use event_secret::{EventKeys, Source};
 
-use crate::cli::{DeliveryArgs, GlobalArgs, RunArgs, SecretArgs, SinkArgs};
+use crate::cli::{DeliveryArgs, GlobalArgs, PruneArgs, RunArgs, SecretArgs, SinkArgs};
 use crate::dispatch::DispatchConfig;
 use crate::outbox::OutboxColumns;
+use crate::prune::{PrunePlan, Schedule};
 use crate::relay::RelayConfig;
 use crate::sink::{HttpSink, Signer, Signing, SinkConfig, StatusPolicy};
 use crate::source::ConnParams;
@@ -198,6 +199,44 @@ impl RunArgs {
             failover_max_lag: u64::from(self.failover_max_lag),
         };
         Ok((cfg, sink))
+    }
+
+    /// The relay's opt-in pruning (`--prune-older-than`), `None` when off;
+    /// the error names the flag.
+    pub fn prune_schedule(&self, g: &GlobalArgs) -> Result<Option<Schedule>, String> {
+        let Some(older_than) = self.prune_older_than else {
+            return Ok(None);
+        };
+        if self.prune_interval < Duration::from_secs(1) {
+            return Err("--prune-interval must be at least 1s".into());
+        }
+        Ok(Some(Schedule {
+            plan: PrunePlan {
+                table: g.table.clone(),
+                id_column: g.id_column.clone(),
+                time_column: self.time_column.clone(),
+                slot: g.slot.clone(),
+                older_than,
+                batch_rows: self.prune_batch,
+                pause: self.prune_pause,
+            },
+            interval: self.prune_interval,
+        }))
+    }
+}
+
+impl PruneArgs {
+    /// What `cdc-relay prune` prunes.
+    pub fn plan(&self, g: &GlobalArgs) -> PrunePlan {
+        PrunePlan {
+            table: g.table.clone(),
+            id_column: g.id_column.clone(),
+            time_column: self.time_column.clone(),
+            slot: g.slot.clone(),
+            older_than: self.older_than,
+            batch_rows: self.batch,
+            pause: self.pause,
+        }
     }
 }
 

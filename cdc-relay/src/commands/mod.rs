@@ -7,6 +7,7 @@
 
 pub mod backfill;
 pub mod dead_letter;
+pub mod prune;
 pub mod run;
 pub mod setup;
 pub mod status;
@@ -25,6 +26,7 @@ pub async fn execute(global: GlobalArgs, command: Command) -> u8 {
         Command::Run(a) => run::command(&global, *a).await,
         Command::DeadLetter(c) => report(dead_letter::command(&global, c).await),
         Command::Backfill(a) => report(backfill::command(&global, *a).await),
+        Command::Prune(a) => prune::command(&global, *a).await,
         Command::Completions { shell } => {
             let mut cli = crate::cli::Cli::command();
             let mut out = Vec::new();

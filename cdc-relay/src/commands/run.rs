@@ -8,6 +8,7 @@ use crate::admin;
 use crate::cli::{GlobalArgs, LogFormat, OnFatal, RunArgs, SecretArgs};
 use crate::health::Health;
 use crate::metrics::Metrics;
+use crate::prune::{self, Schedule};
 use crate::relay::{self, RelayConfig, RelayError};
 use crate::sink::{HttpSink, Signing};
 use crate::source::SourceError;
@@ -15,8 +16,8 @@ use crate::source::SourceError;
 /// `cdc-relay run`; returns the exit code (documented in `--help` and
 /// `docs/operations.md`).
 pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
-    match a.relay(g) {
-        Ok((cfg, sink)) => serve_and_run(cfg, sink, &a, g.log_format).await,
+    match a.relay(g).and_then(|r| Ok((r, a.prune_schedule(g)?))) {
+        Ok(((cfg, sink), prune)) => serve_and_run(cfg, sink, prune, &a, g.log_format).await,
         // A flag, variable or file of the configuration: the same code as
         // a command line clap refuses.
         Err(msg) => {
@@ -48,7 +49,13 @@ pub fn exit_code(e: &RelayError) -> u8 {
     }
 }
 
-async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs, log_format: LogFormat) -> u8 {
+async fn serve_and_run(
+    cfg: RelayConfig,
+    sink: HttpSink,
+    prune: Option<Schedule>,
+    a: &RunArgs,
+    log_format: LogFormat,
+) -> u8 {
     let metrics = Metrics::new();
     let health = Health::new(a.ready_window);
     let shutdown = CancellationToken::new();
@@ -84,6 +91,18 @@ async fn serve_and_run(cfg: RelayConfig, sink: HttpSink, a: &RunArgs, log_format
         max_in_flight = cfg.dispatch.max_in_flight, signature_scheme = ?signer.scheme(),
         keys = %signer.keys(), "cdc-relay starting"
     );
+    if let Some(schedule) = prune {
+        tracing::info!(
+            table = %schedule.plan.table, older_than = ?schedule.plan.older_than,
+            interval = ?schedule.interval, "pruning delivered outbox rows older than the window"
+        );
+        tokio::spawn(prune::keep_pruning(
+            cfg.conn.clone(),
+            schedule,
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+    }
     let sink = sink.with_metrics(metrics.clone());
     let result = relay::run(cfg, sink, metrics.clone(), health.clone(), shutdown.clone()).await;
     let code = match &result {

@@ -16,6 +16,7 @@
 //! | `stream/` | unusual replication streams (`transactions`, `decoding`) and `payloads`, checked event by event |
 //! | `http_manners.rs` | the sink client toward real HTTP infrastructure (issue 14): Retry-After pauses, connection age and idle timeout, SIGTERM during backoff, at most 2 requests/s to a dead sink from a relay that starts or takes over |
 //! | `sink_failures.rs` | the sink misbehaves: poison and dead letters (whatever bytes the answer holds), circuit breaker, storm guard, configuration faults, backfill |
+//! | `prune.rs` | outbox retention (issue 17): `cdc-relay prune` and `run --prune-older-than` delete only old, proven-delivered rows; dead letters, refusal, partitions, the idle budget |
 //! | `dead_letters.rs` | the dead-letter row builder and store against the real table, with arbitrary content |
 //! | `failover.rs` | trusting the slot's position: several hosts, a slot that jumped ahead, recreate-and-backfill, the progress record, `--standby-url` naming a primary; `failover/drill.rs`: the failover drill (primary SIGKILLed under load, standby promoted, per-failover ledger) |
 //! | `infra_faults.rs` | PostgreSQL or the network misbehaves: walsender killed, restarts, link faults (and `/readyz` on a silent stream), standby takeover, invalidated slot, reconnects |
@@ -53,6 +54,7 @@ mod interop;
 mod listeners;
 mod observability;
 mod oracle;
+mod prune;
 mod relay;
 mod row_shape;
 mod services;

@@ -26,7 +26,7 @@ const DEBUG_FILTER: &str = "debug";
 
 /// Every relay metric the issue names, with its Prometheus type, so docs,
 /// dashboards and alerts can rely on them.
-const DOCUMENTED: [(&str, &str); 25] = [
+const DOCUMENTED: [(&str, &str); 27] = [
     ("cdc_relay_events_received_total", "counter"),
     ("cdc_relay_events_delivered_total", "counter"),
     ("cdc_relay_events_dead_lettered_total", "counter"),
@@ -55,6 +55,9 @@ const DOCUMENTED: [(&str, &str); 25] = [
     // Issue 19: which build runs; dead letters waiting.
     ("cdc_relay_build_info", "gauge"),
     ("cdc_relay_dead_letters_waiting", "gauge"),
+    // Issue 17: retention (0 unless run --prune-older-than).
+    ("cdc_relay_pruned_rows_total", "counter"),
+    ("cdc_relay_outbox_table_size_bytes", "gauge"),
 ];
 
 /// Every value `cdc_relay_retries_total{reason}` may take

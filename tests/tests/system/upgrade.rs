@@ -212,8 +212,39 @@ async fn sql_upgrades_in_place_from_the_previous_release_with_data() {
             "orders_app lacks {privilege} on order_idempotency_keys"
         );
     }
+    // Issue 17: the prune marks, a new table the relay writes; and DELETE
+    // on the outbox, granted by hand for `run --prune-older-than`.
+    orders
+        .batch_execute(
+            "INSERT INTO cdc_relay_prune_mark (slot_name, kind, wal_lsn, xid_horizon)
+               VALUES ('cdc_relay', 'mark', '0/16B3748', '740');
+             GRANT DELETE ON outbox TO cdc_relay;",
+        )
+        .await
+        .unwrap();
+    let granted = async |table: &str, privilege: &str| -> bool {
+        orders
+            .query_one(
+                "SELECT has_table_privilege('cdc_relay', $1, $2)",
+                &[&table, &privilege],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    };
+    for privilege in ["SELECT", "INSERT", "DELETE"] {
+        assert!(
+            granted("cdc_relay_prune_mark", privilege).await,
+            "cdc_relay lacks {privilege} on cdc_relay_prune_mark"
+        );
+    }
+    assert!(!granted("cdc_relay_prune_mark", "UPDATE").await);
     // And the files run again over that data, changing nothing.
     let with_keys = row_counts(&orders).await;
     psql(&orders_url, &sql_dir(), &orders_files);
     assert_eq!(row_counts(&orders).await, with_keys);
+    assert!(
+        granted("outbox", "DELETE").await,
+        "a DELETE grant on the outbox survives roles.sql"
+    );
 }

@@ -416,8 +416,49 @@ pub async fn create_slot(client: &Client, slot: &str, failover: bool) -> Result<
         .await
         .map_err(|e| SourceError::sql("creating the slot (the role needs REPLICATION)", &e))?;
     let lsn: String = row.get(0);
-    lsn.parse()
-        .map_err(|e| SourceError::Definite(format!("creating the slot: {e}")))
+    let lsn: Lsn = lsn
+        .parse()
+        .map_err(|e| SourceError::Definite(format!("creating the slot: {e}")))?;
+    record_slot_birth(client, slot, lsn).await?;
+    Ok(lsn)
+}
+
+/// Replaces `slot`'s prune marks (`cdc_relay_prune_mark`, see
+/// `sql/orders.sql` and [`crate::prune`]) with its birth: marks of an
+/// earlier slot of that name prove nothing about this one, and rows of
+/// transactions before the next transaction id now were never streamed by
+/// it. Nothing to do when the schema predates the table.
+async fn record_slot_birth(client: &Client, slot: &str, lsn: Lsn) -> Result<(), SourceError> {
+    let context = "recording the slot's birth in cdc_relay_prune_mark (the role needs INSERT and DELETE on it: apply sql/roles.sql)";
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass('cdc_relay_prune_mark') IS NOT NULL",
+            &[],
+        )
+        .await
+        .map_err(|e| SourceError::sql(context, &e))?
+        .get(0);
+    if !exists {
+        return Ok(());
+    }
+    // `slot` passed check_slot_name (lower-case letters, digits, `_`) and
+    // `lsn` is a parsed Lsn: both are safe to inline, which lets the two
+    // statements run as one transaction on a shared client.
+    let written = client
+        .batch_execute(&format!(
+            "BEGIN; \
+             DELETE FROM cdc_relay_prune_mark WHERE slot_name = '{slot}'; \
+             INSERT INTO cdc_relay_prune_mark (slot_name, kind, wal_lsn, xid_horizon) \
+               VALUES ('{slot}', 'birth', '{lsn}', pg_snapshot_xmax(pg_current_snapshot())); \
+             COMMIT"
+        ))
+        .await;
+    if let Err(e) = written {
+        // Leave the shared connection out of the failed transaction.
+        let _ = client.batch_execute("ROLLBACK").await;
+        return Err(SourceError::sql(context, &e));
+    }
+    Ok(())
 }
 
 /// PostgreSQL's rule for slot names: lower-case letters, digits and

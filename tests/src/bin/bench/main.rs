@@ -26,7 +26,11 @@
 //! - **d** peak RSS (VmHWM) during b and with a much larger backlog;
 //! - **e** recovery after a Billing outage (503 from a proxy in front of it):
 //!   time from its return to the first invoice, until the outage's backlog is
-//!   invoiced, and requests/s sent during the outage.
+//!   invoiced, and requests/s sent during the outage;
+//! - **f** retention (issue 17): `cdc-relay prune` deleting a delivered,
+//!   month-old backlog (1,000,000 rows; 100,000 with `--quick`) while the
+//!   relay delivers 1000 orders/s to a null sink: the relay's commit→2xx
+//!   p99 with and without the prune running, and the prune's rate.
 //!
 //! The baseline (see `baseline.rs`) runs as a child process of this
 //! binary (`bench baseline-worker`), in three variants: the tutorial's 250 ms
@@ -42,6 +46,7 @@ mod baseline;
 mod contender;
 mod idle;
 mod latency;
+mod prune;
 mod recovery;
 mod report;
 mod results;
@@ -59,6 +64,7 @@ use crate::baseline::BaselineArgs;
 use crate::contender::{RELAY_THREADS, clk_tck};
 use crate::idle::idle;
 use crate::latency::latency;
+use crate::prune::prune_under_load;
 use crate::recovery::recovery;
 use crate::report::{machine_info, render_table, to_json};
 use crate::results::{Results, derived_rows, set_targets};
@@ -80,8 +86,8 @@ struct Cli {
     /// Repeat every scenario this many times (figures show median, min, max).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
     runs: u32,
-    /// Scenarios to run (a,b,c,d,e).
-    #[arg(long, value_delimiter = ',', default_value = "a,b,c,d,e")]
+    /// Scenarios to run (a,b,c,d,e,f).
+    #[arg(long, value_delimiter = ',', default_value = "a,b,c,d,e,f")]
     only: Vec<String>,
     /// Skip the 1000 orders/s latency step.
     #[arg(long)]
@@ -138,6 +144,9 @@ struct Config {
     drain_cap_s: u64,
     idle_window_s: u64,
     outage_s: u64,
+    prune_rows: u64,
+    prune_rate: f64,
+    prune_window_s: u64,
     max_in_flight: Vec<u32>,
     billing_max_requests: u64,
     billing_max_concurrency: Vec<usize>,
@@ -162,6 +171,9 @@ impl Config {
             drain_cap_s: if quick { 120 } else { 400 },
             idle_window_s: if quick { 30 } else { 60 },
             outage_s: if quick { 10 } else { 30 },
+            prune_rows: if quick { 100_000 } else { 1_000_000 },
+            prune_rate: 1000.0,
+            prune_window_s: if quick { 10 } else { 30 },
             max_in_flight: Vec::new(),
             billing_max_requests: if quick { 20_000 } else { 100_000 },
             billing_max_concurrency: vec![16, 64, 256],
@@ -276,6 +288,11 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
         }
         if want("e") {
             recovery(&mut ctx, run).await?;
+        }
+        if want("f")
+            && let Err(err) = prune_under_load(&mut ctx).await
+        {
+            ctx.results.note(format!("f failed: {err:#}"));
         }
     }
     set_targets(&mut ctx.results);

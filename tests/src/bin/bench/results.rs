@@ -146,6 +146,9 @@ pub(crate) fn set_targets(r: &mut Results) {
         if row.scenario == "c. idle" && row.metric.starts_with("statements/s") {
             row.target = Some(Target::AtMost(0.1));
         }
+        if row.scenario == crate::prune::SCENARIO && row.metric.starts_with("p99 ratio") {
+            row.target = Some(Target::AtMost(2.0));
+        }
         if row.scenario.starts_with("e. recovery") {
             match row.metric.as_str() {
                 "return → first invoice" => row.target = Some(Target::AtMost(0.5)),
