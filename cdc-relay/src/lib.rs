@@ -84,6 +84,13 @@ pub mod health;
 pub mod lsn;
 pub mod metrics;
 
+/// An optional value for a log field: the value's `Display`, or `none`
+/// (never Rust's `Some(…)`). `event_id = %shown(&row.event_id)`.
+pub fn shown<T: std::fmt::Display>(v: &Option<T>) -> String {
+    v.as_ref()
+        .map_or_else(|| "none".to_owned(), ToString::to_string)
+}
+
 /// An error and its `source()` chain, joined with ": " (one line for logs
 /// and operator messages; many library errors say only their outermost
 /// layer in `Display`).

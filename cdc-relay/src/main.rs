@@ -60,8 +60,13 @@ fn init_tracing(g: &GlobalArgs, progress_line: bool) {
     }
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let clear_line = progress_line && terminal;
+    // A log line that cannot be written (stderr closed: a pipe whose reader
+    // went away) is dropped: tracing-subscriber's default reports it with
+    // `eprintln!`, which panics on that same stderr and would take down
+    // the task that logged, the signal watcher included.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .log_internal_errors(false)
         .with_ansi(terminal)
         .with_writer(move || {
             let mut stderr = std::io::stderr();
@@ -72,6 +77,6 @@ fn init_tracing(g: &GlobalArgs, progress_line: bool) {
         });
     match g.log_format {
         LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
     }
 }

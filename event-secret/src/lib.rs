@@ -310,6 +310,17 @@ pub enum SignatureScheme {
     Both,
 }
 
+/// The flag's value: `standard`, `legacy`, `both`.
+impl std::fmt::Display for SignatureScheme {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SignatureScheme::Standard => "standard",
+            SignatureScheme::Legacy => "legacy",
+            SignatureScheme::Both => "both",
+        })
+    }
+}
+
 impl SignatureScheme {
     /// Whether the Standard Webhooks headers are in use.
     pub fn standard(self) -> bool {

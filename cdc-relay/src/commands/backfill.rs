@@ -220,13 +220,12 @@ async fn watch(
         return;
     };
     let terminal = std::io::stderr().is_terminal();
-    let every = if terminal {
-        Duration::from_secs(1)
-    } else {
-        Duration::from_secs(10)
-    };
-    let mut tick = tokio::time::interval(every);
+    // The give-up limit is checked every second; the line is drawn every
+    // second on a terminal, every 10 s otherwise.
+    let print_every: u32 = if terminal { 1 } else { 10 };
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.tick().await;
+    let mut ticks: u32 = 0;
     let started = Instant::now();
     let (mut last_done, mut last_change) = (0, Instant::now());
     loop {
@@ -239,12 +238,16 @@ async fn watch(
                 if done != last_done {
                     (last_done, last_change) = (done, Instant::now());
                 }
-                let line = progress_line(done, total, started.elapsed(), &retries(m));
-                if terminal {
-                    eprint!("\r\x1b[K{line}");
-                    let _ = std::io::stderr().flush();
-                } else {
-                    eprintln!("{line}");
+                ticks = ticks.wrapping_add(1);
+                if ticks.is_multiple_of(print_every) {
+                    let line = progress_line(done, total, started.elapsed(), &retries(m));
+                    // Written, not printed: a closed stderr must not panic.
+                    let mut err = std::io::stderr();
+                    let _ = if terminal {
+                        write!(err, "\r\x1b[K{line}").and_then(|()| err.flush())
+                    } else {
+                        writeln!(err, "{line}")
+                    };
                 }
                 let waiting = m.events_received.get() > done;
                 if !give_up_after.is_zero() && waiting && last_change.elapsed() >= give_up_after {

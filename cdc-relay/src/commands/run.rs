@@ -88,13 +88,13 @@ async fn serve_and_run(
     let signer = sink.signing().current();
     tracing::info!(
         source = %cfg.conn.display(), slot = %cfg.slot, sink = %sink.display_url(), admin = %addr,
-        max_in_flight = cfg.dispatch.max_in_flight, signature_scheme = ?signer.scheme(),
+        max_in_flight = cfg.dispatch.max_in_flight, signature_scheme = %signer.scheme(),
         keys = %signer.keys(), "cdc-relay starting"
     );
     if let Some(schedule) = prune {
         tracing::info!(
-            table = %schedule.plan.table, older_than = ?schedule.plan.older_than,
-            interval = ?schedule.interval, "pruning delivered outbox rows older than the window"
+            table = %schedule.plan.table, older_than = %humantime::format_duration(schedule.plan.older_than),
+            interval = %humantime::format_duration(schedule.interval), "pruning delivered outbox rows older than the window"
         );
         tokio::spawn(prune::keep_pruning(
             cfg.conn.clone(),
@@ -157,8 +157,8 @@ async fn linger(
 
 /// The line on stdout that says the admin endpoint is bound:
 /// `listening on http://ADDR`, or with `--log-format json` the same as a
-/// JSON object shaped like the log's lines (`timestamp`, `level`, `fields`
-/// with `message` and `addr`, `target`), so every line a log shipper reads
+/// JSON object shaped like the log's lines (`timestamp`, `level`,
+/// `message`, `addr`, `target`), so every line a log shipper reads
 /// parses.
 fn listening_line(format: LogFormat, addr: &str) -> String {
     let message = format!("listening on http://{addr}");
@@ -167,7 +167,8 @@ fn listening_line(format: LogFormat, addr: &str) -> String {
         LogFormat::Json => serde_json::json!({
             "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
             "level": "INFO",
-            "fields": { "message": message, "addr": addr },
+            "message": message,
+            "addr": addr,
             "target": "cdc_relay::admin",
         })
         .to_string(),
@@ -241,11 +242,8 @@ mod tests {
         let json: serde_json::Value =
             serde_json::from_str(&listening_line(LogFormat::Json, "127.0.0.1:9187"))
                 .expect("a JSON line");
-        assert_eq!(
-            json["fields"]["message"],
-            "listening on http://127.0.0.1:9187"
-        );
-        assert_eq!(json["fields"]["addr"], "127.0.0.1:9187");
+        assert_eq!(json["message"], "listening on http://127.0.0.1:9187");
+        assert_eq!(json["addr"], "127.0.0.1:9187");
         assert_eq!(json["level"], "INFO");
         assert!(
             json["timestamp"].as_str().is_some_and(|t| t.ends_with('Z')),

@@ -87,7 +87,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
         match work {
             Work::Deliver(event) => self.deliver(seq, &event).await,
             Work::DeadLetter(row) => {
-                tracing::warn!(event_id = ?row.event_id, problem = %row.problem, "unreadable outbox row");
+                tracing::warn!(event_id = %crate::shown(&row.event_id), problem = %row.problem, "unreadable outbox row");
                 self.dead_letter(&NewDeadLetter::unreadable(&row)).await
             }
         }
@@ -131,7 +131,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                     metrics
                         .commit_to_delivery
                         .observe(seconds_since_commit(event.commit_time_micros));
-                    tracing::debug!(event_id = ?event.id, commit_lsn = ?event.commit_lsn, attempts, "delivered");
+                    tracing::debug!(event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts, "delivered");
                     return Ok(Finished::Done);
                 }
                 Disposition::DeadLetter(r) if self.breaker.poison(&event.id) => {
@@ -139,7 +139,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                         .record(admission, Signal::DeadLettered, &r.to_string());
                     count_attempt(metrics, "dead_letter", &attempt);
                     tracing::warn!(
-                        event_id = ?event.id, commit_lsn = ?event.commit_lsn, reason = %r,
+                        event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
                         detail = %attempt.detail(), "poison event: writing it to the dead-letter table"
                     );
                     let row = NewDeadLetter::rejected(event, &attempt, &r, attempts, first_attempt);
@@ -165,14 +165,14 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                 self.breaker
                     .pause_until(tokio::time::Instant::now() + pause);
                 tracing::warn!(
-                    event_id = ?event.id, reason = %reason, retry_after_s = asked.as_secs_f64(),
+                    event_id = %event.id, reason = %reason, retry_after_s = asked.as_secs_f64(),
                     pause_s = pause.as_secs_f64(), "the sink asked for quiet (Retry-After): every delivery pauses"
                 );
             }
             let delay = backoff.next_delay(retry_after, &mut rand::rng());
             if attempts == 1 || attempts.is_multiple_of(20) {
                 tracing::warn!(
-                    event_id = ?event.id, commit_lsn = ?event.commit_lsn, attempts,
+                    event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts,
                     reason = %reason, detail = %attempt.detail(),
                     retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
                 );
@@ -195,12 +195,12 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
             match self.services.store.insert(row).await {
                 Ok(id) => {
                     self.services.metrics.events_dead_lettered.inc();
-                    tracing::warn!(dead_letter_id = id, event_id = ?row.event_id, error = %row.error, "dead-lettered");
+                    tracing::warn!(dead_letter_id = id, event_id = %crate::shown(&row.event_id), error = %row.error, "dead-lettered");
                     return Ok(Finished::Done);
                 }
                 Err(StoreError::Lost(e)) => return Err(DispatchError::StoreLost(e)),
                 Err(StoreError::Failed(e)) => {
-                    tracing::error!(error = %e, event_id = ?row.event_id, "cannot write the dead-letter row; the event stays pending");
+                    tracing::error!(error = %e, event_id = %crate::shown(&row.event_id), "cannot write the dead-letter row; the event stays pending");
                     let delay = backoff.next_delay(None, &mut rand::rng());
                     if self
                         .unless_stopping(tokio::time::sleep(delay))

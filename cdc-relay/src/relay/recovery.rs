@@ -79,7 +79,7 @@ pub async fn check_not_jumped(
         && r.holder.as_deref() != Some(holder)
         && r.updated_unix > left.at_unix
     {
-        tracing::info!(slot = %cfg.slot, holder = ?r.holder, "the slot moved on under another relay (its progress record says so)");
+        tracing::info!(slot = %cfg.slot, holder = %crate::shown(&r.holder), "the slot moved on under another relay (its progress record says so)");
         return Ok(());
     }
     let since = left

@@ -361,7 +361,7 @@ impl HttpSink {
                         m.sink_connection_events.inc();
                     }
                 }
-                tracing::debug!(event_id = ?id, error = %crate::error_chain(&e), "the sink did not process the request; sending it again on a new connection");
+                tracing::debug!(event_id = %id, error = %crate::error_chain(&e), "the sink did not process the request; sending it again on a new connection");
                 match self.clients.get().request(build()).await {
                     Ok(r) => r,
                     Err(e) => return request_error(&e),

@@ -273,7 +273,7 @@ impl Stream {
                         self.send(Item::Event(event, permit)).await?;
                     }
                     Mapped::Unreadable(row) => {
-                        tracing::warn!(commit_lsn = ?tx.commit_lsn, problem = %row.problem, "unreadable outbox row: dead-lettering it");
+                        tracing::warn!(commit_lsn = %crate::shown(&tx.commit_lsn), problem = %row.problem, "unreadable outbox row: dead-lettering it");
                         let permit = self.admit(row.size_bytes(), deadline).await?;
                         self.send(Item::Unreadable(Box::new(row), permit)).await?;
                     }

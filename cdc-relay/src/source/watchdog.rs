@@ -131,7 +131,7 @@ pub async fn monitor_slot(
         let n = i64::try_from(others.len()).unwrap_or(i64::MAX);
         if n > out.metrics.other_logical_slots.get() {
             tracing::warn!(
-                slots = ?others,
+                slots = %others.join(", "),
                 "logical slots other than {slot} exist in this database: each can read every row change here (`cdc-relay status` lists them)"
             );
         }

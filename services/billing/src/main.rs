@@ -16,7 +16,7 @@ async fn main() -> ExitCode {
             let service = args.service.clone();
             service_common::server::run("billing", service, move |pool, metrics| {
                 let current = shared.current();
-                tracing::info!(keys = %current.keys(), scheme = ?current.scheme(), "event secrets loaded");
+                tracing::info!(keys = %current.keys(), scheme = %current.scheme(), "event secrets loaded");
                 let reloads = IntCounterVec::new(
                     Opts::new(
                         "billing_secret_reloads_total",

@@ -27,14 +27,15 @@ static FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
 
 /// A line for stdout announcing a bound address (`listening on
 /// http://ADDR`): plain text, or, when the logs are JSON, a JSON object
-/// shaped like a log line (`timestamp`, `level`, `fields.message`,
-/// `fields.addr`, `target`), so every line a log shipper reads parses.
+/// shaped like a log line (`timestamp`, `level`, `message`, `addr`,
+/// `target`), so every line a log shipper reads parses.
 pub fn startup_line(message: &str, addr: &str) -> String {
     match FORMAT.get() {
         Some(LogFormat::Json) => serde_json::json!({
             "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
             "level": "INFO",
-            "fields": { "message": message, "addr": addr },
+            "message": message,
+            "addr": addr,
             "target": "service_common::server",
         })
         .to_string(),
@@ -55,13 +56,16 @@ pub fn init_tracing(format: LogFormat) -> anyhow::Result<()> {
                 .expect("a valid directive"),
         );
     // Colour codes only for a terminal: captured logs stay greppable.
+    // A line that cannot be written (stderr closed) is dropped rather than
+    // reported with `eprintln!`, which would panic the logging task.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .log_internal_errors(false)
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
     }
     .map_err(|e| anyhow::anyhow!("cannot install the log subscriber: {e}"))
 }

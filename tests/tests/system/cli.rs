@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use anyhow::Context;
+
 use harness::PgCluster;
 use harness::app::{self, TEST_SECRET};
 use harness::sink::ScriptedSink;
@@ -795,5 +797,86 @@ async fn status_names_the_relay_holding_the_slot_and_shows_readable_sizes() -> a
     .await?;
     assert_eq!(nobody.code(), Some(8), "{}", nobody.text());
     assert!(nobody.text().contains("no answer"), "{}", nobody.text());
+    Ok(())
+}
+
+/// A relay whose stderr lost its reader (a pipe closed after a journald
+/// restart, `… 2>&1 | head`) still stops on SIGTERM: a log line it cannot
+/// write is dropped, not reported by a panic that would take the signal
+/// watcher down with it (the process then ignored every signal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_with_a_closed_stderr_still_stops_on_sigterm() -> anyhow::Result<()> {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let mut child = Command::new(harness::bins::path("cdc-relay"))
+        .args(app::relay_globals(&stack))
+        .args([
+            "run",
+            "--sink-url",
+            &sink.url,
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .env("CDC_RELAY_DATABASE_URL", &stack.relay_url)
+        .env("CDC_RELAY_LOG", "info,cdc_relay=debug")
+        .env("EVENT_SECRET", TEST_SECRET)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    drop(child.stderr.take()); // the reader goes away
+    let stdout = child.stdout.take().expect("piped");
+    let first = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .map(|_| line)
+    })
+    .await??;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
+    let outcome = async {
+        let admin = first
+            .split_whitespace()
+            .last()
+            .filter(|u| u.starts_with("http://"))
+            .with_context(|| format!("a listening line, got {first:?}"))?
+            .to_owned();
+        let http = reqwest::Client::new();
+        harness::wait_until("/readyz 200", Duration::from_secs(30), || async {
+            let r = http.get(format!("{admin}/readyz")).send().await?;
+            anyhow::Ok(r.status() == 200)
+        })
+        .await?;
+        // Something to log (debug lines per delivery), then the signal.
+        let db = stack.orders_admin().await?;
+        app::insert_order_event(&db).await?;
+        harness::wait_until("the event delivered", Duration::from_secs(30), || async {
+            anyhow::Ok(sink.arrivals() >= 1)
+        })
+        .await?;
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return anyhow::Ok(status);
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "still running 15 s after SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    .await;
+    if outcome.is_err() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let status = outcome?;
+    assert_eq!(status.code(), Some(0), "a clean stop");
     Ok(())
 }

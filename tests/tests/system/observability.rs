@@ -660,6 +660,11 @@ fn assert_json_lines(name: &str, text: &str) {
         let v: serde_json::Value = serde_json::from_str(line)
             .unwrap_or_else(|e| panic!("{name}: not a JSON log line ({e}): {line:?}"));
         assert!(v.is_object(), "{name}: not a JSON object: {line:?}");
+        // Flattened: the message and the event's fields at the top level.
+        assert!(
+            v.get("fields").is_none() && v.get("message").is_some(),
+            "{name}: fields not flattened: {line:?}"
+        );
         lines += 1;
     }
     assert!(lines > 0, "{name} logged nothing");

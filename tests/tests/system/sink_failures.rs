@@ -531,8 +531,16 @@ async fn backfill_stops_with_the_since_that_resumes_it() -> anyhow::Result<()> {
         "2s",
         "--json",
     ];
+    let started = Instant::now();
     let out = cli(&stack, &args, &sink.url).await?;
     assert_eq!(out.code(), Some(1), "{}", out.text());
+    // The limit is checked every second, not on the 10 s progress line of a
+    // stderr that is no terminal.
+    assert!(
+        started.elapsed() < Duration::from_secs(9),
+        "gave up after {:?}",
+        started.elapsed()
+    );
     let v: serde_json::Value =
         serde_json::from_str(&out.stdout).map_err(|e| anyhow::anyhow!("{e}: {}", out.text()))?;
     assert_eq!(v["complete"], false, "{v}");
