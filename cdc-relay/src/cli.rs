@@ -238,6 +238,10 @@ pub struct ReplayArgs {
     /// answers, one at a time).
     #[arg(long, value_parser = parse_rate)]
     pub rate: Option<f64>,
+    /// Who replays (kept in the audit table with each removed row);
+    /// default: $USER, else the database role.
+    #[arg(long, env = "USER")]
+    pub actor: Option<String>,
     /// Print what would be sent and send nothing.
     #[arg(long)]
     pub dry_run: bool,

@@ -264,7 +264,9 @@ async fn discard(
 struct Replayed {
     id: i64,
     event_id: Option<String>,
-    /// delivered, rejected, unsendable, would_send (dry run), not_attempted.
+    /// delivered, rejected (a 4xx about the event), sink_failing (the
+    /// sink itself failed: 5xx, 408, 429, 401/403/404/405, transport),
+    /// unsendable, would_send (dry run), not_attempted.
     outcome: &'static str,
     /// The sink's answer or why it was not sent.
     detail: String,
@@ -363,18 +365,22 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
         let attempt = sink.post(&event.id, &request).await;
         match &attempt {
             Attempt::Response { status, .. } if (200..300).contains(status) => {
-                deadletter::remove(client, id, Removal::Replay, None, None).await?;
+                deadletter::remove(client, id, Removal::Replay, None, a.actor.as_deref()).await?;
                 record("delivered", format!("delivered ({status}); removed"));
             }
             other => {
                 let detail = other.detail();
-                if sink_failing(other) {
+                let failing = sink_failing(other);
+                if failing {
                     stopped = Some(format!("the sink is failing: {detail}"));
                 }
                 if let Some(key) = &row.aggregate_key {
                     held.insert(key.clone());
                 }
-                record("rejected", format!("not delivered ({detail}); kept"));
+                // The sink failing is no verdict on this event; a 4xx about
+                // it is.
+                let outcome = if failing { "sink_failing" } else { "rejected" };
+                record(outcome, format!("not delivered ({detail}); kept"));
             }
         }
     }
@@ -393,10 +399,11 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
         );
     } else {
         outln!(
-            "replay{}: {} row(s): {delivered} delivered, {} rejected, {} unsendable, {} not attempted{}",
+            "replay{}: {} row(s): {delivered} delivered, {} rejected, {} not sent (sink failing), {} unsendable, {} not attempted{}",
             if a.dry_run { " (dry run)" } else { "" },
             done.len(),
             count("rejected"),
+            count("sink_failing"),
             count("unsendable"),
             count("not_attempted"),
             stopped

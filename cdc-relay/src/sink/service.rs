@@ -125,7 +125,11 @@ impl Attempt {
             } => {
                 let mut e: String = excerpt.chars().take(120).collect();
                 e.retain(|c| !c.is_control());
-                format!("status {status}: {e}")
+                if e.trim().is_empty() {
+                    format!("status {status} (empty body)")
+                } else {
+                    format!("status {status}: {e}")
+                }
             }
             Attempt::Timeout => "request timed out".into(),
             Attempt::Connect(e) | Attempt::Tls(e) | Attempt::Transport(e) => e.clone(),

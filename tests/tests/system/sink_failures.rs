@@ -941,7 +941,10 @@ async fn replay_stops_at_a_failing_sink_and_dry_run_sends_nothing() -> anyhow::R
     assert!(!out.success(), "{}", out.text());
     assert_eq!(sink.arrivals(), before + 1, "one request, then it stopped");
     assert!(
-        out.text().contains("2 not attempted") && out.text().contains("the sink is failing"),
+        out.text().contains("2 not attempted")
+            && out.text().contains("1 not sent (sink failing)")
+            && out.text().contains("0 rejected")
+            && out.text().contains("the sink is failing"),
         "{}",
         out.text()
     );
@@ -950,7 +953,7 @@ async fn replay_stops_at_a_failing_sink_and_dry_run_sends_nothing() -> anyhow::R
     sink.set_status(204);
     let ok = cli(
         stack,
-        &["dead-letter", "replay", "--all", "--json"],
+        &["dead-letter", "replay", "--all", "--json", "--actor", "bob"],
         &sink.url,
     )
     .await?;
@@ -958,6 +961,16 @@ async fn replay_stops_at_a_failing_sink_and_dry_run_sends_nothing() -> anyhow::R
     let v: serde_json::Value = serde_json::from_str(&ok.stdout)?;
     assert_eq!(v["delivered"], 3, "{v}");
     assert!(dead_letters(stack).await?.is_empty());
+    let by: Vec<String> =
+        s.db.query(
+            "SELECT performed_by FROM cdc_relay_dead_letter_audit WHERE action = 'replay'",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(by.len() == 3 && by.iter().all(|b| b == "bob"), "{by:?}");
     waiting(0.0).await?;
     Ok(())
 }
