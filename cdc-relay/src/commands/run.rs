@@ -258,6 +258,7 @@ mod tests {
         let lost: RelayError = SourceError::SlotInvalidated {
             slot: slot(),
             reason: None,
+            since: None,
         }
         .into();
         let auth: RelayError = SourceError::Definite("auth".into()).into();

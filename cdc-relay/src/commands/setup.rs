@@ -286,6 +286,7 @@ async fn ensure_slot(
                 return Err(SourceError::SlotInvalidated {
                     slot: plan.slot.clone(),
                     reason: s.invalidation_reason.clone(),
+                    since: crate::source::progress::backfill_since(client, &plan.slot).await,
                 });
             }
             client

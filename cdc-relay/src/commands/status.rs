@@ -289,6 +289,11 @@ pub async fn status(
         .iter()
         .map(|r| r.get::<_, String>(0))
         .collect();
+    // For a lost slot: where the backfill starts, from the progress record.
+    let lost_since = match &info {
+        Some(i) if i.invalidated() => source::progress::backfill_since(client, slot).await,
+        _ => None,
+    };
     let mut problems = Vec::new();
     let mut problem = |code, message: String| problems.push(Problem { code, message });
     match &info {
@@ -304,6 +309,7 @@ pub async fn status(
             SourceError::SlotInvalidated {
                 slot: slot.to_owned(),
                 reason: i.invalidation_reason.clone(),
+                since: lost_since.clone(),
             }
             .to_string(),
         ),

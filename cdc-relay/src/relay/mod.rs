@@ -438,6 +438,7 @@ impl Session<'_> {
             return Err(SourceError::SlotInvalidated {
                 slot: cfg.slot.clone(),
                 reason: slot.invalidation_reason.clone(),
+                since: progress::backfill_since(&side, &cfg.slot).await,
             });
         }
         if !recovered {

@@ -37,8 +37,9 @@ pub enum SourceError {
     /// The server invalidated the slot (`wal_status = lost`, or an
     /// `invalidation_reason`): it can never stream again.
     #[error(
-        "replication slot {slot:?} is invalidated: {}. Events committed since its confirmed_flush_lsn may not have been delivered. Recover: `cdc-relay setup --recreate-slot`, then `cdc-relay backfill --since <time of the last delivered event>`",
-        invalidation_cause(.reason.as_deref())
+        "replication slot {slot:?} is invalidated: {}. Events committed since its confirmed_flush_lsn may not have been delivered. Recover: `cdc-relay setup --recreate-slot`, then {}",
+        invalidation_cause(.reason.as_deref()),
+        backfill_hint(.since.as_deref())
     )]
     SlotInvalidated {
         /// Slot name.
@@ -46,6 +47,10 @@ pub enum SourceError {
         /// The server's `invalidation_reason` (17+; `conflict` on 16), when
         /// known.
         reason: Option<String>,
+        /// Commit time of the last transaction a relay delivered from this
+        /// slot (its progress record), a `backfill --since` value; `None`
+        /// when no record says.
+        since: Option<String>,
     },
     /// The database lacks what `setup` creates or the flags name: the
     /// publication, the outbox table or one of its columns. The message
@@ -205,7 +210,11 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
                     && (lower.contains("can no longer get changes")
                         || lower.contains("can no longer access replication slot"))) =>
             {
-                return SourceError::SlotInvalidated { slot, reason: None };
+                return SourceError::SlotInvalidated {
+                    slot,
+                    reason: None,
+                    since: None,
+                };
             }
             _ => {}
         }
@@ -247,6 +256,17 @@ fn connect_hint(code: Option<&str>, msg: &str) -> Option<&'static str> {
             Some("Fix --database-url (CDC_RELAY_DATABASE_URL)")
         }
         None => None,
+    }
+}
+
+/// The backfill step of a recovery: with the time the progress record
+/// gives, or a placeholder and where to find it.
+fn backfill_hint(since: Option<&str>) -> String {
+    match since {
+        Some(t) => format!(
+            "`cdc-relay backfill --since '{t}'` (the commit time of the last transaction delivered from this slot, from cdc_relay_progress)"
+        ),
+        None => "`cdc-relay backfill --since <time of the last delivered event>` (docs/operations.md: An invalidated slot)".to_owned(),
     }
 }
 
@@ -389,8 +409,24 @@ mod tests {
         let idle = SourceError::SlotInvalidated {
             slot: "s".into(),
             reason: Some("idle_timeout".into()),
+            since: None,
         };
         assert!(idle.to_string().contains("idle_replication_slot_timeout"));
+        assert!(
+            idle.to_string()
+                .contains("<time of the last delivered event>")
+        );
+        let known = SourceError::SlotInvalidated {
+            slot: "s".into(),
+            reason: None,
+            since: Some("2026-12-01 02:22:57.905884+00".into()),
+        };
+        assert!(
+            known
+                .to_string()
+                .contains("cdc-relay backfill --since '2026-12-01 02:22:57.905884+00'"),
+            "{known}"
+        );
         assert!(!idle.to_string().contains("max_slot_wal_keep_size"));
         let e = server("publication \"p\" does not exist (SQLSTATE 42704)");
         assert!(

@@ -42,6 +42,13 @@ pub struct ProgressRecord {
     pub updated_unix: f64,
 }
 
+/// The `backfill --since` the progress record gives for `slot` (the commit
+/// time of the last delivered transaction), for recovery messages; `None`
+/// when there is no record, no such time, or it cannot be read.
+pub async fn backfill_since(client: &Client, slot: &str) -> Option<String> {
+    read(client, slot).await.ok().flatten()?.commit_time
+}
+
 /// Reads `slot`'s progress row; `None` when there is none (or the table
 /// does not exist yet: the schema predates it).
 pub async fn read(client: &Client, slot: &str) -> Result<Option<ProgressRecord>, SourceError> {

@@ -471,7 +471,33 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
         .on(cluster.create_stack().await?)
         .start()
         .await?;
+    // One event delivered: the progress record then holds its commit time,
+    // which the exit-4 message gives as the backfill start.
+    app::insert_order_event(&s.db).await?;
+    let recorded = wait_until(
+        "a progress record with a commit time",
+        Duration::from_secs(30),
+        || async {
+            let row = s
+            .db
+            .query_opt(
+                "SELECT commit_time FROM cdc_relay_progress WHERE slot_name = $1 AND commit_time IS NOT NULL",
+                &[&s.stack.slot],
+            )
+            .await?;
+            anyhow::Ok(row.is_some())
+        },
+    );
+    recorded.await?;
     s.stop_relay().await?;
+    let since: String =
+        s.db.query_one(
+            "SELECT to_char(commit_time AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00') \
+             FROM cdc_relay_progress WHERE slot_name = $1",
+            &[&s.stack.slot],
+        )
+        .await?
+        .get(0);
 
     // While the relay is stopped: an event, then unrelated WAL and checkpoints
     // until the server gives up the slot's WAL.
@@ -565,21 +591,29 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
         "exit code 4 for a lost slot:\n{logs}"
     );
     assert!(
-        stderr.contains("setup --recreate-slot") && stderr.contains("backfill"),
-        "stderr gives the recovery steps:\n{stderr}"
+        stderr.contains("setup --recreate-slot")
+            && stderr.contains(&format!("cdc-relay backfill --since '{since}'")),
+        "stderr gives the recovery steps with the time to backfill from ({since}):\n{stderr}"
     );
     // No retry loop: the first session's check was final.
     assert!(
         !logs.contains("reconnecting"),
         "no reconnect attempts:\n{logs}"
     );
-    assert_eq!(s.sink().arrivals(), 0, "nothing was sent");
+    assert_eq!(
+        s.sink().arrivals(),
+        1,
+        "nothing was sent after the first event, delivered before the slot was lost"
+    );
 
     // `status` reports the same problem with the same exit code.
     let status = app::relay_command(stack, &stack.relay_url, &["status"], &[]).await?;
     assert_eq!(status.code(), Some(4), "status exits 4:\n{}", status.text());
     assert!(
-        status.text().contains("setup --recreate-slot") && status.text().contains("backfill"),
+        status.text().contains("setup --recreate-slot")
+            && status
+                .text()
+                .contains(&format!("backfill --since '{since}'")),
         "status gives the recovery steps:\n{}",
         status.text()
     );
