@@ -35,6 +35,8 @@ async fn main() -> anyhow::Result<()> {
     println!("PGPORT={}", cluster.port());
     println!("PGDATA={}", cluster.data_dir().display());
     println!("SUPERUSER_URL={}", cluster.superuser_url("postgres"));
+    // For psql over the socket above (PGHOST/PGPORT): as the superuser.
+    println!("PGUSER={}", harness::pg::SUPERUSER);
     if args.stack {
         let stack = cluster.create_stack().await?;
         println!("ORDERS_DATABASE_URL={}", stack.orders_app_url);
@@ -51,6 +53,21 @@ async fn main() -> anyhow::Result<()> {
         println!("CDC_RELAY_PUBLICATION={}", stack.publication);
     }
     println!("READY");
+    if args.stack {
+        // How to use it from another shell, on stderr (stdout stays
+        // KEY=value lines a script can read).
+        eprintln!(
+            "throwaway-pg: in another shell, export the KEY=value lines above\n\
+             (`export PGHOST=… PGPORT=… PGUSER=… ORDERS_DATABASE_URL=… …`), then:\n\
+             \x20 psql -d orders                     # PGHOST, PGPORT, PGUSER\n\
+             \x20 export EVENT_SECRET=$(openssl rand -hex 32)\n\
+             \x20 billing --listen 127.0.0.1:8081    # reads BILLING_DATABASE_URL, EVENT_SECRET\n\
+             \x20 orders --listen 127.0.0.1:8080     # reads ORDERS_DATABASE_URL\n\
+             \x20 CDC_RELAY_DATABASE_URL=$ORDERS_ADMIN_URL cdc-relay setup\n\
+             \x20 cdc-relay run --sink-url http://127.0.0.1:8081/inbox   # reads CDC_RELAY_*, EVENT_SECRET\n\
+             (binaries in target/debug after `cargo build --workspace`)"
+        );
+    }
 
     let mut terminate = signal(SignalKind::terminate())?;
     tokio::select! {
