@@ -112,7 +112,7 @@ impl fmt::Display for KeyId {
 
 impl Key {
     /// Parses one secret's text (already trimmed) for `setting`, the name
-    /// errors use (`EVENT_SECRET`, `EVENT_SECRET_FILE (/path)`).
+    /// errors use (`EVENT_SECRET`, `--event-secret-file / EVENT_SECRET_FILE (/path)`).
     pub fn parse(text: &str, setting: &str, which: &Setting) -> Result<Key, SecretError> {
         if text.contains(',') {
             return Err(list_error(format!("{setting} contains a comma"), which));
@@ -267,7 +267,13 @@ fn read(source: Source<'_>, which: &Setting) -> Result<Option<Key>, SecretError>
         }
         (Some(value), None) => (value.trim().to_owned(), which.env.to_owned()),
         (None, Some(path)) => {
-            let setting = format!("{} ({})", which.file_env, path.display());
+            // Both names: the operator used one of them.
+            let setting = format!(
+                "{} / {} ({})",
+                which.file_flag,
+                which.file_env,
+                path.display()
+            );
             let text = std::fs::read_to_string(path)
                 .map_err(|e| SecretError(format!("{setting}: {e}")))?;
             let lines: Vec<&str> = text

@@ -150,7 +150,7 @@ fn files_hold_one_secret_and_an_empty_previous_file_means_none() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.starts_with("no event secret configured: EVENT_SECRET_FILE ("),
+        err.starts_with("no event secret configured: --event-secret-file / EVENT_SECRET_FILE ("),
         "{err}"
     );
 
@@ -158,7 +158,8 @@ fn files_hold_one_secret_and_an_empty_previous_file_means_none() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.starts_with("EVENT_SECRET_FILE (") && err.contains("has 2 lines of text"),
+        err.starts_with("--event-secret-file / EVENT_SECRET_FILE (")
+            && err.contains("has 2 lines of text"),
         "{err}"
     );
     assert!(err.contains("EVENT_SECRET_PREVIOUS_FILE"), "{err}");
@@ -179,7 +180,10 @@ fn files_hold_one_secret_and_an_empty_previous_file_means_none() {
     let err = EventKeys::load(file(&current), file(&missing))
         .unwrap_err()
         .to_string();
-    assert!(err.starts_with("EVENT_SECRET_PREVIOUS_FILE ("), "{err}");
+    assert!(
+        err.starts_with("--event-secret-previous-file / EVENT_SECRET_PREVIOUS_FILE ("),
+        "{err}"
+    );
 }
 
 #[test]

@@ -95,11 +95,17 @@ pub async fn connect_primary(
             one.display()
         ));
     }
-    let msg = format!(
-        "no primary among {}: {}",
-        conn.display(),
+    // One host: its own error says it all ("no primary among" would send
+    // the operator looking for a failover that is not there).
+    let msg = if conn.hosts.len() == 1 {
         failures.join("; ")
-    );
+    } else {
+        format!(
+            "no primary among {}: {}",
+            conn.display(),
+            failures.join("; ")
+        )
+    };
     Err(if all_definite {
         SourceError::Definite(msg)
     } else {
