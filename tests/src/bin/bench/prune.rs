@@ -54,7 +54,7 @@ pub(crate) async fn prune_under_load(ctx: &mut Ctx) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut prune = tokio::process::Command::new(harness::bins::path("cdc-relay"))
         .args(app::relay_globals(&stack))
-        .args(["prune", "--older-than", "7d", "--batch", "5000", "--json"])
+        .args(["prune", "--older-than", "7d", "--batch", "1000", "--json"])
         .env("CDC_RELAY_DATABASE_URL", &stack.orders_admin_url)
         .env("CDC_RELAY_LOG", "warn")
         .stdout(std::process::Stdio::piped())
