@@ -158,7 +158,7 @@ pub async fn run(
             left = None;
             metrics.standby.set(1);
             if !standby_logged {
-                tracing::info!(slot = %cfg.slot, active_pid = %crate::shown(&pid), "slot is held by another process; waiting as hot standby");
+                tracing::info!(slot = %cfg.slot, active_pid = %crate::shown(pid), "slot is held by another process; waiting as hot standby");
                 standby_logged = true;
             }
             // Poll often enough to take over within ~1 s of the active relay dying.
