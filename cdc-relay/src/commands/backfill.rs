@@ -202,7 +202,6 @@ async fn watch(
     give_up_after: Duration,
     stop_reason: Arc<std::sync::Mutex<Option<String>>>,
 ) {
-    use tokio::signal::unix::{SignalKind, signal};
     let stop = |why: String, token: &CancellationToken| {
         if token.is_cancelled() && why.starts_with("SIG") {
             tracing::warn!("second signal: exiting without waiting for the attempts on the wire");
@@ -212,11 +211,7 @@ async fn watch(
         stop_reason.lock().expect("not poisoned").get_or_insert(why);
         token.cancel();
     };
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::error!("cannot install signal handlers");
+    let Some(mut signals) = super::StopSignals::install() else {
         return;
     };
     let terminal = std::io::stderr().is_terminal();
@@ -230,8 +225,7 @@ async fn watch(
     let (mut last_done, mut last_change) = (0, Instant::now());
     loop {
         tokio::select! {
-            _ = term.recv() => stop("SIGTERM".into(), &control.stopping),
-            _ = int.recv() => stop("SIGINT".into(), &control.stopping),
+            signal = signals.next() => stop(signal.into(), &control.stopping),
             _ = tick.tick() => {
                 let m = &control.metrics;
                 let done = m.events_delivered.get() + m.events_dead_lettered.get();

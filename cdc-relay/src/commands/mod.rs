@@ -57,6 +57,38 @@ fn report(r: anyhow::Result<()>) -> u8 {
     }
 }
 
+/// SIGTERM and SIGINT: the signals that stop a command (`run`'s graceful
+/// shutdown, `backfill`'s early stop).
+pub(crate) struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    /// Installs the handlers; `None`, logged, when they cannot be.
+    pub(crate) fn install() -> Option<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(term), Ok(int)) => Some(Self { term, int }),
+            _ => {
+                tracing::error!("cannot install signal handlers");
+                None
+            }
+        }
+    }
+
+    /// Waits for the next one and names it: `SIGTERM` or `SIGINT`.
+    pub(crate) async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}
+
 /// A side SQL connection for a command.
 async fn connect(g: &GlobalArgs) -> anyhow::Result<tokio_postgres::Client> {
     let conn = g.conn().map_err(ConfigError)?;

@@ -178,23 +178,13 @@ fn listening_line(format: LogFormat, addr: &str) -> String {
 /// The first SIGTERM/SIGINT starts a graceful shutdown; a second one exits
 /// at once (130) without draining.
 async fn watch_signals(shutdown: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::error!("cannot install signal handlers");
+    let Some(mut signals) = super::StopSignals::install() else {
         return;
     };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
-    }
+    let first = signals.next().await;
+    tracing::info!("{first}: shutting down");
     shutdown.cancel();
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
+    signals.next().await;
     tracing::warn!("second signal: exiting without draining");
     std::process::exit(130);
 }
