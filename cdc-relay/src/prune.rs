@@ -471,7 +471,23 @@ async fn verdict(
     cutoff: &str,
     relation: &str,
 ) -> Result<PartitionVerdict, PruneError> {
-    let sql = format!(
+    let row = client
+        .query_one(
+            &verdict_sql(plan, relation),
+            &[&cutoff, &proof.xid_horizon, &proof.birth_horizon],
+        )
+        .await
+        .map_err(|e| PruneError::sql("reading a partition's rows", &e))?;
+    Ok(PartitionVerdict {
+        rows: row.get(0),
+        kept: row.get(1),
+    })
+}
+
+/// A partition's rows and how many of them must stay: `$1` the cutoff,
+/// `$2` the proof's horizon, `$3` the slot's birth horizon.
+fn verdict_sql(plan: &PrunePlan, relation: &str) -> String {
+    format!(
         "SELECT count(*), count(*) FILTER (WHERE NOT coalesce({pred}, false)) FROM {relation} o",
         pred = deletable(
             plan,
@@ -479,15 +495,7 @@ async fn verdict(
             "$2::text::xid8",
             "$3::text::xid8"
         )
-    );
-    let row = client
-        .query_one(&sql, &[&cutoff, &proof.xid_horizon, &proof.birth_horizon])
-        .await
-        .map_err(|e| PruneError::sql("reading a partition's rows", &e))?;
-    Ok(PartitionVerdict {
-        rows: row.get(0),
-        kept: row.get(1),
-    })
+    )
 }
 
 /// Detaches and drops partition `t` when, with it locked, every row in it
@@ -514,18 +522,11 @@ pub async fn drop_partition(
     .map_err(|e| PruneError::sql(ctx, &e))?;
     // Detached and locked: no insert can land in it any more, and this
     // statement's snapshot sees every row committed into it.
-    let sql = format!(
-        "SELECT count(*), count(*) FILTER (WHERE NOT coalesce({pred}, false)) FROM {} o",
-        t.name,
-        pred = deletable(
-            plan,
-            "$1::text::timestamptz",
-            "$2::text::xid8",
-            "$3::text::xid8"
-        )
-    );
     let row = tx
-        .query_one(&sql, &[&cutoff, &proof.xid_horizon, &proof.birth_horizon])
+        .query_one(
+            &verdict_sql(plan, &t.name),
+            &[&cutoff, &proof.xid_horizon, &proof.birth_horizon],
+        )
         .await
         .map_err(|e| PruneError::sql("re-reading a detached partition", &e))?;
     let (rows, kept): (i64, i64) = (row.get(0), row.get(1));

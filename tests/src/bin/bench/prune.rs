@@ -13,7 +13,7 @@ use harness::stack::Stack;
 
 use crate::Ctx;
 use crate::contender::{Contender, start_contender};
-use crate::workload::{drop_stack, fresh_stack, null_sink, post_at_rate};
+use crate::workload::{drop_stack, fresh_stack, insert_backlog_at, null_sink, post_at_rate};
 
 /// The scenario's name in the results.
 pub(crate) const SCENARIO: &str = "f. prune under load";
@@ -151,33 +151,5 @@ async fn p99_window(
 /// Inserts `n` outbox rows dated 30 days back, each with its order in its
 /// own transaction (the relay delivers them like any other), in chunks.
 async fn insert_old_backlog(stack: &Stack, n: u64) -> anyhow::Result<()> {
-    let db = stack.orders_admin().await?;
-    db.batch_execute("SET synchronous_commit = off").await?;
-    let t = Instant::now();
-    let chunk = 50_000;
-    let mut done = 0;
-    while done < n {
-        let k = chunk.min(n - done);
-        db.batch_execute(&format!(
-            "DO $$ DECLARE o uuid; BEGIN
-               FOR i IN 1..{k} LOOP
-                 o := gen_random_uuid();
-                 INSERT INTO orders (id, amount_cents, currency) VALUES (o, 1000 + i % 5000, 'EUR');
-                 INSERT INTO outbox (id, aggregate_id, event_type, payload, occurred_at)
-                   VALUES (gen_random_uuid(), o, 'OrderCreated',
-                           jsonb_build_object('order_id', o, 'amount_cents', 1000 + i % 5000, 'currency', 'EUR'),
-                           now() - interval '30 days');
-                 COMMIT;
-               END LOOP; END $$"
-        ))
-        .await
-        .context("inserting the old backlog")?;
-        done += k;
-    }
-    db.batch_execute("ANALYZE orders; ANALYZE outbox").await?;
-    eprintln!(
-        "    old backlog of {n} rows inserted in {:.1} s",
-        t.elapsed().as_secs_f64()
-    );
-    Ok(())
+    insert_backlog_at(stack, n, "now() - interval '30 days'", "old backlog").await
 }

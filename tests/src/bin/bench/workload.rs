@@ -89,6 +89,18 @@ pub(crate) async fn drop_stack(ctx: &Ctx, stack: &Stack) {
 /// Inserts `n` outbox rows, each with its order in its own transaction
 /// (synchronous_commit off for the loader only), in chunks.
 pub(crate) async fn insert_backlog(stack: &Stack, n: u64) -> anyhow::Result<()> {
+    insert_backlog_at(stack, n, "now()", "backlog").await
+}
+
+/// [`insert_backlog`] with each row's `occurred_at` set to `occurred_at`
+/// (an SQL expression, e.g. `now() - interval '30 days'`); `what` names the
+/// backlog in the progress line and errors.
+pub(crate) async fn insert_backlog_at(
+    stack: &Stack,
+    n: u64,
+    occurred_at: &str,
+    what: &str,
+) -> anyhow::Result<()> {
     let db = stack.orders_admin().await?;
     db.batch_execute("SET synchronous_commit = off").await?;
     let t = Instant::now();
@@ -101,19 +113,20 @@ pub(crate) async fn insert_backlog(stack: &Stack, n: u64) -> anyhow::Result<()> 
                FOR i IN 1..{k} LOOP
                  o := gen_random_uuid();
                  INSERT INTO orders (id, amount_cents, currency) VALUES (o, 1000 + i % 5000, 'EUR');
-                 INSERT INTO outbox (id, aggregate_id, event_type, payload)
+                 INSERT INTO outbox (id, aggregate_id, event_type, payload, occurred_at)
                    VALUES (gen_random_uuid(), o, 'OrderCreated',
-                           jsonb_build_object('order_id', o, 'amount_cents', 1000 + i % 5000, 'currency', 'EUR'));
+                           jsonb_build_object('order_id', o, 'amount_cents', 1000 + i % 5000, 'currency', 'EUR'),
+                           {occurred_at});
                  COMMIT;
                END LOOP; END $$"
         ))
         .await
-        .context("inserting the backlog")?;
+        .with_context(|| format!("inserting the {what}"))?;
         done += k;
     }
     db.batch_execute("ANALYZE orders; ANALYZE outbox").await?;
     eprintln!(
-        "    backlog of {n} rows inserted in {:.1} s",
+        "    {what} of {n} rows inserted in {:.1} s",
         t.elapsed().as_secs_f64()
     );
     Ok(())
