@@ -15,7 +15,8 @@
 //! | `relay.rs` | the relay end to end on a healthy stack: delivery, wire format, acknowledgement, restarts, WAL retention, memory |
 //! | `stream/` | unusual replication streams (`transactions`, `decoding`) and `payloads`, checked event by event |
 //! | `http_manners.rs` | the sink client toward real HTTP infrastructure (issue 14): Retry-After pauses, connection age and idle timeout, SIGTERM during backoff, at most 2 requests/s to a dead sink from a relay that starts or takes over |
-//! | `sink_failures.rs` | the sink misbehaves: poison and dead letters (whatever bytes the answer holds), circuit breaker, storm guard, configuration faults, backfill |
+//! | `sink_failures.rs` | the sink misbehaves: poison and dead letters (whatever bytes the answer holds), circuit breaker, storm guard, configuration faults, the dead-letter commands |
+//! | `backfill.rs` | `cdc-relay backfill`: re-sending after a lost slot, refused bounds, dry run, stopping early and resuming |
 //! | `prune.rs` | outbox retention (issue 17): `cdc-relay prune` and `run --prune-older-than` delete only old, proven-delivered rows; dead letters, refusal, partitions, the idle budget |
 //! | `dead_letters.rs` | the dead-letter row builder and store against the real table, with arbitrary content |
 //! | `failover.rs` | trusting the slot's position: several hosts, a slot that jumped ahead, recreate-and-backfill, the progress record, `--standby-url` naming a primary; `failover/drill.rs`: the failover drill (primary SIGKILLed under load, standby promoted, per-failover ledger) |
@@ -42,6 +43,7 @@
 //! (`Scenario::assert_balanced`, or `Scenario::assert_held` when the relay
 //! stopped on purpose: the slot still holds every row not done).
 
+mod backfill;
 mod chaos;
 mod cli;
 mod dead_letters;
