@@ -17,47 +17,138 @@ use axum::routing::get;
 use crate::health::Health;
 use crate::metrics::Metrics;
 
+/// What the admin endpoint reports on: the process, and the relay of each
+/// slot it may stream (one, or one per shard with `run --shards`).
 #[derive(Clone)]
-struct AdminState {
-    metrics: Metrics,
-    health: Arc<Health>,
+pub struct Relays {
+    /// The process's metrics; without shards also the one relay's.
+    process: Metrics,
+    /// Set when the process stopped for good and lingers.
+    process_health: Arc<Health>,
+    /// Each shard's metrics and health; empty without shards.
+    shards: Vec<(Metrics, Arc<Health>)>,
+}
+
+impl Relays {
+    /// One relay, one slot: its metrics are the process's.
+    pub fn one(metrics: Metrics, health: Arc<Health>) -> Self {
+        Relays {
+            process: metrics,
+            process_health: health,
+            shards: Vec::new(),
+        }
+    }
+
+    /// A sharded process: `process` for the process-wide families and a
+    /// halt, and one relay per shard.
+    pub fn sharded(
+        process: Metrics,
+        process_health: Arc<Health>,
+        shards: Vec<(Metrics, Arc<Health>)>,
+    ) -> Self {
+        Relays {
+            process,
+            process_health,
+            shards,
+        }
+    }
+
+    /// Each relay's metrics and health.
+    fn relays(&self) -> Vec<(&Metrics, &Arc<Health>)> {
+        if self.shards.is_empty() {
+            vec![(&self.process, &self.process_health)]
+        } else {
+            self.shards.iter().map(|(m, h)| (m, h)).collect()
+        }
+    }
+
+    fn render(&self) -> String {
+        for (metrics, health) in self.relays() {
+            metrics
+                .seconds_since_server_message
+                .set(health.since_heard().as_secs_f64());
+        }
+        if self.shards.is_empty() {
+            return self.process.render();
+        }
+        let shards: Vec<Metrics> = self.shards.iter().map(|(m, _)| m.clone()).collect();
+        crate::metrics::render_merged(&self.process, &shards)
+    }
+
+    /// Ready: not halted, streaming at least one slot, and every slot it
+    /// streams ready with its circuit closed. A sharded process waiting for
+    /// a free shard is alive but not ready, like a hot standby.
+    fn ready(&self) -> Result<(), String> {
+        if let Some(why) = self.process_health.halted() {
+            return Err(why.to_owned());
+        }
+        let relays = self.relays();
+        let mut streaming = 0;
+        for (metrics, health) in &relays {
+            if let Some(why) = health.halted() {
+                return Err(why.to_owned());
+            }
+            if !health.is_streaming() {
+                continue;
+            }
+            streaming += 1;
+            let circuit_open = metrics.circuit_state.get() != 0;
+            let verdict = match health.ready() {
+                Ok(()) if circuit_open => Err("the circuit breaker is open: the sink is failing"),
+                other => other,
+            };
+            verdict.map_err(|why| match relays.len() {
+                1 => why.to_owned(),
+                _ => format!("{}: {why}", shard_label(metrics)),
+            })?;
+        }
+        match (streaming, self.shards.is_empty()) {
+            (0, true) => self.process_health.ready().map_err(str::to_owned),
+            (0, false) => {
+                Err("not streaming from any shard's slot (waiting for a free one)".into())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The `shard` label of a shard's metrics, for messages.
+fn shard_label(metrics: &Metrics) -> String {
+    metrics
+        .registry()
+        .gather()
+        .first()
+        .and_then(|f| f.get_metric().first())
+        .and_then(|m| {
+            m.get_label()
+                .iter()
+                .find(|l| l.name() == "shard")
+                .map(|l| format!("shard {}", l.value()))
+        })
+        .unwrap_or_else(|| "a shard".into())
 }
 
 /// The admin router.
-pub fn router(metrics: Metrics, health: Arc<Health>) -> Router {
+pub fn router(relays: Relays) -> Router {
     Router::new()
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_handler))
-        .with_state(AdminState { metrics, health })
+        .with_state(relays)
 }
 
-async fn metrics_handler(State(s): State<AdminState>) -> impl IntoResponse {
-    s.metrics
-        .seconds_since_server_message
-        .set(s.health.since_heard().as_secs_f64());
+async fn metrics_handler(State(relays): State<Relays>) -> impl IntoResponse {
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        s.metrics.render(),
+        relays.render(),
     )
 }
 
-async fn ready_handler(State(s): State<AdminState>) -> impl IntoResponse {
-    if let Some(why) = s.health.halted() {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {why}\n"),
-        );
-    }
-    let circuit_open = s.metrics.circuit_state.get() != 0;
-    let verdict = match s.health.ready() {
-        Ok(()) if circuit_open => Err("the circuit breaker is open: the sink is failing"),
-        other => other,
-    };
-    match verdict {
+async fn ready_handler(State(relays): State<Relays>) -> impl IntoResponse {
+    match relays.ready() {
         Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -72,8 +163,7 @@ async fn ready_handler(State(s): State<AdminState>) -> impl IntoResponse {
 /// never take the descriptors the delivery path needs.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    metrics: Metrics,
-    health: Arc<Health>,
+    relays: Relays,
     max_connections: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
@@ -82,5 +172,5 @@ pub async fn serve(
         max_connections: max_connections.max(1),
         drain_timeout: std::time::Duration::from_secs(1),
     };
-    service_listener::serve(listener, router(metrics, health), limits, shutdown).await;
+    service_listener::serve(listener, router(relays), limits, shutdown).await;
 }

@@ -70,7 +70,7 @@ const DATABASE_FLAGS: &[&str] = &[
     "database_password_file",
     "connect_timeout",
 ];
-const SLOT_FLAGS: &[&str] = &["slot", "publication"];
+const SLOT_FLAGS: &[&str] = &["slot", "publication", "shards"];
 const STANDBY_FLAGS: &[&str] = &["standby_url"];
 const OUTBOX_FLAGS: &[&str] = &[
     "table",
@@ -453,6 +453,23 @@ pub struct GlobalArgs {
         value_delimiter = ','
     )]
     pub publication: Vec<String>,
+    /// Split the outbox into this many hash shards (1-64), each with its
+    /// own publication and slot, `<publication>_<k>of<N>` and
+    /// `<slot>_<k>of<N>`: a row filter puts each row in the shard of its
+    /// aggregate key's hash (the event id's when the key is NULL or
+    /// empty), so an aggregate's events keep their order while the shards
+    /// stream in parallel; the order between aggregates of different
+    /// shards is not kept. `setup` creates them, `run` claims up to
+    /// --max-shards of them, `status` shows each. Unset: one publication
+    /// and one slot, named exactly --publication and --slot.
+    #[arg(
+        help_heading = "Slot and outbox",
+        long,
+        env = "CDC_RELAY_SHARDS",
+        global = true,
+        value_parser = clap::value_parser!(u32).range(1..=crate::source::shards::MAX_SHARDS as i64)
+    )]
+    pub shards: Option<u32>,
     /// A standby to check the slot's failover copy on (PostgreSQL 17+),
     /// libpq URL; repeat or comma-separate for several. A listed server out
     /// of recovery is a primary and is skipped, so list every server of the
@@ -543,6 +560,13 @@ pub struct GlobalArgs {
 impl GlobalArgs {
     /// `--log`'s default filter.
     pub const DEFAULT_LOG: &str = "info,pgwire_replication=off";
+}
+
+/// An LSN as PostgreSQL prints it: `16/B374D848`.
+fn parse_lsn(s: &str) -> Result<crate::lsn::Lsn, String> {
+    s.parse().map_err(|e| {
+        format!("{e}: an LSN looks like 16/B374D848 (as pg_current_wal_lsn() prints it)")
+    })
 }
 
 /// `cdc-relay setup`.
@@ -688,6 +712,22 @@ pub struct RunArgs {
     /// always exit.
     #[arg(long, env = "CDC_RELAY_ON_FATAL", value_enum, default_value = "exit")]
     pub on_fatal: OnFatal,
+    /// With --shards: stream at most this many shards at once. The process
+    /// claims free shards (a slot no other process streams) up to this
+    /// many, each in its own session, and waits as a hot standby for the
+    /// rest: when another relay dies, one waiting takes its shard within
+    /// about a second. Run shards + spares processes with --max-shards 1,
+    /// or fewer processes with more each.
+    #[arg(long, env = "CDC_RELAY_MAX_SHARDS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=crate::source::shards::MAX_SHARDS as i64))]
+    pub max_shards: u32,
+    /// Stop, exit 0, once the slot (each shard's, with --shards) is
+    /// confirmed at or past this LSN (e.g. 0/3000060), and never start
+    /// streaming a slot already past it. For resharding: `setup --shards`
+    /// prints the LSN the new slots start from; the old relays stop there
+    /// and the new ones start after them, so each aggregate's events keep
+    /// their order (docs/operations.md#resharding).
+    #[arg(long, env = "CDC_RELAY_STOP_AT_LSN", value_parser = parse_lsn)]
+    pub stop_at_lsn: Option<crate::lsn::Lsn>,
     /// application_name shown in pg_stat_replication.
     #[arg(long, env = "CDC_RELAY_APPLICATION_NAME", default_value = "cdc-relay")]
     pub application_name: String,

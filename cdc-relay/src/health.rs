@@ -73,6 +73,11 @@ impl Health {
         }
     }
 
+    /// Whether a replication stream runs now.
+    pub fn is_streaming(&self) -> bool {
+        self.streaming.load(Ordering::Relaxed)
+    }
+
     /// The server sent something (or proved alive): resets the silence.
     pub fn heard(&self) {
         self.last_heard_ms.store(self.now_ms(), Ordering::Relaxed);

@@ -188,7 +188,18 @@ fn latency_buckets() -> Vec<f64> {
 impl Metrics {
     /// A fresh registry with every relay metric registered.
     pub fn new() -> Self {
-        let r = Registry::new();
+        Self::registered(Registry::new())
+    }
+
+    /// The metrics of one shard's relay (`run --shards`): every series
+    /// carries the label `shard="<k>of<N>"`. Render several with
+    /// [`render_merged`].
+    pub fn for_shard(tag: &str) -> Self {
+        let labels = std::collections::HashMap::from([("shard".to_owned(), tag.to_owned())]);
+        Self::registered(Registry::new_custom(None, Some(labels)).expect("a valid constant label"))
+    }
+
+    fn registered(r: Registry) -> Self {
         let oldest = prometheus::Gauge::new(
             "cdc_relay_oldest_unconfirmed_event_age_seconds",
             "Age of the oldest event received and not yet delivered or dead-lettered, seconds",
@@ -435,6 +446,50 @@ impl Metrics {
     pub fn registry(&self) -> &Registry {
         &self.registry
     }
+}
+
+/// Families that describe the process, not a slot: with shards they come
+/// from the process's own registry, without a `shard` label, and the
+/// shards' copies are left out.
+pub const PROCESS_FAMILIES: &[&str] = &[
+    "cdc_relay_build_info",
+    "cdc_relay_secret_reloads_total",
+    "cdc_relay_halted",
+    "cdc_relay_pruned_rows_total",
+    "cdc_relay_outbox_table_size_bytes",
+];
+
+/// One exposition of a sharded process: the [`PROCESS_FAMILIES`] of
+/// `process`, and every other family of each shard's registry, a family's
+/// series of all shards together under one `# HELP`/`# TYPE`.
+pub fn render_merged(process: &Metrics, shards: &[Metrics]) -> String {
+    let mut families: std::collections::BTreeMap<String, prometheus::proto::MetricFamily> =
+        std::collections::BTreeMap::new();
+    let process_families = process
+        .registry
+        .gather()
+        .into_iter()
+        .filter(|f| PROCESS_FAMILIES.contains(&f.name()));
+    let shard_families = shards.iter().flat_map(|m| {
+        m.registry
+            .gather()
+            .into_iter()
+            .filter(|f| !PROCESS_FAMILIES.contains(&f.name()))
+    });
+    for mut family in process_families.chain(shard_families) {
+        match families.get_mut(family.name()) {
+            Some(merged) => merged.mut_metric().append(family.mut_metric()),
+            None => {
+                families.insert(family.name().to_owned(), family);
+            }
+        }
+    }
+    let families: Vec<_> = families.into_values().collect();
+    let mut buf = Vec::new();
+    TextEncoder::new()
+        .encode(&families, &mut buf)
+        .expect("text encoding into a Vec cannot fail");
+    String::from_utf8(buf).expect("the text format is UTF-8")
 }
 
 #[cfg(test)]

@@ -197,8 +197,45 @@ impl RunArgs {
             failover: self.failover,
             standbys: g.standbys()?,
             failover_max_lag: u64::from(self.failover_max_lag),
+            shard: None,
+            stop_at: self.stop_at_lsn,
+            claims: None,
         };
         Ok((cfg, sink))
+    }
+
+    /// `--shards N` with `--max-shards K`: `Some((N, min(K, N)))`, `None`
+    /// unsharded; the error names the flags that do not go together.
+    pub fn sharding(&self, g: &GlobalArgs) -> Result<Option<(u32, u32)>, String> {
+        let Some(count) = g.shards else {
+            if self.max_shards > 1 {
+                return Err(
+                    "--max-shards (CDC_RELAY_MAX_SHARDS) needs --shards (CDC_RELAY_SHARDS)".into(),
+                );
+            }
+            return Ok(None);
+        };
+        if g.publication.len() != 1 {
+            return Err(format!(
+                "--shards takes one --publication (CDC_RELAY_PUBLICATION), the base of the shards' publication names; got {}",
+                g.publication.join(",")
+            ));
+        }
+        if self.on_slot_loss == crate::relay::OnSlotLoss::RecreateAndBackfill {
+            return Err("--on-slot-loss=recreate-and-backfill is not supported with --shards: its backfill would re-send every shard's rows. Use --on-slot-loss=stop and recover the shard by hand (docs/operations.md#sharding)".into());
+        }
+        if self.prune_older_than.is_some() {
+            return Err(
+                "--prune-older-than is not supported with --shards yet: the proof reads one slot"
+                    .into(),
+            );
+        }
+        for shard in crate::source::shards::Shard::all(count) {
+            let slot = shard.name(&g.slot);
+            crate::source::catalog::check_slot_name(&slot)
+                .map_err(|e| format!("--slot with --shards {count}: {e}"))?;
+        }
+        Ok(Some((count, self.max_shards.min(count))))
     }
 
     /// The relay's opt-in pruning (`--prune-older-than`), `None` when off;

@@ -84,9 +84,15 @@ async fn prune_table(g: &GlobalArgs, a: &PruneArgs) -> anyhow::Result<()> {
     prune::check(&client, &plan).await?;
     // Rows inserted while the outbox is out of its publication are never
     // streamed: a slot past them proves nothing.
-    let m = catalog::membership(&client, &g.publication, &g.table, &g.columns().names())
-        .await
-        .map_err(PruneError::from)?;
+    let m = catalog::membership(
+        &client,
+        &g.publication,
+        &g.table,
+        &g.columns().names(),
+        None,
+    )
+    .await
+    .map_err(PruneError::from)?;
     if !m.included() {
         return Err(PruneError::NeedsSetup(format!(
             "{}; rows inserted meanwhile were never streamed, so nothing is pruned (re-send them with `cdc-relay backfill` once it is back)",

@@ -1,23 +1,31 @@
 //! `cdc-relay run`: the admin endpoint, signal handling and the relay,
 //! until SIGTERM/SIGINT or a definite error.
 
+use std::sync::Arc;
+
 use tokio_util::sync::CancellationToken;
 
 use super::outln;
-use crate::admin;
+use crate::admin::{self, Relays};
 use crate::cli::{GlobalArgs, LogFormat, OnFatal, RunArgs, SecretArgs};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::prune::{self, Schedule};
-use crate::relay::{self, RelayConfig, RelayError};
+use crate::relay::{self, RelayConfig, RelayError, ShardOf};
 use crate::sink::{HttpSink, Signing};
 use crate::source::SourceError;
+use crate::source::shards::Shard;
 
 /// `cdc-relay run`; returns the exit code (documented in `--help` and
 /// `docs/operations.md`).
 pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
-    match a.relay(g).and_then(|r| Ok((r, a.prune_schedule(g)?))) {
-        Ok(((cfg, sink), prune)) => serve_and_run(cfg, sink, prune, &a, g.log_format).await,
+    let built = a
+        .relay(g)
+        .and_then(|r| Ok((r, a.prune_schedule(g)?, a.sharding(g)?)));
+    match built {
+        Ok(((cfg, sink), prune, sharding)) => {
+            serve_and_run(cfg, sink, prune, sharding, &a, g.log_format).await
+        }
         // A flag, variable or file of the configuration: the same code as
         // a command line clap refuses.
         Err(msg) => {
@@ -53,12 +61,25 @@ async fn serve_and_run(
     cfg: RelayConfig,
     sink: HttpSink,
     prune: Option<Schedule>,
+    sharding: Option<(u32, u32)>,
     a: &RunArgs,
     log_format: LogFormat,
 ) -> u8 {
     let metrics = Metrics::new();
     let health = Health::new(a.ready_window);
     let shutdown = CancellationToken::new();
+    let units = units(&cfg, sharding, &metrics, &health, a);
+    let relays = match sharding {
+        None => Relays::one(metrics.clone(), health.clone()),
+        Some(_) => Relays::sharded(
+            metrics.clone(),
+            health.clone(),
+            units
+                .iter()
+                .map(|(_, m, h)| (m.clone(), h.clone()))
+                .collect(),
+        ),
+    };
     let listener = match tokio::net::TcpListener::bind(a.admin_listen).await {
         Ok(l) => l,
         Err(e) => {
@@ -74,8 +95,7 @@ async fn serve_and_run(
     let admin_stop = shutdown.clone();
     let admin = tokio::spawn(admin::serve(
         listener,
-        metrics.clone(),
-        health.clone(),
+        relays,
         a.admin_max_connections,
         async move { admin_stop.cancelled().await },
     ));
@@ -86,10 +106,11 @@ async fn serve_and_run(
         metrics.clone(),
     ));
     let signer = sink.signing().current();
+    let shards = sharding.map(|(count, max)| format!("{max} of {count}"));
     tracing::info!(
         source = %cfg.conn.display(), slot = %cfg.slot, sink = %sink.display_url(), admin = %addr,
         max_in_flight = cfg.dispatch.max_in_flight, signature_scheme = %signer.scheme(),
-        keys = %signer.keys(), "cdc-relay starting"
+        keys = %signer.keys(), shards = shards.as_deref().unwrap_or("unsharded"), "cdc-relay starting"
     );
     if let Some(schedule) = prune {
         tracing::info!(
@@ -103,8 +124,7 @@ async fn serve_and_run(
             shutdown.clone(),
         ));
     }
-    let sink = sink.with_metrics(metrics.clone());
-    let result = relay::run(cfg, sink, metrics.clone(), health.clone(), shutdown.clone()).await;
+    let result = run_relays(units, sink, &shutdown).await;
     let code = match &result {
         Ok(()) => {
             tracing::info!("stopped");
@@ -125,6 +145,76 @@ async fn serve_and_run(
     shutdown.cancel();
     let _ = admin.await;
     code
+}
+
+/// One relay's configuration, metrics and health.
+type Unit = (RelayConfig, Metrics, Arc<Health>);
+
+/// The relays the process runs: the one of `cfg` (with the process's
+/// metrics and health), or one per shard, each with its slot, publication,
+/// `shard`-labelled metrics and health, all sharing `--max-shards` claims.
+fn units(
+    cfg: &RelayConfig,
+    sharding: Option<(u32, u32)>,
+    metrics: &Metrics,
+    health: &Arc<Health>,
+    a: &RunArgs,
+) -> Vec<Unit> {
+    let Some((count, max)) = sharding else {
+        return vec![(cfg.clone(), metrics.clone(), health.clone())];
+    };
+    let claims = Arc::new(tokio::sync::Semaphore::new(max as usize));
+    let base = cfg.publications.first().cloned().unwrap_or_default();
+    Shard::all(count)
+        .map(|shard| {
+            let unit = RelayConfig {
+                slot: shard.name(&cfg.slot),
+                publications: vec![shard.name(&base)],
+                shard: Some(ShardOf {
+                    shard,
+                    publication_base: base.clone(),
+                    slot_base: cfg.slot.clone(),
+                }),
+                claims: Some(Arc::clone(&claims)),
+                ..cfg.clone()
+            };
+            (
+                unit,
+                Metrics::for_shard(&shard.tag()),
+                Health::new(a.ready_window),
+            )
+        })
+        .collect()
+}
+
+/// Runs every relay until all stop. The first definite error stops the
+/// others (gracefully, as on SIGTERM) and is the result: one shard that
+/// needs an operator means the outbox is not fully delivered, and another
+/// process taking that shard would hit the same error.
+async fn run_relays(
+    units: Vec<Unit>,
+    sink: HttpSink,
+    shutdown: &CancellationToken,
+) -> Result<(), RelayError> {
+    let stop = shutdown.child_token();
+    let mut relays = tokio::task::JoinSet::new();
+    for (cfg, metrics, health) in units {
+        let sink = sink.clone().with_metrics(metrics.clone());
+        relays.spawn(relay::run(cfg, sink, metrics, health, stop.clone()));
+    }
+    let mut result = Ok(());
+    while let Some(done) = relays.join_next().await {
+        let outcome = done.unwrap_or_else(|e| {
+            Err(SourceError::Definite(format!("a relay task failed: {e}")).into())
+        });
+        if let Err(e) = outcome
+            && result.is_ok()
+        {
+            stop.cancel();
+            result = Err(e);
+        }
+    }
+    result
 }
 
 /// `--on-fatal linger`: the relay stopped for good with `code`; export

@@ -32,6 +32,7 @@ use crate::metrics::Metrics;
 use crate::outbox::{OutboxColumns, OutboxMapper, TableName};
 use crate::sink::HttpSink;
 use crate::source::catalog::{self, OutboxTable, SlotInfo};
+use crate::source::shards::{self, Shard};
 use crate::source::stream::{Stream, StreamParts};
 use crate::source::transport::{self, StreamSettings, Transport};
 use crate::source::watchdog::{self, MonitorOutputs, MonitorSettings, Watchdog};
@@ -89,6 +90,38 @@ pub struct RelayConfig {
     pub standbys: Vec<ConnParams>,
     /// Largest lag of a ready copy, bytes.
     pub failover_max_lag: u64,
+    /// The shard this relay streams (`run --shards`): `slot` and
+    /// `publications` are then the shard's, and each session first proves
+    /// that the shard filters cover every row once.
+    pub shard: Option<ShardOf>,
+    /// `--stop-at-lsn`: stop (cleanly, `Ok`) once the slot is confirmed at
+    /// or past this LSN, and do not start streaming a slot already past it.
+    pub stop_at: Option<Lsn>,
+    /// Shared by the shard relays of one process (`--max-shards` permits):
+    /// a session holds a permit from before it claims its slot until it
+    /// ends, so the process streams at most that many shards.
+    pub claims: Option<Arc<tokio::sync::Semaphore>>,
+}
+
+/// A relay's shard, with the base name its siblings' publications derive
+/// from (for the coverage proof).
+#[derive(Clone, Debug)]
+pub struct ShardOf {
+    /// Which shard.
+    pub shard: Shard,
+    /// `--publication`: the shards' publications are `<base>_<k>of<N>`.
+    pub publication_base: String,
+    /// `--slot`: the shards' slots are `<base>_<k>of<N>`.
+    pub slot_base: String,
+}
+
+impl ShardOf {
+    /// The slots of every shard of this split.
+    pub fn slots(&self) -> Vec<String> {
+        Shard::all(self.shard.count)
+            .map(|s| s.name(&self.slot_base))
+            .collect()
+    }
 }
 
 /// First reconnect delay ceiling; doubles per failed session up to
@@ -121,6 +154,15 @@ pub async fn run(
             return Ok(());
         }
         let mut streamed = false;
+        // A shard relay may claim its slot only while the process streams
+        // fewer than --max-shards.
+        let permit = match &cfg.claims {
+            Some(claims) => tokio::select! {
+                permit = Arc::clone(claims).acquire_owned() => permit.ok(),
+                _ = shutdown.cancelled() => return Ok(()),
+            },
+            None => None,
+        };
         let session = Session {
             cfg: &cfg,
             metrics: &metrics,
@@ -132,6 +174,7 @@ pub async fn run(
         let outcome = session
             .run(&sink, &shutdown, &mut streamed, &mut left)
             .await;
+        drop(permit);
         if let Err(RelayError::Source(SourceError::SlotJumped { .. })) = &outcome {
             metrics.slot_jumps.inc();
         }
@@ -180,6 +223,24 @@ pub async fn run(
     }
 }
 
+/// Cancels `stop` once the confirmed position reaches `at`
+/// (`--stop-at-lsn`): the session then drains and ends like on SIGTERM,
+/// its last standby status update carrying that position.
+async fn stop_when_confirmed(
+    mut confirmed: watch::Receiver<Confirmed<Lsn>>,
+    at: Lsn,
+    stop: CancellationToken,
+    slot: String,
+) {
+    while confirmed.borrow_and_update().position < at {
+        if confirmed.changed().await.is_err() {
+            return;
+        }
+    }
+    tracing::info!(slot = %slot, stop_at_lsn = %at, "confirmed at --stop-at-lsn: stopping");
+    stop.cancel();
+}
+
 /// One replication session.
 struct Session<'a> {
     cfg: &'a RelayConfig,
@@ -204,6 +265,9 @@ struct Prepared {
     table: OutboxTable,
     /// The server's encoding is SQL_ASCII (bytes without a defined encoding).
     sql_ascii: bool,
+    /// The row filter the shard's publication must keep (as the server
+    /// printed it when the session started); `None` unsharded.
+    row_filter: Option<String>,
 }
 
 impl Session<'_> {
@@ -245,6 +309,8 @@ impl Session<'_> {
                 publications: cfg.publications.clone(),
                 table: cfg.table.clone(),
                 columns: cfg.columns.names(),
+                row_filter: p.row_filter.clone(),
+                siblings: cfg.shard.as_ref().map(ShardOf::slots).unwrap_or_default(),
                 interval: cfg.slot_stats_interval,
                 holder: self.holder.to_owned(),
             },
@@ -277,13 +343,24 @@ impl Session<'_> {
             position: start,
             last_done: None,
         });
+        // A graceful stop of this session: the process's shutdown, or
+        // --stop-at-lsn reached.
+        let stop = shutdown.child_token();
+        let _stop_at = cfg.stop_at.map(|at| {
+            AbortOnDropHandle::new(tokio::spawn(stop_when_confirmed(
+                confirmed_rx.clone(),
+                at,
+                stop.clone(),
+                cfg.slot.clone(),
+            )))
+        });
         let services = Services {
             sink: sink.clone(),
             store: Arc::clone(&p.side),
             metrics: self.metrics.clone(),
             health: Arc::clone(self.health),
             breaker: self.breaker.clone(),
-            stopping: shutdown.clone(),
+            stopping: stop.clone(),
         };
         let dispatcher = AbortOnDropHandle::new(tokio::spawn(dispatch::run(
             cfg.dispatch.clone(),
@@ -325,9 +402,7 @@ impl Session<'_> {
             Transport::new(client, settings.status_interval, start),
             parts,
         );
-        let read = stream
-            .read_until_stopped(shutdown, cfg.shutdown_timeout)
-            .await;
+        let read = stream.read_until_stopped(&stop, cfg.shutdown_timeout).await;
         drop(monitor);
         match read {
             Ok(deadline) => {
@@ -344,7 +419,7 @@ impl Session<'_> {
                     at_unix: recovery::now_unix(),
                     last_done_commit: stream.last_done_commit(),
                 });
-                Err(self.diagnose(e, &p.side).await)
+                Err(self.diagnose(e, &p.side, p.row_filter.as_deref()).await)
             }
         }
     }
@@ -352,7 +427,12 @@ impl Session<'_> {
     /// The walsender not finding a publication means either that the slot
     /// predates it (the error says so) or that it was dropped while the
     /// relay streamed: the catalog tells which.
-    async fn diagnose(&self, e: RelayError, side: &tokio_postgres::Client) -> RelayError {
+    async fn diagnose(
+        &self,
+        e: RelayError,
+        side: &tokio_postgres::Client,
+        row_filter: Option<&str>,
+    ) -> RelayError {
         let RelayError::Source(SourceError::SlotPredatesPublication { publication, .. }) = &e
         else {
             return e;
@@ -362,6 +442,7 @@ impl Session<'_> {
             &self.cfg.table,
             &self.cfg.columns,
             &self.cfg.publications,
+            row_filter,
         )
         .await
         {
@@ -441,6 +522,21 @@ impl Session<'_> {
                 since: progress::backfill_since(&side, &cfg.slot).await,
             });
         }
+        if let (Some(at), Some(confirmed)) = (cfg.stop_at, slot.confirmed_flush_lsn)
+            && confirmed >= at
+        {
+            tracing::info!(slot = %cfg.slot, confirmed_flush_lsn = %confirmed, stop_at_lsn = %at, "the slot is confirmed at or past --stop-at-lsn: nothing to stream");
+            return Ok(None);
+        }
+        // Held by another process: START_REPLICATION would refuse it (and
+        // stays the lock); a hot standby polls here without the checks
+        // below.
+        if slot.active {
+            return Err(SourceError::SlotActive {
+                slot: cfg.slot.clone(),
+                pid: slot.active_pid,
+            });
+        }
         if !recovered {
             recovery::check_not_jumped(&side, cfg, self.holder, &slot, left).await?;
         }
@@ -452,9 +548,31 @@ impl Session<'_> {
         }
         // A publication that does not carry the table would let the slot be
         // confirmed past every event: refuse to stream (the standby too).
-        let table =
-            catalog::check_stream_config(&side, &cfg.table, &cfg.columns, &cfg.publications)
+        // A shard streams only rows its filter keeps: first prove that the
+        // filters of all the shards keep every row exactly once, then hold
+        // the publication to the filter proven.
+        let row_filter = match &cfg.shard {
+            Some(s) => {
+                let coverage = shards::check_coverage(
+                    &side,
+                    &cfg.table,
+                    &cfg.columns,
+                    &s.publication_base,
+                    s.shard.count,
+                )
                 .await?;
+                coverage.filters.get(s.shard.index as usize).cloned()
+            }
+            None => None,
+        };
+        let table = catalog::check_stream_config(
+            &side,
+            &cfg.table,
+            &cfg.columns,
+            &cfg.publications,
+            row_filter.as_deref(),
+        )
+        .await?;
         for warning in
             catalog::publication_warnings(&side, &cfg.table, &table, &cfg.publications).await?
         {
@@ -486,6 +604,7 @@ impl Session<'_> {
             slot,
             table,
             sql_ascii,
+            row_filter,
         }))
     }
 

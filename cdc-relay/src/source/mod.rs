@@ -32,6 +32,7 @@ pub mod error;
 pub mod failover;
 pub mod membership;
 pub mod progress;
+pub mod shards;
 pub mod status_updates;
 pub mod stream;
 pub mod tls;

@@ -44,6 +44,13 @@ pub struct MonitorSettings {
     pub table: TableName,
     /// The columns the relay reads (a publication's column list must keep them).
     pub columns: Vec<String>,
+    /// The row filter a carrying publication must have: `None` for the
+    /// whole table, a shard's filter as the server printed it at session
+    /// start when sharded (any other filter is a membership gap).
+    pub row_filter: Option<String>,
+    /// The slots of the other shards of this relay's split: not "other
+    /// logical slots" (empty unsharded).
+    pub siblings: Vec<String>,
     /// Time between readings (`--slot-stats-interval`, at most 30 s: the
     /// reading also verifies publication membership).
     pub interval: Duration,
@@ -80,6 +87,8 @@ pub async fn monitor_slot(
         publications,
         table,
         columns,
+        row_filter,
+        siblings,
         interval,
         holder,
     } = settings;
@@ -114,9 +123,10 @@ pub async fn monitor_slot(
             &publications,
             &table,
             &columns,
+            row_filter.as_deref(),
             count_dead_letters,
         );
-        let (info, member, others, dead_letters) =
+        let (info, member, mut others, dead_letters) =
             match tokio::time::timeout(Duration::from_secs(5), reading).await {
                 Ok(Ok(r)) => r,
                 Ok(Err(e)) => {
@@ -128,6 +138,7 @@ pub async fn monitor_slot(
                     continue;
                 }
             };
+        others.retain(|o| !siblings.contains(o));
         let n = i64::try_from(others.len()).unwrap_or(i64::MAX);
         if n > out.metrics.other_logical_slots.get() {
             tracing::warn!(

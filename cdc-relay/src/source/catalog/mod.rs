@@ -191,7 +191,9 @@ impl Membership {
 }
 
 /// The membership part of the monitor's statement: `$2` publications, `$3`
-/// schema, `$4` table, `$5` the configured columns. Five columns: WAL
+/// schema, `$4` table, `$5` the configured columns, `$6` the row filter a
+/// carrier must have (NULL: none; a shard's filter when sharded, see
+/// [`super::shards`]). Five columns: WAL
 /// position, time, table OID, carriers, problem. Published tables are
 /// matched by joining their names to pg_class, never with `to_regclass` on
 /// the view's rows: the planner may evaluate that over every pg_class row,
@@ -207,7 +209,7 @@ const MEMBERSHIP_SQL: &str = "\
                     JOIN pg_class pc ON pc.relnamespace = pn.oid AND pc.relname = pt.tablename, t \
                     WHERE coalesce(pg_partition_root(pc.oid), pc.oid)::oid = t.oid), \
          carriers AS (SELECT DISTINCT oid, pubname, pubviaroot, puballtables FROM listed \
-                      WHERE pubinsert AND rowfilter IS NULL \
+                      WHERE pubinsert AND rowfilter IS NOT DISTINCT FROM $6::text \
                         AND (attnames IS NULL OR $5::text[]::name[] <@ attnames)) \
     SELECT pg_current_wal_lsn()::text, \
            to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00'), \
@@ -221,7 +223,8 @@ const MEMBERSHIP_SQL: &str = "\
                  FROM carriers c ORDER BY 1), \
            (SELECT string_agg(DISTINCT l.pubname || ' ' || CASE \
                      WHEN NOT l.pubinsert THEN 'does not publish inserts: ALTER PUBLICATION ' || quote_ident(l.pubname) || ' SET (publish = ''insert'')' \
-                     WHEN l.rowfilter IS NOT NULL THEN 'has a row filter (WHERE ' || l.rowfilter || '): drop it, the relay needs every row' \
+                     WHEN $6::text IS NULL AND l.rowfilter IS NOT NULL THEN 'has a row filter (WHERE ' || l.rowfilter || '): drop it, the relay needs every row' \
+                     WHEN l.rowfilter IS DISTINCT FROM $6::text THEN 'has ' || coalesce('the row filter (WHERE ' || l.rowfilter || ')', 'no row filter') || ', not this shard''s (WHERE ' || $6::text || '): run `cdc-relay setup --shards`' \
                      ELSE 'has a column list leaving out a column the relay reads: drop the list' END, '; ') \
             FROM listed l WHERE l.oid NOT IN (SELECT oid FROM carriers))";
 
@@ -242,19 +245,28 @@ pub fn membership_problem(m: &Membership, publications: &[String], table: &Table
     })
 }
 
-/// Reads the outbox's publication membership alone (one statement).
+/// Reads the outbox's publication membership alone (one statement);
+/// `row_filter` is the filter a carrier must have (`None`: no filter).
 pub async fn membership(
     client: &Client,
     publications: &[String],
     table: &TableName,
     columns: &[String],
+    row_filter: Option<&str>,
 ) -> Result<Membership, SourceError> {
     // $1 (the slot, in the monitor's statement) is unused here.
     let sql = format!("SELECT m.* FROM ({MEMBERSHIP_SQL}) m, (SELECT $1::text) unused");
     let row = client
         .query_one(
             &sql,
-            &[&"", &publications, &table.schema, &table.name, &columns],
+            &[
+                &"",
+                &publications,
+                &table.schema,
+                &table.name,
+                &columns,
+                &row_filter,
+            ],
         )
         .await
         .map_err(|e| SourceError::sql("reading the publications", &e))?;
@@ -277,13 +289,15 @@ fn membership_from_row(row: &tokio_postgres::Row) -> Membership {
 ///
 /// The same statement lists the other logical slots of this database (the
 /// third value) and, with `count_dead_letters`, counts the rows of
-/// `cdc_relay_dead_letter` (the fourth; `None` without).
+/// `cdc_relay_dead_letter` (the fourth; `None` without). `row_filter` as
+/// for [`membership`].
 pub async fn monitor_reading(
     client: &Client,
     slot: &str,
     publications: &[String],
     table: &TableName,
     columns: &[String],
+    row_filter: Option<&str>,
     count_dead_letters: bool,
 ) -> Result<(Option<SlotInfo>, Membership, Vec<String>, Option<i64>), SourceError> {
     let dead_letters = if count_dead_letters {
@@ -310,7 +324,14 @@ pub async fn monitor_reading(
     let row = client
         .query_one(
             &sql,
-            &[&slot, &publications, &table.schema, &table.name, &columns],
+            &[
+                &slot,
+                &publications,
+                &table.schema,
+                &table.name,
+                &columns,
+                &row_filter,
+            ],
         )
         .await
         .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;

@@ -184,12 +184,14 @@ pub async fn table_oid(client: &Client, table: &TableName) -> Result<Option<u32>
 /// Before streaming: the table and columns exist, the payload is json or
 /// jsonb, and one of `publications` publishes inserts into it. Streaming a
 /// publication that does not carry the table would confirm the slot past
-/// every event: never start like that. Returns the table.
+/// every event: never start like that. `row_filter`: the filter a carrier
+/// must have (`None`: none; a shard's when sharded). Returns the table.
 pub async fn check_stream_config(
     client: &Client,
     t: &TableName,
     c: &OutboxColumns,
     publications: &[String],
+    row_filter: Option<&str>,
 ) -> Result<OutboxTable, SourceError> {
     let table = check_outbox_table(client, t, c).await?;
     let existing: Vec<String> = client
@@ -208,9 +210,9 @@ pub async fn check_stream_config(
         )));
     }
     // Several publications may carry the table: pgoutput streams their
-    // union. One carries it only with inserts on, no row filter, and no
-    // column list leaving out a column the relay reads.
-    let m = super::membership(client, publications, t, &c.names()).await?;
+    // union. One carries it only with inserts on, no row filter (or exactly
+    // the shard's), and no column list leaving out a column the relay reads.
+    let m = super::membership(client, publications, t, &c.names(), row_filter).await?;
     if !m.included() {
         return Err(SourceError::NeedsSetup(format!(
             "no publication in --publication ({}) publishes inserts into {t} (--table) completely: {}",

@@ -8,6 +8,8 @@
 use tokio_postgres::Client;
 
 use super::{connect, outln};
+
+mod shards;
 use crate::cli::{GlobalArgs, SetupArgs};
 use crate::outbox::{OutboxColumns, TableName};
 use crate::source::SourceError;
@@ -25,6 +27,7 @@ pub async fn command(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
         recreate_slot: a.recreate_slot,
         failover: a.failover,
         conn: g.conn().map_err(anyhow::Error::msg)?,
+        shards: g.shards,
     };
     for line in setup(&client, &plan).await? {
         outln!("{line}");
@@ -49,6 +52,9 @@ pub struct SetupPlan {
     pub failover: bool,
     /// The server (for the replication command that switches failover on).
     pub conn: crate::source::ConnParams,
+    /// `--shards N`: N publications and slots named after `publication`
+    /// and `slot` with the shard's suffix, each with its row filter.
+    pub shards: Option<u32>,
 }
 
 /// Runs setup and returns one line per check or action, for the operator.
@@ -57,6 +63,10 @@ pub async fn setup(client: &Client, plan: &SetupPlan) -> Result<Vec<String>, Sou
     let mut report = Vec::new();
     check_settings(client, &mut report).await?;
     let table = check_table(client, plan, &mut report).await?;
+    if let Some(count) = plan.shards {
+        shards::setup(client, plan, &table, count, &mut report).await?;
+        return Ok(report);
+    }
     let created = ensure_publication(client, plan, table.relkind == "p", &mut report).await?;
     let publications = [plan.publication.clone()];
     for warning in catalog::publication_warnings(client, &plan.table, &table, &publications).await?
@@ -176,7 +186,8 @@ async fn ensure_publication(
         let (ins, upd, del, tru): (bool, bool, bool, bool) =
             (row.get(0), row.get(1), row.get(2), row.get(3));
         let publications = std::slice::from_ref(&plan.publication);
-        let mut m = catalog::membership(client, publications, t, &plan.columns.names()).await?;
+        let mut m =
+            catalog::membership(client, publications, t, &plan.columns.names(), None).await?;
         if ins && !m.included() && !publishes_table(client, &plan.publication, t).await? {
             // The table left the publication (ALTER PUBLICATION ... DROP
             // TABLE, or it was dropped and created again): put it back, as
@@ -194,7 +205,7 @@ async fn ensure_publication(
                 "added: {t} to publication {:?} (inserts committed while it was out were not streamed: re-send them with `cdc-relay backfill --since <when it left> --until <now>`; a running relay logs the exact command)",
                 plan.publication
             ));
-            m = catalog::membership(client, publications, t, &plan.columns.names()).await?;
+            m = catalog::membership(client, publications, t, &plan.columns.names(), None).await?;
         }
         if !ins || !m.included() {
             return Err(SourceError::Definite(format!(

@@ -11,20 +11,15 @@ use crate::outbox::{OutboxColumns, TableName};
 use crate::source::catalog::{self, OtherSlot, SlotInfo};
 use crate::source::{self, SourceError, failover};
 
+mod shards;
+
 /// `cdc-relay status`: prints [`status`] as text or JSON; returns the exit
 /// code (0 when no problem was found).
 pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     let client = connect(g).await?;
-    for url in &a.admin_url {
-        let ok = url
-            .parse::<http::Uri>()
-            .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
-        if !ok {
-            return Err(super::ConfigError(format!(
-                "--admin-url {url:?} is not an http:// URL with a host, e.g. http://10.0.0.7:9187"
-            ))
-            .into());
-        }
+    check_admin_urls(&a)?;
+    if let Some(count) = g.shards {
+        return shards::command(g, &a, &client, count).await;
     }
     let conn = g.conn().map_err(super::ConfigError)?;
     let mut s = status(
@@ -34,6 +29,7 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
         &g.publication,
         &g.table,
         &g.columns(),
+        None,
     )
     .await?;
     s.failover = failover::slot_failover(&client, &g.slot).await?;
@@ -50,14 +46,8 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     }
     s.dead_letters_waiting = dead_letters_waiting(&client).await?;
     relay_checks(&mut s, &a).await;
-    if s.wal_status.as_deref() == Some("unreserved") {
-        s.problems.push(Problem {
-            code: SLOT_AT_RISK,
-            message: format!(
-                "slot {} has wal_status unreserved: it needs more WAL than max_slot_wal_keep_size keeps, and the next checkpoint may remove it and invalidate the slot (recovery then needs a backfill). Get the relay delivering now, or raise max_slot_wal_keep_size and reload",
-                s.slot
-            ),
-        });
+    if let Some(p) = slot_at_risk(&s) {
+        s.problems.push(p);
         s.healthy = false;
     }
     if a.json {
@@ -66,6 +56,33 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
         outln!("{}", s.to_string().trim_end());
     }
     Ok(s.problems.first().map_or(0, |p| p.code))
+}
+
+/// Each `--admin-url` must be an http:// URL with a host.
+fn check_admin_urls(a: &StatusArgs) -> anyhow::Result<()> {
+    for url in &a.admin_url {
+        let ok = url
+            .parse::<http::Uri>()
+            .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
+        if !ok {
+            return Err(super::ConfigError(format!(
+                "--admin-url {url:?} is not an http:// URL with a host, e.g. http://10.0.0.7:9187"
+            ))
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// The exit-9 problem of a slot whose `wal_status` is unreserved.
+fn slot_at_risk(s: &Status) -> Option<Problem> {
+    (s.wal_status.as_deref() == Some("unreserved")).then(|| Problem {
+        code: SLOT_AT_RISK,
+        message: format!(
+            "slot {} has wal_status unreserved: it needs more WAL than max_slot_wal_keep_size keeps, and the next checkpoint may remove it and invalidate the slot (recovery then needs a backfill). Get the relay delivering now, or raise max_slot_wal_keep_size and reload",
+            s.slot
+        ),
+    })
 }
 
 /// Rows in `cdc_relay_dead_letter`; `None` when the table does not exist.
@@ -119,16 +136,35 @@ pub struct RelayEndpoint {
 /// Asks each admin endpoint and adds what stops delivery to `s.problems`
 /// (after the database's own, which are more fundamental).
 async fn relay_checks(s: &mut Status, a: &StatusArgs) {
-    let slot_usable = s.exists && s.problems.is_empty();
-    if slot_usable && !s.active {
-        s.problems.push(Problem {
-            code: NOT_DELIVERING,
-            message: format!(
-                "no relay streams from slot {}: start `cdc-relay run` (or see why it stopped: `systemctl status cdc-relay`, its log)",
-                s.slot
-            ),
-        });
+    if let Some(p) = unheld(s) {
+        s.problems.push(p);
     }
+    let active = s.active;
+    ask_relays(a, active, &mut s.relays, &mut s.problems).await;
+    s.healthy = s.problems.is_empty();
+}
+
+/// The exit-8 problem of a usable slot no relay streams from.
+fn unheld(s: &Status) -> Option<Problem> {
+    let slot_usable = s.exists && s.problems.is_empty();
+    (slot_usable && !s.active).then(|| Problem {
+        code: NOT_DELIVERING,
+        message: format!(
+            "no relay streams from slot {}: start `cdc-relay run` (or see why it stopped: `systemctl status cdc-relay`, its log)",
+            s.slot
+        ),
+    })
+}
+
+/// Asks each admin endpoint (`--admin-url`, else the local one) into
+/// `relays`, and adds what stops delivery to `problems`. `all_held`: every
+/// slot is streamed by some relay, so one waiting as a standby is fine.
+async fn ask_relays(
+    a: &StatusArgs,
+    all_held: bool,
+    relays: &mut Vec<RelayEndpoint>,
+    problems: &mut Vec<Problem>,
+) {
     let (urls, given) = if a.admin_url.is_empty() {
         let listen = std::env::var("CDC_RELAY_ADMIN_LISTEN")
             .ok()
@@ -144,18 +180,17 @@ async fn relay_checks(s: &mut Status, a: &StatusArgs) {
         let answered = !e.detail.starts_with("no answer");
         // A hot standby is not ready by design; while another relay
         // streams from the slot it is what an HA pair should look like.
-        let standing_by = e.standby && s.active;
+        let standing_by = e.standby && all_held;
         // The default (local) endpoint not answering is no problem of its
         // own: whether any relay streams is judged from the slot above.
         if !e.ready && !standing_by && (given || answered) {
-            s.problems.push(Problem {
+            problems.push(Problem {
                 code: NOT_DELIVERING,
                 message: format!("relay at {url}: {}", e.detail),
             });
         }
-        s.relays.push(e);
+        relays.push(e);
     }
-    s.healthy = s.problems.is_empty();
 }
 
 /// `GET {url}/readyz` and `/metrics`, 3 s each.
@@ -207,7 +242,10 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
         e.circuit_state = value("cdc_relay_circuit_state");
         e.oldest_unconfirmed_event_age_secs =
             value("cdc_relay_oldest_unconfirmed_event_age_seconds");
-        e.standby = value("cdc_relay_standby") == Some(1.0);
+        // A sharded relay labels each shard's series: a standby for every
+        // shard it does not stream, and not ready when it streams none.
+        e.standby = value("cdc_relay_standby") == Some(1.0)
+            || (!e.ready && e.detail.contains("waiting for a free one"));
     }
     e
 }
@@ -268,7 +306,9 @@ pub struct Status {
     pub problems: Vec<Problem>,
 }
 
-/// Reads the slot and the publications and diagnoses them for `table`.
+/// Reads the slot and the publications and diagnoses them for `table`;
+/// `row_filter` is the filter the publication must carry it with (`None`:
+/// none; a shard's when sharded).
 pub async fn status(
     client: &Client,
     conn: &source::ConnParams,
@@ -276,6 +316,7 @@ pub async fn status(
     publications: &[String],
     table: &TableName,
     columns: &OutboxColumns,
+    row_filter: Option<&str>,
 ) -> Result<Status, SourceError> {
     let info: Option<SlotInfo> = catalog::slot_info(client, slot).await?;
     let other_logical_slots = catalog::other_logical_slots(client, slot).await?;
@@ -315,7 +356,9 @@ pub async fn status(
         ),
         Some(_) => {}
     }
-    if let Err(e) = catalog::check_stream_config(client, table, columns, publications).await {
+    if let Err(e) =
+        catalog::check_stream_config(client, table, columns, publications, row_filter).await
+    {
         // The code `run` would exit with for the same finding (a payload
         // column of the wrong type is 5 there, a missing table 3).
         let text = e.to_string();
@@ -476,29 +519,7 @@ impl std::fmt::Display for Status {
             )?;
         }
         for r in &self.relays {
-            let circuit = match r.circuit_state {
-                Some(0.0) => ", circuit closed",
-                Some(1.0) => ", circuit OPEN",
-                Some(2.0) => ", circuit probing",
-                _ => "",
-            };
-            writeln!(
-                f,
-                "relay {}: {}{circuit}{}",
-                r.url,
-                if r.ready {
-                    "ready"
-                } else if r.standby {
-                    "hot standby, waiting for the slot"
-                } else {
-                    &r.detail
-                },
-                r.oldest_unconfirmed_event_age_secs
-                    .filter(|a| *a > 0.0)
-                    .map_or(String::new(), |a| format!(
-                        ", oldest unconfirmed event {a:.0} s old"
-                    ))
-            )?;
+            write_relay(f, r)?;
         }
         if let Some(n) = self.dead_letters_waiting {
             writeln!(
@@ -520,6 +541,33 @@ impl std::fmt::Display for Status {
             Ok(())
         }
     }
+}
+
+/// One line for what a relay's admin endpoint said.
+fn write_relay(f: &mut std::fmt::Formatter<'_>, r: &RelayEndpoint) -> std::fmt::Result {
+    let circuit = match r.circuit_state {
+        Some(0.0) => ", circuit closed",
+        Some(1.0) => ", circuit OPEN",
+        Some(2.0) => ", circuit probing",
+        _ => "",
+    };
+    writeln!(
+        f,
+        "relay {}: {}{circuit}{}",
+        r.url,
+        if r.ready {
+            "ready"
+        } else if r.standby {
+            "hot standby, waiting for the slot"
+        } else {
+            &r.detail
+        },
+        r.oldest_unconfirmed_event_age_secs
+            .filter(|a| *a > 0.0)
+            .map_or(String::new(), |a| format!(
+                ", oldest unconfirmed event {a:.0} s old"
+            ))
+    )
 }
 
 /// `bytes` for a reader: `512 bytes`, `1.5 KiB`, `12.0 MiB`, `3.2 GiB`
