@@ -174,3 +174,59 @@ pub async fn serve(
     };
     service_listener::serve(listener, router(relays), limits, shutdown).await;
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn shard(tag: &str) -> (Metrics, Arc<Health>) {
+        (
+            Metrics::for_shard(tag),
+            Health::new(Duration::from_secs(60)),
+        )
+    }
+
+    #[test]
+    fn a_sharded_process_is_ready_when_every_shard_it_streams_is() {
+        let (a, b) = (shard("0of2"), shard("1of2"));
+        let relays = Relays::sharded(
+            Metrics::new(),
+            Health::new(Duration::from_secs(60)),
+            vec![a.clone(), b.clone()],
+        );
+        let waiting = relays.ready().unwrap_err();
+        assert!(waiting.contains("waiting for a free one"), "{waiting}");
+
+        a.1.set_streaming(true, Duration::from_secs(30));
+        assert_eq!(
+            relays.ready(),
+            Ok(()),
+            "one shard streamed, the other held elsewhere"
+        );
+
+        b.1.set_streaming(true, Duration::from_secs(30));
+        b.0.circuit_state.set(1);
+        let open = relays.ready().unwrap_err();
+        assert!(
+            open.contains("shard 1of2") && open.contains("circuit"),
+            "{open}"
+        );
+
+        b.0.circuit_state.set(0);
+        a.1.halt(4, "slot lost");
+        let halted = relays.ready().unwrap_err();
+        assert!(halted.contains("exit code 4"), "{halted}");
+    }
+
+    #[test]
+    fn one_relay_reports_as_before() {
+        let health = Health::new(Duration::from_secs(60));
+        let relays = Relays::one(Metrics::new(), health.clone());
+        assert_eq!(relays.ready().unwrap_err(), "not streaming from the slot");
+        health.set_streaming(true, Duration::from_secs(30));
+        assert_eq!(relays.ready(), Ok(()));
+        assert!(!relays.render().contains("shard="));
+    }
+}

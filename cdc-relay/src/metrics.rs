@@ -497,6 +497,46 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_sharded_exposition_labels_each_shard_once_per_family() {
+        let process = Metrics::new();
+        let shards = [Metrics::for_shard("0of2"), Metrics::for_shard("1of2")];
+        shards[0].events_delivered.inc_by(3);
+        shards[1].events_delivered.inc_by(5);
+        process.secret_reloads.with_label_values(&["ok"]).inc();
+        let text = render_merged(&process, &shards);
+        assert!(
+            text.contains("cdc_relay_events_delivered_total{shard=\"0of2\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("cdc_relay_events_delivered_total{shard=\"1of2\"} 5"),
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("# TYPE cdc_relay_events_delivered_total ")
+                .count(),
+            1,
+            "one family, both shards' series: {text}"
+        );
+        // Process families come once, unlabelled; the shards' copies are
+        // left out.
+        assert!(
+            text.contains("cdc_relay_secret_reloads_total{result=\"ok\"} 1"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("cdc_relay_secret_reloads_total{result=\"ok\",shard="),
+            "{text}"
+        );
+        assert_eq!(text.matches("cdc_relay_build_info{").count(), 1, "{text}");
+        // Every other series carries a shard.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let process_family = PROCESS_FAMILIES.iter().any(|f| line.starts_with(f));
+            assert_eq!(!process_family, line.contains("shard=\""), "{line}");
+        }
+    }
+
+    #[test]
     fn renders_the_documented_names() {
         let m = Metrics::new();
         m.delivery_attempts
