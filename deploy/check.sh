@@ -7,8 +7,9 @@
 #   - Grafana: the dashboard is valid JSON.
 #   - Dashboard and alert rules name only metrics the code registers
 #     (cdc-relay/src/metrics.rs, the services' metrics).
-#   - systemd: `systemd-analyze verify` on the units, when systemd-analyze is
-#     installed (skipped with a note otherwise).
+#   - systemd: `systemd-analyze verify` on the units, and on instance 0 of
+#     each template unit (cdc-relay@.service as cdc-relay@0.service), when
+#     systemd-analyze is installed (skipped with a note otherwise).
 #   - Kubernetes (deploy/kubernetes/): yamllint over deploy/'s YAML; every
 #     manifest validated strictly against the Kubernetes schemas bundled in
 #     the PyPI package kubernetes-validate (the versions in K8S_VERSIONS),
@@ -150,12 +151,17 @@ if command -v systemd-analyze >/dev/null 2>&1; then
         done
         sed "s#/usr/local/bin/#$units/bin/#" "$unit" >"$units/$(basename "$unit")"
     done
+    # A template is verified as itself and as an instance (%i expanded).
+    instances=()
+    for template in "$units"/*@.service; do
+        [ -e "$template" ] && instances+=("${template%@.service}@0.service")
+    done
     # verify only warns about unknown keys and bad values: fail on any line
     # about our units too (lines about the host's own units are not ours).
-    out=$(systemd-analyze verify "$units"/*.service 2>&1) || fail "systemd-analyze verify:"$'\n'"$out"
-    ours=$(grep -E "$units|(cdc-relay|orders|billing)\.service" <<<"$out" || true)
+    out=$(systemd-analyze verify "$units"/*.service "${instances[@]}" 2>&1) || fail "systemd-analyze verify:"$'\n'"$out"
+    ours=$(grep -E "$units|(cdc-relay(@[^ ]*)?|orders|billing)\.service" <<<"$out" || true)
     [ -z "$ours" ] || fail "systemd-analyze verify:"$'\n'"$ours"
-    echo "   $(ls systemd/*.service | wc -l) units verified"
+    echo "   $(ls systemd/*.service | wc -l) units verified, ${#instances[@]} of them templates (also as instance 0)"
 else
     echo "   systemd-analyze not installed: skipped"
 fi
