@@ -13,8 +13,9 @@
 #   - Kubernetes (deploy/kubernetes/): yamllint over deploy/'s YAML; every
 #     manifest validated strictly against the Kubernetes schemas bundled in
 #     the PyPI package kubernetes-validate (the versions in K8S_VERSIONS),
-#     the objects' selectors, ports and labels checked against each other
-#     (kubernetes/validate.py); the PrometheusRule is exactly what
+#     the objects' selectors, ports and labels checked against each other,
+#     the replicas and the PodDisruptionBudget against the sharding in the
+#     ConfigMap (kubernetes/validate.py); the PrometheusRule is exactly what
 #     kubernetes/gen-prometheusrule.sh makes from prometheus/alerts.yml and
 #     carries the same rules; the Dockerfile builds with the Rust version of
 #     rust-toolchain.toml.

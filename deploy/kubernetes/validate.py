@@ -14,6 +14,10 @@
    ServiceMonitor scrapes the Service's port, the `slot` label comes from the
    label CDC_RELAY_SLOT reads.
 5. The PrometheusRule's groups equal deploy/prometheus/alerts.yml, parsed.
+6. The Deployment's replicas and the PodDisruptionBudget fit the sharding
+   in the ConfigMap: the pods that stream (shards / max-shards, rounded up;
+   1 unsharded) are the PDB's minAvailable, and replicas leave at least one
+   spare.
 
 Usage: validate.py KUBERNETES_VERSION...   (exit 1 on any failure)
 """
@@ -147,6 +151,46 @@ def check_rules(resources):
         print(f"   PrometheusRule: the same {n} rules as deploy/prometheus/alerts.yml")
 
 
+def setting(deploy, configmap, name):
+    """A CDC_RELAY_* value as the relay sees it: the container's env, else the ConfigMap's."""
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    for e in container.get("env", []):
+        if e["name"] == name:
+            return e.get("value")
+    return (configmap.get("data") or {}).get(name)
+
+
+def check_sharding(resources):
+    deploy = one(resources, "Deployment")
+    pdb = one(resources, "PodDisruptionBudget")
+    configmap = one(resources, "ConfigMap")
+    if not (deploy and pdb and configmap):
+        return
+    shards = setting(deploy, configmap, "CDC_RELAY_SHARDS")
+    max_shards = setting(deploy, configmap, "CDC_RELAY_MAX_SHARDS") or "1"
+    try:
+        shards = int(shards) if shards else None
+        max_shards = int(max_shards)
+    except ValueError:
+        fail(f"CDC_RELAY_SHARDS {shards!r} or CDC_RELAY_MAX_SHARDS {max_shards!r} is not a number")
+        return
+    if shards is None and max_shards > 1:
+        fail("CDC_RELAY_MAX_SHARDS is set without CDC_RELAY_SHARDS (the relay refuses that, exit 2)")
+        return
+    holders = 1 if shards is None else -(-shards // min(max_shards, shards))
+    replicas = deploy["spec"].get("replicas", 1)
+    min_available = pdb["spec"].get("minAvailable")
+    what = "one slot" if shards is None else f"{shards} shards, at most {max_shards} per pod"
+    if min_available != holders:
+        fail(f"PodDisruptionBudget minAvailable is {min_available!r}; with {what}, {holders} pod(s) stream and are Ready")
+    if replicas <= holders:
+        fail(f"Deployment replicas is {replicas}; with {what}, {holders} pod(s) stream: add at least one spare")
+    if "CDC_RELAY_STOP_AT_LSN" in {e["name"] for e in deploy["spec"]["template"]["spec"]["containers"][0].get("env", [])} \
+            or "CDC_RELAY_STOP_AT_LSN" in (configmap.get("data") or {}):
+        fail("CDC_RELAY_STOP_AT_LSN is for a resharding only (docs/operations.md#resharding), not the manifests")
+    print(f"   sharding: {what}: {holders} streaming pod(s) (PDB minAvailable), {replicas - holders} spare(s)")
+
+
 def main():
     versions = sys.argv[1:]
     if not versions:
@@ -155,6 +199,7 @@ def main():
     check_schemas(resources, versions)
     check_wiring(resources)
     check_rules(resources)
+    check_sharding(resources)
     if failures:
         sys.exit(f"deploy/kubernetes: {len(failures)} problem(s)")
 
