@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::{ConfigError, connect, outln};
 use crate::cli::{GlobalArgs, PruneArgs};
 use crate::prune::{self, Batch, Probe, Proof, PruneError, PrunePlan, Target};
-use crate::source::{SourceError, catalog};
+use crate::source::{SourceError, catalog, shards};
 
 /// Pause between two looks at the slot while waiting for it to pass a mark.
 const PROOF_POLL: Duration = Duration::from_millis(250);
@@ -78,6 +78,14 @@ fn exit_code(e: &anyhow::Error) -> u8 {
 }
 
 async fn prune_table(g: &GlobalArgs, a: &PruneArgs) -> anyhow::Result<()> {
+    // One shard's slot proves nothing about the other shards' rows.
+    if g.shards.is_some() || shards::is_shard_slot(&g.slot) {
+        return Err(ConfigError(format!(
+            "prune does not support sharded slots yet (--shards, or --slot {:?}): one shard's slot proves nothing about the rows of the others. Delete by hand under the conditions in docs/operations.md#sharding",
+            g.slot
+        ))
+        .into());
+    }
     let started = Instant::now();
     let plan = a.plan(g);
     let mut client = connect(g).await?;

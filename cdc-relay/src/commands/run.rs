@@ -106,11 +106,11 @@ async fn serve_and_run(
         metrics.clone(),
     ));
     let signer = sink.signing().current();
-    let shards = sharding.map(|(count, max)| format!("{max} of {count}"));
     tracing::info!(
         source = %cfg.conn.display(), slot = %cfg.slot, sink = %sink.display_url(), admin = %addr,
         max_in_flight = cfg.dispatch.max_in_flight, signature_scheme = %signer.scheme(),
-        keys = %signer.keys(), shards = shards.as_deref().unwrap_or("unsharded"), "cdc-relay starting"
+        keys = %signer.keys(), shards = sharding.map_or(0, |(count, _)| count),
+        max_shards = sharding.map_or(0, |(_, max)| max), "cdc-relay starting"
     );
     if let Some(schedule) = prune {
         tracing::info!(
@@ -130,14 +130,15 @@ async fn serve_and_run(
             tracing::info!("stopped");
             0
         }
-        Err(e) => {
+        Err(failed) => {
+            let (e, failed) = &**failed;
             let code = exit_code(e);
             tracing::error!(error = %e, code, "stopping");
             eprintln!("error: {e}");
             // 3-7 need an operator (the unit does not restart them); 1 exits
             // so the unit's restart can retry it.
             if a.on_fatal == OnFatal::Linger && code >= 3 && !shutdown.is_cancelled() {
-                linger(code, e, &metrics, &health, &shutdown).await;
+                linger(code, e, &metrics, failed, &health, &shutdown).await;
             }
             code
         }
@@ -195,35 +196,42 @@ async fn run_relays(
     units: Vec<Unit>,
     sink: HttpSink,
     shutdown: &CancellationToken,
-) -> Result<(), RelayError> {
+) -> Result<(), Box<(RelayError, Metrics)>> {
     let stop = shutdown.child_token();
     let mut relays = tokio::task::JoinSet::new();
     for (cfg, metrics, health) in units {
         let sink = sink.clone().with_metrics(metrics.clone());
-        relays.spawn(relay::run(cfg, sink, metrics, health, stop.clone()));
+        let stop = stop.clone();
+        relays.spawn(async move {
+            let outcome = relay::run(cfg, sink, metrics.clone(), health, stop).await;
+            outcome.map_err(|e| Box::new((e, metrics)))
+        });
     }
     let mut result = Ok(());
     while let Some(done) = relays.join_next().await {
         let outcome = done.unwrap_or_else(|e| {
-            Err(SourceError::Definite(format!("a relay task failed: {e}")).into())
+            let e = SourceError::Definite(format!("a relay task failed: {e}")).into();
+            Err(Box::new((e, Metrics::new())))
         });
-        if let Err(e) = outcome
+        if let Err(failed) = outcome
             && result.is_ok()
         {
             stop.cancel();
-            result = Err(e);
+            result = Err(failed);
         }
     }
     result
 }
 
 /// `--on-fatal linger`: the relay stopped for good with `code`; export
-/// that (and, for a lost slot, the slot's state) and fail `/readyz` until
-/// `shutdown`, so an alert sees a relay that would otherwise be gone.
+/// that on the process's `metrics` (and, for a lost slot, the slot's state
+/// on the `failed` relay's: the shard's, with shards) and fail `/readyz`
+/// until `shutdown`, so an alert sees a relay that would otherwise be gone.
 async fn linger(
     code: u8,
     e: &RelayError,
     metrics: &Metrics,
+    failed: &Metrics,
     health: &Health,
     shutdown: &CancellationToken,
 ) {
@@ -233,9 +241,10 @@ async fn linger(
         .set(1);
     if let RelayError::Source(SourceError::SlotInvalidated { .. }) = e {
         for status in ["reserved", "extended", "unreserved"] {
-            metrics.slot_wal_status.with_label_values(&[status]).set(0);
+            failed.slot_wal_status.with_label_values(&[status]).set(0);
         }
-        metrics.slot_wal_status.with_label_values(&["lost"]).set(1);
+        failed.slot_wal_status.with_label_values(&["lost"]).set(1);
+        failed.standby.set(0);
     }
     health.halt(code, &e.to_string());
     tracing::error!(

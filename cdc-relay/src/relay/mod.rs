@@ -149,6 +149,8 @@ pub async fn run(
     let breaker = Breaker::new(cfg.dispatch.breaker.clone(), metrics.clone());
     // Where this process left the slot when its last session ended.
     let mut left: Option<LeftAt> = None;
+    // A hot standby's connection for its polls.
+    let mut poller: Option<tokio_postgres::Client> = None;
     loop {
         if shutdown.is_cancelled() {
             return Ok(());
@@ -157,9 +159,17 @@ pub async fn run(
         // A shard relay may claim its slot only while the process streams
         // fewer than --max-shards.
         let permit = match &cfg.claims {
-            Some(claims) => tokio::select! {
-                permit = Arc::clone(claims).acquire_owned() => permit.ok(),
-                _ = shutdown.cancelled() => return Ok(()),
+            Some(claims) => match Arc::clone(claims).try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    // At --max-shards: this shard waits like a hot standby
+                    // (its slot figures are stale, so alerts skip them).
+                    metrics.standby.set(1);
+                    tokio::select! {
+                        permit = Arc::clone(claims).acquire_owned() => permit.ok(),
+                        _ = shutdown.cancelled() => return Ok(()),
+                    }
+                }
             },
             None => None,
         };
@@ -195,17 +205,28 @@ pub async fn run(
             Err(RelayError::Source(e)) if !e.is_definite() => e,
             Err(other) => return Err(other),
         };
-        let delay = if let SourceError::SlotActive { pid, .. } = &source_err {
+        let delay = if let SourceError::SlotActive { pid, .. }
+        | SourceError::OtherSplitActive { pid, .. } = &source_err
+        {
             // Another relay streams the slot: from now on its progress is
             // its own, not something this process left undone.
             left = None;
             metrics.standby.set(1);
             if !standby_logged {
-                tracing::info!(slot = %cfg.slot, active_pid = %crate::shown(pid), "slot is held by another process; waiting as hot standby");
+                match &source_err {
+                    SourceError::OtherSplitActive { other, .. } => {
+                        tracing::info!(slot = %cfg.slot, other_slot = %other, active_pid = %crate::shown(pid), "a slot of another split streams (a reshard: the old split must stop first); waiting as hot standby");
+                    }
+                    _ => {
+                        tracing::info!(slot = %cfg.slot, active_pid = %crate::shown(pid), "slot is held by another process; waiting as hot standby");
+                    }
+                }
                 standby_logged = true;
             }
-            // Poll often enough to take over within ~1 s of the active relay dying.
-            Duration::from_millis(rand::rng().random_range(250..750))
+            if !wait_while_blocked(&cfg, &mut poller, &shutdown).await {
+                return Ok(());
+            }
+            continue;
         } else {
             standby_logged = false;
             metrics
@@ -219,6 +240,71 @@ pub async fn run(
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = shutdown.cancelled() => return Ok(()),
+        }
+    }
+}
+
+/// The hot-standby error for what keeps `cfg`'s relay from streaming now
+/// ([`shards::blocker`]), `None` when nothing does.
+async fn blocked(
+    client: &tokio_postgres::Client,
+    cfg: &RelayConfig,
+) -> Result<Option<SourceError>, SourceError> {
+    let (base, split) = match &cfg.shard {
+        Some(s) => (s.slot_base.as_str(), Some(s.shard)),
+        None => (cfg.slot.as_str(), None),
+    };
+    Ok(shards::blocker(client, &cfg.slot, base, split)
+        .await?
+        .map(|(holder, pid)| {
+            if holder == cfg.slot {
+                SourceError::SlotActive { slot: holder, pid }
+            } else {
+                SourceError::OtherSplitActive {
+                    slot: cfg.slot.clone(),
+                    other: holder,
+                    pid,
+                }
+            }
+        }))
+}
+
+/// A hot standby's wait: polls [`blocked`] every 250-750 ms on one kept
+/// connection (not a new one per poll) and returns once nothing blocks,
+/// at shutdown, or when the poll fails (the next session attempt then
+/// reconnects and reports). Returns `false` at shutdown.
+async fn wait_while_blocked(
+    cfg: &RelayConfig,
+    poller: &mut Option<tokio_postgres::Client>,
+    shutdown: &CancellationToken,
+) -> bool {
+    loop {
+        // Take over within ~1 s of the active relay dying.
+        let pause = Duration::from_millis(rand::rng().random_range(250..750));
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = shutdown.cancelled() => return false,
+        }
+        if poller.as_ref().is_none_or(|c| c.is_closed()) {
+            let connect = source::connect_primary(&cfg.conn, &cfg.application_name);
+            match tokio::time::timeout(cfg.conn.connect_timeout * 2, connect).await {
+                Ok(Ok((client, _closed, _server))) => *poller = Some(client),
+                _ => return true,
+            }
+        }
+        let Some(client) = poller.as_ref() else {
+            return true;
+        };
+        match tokio::time::timeout(Duration::from_secs(5), blocked(client, cfg)).await {
+            Ok(Ok(Some(_))) => {}
+            Ok(Ok(None)) => {
+                *poller = None;
+                return true;
+            }
+            _ => {
+                *poller = None;
+                return true;
+            }
         }
     }
 }
@@ -528,14 +614,11 @@ impl Session<'_> {
             tracing::info!(slot = %cfg.slot, confirmed_flush_lsn = %confirmed, stop_at_lsn = %at, "the slot is confirmed at or past --stop-at-lsn: nothing to stream");
             return Ok(None);
         }
-        // Held by another process: START_REPLICATION would refuse it (and
-        // stays the lock); a hot standby polls here without the checks
-        // below.
-        if slot.active {
-            return Err(SourceError::SlotActive {
-                slot: cfg.slot.clone(),
-                pid: slot.active_pid,
-            });
+        // Held by another process (START_REPLICATION would refuse it, and
+        // stays the lock), or another split streams: wait as a hot standby
+        // without the checks below.
+        if let Some(blocked) = blocked(&side, cfg).await? {
+            return Err(blocked);
         }
         if !recovered {
             recovery::check_not_jumped(&side, cfg, self.holder, &slot, left).await?;

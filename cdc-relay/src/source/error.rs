@@ -34,6 +34,21 @@ pub enum SourceError {
         /// The active walsender's pid, when known.
         pid: Option<i32>,
     },
+    /// A slot of another split of the same `--slot` base streams (a reshard
+    /// in progress, or a relay of the old split left running): this relay
+    /// waits until it stops, so one aggregate is never sent by both.
+    #[error(
+        "slot {other:?} of another split of {slot:?} is streaming (pid {}): a relay of the old split still runs; this one starts once it stops (docs/operations.md#resharding)",
+        crate::shown(.pid)
+    )]
+    OtherSplitActive {
+        /// This relay's slot.
+        slot: String,
+        /// The other split's active slot.
+        other: String,
+        /// Its walsender's pid, when known.
+        pid: Option<i32>,
+    },
     /// The server invalidated the slot (`wal_status = lost`, or an
     /// `invalidation_reason`): it can never stream again.
     #[error(
@@ -132,6 +147,7 @@ impl SourceError {
         match self {
             SourceError::SlotMissing { .. } => "slot_missing",
             SourceError::SlotActive { .. } => "slot_active",
+            SourceError::OtherSplitActive { .. } => "other_split_active",
             SourceError::SlotInvalidated { .. } => "slot_invalidated",
             SourceError::SlotPredatesPublication { .. } => "slot_predates_publication",
             SourceError::SlotJumped { .. } => "slot_jumped",

@@ -92,6 +92,63 @@ pub fn filter(bucket: &str, shard: Shard) -> String {
     format!("({bucket} = {})", shard.index)
 }
 
+/// What keeps a relay of `slot` from streaming now: the slot itself held
+/// by another process, or a slot of ANOTHER split of the same base
+/// (`base` unsharded, or `base_<k>of<M>` with another M) held by one —
+/// during a reshard the old split must have stopped before the new one
+/// streams, or an aggregate's events could go out of order
+/// (`docs/operations.md#resharding`). `split`: this relay's shard, `None`
+/// unsharded. Returns the holder's slot and walsender pid. One statement
+/// over `pg_replication_slots`: a hot standby's poll.
+pub async fn blocker(
+    client: &Client,
+    slot: &str,
+    base: &str,
+    split: Option<Shard>,
+) -> Result<Option<(String, Option<i32>)>, SourceError> {
+    let active = client
+        .query(
+            "SELECT slot_name::text, active_pid FROM pg_replication_slots \
+             WHERE active AND slot_type = 'logical' AND database = current_database()",
+            &[],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading which slots are active", &e))?;
+    let held: Vec<(String, Option<i32>)> = active.iter().map(|r| (r.get(0), r.get(1))).collect();
+    if let Some(own) = held.iter().find(|(name, _)| name == slot) {
+        return Ok(Some(own.clone()));
+    }
+    Ok(held
+        .into_iter()
+        .find(|(name, _)| other_split(name, base, split)))
+}
+
+/// Whether `slot` is named like a shard's slot (`<base>_<k>of<N>`).
+pub fn is_shard_slot(slot: &str) -> bool {
+    slot.rsplit_once('_')
+        .is_some_and(|(base, _)| !base.is_empty() && other_split(slot, base, None))
+}
+
+/// Whether `name` is a slot of a split of `base` other than `split`'s.
+fn other_split(name: &str, base: &str, split: Option<Shard>) -> bool {
+    if name == base {
+        return split.is_some();
+    }
+    let Some(tag) = name
+        .strip_prefix(base)
+        .and_then(|rest| rest.strip_prefix('_'))
+    else {
+        return false;
+    };
+    let Some((index, count)) = tag.split_once("of") else {
+        return false;
+    };
+    let (Ok(index), Ok(count)) = (index.parse::<u32>(), count.parse::<u32>()) else {
+        return false;
+    };
+    index < count && split.is_none_or(|s| s.count != count)
+}
+
 /// How to hash one column in a row filter.
 struct ColumnHash {
     /// The built-in hash function, e.g. `hashtext`.
@@ -377,6 +434,43 @@ mod tests {
             Shard::all(3).map(|s| s.tag()).collect::<Vec<_>>(),
             ["0of3", "1of3", "2of3"]
         );
+    }
+
+    #[test]
+    fn another_split_of_the_same_base_blocks_and_nothing_else_does() {
+        let two = Some(Shard { index: 0, count: 2 });
+        assert!(
+            other_split("cdc_relay", "cdc_relay", two),
+            "the unsharded slot"
+        );
+        assert!(
+            other_split("cdc_relay_3of4", "cdc_relay", two),
+            "the old 4-split"
+        );
+        assert!(
+            !other_split("cdc_relay_1of2", "cdc_relay", two),
+            "a sibling"
+        );
+        assert!(
+            other_split("cdc_relay_1of2", "cdc_relay", None),
+            "unsharded vs a split"
+        );
+        assert!(!other_split("cdc_relay", "cdc_relay", None), "itself");
+        assert!(is_shard_slot("cdc_relay_2of4"));
+        assert!(
+            !is_shard_slot("cdc_relay")
+                && !is_shard_slot("cdc_relay_4of4")
+                && !is_shard_slot("_0of2")
+        );
+        for unrelated in [
+            "cdc_relay_x",
+            "cdc_relay2_0of2",
+            "other_0of4",
+            "cdc_relay_4of4",
+            "cdc_relay_aof4",
+        ] {
+            assert!(!other_split(unrelated, "cdc_relay", two), "{unrelated}");
+        }
     }
 
     #[test]
