@@ -30,12 +30,15 @@
 //! down, commit-to-invoice latency, peak slot lag).
 //!
 //! Entry points: the `chaos` binary (the full run) and the `chaos` system
-//! test (the same schedule compressed, on every CI).
+//! test (the same schedule compressed, on every CI). [`shards`] is the
+//! sharded variant of issue 16 (relay kills only, over N shards and a pool
+//! of relays; `chaos --shards N`).
 
 pub mod front;
 pub mod load;
 pub mod report;
 pub mod schedule;
+pub mod shards;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -829,8 +832,8 @@ async fn keep_logs(world: &World, cluster: &PgCluster, dir: &Path) -> anyhow::Re
     Ok(())
 }
 
-/// Writes the report as pretty JSON to `path`.
-pub fn write_json(report: &Report, path: &Path) -> anyhow::Result<()> {
+/// Writes a report as pretty JSON to `path`.
+pub fn write_json(report: &impl serde::Serialize, path: &Path) -> anyhow::Result<()> {
     let text = serde_json::to_string_pretty(report)?;
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }

@@ -310,3 +310,106 @@ impl Step {
         }
     }
 }
+
+/// One committed event of the sequenced producer.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqEvent {
+    /// The event id.
+    pub id: Uuid,
+    /// `outbox.aggregate_id`: what the shard is chosen by.
+    pub aggregate: Uuid,
+    /// Position in its aggregate, from 0, in commit order.
+    pub seq: u32,
+}
+
+/// What the sequenced producer recorded.
+#[derive(Debug, Default, Clone)]
+pub struct SeqTally {
+    /// Events whose COMMIT returned OK.
+    pub committed: Vec<SeqEvent>,
+    /// Aggregates begun (their first event committed).
+    pub aggregates: usize,
+    /// Transactions whose outcome is unknown (the connection failed); the
+    /// aggregate is abandoned there.
+    pub unknown_tx: usize,
+}
+
+/// A producer of several events per aggregate, each in its own
+/// transaction, back to back: the order the relay must keep per aggregate.
+///
+/// Billing takes only `OrderCreated` and invoices each `data.order_id`
+/// once, so event `seq` of aggregate `A` is an `OrderCreated` for a child
+/// order of its own (`A` itself for `seq` 0), with `outbox.aggregate_id =
+/// A` and `data.seq`/`data.aggregate` telling the position. Every event is
+/// a distinct invoice; the shard is chosen by `A`.
+pub struct SeqLoad {
+    stop: Arc<AtomicBool>,
+    tally: Arc<Mutex<SeqTally>>,
+    task: JoinHandle<()>,
+}
+
+impl SeqLoad {
+    /// Starts `aggregates_per_sec` aggregates per second of `events` events
+    /// each, as the Orders role (`url`).
+    pub fn start(url: String, aggregates_per_sec: f64, events: u32) -> SeqLoad {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tally = Arc::new(Mutex::new(SeqTally::default()));
+        let task = {
+            let (stop, tally) = (Arc::clone(&stop), Arc::clone(&tally));
+            tokio::spawn(async move {
+                let mut client: Option<tokio_postgres::Client> = None;
+                let period = Duration::from_secs_f64(1.0 / aggregates_per_sec);
+                let mut tick = tokio::time::interval(period);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                while !stop.load(Ordering::SeqCst) {
+                    tick.tick().await;
+                    if client.as_ref().is_none_or(|c| c.is_closed()) {
+                        client = crate::connect(&url).await.ok();
+                    }
+                    let Some(c) = client.as_ref() else { continue };
+                    if !write_aggregate(c, events, &tally).await {
+                        client = None;
+                    }
+                }
+            })
+        };
+        SeqLoad { stop, tally, task }
+    }
+
+    /// Stops and returns the tally.
+    pub async fn stop(self) -> SeqTally {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = tokio::time::timeout(Duration::from_secs(15), self.task).await;
+        self.tally.lock().expect("seq lock").clone()
+    }
+}
+
+/// Commits the `events` events of one new aggregate, one transaction each;
+/// `false` when a transaction failed (the rest of the aggregate is dropped).
+async fn write_aggregate(c: &tokio_postgres::Client, events: u32, tally: &Mutex<SeqTally>) -> bool {
+    let aggregate = Uuid::new_v4();
+    for seq in 0..events {
+        let (order, id) = if seq == 0 {
+            (aggregate, Uuid::new_v4())
+        } else {
+            (Uuid::new_v4(), Uuid::new_v4())
+        };
+        let amount = 100 + i64::from(seq);
+        let sql = format!(
+            "BEGIN;\
+             INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', {amount}, 'EUR');\
+             INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{id}', '{aggregate}', 'OrderCreated', \
+             '{{\"order_id\":\"{order}\",\"amount_cents\":{amount},\"currency\":\"EUR\",\"aggregate\":\"{aggregate}\",\"seq\":{seq}}}');\
+             COMMIT;"
+        );
+        let ok = c.batch_execute(&sql).await.is_ok();
+        let mut tl = tally.lock().expect("seq lock");
+        if !ok {
+            tl.unknown_tx += 1;
+            return false;
+        }
+        tl.aggregates += usize::from(seq == 0);
+        tl.committed.push(SeqEvent { id, aggregate, seq });
+    }
+    true
+}

@@ -171,7 +171,7 @@ pub struct Stats {
 }
 
 impl Stats {
-    fn of(mut v: Vec<f64>) -> Stats {
+    pub(crate) fn of(mut v: Vec<f64>) -> Stats {
         v.sort_by(f64::total_cmp);
         Stats {
             n: v.len(),
