@@ -735,8 +735,25 @@ async fn four_shards_over_two_relays_keep_aggregate_order_and_a_spare_takes_over
             "relay_a delivered {delivered} on shard {tag} held by {holder:?}"
         );
     }
+    let build_info: Vec<_> = metrics
+        .samples()
+        .iter()
+        .filter(|s| s.name == "cdc_relay_build_info")
+        .collect();
+    assert!(
+        build_info.len() == 1 && build_info[0].label("shard").is_none(),
+        "a process family stays one unlabelled series: {build_info:?}"
+    );
     let (code, body) = spare.get("/readyz").await?;
     assert_eq!(code, 503, "still standing by: {body}");
+    let standby = spare.metrics().await?;
+    for tag in &tags {
+        assert_eq!(
+            standby.value("cdc_relay_standby", &[("shard", tag)]),
+            Some(1.0),
+            "the spare stands by on shard {tag}"
+        );
+    }
 
     let load = Load::start(&stack, aggregates.clone(), 100, Some(10)).await?;
     load.wait_more(50).await?;
@@ -773,6 +790,20 @@ async fn four_shards_over_two_relays_keep_aggregate_order_and_a_spare_takes_over
     );
     let (code, body) = spare.get("/readyz").await?;
     assert_eq!(code, 200, "the spare streams now: {body}");
+    let standby = spare.metrics().await?;
+    for (slot, holder) in &after {
+        let tag = slot.rsplit('_').next().unwrap_or_default();
+        let expected = if holder.as_deref() == Some("spare") {
+            0.0
+        } else {
+            1.0
+        };
+        assert_eq!(
+            standby.value("cdc_relay_standby", &[("shard", tag)]),
+            Some(expected),
+            "the spare's standby gauge on shard {tag}, held by {holder:?}"
+        );
+    }
     assert!(
         took_over <= TAKEOVER_BOUND,
         "the spare took over {took_over:?} after the SIGKILL"
@@ -856,6 +887,84 @@ async fn resharding_one_slot_into_four_under_load_loses_nothing_and_keeps_aggreg
     assert_eq!(status.code(), Some(0), "{}", status.text());
     stop(&mut sharded).await?;
     drop_slots(&s.db, &slots).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resharding_four_shards_into_two_stops_every_old_shard_even_idle_ones_and_loses_nothing()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let db = stack.orders_admin().await?;
+    let (old_slots, new_slots) = (shard_names(&stack.slot, 4), shard_names(&stack.slot, 2));
+    let setup = admin_command(&stack, &["setup", "--shards", "4"]).await?;
+    assert!(setup.success(), "{}", setup.text());
+    let sink = ScriptedSink::start().await?;
+    let mut old = start_sharded(&stack, &sink.url, 4, 4, "old").await?;
+    wait_until("the old relay to stream all 4 shards", CLAIM, || async {
+        holders(&db, &old_slots)
+            .await
+            .map(|h| held_by(&h, "old").len() == 4)
+    })
+    .await?;
+    // Every event goes to old shard 0: shards 1-3 see no row after the
+    // reshard's LSN, and must stop all the same.
+    orders(&db, 40).await?;
+    let aggregates: Vec<Uuid> = db
+        .query(
+            "SELECT id FROM orders WHERE ((uuid_hash(id) & 2147483647) % 4) = 0",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    anyhow::ensure!(!aggregates.is_empty(), "no order in old shard 0 of 40");
+    let load = Load::start(&stack, aggregates, 1, None).await?;
+    load.wait_more(100).await?;
+    let setup = admin_command(&stack, &["setup", "--shards", "2"]).await?;
+    assert!(setup.success(), "setup --shards 2:\n{}", setup.text());
+    let start = start_lsn(&setup.stdout)?;
+    load.wait_more(50).await?;
+    stop(&mut old).await?;
+    let mut old = app::start_relay(
+        &stack,
+        &sink.url,
+        &[
+            "--shards",
+            "4",
+            "--max-shards",
+            "4",
+            "--stop-at-lsn",
+            &start,
+        ],
+    )
+    .await?;
+    let status = old.process.wait_exit(EXIT).await?;
+    assert!(
+        status.success(),
+        "the old relays at --stop-at-lsn {start} exited {status}:\n{}",
+        old.process.logs()
+    );
+    let confirmed = confirmed(&db, &old_slots).await?;
+    assert!(
+        confirmed
+            .iter()
+            .all(|&c| c >= lsn_bytes(&start).unwrap_or(u64::MAX)),
+        "an old shard stopped before {start}: {confirmed:?}"
+    );
+
+    let mut new = start_sharded(&stack, &sink.url, 2, 2, "new").await?;
+    wait_until("the new relay to stream both shards", CLAIM, || async {
+        holders(&db, &new_slots)
+            .await
+            .map(|h| held_by(&h, "new").len() == 2)
+    })
+    .await?;
+    load.wait_more(150).await?;
+    let ids = load.stop().await?;
+    wait_delivered(&sink, &ids).await?;
+    assert_in_order(&sink);
+    stop(&mut new).await?;
+    drop_slots(&db, &[old_slots, new_slots].concat()).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
