@@ -968,6 +968,102 @@ async fn resharding_four_shards_into_two_stops_every_old_shard_even_idle_ones_an
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_filter_changed_while_streaming_fails_readiness_names_the_backfill_and_holds_that_shard()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let db = stack.orders_admin().await?;
+    let slots = shard_names(&stack.slot, 2);
+    let setup = admin_command(&stack, &["setup", "--shards", "2"]).await?;
+    assert!(setup.success(), "{}", setup.text());
+    let sink = ScriptedSink::start().await?;
+    let mut relay = start_sharded(&stack, &sink.url, 2, 2, "relay").await?;
+    wait_until("the relay to stream both shards", CLAIM, || async {
+        holders(&db, &slots)
+            .await
+            .map(|h| held_by(&h, "relay").len() == 2)
+    })
+    .await?;
+    orders(&db, 40).await?;
+    let bucket = |b: i32| {
+        let db = &db;
+        async move {
+            let row = db
+                .query_one(
+                    "SELECT id FROM orders WHERE ((uuid_hash(id) & 2147483647) % 4) = $1 LIMIT 1",
+                    &[&b],
+                )
+                .await?;
+            anyhow::Ok(row.get::<_, Uuid>(0))
+        }
+    };
+    let (kept, lost) = (bucket(1).await?, bucket(3).await?);
+    let first = vec![insert_seq(&db, Some(kept), 1).await?];
+    wait_delivered(&sink, &first).await?;
+
+    // Shard 1 of 2 (buckets 1 and 3 of 4) now keeps bucket 1 only: an
+    // event of bucket 3 is never streamed (pgoutput decodes with the
+    // catalog of its time; holding the slot cannot bring it back). The
+    // relay must notice at its next monitor reading (15 s), fail
+    // readiness, name the filter and the backfill that re-sends the event,
+    // and confirm nothing further on that shard.
+    db.batch_execute(&format!(
+        "ALTER PUBLICATION {}_1of2 SET TABLE outbox WHERE \
+         (((coalesce(uuid_hash(aggregate_id), uuid_hash(id), 0) & 2147483647) % 4) = 1)",
+        stack.publication
+    ))
+    .await?;
+    let dropped = insert_seq(&db, Some(lost), 1).await?;
+    wait_until(
+        "the relay to fail /readyz after shard 1's filter changed",
+        Duration::from_secs(40),
+        || async { relay.get("/readyz").await.map(|(code, _)| code == 503) },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e:#}\nthe relay's log:\n{}", relay.process.logs()))?;
+    let logs = relay.process.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("not this shard's"))
+        .with_context(|| format!("the relay names the changed filter:\n{logs}"))?;
+    let since = line
+        .split("backfill --since '")
+        .nth(1)
+        .and_then(|rest| rest.split('\'').next())
+        .with_context(|| format!("no backfill --since in {line:?}"))?;
+    let covered: bool = db
+        .query_one(
+            "SELECT $1::text::timestamptz <= occurred_at FROM outbox WHERE id::text = $2",
+            &[&since, &dropped],
+        )
+        .await?
+        .get(0);
+    assert!(
+        covered,
+        "backfill --since {since} misses the event left out ({dropped})"
+    );
+
+    let held = slot_position(&db, &slots[1]).await?.confirmed;
+    let later = vec![
+        insert_seq(&db, Some(kept), 2).await?,
+        insert_seq(&db, Some(bucket(0).await?), 1).await?,
+    ];
+    wait_delivered(&sink, &later).await?;
+    harness::oracle::settle(&db, &slots[0]).await?;
+    assert_eq!(
+        slot_position(&db, &slots[1]).await?.confirmed,
+        held,
+        "shard 1 confirms nothing further while its filter is wrong"
+    );
+    assert!(
+        !harness::oracle::arrival_ids(&sink.delivered()).contains(&dropped),
+        "the event the changed filter left out cannot have been streamed"
+    );
+    relay.process.sigterm();
+    relay.process.wait_exit(EXIT).await?;
+    drop_slots(&db, &slots).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sharded_run_refuses_flags_it_cannot_honour_with_exit_2_naming_them() -> anyhow::Result<()>
 {
     let stack = PgCluster::shared().create_stack().await?;
