@@ -1042,17 +1042,20 @@ async fn a_shard_filter_changed_while_streaming_fails_readiness_names_the_backfi
         "backfill --since {since} misses the event left out ({dropped})"
     );
 
-    let held = slot_position(&db, &slots[1]).await?.confirmed;
+    // Whatever the relay confirmed before it noticed may still reach the
+    // server (status updates go out every second), but nothing it reads
+    // from now on: the slot stays before this position.
+    let noticed = harness::oracle::wal_position(&db).await?;
     let later = vec![
         insert_seq(&db, Some(kept), 2).await?,
         insert_seq(&db, Some(bucket(0).await?), 1).await?,
     ];
     wait_delivered(&sink, &later).await?;
     harness::oracle::settle(&db, &slots[0]).await?;
-    assert_eq!(
-        slot_position(&db, &slots[1]).await?.confirmed,
-        held,
-        "shard 1 confirms nothing further while its filter is wrong"
+    let confirmed = slot_position(&db, &slots[1]).await?.confirmed;
+    assert!(
+        confirmed <= noticed,
+        "shard 1 confirms nothing further while its filter is wrong: confirmed at {confirmed}, past {noticed}"
     );
     assert!(
         !harness::oracle::arrival_ids(&sink.delivered()).contains(&dropped),
