@@ -1,7 +1,9 @@
 //! Hash-sharded slots (issue 16): `setup --shards N` makes N filtered
 //! publications and N slots and proves their filters cover every row once;
 //! `status --shards` and `run --shards` refuse a split that would lose or
-//! double rows; `run --shards N --max-shards K` spreads the shards over
+//! double rows, and a relay whose shard filter is changed while it streams
+//! stops confirming that shard and names the backfill; `run --shards N
+//! --max-shards K` spreads the shards over
 //! processes, a spare takes over a SIGKILLed holder's shards, and each
 //! aggregate's events keep their order; resharding from one slot to four
 //! under load through `--stop-at-lsn` loses nothing and keeps that order.
