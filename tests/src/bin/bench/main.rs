@@ -30,7 +30,13 @@
 //! - **f** retention (issue 17): `cdc-relay prune` deleting a delivered,
 //!   month-old backlog (1,000,000 rows; 100,000 with `--quick`) while the
 //!   relay delivers 1000 orders/s to a null sink: the relay's commit→2xx
-//!   p99 with and without the prune running, and the prune's rate.
+//!   p99 with and without the prune running, and the prune's rate;
+//! - **g** scaling with shards (issue 16): a backlog drained by one
+//!   unsharded relay, then by 2 and 4 relays over `--shards N`
+//!   (`--max-shards 1` each), every relay on one worker thread at
+//!   `--max-in-flight 4`, into a sink answering after a fixed 2 ms:
+//!   delivered events/s, the speed-up over one relay, and the walsenders'
+//!   CPU per event (each slot decodes the whole WAL).
 //!
 //! The baseline (see `baseline.rs`) runs as a child process of this
 //! binary (`bench baseline-worker`), in three variants: the tutorial's 250 ms
@@ -50,6 +56,7 @@ mod prune;
 mod recovery;
 mod report;
 mod results;
+mod shards;
 mod stats;
 mod throughput;
 mod workload;
@@ -68,6 +75,7 @@ use crate::prune::prune_under_load;
 use crate::recovery::recovery;
 use crate::report::{machine_info, render_table, to_json};
 use crate::results::{Results, derived_rows, set_targets};
+use crate::shards::shards;
 use crate::throughput::throughput;
 
 /// Command line.
@@ -86,8 +94,8 @@ struct Cli {
     /// Repeat every scenario this many times (figures show median, min, max).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
     runs: u32,
-    /// Scenarios to run (a,b,c,d,e,f).
-    #[arg(long, value_delimiter = ',', default_value = "a,b,c,d,e,f")]
+    /// Scenarios to run (a,b,c,d,e,f,g).
+    #[arg(long, value_delimiter = ',', default_value = "a,b,c,d,e,f,g")]
     only: Vec<String>,
     /// Skip the 1000 orders/s latency step.
     #[arg(long)]
@@ -121,6 +129,15 @@ struct Cli {
     /// --runs N`).
     #[arg(long, value_delimiter = ',', value_parser = ["standard", "legacy", "both"])]
     signature_schemes: Vec<String>,
+    /// Scenario g: the sink's service time, milliseconds.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    shard_sink_ms: u64,
+    /// Scenario g: every relay's `--max-in-flight`.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    shard_mif: u32,
+    /// Scenario g: the backlog (default 60,000; 20,000 with --quick).
+    #[arg(long)]
+    shard_backlog: Option<u64>,
     /// Where the JSON goes.
     #[arg(long, default_value = "target/bench.json")]
     out: PathBuf,
@@ -147,6 +164,9 @@ struct Config {
     prune_rows: u64,
     prune_rate: f64,
     prune_window_s: u64,
+    shard_backlog: u64,
+    shard_sink_ms: u64,
+    shard_mif: u32,
     max_in_flight: Vec<u32>,
     billing_max_requests: u64,
     billing_max_concurrency: Vec<usize>,
@@ -174,6 +194,9 @@ impl Config {
             prune_rows: if quick { 100_000 } else { 1_000_000 },
             prune_rate: 1000.0,
             prune_window_s: if quick { 10 } else { 30 },
+            shard_backlog: if quick { 20_000 } else { 60_000 },
+            shard_sink_ms: 2,
+            shard_mif: 4,
             max_in_flight: Vec::new(),
             billing_max_requests: if quick { 20_000 } else { 100_000 },
             billing_max_concurrency: vec![16, 64, 256],
@@ -228,6 +251,11 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
     }
     if let Some(t) = cli.relay_threads {
         RELAY_THREADS.get_or_init(|| t);
+    }
+    cfg.shard_sink_ms = cli.shard_sink_ms;
+    cfg.shard_mif = cli.shard_mif;
+    if let Some(n) = cli.shard_backlog {
+        cfg.shard_backlog = n;
     }
     if let Some(s) = cli.latency_s {
         cfg.latency_window_s = s;
@@ -293,6 +321,11 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
             && let Err(err) = prune_under_load(&mut ctx).await
         {
             ctx.results.note(format!("f failed: {err:#}"));
+        }
+        if want("g")
+            && let Err(err) = shards(&mut ctx).await
+        {
+            ctx.results.note(format!("g failed: {err:#}"));
         }
     }
     set_targets(&mut ctx.results);
