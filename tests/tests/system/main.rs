@@ -20,7 +20,7 @@
 //! | `prune.rs` | outbox retention (issue 17): `cdc-relay prune` and `run --prune-older-than` delete only old, proven-delivered rows; dead letters, refusal, partitions, the idle budget |
 //! | `dead_letters.rs` | the dead-letter row builder and store against the real table, with arbitrary content |
 //! | `failover.rs` | trusting the slot's position: several hosts, a slot that jumped ahead, recreate-and-backfill, the progress record, `--standby-url` naming a primary; `failover/drill.rs`: the failover drill (primary SIGKILLed under load, standby promoted, per-failover ledger) |
-//! | `shards.rs` | hash-sharded slots (issue 16): `setup`/`status`/`run --shards`, the coverage proof refusing a split that loses or doubles rows, shards spread over relays with a spare taking over, resharding under load through `--stop-at-lsn` |
+//! | `shards/` | hash-sharded slots (issue 16): `setup`/`status`/`run --shards`, shards spread over relays with a spare taking over (`mod.rs`); the coverage proof refusing a split that loses or doubles rows (`coverage.rs`); resharding under load through `--stop-at-lsn`, and two splits never streaming at once (`resharding.rs`) |
 //! | `infra_faults.rs` | PostgreSQL or the network misbehaves: walsender killed, restarts, link faults (and `/readyz` on a silent stream), standby takeover, invalidated slot, reconnects |
 //! | `observability.rs` | what an operator watches: `/metrics` (gauges against the real state), `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
 //! | `tls.rs` | TLS to PostgreSQL and to the sink |
