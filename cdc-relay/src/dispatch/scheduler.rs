@@ -319,6 +319,17 @@ mod tests {
         let (t3, _) = s.next_job().unwrap();
         s.complete(t3);
         assert_eq!(s.confirmed(), lsn(20));
+
+        // A lane at its max_in_flight with more ready does not stop a later
+        // job of another lane (no head-of-line blocking across lanes).
+        let mut s: Scheduler<Lsn, &str> = Scheduler::with_lanes(lsn(0), &[1, 1]);
+        s.begin();
+        s.add_to(0, None, "x1@0", now);
+        s.add_to(0, None, "x2@0", now);
+        s.add_to(1, None, "y@1", now);
+        s.commit(lsn(10));
+        let started: Vec<&str> = std::iter::from_fn(|| s.next_job().map(|(_, w)| w)).collect();
+        assert_eq!(started, ["x1@0", "y@1"]);
     }
 
     #[derive(Debug, Clone)]
