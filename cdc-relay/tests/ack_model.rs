@@ -1047,5 +1047,5 @@ fn first_endpoint_done_is_harmless_with_one_endpoint() {
         AckModel::new(wals(), MAX_CRASHES),
         HasDiscoveries::AnyFailures,
     );
-    assert!(outcome.discoveries.get(SAFETY).is_none());
+    assert!(!outcome.discoveries.contains_key(SAFETY));
 }
