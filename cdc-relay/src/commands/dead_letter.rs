@@ -91,7 +91,7 @@ impl Selection {
             )
             .into()),
             (true, false) => Err(ConfigError(
-                "which rows? give row ids, a filter (--type, --error-contains, --since, --until, --aggregate), or --all for every row"
+                "which rows? give row ids, a filter (--type, --error-contains, --since, --until, --aggregate, --endpoint), or --all for every row"
                     .into(),
             )
             .into()),

@@ -183,6 +183,11 @@ pub async fn run(
         }
         health.set_streaming(false, Duration::ZERO);
         metrics.pending_events.set(0); // the session's pipeline is gone
+        for t in &targets.endpoints {
+            let e = metrics.endpoints.endpoint(&t.name);
+            e.pending.set(0);
+            e.oldest_pending_age.set(0.0);
+        }
         watchdog_scale = match &outcome {
             Err(RelayError::Source(SourceError::Stalled(_))) => (watchdog_scale * 2).min(16),
             _ if streamed => 1,
