@@ -75,8 +75,11 @@ const CACHE_TYPES: usize = 10_000;
 pub struct Router {
     /// Per lane, its patterns; empty for the one-endpoint router.
     lanes: Vec<Vec<Pattern>>,
-    /// `true`: every event goes to lane 0 (`--sink-url`).
+    /// `true`: every event goes to lane 0 (`--sink-url`), without a
+    /// lookup.
     single: bool,
+    /// `[0]`, what every event of the one-endpoint router gets.
+    lane_zero: Arc<[usize]>,
     unrouted: Unrouted,
     cache: HashMap<String, Arc<[usize]>>,
 }
@@ -87,6 +90,7 @@ impl Router {
         Router {
             lanes: vec![Vec::new()],
             single: true,
+            lane_zero: Arc::from([0]),
             unrouted: Unrouted::DeadLetter,
             cache: HashMap::new(),
         }
@@ -97,6 +101,7 @@ impl Router {
         Router {
             lanes,
             single: false,
+            lane_zero: Arc::from([0]),
             unrouted,
             cache: HashMap::new(),
         }
@@ -119,6 +124,9 @@ impl Router {
 
     /// The lanes `event_type` goes to, in lane order; empty: unrouted.
     pub fn route(&mut self, event_type: &str) -> Arc<[usize]> {
+        if self.single {
+            return Arc::clone(&self.lane_zero);
+        }
         if let Some(lanes) = self.cache.get(event_type) {
             return Arc::clone(lanes);
         }
