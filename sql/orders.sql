@@ -87,6 +87,10 @@ ALTER TABLE cdc_relay_dead_letter ALTER COLUMN commit_lsn DROP NOT NULL;
 -- A payload whose bytes are not UTF-8 (possible in a SQL_ASCII database),
 -- kept exactly; `payload` is NULL then. Added after 0.1.0.
 ALTER TABLE cdc_relay_dead_letter ADD COLUMN IF NOT EXISTS payload_bytes bytea;
+-- The routes file's endpoint (`run --routes`) that refused the event; NULL in
+-- one-endpoint mode (`--sink-url`), for an unrouted event and for an
+-- unreadable row. Added after 0.1.0; re-runnable.
+ALTER TABLE cdc_relay_dead_letter ADD COLUMN IF NOT EXISTS endpoint text;
 
 CREATE INDEX IF NOT EXISTS cdc_relay_dead_letter_event_id_idx
     ON cdc_relay_dead_letter (event_id);

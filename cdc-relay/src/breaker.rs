@@ -158,6 +158,12 @@ struct Shared {
     state: Mutex<State>,
     changed: Notify,
     metrics: Metrics,
+    /// The endpoint's `cdc_relay_endpoint_circuit_state`.
+    endpoint_state: Option<prometheus::IntGauge>,
+    /// Whether this breaker sets the relay-wide `cdc_relay_circuit_state`
+    /// (the one endpoint of `--sink-url`; with `--routes` the per-endpoint
+    /// gauge is the one to read).
+    relay_wide: bool,
 }
 
 /// How a delivery was admitted.
@@ -171,9 +177,35 @@ pub enum Admission {
 }
 
 impl Breaker {
-    /// A closed breaker.
+    /// A closed breaker for the one endpoint of `--sink-url`: it sets
+    /// `cdc_relay_circuit_state` and the `default` endpoint's gauge.
     pub fn new(cfg: BreakerConfig, metrics: Metrics) -> Self {
-        metrics.circuit_state.set(CircuitState::Closed as i64);
+        let gauge = metrics
+            .endpoints
+            .endpoint(crate::endpoint_metrics::DEFAULT_ENDPOINT)
+            .circuit_state;
+        Self::build(cfg, metrics, Some(gauge), true)
+    }
+
+    /// A closed breaker for one endpoint of a routes file: it sets that
+    /// endpoint's `cdc_relay_endpoint_circuit_state` only.
+    pub fn for_endpoint(cfg: BreakerConfig, metrics: Metrics, endpoint: &str) -> Self {
+        let gauge = metrics.endpoints.endpoint(endpoint).circuit_state;
+        Self::build(cfg, metrics, Some(gauge), false)
+    }
+
+    fn build(
+        cfg: BreakerConfig,
+        metrics: Metrics,
+        endpoint_state: Option<prometheus::IntGauge>,
+        relay_wide: bool,
+    ) -> Self {
+        if relay_wide {
+            metrics.circuit_state.set(CircuitState::Closed as i64);
+        }
+        if let Some(g) = &endpoint_state {
+            g.set(CircuitState::Closed as i64);
+        }
         let shared = Shared {
             cfg,
             state: Mutex::new(State {
@@ -191,6 +223,8 @@ impl Breaker {
             }),
             changed: Notify::new(),
             metrics,
+            endpoint_state,
+            relay_wide,
         };
         Breaker {
             shared: Arc::new(shared),
@@ -403,7 +437,12 @@ impl Breaker {
         s.consecutive_failures = 0;
         s.probe_in_flight = false;
         s.next_probe_at = Instant::now() + self.jittered_interval();
-        self.shared.metrics.circuit_state.set(to as i64);
+        if self.shared.relay_wide {
+            self.shared.metrics.circuit_state.set(to as i64);
+        }
+        if let Some(g) = &self.shared.endpoint_state {
+            g.set(to as i64);
+        }
     }
 
     /// The probe interval stretched by up to 20 %: never shorter, so an open

@@ -155,6 +155,9 @@ pub enum Command {
     /// progress on stderr, a summary on stdout. Deletes are not streamed
     /// (the publication is insert-only).
     Prune(Box<PruneArgs>),
+    /// Check a routes file (`run --routes`).
+    #[command(subcommand)]
+    Routes(crate::routes::args::RoutesCommand),
     /// Print a shell completion script to stdout, e.g.
     /// `cdc-relay completions bash > /etc/bash_completion.d/cdc-relay`.
     Completions {
@@ -251,6 +254,11 @@ pub struct ReplayArgs {
     /// The sink.
     #[command(flatten)]
     pub sink: SinkArgs,
+    /// With `--endpoint NAME`: the routes file whose endpoint NAME the rows
+    /// go back to (its URL, secret and request timeout), instead of
+    /// --sink-url.
+    #[command(flatten)]
+    pub routes: crate::routes::args::RoutesArgs,
 }
 
 /// Which dead letters (`list`, `replay --all`, `discard --all`): every
@@ -277,6 +285,10 @@ pub struct DeadLetterFilterArgs {
     /// order id).
     #[arg(long)]
     pub aggregate: Option<String>,
+    /// Only rows an endpoint of the routes file refused (its `name`); rows
+    /// of one-endpoint mode, unrouted events and unreadable rows have none.
+    #[arg(long)]
+    pub endpoint: Option<String>,
 }
 
 impl DeadLetterFilterArgs {
@@ -288,6 +300,7 @@ impl DeadLetterFilterArgs {
             since: self.since.clone(),
             until: self.until.clone(),
             aggregate: self.aggregate.clone(),
+            endpoint: self.endpoint.clone(),
         }
     }
 }
@@ -795,6 +808,9 @@ pub struct RunArgs {
     /// The sink.
     #[command(flatten)]
     pub sink: SinkArgs,
+    /// Several endpoints instead of the one sink.
+    #[command(flatten)]
+    pub routes: crate::routes::args::RoutesArgs,
     /// Delivery tuning.
     #[command(flatten)]
     pub delivery: DeliveryArgs,

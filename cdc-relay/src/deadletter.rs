@@ -81,6 +81,9 @@ pub struct NewDeadLetter {
     pub attempts: u32,
     /// When the first attempt was made, microseconds since the Unix epoch.
     pub first_attempt_unix_micros: Option<i64>,
+    /// The routes file's endpoint that refused it; `None` in one-endpoint
+    /// mode (`--sink-url`), for an unrouted event and for an unreadable row.
+    pub endpoint: Option<String>,
 }
 
 impl NewDeadLetter {
@@ -111,6 +114,7 @@ impl NewDeadLetter {
             response_excerpt: excerpt,
             attempts,
             first_attempt_unix_micros: Some(first_attempt_unix_micros),
+            endpoint: None,
         }
     }
 
@@ -127,9 +131,35 @@ impl NewDeadLetter {
             response_excerpt: None,
             attempts: 0,
             first_attempt_unix_micros: None,
+            endpoint: None,
+        }
+    }
+
+    /// The row for an event no endpoint's `event_types` match (routes
+    /// file, `unrouted = "dead-letter"`); never sent. Its error starts with
+    /// [`UNROUTED`], what `--reason unrouted` selects.
+    pub fn unrouted(event: &OutboxEvent) -> Self {
+        NewDeadLetter {
+            event_id: Some(event.id.clone()),
+            aggregate_key: event.aggregate_key.clone(),
+            event_type: Some(event.event_type.clone()),
+            payload: event.payload.clone(),
+            commit_lsn: event.commit_lsn,
+            http_status: None,
+            error: format!(
+                "{UNROUTED}: no endpoint of the routes file takes event type {:?}",
+                event.event_type
+            ),
+            response_excerpt: None,
+            attempts: 0,
+            first_attempt_unix_micros: None,
+            endpoint: None,
         }
     }
 }
+
+/// The reason of an unrouted event's dead letter (its error's first word).
+pub const UNROUTED: &str = "unrouted";
 
 /// A row of the dead-letter table, as listed.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -163,6 +193,9 @@ pub struct DeadLetter {
     pub dead_lettered_at: String,
     /// How long it has waited, seconds.
     pub age_secs: i64,
+    /// The routes file's endpoint that refused it (`null`: one-endpoint
+    /// mode, unrouted, or unreadable).
+    pub endpoint: Option<String>,
 }
 
 /// Longest `error` stored, in bytes.
@@ -208,8 +241,8 @@ async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgre
         .query_one(
             "INSERT INTO cdc_relay_dead_letter \
                (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
-                error, response_excerpt, attempts, first_attempt_at, last_attempt_at) \
-             VALUES ($1, $2, $3, $4, $5, $6::text::pg_lsn, $7, $8, $9, $10, to_timestamp($11), now()) \
+                error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint) \
+             VALUES ($1, $2, $3, $4, $5, $6::text::pg_lsn, $7, $8, $9, $10, to_timestamp($11), now(), $12) \
              RETURNING id",
             &[
                 &name(&d.event_id),
@@ -223,6 +256,7 @@ async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgre
                 &d.response_excerpt.as_deref().map(|e| storable(e, EXCERPT_BYTES)),
                 &attempts,
                 &first,
+                &name(&d.endpoint),
             ],
         )
         .await?;
@@ -231,7 +265,7 @@ async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgre
 
 const COLUMNS: &str = "id, event_id, aggregate_key, event_type, commit_lsn::text, http_status, error, \
      response_excerpt, attempts, to_char(quarantined_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
-     EXTRACT(EPOCH FROM now() - quarantined_at)::bigint";
+     EXTRACT(EPOCH FROM now() - quarantined_at)::bigint, endpoint";
 
 fn from_row(
     r: &tokio_postgres::Row,
@@ -252,6 +286,7 @@ fn from_row(
         attempts: r.get(8),
         dead_lettered_at: r.get(9),
         age_secs: r.get(10),
+        endpoint: r.get(11),
     }
 }
 
@@ -273,6 +308,9 @@ pub struct Filter {
     pub until: Option<String>,
     /// Aggregate key (the ordering key column's value), exactly.
     pub aggregate: Option<String>,
+    /// The routes file's endpoint that refused the event, exactly (rows of
+    /// one-endpoint mode, unrouted events and unreadable rows have none).
+    pub endpoint: Option<String>,
 }
 
 impl Filter {
@@ -318,7 +356,8 @@ pub async fn list(
                    AND ($3::text IS NULL OR quarantined_at >= $3::text::timestamptz) \
                    AND ($4::text IS NULL OR quarantined_at < $4::text::timestamptz) \
                    AND ($5::text IS NULL OR aggregate_key = $5) \
-                 ORDER BY id LIMIT $6"
+                   AND ($6::text IS NULL OR endpoint = $6) \
+                 ORDER BY id LIMIT $7"
             ),
             &[
                 &filter.type_pattern(),
@@ -326,6 +365,7 @@ pub async fn list(
                 &filter.since,
                 &filter.until,
                 &filter.aggregate,
+                &filter.endpoint,
                 &limit,
             ],
         )
@@ -343,7 +383,7 @@ pub async fn get(client: &Client, id: i64) -> Result<Option<DeadLetter>, tokio_p
             &[&id],
         )
         .await?;
-    Ok(row.map(|r| from_row(&r, r.get(11), r.get(12))))
+    Ok(row.map(|r| from_row(&r, r.get(12), r.get(13))))
 }
 
 /// Why a row was removed.

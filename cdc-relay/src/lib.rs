@@ -28,7 +28,8 @@
 //! checks both):
 //!
 //! 1. operator surface: [`cli`] (the clap schema), [`settings`] (validate
-//!    and build), [`commands`] (one module per command)
+//!    and build), [`routes`] (the routes file), [`commands`] (one module
+//!    per command)
 //! 2. engines: [`relay`] (`run`'s session supervisor), [`backfill`]
 //!    (re-send from the table), [`prune`] (retention: delete delivered
 //!    rows), [`admin`] (the admin endpoint)
@@ -36,7 +37,8 @@
 //!    → [`dispatch`] → [`sink`] → [`ack`] — and its policies: [`breaker`]
 //!    (circuit breaker, storm guard), [`deadletter`] (where poison goes);
 //!    what a response means is [`sink::classify`]
-//! 4. shared types: [`lsn`], [`metrics`], [`health`], [`backoff`], and the
+//! 4. shared types: [`lsn`], [`metrics`], [`endpoint_metrics`], [`health`],
+//!    [`backoff`], and the
 //!    error-text helpers below
 
 // 1. Operator surface.
@@ -54,6 +56,7 @@ pub const VERSION: &str = concat!(
 
 pub mod cli;
 pub mod commands;
+pub mod routes;
 pub mod settings;
 
 // 2. Engines.
@@ -80,6 +83,7 @@ pub mod deadletter;
 
 // 4. Shared types.
 pub mod backoff;
+pub mod endpoint_metrics;
 pub mod health;
 pub mod lsn;
 pub mod metrics;

@@ -112,6 +112,8 @@ pub struct Metrics {
     /// (`pg_total_relation_size`: heap, indexes, TOAST, every partition),
     /// bytes, as the last prune tick read it; 0 without pruning.
     pub outbox_table_bytes: IntGauge,
+    /// The families labelled `endpoint` (`crate::endpoint_metrics`).
+    pub endpoints: crate::endpoint_metrics::EndpointFamilies,
 }
 
 /// Distinct `relation` label values of `cdc_relay_ignored_changes_total`
@@ -411,6 +413,7 @@ impl Metrics {
                 "cdc_relay_outbox_table_size_bytes",
                 "Total size of the outbox table (heap, indexes, TOAST, partitions) at the last prune tick, bytes",
             ),
+            endpoints: crate::endpoint_metrics::EndpointFamilies::register(&r),
             registry: r,
         }
         .prime()

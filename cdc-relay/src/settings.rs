@@ -12,7 +12,8 @@ use crate::cli::{DeliveryArgs, GlobalArgs, PruneArgs, RunArgs, SecretArgs, SinkA
 use crate::dispatch::DispatchConfig;
 use crate::outbox::OutboxColumns;
 use crate::prune::{PrunePlan, Schedule};
-use crate::relay::RelayConfig;
+use crate::relay::{OnSlotLoss, RelayConfig, Target, Targets};
+use crate::routes::{EndpointSpec, RoutesFile};
 use crate::sink::{HttpSink, Signer, Signing, SinkConfig, StatusPolicy};
 use crate::source::ConnParams;
 
@@ -137,6 +138,66 @@ impl SinkArgs {
     }
 }
 
+impl SinkArgs {
+    /// The endpoints of a routes file, with these flags' shared settings
+    /// (connect and pool timeouts, CA file, signature scheme) and `base`
+    /// (the delivery flags) under each endpoint's own. `shutdown` bounds
+    /// request timeouts. The error names the file, the endpoint and the
+    /// key, or the flag.
+    pub fn build_routes(
+        &self,
+        file: &RoutesFile,
+        base: &DispatchConfig,
+        shutdown: Option<Duration>,
+    ) -> Result<Vec<Target>, String> {
+        let mut out = Vec::new();
+        for e in &file.endpoints {
+            out.push(Target {
+                name: e.name.clone(),
+                dispatch: file.dispatch(e, base).map_err(|err| err.to_string())?,
+                sink: self.endpoint_sink(file, e, shutdown)?,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The HTTP sink of endpoint `e` of `file`: its URL, secret and request
+    /// timeout, these flags' other settings. `shutdown` bounds the request
+    /// timeout.
+    pub fn endpoint_sink(
+        &self,
+        file: &RoutesFile,
+        e: &EndpointSpec,
+        shutdown: Option<Duration>,
+    ) -> Result<HttpSink, String> {
+        let keys = file.keys(e).map_err(|err| err.to_string())?;
+        let request_timeout = e.request_timeout.unwrap_or(self.request_timeout);
+        if let Some(s) = shutdown
+            && request_timeout >= s
+        {
+            return Err(file.key_error(e, "request_timeout", format!(
+                "{request_timeout:?} must be shorter than --shutdown-timeout ({s:?}) so in-flight requests can finish on shutdown"
+            )));
+        }
+        let ca_cert_pem = match &self.sink_ca_file {
+            Some(p) => {
+                Some(std::fs::read(p).map_err(|e| format!("--sink-ca-file {}: {e}", p.display()))?)
+            }
+            None => None,
+        };
+        HttpSink::new(SinkConfig {
+            url: e.url.clone(),
+            signing: Signing::new(Signer::new(self.secrets.signature_scheme, &keys)),
+            connect_timeout: self.sink_connect_timeout,
+            request_timeout,
+            connection_max_age: self.sink_connection_max_age,
+            idle_timeout: self.sink_idle_timeout,
+            ca_cert_pem,
+        })
+        .map_err(|err| file.key_error(e, "url", err.to_string()))
+    }
+}
+
 impl DeliveryArgs {
     /// The delivery settings; the error names the flags.
     pub fn dispatch(&self) -> Result<DispatchConfig, String> {
@@ -162,8 +223,10 @@ impl DeliveryArgs {
 }
 
 impl RunArgs {
-    /// The relay's configuration and its sink; the error names the flags.
-    pub fn relay(&self, g: &GlobalArgs) -> Result<(RelayConfig, HttpSink), String> {
+    /// The relay's configuration and where it delivers (`--sink-url`, or
+    /// the endpoints of `--routes`); the error names the flags, or the
+    /// routes file, endpoint and key.
+    pub fn relay(&self, g: &GlobalArgs) -> Result<(RelayConfig, Targets), String> {
         if self.sink.request_timeout >= self.shutdown_timeout {
             return Err(format!(
                 "--request-timeout ({:?}) must be shorter than --shutdown-timeout ({:?}) so in-flight requests can finish on shutdown",
@@ -175,7 +238,23 @@ impl RunArgs {
         }
         let dispatch = self.delivery.dispatch()?;
         let conn = g.conn()?;
-        let sink = self.sink.build()?;
+        let targets = match &self.routes.routes {
+            None => Targets::single(dispatch.clone(), self.sink.build()?),
+            Some(path) => {
+                if self.on_slot_loss != OnSlotLoss::Stop {
+                    return Err("--on-slot-loss recover is not supported with --routes yet (the recovery backfill has one sink): use --on-slot-loss stop and `cdc-relay backfill` per endpoint".into());
+                }
+                let file = RoutesFile::load(path).map_err(|e| e.to_string())?;
+                Targets {
+                    endpoints: self.sink.build_routes(
+                        &file,
+                        &dispatch,
+                        Some(self.shutdown_timeout),
+                    )?,
+                    router: file.router(),
+                }
+            }
+        };
         let cfg = RelayConfig {
             conn,
             slot: g.slot.clone(),
@@ -201,7 +280,7 @@ impl RunArgs {
             stop_at: self.stop_at_lsn,
             claims: None,
         };
-        Ok((cfg, sink))
+        Ok((cfg, targets))
     }
 
     /// `--shards N` with `--max-shards K`: `Some((N, min(K, N)))`, `None`

@@ -27,6 +27,14 @@
 //! the highest completed commit and acking a keepalive while a delivery is
 //! pending break safety; never acking keepalives breaks recovery.
 //!
+//! **Two endpoints** (`run --routes`): the same model with two sinks that
+//! fail and recover independently; even-numbered events go to both (fan-out),
+//! odd ones to the second only. The dispatcher adds one tracker event per
+//! (event, endpoint) and completes each on that endpoint's 2xx, so safety
+//! reads: the slot never passes a transaction with an event some endpoint
+//! it is routed to never acknowledged. The broken rule "an event is done at
+//! its first endpoint's 2xx" must be caught.
+//!
 //! Run: `cargo test -p cdc-relay --test ack_model -- --nocapture`.
 
 use std::collections::{HashMap, VecDeque};
@@ -54,6 +62,17 @@ trait Rule: Clone + Debug + Eq + Hash + Send + Sync + 'static {
     fn complete(&mut self, tx: Self::Seq);
     fn keepalive(&mut self, wal_end: Lsn);
     fn confirmed(&self) -> Lsn;
+    /// Event `event` of `tx` goes to `endpoints` endpoints: one tracker
+    /// event each, as `dispatch::handle` adds one job per endpoint.
+    fn add_routed(&mut self, tx: Self::Seq, _event: u8, endpoints: u8) {
+        for _ in 0..endpoints {
+            self.add_event(tx);
+        }
+    }
+    /// One endpoint answered `event` of `tx` with a 2xx.
+    fn complete_at(&mut self, tx: Self::Seq, _event: u8) {
+        self.complete(tx);
+    }
 }
 
 /// The code under test, unchanged.
@@ -205,8 +224,55 @@ impl Rule for NoKeepalive {
     }
 }
 
+/// Broken rule 4 (two endpoints): an event counts once, done at the first
+/// endpoint's 2xx, however many endpoints it is routed to.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct FirstEndpointDone {
+    inner: AckTracker,
+    /// Events already done (a bitmask of event ids).
+    done: u8,
+}
+
+impl Rule for FirstEndpointDone {
+    type Seq = TxSeq;
+    const NAME: &'static str = "broken: an event is done at its first endpoint's 2xx";
+    fn new(start: Lsn) -> Self {
+        FirstEndpointDone {
+            inner: AckTracker::new(start),
+            done: 0,
+        }
+    }
+    fn begin(&mut self) -> TxSeq {
+        self.inner.begin()
+    }
+    fn add_event(&mut self, tx: TxSeq) {
+        self.inner.add_event(tx)
+    }
+    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
+        self.inner.commit(tx, end_lsn)
+    }
+    fn complete(&mut self, tx: TxSeq) {
+        self.inner.complete(tx)
+    }
+    fn keepalive(&mut self, wal_end: Lsn) {
+        self.inner.keepalive(wal_end)
+    }
+    fn confirmed(&self) -> Lsn {
+        self.inner.confirmed()
+    }
+    fn add_routed(&mut self, tx: TxSeq, _event: u8, _endpoints: u8) {
+        self.inner.add_event(tx);
+    }
+    fn complete_at(&mut self, tx: TxSeq, event: u8) {
+        if self.done & (1 << event) == 0 {
+            self.done |= 1 << event;
+            self.inner.complete(tx);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
-// The world: WAL, walsender, slot, relay, sink.
+// The world: WAL, walsender, slot, relay, sinks.
 
 /// One stretch of WAL, in commit order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -246,9 +312,11 @@ struct State<R: Rule> {
     /// The slot's `confirmed_flush_lsn`: survives crashes.
     slot: Lsn,
     crashes: u8,
-    sink_up: bool,
-    /// Events (global ids) the sink answered with a 2xx at least once, ever.
-    delivered: u8,
+    /// Per endpoint (the second unused with one endpoint).
+    sink_up: [bool; 2],
+    /// Per endpoint, events (global ids) it answered with a 2xx at least
+    /// once, ever.
+    delivered: [u8; 2],
     // --- the current session: lost on a crash ---
     /// Next WAL item the walsender will decode.
     next: u8,
@@ -258,8 +326,9 @@ struct State<R: Rule> {
     sent: Lsn,
     /// The dispatcher's open transaction (`Dispatcher::tx`).
     open: Option<R::Seq>,
-    /// Events handed to dispatch and not yet done: (event id, transaction).
-    pending: Vec<(u8, R::Seq)>,
+    /// Deliveries handed to dispatch and not yet done: (event id,
+    /// endpoint, transaction).
+    pending: Vec<(u8, u8, R::Seq)>,
     /// The acknowledgement state under test.
     tracker: R,
 }
@@ -276,10 +345,10 @@ enum Action {
     Skip(u8),
     /// A keepalive reporting this wal_end reaches the relay.
     Keepalive(Lsn),
-    /// The sink answers event `.0` with a 2xx and the relay sees it.
-    Deliver(u8),
-    SinkFails,
-    SinkRecovers,
+    /// Endpoint `.1` answers event `.0` with a 2xx and the relay sees it.
+    Deliver(u8, u8),
+    SinkFails(u8),
+    SinkRecovers(u8),
     /// A standby status update carries the relay's confirmed LSN to the slot.
     StatusUpdate(Lsn),
     /// The relay dies: pipeline dropped, a new session starts from the slot.
@@ -289,6 +358,8 @@ enum Action {
 struct AckModel<R> {
     wals: Vec<Vec<Item>>,
     max_crashes: u8,
+    /// 1, or 2 (`run --routes`: see [`AckModel::routes`]).
+    endpoints: u8,
     _rule: PhantomData<fn() -> R>,
 }
 
@@ -307,8 +378,30 @@ impl<R: Rule> AckModel<R> {
         AckModel {
             wals,
             max_crashes,
+            endpoints: 1,
             _rule: PhantomData,
         }
+    }
+
+    /// The same model with two endpoints.
+    fn two_endpoints(mut self) -> Self {
+        self.endpoints = 2;
+        self
+    }
+
+    /// The endpoints event `e` goes to, as a bitmask: with two endpoints,
+    /// even events to both (fan-out), odd ones to the second only.
+    fn routes(&self, e: u8) -> u8 {
+        match (self.endpoints, e % 2) {
+            (1, _) => 0b01,
+            (_, 0) => 0b11,
+            _ => 0b10,
+        }
+    }
+
+    /// Whether every endpoint event `e` goes to answered it with a 2xx.
+    fn done_everywhere(&self, s: &State<R>, e: u8) -> bool {
+        (0..2).all(|ep| self.routes(e) & (1 << ep) == 0 || s.delivered[ep] & (1 << e) != 0)
     }
 
     fn items(&self, s: &State<R>) -> &[Item] {
@@ -357,13 +450,17 @@ impl<R: Rule> AckModel<R> {
         (0..self.items(s).len()).all(|i| {
             let first = self.first_event(s, i);
             let all_delivered =
-                (first..first + self.events_in(s, i)).all(|e| s.delivered & (1 << e) != 0);
+                (first..first + self.events_in(s, i)).all(|e| self.done_everywhere(s, e));
             all_delivered || s.slot < end_of(i)
         })
     }
 
     fn goal(&self, s: &State<R>) -> bool {
-        s.delivered == self.all_events(s) && s.slot == self.wal_end(s)
+        let all = self.all_events(s);
+        (0..8)
+            .filter(|e| all & (1 << e) != 0)
+            .all(|e| self.done_everywhere(s, e))
+            && s.slot == self.wal_end(s)
     }
 }
 
@@ -378,8 +475,8 @@ impl<R: Rule> Model for AckModel<R> {
                     wal: w as u8,
                     slot: Lsn::new(BASE),
                     crashes: 0,
-                    sink_up: true,
-                    delivered: 0,
+                    sink_up: [true; 2],
+                    delivered: [0; 2],
                     next: 0,
                     streaming: None,
                     sent: Lsn::new(BASE),
@@ -406,11 +503,18 @@ impl<R: Rule> Model for AckModel<R> {
             },
         }
         actions.push(Action::Keepalive(s.sent));
-        if s.sink_up {
-            actions.extend(s.pending.iter().map(|&(e, _)| Action::Deliver(e)));
-            actions.push(Action::SinkFails);
-        } else {
-            actions.push(Action::SinkRecovers);
+        for ep in 0..self.endpoints {
+            if s.sink_up[usize::from(ep)] {
+                actions.extend(
+                    s.pending
+                        .iter()
+                        .filter(|&&(_, p, _)| p == ep)
+                        .map(|&(e, _, _)| Action::Deliver(e, ep)),
+                );
+                actions.push(Action::SinkFails(ep));
+            } else {
+                actions.push(Action::SinkRecovers(ep));
+            }
         }
         if s.tracker.confirmed() != s.slot {
             actions.push(Action::StatusUpdate(s.tracker.confirmed()));
@@ -432,8 +536,11 @@ impl<R: Rule> Model for AckModel<R> {
                 let (i, k) = n.streaming.expect("insert inside a transaction");
                 n.streaming = Some((i, k + 1));
                 let tx = n.open.expect("dispatcher saw Begin");
-                n.tracker.add_event(tx);
-                n.pending.push((e, tx));
+                let routes = self.routes(e);
+                n.tracker.add_routed(tx, e, routes.count_ones() as u8);
+                for ep in (0..2u8).filter(|ep| routes & (1 << ep) != 0) {
+                    n.pending.push((e, ep, tx));
+                }
                 n.pending.sort();
             }
             Action::Commit(i) => {
@@ -453,14 +560,17 @@ impl<R: Rule> Model for AckModel<R> {
                     n.tracker.keepalive(wal_end);
                 }
             }
-            Action::Deliver(e) => {
-                let at = n.pending.iter().position(|&(p, _)| p == e)?;
-                let (_, tx) = n.pending.remove(at);
-                n.delivered |= 1 << e;
-                n.tracker.complete(tx);
+            Action::Deliver(e, ep) => {
+                let at = n
+                    .pending
+                    .iter()
+                    .position(|&(p, pe, _)| p == e && pe == ep)?;
+                let (_, _, tx) = n.pending.remove(at);
+                n.delivered[usize::from(ep)] |= 1 << e;
+                n.tracker.complete_at(tx, e);
             }
-            Action::SinkFails => n.sink_up = false,
-            Action::SinkRecovers => n.sink_up = true,
+            Action::SinkFails(ep) => n.sink_up[usize::from(ep)] = false,
+            Action::SinkRecovers(ep) => n.sink_up[usize::from(ep)] = true,
             Action::StatusUpdate(lsn) => n.slot = lsn,
             Action::Crash => {
                 n.crashes += 1;
@@ -494,12 +604,29 @@ impl<R: Rule> Model for AckModel<R> {
             Property::sometimes(
                 "a delivered event is redelivered after a crash",
                 |_: &Self, s: &State<R>| {
-                    s.pending.iter().any(|&(e, _)| s.delivered & (1 << e) != 0)
+                    s.pending
+                        .iter()
+                        .any(|&(e, ep, _)| s.delivered[usize::from(ep)] & (1 << e) != 0)
                 },
             ),
             Property::sometimes(
                 "a later event completes before an earlier one",
-                |_: &Self, s: &State<R>| s.pending.iter().any(|&(e, _)| s.delivered >> e > 1),
+                |_: &Self, s: &State<R>| {
+                    s.pending
+                        .iter()
+                        .any(|&(e, ep, _)| s.delivered[usize::from(ep)] >> e > 1)
+                },
+            ),
+            Property::sometimes(
+                "one endpoint is done with an event while the other is down",
+                |m: &Self, s: &State<R>| {
+                    m.endpoints == 2
+                        && s.pending.iter().any(|&(e, ep, _)| {
+                            !s.sink_up[usize::from(ep)]
+                                && s.delivered[usize::from(1 - ep)] & (1 << e) != 0
+                        })
+                        || m.endpoints == 1
+                },
             ),
         ]
     }
@@ -516,13 +643,17 @@ impl<R: Rule> fmt::Display for Summary<'_, R> {
         let bits = |m: u8| -> Vec<u8> { (0..8).filter(|e| m & (1 << e) != 0).collect() };
         write!(
             f,
-            "slot={} relay.confirmed={} sent={} delivered={:?} pending={:?} sink={} crashes={}",
+            "slot={} relay.confirmed={} sent={} delivered={:?}/{:?} pending(event,endpoint)={:?} sinks={:?} crashes={}",
             s.slot.as_u64(),
             s.tracker.confirmed().as_u64(),
             s.sent.as_u64(),
-            bits(s.delivered),
-            s.pending.iter().map(|&(e, _)| e).collect::<Vec<_>>(),
-            if s.sink_up { "up" } else { "down" },
+            bits(s.delivered[0]),
+            bits(s.delivered[1]),
+            s.pending
+                .iter()
+                .map(|&(e, ep, _)| (e, ep))
+                .collect::<Vec<_>>(),
+            s.sink_up,
             s.crashes,
         )
     }
@@ -597,17 +728,15 @@ struct Outcome<R: Rule> {
     discoveries: HashMap<&'static str, Path<State<R>, Action>>,
 }
 
-fn run_stateright<R: Rule>(finish: HasDiscoveries) -> Outcome<R> {
+fn run_stateright<R: Rule>(model: AckModel<R>, finish: HasDiscoveries) -> Outcome<R> {
     let started = Instant::now();
-    let checker = AckModel::<R>::new(wals(), MAX_CRASHES)
-        .checker()
-        .finish_when(finish)
-        .spawn_bfs()
-        .join();
+    let endpoints = model.endpoints;
+    let checker = model.checker().finish_when(finish).spawn_bfs().join();
     let unique_states = checker.unique_state_count();
     println!(
-        "[{}] stateright: {} unique states ({} transitions), max depth {}, {:.2?}",
+        "[{}] stateright ({} endpoint(s)): {} unique states ({} transitions), max depth {}, {:.2?}",
         R::NAME,
+        endpoints,
         unique_states,
         checker.state_count(),
         checker.max_depth(),
@@ -678,7 +807,7 @@ fn check_recovery<R: Rule>(model: &AckModel<R>) -> Result<usize, String> {
         for &a in &actions {
             if let Some(n) = model.next_state(&s, a) {
                 let nid = g.add(n, Some((id, a)));
-                if !matches!(a, Action::Crash | Action::SinkFails) {
+                if !matches!(a, Action::Crash | Action::SinkFails(_)) {
                     g.back[nid as usize].push(id);
                 }
             }
@@ -742,7 +871,7 @@ fn best_recovery<R: Rule>(model: &AckModel<R>, from: &State<R>) -> State<R> {
         actions.clear();
         model.actions(&s, &mut actions);
         for &a in &actions {
-            if matches!(a, Action::Crash | Action::SinkFails) {
+            if matches!(a, Action::Crash | Action::SinkFails(_)) {
                 continue;
             }
             if let Some(n) = model.next_state(&s, a) {
@@ -752,7 +881,12 @@ fn best_recovery<R: Rule>(model: &AckModel<R>, from: &State<R>) -> State<R> {
     }
     g.states
         .into_iter()
-        .max_by_key(|s| (s.delivered.count_ones(), s.slot))
+        .max_by_key(|s| {
+            (
+                s.delivered[0].count_ones() + s.delivered[1].count_ones(),
+                s.slot,
+            )
+        })
         .expect("at least the start")
 }
 
@@ -762,13 +896,42 @@ const SAFETY: &str = "slot never passes an undelivered committed event";
 /// non-vacuity example found, and recovery from every reachable state.
 #[test]
 fn real_ack_tracker_is_safe_and_recovers() {
+    check_real(|| AckModel::new(wals(), MAX_CRASHES));
+}
+
+/// Two transactions of 0–2 events, with and without unpublished WAL after
+/// each: 18 initial states (the two-endpoint model's space is larger).
+fn wals_two_endpoints() -> Vec<Vec<Item>> {
+    let mut out = Vec::new();
+    for gaps in [false, true] {
+        for a in 0..=2 {
+            for b in 0..=2 {
+                let mut wal = Vec::new();
+                for events in [a, b] {
+                    wal.push(Item::Tx(events));
+                    if gaps {
+                        wal.push(Item::Gap);
+                    }
+                }
+                out.push(wal);
+            }
+        }
+    }
+    out
+}
+
+/// The real rule with two endpoints (one tracker event per endpoint an
+/// event is routed to), each sink failing and recovering on its own.
+#[test]
+fn real_ack_tracker_is_safe_and_recovers_with_two_endpoints() {
+    check_real(|| AckModel::new(wals_two_endpoints(), 1).two_endpoints());
+}
+
+fn check_real(model: fn() -> AckModel<AckTracker>) {
     // Both explorations at once: 2 cores.
     let (outcome, explored) = std::thread::scope(|scope| {
-        let recovery = scope.spawn(|| {
-            check_recovery(&AckModel::<AckTracker>::new(wals(), MAX_CRASHES))
-                .unwrap_or_else(|e| panic!("{e}"))
-        });
-        let outcome = run_stateright::<AckTracker>(HasDiscoveries::All);
+        let recovery = scope.spawn(|| check_recovery(&model()).unwrap_or_else(|e| panic!("{e}")));
+        let outcome = run_stateright::<AckTracker>(model(), HasDiscoveries::All);
         (
             outcome,
             recovery
@@ -776,7 +939,7 @@ fn real_ack_tracker_is_safe_and_recovers() {
                 .unwrap_or_else(|e| std::panic::resume_unwind(e)),
         )
     });
-    let model = AckModel::<AckTracker>::new(wals(), MAX_CRASHES);
+    let model = model();
     for p in model.properties() {
         let found = outcome.discoveries.get(p.name);
         match p.expectation {
@@ -824,8 +987,12 @@ fn truncate<R: Rule>(
 }
 
 fn assert_caught<R: Rule>() {
-    let outcome = run_stateright::<R>(HasDiscoveries::AnyFailures);
-    let model = AckModel::<R>::new(wals(), MAX_CRASHES);
+    assert_caught_in(|| AckModel::<R>::new(wals(), MAX_CRASHES));
+}
+
+fn assert_caught_in<R: Rule>(model: impl Fn() -> AckModel<R>) {
+    let outcome = run_stateright::<R>(model(), HasDiscoveries::AnyFailures);
+    let model = model();
     let path = outcome
         .discoveries
         .get(SAFETY)
@@ -860,4 +1027,25 @@ fn broken_rule_ignoring_keepalives_is_caught_by_recovery() {
     let model = AckModel::<NoKeepalive>::new(vec![wal], MAX_CRASHES);
     let report = check_recovery(&model).expect_err("the recovery check must fail");
     println!("{report}");
+}
+
+/// With two endpoints, counting an event done at its first endpoint's 2xx
+/// confirms past a fan-out event the other endpoint never took.
+#[test]
+fn broken_rule_first_endpoint_done_is_caught() {
+    assert_caught_in(|| {
+        AckModel::<FirstEndpointDone>::new(wals_two_endpoints(), 1).two_endpoints()
+    });
+}
+
+/// The real tracker passes with two endpoints where the rule above fails,
+/// and the broken rule is harmless with one endpoint: the check is about
+/// the fan-out, not something else.
+#[test]
+fn first_endpoint_done_is_harmless_with_one_endpoint() {
+    let outcome = run_stateright::<FirstEndpointDone>(
+        AckModel::new(wals(), MAX_CRASHES),
+        HasDiscoveries::AnyFailures,
+    );
+    assert!(!outcome.discoveries.contains_key(SAFETY));
 }

@@ -331,17 +331,35 @@ pub async fn start_relay_with_env(
     args: &[&str],
     secrets: &[(&str, &str)],
 ) -> anyhow::Result<Running> {
+    spawn_run(stack, db_url, &["--sink-url", sink_url], args, secrets).await
+}
+
+/// Starts `cdc-relay run --routes FILE <args>` against the stack as the
+/// relay role, with `env` (the endpoints' secret variables) and no
+/// `EVENT_SECRET*`.
+pub async fn start_relay_with_routes(
+    stack: &Stack,
+    routes: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> anyhow::Result<Running> {
+    let routes = routes.to_str().context("a UTF-8 routes file path")?;
+    spawn_run(stack, &stack.relay_url, &["--routes", routes], args, env).await
+}
+
+/// `cdc-relay run <target> --admin-listen 127.0.0.1:0 <args>` with `secrets`
+/// as the only secret settings in its environment.
+async fn spawn_run(
+    stack: &Stack,
+    db_url: &str,
+    target: &[&str],
+    args: &[&str],
+    secrets: &[(&str, &str)],
+) -> anyhow::Result<Running> {
     let mut argv = relay_globals(stack);
-    argv.extend(
-        [
-            "run",
-            "--sink-url",
-            sink_url,
-            "--admin-listen",
-            "127.0.0.1:0",
-        ]
-        .map(String::from),
-    );
+    argv.push("run".into());
+    argv.extend(target.iter().map(|s| s.to_string()));
+    argv.extend(["--admin-listen", "127.0.0.1:0"].map(String::from));
     argv.extend(args.iter().map(|s| s.to_string()));
     let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
     let envs = [

@@ -91,7 +91,7 @@ impl Selection {
             )
             .into()),
             (true, false) => Err(ConfigError(
-                "which rows? give row ids, a filter (--type, --error-contains, --since, --until, --aggregate), or --all for every row"
+                "which rows? give row ids, a filter (--type, --error-contains, --since, --until, --aggregate, --endpoint), or --all for every row"
                     .into(),
             )
             .into()),
@@ -286,6 +286,32 @@ fn sink_failing(a: &Attempt) -> bool {
     }
 }
 
+/// Where a replay sends: `--sink-url`, or with `--routes FILE` the
+/// endpoint `--endpoint` names in it (its URL, secret and request timeout).
+fn replay_sink(a: &ReplayArgs) -> Result<crate::sink::HttpSink, String> {
+    let Some(path) = &a.routes.routes else {
+        return a.sink.build();
+    };
+    let Some(name) = &a.filter.endpoint else {
+        return Err(
+            "--routes needs --endpoint NAME: the endpoint whose dead letters go back to it".into(),
+        );
+    };
+    let file = crate::routes::RoutesFile::load(path).map_err(|e| e.to_string())?;
+    let Some(e) = file.endpoint(name) else {
+        return Err(format!(
+            "routes file {}: no endpoint named {name:?} (--endpoint); it has {}",
+            path.display(),
+            file.endpoints
+                .iter()
+                .map(|e| e.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    };
+    a.sink.endpoint_sink(&file, e, None)
+}
+
 /// Re-sends rows once each; a row is removed (with an audit entry) only
 /// after a 2xx. Stops at the first answer that says the sink is failing.
 async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
@@ -293,9 +319,14 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
     let sink = if a.dry_run {
         None
     } else {
-        Some(a.sink.build().map_err(super::ConfigError)?)
+        Some(replay_sink(&a).map_err(super::ConfigError)?)
     };
-    let filter = checked(client, &a.filter).await?;
+    let endpoint = a.filter.endpoint.clone();
+    let mut filter = checked(client, &a.filter).await?;
+    if a.id.is_some() {
+        // A row named by id is checked against --endpoint below instead.
+        filter.endpoint = None;
+    }
     let selection = Selection::new(a.id.into_iter().collect(), a.all, filter)?;
     let rows = selection.rows(client).await?;
     let mut pace = a.rate.map(|per_s| {
@@ -323,6 +354,19 @@ async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
         };
         if let Some(why) = &stopped {
             record("not_attempted", format!("not attempted ({why})"));
+            continue;
+        }
+        if let Some(name) = endpoint
+            .as_ref()
+            .filter(|n| row.endpoint.as_ref() != Some(*n))
+        {
+            record(
+                "not_attempted",
+                format!(
+                    "not attempted: dead-lettered by endpoint {}, not {name}",
+                    crate::shown(&row.endpoint)
+                ),
+            );
             continue;
         }
         if let Some(key) = row.aggregate_key.as_ref().filter(|k| held.contains(*k)) {

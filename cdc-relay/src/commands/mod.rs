@@ -8,6 +8,7 @@
 pub mod backfill;
 pub mod dead_letter;
 pub mod prune;
+pub mod routes;
 pub mod run;
 pub mod setup;
 pub mod status;
@@ -27,6 +28,7 @@ pub async fn execute(global: GlobalArgs, command: Command) -> u8 {
         Command::DeadLetter(c) => report(dead_letter::command(&global, c).await),
         Command::Backfill(a) => report(backfill::command(&global, *a).await),
         Command::Prune(a) => prune::command(&global, *a).await,
+        Command::Routes(c) => routes::command(&global, c).await,
         Command::Completions { shell } => {
             let mut cli = crate::cli::Cli::command();
             let mut out = Vec::new();

@@ -11,8 +11,8 @@ use crate::cli::{GlobalArgs, LogFormat, OnFatal, RunArgs, SecretArgs};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::prune::{self, Schedule};
-use crate::relay::{self, RelayConfig, RelayError, ShardOf};
-use crate::sink::{HttpSink, Signing};
+use crate::relay::{self, RelayConfig, RelayError, ShardOf, Targets};
+use crate::sink::{Signer, Signing};
 use crate::source::SourceError;
 use crate::source::shards::Shard;
 
@@ -23,8 +23,8 @@ pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
         .relay(g)
         .and_then(|r| Ok((r, a.prune_schedule(g)?, a.sharding(g)?)));
     match built {
-        Ok(((cfg, sink), prune, sharding)) => {
-            serve_and_run(cfg, sink, prune, sharding, &a, g.log_format).await
+        Ok(((cfg, targets), prune, sharding)) => {
+            serve_and_run(cfg, targets, prune, sharding, &a, g.log_format).await
         }
         // A flag, variable or file of the configuration: the same code as
         // a command line clap refuses.
@@ -59,7 +59,7 @@ pub fn exit_code(e: &RelayError) -> u8 {
 
 async fn serve_and_run(
     cfg: RelayConfig,
-    sink: HttpSink,
+    targets: Targets,
     prune: Option<Schedule>,
     sharding: Option<(u32, u32)>,
     a: &RunArgs,
@@ -100,18 +100,33 @@ async fn serve_and_run(
         async move { admin_stop.cancelled().await },
     ));
     tokio::spawn(watch_signals(shutdown.clone()));
-    tokio::spawn(reload_secrets_on_sighup(
-        a.sink.secrets.clone(),
-        sink.signing().clone(),
-        metrics.clone(),
-    ));
-    let signer = sink.signing().current();
-    tracing::info!(
-        source = %cfg.conn.display(), slot = %cfg.slot, sink = %sink.display_url(), admin = %addr,
-        max_in_flight = cfg.dispatch.max_in_flight, signature_scheme = %signer.scheme(),
-        keys = %signer.keys(), shards = sharding.map_or(0, |(count, _)| count),
-        max_shards = sharding.map_or(0, |(_, max)| max), "cdc-relay starting"
-    );
+    let reload = match &a.routes.routes {
+        None => Reload::Flags(a.sink.secrets.clone()),
+        // The file was read and validated moments ago; re-read it for the
+        // references only.
+        Some(path) => match crate::routes::RoutesFile::load(path) {
+            Ok(file) => Reload::Routes(file, a.sink.secrets.signature_scheme),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 2;
+            }
+        },
+    };
+    let signings: Vec<Signing> = targets
+        .endpoints
+        .iter()
+        .map(|t| t.sink.signing().clone())
+        .collect();
+    tokio::spawn(reload_secrets_on_sighup(reload, signings, metrics.clone()));
+    for t in &targets.endpoints {
+        let signer = t.sink.signing().current();
+        tracing::info!(
+            source = %cfg.conn.display(), slot = %cfg.slot, endpoint = %t.name, sink = %t.sink.display_url(), admin = %addr,
+            max_in_flight = t.dispatch.max_in_flight, signature_scheme = %signer.scheme(),
+            keys = %signer.keys(), shards = sharding.map_or(0, |(count, _)| count),
+            max_shards = sharding.map_or(0, |(_, max)| max), "cdc-relay starting"
+        );
+    }
     if let Some(schedule) = prune {
         tracing::info!(
             table = %schedule.plan.table, older_than = %humantime::format_duration(schedule.plan.older_than),
@@ -124,7 +139,7 @@ async fn serve_and_run(
             shutdown.clone(),
         ));
     }
-    let result = run_relays(units, sink, &shutdown).await;
+    let result = run_relays(units, targets, &shutdown).await;
     let code = match &result {
         Ok(()) => {
             tracing::info!("stopped");
@@ -194,16 +209,19 @@ fn units(
 /// process taking that shard would hit the same error.
 async fn run_relays(
     units: Vec<Unit>,
-    sink: HttpSink,
+    targets: Targets,
     shutdown: &CancellationToken,
 ) -> Result<(), Box<(RelayError, Metrics)>> {
     let stop = shutdown.child_token();
     let mut relays = tokio::task::JoinSet::new();
     for (cfg, metrics, health) in units {
-        let sink = sink.clone().with_metrics(metrics.clone());
+        let mut targets = targets.clone();
+        for t in &mut targets.endpoints {
+            t.sink = t.sink.clone().with_metrics(metrics.clone());
+        }
         let stop = stop.clone();
         relays.spawn(async move {
-            let outcome = relay::run(cfg, sink, metrics.clone(), health, stop).await;
+            let outcome = relay::run(cfg, targets, metrics.clone(), health, stop).await;
             outcome.map_err(|e| Box::new((e, metrics)))
         });
     }
@@ -294,22 +312,53 @@ async fn watch_signals(shutdown: CancellationToken) {
 /// in flight finishes with the signer it read. A secret that does not load
 /// changes nothing: the keys in use stay, and the error is logged and
 /// counted.
-async fn reload_secrets_on_sighup(secrets: SecretArgs, signing: Signing, metrics: Metrics) {
+/// Where SIGHUP re-reads the secrets from.
+enum Reload {
+    /// `EVENT_SECRET(_FILE)` and `EVENT_SECRET_PREVIOUS(_FILE)`: the one sink.
+    Flags(SecretArgs),
+    /// Each endpoint's references in the routes file (in lane order).
+    Routes(crate::routes::RoutesFile, crate::sink::SignatureScheme),
+}
+
+impl Reload {
+    /// The signers, one per endpoint in lane order; the error names the
+    /// setting (or the endpoint and key).
+    fn signers(&self) -> Result<Vec<Signer>, String> {
+        match self {
+            Reload::Flags(secrets) => Ok(vec![secrets.signer()?]),
+            Reload::Routes(file, scheme) => file
+                .endpoints
+                .iter()
+                .map(|e| {
+                    Ok(Signer::new(
+                        *scheme,
+                        &file.keys(e).map_err(|e| e.to_string())?,
+                    ))
+                })
+                .collect(),
+        }
+    }
+}
+
+async fn reload_secrets_on_sighup(reload: Reload, signings: Vec<Signing>, metrics: Metrics) {
     use tokio::signal::unix::{SignalKind, signal};
     let Ok(mut hangup) = signal(SignalKind::hangup()) else {
         tracing::error!("cannot install the SIGHUP handler: event secrets cannot be reloaded");
         return;
     };
     while hangup.recv().await.is_some() {
-        match secrets.signer() {
-            Ok(signer) => {
-                tracing::info!(keys = %signer.keys(), "SIGHUP: event secrets reloaded; attempts from now on sign with them");
-                signing.replace(signer);
+        // All or nothing: one endpoint's bad secret keeps every endpoint's keys.
+        match reload.signers() {
+            Ok(signers) => {
+                for (signing, signer) in signings.iter().zip(signers) {
+                    tracing::info!(keys = %signer.keys(), "SIGHUP: event secrets reloaded; attempts from now on sign with them");
+                    signing.replace(signer);
+                }
                 metrics.secret_reloads.with_label_values(&["ok"]).inc();
             }
             Err(error) => {
                 tracing::error!(
-                    %error, keys = %signing.current().keys(),
+                    %error,
                     "SIGHUP: event secrets NOT reloaded; still signing with the keys in use"
                 );
                 metrics.secret_reloads.with_label_values(&["error"]).inc();

@@ -17,16 +17,20 @@
 //! restart); an attempt already on the wire finishes.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::breaker::{Breaker, Signal};
 use crate::deadletter::{DeadLetterStore, NewDeadLetter, StoreError};
+use crate::endpoint_metrics::EndpointMetrics;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Attempt, Disposition, Sink, classify, status_class};
 
-use super::{DispatchConfig, DispatchError, Services};
+use super::{DispatchConfig, DispatchError};
 
 /// How a job ended.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -41,43 +45,83 @@ pub enum Finished {
 /// What a job does.
 #[derive(Debug)]
 pub enum Work {
-    /// Deliver an event until it is done.
-    Deliver(OutboxEvent),
+    /// Deliver an event to the job's endpoint until it is done there (one
+    /// job per endpoint the event is routed to, sharing the event).
+    Deliver(Arc<OutboxEvent>),
     /// Dead-letter a row that cannot become an event.
     DeadLetter(Box<UnreadableRow>),
+    /// Dead-letter an event no endpoint's `event_types` match (reason
+    /// `unrouted`).
+    Unrouted(Arc<OutboxEvent>),
 }
 
-/// What every delivery task of one pipeline shares (one allocation).
+/// What every delivery task of one endpoint shares (one allocation).
 pub struct Delivery<S, D> {
     cfg: DispatchConfig,
-    services: Services<S, D>,
+    sink: S,
+    store: Arc<D>,
+    metrics: Metrics,
+    endpoint: EndpointMetrics,
+    /// The endpoint's name for its dead-letter rows; `None` for the one
+    /// endpoint of `--sink-url`.
+    dead_letter_endpoint: Option<String>,
+    stopping: CancellationToken,
     breaker: Breaker,
 }
 
-/// Counts one request in `cdc_relay_in_flight` while it lives, so an
-/// attempt abandoned mid-flight (its session ended) is uncounted too.
-struct InFlight<'a>(&'a Metrics);
+/// Where a [`Delivery`] sends and writes.
+pub struct DeliveryParts<S, D> {
+    /// Delivery settings of the endpoint.
+    pub cfg: DispatchConfig,
+    /// The endpoint.
+    pub sink: S,
+    /// Where dead letters are written.
+    pub store: Arc<D>,
+    /// Relay-wide metrics.
+    pub metrics: Metrics,
+    /// The endpoint's labelled series.
+    pub endpoint: EndpointMetrics,
+    /// The endpoint's name for its dead-letter rows (`None`: one-endpoint
+    /// mode, the column stays NULL).
+    pub dead_letter_endpoint: Option<String>,
+    /// Cancelled when shutdown begins.
+    pub stopping: CancellationToken,
+    /// The endpoint's breaker.
+    pub breaker: Breaker,
+}
+
+/// Counts one request in `cdc_relay_in_flight` (and its endpoint's) while
+/// it lives, so an attempt abandoned mid-flight (its session ended) is
+/// uncounted too.
+struct InFlight<'a>(&'a Metrics, &'a EndpointMetrics);
 
 impl<'a> InFlight<'a> {
-    fn start(metrics: &'a Metrics) -> Self {
+    fn start(metrics: &'a Metrics, endpoint: &'a EndpointMetrics) -> Self {
         metrics.in_flight.inc();
-        InFlight(metrics)
+        endpoint.in_flight.inc();
+        InFlight(metrics, endpoint)
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.in_flight.dec();
+        self.1.in_flight.dec();
     }
 }
 
 impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
-    /// A delivery context for one pipeline.
-    pub fn new(cfg: DispatchConfig, services: Services<S, D>, breaker: Breaker) -> Self {
+    /// A delivery context for one endpoint of a pipeline.
+    pub fn new(p: DeliveryParts<S, D>) -> Self {
         Delivery {
-            cfg,
-            services,
-            breaker,
+            cfg: p.cfg,
+            sink: p.sink,
+            store: p.store,
+            metrics: p.metrics,
+            endpoint: p.endpoint,
+            dead_letter_endpoint: p.dead_letter_endpoint,
+            stopping: p.stopping,
+            breaker: p.breaker,
         }
     }
 
@@ -90,6 +134,14 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                 tracing::warn!(event_id = %crate::shown(&row.event_id), problem = %row.problem, "unreadable outbox row");
                 self.dead_letter(&NewDeadLetter::unreadable(&row)).await
             }
+            Work::Unrouted(event) => {
+                self.metrics
+                    .endpoints
+                    .unrouted
+                    .with_label_values(&["dead_letter"])
+                    .inc();
+                self.dead_letter(&NewDeadLetter::unrouted(&event)).await
+            }
         }
     }
 
@@ -97,15 +149,15 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
     async fn unless_stopping<T>(&self, wait: impl Future<Output = T>) -> Option<T> {
         tokio::select! {
             biased;
-            _ = self.services.stopping.cancelled() => None,
+            _ = self.stopping.cancelled() => None,
             t = wait => Some(t),
         }
     }
 
     /// Delivers one event until it is done: a 2xx, or dead-lettered.
     async fn deliver(&self, seq: u64, event: &OutboxEvent) -> Result<Finished, DispatchError> {
-        let metrics = &self.services.metrics;
-        let request = self.services.sink.prepare(event);
+        let metrics = &self.metrics;
+        let request = self.sink.prepare(event);
         let mut backoff = self.backoff();
         let first_attempt = unix_micros();
         let mut attempts: u32 = 0;
@@ -117,8 +169,8 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
             attempts += 1;
             let started = Instant::now();
             let attempt = {
-                let _in_flight = InFlight::start(metrics);
-                self.services.sink.post(&event.id, &request).await
+                let _in_flight = InFlight::start(metrics, &self.endpoint);
+                self.sink.post(&event.id, &request).await
             };
             metrics
                 .request_duration
@@ -128,6 +180,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                     self.breaker.record(admission, Signal::Success, "");
                     count_attempt(metrics, "delivered", &attempt);
                     metrics.events_delivered.inc();
+                    self.endpoint.delivered.inc();
                     metrics
                         .commit_to_delivery
                         .observe(seconds_since_commit(event.commit_time_micros));
@@ -142,8 +195,14 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                         event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
                         detail = %attempt.detail(), "poison event: writing it to the dead-letter table"
                     );
-                    let row = NewDeadLetter::rejected(event, &attempt, &r, attempts, first_attempt);
-                    return self.dead_letter(&row).await;
+                    let mut row =
+                        NewDeadLetter::rejected(event, &attempt, &r, attempts, first_attempt);
+                    row.endpoint.clone_from(&self.dead_letter_endpoint);
+                    let done = self.dead_letter(&row).await?;
+                    if done == Finished::Done {
+                        self.endpoint.dead_lettered.inc();
+                    }
+                    return Ok(done);
                 }
                 // During a poison storm, poison waits like a transient failure.
                 Disposition::DeadLetter(r) | Disposition::Retry(r) => {
@@ -155,6 +214,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
             self.breaker.record(admission, signal, &reason.to_string());
             count_attempt(metrics, outcome, &attempt);
             metrics.retries.with_label_values(&[reason.label]).inc();
+            self.endpoint.retry(reason.label);
             let retry_after = match &attempt {
                 Attempt::Response { retry_after, .. } => *retry_after,
                 _ => None,
@@ -165,14 +225,14 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                 self.breaker
                     .pause_until(tokio::time::Instant::now() + pause);
                 tracing::warn!(
-                    event_id = %event.id, reason = %reason, retry_after_s = asked.as_secs_f64(),
+                    endpoint = %self.endpoint.name(), event_id = %event.id, reason = %reason, retry_after_s = asked.as_secs_f64(),
                     pause_s = pause.as_secs_f64(), "the sink asked for quiet (Retry-After): every delivery pauses"
                 );
             }
             let delay = backoff.next_delay(retry_after, &mut rand::rng());
             if attempts == 1 || attempts.is_multiple_of(20) {
                 tracing::warn!(
-                    event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts,
+                    endpoint = %self.endpoint.name(), event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts,
                     reason = %reason, detail = %attempt.detail(),
                     retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
                 );
@@ -192,9 +252,9 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
     async fn dead_letter(&self, row: &NewDeadLetter) -> Result<Finished, DispatchError> {
         let mut backoff = self.backoff();
         loop {
-            match self.services.store.insert(row).await {
+            match self.store.insert(row).await {
                 Ok(id) => {
-                    self.services.metrics.events_dead_lettered.inc();
+                    self.metrics.events_dead_lettered.inc();
                     tracing::warn!(dead_letter_id = id, event_id = %crate::shown(&row.event_id), error = %row.error, "dead-lettered");
                     return Ok(Finished::Done);
                 }

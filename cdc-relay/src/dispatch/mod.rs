@@ -13,8 +13,14 @@
 //! - [`window`]: the memory bound the source admits events through.
 //! - [`scheduler`]: the state machine, free of I/O (unit- and
 //!   property-tested).
-//! - [`delivery`]: one event's life: attempts through the breaker, backoff,
-//!   the dead-letter write.
+//! - [`delivery`]: one event's life at one endpoint: attempts through the
+//!   breaker, backoff, the dead-letter write.
+//! - [`route`]: which endpoints (lanes) an event goes to.
+//!
+//! With a routes file each endpoint is a lane of the scheduler with its own
+//! sink, breaker, backoff, `max_in_flight` and per-aggregate order; an
+//! event is one job per endpoint it is routed to, and its transaction is
+//! done when all of them are (`docs/architecture.md#acknowledgement`).
 //!
 //! The two I/O seams are traits: [`Sink`] (the HTTP client) and
 //! [`DeadLetterStore`] (the side connection), so the whole pipeline runs in
@@ -24,12 +30,14 @@
 
 pub mod delivery;
 pub mod progress;
+pub mod route;
 pub mod scheduler;
 pub mod window;
 
 #[cfg(test)]
 mod tests;
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,13 +49,15 @@ use tokio_util::sync::CancellationToken;
 use crate::ack::Position;
 use crate::breaker::{Breaker, BreakerConfig};
 use crate::deadletter::DeadLetterStore;
+use crate::endpoint_metrics::{DEFAULT_ENDPOINT, EndpointMetrics};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Sink, StatusPolicy};
-use delivery::{Delivery, Finished, Work};
+use delivery::{Delivery, DeliveryParts, Finished, Work};
 use progress::DoneLog;
 pub use progress::{Confirmed, DoneTx};
+pub use route::{Router, Unrouted};
 use scheduler::{Scheduler, Ticket};
 pub use window::{Window, WindowPermit};
 
@@ -121,31 +131,130 @@ pub enum DispatchError {
     StoreLost(String),
 }
 
-/// A job: its work, and its room in the window (released when done).
-type Job = (Work, WindowPermit);
+/// One endpoint of a routed pipeline.
+pub struct Endpoint<S> {
+    /// Its name: the `endpoint` label of its metrics and the `endpoint`
+    /// column of its dead letters.
+    pub name: String,
+    /// Its delivery settings.
+    pub cfg: DispatchConfig,
+    /// Where its events are POSTed.
+    pub sink: S,
+    /// Its circuit breaker, kept by the caller across sessions.
+    pub breaker: Breaker,
+}
 
-/// Runs until `items` closes and everything admitted is done, then returns
-/// the final confirmed position. Once `services.stopping` is cancelled no
-/// new attempt starts: it returns when `items` is closed and the attempts
-/// on the wire have finished, with what was not done left unconfirmed.
-/// Dropping the future aborts deliveries in flight (they are redelivered
-/// after a restart: at-least-once). The
-/// confirmed position (and the last done transaction with events) is
-/// published on `confirmed` whenever it moves.
+/// What the endpoints of a routed pipeline share.
+pub struct Shared<D> {
+    /// Where dead letters are written (the side SQL connection).
+    pub store: Arc<D>,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Readiness.
+    pub health: Arc<Health>,
+    /// Cancelled when shutdown begins (see [`Services::stopping`]).
+    pub stopping: CancellationToken,
+}
+
+/// Jobs of the lane after the endpoints' in a routed pipeline: dead-letter
+/// writes of unrouted events and unreadable rows, at most this many at once.
+const QUARANTINE_IN_FLIGHT: usize = 4;
+
+/// A job: its work, and its room in the window, shared by the event's jobs
+/// at every endpoint (released when the last is done).
+type Job = (Work, Arc<WindowPermit>);
+
+/// Runs the one-endpoint pipeline (`--sink-url`, backfill) until `items`
+/// closes and everything admitted is done; see [`run_routed`].
 pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
     cfg: DispatchConfig,
     services: Services<S, D>,
     start: P,
+    items: mpsc::Receiver<Item<P>>,
+    confirmed: watch::Sender<Confirmed<P>>,
+) -> Result<P, DispatchError> {
+    let endpoint = Endpoint {
+        name: DEFAULT_ENDPOINT.to_owned(),
+        cfg,
+        sink: services.sink,
+        breaker: services.breaker,
+    };
+    let shared = Shared {
+        store: services.store,
+        metrics: services.metrics,
+        health: services.health,
+        stopping: services.stopping,
+    };
+    run_routed(
+        vec![endpoint],
+        Router::single(),
+        shared,
+        start,
+        items,
+        confirmed,
+    )
+    .await
+}
+
+/// Runs until `items` closes and everything admitted is done, then returns
+/// the final confirmed position. Each event goes to the endpoints `router`
+/// names (lane `i` is `endpoints[i]`). Once `shared.stopping` is cancelled
+/// no new attempt starts: it returns when `items` is closed and the
+/// attempts on the wire have finished, with what was not done left
+/// unconfirmed. Dropping the future aborts deliveries in flight (they are
+/// redelivered after a restart: at-least-once). The confirmed position
+/// (and the last done transaction with events) is published on `confirmed`
+/// whenever it moves.
+///
+/// # Panics
+/// When `router` has another number of lanes than `endpoints`.
+pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
+    endpoints: Vec<Endpoint<S>>,
+    router: Router,
+    shared: Shared<D>,
+    start: P,
     mut items: mpsc::Receiver<Item<P>>,
     confirmed: watch::Sender<Confirmed<P>>,
 ) -> Result<P, DispatchError> {
-    let metrics = services.metrics.clone();
-    let health = Arc::clone(&services.health);
-    let breaker = services.breaker.clone();
-    let stopping = services.stopping.clone();
-    breaker.new_session();
-    let delivery = Arc::new(Delivery::new(cfg.clone(), services, breaker));
-    let mut scheduler: Scheduler<P, Job> = Scheduler::new(start, cfg.max_in_flight);
+    assert_eq!(router.lanes(), endpoints.len(), "one lane per endpoint");
+    let metrics = shared.metrics.clone();
+    let health = Arc::clone(&shared.health);
+    let stopping = shared.stopping.clone();
+    let single = router.is_single();
+    let mut limits: Vec<usize> = endpoints.iter().map(|e| e.cfg.max_in_flight).collect();
+    let mut lane_metrics: Vec<EndpointMetrics> = Vec::new();
+    let mut deliveries: Vec<Arc<Delivery<S, D>>> = Vec::new();
+    for e in endpoints {
+        e.breaker.new_session();
+        let endpoint = metrics.endpoints.endpoint(&e.name);
+        lane_metrics.push(endpoint.clone());
+        deliveries.push(Arc::new(Delivery::new(DeliveryParts {
+            cfg: e.cfg,
+            sink: e.sink,
+            store: Arc::clone(&shared.store),
+            metrics: metrics.clone(),
+            endpoint,
+            dead_letter_endpoint: (!single).then_some(e.name),
+            stopping: stopping.clone(),
+            breaker: e.breaker,
+        })));
+    }
+    // Routed: unrouted events and unreadable rows are dead-lettered on a
+    // lane of their own, so a stuck endpoint never delays them. Those jobs
+    // never touch the sink or the breaker of the delivery that runs them.
+    let quarantine = if single {
+        0
+    } else {
+        limits.push(QUARANTINE_IN_FLIGHT);
+        deliveries.push(Arc::clone(&deliveries[0]));
+        deliveries.len() - 1
+    };
+    let mut lanes = Lanes {
+        router,
+        quarantine,
+        skipped_logged: HashSet::new(),
+    };
+    let mut scheduler: Scheduler<P, Job> = Scheduler::with_lanes(start, &limits);
     let mut done = DoneLog::new();
     let mut running: JoinSet<Result<Option<Ticket>, DispatchError>> = JoinSet::new();
     let mut items_open = true;
@@ -154,7 +263,7 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
         while !stopping.is_cancelled()
             && let Some((ticket, (work, permit))) = scheduler.next_job()
         {
-            let delivery = Arc::clone(&delivery);
+            let delivery = Arc::clone(&deliveries[ticket.lane]);
             running.spawn(async move {
                 match delivery.run(ticket.seq, work).await? {
                     Finished::Done => {
@@ -171,7 +280,7 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
         }
         tokio::select! {
             item = items.recv(), if items_open => match item {
-                Some(item) => handle(&mut scheduler, &mut done, item, &metrics),
+                Some(item) => handle(&mut scheduler, &mut done, &mut lanes, item, &metrics),
                 None => items_open = false,
             },
             Some(done) = running.join_next() => {
@@ -187,14 +296,35 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
                     .oldest_pending_since()
                     .map_or(0.0, |t| t.elapsed().as_secs_f64());
                 metrics.oldest_unconfirmed_event_age.set(age);
+                for (lane, m) in lane_metrics.iter().enumerate() {
+                    let age = scheduler
+                        .lane_oldest_pending_since(lane)
+                        .map_or(0.0, |t| t.elapsed().as_secs_f64());
+                    m.oldest_pending_age.set(age);
+                    m.pending.set(i64::try_from(scheduler.lane_pending(lane)).unwrap_or(i64::MAX));
+                }
             }
         }
     }
 }
 
+/// How [`handle`] places events on lanes.
+struct Lanes {
+    router: Router,
+    /// The lane of dead-letter-only jobs (unrouted events, unreadable rows).
+    quarantine: usize,
+    /// Event types skipped as unrouted and already logged (`unrouted =
+    /// "skip"`), up to [`SKIP_LOGGED_TYPES`].
+    skipped_logged: HashSet<String>,
+}
+
+/// Distinct skipped event types logged before the rest are only counted.
+const SKIP_LOGGED_TYPES: usize = 1000;
+
 fn handle<P: Position>(
     scheduler: &mut Scheduler<P, Job>,
     done: &mut DoneLog<P>,
+    lanes: &mut Lanes,
     item: Item<P>,
     metrics: &Metrics,
 ) {
@@ -204,12 +334,30 @@ fn handle<P: Position>(
             metrics.events_received.inc();
             done.event(Some(&event.id));
             let key = event.aggregate_key.clone();
-            scheduler.add(key, (Work::Deliver(event), permit), Instant::now());
+            let to = lanes.router.route(&event.event_type);
+            let event = Arc::new(event);
+            let permit = Arc::new(permit);
+            let now = Instant::now();
+            if to.is_empty() {
+                match lanes.router.unrouted() {
+                    Unrouted::DeadLetter => {
+                        let work = (Work::Unrouted(event), permit);
+                        scheduler.add_to(lanes.quarantine, None, work, now);
+                    }
+                    Unrouted::Skip => skip(lanes, &event, metrics),
+                }
+                return;
+            }
+            for lane in to.iter() {
+                let work = (Work::Deliver(Arc::clone(&event)), Arc::clone(&permit));
+                scheduler.add_to(*lane, key.clone(), work, now);
+            }
         }
         Item::Unreadable(row, permit) => {
             metrics.events_received.inc();
             done.event(row.event_id.as_deref());
-            scheduler.add(None, (Work::DeadLetter(row), permit), Instant::now());
+            let work = (Work::DeadLetter(row), Arc::new(permit));
+            scheduler.add_to(lanes.quarantine, None, work, Instant::now());
         }
         Item::Commit {
             end,
@@ -223,6 +371,24 @@ fn handle<P: Position>(
             metrics.server_wal_lsn.set(wal_end.gauge());
             scheduler.keepalive(wal_end);
         }
+    }
+}
+
+/// An unrouted event under `unrouted = "skip"`: counted, logged once per
+/// type, and done at once (its window permit is released here).
+fn skip(lanes: &mut Lanes, event: &OutboxEvent, metrics: &Metrics) {
+    metrics
+        .endpoints
+        .unrouted
+        .with_label_values(&["skip"])
+        .inc();
+    if lanes.skipped_logged.len() < SKIP_LOGGED_TYPES
+        && lanes.skipped_logged.insert(event.event_type.clone())
+    {
+        tracing::warn!(
+            event_type = %event.event_type, event_id = %event.id,
+            "no endpoint of the routes file takes this event type; skipping it (unrouted = \"skip\"): this is logged once per type, cdc_relay_unrouted_events_total{{action=\"skip\"}} counts every one"
+        );
     }
 }
 

@@ -26,6 +26,8 @@ use tokio::time::Instant;
 
 use super::*;
 use crate::deadletter::{NewDeadLetter, StoreError};
+
+mod routed;
 use crate::lsn::Lsn;
 use crate::sink::{Attempt, Prepared};
 

@@ -25,7 +25,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::backoff::Backoff;
 use crate::breaker::Breaker;
-use crate::dispatch::{self, Confirmed, DispatchConfig, Services, Window};
+use crate::dispatch::{self, Confirmed, DispatchConfig, Endpoint, Router, Shared, Window};
 use crate::health::Health;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
@@ -124,6 +124,41 @@ impl ShardOf {
     }
 }
 
+/// One endpoint `run` delivers to.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// Its name: `default` for `--sink-url`, else the routes file's.
+    pub name: String,
+    /// Its delivery settings.
+    pub dispatch: DispatchConfig,
+    /// Its HTTP sink.
+    pub sink: HttpSink,
+}
+
+/// Where `run` delivers: the one endpoint of `--sink-url`, or the
+/// endpoints of a routes file and its router (lane `i` is `endpoints[i]`).
+#[derive(Clone, Debug)]
+pub struct Targets {
+    /// The endpoints, in lane order.
+    pub endpoints: Vec<Target>,
+    /// Which endpoints each event goes to.
+    pub router: Router,
+}
+
+impl Targets {
+    /// The one endpoint of `--sink-url`.
+    pub fn single(dispatch: DispatchConfig, sink: HttpSink) -> Self {
+        Targets {
+            endpoints: vec![Target {
+                name: crate::endpoint_metrics::DEFAULT_ENDPOINT.to_owned(),
+                dispatch,
+                sink,
+            }],
+            router: Router::single(),
+        }
+    }
+}
+
 /// First reconnect delay ceiling; doubles per failed session up to
 /// `--reconnect-max`.
 const RECONNECT_BASE: Duration = Duration::from_millis(100);
@@ -132,7 +167,7 @@ const RECONNECT_BASE: Duration = Duration::from_millis(100);
 /// error occurs.
 pub async fn run(
     cfg: RelayConfig,
-    sink: HttpSink,
+    targets: Targets,
     metrics: Metrics,
     health: Arc<Health>,
     shutdown: CancellationToken,
@@ -144,9 +179,20 @@ pub async fn run(
     // time, and reconnecting restarts that replay from the beginning.
     let mut watchdog_scale: u32 = 1;
     let holder = progress::holder(&cfg.application_name);
-    // One breaker for the process: a reconnect keeps an open circuit open
-    // and a poison storm a storm.
-    let breaker = Breaker::new(cfg.dispatch.breaker.clone(), metrics.clone());
+    // One breaker per endpoint for the process: a reconnect keeps an open
+    // circuit open and a poison storm a storm.
+    let breakers: Vec<Breaker> = targets
+        .endpoints
+        .iter()
+        .map(|t| {
+            let cfg = t.dispatch.breaker.clone();
+            if targets.router.is_single() {
+                Breaker::new(cfg, metrics.clone())
+            } else {
+                Breaker::for_endpoint(cfg, metrics.clone(), &t.name)
+            }
+        })
+        .collect();
     // Where this process left the slot when its last session ended.
     let mut left: Option<LeftAt> = None;
     // A hot standby's connection for its polls.
@@ -179,10 +225,10 @@ pub async fn run(
             health: &health,
             watchdog_scale,
             holder: &holder,
-            breaker: &breaker,
+            breakers: &breakers,
         };
         let outcome = session
-            .run(&sink, &shutdown, &mut streamed, &mut left)
+            .run(&targets, &shutdown, &mut streamed, &mut left)
             .await;
         drop(permit);
         if let Err(RelayError::Source(SourceError::SlotJumped { .. })) = &outcome {
@@ -190,6 +236,11 @@ pub async fn run(
         }
         health.set_streaming(false, Duration::ZERO);
         metrics.pending_events.set(0); // the session's pipeline is gone
+        for t in &targets.endpoints {
+            let e = metrics.endpoints.endpoint(&t.name);
+            e.pending.set(0);
+            e.oldest_pending_age.set(0.0);
+        }
         watchdog_scale = match &outcome {
             Err(RelayError::Source(SourceError::Stalled(_))) => (watchdog_scale * 2).min(16),
             _ if streamed => 1,
@@ -335,8 +386,8 @@ struct Session<'a> {
     watchdog_scale: u32,
     /// Who this relay is, in the progress record.
     holder: &'a str,
-    /// Kept across sessions.
-    breaker: &'a Breaker,
+    /// One per endpoint, kept across sessions.
+    breakers: &'a [Breaker],
 }
 
 /// What start-up learned on the side connection.
@@ -361,12 +412,15 @@ impl Session<'_> {
     /// server accepted `START_REPLICATION`.
     async fn run(
         &self,
-        sink: &HttpSink,
+        targets: &Targets,
         shutdown: &CancellationToken,
         streamed: &mut bool,
         left: &mut Option<LeftAt>,
     ) -> Result<(), RelayError> {
         let cfg = self.cfg;
+        // A recovery backfill (`--on-slot-loss recover`) is refused with a
+        // routes file at start, so it always has the one endpoint here.
+        let sink = &targets.endpoints[0].sink;
         let Some(p) = self.prepare(left.as_ref(), sink, shutdown).await? else {
             return Ok(()); // shutdown during the recovery backfill
         };
@@ -440,17 +494,27 @@ impl Session<'_> {
                 cfg.slot.clone(),
             )))
         });
-        let services = Services {
-            sink: sink.clone(),
+        let shared = Shared {
             store: Arc::clone(&p.side),
             metrics: self.metrics.clone(),
             health: Arc::clone(self.health),
-            breaker: self.breaker.clone(),
             stopping: stop.clone(),
         };
-        let dispatcher = AbortOnDropHandle::new(tokio::spawn(dispatch::run(
-            cfg.dispatch.clone(),
-            services,
+        let endpoints = targets
+            .endpoints
+            .iter()
+            .zip(self.breakers)
+            .map(|(t, b)| Endpoint {
+                name: t.name.clone(),
+                cfg: t.dispatch.clone(),
+                sink: t.sink.clone(),
+                breaker: b.clone(),
+            })
+            .collect();
+        let dispatcher = AbortOnDropHandle::new(tokio::spawn(dispatch::run_routed(
+            endpoints,
+            targets.router.clone(),
+            shared,
             start,
             items_rx,
             confirmed_tx,

@@ -12,6 +12,7 @@
 //! | `cli.rs` | `cdc-relay` as an operator types it: `setup`, `status`, start-up errors and exit codes |
 //! | `identity.rs` | which relation is the outbox and whether the stream carries it: renames and swaps, publication membership (left, flapped, two publications, other tables), a slot older than its publication |
 //! | `row_shape.rs` | what a row may hold and how the table is declared: the payload column's type, a non-UTF-8 database, replica identity |
+//! | `routes.rs` | several endpoints from one slot (`run --routes`): fan-out, unrouted events, one endpoint down, `routes check`, dead letters per endpoint |
 //! | `relay.rs` | the relay end to end on a healthy stack: delivery, wire format, acknowledgement, restarts, WAL retention, memory |
 //! | `stream/` | unusual replication streams (`transactions`, `decoding`) and `payloads`, checked event by event |
 //! | `http_manners.rs` | the sink client toward real HTTP infrastructure (issue 14): Retry-After pauses, connection age and idle timeout, SIGTERM during backoff, at most 2 requests/s to a dead sink from a relay that starts or takes over |
@@ -59,6 +60,7 @@ mod observability;
 mod oracle;
 mod prune;
 mod relay;
+mod routes;
 mod row_shape;
 mod services;
 mod shards;

@@ -26,6 +26,21 @@ const DEBUG_FILTER: &str = "debug";
 
 /// Every relay metric the issue names, with its Prometheus type, so docs,
 /// dashboards and alerts can rely on them.
+/// The per-endpoint families (`cdc-relay/src/endpoint_metrics.rs`),
+/// present with `--sink-url` too under `endpoint="default"`.
+const DOCUMENTED_PER_ENDPOINT: [(&str, &str); 7] = [
+    ("cdc_relay_endpoint_events_delivered_total", "counter"),
+    ("cdc_relay_endpoint_events_dead_lettered_total", "counter"),
+    ("cdc_relay_endpoint_retries_total", "counter"),
+    ("cdc_relay_endpoint_in_flight", "gauge"),
+    ("cdc_relay_endpoint_pending_events", "gauge"),
+    (
+        "cdc_relay_endpoint_oldest_pending_event_age_seconds",
+        "gauge",
+    ),
+    ("cdc_relay_endpoint_circuit_state", "gauge"),
+];
+
 const DOCUMENTED: [(&str, &str); 27] = [
     ("cdc_relay_events_received_total", "counter"),
     ("cdc_relay_events_delivered_total", "counter"),
@@ -128,6 +143,22 @@ async fn metrics_after_a_delivery_name_every_documented_series() -> anyhow::Resu
         assert_eq!(m.kind(name), Some(kind), "{name} missing or not a {kind}");
         assert!(m.has_samples(name), "{name} has no samples");
     }
+    for (name, kind) in DOCUMENTED_PER_ENDPOINT {
+        assert_eq!(m.kind(name), Some(kind), "{name} missing or not a {kind}");
+        assert_eq!(
+            m.label_values(name, "endpoint"),
+            BTreeSet::from(["default".to_owned()]),
+            "{name}: one endpoint, `default`, with --sink-url"
+        );
+    }
+    assert_eq!(
+        m.value(
+            "cdc_relay_endpoint_events_delivered_total",
+            &[("endpoint", "default")]
+        ),
+        Some(m.sum("cdc_relay_events_delivered_total")),
+        "with one endpoint its series is the relay-wide one"
+    );
     assert!(m.sum("cdc_relay_events_received_total") >= 1.0);
     assert!(m.sum("cdc_relay_events_delivered_total") >= 1.0);
     let commits = m.label_values("cdc_relay_build_info", "commit");
@@ -458,15 +489,16 @@ async fn no_process_logs_a_secret_a_password_or_a_payload() -> anyhow::Result<()
 /// (or the services' documented ones); a static check that needs no server.
 #[test]
 fn deploy_files_reference_only_registered_metrics() -> anyhow::Result<()> {
-    let source = fs_read(&repo().join("cdc-relay/src/metrics.rs"))?;
+    let source = fs_read(&repo().join("cdc-relay/src/metrics.rs"))?
+        + &fs_read(&repo().join("cdc-relay/src/endpoint_metrics.rs"))?;
     let mut registered: BTreeSet<String> = BTreeSet::new();
     for token in source.split('"') {
         if is_metric_name(token) && token.starts_with("cdc_relay_") {
             registered.insert(token.to_owned());
         }
     }
-    for (name, _) in DOCUMENTED {
-        assert!(registered.contains(name), "metrics.rs registers {name}");
+    for (name, _) in DOCUMENTED.iter().chain(&DOCUMENTED_PER_ENDPOINT) {
+        assert!(registered.contains(*name), "metrics.rs registers {name}");
     }
     let services = ["orders", "billing"].into_iter().flat_map(|svc| {
         [

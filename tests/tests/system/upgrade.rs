@@ -187,6 +187,42 @@ async fn sql_upgrades_in_place_from_the_previous_release_with_data() {
         .await
         .unwrap();
 
+    // Issue 15 (routes): dead letters name the endpoint that refused them;
+    // the rows from before have none, and the relay may write the column.
+    let endpoint: Option<String> = orders
+        .query_one(
+            "SELECT endpoint FROM cdc_relay_dead_letter WHERE event_id = 'e1'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        endpoint, None,
+        "a dead letter from before names no endpoint"
+    );
+    orders
+        .batch_execute(
+            "INSERT INTO cdc_relay_dead_letter (event_id, error, endpoint)
+               VALUES ('e3', 'http_422: refused', 'billing')",
+        )
+        .await
+        .unwrap();
+    for privilege in ["SELECT", "INSERT"] {
+        let granted: bool = orders
+            .query_one(
+                "SELECT has_column_privilege('cdc_relay', 'cdc_relay_dead_letter', 'endpoint', $1)",
+                &[&privilege],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(
+            granted,
+            "cdc_relay lacks {privilege} on cdc_relay_dead_letter.endpoint"
+        );
+    }
+
     // Issue 18 item 7: the idempotency keys of POST /orders, a new table
     // that refers to orders made before the upgrade, writable by Orders.
     orders
@@ -243,6 +279,15 @@ async fn sql_upgrades_in_place_from_the_previous_release_with_data() {
     let with_keys = row_counts(&orders).await;
     psql(&orders_url, &sql_dir(), &orders_files);
     assert_eq!(row_counts(&orders).await, with_keys);
+    let endpoint: Option<String> = orders
+        .query_one(
+            "SELECT endpoint FROM cdc_relay_dead_letter WHERE event_id = 'e3'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(endpoint.as_deref(), Some("billing"), "kept by a re-run");
     assert!(
         granted("outbox", "DELETE").await,
         "a DELETE grant on the outbox survives roles.sql"

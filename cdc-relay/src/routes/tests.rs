@@ -1,0 +1,214 @@
+//! The routes file's validation: every mistake names the file, the
+//! endpoint and the key.
+
+use std::path::Path;
+
+use super::*;
+
+const GOOD: &str = r#"
+unrouted = "skip"
+
+[[endpoint]]
+name = "billing"
+url = "http://127.0.0.1:1/inbox"
+event_types = ["OrderCreated", "Invoice*"]
+secret_env = "BILLING_SECRET"
+max_in_flight = 8
+request_timeout = "2s"
+probe_interval = "250ms"
+poison_statuses = [400, 422]
+
+[[endpoint]]
+name = "audit-log_2"
+url = "https://audit.example/inbox"
+event_types = ["*"]
+secret_file = "/etc/cdc-relay/audit"
+previous_secret_env = "AUDIT_OLD"
+"#;
+
+fn parse(text: &str) -> Result<RoutesFile, RoutesError> {
+    RoutesFile::parse(Path::new("/etc/routes.toml"), text)
+}
+
+fn problem(text: &str) -> (Option<String>, Option<String>, String) {
+    let e = parse(text).expect_err("must be refused");
+    let shown = e.to_string();
+    assert!(
+        shown.starts_with("routes file /etc/routes.toml: "),
+        "{shown}"
+    );
+    (e.endpoint, e.key, e.problem)
+}
+
+fn with(extra: &str) -> String {
+    format!(
+        "[[endpoint]]\nname = \"a\"\nurl = \"http://x/\"\nevent_types = [\"T\"]\nsecret_env = \"S\"\n{extra}"
+    )
+}
+
+#[test]
+fn a_good_file_gives_endpoints_and_routes() {
+    let f = parse(GOOD).unwrap();
+    assert_eq!(f.unrouted, Unrouted::Skip);
+    assert_eq!(f.endpoints.len(), 2);
+    let b = &f.endpoints[0];
+    assert_eq!(b.name, "billing");
+    assert_eq!(b.secret, SecretRef::Env("BILLING_SECRET".into()));
+    assert_eq!(b.max_in_flight, Some(8));
+    assert_eq!(b.request_timeout, Some(Duration::from_secs(2)));
+    assert_eq!(b.probe_interval, Some(Duration::from_millis(250)));
+    assert_eq!(b.poison_statuses, Some(vec![400, 422]));
+    let a = &f.endpoints[1];
+    assert_eq!(a.secret, SecretRef::File("/etc/cdc-relay/audit".into()));
+    assert_eq!(a.previous_secret, Some(SecretRef::Env("AUDIT_OLD".into())));
+    assert_eq!(a.max_in_flight, None);
+    let r = f.router();
+    assert_eq!(r.matching("OrderCreated"), vec![0, 1]);
+    assert_eq!(r.matching("Shipped"), vec![1]);
+    assert_eq!(
+        parse(&with("")).unwrap().unrouted,
+        Unrouted::DeadLetter,
+        "the default"
+    );
+}
+
+#[test]
+fn an_inline_secret_is_refused_with_what_to_write() {
+    let (who, _, p) = problem(&with("secret = \"whsec_abc\""));
+    assert_eq!(who.as_deref(), Some("endpoint \"a\""));
+    assert!(
+        p.contains("`secret`") && p.contains("secret_env") && p.contains("secret_file"),
+        "{p}"
+    );
+}
+
+#[test]
+fn each_mistake_names_the_endpoint_and_the_key() {
+    let cases: [(&str, Option<&str>, Option<&str>, &str); 14] = [
+        ("not toml [", None, None, "not valid TOML"),
+        (
+            "unrouted = \"drop\"",
+            None,
+            Some("unrouted"),
+            "\"dead-letter\" or \"skip\"",
+        ),
+        ("", None, Some("endpoint"), "at least one"),
+        (
+            "[[endpoint]]\nurl = \"http://x/\"",
+            Some("endpoint #1"),
+            Some("name"),
+            "missing",
+        ),
+        (
+            "[[endpoint]]\nname = \"Billing\"",
+            Some("endpoint #1"),
+            Some("name"),
+            "a-z, 0-9",
+        ),
+        (
+            &with("url2 = 1"),
+            Some("endpoint \"a\""),
+            None,
+            "`url2`: unknown",
+        ),
+        (
+            &with("max_in_flight = 0"),
+            Some("endpoint \"a\""),
+            Some("max_in_flight"),
+            "from 1 to 4096",
+        ),
+        (
+            &with("request_timeout = \"soon\""),
+            Some("endpoint \"a\""),
+            Some("request_timeout"),
+            "not a duration",
+        ),
+        (
+            &with("request_timeout = 4"),
+            Some("endpoint \"a\""),
+            Some("request_timeout"),
+            "\"4s\"",
+        ),
+        (
+            &with("probe_interval = \"10ms\""),
+            Some("endpoint \"a\""),
+            Some("probe_interval"),
+            "below the minimum",
+        ),
+        (
+            &with("secret_file = \"/x\""),
+            Some("endpoint \"a\""),
+            Some("secret_file"),
+            "not both",
+        ),
+        (
+            "[[endpoint]]\nname = \"a\"\nurl = \"ftp://x/\"\nevent_types = [\"T\"]\nsecret_env = \"S\"",
+            Some("endpoint \"a\""),
+            Some("url"),
+            "http or https",
+        ),
+        (
+            "[[endpoint]]\nname = \"a\"\nurl = \"http://x/\"\nevent_types = []\nsecret_env = \"S\"",
+            Some("endpoint \"a\""),
+            Some("event_types"),
+            "non-empty",
+        ),
+        (
+            "[[endpoint]]\nname = \"a\"\nurl = \"http://x/\"\nevent_types = [\"T\"]",
+            Some("endpoint \"a\""),
+            Some("secret_env"),
+            "missing",
+        ),
+    ];
+    for (text, who, key, needle) in cases {
+        let (w, k, p) = problem(text);
+        assert_eq!(w.as_deref(), who, "{text}: {p}");
+        assert_eq!(k.as_deref(), key, "{text}: {p}");
+        assert!(p.contains(needle), "{text}: {p:?} lacks {needle:?}");
+    }
+}
+
+#[test]
+fn names_are_unique() {
+    let text = format!("{}\n{}", with(""), with(""));
+    let (who, key, p) = problem(&text);
+    assert_eq!(
+        (who.as_deref(), key.as_deref()),
+        (Some("endpoint \"a\""), Some("name"))
+    );
+    assert!(p.contains("unique"), "{p}");
+}
+
+#[test]
+fn a_missing_secret_variable_names_the_key_and_the_variable() {
+    let f = parse(&with("").replace("\"S\"", "\"CDC_RELAY_TEST_UNSET_SECRET_VAR\"")).unwrap();
+    let e = f.keys(&f.endpoints[0]).unwrap_err();
+    assert_eq!(e.key.as_deref(), Some("secret_env"));
+    assert!(e.problem.contains("CDC_RELAY_TEST_UNSET_SECRET_VAR"), "{e}");
+}
+
+#[test]
+fn endpoint_settings_override_the_flags() {
+    let f = parse(GOOD).unwrap();
+    let base = DispatchConfig {
+        max_in_flight: 64,
+        backoff_base: Duration::from_millis(50),
+        backoff_cap: Duration::from_secs(1),
+        retry_after_max: Duration::from_secs(60),
+        policy: StatusPolicy::new(vec![400, 413, 422]).unwrap(),
+        breaker: BreakerConfig {
+            failure_threshold: 5,
+            probe_interval: Duration::from_millis(500),
+            storm_threshold: 10,
+        },
+    };
+    let b = f.dispatch(&f.endpoints[0], &base).unwrap();
+    assert_eq!(b.max_in_flight, 8);
+    assert_eq!(b.breaker.probe_interval, Duration::from_millis(250));
+    assert_eq!(b.breaker.failure_threshold, 5);
+    let a = f.dispatch(&f.endpoints[1], &base).unwrap();
+    assert_eq!(a.max_in_flight, 64);
+    let bad = parse(&with("backoff_base = \"2s\"\nbackoff_cap = \"1s\"")).unwrap();
+    let e = bad.dispatch(&bad.endpoints[0], &base).unwrap_err();
+    assert_eq!(e.key.as_deref(), Some("backoff_base"));
+}
