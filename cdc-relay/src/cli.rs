@@ -238,9 +238,14 @@ pub struct ReplayArgs {
     #[command(flatten)]
     pub filter: DeadLetterFilterArgs,
     /// At most this many requests per second (default: as fast as the sink
-    /// answers, one at a time).
+    /// answers).
     #[arg(long, value_parser = parse_rate)]
     pub rate: Option<f64>,
+    /// At most this many requests in flight, each for a different
+    /// aggregate (an aggregate's events go one at a time, oldest first). The
+    /// first request goes alone: the window opens once the sink answers.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_in_flight: u32,
     /// Who replays (kept in the audit table with each removed row);
     /// default: $USER, else the database role.
     #[arg(long, env = "USER")]

@@ -17,7 +17,7 @@ use std::future::Future;
 
 use bytes::Bytes;
 use serde::Serialize;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, UnreadableRow};
@@ -339,6 +339,19 @@ impl Filter {
     }
 }
 
+/// The conditions of a [`Filter`] on `cdc_relay_dead_letter`, parameters
+/// `$1` to `$6` (see [`Filter::params`]).
+const FILTERED: &str = "($1::text IS NULL OR event_type LIKE $1) \
+       AND ($2::text IS NULL OR strpos(lower(error), lower($2)) > 0) \
+       AND ($3::text IS NULL OR quarantined_at >= $3::text::timestamptz) \
+       AND ($4::text IS NULL OR quarantined_at < $4::text::timestamptz) \
+       AND ($5::text IS NULL OR aggregate_key = $5) \
+       AND ($6::text IS NULL OR endpoint = $6)";
+
+/// Rows with their payloads, one statement: what `replay` and `discard`
+/// read in pages rather than one round trip per row.
+const WITH_PAYLOAD: &str = "payload, payload_bytes";
+
 /// The rows `filter` selects, oldest first, at most `limit`, without
 /// payloads. A `since`/`until` PostgreSQL cannot read as a time is an
 /// error (22007/22008).
@@ -350,14 +363,7 @@ pub async fn list(
     let rows = client
         .query(
             &format!(
-                "SELECT {COLUMNS} FROM cdc_relay_dead_letter \
-                 WHERE ($1::text IS NULL OR event_type LIKE $1) \
-                   AND ($2::text IS NULL OR strpos(lower(error), lower($2)) > 0) \
-                   AND ($3::text IS NULL OR quarantined_at >= $3::text::timestamptz) \
-                   AND ($4::text IS NULL OR quarantined_at < $4::text::timestamptz) \
-                   AND ($5::text IS NULL OR aggregate_key = $5) \
-                   AND ($6::text IS NULL OR endpoint = $6) \
-                 ORDER BY id LIMIT $7"
+                "SELECT {COLUMNS} FROM cdc_relay_dead_letter WHERE {FILTERED} ORDER BY id LIMIT $7"
             ),
             &[
                 &filter.type_pattern(),
@@ -373,17 +379,64 @@ pub async fn list(
     Ok(rows.iter().map(|r| from_row(r, None, None)).collect())
 }
 
-/// One row with its payload.
-pub async fn get(client: &Client, id: i64) -> Result<Option<DeadLetter>, tokio_postgres::Error> {
-    let row = client
-        .query_opt(
+/// The next `limit` rows `filter` selects after row id `after`, oldest
+/// first, with their payloads: one page of a keyset scan, so a replay of
+/// any number of rows reads them a page per round trip and never holds
+/// them all.
+pub async fn page(
+    client: &Client,
+    filter: &Filter,
+    after: i64,
+    limit: i64,
+) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
+    let rows = client
+        .query(
             &format!(
-                "SELECT {COLUMNS}, payload, payload_bytes FROM cdc_relay_dead_letter WHERE id = $1"
+                "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
+                 WHERE {FILTERED} AND id > $7 ORDER BY id LIMIT $8"
             ),
-            &[&id],
+            &[
+                &filter.type_pattern(),
+                &filter.reason,
+                &filter.since,
+                &filter.until,
+                &filter.aggregate,
+                &filter.endpoint,
+                &after,
+                &limit,
+            ],
         )
         .await?;
-    Ok(row.map(|r| from_row(&r, r.get(12), r.get(13))))
+    Ok(rows
+        .iter()
+        .map(|r| from_row(r, r.get(12), r.get(13)))
+        .collect())
+}
+
+/// One row with its payload.
+pub async fn get(client: &Client, id: i64) -> Result<Option<DeadLetter>, tokio_postgres::Error> {
+    Ok(get_many(client, &[id]).await?.pop())
+}
+
+/// The rows of `ids` that exist, with their payloads, oldest first; one
+/// statement.
+pub async fn get_many(
+    client: &Client,
+    ids: &[i64],
+) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            &format!(
+                "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
+                 WHERE id = ANY($1) ORDER BY id"
+            ),
+            &[&ids],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| from_row(r, r.get(12), r.get(13)))
+        .collect())
 }
 
 /// Why a row was removed.
@@ -396,33 +449,54 @@ pub enum Removal {
 }
 
 /// Deletes row `id` and records the removal in the audit table, in one
-/// transaction. Returns `false` when the row did not exist.
+/// statement. Returns `false` when the row did not exist.
 ///
 /// `actor` (the operator's name) goes into `performed_by`; the database
 /// role when `None`.
 pub async fn remove(
-    client: &mut Client,
+    client: &Client,
     id: i64,
     why: Removal,
     reason: Option<&str>,
     actor: Option<&str>,
 ) -> Result<bool, tokio_postgres::Error> {
+    Ok(remove_many(client, &[id], why, reason, actor).await? == [id])
+}
+
+/// Deletes the rows of `ids` and writes one audit row for each, in one
+/// statement: a row is never gone without its audit row, nor audited while
+/// still there. Returns the ids removed, ascending (ids that did not exist,
+/// or were removed meanwhile, are missing). Run it on a transaction to undo
+/// it when not every row was there.
+///
+/// `actor` (the operator's name) goes into `performed_by`; the database
+/// role when `None`.
+pub async fn remove_many(
+    client: &impl GenericClient,
+    ids: &[i64],
+    why: Removal,
+    reason: Option<&str>,
+    actor: Option<&str>,
+) -> Result<Vec<i64>, tokio_postgres::Error> {
     let action = match why {
         Removal::Replay => "replay",
         Removal::Discard => "discard",
     };
-    let tx = client.transaction().await?;
-    let n = tx
-        .execute(
-            "WITH gone AS (DELETE FROM cdc_relay_dead_letter WHERE id = $1 RETURNING *) \
-             INSERT INTO cdc_relay_dead_letter_audit \
+    let rows = client
+        .query(
+            // The ids come from the DELETE, not the audit INSERT: the relay
+            // role may insert into the audit table but not read it.
+            "WITH gone AS (DELETE FROM cdc_relay_dead_letter WHERE id = ANY($1) RETURNING *), \
+             audited AS (INSERT INTO cdc_relay_dead_letter_audit \
                (action, dead_letter_id, event_id, entry, reason, performed_by) \
-             SELECT $2, id, event_id, to_jsonb(gone), $3, coalesce($4, session_user) FROM gone",
-            &[&id, &action, &reason, &actor],
+               SELECT $2, id, event_id, to_jsonb(gone), $3, coalesce($4, session_user) FROM gone) \
+             SELECT id FROM gone",
+            &[&ids, &action, &reason, &actor],
         )
         .await?;
-    tx.commit().await?;
-    Ok(n == 1)
+    let mut removed: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    removed.sort_unstable();
+    Ok(removed)
 }
 
 #[cfg(test)]

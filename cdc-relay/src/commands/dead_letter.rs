@@ -1,19 +1,16 @@
 //! `cdc-relay dead-letter list|show|replay|discard`: inspect and resolve
-//! dead-lettered events.
+//! dead-lettered events (`replay` is in [`replay`]).
 
-use std::collections::HashSet;
+mod replay;
+
 use std::io::{BufRead, IsTerminal, Write};
-use std::time::Duration;
 
 use anyhow::Context;
-use serde::Serialize;
 use tokio_postgres::Client;
 
 use super::{ConfigError, connect, outln};
-use crate::cli::{DeadLetterCommand, GlobalArgs, ReplayArgs};
+use crate::cli::{DeadLetterCommand, GlobalArgs};
 use crate::deadletter::{self, DeadLetter, Removal};
-use crate::outbox::OutboxEvent;
-use crate::sink::{Attempt, Sink};
 
 /// Runs one `dead-letter` subcommand.
 pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()> {
@@ -30,7 +27,7 @@ pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()>
                 .with_context(|| format!("no dead-letter row {id}"))?;
             outln!("{}", serde_json::to_string_pretty(&shown(row))?);
         }
-        DeadLetterCommand::Replay(a) => replay(&mut client, *a).await?,
+        DeadLetterCommand::Replay(a) => replay::replay(&client, *a).await?,
         DeadLetterCommand::Discard {
             ids,
             all,
@@ -98,25 +95,38 @@ impl Selection {
         }
     }
 
-    /// The rows, oldest first, with their payloads.
+    /// The rows, with their payloads: the ids' rows in the order given
+    /// (every one must exist), or the filter's rows oldest first.
     async fn rows(&self, client: &Client) -> anyhow::Result<Vec<DeadLetter>> {
-        let ids: Vec<i64> = match self {
-            Self::Ids(ids) => ids.clone(),
-            Self::Filtered(f) => deadletter::list(client, f, None)
-                .await?
-                .iter()
-                .map(|r| r.id)
-                .collect(),
-        };
-        let mut rows = Vec::with_capacity(ids.len());
-        for id in ids {
-            rows.push(
-                deadletter::get(client, id)
-                    .await?
-                    .with_context(|| format!("no dead-letter row {id}; nothing was changed"))?,
-            );
+        match self {
+            Self::Filtered(f) => {
+                let mut rows = Vec::new();
+                let mut after = 0;
+                loop {
+                    let page = deadletter::page(client, f, after, 10_000).await?;
+                    let Some(last) = page.last() else {
+                        return Ok(rows);
+                    };
+                    after = last.id;
+                    rows.extend(page);
+                }
+            }
+            Self::Ids(ids) => {
+                let mut found: std::collections::HashMap<i64, DeadLetter> =
+                    deadletter::get_many(client, ids)
+                        .await?
+                        .into_iter()
+                        .map(|r| (r.id, r))
+                        .collect();
+                ids.iter()
+                    .map(|id| {
+                        found.remove(id).with_context(|| {
+                            format!("no dead-letter row {id}; nothing was changed")
+                        })
+                    })
+                    .collect()
+            }
         }
-        Ok(rows)
     }
 }
 
@@ -245,223 +255,21 @@ async fn discard(
             "not confirmed; nothing was discarded"
         );
     }
+    // One transaction: every row goes (each with its audit row) or none.
+    let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+    let tx = client.transaction().await?;
+    let removed =
+        deadletter::remove_many(&tx, &ids, Removal::Discard, Some(how.reason), how.actor).await?;
+    if let Some(gone) = ids.iter().find(|id| removed.binary_search(id).is_err()) {
+        anyhow::bail!("dead-letter row {gone} was removed meanwhile; nothing was discarded");
+    }
+    tx.commit().await?;
     for r in &rows {
-        anyhow::ensure!(
-            deadletter::remove(client, r.id, Removal::Discard, Some(how.reason), how.actor).await?,
-            "dead-letter row {} was removed meanwhile",
-            r.id
-        );
         outln!(
             "discarded dead-letter row {} (kept in cdc_relay_dead_letter_audit)",
             r.id
         );
     }
-    Ok(())
-}
-
-/// What `replay` did with one row.
-#[derive(Debug, Serialize)]
-struct Replayed {
-    id: i64,
-    event_id: Option<String>,
-    /// delivered, rejected (a 4xx about the event), sink_failing (the
-    /// sink itself failed: 5xx, 408, 429, 401/403/404/405, transport),
-    /// unsendable, would_send (dry run), not_attempted.
-    outcome: &'static str,
-    /// The sink's answer or why it was not sent.
-    detail: String,
-}
-
-/// A failure that says the sink (or how it is reached: the secret, the
-/// URL) is failing, not this event: the next rows would get the same answer,
-/// and sending them now only adds load. The same classes the relay retries
-/// and its breaker counts; a 4xx about the event (400, 409, 422, ...) is
-/// that row's alone.
-fn sink_failing(a: &Attempt) -> bool {
-    match a {
-        Attempt::Response { status, .. } => {
-            *status >= 500 || matches!(status, 401 | 403 | 404 | 405 | 408 | 415 | 429)
-        }
-        Attempt::Timeout | Attempt::Connect(_) | Attempt::Tls(_) | Attempt::Transport(_) => true,
-    }
-}
-
-/// Where a replay sends: `--sink-url`, or with `--routes FILE` the
-/// endpoint `--endpoint` names in it (its URL, secret and request timeout).
-fn replay_sink(a: &ReplayArgs) -> Result<crate::sink::HttpSink, String> {
-    let Some(path) = &a.routes.routes else {
-        return a.sink.build();
-    };
-    let Some(name) = &a.filter.endpoint else {
-        return Err(
-            "--routes needs --endpoint NAME: the endpoint whose dead letters go back to it".into(),
-        );
-    };
-    let file = crate::routes::RoutesFile::load(path).map_err(|e| e.to_string())?;
-    let Some(e) = file.endpoint(name) else {
-        return Err(format!(
-            "routes file {}: no endpoint named {name:?} (--endpoint); it has {}",
-            path.display(),
-            file.endpoints
-                .iter()
-                .map(|e| e.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    };
-    a.sink.endpoint_sink(&file, e, None)
-}
-
-/// Re-sends rows once each; a row is removed (with an audit entry) only
-/// after a 2xx. Stops at the first answer that says the sink is failing.
-async fn replay(client: &mut Client, a: ReplayArgs) -> anyhow::Result<()> {
-    // A dry run sends nothing: it needs neither sink URL nor secret.
-    let sink = if a.dry_run {
-        None
-    } else {
-        Some(replay_sink(&a).map_err(super::ConfigError)?)
-    };
-    let endpoint = a.filter.endpoint.clone();
-    let mut filter = checked(client, &a.filter).await?;
-    if a.id.is_some() {
-        // A row named by id is checked against --endpoint below instead.
-        filter.endpoint = None;
-    }
-    let selection = Selection::new(a.id.into_iter().collect(), a.all, filter)?;
-    let rows = selection.rows(client).await?;
-    let mut pace = a.rate.map(|per_s| {
-        let mut i = tokio::time::interval(Duration::from_secs_f64(1.0 / per_s));
-        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        i
-    });
-    let mut done: Vec<Replayed> = Vec::new();
-    let mut stopped: Option<String> = None;
-    // Aggregates with an event that was not delivered: their later events
-    // wait, so an aggregate's events still arrive in order.
-    let mut held: HashSet<String> = HashSet::new();
-    for row in rows {
-        let id = row.id;
-        let mut record = |outcome, detail: String| {
-            if !a.json {
-                outln!("row {id}: {}", detail);
-            }
-            done.push(Replayed {
-                id,
-                event_id: row.event_id.clone(),
-                outcome,
-                detail,
-            });
-        };
-        if let Some(why) = &stopped {
-            record("not_attempted", format!("not attempted ({why})"));
-            continue;
-        }
-        if let Some(name) = endpoint
-            .as_ref()
-            .filter(|n| row.endpoint.as_ref() != Some(*n))
-        {
-            record(
-                "not_attempted",
-                format!(
-                    "not attempted: dead-lettered by endpoint {}, not {name}",
-                    crate::shown(&row.endpoint)
-                ),
-            );
-            continue;
-        }
-        if let Some(key) = row.aggregate_key.as_ref().filter(|k| held.contains(*k)) {
-            record(
-                "not_attempted",
-                format!(
-                    "not attempted: an earlier event of aggregate {key} was not delivered, and this one must not overtake it"
-                ),
-            );
-            continue;
-        }
-        let (Some(event_id), Some(event_type)) = (row.event_id.clone(), row.event_type.clone())
-        else {
-            record(
-                "unsendable",
-                "no event id or type: cannot be sent (discard it after fixing the source row)"
-                    .into(),
-            );
-            continue;
-        };
-        let Some(sink) = &sink else {
-            record(
-                "would_send",
-                format!("would send {event_type} {event_id} (dry run)"),
-            );
-            continue;
-        };
-        let event = OutboxEvent {
-            id: event_id,
-            event_type,
-            payload: row.payload.clone().map(bytes::Bytes::from),
-            aggregate_key: row.aggregate_key.clone(),
-            commit_lsn: row.commit_lsn.as_deref().and_then(|l| l.parse().ok()),
-            commit_time_micros: 0,
-        };
-        if let Some(pace) = pace.as_mut() {
-            pace.tick().await;
-        }
-        let request = sink.prepare(&event);
-        let attempt = sink.post(&event.id, &request).await;
-        match &attempt {
-            Attempt::Response { status, .. } if (200..300).contains(status) => {
-                deadletter::remove(client, id, Removal::Replay, None, a.actor.as_deref()).await?;
-                record("delivered", format!("delivered ({status}); removed"));
-            }
-            other => {
-                let detail = other.detail();
-                let failing = sink_failing(other);
-                if failing {
-                    stopped = Some(format!("the sink is failing: {detail}"));
-                }
-                if let Some(key) = &row.aggregate_key {
-                    held.insert(key.clone());
-                }
-                // The sink failing is no verdict on this event; a 4xx about
-                // it is.
-                let outcome = if failing { "sink_failing" } else { "rejected" };
-                record(outcome, format!("not delivered ({detail}); kept"));
-            }
-        }
-    }
-    let count = |o: &str| done.iter().filter(|r| r.outcome == o).count();
-    let (delivered, kept) = (count("delivered"), done.len() - count("delivered"));
-    if a.json {
-        outln!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({
-                "dry_run": a.dry_run,
-                "delivered": delivered,
-                "kept": kept,
-                "stopped": stopped,
-                "rows": done,
-            }))?
-        );
-    } else {
-        outln!(
-            "replay{}: {} row(s): {delivered} delivered, {} rejected, {} not sent (sink failing), {} unsendable, {} not attempted{}",
-            if a.dry_run { " (dry run)" } else { "" },
-            done.len(),
-            count("rejected"),
-            count("sink_failing"),
-            count("unsendable"),
-            count("not_attempted"),
-            stopped
-                .as_deref()
-                .map_or(String::new(), |w| format!("; stopped: {w}"))
-        );
-    }
-    anyhow::ensure!(
-        a.dry_run || kept == 0,
-        "{kept} row(s) not replayed{}",
-        stopped
-            .as_deref()
-            .map_or(String::new(), |w| format!(" (stopped: {w})"))
-    );
     Ok(())
 }
 
@@ -476,28 +284,5 @@ mod tests {
         assert_eq!(age(61), "1 min");
         assert_eq!(age(7_500), "2 h 5 min");
         assert_eq!(age(3 * 86_400 + 4 * 3600 + 5), "3 d 4 h");
-    }
-
-    #[test]
-    fn only_answers_about_the_sink_stop_a_replay() {
-        let answer = |status| Attempt::Response {
-            status,
-            retry_after: None,
-            excerpt: String::new(),
-        };
-        for failing in [500, 503, 599, 408, 429] {
-            assert!(sink_failing(&answer(failing)), "{failing}");
-        }
-        for failing in [401, 403, 404, 405, 415] {
-            assert!(
-                sink_failing(&answer(failing)),
-                "a configuration fault: {failing}"
-            );
-        }
-        for event in [400, 409, 410, 413, 422] {
-            assert!(!sink_failing(&answer(event)), "{event}");
-        }
-        assert!(sink_failing(&Attempt::Timeout));
-        assert!(sink_failing(&Attempt::Connect("refused".into())));
     }
 }
