@@ -36,7 +36,15 @@
 //!   (`--max-shards 1` each), every relay on one worker thread at
 //!   `--max-in-flight 4`, into a sink answering after a fixed 2 ms:
 //!   delivered events/s, the speed-up over one relay, and the walsenders'
-//!   CPU per event (each slot decodes the whole WAL).
+//!   CPU per event (each slot decodes the whole WAL);
+//! - **h** dead-letter replay (issue 15): `cdc-relay dead-letter replay --all`
+//!   of 100,000 `OrderCreated` dead letters (20,000 with `--quick`) to real
+//!   Billing, at `--replay-mif` (default 64): rows delivered, removed and
+//!   audited per second of the command's run;
+//! - **i** routing's own cost (issue 15): the scenario-b backlog drained into
+//!   the null sink by `run --sink-url` and by `run --routes` with one
+//!   endpoint taking `*`, alternating, `--parity-pairs` pairs: both medians
+//!   and their ratio (target ≥ 0.95).
 //!
 //! The baseline (see `baseline.rs`) runs as a child process of this
 //! binary (`bench baseline-worker`), in three variants: the tutorial's 250 ms
@@ -54,8 +62,10 @@ mod idle;
 mod latency;
 mod prune;
 mod recovery;
+mod replay;
 mod report;
 mod results;
+mod routes;
 mod shards;
 mod stats;
 mod throughput;
@@ -73,8 +83,10 @@ use crate::idle::idle;
 use crate::latency::latency;
 use crate::prune::prune_under_load;
 use crate::recovery::recovery;
+use crate::replay::replay;
 use crate::report::{machine_info, render_table, to_json};
 use crate::results::{Results, derived_rows, set_targets};
+use crate::routes::routes_parity;
 use crate::shards::shards;
 use crate::throughput::throughput;
 
@@ -94,8 +106,8 @@ struct Cli {
     /// Repeat every scenario this many times (figures show median, min, max).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
     runs: u32,
-    /// Scenarios to run (a,b,c,d,e,f,g).
-    #[arg(long, value_delimiter = ',', default_value = "a,b,c,d,e,f,g")]
+    /// Scenarios to run (a,b,c,d,e,f,g,h,i).
+    #[arg(long, value_delimiter = ',', default_value = "a,b,c,d,e,f,g,h,i")]
     only: Vec<String>,
     /// Skip the 1000 orders/s latency step.
     #[arg(long)]
@@ -138,6 +150,16 @@ struct Cli {
     /// Scenario g: the backlog (default 60,000; 20,000 with --quick).
     #[arg(long)]
     shard_backlog: Option<u64>,
+    /// Scenario h: the replay's `--max-in-flight` values.
+    #[arg(long, value_delimiter = ',', default_value = "64",
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    replay_mif: Vec<u32>,
+    /// Scenario h: dead letters replayed (default 100,000; 20,000 with --quick).
+    #[arg(long)]
+    replay_rows: Option<u64>,
+    /// Scenario i: pairs of drains (--sink-url, --routes), default 3 (2 with --quick).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=20))]
+    parity_pairs: Option<u32>,
     /// Where the JSON goes.
     #[arg(long, default_value = "target/bench.json")]
     out: PathBuf,
@@ -167,6 +189,9 @@ struct Config {
     shard_backlog: u64,
     shard_sink_ms: u64,
     shard_mif: u32,
+    replay_rows: u64,
+    replay_mif: Vec<u32>,
+    parity_pairs: u32,
     max_in_flight: Vec<u32>,
     billing_max_requests: u64,
     billing_max_concurrency: Vec<usize>,
@@ -197,6 +222,9 @@ impl Config {
             shard_backlog: if quick { 20_000 } else { 60_000 },
             shard_sink_ms: 2,
             shard_mif: 4,
+            replay_rows: if quick { 20_000 } else { 100_000 },
+            replay_mif: vec![64],
+            parity_pairs: if quick { 2 } else { 3 },
             max_in_flight: Vec::new(),
             billing_max_requests: if quick { 20_000 } else { 100_000 },
             billing_max_concurrency: vec![16, 64, 256],
@@ -256,6 +284,13 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
     cfg.shard_mif = cli.shard_mif;
     if let Some(n) = cli.shard_backlog {
         cfg.shard_backlog = n;
+    }
+    cfg.replay_mif = cli.replay_mif.clone();
+    if let Some(n) = cli.replay_rows {
+        cfg.replay_rows = n;
+    }
+    if let Some(n) = cli.parity_pairs {
+        cfg.parity_pairs = n;
     }
     if let Some(s) = cli.latency_s {
         cfg.latency_window_s = s;
@@ -326,6 +361,16 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
             && let Err(err) = shards(&mut ctx).await
         {
             ctx.results.note(format!("g failed: {err:#}"));
+        }
+        if want("h")
+            && let Err(err) = replay(&mut ctx).await
+        {
+            ctx.results.note(format!("h failed: {err:#}"));
+        }
+        if want("i")
+            && let Err(err) = routes_parity(&mut ctx).await
+        {
+            ctx.results.note(format!("i failed: {err:#}"));
         }
     }
     set_targets(&mut ctx.results);
