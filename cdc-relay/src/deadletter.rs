@@ -339,8 +339,9 @@ impl Filter {
     }
 }
 
-/// The conditions of a [`Filter`] on `cdc_relay_dead_letter`, parameters
-/// `$1` to `$6` (see [`Filter::params`]).
+/// The conditions of a [`Filter`] on `cdc_relay_dead_letter`: parameters
+/// `$1` to `$6` are the type pattern, reason, since, until, aggregate and
+/// endpoint, in that order.
 const FILTERED: &str = "($1::text IS NULL OR event_type LIKE $1) \
        AND ($2::text IS NULL OR strpos(lower(error), lower($2)) > 0) \
        AND ($3::text IS NULL OR quarantined_at >= $3::text::timestamptz) \
@@ -348,8 +349,8 @@ const FILTERED: &str = "($1::text IS NULL OR event_type LIKE $1) \
        AND ($5::text IS NULL OR aggregate_key = $5) \
        AND ($6::text IS NULL OR endpoint = $6)";
 
-/// Rows with their payloads, one statement: what `replay` and `discard`
-/// read in pages rather than one round trip per row.
+/// The payload columns, after [`COLUMNS`], for the reads that need them
+/// ([`page`], [`get_many`]).
 const WITH_PAYLOAD: &str = "payload, payload_bytes";
 
 /// The rows `filter` selects, oldest first, at most `limit`, without

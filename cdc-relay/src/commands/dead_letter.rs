@@ -1,5 +1,5 @@
 //! `cdc-relay dead-letter list|show|replay|discard`: inspect and resolve
-//! dead-lettered events (`replay` is in [`replay`]).
+//! dead-lettered events (`replay` is in `dead_letter/replay.rs`).
 
 mod replay;
 

@@ -28,10 +28,12 @@
 //! gets one request. Rows are read a page per round trip
 //! ([`deadletter::page`]) and delivered rows are removed a batch per
 //! statement ([`deadletter::remove_many`]: the deletes and their audit rows
-//! together), at the latest [`FLUSH_EVERY`] after the 2xx. A replay killed
-//! between a 2xx and its batch's statement leaves those rows in the table,
-//! and a later replay sends them again: the receiver sees the event id
-//! twice, which it must absorb anyway (the relay delivers at least once).
+//! together), written when [`BATCH`] rows wait, at the first 2xx
+//! [`FLUSH_EVERY`] or more after the previous write, and at the end (also
+//! after an error). A replay killed between a 2xx and its batch's statement
+//! leaves those rows in the table, and a later replay sends them again: the
+//! receiver sees the event id twice, which it must absorb anyway (the relay
+//! delivers at least once).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -53,7 +55,8 @@ const PAGE: i64 = 2000;
 /// Delivered rows removed per statement, at most.
 const BATCH: usize = 1000;
 
-/// Longest a delivered row waits for its removal while the replay runs.
+/// A 2xx this long after the previous removal write writes the batch,
+/// however small (so a slow, `--rate`-capped replay removes as it goes).
 const FLUSH_EVERY: Duration = Duration::from_millis(500);
 
 /// What `replay` did with one row.
