@@ -8,12 +8,15 @@
 //! release binary as the relay role, and is timed from start to exit; the
 //! figure is rows delivered (and removed, with their audit rows) per
 //! second of that. Afterwards the table must be empty, the audit table must
-//! hold one `replay` row per event and Billing one invoice per event.
+//! hold one `replay` row per event and Billing one invoice per event. The
+//! replay's own CPU per event and Billing's are printed beside the rate.
 
-use std::time::Instant;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use harness::app::{self, TEST_SECRET};
+use harness::stack::Stack;
 
 use crate::Ctx;
 use crate::contender::{clk_tck, proc_cpu_s};
@@ -39,6 +42,40 @@ async fn insert_dead_letters(db: &tokio_postgres::Client, n: u64) -> anyhow::Res
     .context("inserting the dead letters")
 }
 
+/// Runs `cdc-relay dead-letter replay --all` as the relay role (what
+/// [`app::relay_command`] does, but spawned here so its CPU can be read):
+/// its output and its CPU seconds, the last `/proc` reading before it
+/// exited (sampled every 20 ms).
+async fn run_replay(
+    stack: &Stack,
+    sink_url: &str,
+    mif: u32,
+) -> anyhow::Result<(std::process::Output, f64)> {
+    let mut command = tokio::process::Command::new(harness::bins::path("cdc-relay"));
+    command
+        .args(app::relay_globals(stack))
+        .args(["--log", "warn", "dead-letter", "replay", "--all"])
+        .args(["--max-in-flight", &mif.to_string(), "--actor", "bench"])
+        .env("CDC_RELAY_DATABASE_URL", &stack.relay_url)
+        .env("CDC_RELAY_SINK_URL", sink_url)
+        .env("EVENT_SECRET", TEST_SECRET)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let child = command.spawn().context("starting the replay")?;
+    let pid = child.id().context("the replay's pid")?;
+    let output = tokio::spawn(child.wait_with_output());
+    let tck = clk_tck();
+    let mut cpu = 0.0;
+    while !output.is_finished() {
+        if let Some(c) = proc_cpu_s(pid, tck) {
+            cpu = c;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok((output.await??, cpu))
+}
+
 pub(crate) async fn replay(ctx: &mut Ctx) -> anyhow::Result<()> {
     for mif in ctx.cfg.replay_mif.clone() {
         replay_one(ctx, mif).await?;
@@ -61,34 +98,19 @@ async fn replay_one(ctx: &mut Ctx, mif: u32) -> anyhow::Result<()> {
     let billing_pid = billing.process.pid();
     let sink_url = format!("{}/inbox", billing.url);
     let cpu_before = proc_cpu_s(billing_pid, clk_tck());
-    let mif_s = mif.to_string();
     let t = Instant::now();
-    let out = app::relay_command(
-        &stack,
-        &stack.relay_url,
-        &[
-            "--log",
-            "warn",
-            "dead-letter",
-            "replay",
-            "--all",
-            "--max-in-flight",
-            &mif_s,
-            "--actor",
-            "bench",
-        ],
-        &[
-            ("CDC_RELAY_SINK_URL", sink_url.as_str()),
-            ("EVENT_SECRET", TEST_SECRET),
-        ],
-    )
-    .await?;
+    let (out, replay_cpu) = run_replay(&stack, &sink_url, mif).await?;
     let secs = t.elapsed().as_secs_f64();
     let billing_cpu = proc_cpu_s(billing_pid, clk_tck())
         .zip(cpu_before)
         .map(|(after, before)| after - before);
-    let summary = out.stdout.lines().last().unwrap_or_default().to_owned();
-    anyhow::ensure!(out.success(), "replay failed: {summary} {}", out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let summary = stdout.lines().last().unwrap_or_default().to_owned();
+    anyhow::ensure!(
+        out.status.success(),
+        "replay failed: {summary} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let count = |sql: &'static str| {
         let admin = &admin;
         async move { anyhow::Ok(admin.query_one(sql, &[]).await?.get::<_, i64>(0) as u64) }
@@ -111,6 +133,13 @@ async fn replay_one(ctx: &mut Ctx, mif: u32) -> anyhow::Result<()> {
         "ev/s",
         "ours",
         rate,
+    );
+    ctx.results.add(
+        scen,
+        &format!("replay's own CPU per event, mif {mif}"),
+        "µs",
+        "ours",
+        replay_cpu * 1e6 / n as f64,
     );
     if let Some(cpu) = billing_cpu {
         ctx.results.add(
