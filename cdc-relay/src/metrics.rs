@@ -48,6 +48,9 @@ pub struct Metrics {
     pub retries: IntCounterVec,
     /// Slot figures from the side connection: lag in bytes.
     pub slot_lag_bytes: IntGauge,
+    /// WAL the slot keeps on the server, `pg_current_wal_lsn() -
+    /// restart_lsn`, bytes: what `--max-retained-wal` bounds.
+    pub retained_wal_bytes: IntGauge,
     /// Logical slots of the relay's database other than its own.
     pub other_logical_slots: IntGauge,
     /// Circuit state: 0 closed, 1 open, 2 half-open (probing).
@@ -308,6 +311,11 @@ impl Metrics {
                 "cdc_relay_slot_lag_bytes",
                 "pg_current_wal_lsn() - confirmed_flush_lsn of the slot (bytes)",
             ),
+            retained_wal_bytes: gauge(
+                &r,
+                "cdc_relay_retained_wal_bytes",
+                "pg_current_wal_lsn() - restart_lsn of the slot: WAL the slot keeps on the server (bytes)",
+            ),
             other_logical_slots: gauge(
                 &r,
                 "cdc_relay_other_logical_slots",
@@ -561,6 +569,7 @@ mod tests {
             "cdc_relay_confirmed_lsn",
             "cdc_relay_server_wal_lsn",
             "cdc_relay_slot_lag_bytes",
+            "cdc_relay_retained_wal_bytes",
             "cdc_relay_oldest_unconfirmed_event_age_seconds",
             "cdc_relay_circuit_state",
             "cdc_relay_reconnects_total{cause=\"io\"} 1",
