@@ -51,6 +51,9 @@ pub struct Metrics {
     /// WAL the slot keeps on the server, `pg_current_wal_lsn() -
     /// restart_lsn`, bytes: what `--max-retained-wal` bounds.
     pub retained_wal_bytes: IntGauge,
+    /// `--max-retained-wal`, bytes (0: no budget), for the alert on
+    /// retained WAL near it.
+    pub retained_wal_budget_bytes: IntGauge,
     /// Logical slots of the relay's database other than its own.
     pub other_logical_slots: IntGauge,
     /// Circuit state: 0 closed, 1 open, 2 half-open (probing).
@@ -314,7 +317,13 @@ impl Metrics {
             retained_wal_bytes: gauge(
                 &r,
                 "cdc_relay_retained_wal_bytes",
+            "cdc_relay_retained_wal_budget_bytes",
                 "pg_current_wal_lsn() - restart_lsn of the slot: WAL the slot keeps on the server (bytes)",
+            ),
+            retained_wal_budget_bytes: gauge(
+                &r,
+                "cdc_relay_retained_wal_budget_bytes",
+                "--max-retained-wal: above it the endpoint holding the oldest pending event is parked (bytes; 0: no budget)",
             ),
             other_logical_slots: gauge(
                 &r,

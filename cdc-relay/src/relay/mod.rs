@@ -502,6 +502,10 @@ impl Session<'_> {
                 cfg.slot.clone(),
             )))
         });
+        self.metrics.retained_wal_budget_bytes.set(
+            cfg.max_retained_wal
+                .map_or(0, |b| i64::try_from(b).unwrap_or(i64::MAX)),
+        );
         let wal_budget = cfg.max_retained_wal.map(|budget| RetainedWal {
             budget,
             retained: retained_wal(readings.clone()),
