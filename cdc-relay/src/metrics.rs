@@ -317,7 +317,6 @@ impl Metrics {
             retained_wal_bytes: gauge(
                 &r,
                 "cdc_relay_retained_wal_bytes",
-            "cdc_relay_retained_wal_budget_bytes",
                 "pg_current_wal_lsn() - restart_lsn of the slot: WAL the slot keeps on the server (bytes)",
             ),
             retained_wal_budget_bytes: gauge(
@@ -579,6 +578,7 @@ mod tests {
             "cdc_relay_server_wal_lsn",
             "cdc_relay_slot_lag_bytes",
             "cdc_relay_retained_wal_bytes",
+            "cdc_relay_retained_wal_budget_bytes",
             "cdc_relay_oldest_unconfirmed_event_age_seconds",
             "cdc_relay_circuit_state",
             "cdc_relay_reconnects_total{cause=\"io\"} 1",
