@@ -16,6 +16,8 @@
 //! - [`delivery`]: one event's life at one endpoint: attempts through the
 //!   breaker, backoff, the dead-letter write.
 //! - [`route`]: which endpoints (lanes) an event goes to.
+//! - [`park`]: parking an endpoint that holds the slot back (its events
+//!   dead-lettered with reason `parked`).
 //!
 //! With a routes file each endpoint is a lane of the scheduler with its own
 //! sink, breaker, backoff, `max_in_flight` and per-aggregate order; an
