@@ -11,16 +11,22 @@
 //! ("billing got events live while its parked backlog waited"). A first
 //! version of the test restarted the relay with billing still down and
 //! passed with that break (the events were parked again after max_lag);
-//! billing is now up at the restart.
+//! billing is now up at the restart. With the relay's retained-WAL
+//! readings never reaching the dispatcher (always `None`), the budget test
+//! failed (billing never parked; the slot never moved).
 
 use std::collections::{BTreeSet, HashMap};
 
-use ::harness::PgCluster;
 use ::harness::app::{self, Running};
 use ::harness::oracle::{self, Expected};
 use ::harness::sink::ScriptedSink;
 use ::harness::stack::Stack;
+use ::harness::{PgCluster, wait_until};
 use tokio_postgres::Client;
+
+/// Bound for the WAL budget to park an endpoint: its oldest event waits
+/// 30 s first, then the next slot reading (every 1 s here).
+const PARK_BY: std::time::Duration = std::time::Duration::from_secs(90);
 
 const SECRETS: [(&str, &str); 2] = [
     ("PARK_SECRET_BILLING", "billing-secret-0123456789abcdef0123"),
@@ -233,4 +239,84 @@ async fn a_dead_endpoint_is_parked_the_slot_moves_and_it_comes_back_in_order() {
         "shipping: everything, unaffected"
     );
     assert!(parked_rows(&db).await.is_empty());
+}
+
+/// The WAL budget: billing (no `max_lag`) is down, WAL piles up in a side
+/// table past `--max-retained-wal`, and billing — holding the oldest
+/// pending event — is parked once that event has waited 30 s; the slot
+/// then moves and shipping never notices.
+#[tokio::test]
+async fn over_the_wal_budget_the_endpoint_pinning_the_slot_is_parked() {
+    let stack = PgCluster::shared().create_stack().await.unwrap();
+    app::relay_setup(&stack).await.unwrap();
+    let sinks = vec![
+        ScriptedSink::start().await.unwrap(),
+        ScriptedSink::start().await.unwrap(),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(routes_file(dir.path(), &sinks))
+        .unwrap()
+        .replace("max_lag = \"3s\"\n", "");
+    let path = dir.path().join("budget.toml");
+    std::fs::write(&path, text).unwrap();
+    let relay = app::start_relay_with_routes(
+        &stack,
+        &path,
+        &[
+            "--backoff-cap",
+            "200ms",
+            "--slot-stats-interval",
+            "1s",
+            "--max-retained-wal",
+            "4MiB",
+        ],
+        &SECRETS,
+    )
+    .await
+    .unwrap();
+    app::wait_streaming(&relay).await.unwrap();
+    let db = stack.orders_admin().await.unwrap();
+    let aggregates = [oracle::expected::insert_order(&db).await.unwrap()];
+    sinks[0].set_status(503);
+    let events = commit(&db, &aggregates, 3, 0).await;
+    db.batch_execute(
+        "CREATE TABLE wal_filler (x text); \
+         INSERT INTO wal_filler SELECT repeat('x', 1000) FROM generate_series(1, 20000)",
+    )
+    .await
+    .unwrap();
+    // Its oldest event must wait 30 s (BUDGET_MIN_AGE) first: longer than
+    // settle's bound.
+    wait_until("billing parked for the WAL budget", PARK_BY, || async {
+        parked_rows(&db).await.len() == events.len()
+    })
+    .await
+    .unwrap();
+    oracle::settle(&db, &stack.slot).await.unwrap();
+    let want: BTreeSet<String> = events.iter().map(|e| e.id.clone()).collect();
+    let parked: BTreeSet<String> = parked_rows(&db).await.into_iter().collect();
+    assert_eq!(parked, want, "billing's events parked, once each");
+    let why: String = db
+        .query_one(
+            "SELECT error FROM cdc_relay_dead_letter WHERE endpoint = 'billing' LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(why.contains("--max-retained-wal"), "{why}");
+    let m = relay.metrics().await.unwrap();
+    assert_eq!(
+        m.value("cdc_relay_endpoint_parked", &[("endpoint", "shipping")]),
+        Some(0.0)
+    );
+    assert_eq!(
+        m.value("cdc_relay_retained_wal_budget_bytes", &[]),
+        Some(4.0 * 1024.0 * 1024.0)
+    );
+    let shipping: BTreeSet<String> = in_order("shipping", &sinks[1], &events)
+        .into_iter()
+        .collect();
+    assert_eq!(shipping, want);
+    drop(relay);
 }
