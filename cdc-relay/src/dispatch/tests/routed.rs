@@ -44,6 +44,18 @@ impl Routed {
         max_lags: &[Duration],
         wal_budget: Option<RetainedWal>,
     ) -> Self {
+        let parks = lanes.iter().map(|_| park::Park::default()).collect();
+        Self::start_parked(lanes, unrouted, max_lags, wal_budget, parks)
+    }
+
+    /// As [`Self::start_parking`], with lane `i`'s parking switch `parks[i]`.
+    fn start_parked(
+        lanes: Vec<(&str, Arc<ScriptedSink>, Vec<&str>)>,
+        unrouted: Unrouted,
+        max_lags: &[Duration],
+        wal_budget: Option<RetainedWal>,
+        parks: Vec<park::Park>,
+    ) -> Self {
         let store = Arc::new(MemoryStore::default());
         let metrics = Metrics::new();
         let router = Router::new(
@@ -55,8 +67,9 @@ impl Routed {
         );
         let endpoints = lanes
             .into_iter()
+            .zip(parks)
             .enumerate()
-            .map(|(i, (name, sink, _))| Endpoint {
+            .map(|(i, ((name, sink, _), park))| Endpoint {
                 name: name.to_owned(),
                 cfg: DispatchConfig {
                     max_lag: max_lags.get(i).copied(),
@@ -64,7 +77,7 @@ impl Routed {
                 },
                 sink,
                 breaker: Breaker::for_endpoint(config(4).breaker, metrics.clone(), name),
-                park: park::Park::default(),
+                park,
             })
             .collect();
         let shared = Shared {

@@ -7,7 +7,10 @@
 //! Broken on purpose once, to show these tests can fail: with
 //! `Delivery::run` ignoring the switch (no `Work::Deliver(..) if parked`
 //! arm) and `unless_interrupted` never returning `Parked`, the lag test
-//! failed ("the slot moves past the parked events": confirmed stayed 0/0).
+//! failed ("the slot moves past the parked events": confirmed stayed 0/0),
+//! and so did the started-parked test ("a healthy but parked endpoint gets
+//! nothing live"); breaking only the first of the two, it passes: the
+//! breaker wait sees the switch before any attempt.
 
 use super::*;
 
@@ -135,4 +138,41 @@ async fn over_the_wal_budget_the_endpoint_holding_the_oldest_event_is_parked() {
     assert!(rows[0].error.contains("--max-retained-wal"), "{rows:?}");
     let text = metrics.render();
     assert!(text.contains("cdc_relay_endpoint_parked{endpoint=\"b\"} 1"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_endpoint_started_parked_is_never_tried() {
+    let a = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+    let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+    let parked = park::Park::default();
+    parked.throw("its earlier parked events wait in the dead-letter table".into());
+    let mut r = Routed::start_parked(
+        vec![
+            ("a", Arc::clone(&a), vec!["*"]),
+            ("b", Arc::clone(&b), vec!["*"]),
+        ],
+        Unrouted::DeadLetter,
+        &[],
+        None,
+        vec![parked, park::Park::default()],
+    );
+    r.tx(vec![
+        typed("e1", "T", Some("k")),
+        typed("e2", "T", Some("k")),
+    ])
+    .await;
+    let (last, rows, metrics) = r.finish().await;
+    assert_eq!(last, Lsn::new(100));
+    assert!(
+        a.calls().is_empty(),
+        "a healthy but parked endpoint gets nothing live"
+    );
+    assert_eq!(rows_at(&rows, "a"), ["e1", "e2"]);
+    assert!(rows[0].error.contains("earlier parked events"), "{rows:?}");
+    assert_eq!(ids(&b, 204), ["e1", "e2"]);
+    assert!(
+        metrics
+            .render()
+            .contains("cdc_relay_endpoint_parked{endpoint=\"a\"} 1")
+    );
 }
