@@ -413,6 +413,8 @@ struct Prepared {
     /// The row filter the shard's publication must keep (as the server
     /// printed it when the session started); `None` unsharded.
     row_filter: Option<String>,
+    /// Endpoints whose parked dead letters wait: they start parked.
+    parked: Vec<String>,
 }
 
 impl Session<'_> {
@@ -517,9 +519,6 @@ impl Session<'_> {
             stopping: stop.clone(),
             wal_budget,
         };
-        let parked = deadletter::parked_endpoints(&p.side)
-            .await
-            .map_err(|e| SourceError::sql("looking for parked dead letters", &e))?;
         let endpoints = targets
             .endpoints
             .iter()
@@ -529,7 +528,7 @@ impl Session<'_> {
                 cfg: t.dispatch.clone(),
                 sink: t.sink.clone(),
                 breaker: b.clone(),
-                park: parked_at_start(&t.name, &parked),
+                park: parked_at_start(&t.name, &p.parked),
             })
             .collect();
         let dispatcher = AbortOnDropHandle::new(tokio::spawn(dispatch::run_routed(
@@ -641,11 +640,14 @@ impl Session<'_> {
                 source::connect_primary(&cfg.conn, &cfg.application_name).await?;
             let wal_sender_timeout = catalog::wal_sender_timeout(&side).await?;
             let slot = catalog::slot_info(&side, &cfg.slot).await?;
-            Ok::<_, SourceError>((side, side_closed, server, wal_sender_timeout, slot))
+            let parked = deadletter::parked_endpoints(&side)
+                .await
+                .map_err(|e| SourceError::sql("looking for parked dead letters", &e))?;
+            Ok::<_, SourceError>((side, side_closed, server, wal_sender_timeout, slot, parked))
         };
         let tries = u32::try_from(cfg.conn.hosts.len()).unwrap_or(u32::MAX);
         let bound = cfg.conn.connect_timeout * tries.saturating_add(1);
-        let (side, side_closed, server, wal_sender_timeout, slot) =
+        let (side, side_closed, server, wal_sender_timeout, slot, parked) =
             tokio::time::timeout(bound, startup).await.map_err(|_| {
                 SourceError::Transient(format!(
                     "{}: no answer within {bound:?} while connecting",
@@ -773,6 +775,7 @@ impl Session<'_> {
             table,
             sql_ascii,
             row_filter,
+            parked,
         }))
     }
 
