@@ -123,7 +123,7 @@ fi
 step "dashboard and alert rules use only registered metrics"
 registered=$(
     {
-        grep -ohE '"cdc_relay_[a-z0-9_]+"' "$repo/cdc-relay/src/metrics.rs"
+        grep -ohE '"cdc_relay_[a-z0-9_]+"' "$repo/cdc-relay/src/metrics.rs" "$repo/cdc-relay/src/endpoint_metrics.rs"
         grep -ohE '"(orders|billing)_[a-z0-9_]+"' "$repo"/services/*/src/*.rs
         for svc in orders billing; do
             grep -ohE '"http_[a-z0-9_]+"' "$repo/services/common/src/metrics.rs" | sed "s/^\"/\"${svc}_/"

@@ -762,6 +762,13 @@ pub struct RunArgs {
     /// may have and count as ready (cdc_relay_failover_ready).
     #[arg(long, env = "CDC_RELAY_FAILOVER_MAX_LAG", default_value = "16MiB", value_parser = parse_bytes)]
     pub failover_max_lag: u32,
+    /// WAL budget of the slot (`pg_current_wal_lsn() - restart_lsn`,
+    /// checked at every slot monitor reading): above it, the endpoint
+    /// holding the oldest pending event is parked, its events dead-lettered
+    /// with reason `parked`, so the slot moves on (docs/operations.md, "A
+    /// parked endpoint"). E.g. 4GiB; unset: no budget.
+    #[arg(long, env = "CDC_RELAY_MAX_RETAINED_WAL", value_parser = parse_size)]
+    pub max_retained_wal: Option<u64>,
     /// What to do when the slot is missing at start or after a reconnect:
     /// stop (exit 3) with the steps, or, after a failover to a server
     /// without a copy of the slot, recreate it and re-send the outbox rows
@@ -876,6 +883,12 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 
 /// Parses a byte size: `1048576`, `64KiB`, `64MiB`, `1GiB` (also kB/MB/GB as powers of 1024).
 pub fn parse_bytes(s: &str) -> Result<u32, String> {
+    let v = parse_size(s)?;
+    u32::try_from(v).map_err(|_| format!("size {:?} is above 4GiB", s.trim()))
+}
+
+/// Parses a byte size as [`parse_bytes`] does, up to `TiB`, into bytes.
+pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
@@ -887,17 +900,16 @@ pub fn parse_bytes(s: &str) -> Result<u32, String> {
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
         _ => {
             return Err(format!(
                 "invalid size unit in {s:?} (use B, KiB, MiB or GiB)"
             ));
         }
     };
-    let v = n
-        .checked_mul(mult)
+    n.checked_mul(mult)
         .filter(|v| *v > 0)
-        .ok_or_else(|| format!("size {s:?} out of range"))?;
-    u32::try_from(v).map_err(|_| format!("size {s:?} is above 4GiB"))
+        .ok_or_else(|| format!("size {s:?} out of range"))
 }
 
 /// `--sink-url`: an absolute http(s) URL with a host. The WHATWG parser
@@ -1108,6 +1120,8 @@ mod tests {
         assert_eq!(parse_bytes("64MiB"), Ok(64 << 20));
         assert_eq!(parse_bytes("1024"), Ok(1024));
         assert!(parse_bytes("5GiB").is_err());
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_size("1TiB"), Ok(1 << 40));
         assert!(parse_bytes("0").is_err());
         assert!(parse_bytes("12 parsecs").is_err());
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));

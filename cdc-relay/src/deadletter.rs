@@ -161,6 +161,57 @@ impl NewDeadLetter {
 /// The reason of an unrouted event's dead letter (its error's first word).
 pub const UNROUTED: &str = "unrouted";
 
+/// The reason of a parked endpoint's dead letters (their error's first
+/// word; `--reason parked` selects them).
+pub const PARKED: &str = "parked";
+
+impl NewDeadLetter {
+    /// The row for an event of endpoint `endpoint` while that endpoint is
+    /// parked (`docs/architecture.md#parking`); `why` says what parked it.
+    /// It names the endpoint even in one-endpoint mode (`default`), so the
+    /// relay finds an endpoint's parked backlog at start.
+    pub fn parked(event: &OutboxEvent, endpoint: &str, why: &str) -> Self {
+        NewDeadLetter {
+            event_id: Some(event.id.clone()),
+            aggregate_key: event.aggregate_key.clone(),
+            event_type: Some(event.event_type.clone()),
+            payload: event.payload.clone(),
+            commit_lsn: event.commit_lsn,
+            http_status: None,
+            error: format!("{PARKED}: endpoint {endpoint:?} is parked ({why})"),
+            response_excerpt: None,
+            attempts: 0,
+            first_attempt_unix_micros: None,
+            endpoint: Some(endpoint.to_owned()),
+        }
+    }
+}
+
+/// The endpoints with parked dead letters waiting (rows whose error
+/// starts with [`PARKED`]): the relay starts them parked, so their new
+/// events never overtake the parked ones. Empty when the table does not
+/// exist.
+pub async fn parked_endpoints(client: &Client) -> Result<Vec<String>, tokio_postgres::Error> {
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass('cdc_relay_dead_letter') IS NOT NULL",
+            &[],
+        )
+        .await?
+        .get(0);
+    if !exists {
+        return Ok(Vec::new());
+    }
+    let rows = client
+        .query(
+            "SELECT DISTINCT endpoint FROM cdc_relay_dead_letter \
+             WHERE endpoint IS NOT NULL AND error LIKE 'parked:%'",
+            &[],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
 /// A row of the dead-letter table, as listed.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct DeadLetter {

@@ -24,6 +24,8 @@ pub struct EndpointFamilies {
     pending: IntGaugeVec,
     oldest_pending_age: GaugeVec,
     circuit_state: IntGaugeVec,
+    parked: IntGaugeVec,
+    parked_events: IntCounterVec,
     /// `cdc_relay_unrouted_events_total{action}`: events no endpoint's
     /// `event_types` matched, by `action` (`dead_letter`, `skip`).
     pub unrouted: IntCounterVec,
@@ -51,6 +53,12 @@ pub struct EndpointMetrics {
     pub oldest_pending_age: Gauge,
     /// `cdc_relay_endpoint_circuit_state`: 0 closed, 1 open, 2 probing.
     pub circuit_state: IntGauge,
+    /// `cdc_relay_endpoint_parked`: 1 while the endpoint is parked (its
+    /// events go to the dead-letter table with reason `parked`), else 0.
+    pub parked: IntGauge,
+    /// `cdc_relay_endpoint_parked_events_total`: events of this endpoint
+    /// written to the dead-letter table because it is parked.
+    pub parked_events: IntCounter,
 }
 
 impl EndpointMetrics {
@@ -154,6 +162,28 @@ impl EndpointFamilies {
                 )
                 .expect("valid metric"),
             ),
+            parked: register(
+                r,
+                IntGaugeVec::new(
+                    opts(
+                        "cdc_relay_endpoint_parked",
+                        "1 while an endpoint is parked (its events are dead-lettered with reason parked), by endpoint",
+                    ),
+                    ep,
+                )
+                .expect("valid metric"),
+            ),
+            parked_events: register(
+                r,
+                IntCounterVec::new(
+                    opts(
+                        "cdc_relay_endpoint_parked_events_total",
+                        "Events dead-lettered with reason parked because their endpoint is parked, by endpoint",
+                    ),
+                    ep,
+                )
+                .expect("valid metric"),
+            ),
             unrouted: {
                 let c = register(r, IntCounterVec::new(opts("cdc_relay_unrouted_events_total", "Events no endpoint's event_types matched, by action (dead_letter, skip)"), &["action"]).expect("valid metric"));
                 for action in ["dead_letter", "skip"] {
@@ -176,6 +206,8 @@ impl EndpointFamilies {
             pending: self.pending.with_label_values(l),
             oldest_pending_age: self.oldest_pending_age.with_label_values(l),
             circuit_state: self.circuit_state.with_label_values(l),
+            parked: self.parked.with_label_values(l),
+            parked_events: self.parked_events.with_label_values(l),
         }
     }
 }

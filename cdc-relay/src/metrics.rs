@@ -48,6 +48,12 @@ pub struct Metrics {
     pub retries: IntCounterVec,
     /// Slot figures from the side connection: lag in bytes.
     pub slot_lag_bytes: IntGauge,
+    /// WAL the slot keeps on the server, `pg_current_wal_lsn() -
+    /// restart_lsn`, bytes: what `--max-retained-wal` bounds.
+    pub retained_wal_bytes: IntGauge,
+    /// `--max-retained-wal`, bytes (0: no budget), for the alert on
+    /// retained WAL near it.
+    pub retained_wal_budget_bytes: IntGauge,
     /// Logical slots of the relay's database other than its own.
     pub other_logical_slots: IntGauge,
     /// Circuit state: 0 closed, 1 open, 2 half-open (probing).
@@ -308,6 +314,16 @@ impl Metrics {
                 "cdc_relay_slot_lag_bytes",
                 "pg_current_wal_lsn() - confirmed_flush_lsn of the slot (bytes)",
             ),
+            retained_wal_bytes: gauge(
+                &r,
+                "cdc_relay_retained_wal_bytes",
+                "pg_current_wal_lsn() - restart_lsn of the slot: WAL the slot keeps on the server (bytes)",
+            ),
+            retained_wal_budget_bytes: gauge(
+                &r,
+                "cdc_relay_retained_wal_budget_bytes",
+                "--max-retained-wal: above it the endpoint holding the oldest pending event is parked (bytes; 0: no budget)",
+            ),
             other_logical_slots: gauge(
                 &r,
                 "cdc_relay_other_logical_slots",
@@ -561,6 +577,8 @@ mod tests {
             "cdc_relay_confirmed_lsn",
             "cdc_relay_server_wal_lsn",
             "cdc_relay_slot_lag_bytes",
+            "cdc_relay_retained_wal_bytes",
+            "cdc_relay_retained_wal_budget_bytes",
             "cdc_relay_oldest_unconfirmed_event_age_seconds",
             "cdc_relay_circuit_state",
             "cdc_relay_reconnects_total{cause=\"io\"} 1",

@@ -218,6 +218,7 @@ impl DeliveryArgs {
                 probe_interval: self.probe_interval,
                 storm_threshold: self.poison_storm_threshold,
             },
+            max_lag: None,
         })
     }
 }
@@ -276,6 +277,7 @@ impl RunArgs {
             failover: self.failover,
             standbys: g.standbys()?,
             failover_max_lag: u64::from(self.failover_max_lag),
+            max_retained_wal: self.max_retained_wal,
             shard: None,
             stop_at: self.stop_at_lsn,
             claims: None,

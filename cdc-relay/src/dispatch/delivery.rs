@@ -30,6 +30,7 @@ use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Attempt, Disposition, Sink, classify, status_class};
 
+use super::park::Park;
 use super::{DispatchConfig, DispatchError};
 
 /// How a job ended.
@@ -40,6 +41,13 @@ pub enum Finished {
     /// The pipeline is stopping and the event is not done: it stays
     /// pending and is never confirmed by this session.
     Abandoned,
+}
+
+/// How an interruptible wait of a delivery ended.
+enum Waited<T> {
+    Done(T),
+    Stopping,
+    Parked,
 }
 
 /// What a job does.
@@ -67,6 +75,7 @@ pub struct Delivery<S, D> {
     dead_letter_endpoint: Option<String>,
     stopping: CancellationToken,
     breaker: Breaker,
+    park: Park,
 }
 
 /// Where a [`Delivery`] sends and writes.
@@ -88,6 +97,9 @@ pub struct DeliveryParts<S, D> {
     pub stopping: CancellationToken,
     /// The endpoint's breaker.
     pub breaker: Breaker,
+    /// The endpoint's parking switch: once thrown, its events are
+    /// dead-lettered with reason `parked` instead of delivered.
+    pub park: Park,
 }
 
 /// Counts one request in `cdc_relay_in_flight` (and its endpoint's) while
@@ -122,6 +134,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
             dead_letter_endpoint: p.dead_letter_endpoint,
             stopping: p.stopping,
             breaker: p.breaker,
+            park: p.park,
         }
     }
 
@@ -129,6 +142,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
     /// until the pipeline stops with it not done.
     pub async fn run(&self, seq: u64, work: Work) -> Result<Finished, DispatchError> {
         match work {
+            Work::Deliver(event) if self.park.is_parked() => self.park_event(&event).await,
             Work::Deliver(event) => self.deliver(seq, &event).await,
             Work::DeadLetter(row) => {
                 tracing::warn!(event_id = %crate::shown(&row.event_id), problem = %row.problem, "unreadable outbox row");
@@ -154,6 +168,28 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
         }
     }
 
+    /// Waits for `wait` unless the pipeline stops or the endpoint is parked
+    /// first.
+    async fn unless_interrupted<T>(&self, wait: impl Future<Output = T>) -> Waited<T> {
+        tokio::select! {
+            biased;
+            _ = self.stopping.cancelled() => Waited::Stopping,
+            _ = self.park.parked() => Waited::Parked,
+            t = wait => Waited::Done(t),
+        }
+    }
+
+    /// Writes `event`'s dead letter with reason `parked` (its endpoint is
+    /// parked): the event is then done at this endpoint.
+    async fn park_event(&self, event: &OutboxEvent) -> Result<Finished, DispatchError> {
+        let row = NewDeadLetter::parked(event, self.endpoint.name(), self.park.why());
+        let done = self.dead_letter(&row).await?;
+        if done == Finished::Done {
+            self.endpoint.parked_events.inc();
+        }
+        Ok(done)
+    }
+
     /// Delivers one event until it is done: a 2xx, or dead-lettered.
     async fn deliver(&self, seq: u64, event: &OutboxEvent) -> Result<Finished, DispatchError> {
         let metrics = &self.metrics;
@@ -162,9 +198,16 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
         let first_attempt = unix_micros();
         let mut attempts: u32 = 0;
         loop {
-            let Some(admission) = self.unless_stopping(self.breaker.admit(seq)).await else {
-                self.breaker.withdraw(seq);
-                return Ok(Finished::Abandoned);
+            let admission = match self.unless_interrupted(self.breaker.admit(seq)).await {
+                Waited::Done(a) => a,
+                Waited::Stopping => {
+                    self.breaker.withdraw(seq);
+                    return Ok(Finished::Abandoned);
+                }
+                Waited::Parked => {
+                    self.breaker.withdraw(seq);
+                    return self.park_event(event).await;
+                }
             };
             attempts += 1;
             let started = Instant::now();
@@ -237,12 +280,10 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                     retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
                 );
             }
-            if self
-                .unless_stopping(tokio::time::sleep(delay))
-                .await
-                .is_none()
-            {
-                return Ok(Finished::Abandoned);
+            match self.unless_interrupted(tokio::time::sleep(delay)).await {
+                Waited::Done(()) => {}
+                Waited::Stopping => return Ok(Finished::Abandoned),
+                Waited::Parked => return self.park_event(event).await,
             }
         }
     }

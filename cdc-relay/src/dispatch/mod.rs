@@ -16,6 +16,8 @@
 //! - [`delivery`]: one event's life at one endpoint: attempts through the
 //!   breaker, backoff, the dead-letter write.
 //! - [`route`]: which endpoints (lanes) an event goes to.
+//! - [`park`]: parking an endpoint that holds the slot back (its events
+//!   dead-lettered with reason `parked`).
 //!
 //! With a routes file each endpoint is a lane of the scheduler with its own
 //! sink, breaker, backoff, `max_in_flight` and per-aggregate order; an
@@ -29,6 +31,7 @@
 //! value through a `watch` channel.
 
 pub mod delivery;
+pub mod park;
 pub mod progress;
 pub mod route;
 pub mod scheduler;
@@ -55,6 +58,7 @@ use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Sink, StatusPolicy};
 use delivery::{Delivery, DeliveryParts, Finished, Work};
+use park::{LaneState, Park, WalBudget};
 use progress::DoneLog;
 pub use progress::{Confirmed, DoneTx};
 pub use route::{Router, Unrouted};
@@ -102,6 +106,9 @@ pub struct DispatchConfig {
     pub policy: StatusPolicy,
     /// Circuit breaker and storm guard.
     pub breaker: BreakerConfig,
+    /// Park the endpoint once its oldest pending event has waited this
+    /// long; `None`: never parked for lag (routes file `max_lag`).
+    pub max_lag: Option<Duration>,
 }
 
 /// What a pipeline shares: the sink, the dead-letter store, the breaker,
@@ -142,6 +149,9 @@ pub struct Endpoint<S> {
     pub sink: S,
     /// Its circuit breaker, kept by the caller across sessions.
     pub breaker: Breaker,
+    /// Its parking switch (thrown already when it starts parked: its parked
+    /// dead letters are still waiting).
+    pub park: Park,
 }
 
 /// What the endpoints of a routed pipeline share.
@@ -154,6 +164,19 @@ pub struct Shared<D> {
     pub health: Arc<Health>,
     /// Cancelled when shutdown begins (see [`Services::stopping`]).
     pub stopping: CancellationToken,
+    /// `--max-retained-wal` and the slot monitor's readings; `None`: no
+    /// budget.
+    pub wal_budget: Option<RetainedWal>,
+}
+
+/// The WAL budget parking enforces (`docs/architecture.md#parking`).
+#[derive(Clone, Debug)]
+pub struct RetainedWal {
+    /// `--max-retained-wal`, bytes.
+    pub budget: u64,
+    /// The slot's retained WAL (`pg_current_wal_lsn() - restart_lsn`) at the
+    /// monitor's last reading, bytes; `None` before the first.
+    pub retained: watch::Receiver<Option<u64>>,
 }
 
 /// Jobs of the lane after the endpoints' in a routed pipeline: dead-letter
@@ -178,12 +201,14 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
         cfg,
         sink: services.sink,
         breaker: services.breaker,
+        park: Park::default(),
     };
     let shared = Shared {
         store: services.store,
         metrics: services.metrics,
         health: services.health,
         stopping: services.stopping,
+        wal_budget: None,
     };
     run_routed(
         vec![endpoint],
@@ -224,9 +249,17 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
     let mut limits: Vec<usize> = endpoints.iter().map(|e| e.cfg.max_in_flight).collect();
     let mut lane_metrics: Vec<EndpointMetrics> = Vec::new();
     let mut deliveries: Vec<Arc<Delivery<S, D>>> = Vec::new();
+    let mut parking = Parking {
+        parks: Vec::new(),
+        max_lags: Vec::new(),
+        wal_budget: shared.wal_budget.clone(),
+    };
     for e in endpoints {
         e.breaker.new_session();
         let endpoint = metrics.endpoints.endpoint(&e.name);
+        endpoint.parked.set(i64::from(e.park.is_parked()));
+        parking.parks.push(e.park.clone());
+        parking.max_lags.push(e.cfg.max_lag);
         lane_metrics.push(endpoint.clone());
         deliveries.push(Arc::new(Delivery::new(DeliveryParts {
             cfg: e.cfg,
@@ -237,6 +270,7 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
             dead_letter_endpoint: (!single).then_some(e.name),
             stopping: stopping.clone(),
             breaker: e.breaker,
+            park: e.park,
         })));
     }
     // Routed: unrouted events and unreadable rows are dead-lettered on a
@@ -303,6 +337,57 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
                     m.oldest_pending_age.set(age);
                     m.pending.set(i64::try_from(scheduler.lane_pending(lane)).unwrap_or(i64::MAX));
                 }
+                parking.check(&scheduler, &lane_metrics);
+            }
+        }
+    }
+}
+
+/// The endpoints' parking switches and what throws them.
+struct Parking {
+    /// One per endpoint lane.
+    parks: Vec<Park>,
+    /// Each endpoint's `max_lag`.
+    max_lags: Vec<Option<Duration>>,
+    wal_budget: Option<RetainedWal>,
+}
+
+impl Parking {
+    /// Parks the endpoints [`park::verdict`] names, logging each once. The
+    /// WAL budget is checked once per new reading of the slot monitor.
+    fn check<P: Position, W>(&mut self, scheduler: &Scheduler<P, W>, metrics: &[EndpointMetrics]) {
+        let lanes: Vec<LaneState> = self
+            .parks
+            .iter()
+            .zip(&self.max_lags)
+            .enumerate()
+            .map(|(lane, (park, max_lag))| LaneState {
+                oldest_pending: scheduler
+                    .lane_oldest_pending_since(lane)
+                    .map(|t| t.elapsed()),
+                max_lag: *max_lag,
+                parked: park.is_parked(),
+            })
+            .collect();
+        let wal = self.wal_budget.as_mut().and_then(|w| {
+            if !w.retained.has_changed().unwrap_or(false) {
+                return None;
+            }
+            let retained = (*w.retained.borrow_and_update())?;
+            Some(WalBudget {
+                retained,
+                budget: w.budget,
+            })
+        });
+        for (lane, why) in park::verdict(&lanes, wal) {
+            if self.parks[lane].throw(why) {
+                let m = &metrics[lane];
+                m.parked.set(1);
+                tracing::error!(
+                    endpoint = %m.name(), why = %self.parks[lane].why(), pending = scheduler.lane_pending(lane),
+                    "endpoint parked: its pending and new events go to the dead-letter table with reason \"parked\" so the slot moves on; \
+                     it stays parked until its parked dead letters are replayed with the relay stopped (docs/operations.md#a-parked-endpoint)"
+                );
             }
         }
     }

@@ -121,6 +121,7 @@ fn config(max_in_flight: usize) -> DispatchConfig {
             probe_interval: Duration::from_millis(500),
             storm_threshold: 10,
         },
+        max_lag: None,
     }
 }
 

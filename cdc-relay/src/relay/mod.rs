@@ -25,7 +25,11 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::backoff::Backoff;
 use crate::breaker::Breaker;
-use crate::dispatch::{self, Confirmed, DispatchConfig, Endpoint, Router, Shared, Window};
+use crate::deadletter;
+use crate::dispatch::park::Park;
+use crate::dispatch::{
+    self, Confirmed, DispatchConfig, Endpoint, RetainedWal, Router, Shared, Window,
+};
 use crate::health::Health;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
@@ -35,7 +39,7 @@ use crate::source::catalog::{self, OutboxTable, SlotInfo};
 use crate::source::shards::{self, Shard};
 use crate::source::stream::{Stream, StreamParts};
 use crate::source::transport::{self, StreamSettings, Transport};
-use crate::source::watchdog::{self, MonitorOutputs, MonitorSettings, Watchdog};
+use crate::source::watchdog::{self, MonitorOutputs, MonitorSettings, SlotReading, Watchdog};
 use crate::source::{self, ConnParams, SourceError, failover, progress};
 
 mod recovery;
@@ -90,6 +94,10 @@ pub struct RelayConfig {
     pub standbys: Vec<ConnParams>,
     /// Largest lag of a ready copy, bytes.
     pub failover_max_lag: u64,
+    /// `--max-retained-wal`: above this many bytes of retained WAL the
+    /// endpoint holding the oldest pending event is parked; `None`: no
+    /// budget.
+    pub max_retained_wal: Option<u64>,
     /// The shard this relay streams (`run --shards`): `slot` and
     /// `publications` are then the shard's, and each session first proves
     /// that the shard filters cover every row once.
@@ -405,6 +413,8 @@ struct Prepared {
     /// The row filter the shard's publication must keep (as the server
     /// printed it when the session started); `None` unsharded.
     row_filter: Option<String>,
+    /// Endpoints whose parked dead letters wait: they start parked.
+    parked: Vec<String>,
 }
 
 impl Session<'_> {
@@ -494,11 +504,20 @@ impl Session<'_> {
                 cfg.slot.clone(),
             )))
         });
+        self.metrics.retained_wal_budget_bytes.set(
+            cfg.max_retained_wal
+                .map_or(0, |b| i64::try_from(b).unwrap_or(i64::MAX)),
+        );
+        let wal_budget = cfg.max_retained_wal.map(|budget| RetainedWal {
+            budget,
+            retained: retained_wal(readings.clone()),
+        });
         let shared = Shared {
             store: Arc::clone(&p.side),
             metrics: self.metrics.clone(),
             health: Arc::clone(self.health),
             stopping: stop.clone(),
+            wal_budget,
         };
         let endpoints = targets
             .endpoints
@@ -509,6 +528,7 @@ impl Session<'_> {
                 cfg: t.dispatch.clone(),
                 sink: t.sink.clone(),
                 breaker: b.clone(),
+                park: parked_at_start(&t.name, &p.parked),
             })
             .collect();
         let dispatcher = AbortOnDropHandle::new(tokio::spawn(dispatch::run_routed(
@@ -620,11 +640,14 @@ impl Session<'_> {
                 source::connect_primary(&cfg.conn, &cfg.application_name).await?;
             let wal_sender_timeout = catalog::wal_sender_timeout(&side).await?;
             let slot = catalog::slot_info(&side, &cfg.slot).await?;
-            Ok::<_, SourceError>((side, side_closed, server, wal_sender_timeout, slot))
+            let parked = deadletter::parked_endpoints(&side)
+                .await
+                .map_err(|e| SourceError::sql("looking for parked dead letters", &e))?;
+            Ok::<_, SourceError>((side, side_closed, server, wal_sender_timeout, slot, parked))
         };
         let tries = u32::try_from(cfg.conn.hosts.len()).unwrap_or(u32::MAX);
         let bound = cfg.conn.connect_timeout * tries.saturating_add(1);
-        let (side, side_closed, server, wal_sender_timeout, slot) =
+        let (side, side_closed, server, wal_sender_timeout, slot, parked) =
             tokio::time::timeout(bound, startup).await.map_err(|_| {
                 SourceError::Transient(format!(
                     "{}: no answer within {bound:?} while connecting",
@@ -752,6 +775,7 @@ impl Session<'_> {
             table,
             sql_ascii,
             row_filter,
+            parked,
         }))
     }
 
@@ -777,4 +801,38 @@ impl Session<'_> {
         tracing::warn!(server_encoding = %encoding, "streaming from a database that is not UTF8 (--allow-non-utf8): rows that are not UTF-8 are dead-lettered, payload bytes kept");
         Ok(encoding == "SQL_ASCII")
     }
+}
+
+/// Endpoint `name`'s parking switch for a session: thrown when the
+/// dead-letter table still holds parked events of it, so its new events
+/// queue behind them (parked too) and never overtake them.
+fn parked_at_start(name: &str, parked: &[String]) -> Park {
+    let park = Park::default();
+    if parked.iter().any(|p| p == name) {
+        park.throw("its earlier parked events wait in the dead-letter table".into());
+        tracing::warn!(
+            endpoint = %name,
+            "endpoint starts parked: the dead-letter table holds parked events of it; its events are parked too until those are replayed with the relay stopped (docs/operations.md#a-parked-endpoint)"
+        );
+    }
+    park
+}
+
+/// The slot's retained WAL from the monitor's readings, bytes, for the
+/// dispatcher's WAL budget (the task ends with the readings' sender).
+fn retained_wal(mut readings: watch::Receiver<SlotReading>) -> watch::Receiver<Option<u64>> {
+    let (tx, rx) = watch::channel(None);
+    tokio::spawn(async move {
+        while readings.changed().await.is_ok() {
+            let bytes = readings
+                .borrow_and_update()
+                .as_ref()
+                .and_then(|(_, info)| info.retained_wal_bytes)
+                .and_then(|b| u64::try_from(b).ok());
+            if tx.send(bytes).is_err() {
+                return;
+            }
+        }
+    });
+    rx
 }

@@ -11,6 +11,7 @@
 //! secret_env = "BILLING_EVENT_SECRET" # or secret_file = "/etc/…"; never the secret itself
 //! max_in_flight = 32                  # optional; the others default to run's flags
 //! request_timeout = "4s"
+//! max_lag = "10m"                     # optional: park it once an event waited this long
 //! ```
 //!
 //! Every mistake is a [`RoutesError`] naming the file, the endpoint and the
@@ -79,6 +80,10 @@ pub struct EndpointSpec {
     pub probe_interval: Option<Duration>,
     /// Statuses that mark an event as poison at this endpoint.
     pub poison_statuses: Option<Vec<u16>>,
+    /// Park the endpoint once its oldest pending event has waited this
+    /// long (at least 1 s); `None`: never parked for lag
+    /// (`docs/architecture.md#parking`).
+    pub max_lag: Option<Duration>,
 }
 
 /// A validated routes file.
@@ -93,7 +98,7 @@ pub struct RoutesFile {
 }
 
 const TOP_KEYS: [&str; 2] = ["unrouted", "endpoint"];
-const ENDPOINT_KEYS: [&str; 14] = [
+const ENDPOINT_KEYS: [&str; 15] = [
     "name",
     "url",
     "event_types",
@@ -108,6 +113,7 @@ const ENDPOINT_KEYS: [&str; 14] = [
     "failure_threshold",
     "probe_interval",
     "poison_statuses",
+    "max_lag",
 ];
 
 /// Longest endpoint name (a metric label value).
@@ -289,6 +295,7 @@ impl RoutesFile {
                 probe_interval: e.probe_interval.unwrap_or(base.breaker.probe_interval),
                 storm_threshold: base.breaker.storm_threshold,
             },
+            max_lag: e.max_lag,
         })
     }
 }
@@ -416,6 +423,7 @@ fn endpoint(t: &Table, n: usize) -> Result<EndpointSpec, EndpointError> {
         duration(t, "backoff_cap", Duration::from_millis(1)).map_err(|(k, p)| e(k, p))?;
     let probe_interval =
         duration(t, "probe_interval", Duration::from_millis(50)).map_err(|(k, p)| e(k, p))?;
+    let max_lag = duration(t, "max_lag", Duration::from_secs(1)).map_err(|(k, p)| e(k, p))?;
     let poison_statuses = match t.get("poison_statuses") {
         None => None,
         Some(Value::Array(a)) => Some(
@@ -452,6 +460,7 @@ fn endpoint(t: &Table, n: usize) -> Result<EndpointSpec, EndpointError> {
         failure_threshold,
         probe_interval,
         poison_statuses,
+        max_lag,
     })
 }
 

@@ -17,6 +17,7 @@ max_in_flight = 8
 request_timeout = "2s"
 probe_interval = "250ms"
 poison_statuses = [400, 422]
+max_lag = "10m"
 
 [[endpoint]]
 name = "audit-log_2"
@@ -201,9 +202,14 @@ fn endpoint_settings_override_the_flags() {
             probe_interval: Duration::from_millis(500),
             storm_threshold: 10,
         },
+        max_lag: None,
     };
     let b = f.dispatch(&f.endpoints[0], &base).unwrap();
     assert_eq!(b.max_in_flight, 8);
+    assert_eq!(b.max_lag, Some(Duration::from_secs(600)));
+    assert_eq!(a_lag(&f, &base), None, "absent: never parked for lag");
+    let e = parse(&with("max_lag = \"500ms\"")).unwrap_err();
+    assert_eq!(e.key.as_deref(), Some("max_lag"));
     assert_eq!(b.breaker.probe_interval, Duration::from_millis(250));
     assert_eq!(b.breaker.failure_threshold, 5);
     let a = f.dispatch(&f.endpoints[1], &base).unwrap();
@@ -211,4 +217,8 @@ fn endpoint_settings_override_the_flags() {
     let bad = parse(&with("backoff_base = \"2s\"\nbackoff_cap = \"1s\"")).unwrap();
     let e = bad.dispatch(&bad.endpoints[0], &base).unwrap_err();
     assert_eq!(e.key.as_deref(), Some("backoff_base"));
+}
+
+fn a_lag(f: &RoutesFile, base: &DispatchConfig) -> Option<Duration> {
+    f.dispatch(&f.endpoints[1], base).unwrap().max_lag
 }

@@ -187,6 +187,9 @@ pub const MEMBERSHIP_CHECK_MAX: Duration = Duration::from_secs(30);
 fn export_slot(metrics: &Metrics, info: &SlotInfo) {
     metrics.slot_lag_bytes.set(info.lag_bytes.unwrap_or(0));
     metrics
+        .retained_wal_bytes
+        .set(info.retained_wal_bytes.unwrap_or(0));
+    metrics
         .slot_safe_wal_size_bytes
         .set(info.safe_wal_size.unwrap_or(-1));
     for s in ["reserved", "extended", "unreserved", "lost"] {

@@ -58,6 +58,7 @@ mod interop;
 mod listeners;
 mod observability;
 mod oracle;
+mod parking;
 mod prune;
 mod relay;
 mod routes;

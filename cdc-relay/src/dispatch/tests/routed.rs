@@ -12,6 +12,8 @@
 use super::*;
 use crate::dispatch::route::Pattern;
 
+mod parked;
+
 fn typed(id: &str, ty: &str, key: Option<&str>) -> OutboxEvent {
     OutboxEvent {
         event_type: ty.into(),
@@ -31,6 +33,29 @@ struct Routed {
 
 impl Routed {
     fn start(lanes: Vec<(&str, Arc<ScriptedSink>, Vec<&str>)>, unrouted: Unrouted) -> Self {
+        Self::start_parking(lanes, unrouted, &[], None)
+    }
+
+    /// As [`Self::start`], with lane `i`'s `max_lag` `max_lags[i]` (absent:
+    /// none) and a WAL budget.
+    fn start_parking(
+        lanes: Vec<(&str, Arc<ScriptedSink>, Vec<&str>)>,
+        unrouted: Unrouted,
+        max_lags: &[Duration],
+        wal_budget: Option<RetainedWal>,
+    ) -> Self {
+        let parks = lanes.iter().map(|_| park::Park::default()).collect();
+        Self::start_parked(lanes, unrouted, max_lags, wal_budget, parks)
+    }
+
+    /// As [`Self::start_parking`], with lane `i`'s parking switch `parks[i]`.
+    fn start_parked(
+        lanes: Vec<(&str, Arc<ScriptedSink>, Vec<&str>)>,
+        unrouted: Unrouted,
+        max_lags: &[Duration],
+        wal_budget: Option<RetainedWal>,
+        parks: Vec<park::Park>,
+    ) -> Self {
         let store = Arc::new(MemoryStore::default());
         let metrics = Metrics::new();
         let router = Router::new(
@@ -42,11 +67,17 @@ impl Routed {
         );
         let endpoints = lanes
             .into_iter()
-            .map(|(name, sink, _)| Endpoint {
+            .zip(parks)
+            .enumerate()
+            .map(|(i, ((name, sink, _), park))| Endpoint {
                 name: name.to_owned(),
-                cfg: config(4),
+                cfg: DispatchConfig {
+                    max_lag: max_lags.get(i).copied(),
+                    ..config(4)
+                },
                 sink,
                 breaker: Breaker::for_endpoint(config(4).breaker, metrics.clone(), name),
+                park,
             })
             .collect();
         let shared = Shared {
@@ -54,6 +85,7 @@ impl Routed {
             metrics: metrics.clone(),
             health: Health::new(Duration::from_secs(60)),
             stopping: tokio_util::sync::CancellationToken::new(),
+            wal_budget,
         };
         let (items, items_rx) = mpsc::channel(16);
         let (confirmed_tx, confirmed) = watch::channel(Confirmed::default());

@@ -44,6 +44,9 @@ pub struct SlotInfo {
     pub safe_wal_size: Option<i64>,
     /// `pg_current_wal_lsn() - confirmed_flush_lsn`, bytes.
     pub lag_bytes: Option<i64>,
+    /// `pg_current_wal_lsn() - restart_lsn`, bytes: the WAL the slot keeps
+    /// on the server (what `--max-retained-wal` bounds).
+    pub retained_wal_bytes: Option<i64>,
     /// Seconds since the walsender holding the slot last read a status
     /// update from its client (`pg_stat_replication.reply_time`, or its
     /// start before the first one). `None` when no walsender holds it, or
@@ -113,7 +116,8 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
         "SELECT s.plugin::text, s.database::text, s.active, s.active_pid, \
                 s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
                 (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
-                a.wait_event_type::text, s.database = current_database(), {INVALIDATION_REASON} \
+                a.wait_event_type::text, s.database = current_database(), {INVALIDATION_REASON}, \
+                (pg_current_wal_lsn() - s.restart_lsn)::bigint \
          FROM pg_replication_slots s \
          LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
          LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid \
@@ -126,7 +130,7 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
     Ok(row.map(|r| slot_from_row(&r, 0)))
 }
 
-/// The eleven slot columns of [`slot_info`]'s query, starting at column `at`.
+/// The thirteen slot columns of [`slot_info`]'s query, starting at column `at`.
 fn slot_from_row(r: &tokio_postgres::Row, at: usize) -> SlotInfo {
     SlotInfo {
         plugin: r.get(at),
@@ -143,6 +147,7 @@ fn slot_from_row(r: &tokio_postgres::Row, at: usize) -> SlotInfo {
         wait_event_type: r.get(at + 9),
         local: r.get::<_, Option<bool>>(at + 10).unwrap_or(false),
         invalidation_reason: r.get(at + 11),
+        retained_wal_bytes: r.get(at + 12),
     }
 }
 
@@ -311,6 +316,7 @@ pub async fn monitor_reading(
                 s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
                 (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
                 a.wait_event_type::text, s.database = current_database(), {INVALIDATION_REASON}, \
+                (pg_current_wal_lsn() - s.restart_lsn)::bigint, \
                 s.slot_name IS NOT NULL, \
                 ARRAY(SELECT o.slot_name::text FROM pg_replication_slots o \
                       WHERE o.slot_type = 'logical' AND o.database = current_database() \
@@ -335,9 +341,9 @@ pub async fn monitor_reading(
         )
         .await
         .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;
-    let slot = row.get::<_, bool>(17).then(|| slot_from_row(&row, 5));
-    let others: Vec<String> = row.get(18);
-    Ok((slot, membership_from_row(&row), others, row.get(19)))
+    let slot = row.get::<_, bool>(18).then(|| slot_from_row(&row, 5));
+    let others: Vec<String> = row.get(19);
+    Ok((slot, membership_from_row(&row), others, row.get(20)))
 }
 
 /// Seconds since the walsender read a status update from its client

@@ -1,0 +1,178 @@
+//! Parking (`docs/architecture.md#parking`) in the routed pipeline, in
+//! paused time: an endpoint past its `max_lag`, or holding the oldest
+//! event while the slot is over its WAL budget, has its pending and new
+//! events dead-lettered with reason `parked`, and the watermark moves past
+//! them while the other endpoint goes on.
+//!
+//! Broken on purpose once, to show these tests can fail: with
+//! `Delivery::run` ignoring the switch (no `Work::Deliver(..) if parked`
+//! arm) and `unless_interrupted` never returning `Parked`, the lag test
+//! failed ("the slot moves past the parked events": confirmed stayed 0/0),
+//! and so did the started-parked test ("a healthy but parked endpoint gets
+//! nothing live"); breaking only the first of the two, it passes: the
+//! breaker wait sees the switch before any attempt.
+
+use super::*;
+
+fn rows_at(rows: &[NewDeadLetter], endpoint: &str) -> Vec<String> {
+    rows.iter()
+        .filter(|r| r.endpoint.as_deref() == Some(endpoint))
+        .map(|r| r.event_id.clone().unwrap_or_default())
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_endpoint_past_its_max_lag_is_parked_and_the_slot_moves_on() {
+    let a = ScriptedSink::new(|_, _| (Duration::from_millis(5), 503));
+    let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+    let mut r = Routed::start_parking(
+        vec![
+            ("a", Arc::clone(&a), vec!["*"]),
+            ("b", Arc::clone(&b), vec!["*"]),
+        ],
+        Unrouted::DeadLetter,
+        &[Duration::from_secs(30)],
+        None,
+    );
+    r.tx(vec![
+        typed("e1", "T", Some("k")),
+        typed("e2", "T", Some("k")),
+        typed("e3", "T", None),
+    ])
+    .await;
+    r.tx(vec![typed("e4", "T", Some("k"))]).await;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(
+        r.position(),
+        Lsn::ZERO,
+        "a holds the slot within its max_lag"
+    );
+    assert!(r.store.0.lock().unwrap().is_empty());
+    let mut at_b = ids(&b, 204);
+    at_b.sort();
+    assert_eq!(at_b, ["e1", "e2", "e3", "e4"]);
+
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(
+        r.position(),
+        Lsn::new(200),
+        "the slot moves past the parked events"
+    );
+    let rows = r.store.0.lock().unwrap().clone();
+    let mut parked = rows_at(&rows, "a");
+    assert_eq!(
+        parked.iter().filter(|id| *id != "e3").collect::<Vec<_>>(),
+        ["e1", "e2", "e4"],
+        "aggregate k parked in commit order"
+    );
+    parked.sort();
+    assert_eq!(parked, ["e1", "e2", "e3", "e4"]);
+    assert!(
+        rows.iter()
+            .all(|r| r.error.starts_with("parked: ") && r.error.contains("max_lag")),
+        "{rows:?}"
+    );
+    let a_calls = a.calls().len();
+
+    // A new event for a is parked at once; b is unaffected.
+    r.tx(vec![typed("e5", "T", Some("k"))]).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(r.position(), Lsn::new(300));
+    let (last, rows, metrics) = r.finish().await;
+    assert_eq!(last, Lsn::new(300));
+    assert_eq!(a.calls().len(), a_calls, "a parked: no more attempts");
+    assert_eq!(rows_at(&rows, "a").last().map(String::as_str), Some("e5"));
+    assert!(rows_at(&rows, "b").is_empty());
+    assert_eq!(ids(&b, 204).len(), 5);
+    let text = metrics.render();
+    for line in [
+        "cdc_relay_endpoint_parked{endpoint=\"a\"} 1",
+        "cdc_relay_endpoint_parked{endpoint=\"b\"} 0",
+        "cdc_relay_endpoint_parked_events_total{endpoint=\"a\"} 5",
+        "cdc_relay_endpoint_parked_events_total{endpoint=\"b\"} 0",
+    ] {
+        assert!(text.contains(line), "missing {line}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn over_the_wal_budget_the_endpoint_holding_the_oldest_event_is_parked() {
+    let a = ScriptedSink::new(|_, _| (Duration::from_millis(5), 503));
+    let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 503));
+    let (retained, retained_rx) = watch::channel(None);
+    let mut r = Routed::start_parking(
+        vec![
+            ("a", Arc::clone(&a), vec!["A"]),
+            ("b", Arc::clone(&b), vec!["B"]),
+        ],
+        Unrouted::DeadLetter,
+        &[],
+        Some(RetainedWal {
+            budget: 1000,
+            retained: retained_rx,
+        }),
+    );
+    r.tx(vec![typed("e1", "A", None)]).await;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    r.tx(vec![typed("e2", "B", None)]).await;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    retained.send_replace(Some(1000));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(r.store.0.lock().unwrap().is_empty(), "at the budget");
+
+    retained.send_replace(Some(5000));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(r.position(), Lsn::new(100), "a's tx is done, b's is not");
+    assert_eq!(rows_at(&r.store.0.lock().unwrap(), "a"), ["e1"]);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(
+        rows_at(&r.store.0.lock().unwrap(), "b").is_empty(),
+        "one endpoint per reading: b waits for a new one"
+    );
+
+    retained.send_replace(Some(4000));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (last, rows, metrics) = r.finish().await;
+    assert_eq!(last, Lsn::new(200));
+    assert_eq!(rows_at(&rows, "b"), ["e2"]);
+    assert!(rows[0].error.contains("--max-retained-wal"), "{rows:?}");
+    let text = metrics.render();
+    assert!(text.contains("cdc_relay_endpoint_parked{endpoint=\"b\"} 1"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_endpoint_started_parked_is_never_tried() {
+    let a = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+    let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+    let parked = park::Park::default();
+    parked.throw("its earlier parked events wait in the dead-letter table".into());
+    let mut r = Routed::start_parked(
+        vec![
+            ("a", Arc::clone(&a), vec!["*"]),
+            ("b", Arc::clone(&b), vec!["*"]),
+        ],
+        Unrouted::DeadLetter,
+        &[],
+        None,
+        vec![parked, park::Park::default()],
+    );
+    r.tx(vec![
+        typed("e1", "T", Some("k")),
+        typed("e2", "T", Some("k")),
+    ])
+    .await;
+    let (last, rows, metrics) = r.finish().await;
+    assert_eq!(last, Lsn::new(100));
+    assert!(
+        a.calls().is_empty(),
+        "a healthy but parked endpoint gets nothing live"
+    );
+    assert_eq!(rows_at(&rows, "a"), ["e1", "e2"]);
+    assert!(rows[0].error.contains("earlier parked events"), "{rows:?}");
+    assert_eq!(ids(&b, 204), ["e1", "e2"]);
+    assert!(
+        metrics
+            .render()
+            .contains("cdc_relay_endpoint_parked{endpoint=\"a\"} 1")
+    );
+}
