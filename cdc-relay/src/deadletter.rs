@@ -139,6 +139,19 @@ impl NewDeadLetter {
     /// file, `unrouted = "dead-letter"`); never sent. Its error starts with
     /// [`UNROUTED`], what `--reason unrouted` selects.
     pub fn unrouted(event: &OutboxEvent) -> Self {
+        Self::unsent(
+            event,
+            format!(
+                "{UNROUTED}: no endpoint of the routes file takes event type {:?}",
+                event.event_type
+            ),
+            None,
+        )
+    }
+
+    /// The row for `event` set aside without an attempt: `error` says why,
+    /// `endpoint` whose it is (`None`: no endpoint's).
+    fn unsent(event: &OutboxEvent, error: String, endpoint: Option<String>) -> Self {
         NewDeadLetter {
             event_id: Some(event.id.clone()),
             aggregate_key: event.aggregate_key.clone(),
@@ -146,14 +159,11 @@ impl NewDeadLetter {
             payload: event.payload.clone(),
             commit_lsn: event.commit_lsn,
             http_status: None,
-            error: format!(
-                "{UNROUTED}: no endpoint of the routes file takes event type {:?}",
-                event.event_type
-            ),
+            error,
             response_excerpt: None,
             attempts: 0,
             first_attempt_unix_micros: None,
-            endpoint: None,
+            endpoint,
         }
     }
 }
@@ -171,19 +181,11 @@ impl NewDeadLetter {
     /// It names the endpoint even in one-endpoint mode (`default`), so the
     /// relay finds an endpoint's parked backlog at start.
     pub fn parked(event: &OutboxEvent, endpoint: &str, why: &str) -> Self {
-        NewDeadLetter {
-            event_id: Some(event.id.clone()),
-            aggregate_key: event.aggregate_key.clone(),
-            event_type: Some(event.event_type.clone()),
-            payload: event.payload.clone(),
-            commit_lsn: event.commit_lsn,
-            http_status: None,
-            error: format!("{PARKED}: endpoint {endpoint:?} is parked ({why})"),
-            response_excerpt: None,
-            attempts: 0,
-            first_attempt_unix_micros: None,
-            endpoint: Some(endpoint.to_owned()),
-        }
+        Self::unsent(
+            event,
+            format!("{PARKED}: endpoint {endpoint:?} is parked ({why})"),
+            Some(endpoint.to_owned()),
+        )
     }
 }
 
