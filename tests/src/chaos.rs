@@ -130,6 +130,50 @@ struct Relay {
     running: Running,
 }
 
+/// Starts relay `name` (its `application_name`): `run` as the relay role
+/// through `db_url` to `sink_url`, with `extra` flags (the shard chaos's
+/// `--shards`); returns once its admin endpoint listens.
+async fn spawn_relay(
+    stack: &Stack,
+    db_url: &str,
+    sink_url: &str,
+    name: String,
+    request_timeout: &str,
+    extra: &[&str],
+) -> anyhow::Result<Relay> {
+    let mut argv = app::relay_globals(stack);
+    argv.extend(
+        [
+            "run",
+            "--sink-url",
+            sink_url,
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--application-name",
+            &name,
+            "--request-timeout",
+            request_timeout,
+        ]
+        .map(String::from),
+    );
+    argv.extend(extra.iter().map(|a| (*a).to_owned()));
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let process = ServiceProcess::spawn(
+        bins::path("cdc-relay"),
+        &argv,
+        &[
+            ("CDC_RELAY_DATABASE_URL", db_url),
+            ("EVENT_SECRET", TEST_SECRET),
+            ("CDC_RELAY_LOG", "info,pgwire_replication=off"),
+        ],
+    )?;
+    let url = process.listen_addr(START).await?;
+    Ok(Relay {
+        name,
+        running: Running::single(process, url),
+    })
+}
+
 /// Everything the fault tasks share.
 struct World {
     cluster: Arc<PgCluster>,
@@ -159,37 +203,15 @@ impl World {
 
     async fn spawn_relay(&self) -> anyhow::Result<Relay> {
         let n = self.next_relay.fetch_add(1, Ordering::SeqCst);
-        let name = format!("chaos-relay-{n}");
-        let mut argv = app::relay_globals(&self.stack);
-        argv.extend(
-            [
-                "run",
-                "--sink-url",
-                &self.relay_sink_url,
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--application-name",
-                &name,
-                "--request-timeout",
-                &self.request_timeout,
-            ]
-            .map(String::from),
-        );
-        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-        let process = ServiceProcess::spawn(
-            bins::path("cdc-relay"),
-            &argv,
-            &[
-                ("CDC_RELAY_DATABASE_URL", &self.relay_db_url),
-                ("EVENT_SECRET", TEST_SECRET),
-                ("CDC_RELAY_LOG", "info,pgwire_replication=off"),
-            ],
-        )?;
-        let url = process.listen_addr(START).await?;
-        Ok(Relay {
-            name,
-            running: Running::single(process, url),
-        })
+        spawn_relay(
+            &self.stack,
+            &self.relay_db_url,
+            &self.relay_sink_url,
+            format!("chaos-relay-{n}"),
+            &self.request_timeout,
+            &[],
+        )
+        .await
     }
 
     /// The application_name of the relay whose walsender holds the slot.

@@ -40,11 +40,12 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use uuid::Uuid;
 
+use super::Relay;
 use super::load::{HttpLoad, HttpTally, SeqLoad, SeqTally};
 use super::report::{LedgerFigures, Stats};
-use crate::app::{self, Running, TEST_SECRET};
+use crate::app::{self, TEST_SECRET};
 use crate::sink::ScriptedSink;
-use crate::{ClusterOptions, PgCluster, ServiceProcess, Stack, bins, wait_until};
+use crate::{ClusterOptions, PgCluster, ServiceProcess, Stack, wait_until};
 
 /// How a shard chaos run is set up.
 #[derive(Debug, Clone)]
@@ -114,8 +115,6 @@ impl ShardConfig {
     }
 }
 
-/// Bound for a relay to print its listening line.
-const START: Duration = Duration::from_secs(30);
 /// Bound on waiting for the shards to be held again after a kill.
 const TAKEOVER_WAIT: Duration = Duration::from_secs(60);
 
@@ -332,12 +331,6 @@ impl ShardReport {
     }
 }
 
-/// One relay process.
-struct Relay {
-    name: String,
-    running: Running,
-}
-
 /// The relays and what they share.
 struct Fleet {
     stack: Stack,
@@ -458,40 +451,8 @@ async fn spawn_relay(
     name: String,
 ) -> anyhow::Result<Relay> {
     let shards = cfg.shards.to_string();
-    let mut argv = app::relay_globals(stack);
-    argv.extend(
-        [
-            "--shards",
-            &shards,
-            "run",
-            "--max-shards",
-            &shards,
-            "--sink-url",
-            sink_url,
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--application-name",
-            &name,
-            "--request-timeout",
-            "3s",
-        ]
-        .map(String::from),
-    );
-    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-    let process = ServiceProcess::spawn(
-        bins::path("cdc-relay"),
-        &argv,
-        &[
-            ("CDC_RELAY_DATABASE_URL", &stack.relay_url),
-            ("EVENT_SECRET", TEST_SECRET),
-            ("CDC_RELAY_LOG", "info,pgwire_replication=off"),
-        ],
-    )?;
-    let url = process.listen_addr(START).await?;
-    Ok(Relay {
-        name,
-        running: Running::single(process, url),
-    })
+    let extra = ["--shards", &shards, "--max-shards", &shards];
+    super::spawn_relay(stack, &stack.relay_url, sink_url, name, "3s", &extra).await
 }
 
 /// Runs the whole thing; errors only when the stack cannot be set up.
