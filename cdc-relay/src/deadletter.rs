@@ -23,11 +23,51 @@ use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Attempt, Reason};
 
-/// Where the pipeline writes dead letters (the side SQL connection in
+/// Where the pipeline writes dead letters, and where a parked endpoint's
+/// rows are read back to resume it (the side SQL connection in
 /// production, memory in unit tests).
 pub trait DeadLetterStore: Send + Sync + 'static {
     /// Inserts `row` and returns its id once it is committed.
     fn insert(&self, row: &NewDeadLetter) -> impl Future<Output = Result<i64, StoreError>> + Send;
+
+    /// Endpoint `endpoint`'s parked rows (error starting [`PARKED`]) after
+    /// row id `after`, oldest first, at most `limit`.
+    fn parked(
+        &self,
+        endpoint: &str,
+        after: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<ParkedRow>, StoreError>> + Send;
+
+    /// Removes rows the endpoint took with a 2xx when the relay replayed
+    /// them, each with its audit row (action `replay`, by `cdc-relay`).
+    fn replayed(&self, ids: &[i64]) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Parked row `id` was refused as poison when replayed: it stays, as
+    /// `row` says (its error, status and response), no longer parked.
+    fn refused(
+        &self,
+        id: i64,
+        row: &NewDeadLetter,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Takes (`take`) or releases the lock on replaying `endpoint`'s parked
+    /// rows, held by this session; `Ok(false)`: another session (another
+    /// shard's relay) holds it.
+    fn resume_lock(
+        &self,
+        endpoint: &str,
+        take: bool,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
+
+/// A parked row, as the relay replays it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParkedRow {
+    /// Row id.
+    pub id: i64,
+    /// The event as it was parked (no commit time: the table has none).
+    pub event: OutboxEvent,
 }
 
 /// A dead-letter write failed.
@@ -41,16 +81,104 @@ pub enum StoreError {
     Failed(String),
 }
 
+impl StoreError {
+    fn of(client: &Client, e: &tokio_postgres::Error) -> Self {
+        let text = crate::db_message(e);
+        if client.is_closed() {
+            StoreError::Lost(text)
+        } else {
+            StoreError::Failed(text)
+        }
+    }
+}
+
+/// The advisory-lock key of replaying an endpoint's parked rows.
+const RESUME_LOCK: &str = "hashtextextended('cdc_relay_resume:' || $1, 0)";
+
 impl DeadLetterStore for Client {
     async fn insert(&self, row: &NewDeadLetter) -> Result<i64, StoreError> {
-        insert(self, row).await.map_err(|e| {
-            let text = crate::db_message(&e);
-            if self.is_closed() {
-                StoreError::Lost(text)
-            } else {
-                StoreError::Failed(text)
-            }
-        })
+        insert(self, row)
+            .await
+            .map_err(|e| StoreError::of(self, &e))
+    }
+
+    async fn parked(
+        &self,
+        endpoint: &str,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<ParkedRow>, StoreError> {
+        let rows = self
+            .query(
+                "SELECT id, event_id, event_type, aggregate_key, payload, payload_bytes, commit_lsn::text \
+                 FROM cdc_relay_dead_letter \
+                 WHERE endpoint = $1 AND error LIKE 'parked:%' AND id > $2 ORDER BY id LIMIT $3",
+                &[&endpoint, &after, &limit],
+            )
+            .await
+            .map_err(|e| StoreError::of(self, &e))?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let text: Option<String> = r.get(4);
+                let bytes: Option<Vec<u8>> = r.get(5);
+                let lsn: Option<String> = r.get(6);
+                ParkedRow {
+                    id: r.get(0),
+                    event: OutboxEvent {
+                        id: r.get::<_, Option<String>>(1).unwrap_or_default(),
+                        event_type: r.get::<_, Option<String>>(2).unwrap_or_default(),
+                        aggregate_key: r.get(3),
+                        payload: text.map(Bytes::from).or(bytes.map(Bytes::from)),
+                        commit_lsn: lsn.and_then(|l| l.parse().ok()),
+                        commit_time_micros: 0,
+                    },
+                }
+            })
+            .collect())
+    }
+
+    async fn replayed(&self, ids: &[i64]) -> Result<(), StoreError> {
+        remove_many(
+            self,
+            ids,
+            Removal::Replay,
+            Some("parked endpoint resumed by the relay"),
+            Some("cdc-relay"),
+        )
+        .await
+        .map(drop)
+        .map_err(|e| StoreError::of(self, &e))
+    }
+
+    async fn refused(&self, id: i64, d: &NewDeadLetter) -> Result<(), StoreError> {
+        self.execute(
+            "UPDATE cdc_relay_dead_letter SET http_status = $2, error = $3, response_excerpt = $4, \
+               attempts = $5, first_attempt_at = to_timestamp($6), last_attempt_at = now() WHERE id = $1",
+            &[
+                &id,
+                &d.http_status.map(i32::from),
+                &storable(&d.error, ERROR_BYTES),
+                &d.response_excerpt.as_deref().map(|e| storable(e, EXCERPT_BYTES)),
+                &i32::try_from(d.attempts).unwrap_or(i32::MAX),
+                &d.first_attempt_unix_micros.map(|m| m as f64 / 1e6),
+            ],
+        )
+        .await
+        .map(drop)
+        .map_err(|e| StoreError::of(self, &e))
+    }
+
+    async fn resume_lock(&self, endpoint: &str, take: bool) -> Result<bool, StoreError> {
+        let sql = if take {
+            format!("SELECT pg_try_advisory_lock({RESUME_LOCK})")
+        } else {
+            format!("SELECT pg_advisory_unlock({RESUME_LOCK})")
+        };
+        self.query_one(&sql, &[&endpoint])
+            .await
+            .map(|r| r.get(0))
+            .map_err(|e| StoreError::of(self, &e))
     }
 }
 

@@ -26,6 +26,7 @@ pub struct EndpointFamilies {
     circuit_state: IntGaugeVec,
     parked: IntGaugeVec,
     parked_events: IntCounterVec,
+    replayed: IntCounterVec,
     /// `cdc_relay_unrouted_events_total{action}`: events no endpoint's
     /// `event_types` matched, by `action` (`dead_letter`, `skip`).
     pub unrouted: IntCounterVec,
@@ -59,6 +60,9 @@ pub struct EndpointMetrics {
     /// `cdc_relay_endpoint_parked_events_total`: events of this endpoint
     /// written to the dead-letter table because it is parked.
     pub parked_events: IntCounter,
+    /// `cdc_relay_endpoint_replayed_events_total`: parked events the relay
+    /// replayed to this endpoint with a 2xx while resuming it.
+    pub replayed: IntCounter,
 }
 
 impl EndpointMetrics {
@@ -184,6 +188,17 @@ impl EndpointFamilies {
                 )
                 .expect("valid metric"),
             ),
+            replayed: register(
+                r,
+                IntCounterVec::new(
+                    opts(
+                        "cdc_relay_endpoint_replayed_events_total",
+                        "Parked events the relay replayed with a 2xx while resuming their endpoint, by endpoint",
+                    ),
+                    ep,
+                )
+                .expect("valid metric"),
+            ),
             unrouted: {
                 let c = register(r, IntCounterVec::new(opts("cdc_relay_unrouted_events_total", "Events no endpoint's event_types matched, by action (dead_letter, skip)"), &["action"]).expect("valid metric"));
                 for action in ["dead_letter", "skip"] {
@@ -208,6 +223,7 @@ impl EndpointFamilies {
             circuit_state: self.circuit_state.with_label_values(l),
             parked: self.parked.with_label_values(l),
             parked_events: self.parked_events.with_label_values(l),
+            replayed: self.replayed.with_label_values(l),
         }
     }
 }

@@ -38,7 +38,7 @@
 //!    (circuit breaker, storm guard), [`deadletter`] (where poison goes);
 //!    what a response means is [`sink::classify`]
 //! 4. shared types: [`lsn`], [`metrics`], [`endpoint_metrics`], [`health`],
-//!    [`backoff`], and the
+//!    [`backoff`], [`pace`] (rate caps), and the
 //!    error-text helpers below
 
 // 1. Operator surface.
@@ -87,6 +87,7 @@ pub mod endpoint_metrics;
 pub mod health;
 pub mod lsn;
 pub mod metrics;
+pub mod pace;
 
 /// An optional value for a log field: the value's `Display`, or `none`
 /// (never Rust's `Some(…)`). `event_id = %shown(&row.event_id)`.

@@ -219,6 +219,8 @@ impl DeliveryArgs {
                 storm_threshold: self.poison_storm_threshold,
             },
             max_lag: None,
+            rate: None,
+            auto_resume: true,
         })
     }
 }

@@ -23,12 +23,13 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::breaker::{Breaker, Signal};
+use crate::breaker::{Admission, Breaker, Signal};
 use crate::deadletter::{DeadLetterStore, NewDeadLetter, StoreError};
 use crate::endpoint_metrics::EndpointMetrics;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, UnreadableRow};
-use crate::sink::{Attempt, Disposition, Sink, classify, status_class};
+use crate::pace::Pacer;
+use crate::sink::{Attempt, Disposition, Prepared, Reason, Sink, classify, status_class};
 
 use super::park::Park;
 use super::{DispatchConfig, DispatchError};
@@ -41,6 +42,22 @@ pub enum Finished {
     /// The pipeline is stopping and the event is not done: it stays
     /// pending and is never confirmed by this session.
     Abandoned,
+}
+
+/// How one attempt went, judged ([`Delivery::attempt`]).
+pub(super) enum Tried {
+    /// A 2xx.
+    Delivered,
+    /// The endpoint refused the event itself (and no poison storm is on):
+    /// it is to be dead-lettered.
+    Poison(Reason, Attempt),
+    /// Not delivered; worth retrying later (the endpoint failing, or a
+    /// configuration fault).
+    Failed {
+        reason: Reason,
+        retry_after: Option<std::time::Duration>,
+        attempt: Attempt,
+    },
 }
 
 /// How an interruptible wait of a delivery ended.
@@ -65,17 +82,20 @@ pub enum Work {
 
 /// What every delivery task of one endpoint shares (one allocation).
 pub struct Delivery<S, D> {
-    cfg: DispatchConfig,
-    sink: S,
-    store: Arc<D>,
+    pub(super) cfg: DispatchConfig,
+    pub(super) sink: S,
+    pub(super) store: Arc<D>,
     metrics: Metrics,
-    endpoint: EndpointMetrics,
+    pub(super) endpoint: EndpointMetrics,
     /// The endpoint's name for its dead-letter rows; `None` for the one
     /// endpoint of `--sink-url`.
-    dead_letter_endpoint: Option<String>,
-    stopping: CancellationToken,
-    breaker: Breaker,
-    park: Park,
+    pub(super) dead_letter_endpoint: Option<String>,
+    pub(super) stopping: CancellationToken,
+    pub(super) breaker: Breaker,
+    pub(super) park: Park,
+    /// The endpoint's rate cap (`rate`), shared by live deliveries and the
+    /// replay of its parked rows.
+    pub(super) pace: Option<Pacer>,
 }
 
 /// Where a [`Delivery`] sends and writes.
@@ -126,6 +146,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
     /// A delivery context for one endpoint of a pipeline.
     pub fn new(p: DeliveryParts<S, D>) -> Self {
         Delivery {
+            pace: p.cfg.rate.map(Pacer::new),
             cfg: p.cfg,
             sink: p.sink,
             store: p.store,
@@ -182,7 +203,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
     /// Writes `event`'s dead letter with reason `parked` (its endpoint is
     /// parked): the event is then done at this endpoint.
     async fn park_event(&self, event: &OutboxEvent) -> Result<Finished, DispatchError> {
-        let row = NewDeadLetter::parked(event, self.endpoint.name(), self.park.why());
+        let row = NewDeadLetter::parked(event, self.endpoint.name(), &self.park.why());
         let done = self.dead_letter(&row).await?;
         if done == Finished::Done {
             self.endpoint.parked_events.inc();
@@ -192,12 +213,18 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
 
     /// Delivers one event until it is done: a 2xx, or dead-lettered.
     async fn deliver(&self, seq: u64, event: &OutboxEvent) -> Result<Finished, DispatchError> {
-        let metrics = &self.metrics;
         let request = self.sink.prepare(event);
         let mut backoff = self.backoff();
         let first_attempt = unix_micros();
         let mut attempts: u32 = 0;
         loop {
+            if let Some(pace) = &self.pace {
+                match self.unless_interrupted(pace.wait()).await {
+                    Waited::Done(()) => {}
+                    Waited::Stopping => return Ok(Finished::Abandoned),
+                    Waited::Parked => return self.park_event(event).await,
+                }
+            }
             let admission = match self.unless_interrupted(self.breaker.admit(seq)).await {
                 Waited::Done(a) => a,
                 Waited::Stopping => {
@@ -210,34 +237,15 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                 }
             };
             attempts += 1;
-            let started = Instant::now();
-            let attempt = {
-                let _in_flight = InFlight::start(metrics, &self.endpoint);
-                self.sink.post(&event.id, &request).await
-            };
-            metrics
-                .request_duration
-                .observe(started.elapsed().as_secs_f64());
-            let (outcome, signal, reason) = match classify(&attempt, &self.cfg.policy) {
-                Disposition::Delivered => {
-                    self.breaker.record(admission, Signal::Success, "");
-                    count_attempt(metrics, "delivered", &attempt);
-                    metrics.events_delivered.inc();
-                    self.endpoint.delivered.inc();
-                    metrics
-                        .commit_to_delivery
-                        .observe(seconds_since_commit(event.commit_time_micros));
+            let (reason, retry_after, attempt) = match self
+                .attempt(admission, event, &request, true)
+                .await
+            {
+                Tried::Delivered => {
                     tracing::debug!(event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts, "delivered");
                     return Ok(Finished::Done);
                 }
-                Disposition::DeadLetter(r) if self.breaker.poison(&event.id) => {
-                    self.breaker
-                        .record(admission, Signal::DeadLettered, &r.to_string());
-                    count_attempt(metrics, "dead_letter", &attempt);
-                    tracing::warn!(
-                        event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
-                        detail = %attempt.detail(), "poison event: writing it to the dead-letter table"
-                    );
+                Tried::Poison(r, attempt) => {
                     let mut row =
                         NewDeadLetter::rejected(event, &attempt, &r, attempts, first_attempt);
                     row.endpoint.clone_from(&self.dead_letter_endpoint);
@@ -247,31 +255,12 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                     }
                     return Ok(done);
                 }
-                // During a poison storm, poison waits like a transient failure.
-                Disposition::DeadLetter(r) | Disposition::Retry(r) => {
-                    ("retry", Signal::Transient, r)
-                }
-                Disposition::ConfigFault(r) => ("config_fault", Signal::ConfigFault, r),
+                Tried::Failed {
+                    reason,
+                    retry_after,
+                    attempt,
+                } => (reason, retry_after, attempt),
             };
-            // The breaker logs the exact status; the metric gets the bounded label.
-            self.breaker.record(admission, signal, &reason.to_string());
-            count_attempt(metrics, outcome, &attempt);
-            metrics.retries.with_label_values(&[reason.label]).inc();
-            self.endpoint.retry(reason.label);
-            let retry_after = match &attempt {
-                Attempt::Response { retry_after, .. } => *retry_after,
-                _ => None,
-            };
-            if let Some(asked) = retry_after {
-                // The sink asked for quiet: every delivery waits, not just this one.
-                let pause = asked.min(self.cfg.retry_after_max);
-                self.breaker
-                    .pause_until(tokio::time::Instant::now() + pause);
-                tracing::warn!(
-                    endpoint = %self.endpoint.name(), event_id = %event.id, reason = %reason, retry_after_s = asked.as_secs_f64(),
-                    pause_s = pause.as_secs_f64(), "the sink asked for quiet (Retry-After): every delivery pauses"
-                );
-            }
             let delay = backoff.next_delay(retry_after, &mut rand::rng());
             if attempts == 1 || attempts.is_multiple_of(20) {
                 tracing::warn!(
@@ -285,6 +274,81 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                 Waited::Stopping => return Ok(Finished::Abandoned),
                 Waited::Parked => return self.park_event(event).await,
             }
+        }
+    }
+
+    /// Makes one attempt admitted by the breaker, judges it, and records
+    /// the outcome in the breaker and the metrics (a `live` delivery counts
+    /// as delivered; a replay of a parked row as replayed). A `Retry-After`
+    /// pauses every delivery of the endpoint.
+    pub(super) async fn attempt(
+        &self,
+        admission: Admission,
+        event: &OutboxEvent,
+        request: &Prepared,
+        live: bool,
+    ) -> Tried {
+        let metrics = &self.metrics;
+        let started = Instant::now();
+        let attempt = {
+            let _in_flight = InFlight::start(metrics, &self.endpoint);
+            self.sink.post(&event.id, request).await
+        };
+        metrics
+            .request_duration
+            .observe(started.elapsed().as_secs_f64());
+        let (outcome, signal, reason) = match classify(&attempt, &self.cfg.policy) {
+            Disposition::Delivered => {
+                self.breaker.record(admission, Signal::Success, "");
+                count_attempt(metrics, "delivered", &attempt);
+                if live {
+                    metrics.events_delivered.inc();
+                    self.endpoint.delivered.inc();
+                    metrics
+                        .commit_to_delivery
+                        .observe(seconds_since_commit(event.commit_time_micros));
+                } else {
+                    self.endpoint.replayed.inc();
+                }
+                return Tried::Delivered;
+            }
+            Disposition::DeadLetter(r) if self.breaker.poison(&event.id) => {
+                self.breaker
+                    .record(admission, Signal::DeadLettered, &r.to_string());
+                count_attempt(metrics, "dead_letter", &attempt);
+                tracing::warn!(
+                    endpoint = %self.endpoint.name(), event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
+                    detail = %attempt.detail(), "poison event: writing it to the dead-letter table"
+                );
+                return Tried::Poison(r, attempt);
+            }
+            // During a poison storm, poison waits like a transient failure.
+            Disposition::DeadLetter(r) | Disposition::Retry(r) => ("retry", Signal::Transient, r),
+            Disposition::ConfigFault(r) => ("config_fault", Signal::ConfigFault, r),
+        };
+        // The breaker logs the exact status; the metric gets the bounded label.
+        self.breaker.record(admission, signal, &reason.to_string());
+        count_attempt(metrics, outcome, &attempt);
+        metrics.retries.with_label_values(&[reason.label]).inc();
+        self.endpoint.retry(reason.label);
+        let retry_after = match &attempt {
+            Attempt::Response { retry_after, .. } => *retry_after,
+            _ => None,
+        };
+        if let Some(asked) = retry_after {
+            // The sink asked for quiet: every delivery waits, not just this one.
+            let pause = asked.min(self.cfg.retry_after_max);
+            self.breaker
+                .pause_until(tokio::time::Instant::now() + pause);
+            tracing::warn!(
+                endpoint = %self.endpoint.name(), event_id = %event.id, reason = %reason, retry_after_s = asked.as_secs_f64(),
+                pause_s = pause.as_secs_f64(), "the sink asked for quiet (Retry-After): every delivery pauses"
+            );
+        }
+        Tried::Failed {
+            reason,
+            retry_after,
+            attempt,
         }
     }
 
@@ -315,7 +379,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
         }
     }
 
-    fn backoff(&self) -> Backoff {
+    pub(super) fn backoff(&self) -> Backoff {
         Backoff::new(
             self.cfg.backoff_base,
             self.cfg.backoff_cap,

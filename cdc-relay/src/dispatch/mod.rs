@@ -18,6 +18,8 @@
 //! - [`route`]: which endpoints (lanes) an event goes to.
 //! - [`park`]: parking an endpoint that holds the slot back (its events
 //!   dead-lettered with reason `parked`).
+//! - [`resume`]: replaying a parked endpoint's rows and handing it back
+//!   to live delivery.
 //!
 //! With a routes file each endpoint is a lane of the scheduler with its own
 //! sink, breaker, backoff, `max_in_flight` and per-aggregate order; an
@@ -33,6 +35,7 @@
 pub mod delivery;
 pub mod park;
 pub mod progress;
+pub mod resume;
 pub mod route;
 pub mod scheduler;
 pub mod window;
@@ -44,7 +47,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -61,6 +64,7 @@ use delivery::{Delivery, DeliveryParts, Finished, Work};
 use park::{LaneState, Park, WalBudget};
 use progress::DoneLog;
 pub use progress::{Confirmed, DoneTx};
+use resume::Handover;
 pub use route::{Router, Unrouted};
 use scheduler::{Scheduler, Ticket};
 pub use window::{Window, WindowPermit};
@@ -109,6 +113,14 @@ pub struct DispatchConfig {
     /// Park the endpoint once its oldest pending event has waited this
     /// long; `None`: never parked for lag (routes file `max_lag`).
     pub max_lag: Option<Duration>,
+    /// Requests per second at most, live and replayed together; `None`: no
+    /// cap (routes file `rate`).
+    pub rate: Option<f64>,
+    /// Replay a parked endpoint's rows and return it to live delivery
+    /// without an operator (`docs/architecture.md#parking`); `false`: it
+    /// stays parked until its rows are replayed with the relay stopped
+    /// (routes file `resume = "manual"`).
+    pub auto_resume: bool,
 }
 
 /// What a pipeline shares: the sink, the dead-letter store, the breaker,
@@ -252,6 +264,7 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
     let mut parking = Parking {
         parks: Vec::new(),
         max_lags: Vec::new(),
+        auto_resume: Vec::new(),
         wal_budget: shared.wal_budget.clone(),
     };
     for e in endpoints {
@@ -260,6 +273,7 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
         endpoint.parked.set(i64::from(e.park.is_parked()));
         parking.parks.push(e.park.clone());
         parking.max_lags.push(e.cfg.max_lag);
+        parking.auto_resume.push(e.cfg.auto_resume);
         lane_metrics.push(endpoint.clone());
         deliveries.push(Arc::new(Delivery::new(DeliveryParts {
             cfg: e.cfg,
@@ -293,6 +307,10 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
     let mut running: JoinSet<Result<Option<Ticket>, DispatchError>> = JoinSet::new();
     let mut items_open = true;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut resumes = Resumes::new(parking.parks.len());
+    for lane in 0..parking.parks.len() {
+        resumes.start(lane, &parking, &deliveries);
+    }
     loop {
         while !stopping.is_cancelled()
             && let Some((ticket, (work, permit))) = scheduler.next_job()
@@ -308,8 +326,12 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
                 }
             });
         }
+        resumes.answer_quiet(&scheduler);
         publish(&scheduler, &mut done, &confirmed, &metrics, &health);
-        if !items_open && (scheduler.is_idle() || (stopping.is_cancelled() && running.is_empty())) {
+        if !items_open
+            && (scheduler.is_idle()
+                || (stopping.is_cancelled() && running.is_empty() && resumes.tasks.is_empty()))
+        {
             return Ok(scheduler.confirmed());
         }
         tokio::select! {
@@ -321,6 +343,14 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
                 if let Some(ticket) = done.expect("delivery tasks do not panic")? {
                     scheduler.complete(ticket);
                 }
+            }
+            Some(h) = resumes.handover.recv() => {
+                resumes.handle(h, &mut scheduler, &parking.parks, &lane_metrics);
+            }
+            Some(ended) = resumes.tasks.join_next() => {
+                let (lane, r) = ended.expect("resume tasks do not panic");
+                resumes.running[lane] = false;
+                r?;
             }
             // Stopping: wake up to stop spawning and to see whether the
             // attempts on the wire are all done.
@@ -337,7 +367,9 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
                     m.oldest_pending_age.set(age);
                     m.pending.set(i64::try_from(scheduler.lane_pending(lane)).unwrap_or(i64::MAX));
                 }
-                parking.check(&scheduler, &lane_metrics);
+                for lane in parking.check(&scheduler, &lane_metrics) {
+                    resumes.start(lane, &parking, &deliveries);
+                }
             }
         }
     }
@@ -349,13 +381,20 @@ struct Parking {
     parks: Vec<Park>,
     /// Each endpoint's `max_lag`.
     max_lags: Vec<Option<Duration>>,
+    /// Each endpoint's `resume` setting (`true`: auto).
+    auto_resume: Vec<bool>,
     wal_budget: Option<RetainedWal>,
 }
 
 impl Parking {
-    /// Parks the endpoints [`park::verdict`] names, logging each once. The
-    /// WAL budget is checked once per new reading of the slot monitor.
-    fn check<P: Position, W>(&mut self, scheduler: &Scheduler<P, W>, metrics: &[EndpointMetrics]) {
+    /// Parks the endpoints [`park::verdict`] names, logging each, and
+    /// returns their lanes. The WAL budget is checked once per new reading
+    /// of the slot monitor.
+    fn check<P: Position, W>(
+        &mut self,
+        scheduler: &Scheduler<P, W>,
+        metrics: &[EndpointMetrics],
+    ) -> Vec<usize> {
         let lanes: Vec<LaneState> = self
             .parks
             .iter()
@@ -379,15 +418,99 @@ impl Parking {
                 budget: w.budget,
             })
         });
+        let mut thrown = Vec::new();
         for (lane, why) in park::verdict(&lanes, wal) {
             if self.parks[lane].throw(why) {
                 let m = &metrics[lane];
                 m.parked.set(1);
+                let back = if self.auto_resume[lane] {
+                    "the relay replays them and returns it to live delivery once the endpoint answers again"
+                } else {
+                    "it stays parked (resume = \"manual\") until they are replayed with the relay stopped"
+                };
                 tracing::error!(
                     endpoint = %m.name(), why = %self.parks[lane].why(), pending = scheduler.lane_pending(lane),
                     "endpoint parked: its pending and new events go to the dead-letter table with reason \"parked\" so the slot moves on; \
-                     it stays parked until its parked dead letters are replayed with the relay stopped (docs/operations.md#a-parked-endpoint)"
+                     {back} (docs/operations.md#a-parked-endpoint)"
                 );
+                thrown.push(lane);
+            }
+        }
+        thrown
+    }
+}
+
+/// The resume tasks of parked endpoints and their handovers
+/// ([`resume`]).
+struct Resumes {
+    /// Resume tasks, each returning its lane.
+    tasks: JoinSet<(usize, Result<(), DispatchError>)>,
+    /// Whether lane `i` has a resume task.
+    running: Vec<bool>,
+    /// Lanes held for a handover, with the answer owed once quiet.
+    quiet: Vec<Option<oneshot::Sender<()>>>,
+    handover: mpsc::Receiver<Handover>,
+    /// Cloned into every task.
+    handover_tx: mpsc::Sender<Handover>,
+}
+
+impl Resumes {
+    fn new(lanes: usize) -> Self {
+        let (handover_tx, handover) = mpsc::channel(lanes.max(1));
+        Resumes {
+            tasks: JoinSet::new(),
+            running: vec![false; lanes],
+            quiet: (0..lanes).map(|_| None).collect(),
+            handover,
+            handover_tx,
+        }
+    }
+
+    /// Starts lane `lane`'s resume task if its endpoint is parked, resumes
+    /// automatically and has none.
+    fn start<S: Sink, D: DeadLetterStore>(
+        &mut self,
+        lane: usize,
+        parking: &Parking,
+        deliveries: &[Arc<Delivery<S, D>>],
+    ) {
+        if self.running[lane] || !parking.auto_resume[lane] || !parking.parks[lane].is_parked() {
+            return;
+        }
+        self.running[lane] = true;
+        let d = Arc::clone(&deliveries[lane]);
+        let tx = self.handover_tx.clone();
+        self.tasks
+            .spawn(async move { (lane, resume::run(d, lane, tx).await) });
+    }
+
+    fn handle<P: Position, W>(
+        &mut self,
+        h: Handover,
+        scheduler: &mut Scheduler<P, W>,
+        parks: &[Park],
+        metrics: &[EndpointMetrics],
+    ) {
+        match h {
+            Handover::Hold { lane, quiet } => {
+                scheduler.hold(lane, true);
+                self.quiet[lane] = Some(quiet);
+            }
+            Handover::Release { lane, live } => {
+                if live && parks[lane].resume() {
+                    metrics[lane].parked.set(0);
+                }
+                self.quiet[lane] = None;
+                scheduler.hold(lane, false);
+            }
+        }
+    }
+
+    /// Answers each held lane that no job of runs any more.
+    fn answer_quiet<P: Position, W>(&mut self, scheduler: &Scheduler<P, W>) {
+        for (lane, q) in self.quiet.iter_mut().enumerate() {
+            if q.is_some() && scheduler.lane_running(lane) == 0 {
+                let _ = q.take().map(|q| q.send(()));
             }
         }
     }

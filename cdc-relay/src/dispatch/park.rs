@@ -10,49 +10,69 @@
 //! [`Park`] is the switch the dispatcher throws and the endpoint's
 //! deliveries watch.
 //!
-//! Not yet: resuming in the relay. A parked endpoint stays parked for the
-//! life of the process, and a relay starts an endpoint parked while the
-//! dead-letter table holds parked rows of it; the operator replays them
-//! with the relay stopped (`docs/operations.md#a-parked-endpoint`).
+//! The way back is [`crate::dispatch::resume`]: while parked, the
+//! endpoint's parked rows are replayed oldest first, and the dispatcher
+//! switches it back to live at a moment it has proven safe. With `resume =
+//! "manual"` it stays parked for the life of the process; a relay starts an
+//! endpoint parked while the dead-letter table holds parked rows of it.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_util::sync::CancellationToken;
+use tokio::sync::watch;
 
 /// One endpoint's parking switch, shared by the dispatcher (which throws
-/// it, once) and the endpoint's deliveries (which watch it). Cheap to
-/// clone.
-#[derive(Clone, Debug, Default)]
+/// it and turns it back) and the endpoint's deliveries (which watch it).
+/// Cheap to clone.
+#[derive(Clone, Debug)]
 pub struct Park {
-    thrown: CancellationToken,
-    why: Arc<OnceLock<String>>,
+    /// Why the endpoint is parked; `None` while it is live.
+    state: Arc<watch::Sender<Option<String>>>,
+}
+
+impl Default for Park {
+    fn default() -> Self {
+        Park {
+            state: Arc::new(watch::Sender::new(None)),
+        }
+    }
 }
 
 impl Park {
     /// Parks the endpoint for reason `why` (kept in its dead letters);
     /// returns false when it already was.
     pub fn throw(&self, why: String) -> bool {
-        if self.why.set(why).is_err() {
-            return false;
-        }
-        self.thrown.cancel();
-        true
+        self.state.send_if_modified(|s| {
+            if s.is_some() {
+                return false;
+            }
+            *s = Some(why);
+            true
+        })
+    }
+
+    /// Turns the endpoint back to live; returns false when it was not
+    /// parked. Only the dispatcher calls it, at a moment the endpoint has
+    /// no job running and no parked row left ([`crate::dispatch::resume`]).
+    pub fn resume(&self) -> bool {
+        self.state.send_if_modified(|s| s.take().is_some())
     }
 
     /// Whether the endpoint is parked.
     pub fn is_parked(&self) -> bool {
-        self.thrown.is_cancelled()
+        self.state.borrow().is_some()
     }
 
-    /// Completes once the endpoint is parked.
+    /// Completes once the endpoint is parked (at once if it is).
     pub async fn parked(&self) {
-        self.thrown.cancelled().await;
+        let mut rx = self.state.subscribe();
+        // The sender lives in `self`: the wait cannot fail.
+        let _ = rx.wait_for(Option::is_some).await;
     }
 
-    /// Why it was parked (empty before).
-    pub fn why(&self) -> &str {
-        self.why.get().map_or("", String::as_str)
+    /// Why it is parked (empty while live).
+    pub fn why(&self) -> String {
+        self.state.borrow().clone().unwrap_or_default()
     }
 }
 
@@ -185,12 +205,32 @@ mod tests {
     }
 
     #[test]
-    fn a_switch_is_thrown_once() {
+    fn a_switch_is_thrown_once_until_it_is_turned_back() {
         let p = Park::default();
         assert!(!p.is_parked());
+        assert!(!p.resume(), "not parked");
         assert!(p.throw("first".into()));
         assert!(!p.throw("second".into()));
         assert!(p.is_parked());
         assert_eq!(p.why(), "first");
+        assert!(p.resume());
+        assert!(!p.is_parked());
+        assert_eq!(p.why(), "");
+        assert!(p.throw("third".into()));
+        assert_eq!(p.why(), "third");
+    }
+
+    #[tokio::test]
+    async fn a_wait_for_the_switch_ends_when_it_is_thrown() {
+        let p = Park::default();
+        let waiting = tokio::spawn({
+            let p = p.clone();
+            async move { p.parked().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        p.throw("now".into());
+        waiting.await.unwrap();
+        p.parked().await; // at once while parked
     }
 }

@@ -11,7 +11,9 @@
 //!   ready or running) waits behind it: two jobs of one aggregate are never
 //!   running together at one endpoint and keep commit order there. Lanes
 //!   do not wait for each other.
-//! - At most the lane's `max_in_flight` jobs of a lane run at once.
+//! - At most the lane's `max_in_flight` jobs of a lane run at once, and
+//!   none starts while the lane is *held* (the handover of a parked
+//!   endpoint back to live waits for its lane to be quiet).
 //! - Every job belongs to the transaction open when it was added; the
 //!   [`AckTracker`] confirms the end of the longest prefix of transactions
 //!   whose jobs — at every lane — are all complete.
@@ -50,6 +52,8 @@ struct Lane<W> {
     /// When each job not yet complete was added, by stream order.
     added_at: BTreeMap<u64, Instant>,
     running: usize,
+    /// No job starts while set ([`Scheduler::hold`]).
+    held: bool,
 }
 
 impl<W> Lane<W> {
@@ -61,12 +65,13 @@ impl<W> Lane<W> {
             claimed: HashSet::new(),
             added_at: BTreeMap::new(),
             running: 0,
+            held: false,
         }
     }
 
     /// The stream position of the first job that may start now.
     fn startable(&self) -> Option<u64> {
-        if self.running >= self.max_in_flight {
+        if self.held || self.running >= self.max_in_flight {
             return None;
         }
         self.ready.keys().next().copied()
@@ -228,6 +233,17 @@ impl<P: Position, W> Scheduler<P, W> {
         self.lanes[lane].added_at.len()
     }
 
+    /// Jobs of `lane` running now.
+    pub fn lane_running(&self, lane: usize) -> usize {
+        self.lanes[lane].running
+    }
+
+    /// Holds `lane` (no job of it starts; jobs running finish) or lets it
+    /// go again. Jobs keep being added to a held lane.
+    pub fn hold(&mut self, lane: usize, held: bool) {
+        self.lanes[lane].held = held;
+    }
+
     /// Jobs running now, over all lanes.
     pub fn running(&self) -> usize {
         self.lanes.iter().map(|l| l.running).sum()
@@ -293,6 +309,34 @@ mod tests {
     }
 
     #[test]
+    fn a_held_lane_starts_nothing_and_keeps_its_jobs() {
+        let now = Instant::now();
+        let mut s: Scheduler<Lsn, &str> = Scheduler::with_lanes(lsn(0), &[4, 4]);
+        s.begin();
+        s.add_to(0, None, "x1@0", now);
+        s.commit(lsn(10));
+        let (t0, _) = s.next_job().unwrap();
+        s.hold(0, true);
+        s.begin();
+        s.add_to(0, None, "x2@0", now);
+        s.add_to(1, None, "y@1", now);
+        s.commit(lsn(20));
+        let (t1, w1) = s.next_job().unwrap();
+        assert_eq!(w1, "y@1", "the other lane goes on");
+        assert!(s.next_job().is_none(), "lane 0 is held");
+        assert_eq!(s.lane_running(0), 1, "its running job finishes");
+        s.complete(t0);
+        s.complete(t1);
+        assert_eq!(s.lane_running(0), 0);
+        assert_eq!(s.confirmed(), lsn(10), "x2 waits, held");
+        s.hold(0, false);
+        let (t2, w2) = s.next_job().unwrap();
+        assert_eq!(w2, "x2@0");
+        s.complete(t2);
+        assert_eq!(s.confirmed(), lsn(20));
+    }
+
+    #[test]
     fn a_blocked_lane_does_not_hold_the_other_back() {
         let now = Instant::now();
         let mut s: Scheduler<Lsn, &str> = Scheduler::with_lanes(lsn(0), &[1, 1]);
@@ -342,6 +386,8 @@ mod tests {
         /// Start whatever may start.
         Start,
         Keepalive,
+        /// Hold lane (index mod 2), or let it go.
+        Hold(usize, bool),
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -350,13 +396,15 @@ mod tests {
             3 => any::<usize>().prop_map(Step::Complete),
             3 => Just(Step::Start),
             1 => Just(Step::Keepalive),
+            1 => (0usize..2, any::<bool>()).prop_map(|(l, h)| Step::Hold(l, h)),
         ]
     }
 
     proptest! {
         /// Random streams over two lanes (events to one, both or neither)
-        /// and completion orders: no two running jobs of a lane share a
-        /// key, never more than a lane's max_in_flight run in it, jobs of
+        /// and completion orders, lanes held and let go: no two running
+        /// jobs of a lane share a key, never more than a lane's
+        /// max_in_flight run in it, no job of a held lane starts, jobs of
         /// one key start in stream order in each lane, the confirmed
         /// position never passes a transaction with an incomplete job at
         /// any lane, and everything drains.
@@ -374,12 +422,15 @@ mod tests {
             let mut incomplete: BTreeMap<u64, Lsn> = BTreeMap::new();
             let mut last_started: HashMap<(usize, u8), u64> = HashMap::new();
             let mut seq = 0u64;
+            let mut held = [false, false];
             let mut start = |s: &mut Scheduler<Lsn, (u64, Option<u8>, Lsn)>,
-                             running: &mut Vec<(Ticket, Option<u8>)>|
+                             running: &mut Vec<(Ticket, Option<u8>)>,
+                             held: &[bool; 2]|
              -> Result<(), TestCaseError> {
                 while let Some((ticket, (job_seq, key, _))) = s.next_job() {
                     prop_assert_eq!(ticket.seq, job_seq);
                     let lane = ticket.lane;
+                    prop_assert!(!held[lane], "a job of held lane {} started", lane);
                     if let Some(k) = key {
                         prop_assert!(
                             running.iter().all(|(t, rk)| t.lane != lane || *rk != Some(k)),
@@ -416,10 +467,14 @@ mod tests {
                         s.complete(ticket);
                     }
                     Step::Complete(_) => {}
-                    Step::Start => start(&mut s, &mut running)?,
+                    Step::Start => start(&mut s, &mut running, &held)?,
                     Step::Keepalive => {
                         wal += 5;
                         s.keepalive(lsn(wal));
+                    }
+                    Step::Hold(lane, h) => {
+                        held[lane] = h;
+                        s.hold(lane, h);
                     }
                 }
                 for end in incomplete.values() {
@@ -428,8 +483,11 @@ mod tests {
                 prop_assert_eq!(s.pending(), incomplete.len());
             }
             // Drain: everything completes, whatever the order so far.
+            for lane in 0..2 {
+                s.hold(lane, false);
+            }
             loop {
-                start(&mut s, &mut running)?;
+                start(&mut s, &mut running, &[false, false])?;
                 let Some((ticket, _)) = running.pop() else { break };
                 incomplete.remove(&ticket.seq);
                 s.complete(ticket);

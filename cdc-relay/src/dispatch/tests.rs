@@ -97,15 +97,84 @@ const CONNECT: u16 = 1;
 const TLS: u16 = 2;
 const TRANSPORT: u16 = 3;
 
-/// Dead letters, in memory.
+/// Dead letters, in memory: every row written (`.0`, by id − 1, refused
+/// rows rewritten in place), and the ids replayed (removed).
 #[derive(Default)]
-struct MemoryStore(Mutex<Vec<NewDeadLetter>>);
+struct MemoryStore(Mutex<Vec<NewDeadLetter>>, Mutex<Vec<i64>>);
+
+impl MemoryStore {
+    /// Ids of the parked rows of `endpoint` still in the table.
+    fn parked_ids(&self, endpoint: &str) -> Vec<i64> {
+        let removed: std::collections::HashSet<i64> =
+            self.1.lock().unwrap().iter().copied().collect();
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (i as i64 + 1, r))
+            .filter(|(id, r)| {
+                r.endpoint.as_deref() == Some(endpoint)
+                    && r.error.starts_with("parked:")
+                    && !removed.contains(id)
+            })
+            .map(|(id, _)| id)
+            .collect()
+    }
+}
 
 impl DeadLetterStore for MemoryStore {
     async fn insert(&self, row: &NewDeadLetter) -> Result<i64, StoreError> {
+        // A write takes a moment, as on a database: what runs meanwhile is
+        // what the tests must get right.
+        tokio::time::sleep(Duration::from_millis(15)).await;
         let mut rows = self.0.lock().unwrap();
         rows.push(row.clone());
         Ok(rows.len() as i64)
+    }
+
+    async fn parked(
+        &self,
+        endpoint: &str,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<crate::deadletter::ParkedRow>, StoreError> {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let ids = self.parked_ids(endpoint);
+        let rows = self.0.lock().unwrap();
+        Ok(ids
+            .into_iter()
+            .filter(|id| *id > after)
+            .take(limit as usize)
+            .map(|id| {
+                let r = &rows[id as usize - 1];
+                crate::deadletter::ParkedRow {
+                    id,
+                    event: OutboxEvent {
+                        id: r.event_id.clone().unwrap_or_default(),
+                        event_type: r.event_type.clone().unwrap_or_default(),
+                        payload: r.payload.clone(),
+                        aggregate_key: r.aggregate_key.clone(),
+                        commit_lsn: r.commit_lsn,
+                        commit_time_micros: 0,
+                    },
+                }
+            })
+            .collect())
+    }
+
+    async fn replayed(&self, ids: &[i64]) -> Result<(), StoreError> {
+        self.1.lock().unwrap().extend_from_slice(ids);
+        Ok(())
+    }
+
+    async fn refused(&self, id: i64, row: &NewDeadLetter) -> Result<(), StoreError> {
+        self.0.lock().unwrap()[id as usize - 1] = row.clone();
+        Ok(())
+    }
+
+    async fn resume_lock(&self, _endpoint: &str, _take: bool) -> Result<bool, StoreError> {
+        Ok(true)
     }
 }
 
@@ -122,6 +191,8 @@ fn config(max_in_flight: usize) -> DispatchConfig {
             storm_threshold: 10,
         },
         max_lag: None,
+        rate: None,
+        auto_resume: true,
     }
 }
 
@@ -533,4 +604,28 @@ async fn stopping_starts_no_new_attempt_and_confirms_nothing_undone() {
         Lsn::new(100),
         "the failing event's transaction is not confirmed"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rate_cap_spaces_the_attempts_of_every_delivery() {
+    // 30 events, 16 at once, capped at 10 requests/s: the starts are
+    // 100 ms apart, whatever the window.
+    let sink = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+    let cfg = DispatchConfig {
+        rate: Some(10.0),
+        ..config(16)
+    };
+    let txs = (0..30)
+        .map(|i| vec![event(&format!("e{i}"), None)])
+        .collect();
+    let (last, _) = dispatch_all(cfg, Arc::clone(&sink), txs).await;
+    assert_eq!(last, Lsn::new(3000));
+    let mut starts: Vec<Instant> = sink.calls().iter().map(|c| c.start).collect();
+    starts.sort();
+    let gaps: Vec<Duration> = starts.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(
+        gaps.iter().all(|g| *g >= Duration::from_millis(99)),
+        "{gaps:?}"
+    );
+    assert!(starts[29] - starts[0] >= Duration::from_millis(2900));
 }

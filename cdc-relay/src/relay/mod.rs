@@ -446,7 +446,7 @@ impl Session<'_> {
                 cfg: t.dispatch.clone(),
                 sink: t.sink.clone(),
                 breaker: b.clone(),
-                park: parked_at_start(&t.name, &p.parked),
+                park: parked_at_start(&t.name, t.dispatch.auto_resume, &p.parked),
             })
             .collect();
         let dispatcher = AbortOnDropHandle::new(tokio::spawn(dispatch::run_routed(
@@ -724,13 +724,18 @@ impl Session<'_> {
 /// Endpoint `name`'s parking switch for a session: thrown when the
 /// dead-letter table still holds parked events of it, so its new events
 /// queue behind them (parked too) and never overtake them.
-fn parked_at_start(name: &str, parked: &[String]) -> Park {
+fn parked_at_start(name: &str, auto_resume: bool, parked: &[String]) -> Park {
     let park = Park::default();
     if parked.iter().any(|p| p == name) {
         park.throw("its earlier parked events wait in the dead-letter table".into());
+        let until = if auto_resume {
+            "the relay replays those first, then returns it to live delivery"
+        } else {
+            "until those are replayed with the relay stopped (resume = \"manual\")"
+        };
         tracing::warn!(
             endpoint = %name,
-            "endpoint starts parked: the dead-letter table holds parked events of it; its events are parked too until those are replayed with the relay stopped (docs/operations.md#a-parked-endpoint)"
+            "endpoint starts parked: the dead-letter table holds parked events of it; its events are parked too, {until} (docs/operations.md#a-parked-endpoint)"
         );
     }
     park

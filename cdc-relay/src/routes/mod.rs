@@ -12,6 +12,8 @@
 //! max_in_flight = 32                  # optional; the others default to run's flags
 //! request_timeout = "4s"
 //! max_lag = "10m"                     # optional: park it once an event waited this long
+//! rate = 200                          # optional: requests/s at most (live and replayed)
+//! resume = "auto"                     # or "manual": how a parked endpoint comes back
 //! ```
 //!
 //! Every mistake is a [`RoutesError`] naming the file, the endpoint and the
@@ -54,7 +56,7 @@ pub enum SecretRef {
 }
 
 /// One `[[endpoint]]`, validated. Settings left out take `run`'s flags.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct EndpointSpec {
     /// `[a-z0-9_-]`, 1 to 64 characters, unique in the file.
     pub name: String,
@@ -84,10 +86,18 @@ pub struct EndpointSpec {
     /// long (at least 1 s); `None`: never parked for lag
     /// (`docs/architecture.md#parking`).
     pub max_lag: Option<Duration>,
+    /// Requests per second at most (above 0, at most 1,000,000), live and
+    /// replayed together; `None`: no cap.
+    pub rate: Option<f64>,
+    /// `resume = "auto"` (the default): a parked endpoint's rows are
+    /// replayed by the relay and it returns to live delivery; `"manual"`:
+    /// it stays parked until an operator replays them with the relay
+    /// stopped.
+    pub auto_resume: bool,
 }
 
 /// A validated routes file.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RoutesFile {
     /// Where it was read from (for messages).
     pub path: PathBuf,
@@ -98,7 +108,7 @@ pub struct RoutesFile {
 }
 
 const TOP_KEYS: [&str; 2] = ["unrouted", "endpoint"];
-const ENDPOINT_KEYS: [&str; 15] = [
+const ENDPOINT_KEYS: [&str; 17] = [
     "name",
     "url",
     "event_types",
@@ -114,6 +124,8 @@ const ENDPOINT_KEYS: [&str; 15] = [
     "probe_interval",
     "poison_statuses",
     "max_lag",
+    "rate",
+    "resume",
 ];
 
 /// Longest endpoint name (a metric label value).
@@ -296,6 +308,8 @@ impl RoutesFile {
                 storm_threshold: base.breaker.storm_threshold,
             },
             max_lag: e.max_lag,
+            rate: e.rate,
+            auto_resume: e.auto_resume,
         })
     }
 }
@@ -424,6 +438,33 @@ fn endpoint(t: &Table, n: usize) -> Result<EndpointSpec, EndpointError> {
     let probe_interval =
         duration(t, "probe_interval", Duration::from_millis(50)).map_err(|(k, p)| e(k, p))?;
     let max_lag = duration(t, "max_lag", Duration::from_secs(1)).map_err(|(k, p)| e(k, p))?;
+    let rate = match t.get("rate") {
+        None => None,
+        Some(v) => match v.as_float().or_else(|| v.as_integer().map(|i| i as f64)) {
+            Some(r) if r > 0.0 && r <= 1e6 => Some(r),
+            _ => {
+                return Err(e(
+                    "rate",
+                    format!(
+                        "{v} is not a number of requests per second above 0 and at most 1000000, e.g. 200 or 2.5"
+                    ),
+                ));
+            }
+        },
+    };
+    let auto_resume = match t.get("resume") {
+        None => true,
+        Some(Value::String(s)) if s == "auto" => true,
+        Some(Value::String(s)) if s == "manual" => false,
+        Some(v) => {
+            return Err(e(
+                "resume",
+                format!(
+                    "{v} is not \"auto\" (the relay replays a parked endpoint's rows and returns it to live) or \"manual\" (it stays parked until they are replayed with the relay stopped)"
+                ),
+            ));
+        }
+    };
     let poison_statuses = match t.get("poison_statuses") {
         None => None,
         Some(Value::Array(a)) => Some(
@@ -461,6 +502,8 @@ fn endpoint(t: &Table, n: usize) -> Result<EndpointSpec, EndpointError> {
         probe_interval,
         poison_statuses,
         max_lag,
+        rate,
+        auto_resume,
     })
 }
 

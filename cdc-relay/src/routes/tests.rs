@@ -203,6 +203,8 @@ fn endpoint_settings_override_the_flags() {
             storm_threshold: 10,
         },
         max_lag: None,
+        rate: None,
+        auto_resume: true,
     };
     let b = f.dispatch(&f.endpoints[0], &base).unwrap();
     assert_eq!(b.max_in_flight, 8);
@@ -221,4 +223,23 @@ fn endpoint_settings_override_the_flags() {
 
 fn a_lag(f: &RoutesFile, base: &DispatchConfig) -> Option<Duration> {
     f.dispatch(&f.endpoints[1], base).unwrap().max_lag
+}
+
+#[test]
+fn rate_and_resume_are_read_and_checked() {
+    let f = parse(&with("rate = 200\nresume = \"manual\"")).unwrap();
+    assert_eq!(f.endpoints[0].rate, Some(200.0));
+    assert!(!f.endpoints[0].auto_resume);
+    let f = parse(&with("rate = 2.5")).unwrap();
+    assert_eq!(f.endpoints[0].rate, Some(2.5));
+    assert!(f.endpoints[0].auto_resume, "auto unless said");
+    assert_eq!(parse(&with("")).unwrap().endpoints[0].rate, None);
+    for bad in ["rate = 0", "rate = -1", "rate = \"fast\"", "rate = 2000000"] {
+        let e = parse(&with(bad)).unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("rate"), "{bad}");
+        assert!(e.problem.contains("requests per second"), "{e}");
+    }
+    let e = parse(&with("resume = \"sometimes\"")).unwrap_err();
+    assert_eq!(e.key.as_deref(), Some("resume"));
+    assert!(e.problem.contains("\"manual\""), "{e}");
 }

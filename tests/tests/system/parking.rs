@@ -1,10 +1,12 @@
 //! Parking (issue 15): an endpoint down past its `max_lag` is parked — its
 //! pending and new events become dead letters with reason `parked`, and
 //! the slot moves on — while the healthy endpoint is unaffected; then the
-//! documented way back (docs/operations.md#a-parked-endpoint): relay
-//! stopped, parked rows replayed to the endpoint, relay started, live
-//! delivery. Nothing is lost and each aggregate's order holds at the
-//! parked endpoint over everything it received.
+//! way back (docs/operations.md#a-parked-endpoint): with `resume =
+//! "auto"` the relay replays the parked rows once the endpoint answers and
+//! returns it to live delivery, events arriving all along, across a
+//! restart; with `"manual"`, relay stopped, parked rows replayed by the
+//! operator, relay started. Nothing is lost and each aggregate's order
+//! holds at the parked endpoint over everything it received.
 //!
 //! Broken on purpose once: with `parked_at_start` never throwing the switch
 //! (a restarted relay forgets the endpoint was parked), the test failed
@@ -36,11 +38,11 @@ const SECRETS: [(&str, &str); 2] = [
     ),
 ];
 
-/// billing (parked after 3 s behind) and shipping (healthy) both take
-/// every type.
-fn routes_file(dir: &std::path::Path, sinks: &[ScriptedSink]) -> std::path::PathBuf {
+/// billing (parked after 3 s behind; `resume` as given) and shipping
+/// (healthy) both take every type.
+fn routes_file(dir: &std::path::Path, sinks: &[ScriptedSink], resume: &str) -> std::path::PathBuf {
     let text = format!(
-        "[[endpoint]]\nname = \"billing\"\nurl = {:?}\nevent_types = [\"*\"]\nsecret_env = {:?}\nmax_lag = \"3s\"\n\n\
+        "[[endpoint]]\nname = \"billing\"\nurl = {:?}\nevent_types = [\"*\"]\nsecret_env = {:?}\nmax_lag = \"3s\"\nresume = {resume:?}\n\n\
          [[endpoint]]\nname = \"shipping\"\nurl = {:?}\nevent_types = [\"*\"]\nsecret_env = {:?}\n",
         sinks[0].url, SECRETS[0].0, sinks[1].url, SECRETS[1].0
     );
@@ -119,6 +121,7 @@ async fn parked_rows(db: &Client) -> Vec<String> {
     .collect()
 }
 
+/// `resume = "manual"`: the way back is the operator's.
 #[tokio::test]
 async fn a_dead_endpoint_is_parked_the_slot_moves_and_it_comes_back_in_order() {
     let stack = PgCluster::shared().create_stack().await.unwrap();
@@ -128,7 +131,7 @@ async fn a_dead_endpoint_is_parked_the_slot_moves_and_it_comes_back_in_order() {
         ScriptedSink::start().await.unwrap(),
     ];
     let dir = tempfile::tempdir().unwrap();
-    let path = routes_file(dir.path(), &sinks);
+    let path = routes_file(dir.path(), &sinks, "manual");
     let relay = start(&stack, &path).await;
     let db = stack.orders_admin().await.unwrap();
     let mut aggregates = Vec::new();
@@ -254,7 +257,7 @@ async fn over_the_wal_budget_the_endpoint_pinning_the_slot_is_parked() {
         ScriptedSink::start().await.unwrap(),
     ];
     let dir = tempfile::tempdir().unwrap();
-    let text = std::fs::read_to_string(routes_file(dir.path(), &sinks))
+    let text = std::fs::read_to_string(routes_file(dir.path(), &sinks, "auto"))
         .unwrap()
         .replace("max_lag = \"3s\"\n", "");
     let path = dir.path().join("budget.toml");
@@ -319,4 +322,120 @@ async fn over_the_wal_budget_the_endpoint_pinning_the_slot_is_parked() {
         .collect();
     assert_eq!(shipping, want);
     drop(relay);
+}
+
+/// `resume = "auto"`: billing is parked while down, stays parked across a
+/// restart while still down, and once it answers again the relay replays
+/// its parked rows and returns it to live delivery by itself, with events
+/// committed all along. Then parked again and back while no relay runs:
+/// the restarted relay starts it parked and replays the backlog first.
+/// Billing gets everything, each aggregate in commit order over the whole
+/// sequence. Broken on purpose once: with `parked_at_start` never throwing
+/// the switch, it failed ("timed out ... billing resumed after the
+/// restart": the backlog was left behind while events went live).
+#[tokio::test]
+async fn a_parked_endpoint_that_answers_again_is_resumed_by_the_relay() {
+    let stack = PgCluster::shared().create_stack().await.unwrap();
+    app::relay_setup(&stack).await.unwrap();
+    let sinks = vec![
+        ScriptedSink::start().await.unwrap(),
+        ScriptedSink::start().await.unwrap(),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let path = routes_file(dir.path(), &sinks, "auto");
+    let relay = start(&stack, &path).await;
+    let db = stack.orders_admin().await.unwrap();
+    let mut aggregates = Vec::new();
+    for _ in 0..4 {
+        aggregates.push(oracle::expected::insert_order(&db).await.unwrap());
+    }
+    sinks[0].set_status(503);
+    let mut events = commit(&db, &aggregates, 10, 0).await;
+    oracle::settle(&db, &stack.slot).await.unwrap();
+    assert_eq!(parked_rows(&db).await.len(), 20, "parked, the slot moved");
+
+    // Restarted while billing is still down: it starts parked and stays so.
+    drop(relay);
+    events.extend(commit(&db, &aggregates, 5, 20).await);
+    let relay = start(&stack, &path).await;
+    oracle::settle(&db, &stack.slot).await.unwrap();
+    assert_eq!(parked_rows(&db).await.len(), 30);
+    assert!(sinks[0].delivered().is_empty());
+
+    // Billing answers again while events keep coming.
+    sinks[0].set_status(204);
+    let mut n = 30;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        events.extend(commit(&db, &aggregates, 2, n).await);
+        n += 4;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let m = relay.metrics().await.unwrap();
+        let live = m.value("cdc_relay_endpoint_parked", &[("endpoint", "billing")]) == Some(0.0);
+        if live && n >= 70 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "billing not resumed within 60 s"
+        );
+    }
+    events.extend(commit(&db, &aggregates, 5, n).await);
+    oracle::settle(&db, &stack.slot).await.unwrap();
+    assert!(parked_rows(&db).await.is_empty(), "no parked row left");
+    let m = relay.metrics().await.unwrap();
+    let replayed = m
+        .value(
+            "cdc_relay_endpoint_replayed_events_total",
+            &[("endpoint", "billing")],
+        )
+        .unwrap();
+    assert!(
+        replayed >= 30.0,
+        "the relay replayed the backlog: {replayed}"
+    );
+
+    // Parked again, and back while no relay runs: the restarted relay
+    // starts billing parked and replays its backlog before anything live.
+    n += 10;
+    sinks[0].set_status(503);
+    events.extend(commit(&db, &aggregates, 5, n).await);
+    n += 10;
+    oracle::settle(&db, &stack.slot).await.unwrap();
+    assert_eq!(parked_rows(&db).await.len(), 10, "parked again");
+    drop(relay);
+    sinks[0].set_status(204);
+    events.extend(commit(&db, &aggregates, 5, n).await);
+    n += 10;
+    let relay = start(&stack, &path).await;
+    events.extend(commit(&db, &aggregates, 5, n).await);
+    oracle::settle(&db, &stack.slot).await.unwrap();
+    wait_until(
+        "billing resumed after the restart",
+        std::time::Duration::from_secs(60),
+        || async { parked_rows(&db).await.is_empty() },
+    )
+    .await
+    .unwrap();
+    drop(relay);
+
+    let all: BTreeSet<String> = events.iter().map(|e| e.id.clone()).collect();
+    let billing = in_order("billing", &sinks[0], &events);
+    assert_eq!(
+        billing.iter().cloned().collect::<BTreeSet<_>>(),
+        all,
+        "billing: nothing lost"
+    );
+    let shipping = in_order("shipping", &sinks[1], &events);
+    assert_eq!(shipping.into_iter().collect::<BTreeSet<_>>(), all);
+    let audited: i64 = db
+        .query_one(
+            "SELECT count(*) FROM cdc_relay_dead_letter_audit \
+             WHERE action = 'replay' AND performed_by = 'cdc-relay'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(audited >= 30, "each replayed row audited: {audited}");
 }

@@ -13,6 +13,7 @@ use super::*;
 use crate::dispatch::route::Pattern;
 
 mod parked;
+mod resumed;
 
 fn typed(id: &str, ty: &str, key: Option<&str>) -> OutboxEvent {
     OutboxEvent {
@@ -45,16 +46,19 @@ impl Routed {
         wal_budget: Option<RetainedWal>,
     ) -> Self {
         let parks = lanes.iter().map(|_| park::Park::default()).collect();
-        Self::start_parked(lanes, unrouted, max_lags, wal_budget, parks)
+        Self::start_parked(lanes, unrouted, max_lags, wal_budget, parks, false)
     }
 
-    /// As [`Self::start_parking`], with lane `i`'s parking switch `parks[i]`.
+    /// As [`Self::start_parking`], with lane `i`'s parking switch
+    /// `parks[i]`; `auto_resume`: every endpoint has `resume = "auto"`
+    /// (else `"manual"`).
     fn start_parked(
         lanes: Vec<(&str, Arc<ScriptedSink>, Vec<&str>)>,
         unrouted: Unrouted,
         max_lags: &[Duration],
         wal_budget: Option<RetainedWal>,
         parks: Vec<park::Park>,
+        auto_resume: bool,
     ) -> Self {
         let store = Arc::new(MemoryStore::default());
         let metrics = Metrics::new();
@@ -73,6 +77,7 @@ impl Routed {
                 name: name.to_owned(),
                 cfg: DispatchConfig {
                     max_lag: max_lags.get(i).copied(),
+                    auto_resume,
                     ..config(4)
                 },
                 sink,

@@ -1,5 +1,6 @@
 //! Parking (`docs/architecture.md#parking`) in the routed pipeline, in
-//! paused time: an endpoint past its `max_lag`, or holding the oldest
+//! paused time, with `resume = "manual"` (the way back is in
+//! `resumed.rs`): an endpoint past its `max_lag`, or holding the oldest
 //! event while the slot is over its WAL budget, has its pending and new
 //! events dead-lettered with reason `parked`, and the watermark moves past
 //! them while the other endpoint goes on.
@@ -155,6 +156,7 @@ async fn an_endpoint_started_parked_is_never_tried() {
         &[],
         None,
         vec![parked, park::Park::default()],
+        false,
     );
     r.tx(vec![
         typed("e1", "T", Some("k")),
