@@ -353,6 +353,32 @@ async fn a_parked_endpoint_that_answers_again_is_resumed_by_the_relay() {
     let mut events = commit(&db, &aggregates, 10, 0).await;
     oracle::settle(&db, &stack.slot).await.unwrap();
     assert_eq!(parked_rows(&db).await.len(), 20, "parked, the slot moved");
+    // The relay replays them (billing still down): an operator's replay of
+    // the same endpoint is refused meanwhile.
+    let replay = app::relay_command(
+        &stack,
+        &stack.relay_url.clone(),
+        &[
+            "dead-letter",
+            "replay",
+            "--all",
+            "--endpoint",
+            "billing",
+            "--routes",
+            path.to_str().unwrap(),
+        ],
+        &SECRETS,
+    )
+    .await
+    .unwrap();
+    assert!(!replay.success(), "{}", replay.text());
+    assert!(
+        replay
+            .text()
+            .contains("a relay is replaying endpoint billing"),
+        "{}",
+        replay.text()
+    );
 
     // Restarted while billing is still down: it starts parked and stays so.
     drop(relay);

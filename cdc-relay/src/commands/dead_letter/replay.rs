@@ -379,6 +379,17 @@ pub(super) async fn replay(client: &Client, a: ReplayArgs) -> anyhow::Result<()>
         Some(replay_sink(&a).map_err(ConfigError)?)
     };
     let endpoint = a.filter.endpoint.clone();
+    if let (Some(name), Some(_)) = (&endpoint, &sink) {
+        // Held by this connection until it closes, as a relay resuming the
+        // endpoint holds it: the two never send one aggregate's rows at once.
+        let free = crate::deadletter::DeadLetterStore::resume_lock(client, name, true)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot take the replay lock of endpoint {name}: {e}"))?;
+        anyhow::ensure!(
+            free,
+            "a relay is replaying endpoint {name}'s parked rows (resume = \"auto\"); replaying them here too would send an aggregate's rows in parallel: wait until `dead-letter list --endpoint {name} --error-contains parked` shows none, or stop the relay"
+        );
+    }
     let mut filter = checked(client, &a.filter).await?;
     if a.id.is_some() {
         // A row named by id is checked against --endpoint instead.
