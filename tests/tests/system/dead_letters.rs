@@ -237,3 +237,38 @@ async fn concurrent_replay_keeps_each_aggregates_order_and_skips_one_refused_aga
     assert_eq!(sent, refused[1..].to_vec());
     Ok(())
 }
+
+/// A dead letter whose payload is not UTF-8 (kept in `payload_bytes`) is
+/// not replayed: sent, its data would be null, and a 2xx would remove the
+/// event's only copy. It stays, and the replay says why (exit 1). Broken
+/// on purpose once: without the check, the sink got `"data":null` and the
+/// row was removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_that_is_not_utf8_is_never_replayed_as_null() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, sink) = (&s.stack, s.sink());
+    let admin = stack.orders_admin().await?;
+    admin
+        .execute(
+            "INSERT INTO cdc_relay_dead_letter \
+               (event_id, event_type, payload, payload_bytes, error, attempts) \
+             VALUES ('e-bytes', 'OrderPaid', NULL, '\\xff7b7d'::bytea, 'unreadable: not UTF-8', 0)",
+            &[],
+        )
+        .await?;
+    let before = sink.received().len();
+    let out =
+        crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
+    assert!(!out.success(), "{}", out.text());
+    assert!(out.text().contains("not UTF-8"), "{}", out.text());
+    assert_eq!(sink.received().len(), before, "nothing sent");
+    let left: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = 'e-bytes'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(left, 1, "the row stays");
+    Ok(())
+}

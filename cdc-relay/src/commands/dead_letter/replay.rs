@@ -240,6 +240,15 @@ impl Replay<'_> {
                     .into(),
             );
         };
+        if row.payload.is_none() && row.payload_bytes_hex.is_some() {
+            // Sent, its data would be null: a 2xx would then remove the
+            // event's only copy.
+            return Verdict::Settled(
+                "unsendable",
+                "its payload is not UTF-8 (kept in payload_bytes): it cannot be sent as JSON; fix the source row and backfill it, then discard this row"
+                    .into(),
+            );
+        }
         if self.sink.is_none() {
             return Verdict::Settled(
                 "would_send",
