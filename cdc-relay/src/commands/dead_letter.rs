@@ -167,20 +167,22 @@ async fn list(
         return Ok(());
     }
     outln!(
-        "{:>6}  {:<36}  {:<16}  {:>6}  {:>8}  {:>10}  error",
+        "{:>6}  {:<36}  {:<16}  {:<12}  {:>6}  {:>8}  {:>10}  error",
         "id",
         "event_id",
         "type",
+        "endpoint",
         "status",
         "attempts",
         "age"
     );
     for r in &rows {
         outln!(
-            "{:>6}  {:<36}  {:<16}  {:>6}  {:>8}  {:>10}  {}",
+            "{:>6}  {:<36}  {:<16}  {:<12}  {:>6}  {:>8}  {:>10}  {}",
             r.id,
             r.event_id.as_deref().unwrap_or("(none)"),
             r.event_type.as_deref().unwrap_or("(none)"),
+            r.endpoint.as_deref().unwrap_or("-"),
             r.http_status.map_or("-".into(), |s| s.to_string()),
             r.attempts,
             age(r.age_secs),

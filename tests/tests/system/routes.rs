@@ -309,6 +309,18 @@ async fn poison_names_its_endpoint_and_replays_there() {
     .unwrap();
     assert!(list.success(), "{}", list.text());
     assert_eq!(list.stdout.trim(), "[]", "billing refused nothing");
+    let text = app::relay_command(&stack, &url, &["dead-letter", "list"], &[])
+        .await
+        .unwrap();
+    let row = text
+        .stdout
+        .lines()
+        .find(|l| l.contains(&second.id))
+        .unwrap_or_else(|| panic!("{}", text.text()));
+    assert!(
+        row.split_whitespace().any(|w| w == "shipping"),
+        "the text list names the endpoint: {row}"
+    );
 
     sinks[1].set_status(204);
     let before = sinks[1].count();
