@@ -35,6 +35,19 @@
 //! it is routed to never acknowledged. The broken rule "an event is done at
 //! its first endpoint's 2xx" must be caught.
 //!
+//! **Parking** (`docs/architecture.md#parking`): the two-endpoint model
+//! where any pending delivery may instead be *parked* — its dead-letter row
+//! committed (durable: it survives crashes), then its tracker event
+//! completed, as `Delivery::park_event` does — and a parked event may later
+//! be *replayed* to its endpoint while that endpoint is up. Safety counts
+//! a parked row as done there; recovery asks for every parked row
+//! replayed too. A further liveness property is parking's purpose: from
+//! every reachable state where the second endpoint is down, with no crash
+//! and that endpoint never back, the slot can still reach the end of the
+//! WAL. Broken rules: "a parked event stays pending" must fail that
+//! property, and "a parked job completes before its row is written" (a
+//! crash in between loses the event) must fail safety.
+//!
 //! Run: `cargo test -p cdc-relay --test ack_model -- --nocapture`.
 
 use std::collections::{HashMap, VecDeque};
@@ -55,6 +68,9 @@ use stateright::{Checker, Expectation, HasDiscoveries, Model, Path, Property};
 trait Rule: Clone + Debug + Eq + Hash + Send + Sync + 'static {
     type Seq: Copy + Debug + Eq + Hash + Ord + Send + Sync + 'static;
     const NAME: &'static str;
+    /// A parked job completes only once its dead-letter row is committed
+    /// (`false`: completes first, the row is written in a later step).
+    const ROW_FIRST: bool = true;
     fn new(start: Lsn) -> Self;
     fn begin(&mut self) -> Self::Seq;
     fn add_event(&mut self, tx: Self::Seq);
@@ -72,6 +88,11 @@ trait Rule: Clone + Debug + Eq + Hash + Send + Sync + 'static {
     /// One endpoint answered `event` of `tx` with a 2xx.
     fn complete_at(&mut self, tx: Self::Seq, _event: u8) {
         self.complete(tx);
+    }
+    /// `event` of `tx` was parked at one endpoint (its dead-letter row
+    /// committed): the job is done there, as after a 2xx.
+    fn park_at(&mut self, tx: Self::Seq, event: u8) {
+        self.complete_at(tx, event);
     }
 }
 
@@ -271,6 +292,72 @@ impl Rule for FirstEndpointDone {
     }
 }
 
+/// Broken rule 5 (parking): a parked event stays pending, as if parking
+/// only stopped the sends. The slot then waits for the endpoint forever.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct ParkedStaysPending(AckTracker);
+
+impl Rule for ParkedStaysPending {
+    type Seq = TxSeq;
+    const NAME: &'static str = "broken: a parked event stays pending";
+    fn new(start: Lsn) -> Self {
+        ParkedStaysPending(AckTracker::new(start))
+    }
+    fn begin(&mut self) -> TxSeq {
+        self.0.begin()
+    }
+    fn add_event(&mut self, tx: TxSeq) {
+        self.0.add_event(tx)
+    }
+    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
+        self.0.commit(tx, end_lsn)
+    }
+    fn complete(&mut self, tx: TxSeq) {
+        self.0.complete(tx)
+    }
+    fn keepalive(&mut self, wal_end: Lsn) {
+        self.0.keepalive(wal_end)
+    }
+    fn confirmed(&self) -> Lsn {
+        self.0.confirmed()
+    }
+    fn park_at(&mut self, _tx: TxSeq, _event: u8) {}
+}
+
+/// Broken rule 6 (parking): a parked job completes when the endpoint is
+/// parked, and its dead-letter row is written afterwards (as if
+/// `Delivery::park_event` reported done before the insert returned): a
+/// crash in between loses the event at that endpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct ParkedBeforeRow(AckTracker);
+
+impl Rule for ParkedBeforeRow {
+    type Seq = TxSeq;
+    const NAME: &'static str = "broken: a parked job completes before its row is written";
+    const ROW_FIRST: bool = false;
+    fn new(start: Lsn) -> Self {
+        ParkedBeforeRow(AckTracker::new(start))
+    }
+    fn begin(&mut self) -> TxSeq {
+        self.0.begin()
+    }
+    fn add_event(&mut self, tx: TxSeq) {
+        self.0.add_event(tx)
+    }
+    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
+        self.0.commit(tx, end_lsn)
+    }
+    fn complete(&mut self, tx: TxSeq) {
+        self.0.complete(tx)
+    }
+    fn keepalive(&mut self, wal_end: Lsn) {
+        self.0.keepalive(wal_end)
+    }
+    fn confirmed(&self) -> Lsn {
+        self.0.confirmed()
+    }
+}
+
 // ---------------------------------------------------------------------------
 // The world: WAL, walsender, slot, relay, sinks.
 
@@ -317,6 +404,12 @@ struct State<R: Rule> {
     /// Per endpoint, events (global ids) it answered with a 2xx at least
     /// once, ever.
     delivered: [u8; 2],
+    /// Per endpoint, events with a parked dead-letter row (durable; gone
+    /// once replayed).
+    parked: [u8; 2],
+    /// Parked jobs completed whose row is not written yet (only with a rule
+    /// that is not `ROW_FIRST`): lost on a crash.
+    unwritten: Vec<(u8, u8)>,
     // --- the current session: lost on a crash ---
     /// Next WAL item the walsender will decode.
     next: u8,
@@ -347,6 +440,15 @@ enum Action {
     Keepalive(Lsn),
     /// Endpoint `.1` answers event `.0` with a 2xx and the relay sees it.
     Deliver(u8, u8),
+    /// Endpoint `.1` is parked for event `.0`: its row is committed, then
+    /// the job completes.
+    Park(u8, u8),
+    /// The row of a parked job completed before it (not `ROW_FIRST`) is
+    /// written.
+    WriteRow(u8, u8),
+    /// Event `.0`'s parked row is replayed to endpoint `.1` (up), which
+    /// answers with a 2xx; the row is removed.
+    Replay(u8, u8),
     SinkFails(u8),
     SinkRecovers(u8),
     /// A standby status update carries the relay's confirmed LSN to the slot.
@@ -360,6 +462,8 @@ struct AckModel<R> {
     max_crashes: u8,
     /// 1, or 2 (`run --routes`: see [`AckModel::routes`]).
     endpoints: u8,
+    /// Whether pending deliveries may be parked.
+    parking: bool,
     _rule: PhantomData<fn() -> R>,
 }
 
@@ -379,6 +483,7 @@ impl<R: Rule> AckModel<R> {
             wals,
             max_crashes,
             endpoints: 1,
+            parking: false,
             _rule: PhantomData,
         }
     }
@@ -386,6 +491,13 @@ impl<R: Rule> AckModel<R> {
     /// The same model with two endpoints.
     fn two_endpoints(mut self) -> Self {
         self.endpoints = 2;
+        self
+    }
+
+    /// The two-endpoint model with parking.
+    fn parking(mut self) -> Self {
+        self.endpoints = 2;
+        self.parking = true;
         self
     }
 
@@ -399,8 +511,16 @@ impl<R: Rule> AckModel<R> {
         }
     }
 
-    /// Whether every endpoint event `e` goes to answered it with a 2xx.
+    /// Whether every endpoint event `e` goes to answered it with a 2xx or
+    /// holds a parked row of it.
     fn done_everywhere(&self, s: &State<R>, e: u8) -> bool {
+        (0..2).all(|ep| {
+            self.routes(e) & (1 << ep) == 0 || (s.delivered[ep] | s.parked[ep]) & (1 << e) != 0
+        })
+    }
+
+    /// Whether every endpoint event `e` goes to answered it with a 2xx.
+    fn delivered_everywhere(&self, s: &State<R>, e: u8) -> bool {
         (0..2).all(|ep| self.routes(e) & (1 << ep) == 0 || s.delivered[ep] & (1 << e) != 0)
     }
 
@@ -441,6 +561,7 @@ impl<R: Rule> AckModel<R> {
         s.sent = s.slot;
         s.open = None;
         s.pending.clear();
+        s.unwritten.clear();
         s.tracker = R::new(s.slot);
     }
 
@@ -459,7 +580,7 @@ impl<R: Rule> AckModel<R> {
         let all = self.all_events(s);
         (0..8)
             .filter(|e| all & (1 << e) != 0)
-            .all(|e| self.done_everywhere(s, e))
+            .all(|e| self.delivered_everywhere(s, e))
             && s.slot == self.wal_end(s)
     }
 }
@@ -477,6 +598,8 @@ impl<R: Rule> Model for AckModel<R> {
                     crashes: 0,
                     sink_up: [true; 2],
                     delivered: [0; 2],
+                    parked: [0; 2],
+                    unwritten: Vec::new(),
                     next: 0,
                     streaming: None,
                     sent: Lsn::new(BASE),
@@ -514,6 +637,28 @@ impl<R: Rule> Model for AckModel<R> {
                 actions.push(Action::SinkFails(ep));
             } else {
                 actions.push(Action::SinkRecovers(ep));
+            }
+            if self.parking {
+                actions.extend(
+                    s.unwritten
+                        .iter()
+                        .filter(|&&(_, p)| p == ep)
+                        .map(|&(e, _)| Action::WriteRow(e, ep)),
+                );
+                actions.extend(
+                    s.pending
+                        .iter()
+                        .filter(|&&(_, p, _)| p == ep)
+                        .map(|&(e, _, _)| Action::Park(e, ep)),
+                );
+                if s.sink_up[usize::from(ep)] {
+                    let parked = s.parked[usize::from(ep)];
+                    actions.extend(
+                        (0..8)
+                            .filter(|e| parked & (1 << e) != 0)
+                            .map(|e| Action::Replay(e, ep)),
+                    );
+                }
             }
         }
         if s.tracker.confirmed() != s.slot {
@@ -569,6 +714,29 @@ impl<R: Rule> Model for AckModel<R> {
                 n.delivered[usize::from(ep)] |= 1 << e;
                 n.tracker.complete_at(tx, e);
             }
+            Action::Park(e, ep) => {
+                let at = n
+                    .pending
+                    .iter()
+                    .position(|&(p, pe, _)| p == e && pe == ep)?;
+                let (_, _, tx) = n.pending.remove(at);
+                if R::ROW_FIRST {
+                    n.parked[usize::from(ep)] |= 1 << e;
+                } else {
+                    n.unwritten.push((e, ep));
+                    n.unwritten.sort();
+                }
+                n.tracker.park_at(tx, e);
+            }
+            Action::WriteRow(e, ep) => {
+                let at = n.unwritten.iter().position(|&u| u == (e, ep))?;
+                n.unwritten.remove(at);
+                n.parked[usize::from(ep)] |= 1 << e;
+            }
+            Action::Replay(e, ep) => {
+                n.parked[usize::from(ep)] &= !(1 << e);
+                n.delivered[usize::from(ep)] |= 1 << e;
+            }
             Action::SinkFails(ep) => n.sink_up[usize::from(ep)] = false,
             Action::SinkRecovers(ep) => n.sink_up[usize::from(ep)] = true,
             Action::StatusUpdate(lsn) => n.slot = lsn,
@@ -618,6 +786,18 @@ impl<R: Rule> Model for AckModel<R> {
                 },
             ),
             Property::sometimes(
+                "the slot passed an event parked at a down endpoint",
+                |m: &Self, s: &State<R>| {
+                    !m.parking
+                        || (0..m.items(s).len()).any(|i| {
+                            let first = m.first_event(s, i);
+                            s.slot >= end_of(i)
+                                && (first..first + m.events_in(s, i))
+                                    .any(|e| !s.sink_up[1] && s.parked[1] & (1 << e) != 0)
+                        })
+                },
+            ),
+            Property::sometimes(
                 "one endpoint is done with an event while the other is down",
                 |m: &Self, s: &State<R>| {
                     m.endpoints == 2
@@ -643,12 +823,14 @@ impl<R: Rule> fmt::Display for Summary<'_, R> {
         let bits = |m: u8| -> Vec<u8> { (0..8).filter(|e| m & (1 << e) != 0).collect() };
         write!(
             f,
-            "slot={} relay.confirmed={} sent={} delivered={:?}/{:?} pending(event,endpoint)={:?} sinks={:?} crashes={}",
+            "slot={} relay.confirmed={} sent={} delivered={:?}/{:?} parked={:?}/{:?} pending(event,endpoint)={:?} sinks={:?} crashes={}",
             s.slot.as_u64(),
             s.tracker.confirmed().as_u64(),
             s.sent.as_u64(),
             bits(s.delivered[0]),
             bits(s.delivered[1]),
+            bits(s.parked[0]),
+            bits(s.parked[1]),
             s.pending
                 .iter()
                 .map(|&(e, ep, _)| (e, ep))
@@ -786,14 +968,50 @@ impl<R: Rule> Graph<R> {
     }
 }
 
+/// Which transitions a liveness check may use, and what it must reach.
+struct Liveness<R: Rule> {
+    name: &'static str,
+    /// Transitions the path may take.
+    allowed: fn(&Action) -> bool,
+    /// States the check starts from.
+    from: fn(&State<R>) -> bool,
+    /// What must be reachable.
+    goal: fn(&AckModel<R>, &State<R>) -> bool,
+}
+
 /// Recovery (AG EF): from every reachable state, using neither crashes nor
 /// sink failures (a failed sink may recover), some path reaches the goal:
-/// every event delivered and the slot at the end of the WAL. Explores the
-/// whole graph breadth-first with the model's own transition function, then
-/// runs a backward fixpoint from the goal states over the recovery
-/// transitions. Returns the number of states, or a path to a state that
-/// cannot recover and the best it can still reach.
+/// every event delivered and the slot at the end of the WAL.
+fn recovery<R: Rule>() -> Liveness<R> {
+    Liveness {
+        name: "recovery",
+        allowed: |a| !matches!(a, Action::Crash | Action::SinkFails(_)),
+        from: |_| true,
+        goal: |m, s| m.goal(s),
+    }
+}
+
+/// Parking's purpose (AG EF): from every reachable state where the second
+/// endpoint is down, with no crash and that endpoint never back, some path
+/// confirms the whole WAL.
+fn moves_on_while_down<R: Rule>() -> Liveness<R> {
+    Liveness {
+        name: "the slot moves on while an endpoint is down",
+        allowed: |a| !matches!(a, Action::Crash | Action::SinkRecovers(1)),
+        from: |s| !s.sink_up[1],
+        goal: |m, s| s.slot == m.wal_end(s),
+    }
+}
+
 fn check_recovery<R: Rule>(model: &AckModel<R>) -> Result<usize, String> {
+    check_liveness(model, &recovery())
+}
+
+/// Explores the whole graph breadth-first with the model's own transition
+/// function, then runs a backward fixpoint from the goal states over the
+/// allowed transitions. Returns the number of states, or a path to a start
+/// state that cannot reach the goal and the best it can still reach.
+fn check_liveness<R: Rule>(model: &AckModel<R>, l: &Liveness<R>) -> Result<usize, String> {
     let started = Instant::now();
     let mut g = Graph::default();
     for s in model.init_states() {
@@ -807,7 +1025,7 @@ fn check_recovery<R: Rule>(model: &AckModel<R>) -> Result<usize, String> {
         for &a in &actions {
             if let Some(n) = model.next_state(&s, a) {
                 let nid = g.add(n, Some((id, a)));
-                if !matches!(a, Action::Crash | Action::SinkFails(_)) {
+                if (l.allowed)(&a) {
                     g.back[nid as usize].push(id);
                 }
             }
@@ -819,21 +1037,22 @@ fn check_recovery<R: Rule>(model: &AckModel<R>) -> Result<usize, String> {
         back,
         ..
     } = g;
-    let mut can_recover: Vec<bool> = states.iter().map(|s| model.goal(s)).collect();
-    let goals = can_recover.iter().filter(|g| **g).count();
+    let mut can: Vec<bool> = states.iter().map(|s| (l.goal)(model, s)).collect();
+    let goals = can.iter().filter(|g| **g).count();
     let mut queue: VecDeque<u32> = (0..states.len())
-        .filter(|&i| can_recover[i])
+        .filter(|&i| can[i])
         .map(|i| i as u32)
         .collect();
     while let Some(id) = queue.pop_front() {
         for &p in &back[id as usize] {
-            if !can_recover[p as usize] {
-                can_recover[p as usize] = true;
+            if !can[p as usize] {
+                can[p as usize] = true;
                 queue.push_back(p);
             }
         }
     }
-    if let Some(stuck) = can_recover.iter().position(|ok| !ok) {
+    let starts = states.iter().filter(|s| (l.from)(s)).count();
+    if let Some(stuck) = (0..states.len()).find(|&i| (l.from)(&states[i]) && !can[i]) {
         let mut steps = vec![(states[stuck].clone(), None)];
         let mut at = stuck;
         while let Some((p, a)) = parent[at] {
@@ -842,27 +1061,34 @@ fn check_recovery<R: Rule>(model: &AckModel<R>) -> Result<usize, String> {
         }
         // Each state paired with the action that leaves it, from the start.
         steps.reverse();
-        let best = best_recovery(model, &states[stuck]);
+        let best = best_reachable(model, &states[stuck], l.allowed);
         return Err(format!(
-            "[{}] recovery fails: from the last state below, no continuation without crashes and with the sink up delivers every event and confirms the whole WAL\n{}  best reachable from there: {}\n",
+            "[{}] {} fails: from the last state below, no allowed continuation reaches the goal\n{}  best reachable from there: {}\n",
             R::NAME,
+            l.name,
             render(model, steps),
             Summary(&best)
         ));
     }
     println!(
-        "[{}] recovery: {} states ({} goal states), every one can recover, {:.2?}",
+        "[{}] {}: {} states ({} goal states), all {} start states reach the goal, {:.2?}",
         R::NAME,
+        l.name,
         states.len(),
         goals,
+        starts,
         started.elapsed()
     );
     Ok(states.len())
 }
 
 /// The most progressed state (events delivered, then slot) reachable from
-/// `from` by recovery transitions.
-fn best_recovery<R: Rule>(model: &AckModel<R>, from: &State<R>) -> State<R> {
+/// `from` by allowed transitions.
+fn best_reachable<R: Rule>(
+    model: &AckModel<R>,
+    from: &State<R>,
+    allowed: fn(&Action) -> bool,
+) -> State<R> {
     let mut g = Graph::default();
     g.add(from.clone(), None);
     let mut actions = Vec::new();
@@ -871,7 +1097,7 @@ fn best_recovery<R: Rule>(model: &AckModel<R>, from: &State<R>) -> State<R> {
         actions.clear();
         model.actions(&s, &mut actions);
         for &a in &actions {
-            if matches!(a, Action::Crash | Action::SinkFails(_)) {
+            if !allowed(&a) {
                 continue;
             }
             if let Some(n) = model.next_state(&s, a) {
@@ -1048,4 +1274,51 @@ fn first_endpoint_done_is_harmless_with_one_endpoint() {
         HasDiscoveries::AnyFailures,
     );
     assert!(!outcome.discoveries.contains_key(SAFETY));
+}
+
+/// The real rule with parking: safe (a parked row counts as done at its
+/// endpoint), recovers (every parked row replayed), and the slot moves on
+/// while an endpoint is down.
+#[test]
+fn real_ack_tracker_is_safe_recovers_and_moves_on_with_parking() {
+    check_real(|| AckModel::new(wals_parking(), 1).parking());
+    let explored = check_liveness(
+        &AckModel::<AckTracker>::new(wals_parking(), 1).parking(),
+        &moves_on_while_down(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(explored > 0);
+}
+
+/// Without parking the slot cannot move on while an endpoint is down: the
+/// property is about parking, not something else.
+#[test]
+fn without_parking_the_slot_waits_for_a_down_endpoint() {
+    let model = AckModel::<AckTracker>::new(wals_parking(), 1).two_endpoints();
+    let report = check_liveness(&model, &moves_on_while_down()).expect_err("it must wait");
+    println!("{report}");
+}
+
+#[test]
+fn broken_rule_parked_stays_pending_is_caught() {
+    let model = AckModel::<ParkedStaysPending>::new(wals_parking(), 1).parking();
+    let report = check_liveness(&model, &moves_on_while_down())
+        .expect_err("the check must catch a parked event left pending");
+    println!("{report}");
+}
+
+#[test]
+fn broken_rule_parked_before_row_is_caught() {
+    assert_caught_in(|| AckModel::<ParkedBeforeRow>::new(wals_parking(), 1).parking());
+}
+
+/// Three WALs for the parking model, whose space is the largest: events
+/// to both endpoints and to one, with and without unpublished WAL.
+fn wals_parking() -> Vec<Vec<Item>> {
+    use Item::{Gap, Tx};
+    vec![
+        vec![Tx(2), Tx(1)],
+        vec![Tx(1), Gap, Tx(1), Gap],
+        vec![Tx(0), Tx(2), Gap],
+    ]
 }
