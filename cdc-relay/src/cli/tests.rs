@@ -1,0 +1,196 @@
+//! The command line's parsers and help.
+use super::*;
+
+#[test]
+fn help_groups_flags_under_headings_and_shows_no_env_values() {
+    let mut cmd = Cli::command();
+    cmd.build(); // propagates the global flags to the subcommands
+    let run = cmd.find_subcommand_mut("run").expect("run");
+    let help = run.render_long_help().to_string();
+    // heading -> the lines under it, up to the next heading.
+    let mut sections: Vec<(String, String)> = Vec::new();
+    for line in help.lines() {
+        match line.strip_suffix(':') {
+            Some(h) if !line.starts_with(' ') && !h.contains(' ') || h == "Slot and outbox" => {
+                sections.push((h.to_owned(), String::new()));
+            }
+            _ => {
+                if let Some((_, body)) = sections.last_mut() {
+                    body.push_str(line);
+                    body.push('\n');
+                }
+            }
+        }
+    }
+    for (flag, heading) in [
+        ("--sink-url", "Sink"),
+        ("--event-secret", "Signing"),
+        ("--max-in-flight", "Delivery"),
+        ("--shutdown-timeout", "Relay"),
+        ("--database-url", "Database"),
+        ("--slot", "Slot and outbox"),
+        ("--log-format", "Logging"),
+    ] {
+        let (_, body) = sections
+            .iter()
+            .find(|(h, _)| h == heading)
+            .unwrap_or_else(|| panic!("heading {heading:?} in:\n{help}"));
+        assert!(
+            body.contains(&format!("      {flag} ")),
+            "{flag} under {heading}:\n{help}"
+        );
+    }
+    assert!(help.contains("[env: CDC_RELAY_SINK_URL]"), "{help}");
+    assert!(
+        !help.contains("=]"),
+        "no env value or trailing '=':\n{help}"
+    );
+}
+
+fn help_of(path: &[&str]) -> String {
+    let mut argv = vec!["cdc-relay"];
+    argv.extend_from_slice(path);
+    argv.push("--help");
+    let err = Cli::command().try_get_matches_from(argv).unwrap_err();
+    assert_eq!(err.kind(), clap::error::ErrorKind::DisplayHelp);
+    err.to_string()
+}
+
+#[test]
+fn each_subcommand_shows_only_the_flags_it_reads() {
+    let shows = |path: &[&str], flag: &str| help_of(path).contains(&format!(" {flag} "));
+    for (path, shown, hidden) in [
+        (
+            &["completions"][..],
+            &[][..],
+            &["--database-url", "--log"][..],
+        ),
+        (
+            &["dead-letter", "list"],
+            &["--database-url", "--log-format"],
+            &["--slot", "--table", "--standby-url"],
+        ),
+        (
+            &["backfill"],
+            &["--database-url", "--table", "--id-column"],
+            &["--slot", "--publication", "--standby-url"],
+        ),
+        (
+            &["setup"],
+            &["--slot", "--publication", "--table"],
+            &["--standby-url"],
+        ),
+        (&["status"], &["--slot", "--standby-url", "--table"], &[]),
+        (&["run"], &["--slot", "--standby-url", "--table"], &[]),
+    ] {
+        for flag in shown {
+            assert!(
+                shows(path, flag),
+                "{path:?} shows {flag}:\n{}",
+                help_of(path)
+            );
+        }
+        for flag in hidden {
+            assert!(
+                !shows(path, flag),
+                "{path:?} hides {flag}:\n{}",
+                help_of(path)
+            );
+        }
+    }
+    // Hidden, not refused: one set of flags serves every command.
+    let cli = Cli::try_parse_from([
+        "cdc-relay",
+        "--slot",
+        "s2",
+        "dead-letter",
+        "--table",
+        "t2",
+        "list",
+    ])
+    .expect("hidden global flags are accepted");
+    assert_eq!(
+        (
+            cli.global.slot.as_str(),
+            cli.global.table.to_string().as_str()
+        ),
+        ("s2", "public.t2")
+    );
+}
+
+#[test]
+fn a_required_setting_is_never_one_an_environment_variable_could_give() {
+    // clap's "required argument" error names only the flag; a setting
+    // with an environment variable is checked where the error can name
+    // both (`--sink-url (or CDC_RELAY_SINK_URL) is required`).
+    fn walk(cmd: &clap::Command, path: &str) {
+        for a in cmd.get_arguments() {
+            assert!(
+                !(a.is_required_set() && a.get_env().is_some()),
+                "{path} {:?} is required by clap but has an env var",
+                a.get_id()
+            );
+        }
+        for sub in cmd.get_subcommands() {
+            walk(sub, &format!("{path} {}", sub.get_name()));
+        }
+    }
+    let mut cmd = Cli::command();
+    cmd.build();
+    walk(&cmd, "cdc-relay");
+    let cli = Cli::try_parse_from(["cdc-relay", "run"]).expect("parses without --sink-url");
+    let Command::Run(run) = cli.command else {
+        panic!("run")
+    };
+    let err = run.sink.build().unwrap_err();
+    assert!(
+        err.contains("--sink-url") && err.contains("CDC_RELAY_SINK_URL"),
+        "{err}"
+    );
+}
+
+#[test]
+fn cli_is_consistent() {
+    Cli::command().debug_assert();
+}
+
+fn run_args(extra: &[&str]) -> Result<Cli, clap::Error> {
+    let mut argv = vec!["cdc-relay", "run", "--sink-url", "http://127.0.0.1:1/inbox"];
+    argv.extend_from_slice(extra);
+    Cli::try_parse_from(argv)
+}
+
+#[test]
+fn syntax_errors_name_the_flag() {
+    assert!(run_args(&[]).is_ok());
+    let err = run_args(&["--max-in-flight", "0"]).unwrap_err().to_string();
+    assert!(err.contains("--max-in-flight"), "{err}");
+    let err = run_args(&["--backoff-cap", "soon"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--backoff-cap"), "{err}");
+    for bad in ["http:///inbox", "http:inbox", "https://", "not a url"] {
+        let argv = [
+            "cdc-relay",
+            "run",
+            "--sink-url",
+            bad,
+            "--max-in-flight",
+            "1",
+        ];
+        let err = Cli::try_parse_from(argv).unwrap_err().to_string();
+        assert!(err.contains("--sink-url"), "{bad}: {err}");
+    }
+}
+
+#[test]
+fn sizes_and_durations_parse() {
+    assert_eq!(parse_bytes("64MiB"), Ok(64 << 20));
+    assert_eq!(parse_bytes("1024"), Ok(1024));
+    assert!(parse_bytes("5GiB").is_err());
+    assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+    assert_eq!(parse_size("1TiB"), Ok(1 << 40));
+    assert!(parse_bytes("0").is_err());
+    assert!(parse_bytes("12 parsecs").is_err());
+    assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+}
