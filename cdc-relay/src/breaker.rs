@@ -164,6 +164,8 @@ struct Shared {
     /// (the one endpoint of `--sink-url`; with `--routes` the per-endpoint
     /// gauge is the one to read).
     relay_wide: bool,
+    /// The endpoint's name, in every log line (`default` for `--sink-url`).
+    endpoint: String,
 }
 
 /// How a delivery was admitted.
@@ -184,14 +186,20 @@ impl Breaker {
             .endpoints
             .endpoint(crate::endpoint_metrics::DEFAULT_ENDPOINT)
             .circuit_state;
-        Self::build(cfg, metrics, Some(gauge), true)
+        Self::build(
+            cfg,
+            metrics,
+            Some(gauge),
+            true,
+            crate::endpoint_metrics::DEFAULT_ENDPOINT,
+        )
     }
 
     /// A closed breaker for one endpoint of a routes file: it sets that
     /// endpoint's `cdc_relay_endpoint_circuit_state` only.
     pub fn for_endpoint(cfg: BreakerConfig, metrics: Metrics, endpoint: &str) -> Self {
         let gauge = metrics.endpoints.endpoint(endpoint).circuit_state;
-        Self::build(cfg, metrics, Some(gauge), false)
+        Self::build(cfg, metrics, Some(gauge), false, endpoint)
     }
 
     fn build(
@@ -199,6 +207,7 @@ impl Breaker {
         metrics: Metrics,
         endpoint_state: Option<prometheus::IntGauge>,
         relay_wide: bool,
+        endpoint: &str,
     ) -> Self {
         if relay_wide {
             metrics.circuit_state.set(CircuitState::Closed as i64);
@@ -225,6 +234,7 @@ impl Breaker {
             metrics,
             endpoint_state,
             relay_wide,
+            endpoint: endpoint.to_owned(),
         };
         Breaker {
             shared: Arc::new(shared),
@@ -313,6 +323,16 @@ impl Breaker {
         }
     }
 
+    /// An admitted delivery makes no attempt after all (the pipeline is
+    /// stopping, or its endpoint was parked meanwhile): a probe's turn
+    /// passes to the next waiting delivery, with nothing recorded.
+    pub fn release(&self, admission: Admission) {
+        if admission == Admission::Probe {
+            self.lock().probe_in_flight = false;
+            self.shared.changed.notify_waiters();
+        }
+    }
+
     /// Records an attempt's outcome.
     pub fn record(&self, admission: Admission, signal: Signal, reason: &str) {
         let mut s = self.lock();
@@ -327,7 +347,7 @@ impl Breaker {
                 s.poison_run.clear();
                 s.storm = false;
                 if s.circuit == CircuitState::Open {
-                    tracing::info!("circuit closed: the sink answered 2xx; full window resumes");
+                    tracing::info!(endpoint = %self.shared.endpoint, "circuit closed: the sink answered 2xx; full window resumes");
                     self.set(&mut s, CircuitState::Closed);
                 }
             }
@@ -336,7 +356,7 @@ impl Breaker {
                 s.answered = true;
                 s.consecutive_failures = 0;
                 if s.circuit == CircuitState::Open {
-                    tracing::info!("circuit closed: the sink answers again");
+                    tracing::info!(endpoint = %self.shared.endpoint, "circuit closed: the sink answers again");
                     self.set(&mut s, CircuitState::Closed);
                 }
             }
@@ -350,6 +370,7 @@ impl Breaker {
                     && s.consecutive_failures >= self.shared.cfg.failure_threshold
                 {
                     tracing::warn!(
+                        endpoint = %self.shared.endpoint,
                         failures = s.consecutive_failures,
                         reason,
                         probe_interval_ms = self.shared.cfg.probe_interval.as_millis() as u64,
@@ -362,6 +383,7 @@ impl Breaker {
                 s.proven = false;
                 if s.circuit == CircuitState::Closed {
                     tracing::error!(
+                        endpoint = %self.shared.endpoint,
                         reason,
                         hint = config_fault_hint(reason),
                         "circuit opened: the sink rejects the relay itself; events are kept, not dead-lettered"
@@ -378,6 +400,7 @@ impl Breaker {
                 s.open.as_mut().and_then(|o| o.probe_failed(Instant::now()))
         {
             tracing::warn!(
+                endpoint = %self.shared.endpoint,
                 open_for_s = open_for.as_secs(),
                 failed_probes = probes,
                 reason,
@@ -418,6 +441,7 @@ impl Breaker {
         if s.poison_run.len() >= self.shared.cfg.storm_threshold as usize {
             s.storm = true;
             tracing::error!(
+                endpoint = %self.shared.endpoint,
                 distinct_events = s.poison_run.len(),
                 "poison storm: the sink refuses every event; dead-lettering stopped and circuit opened until a 2xx"
             );

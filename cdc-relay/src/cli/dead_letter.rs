@@ -154,9 +154,13 @@ fn parse_rate(s: &str) -> Result<f64, String> {
         .trim_end_matches("/s")
         .parse()
         .map_err(|_| format!("invalid rate {s:?} (requests per second, e.g. 50 or 50/s)"))?;
-    if n.is_finite() && n > 0.0 {
+    if crate::pace::valid_rate(n) {
         Ok(n)
     } else {
-        Err(format!("the rate must be above 0, got {s:?}"))
+        Err(format!(
+            "the rate must be from {} to {} requests per second, got {s:?}",
+            crate::pace::MIN_RATE,
+            crate::pace::MAX_RATE
+        ))
     }
 }

@@ -218,13 +218,6 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
         let first_attempt = unix_micros();
         let mut attempts: u32 = 0;
         loop {
-            if let Some(pace) = &self.pace {
-                match self.unless_interrupted(pace.wait()).await {
-                    Waited::Done(()) => {}
-                    Waited::Stopping => return Ok(Finished::Abandoned),
-                    Waited::Parked => return self.park_event(event).await,
-                }
-            }
             let admission = match self.unless_interrupted(self.breaker.admit(seq)).await {
                 Waited::Done(a) => a,
                 Waited::Stopping => {
@@ -236,6 +229,21 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                     return self.park_event(event).await;
                 }
             };
+            // The rate cap after the breaker: deliveries held by an open
+            // circuit do not all go at once when it closes.
+            if let Some(pace) = &self.pace {
+                match self.unless_interrupted(pace.wait()).await {
+                    Waited::Done(()) => {}
+                    Waited::Stopping => {
+                        self.breaker.release(admission);
+                        return Ok(Finished::Abandoned);
+                    }
+                    Waited::Parked => {
+                        self.breaker.release(admission);
+                        return self.park_event(event).await;
+                    }
+                }
+            }
             attempts += 1;
             let (reason, retry_after, attempt) = match self
                 .attempt(admission, event, &request, true)
@@ -360,7 +368,12 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
             match self.store.insert(row).await {
                 Ok(id) => {
                     self.metrics.events_dead_lettered.inc();
-                    tracing::warn!(dead_letter_id = id, event_id = %crate::shown(&row.event_id), error = %row.error, "dead-lettered");
+                    if row.error.starts_with(crate::deadletter::PARKED) {
+                        // Parking was logged once; its rows are counted.
+                        tracing::debug!(dead_letter_id = id, event_id = %crate::shown(&row.event_id), "parked");
+                    } else {
+                        tracing::warn!(dead_letter_id = id, event_id = %crate::shown(&row.event_id), error = %row.error, "dead-lettered");
+                    }
                     return Ok(Finished::Done);
                 }
                 Err(StoreError::Lost(e)) => return Err(DispatchError::StoreLost(e)),

@@ -345,7 +345,7 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
                 }
             }
             Some(h) = resumes.handover.recv() => {
-                resumes.handle(h, &mut scheduler, &parking.parks, &lane_metrics);
+                resumes.handle(h, &mut scheduler, &parking, &lane_metrics);
             }
             Some(ended) = resumes.tasks.join_next() => {
                 let (lane, r) = ended.expect("resume tasks do not panic");
@@ -448,7 +448,7 @@ struct Resumes {
     /// Whether lane `i` has a resume task.
     running: Vec<bool>,
     /// Lanes held for a handover, with the answer owed once quiet.
-    quiet: Vec<Option<oneshot::Sender<()>>>,
+    quiet: Vec<Option<oneshot::Sender<bool>>>,
     handover: mpsc::Receiver<Handover>,
     /// Cloned into every task.
     handover_tx: mpsc::Sender<Handover>,
@@ -488,16 +488,31 @@ impl Resumes {
         &mut self,
         h: Handover,
         scheduler: &mut Scheduler<P, W>,
-        parks: &[Park],
+        parking: &Parking,
         metrics: &[EndpointMetrics],
     ) {
         match h {
-            Handover::Hold { lane, quiet } => {
+            Handover::Hold {
+                lane,
+                handful,
+                quiet,
+            } => {
+                let overdue = match (
+                    scheduler.lane_oldest_pending_since(lane),
+                    parking.max_lags[lane],
+                ) {
+                    (Some(since), Some(max)) => since.elapsed() > max,
+                    _ => false,
+                };
+                if overdue || scheduler.lane_pending(lane) > handful {
+                    let _ = quiet.send(false);
+                    return;
+                }
                 scheduler.hold(lane, true);
                 self.quiet[lane] = Some(quiet);
             }
             Handover::Release { lane, live } => {
-                if live && parks[lane].resume() {
+                if live && parking.parks[lane].resume() {
                     metrics[lane].parked.set(0);
                 }
                 self.quiet[lane] = None;
@@ -510,7 +525,7 @@ impl Resumes {
     fn answer_quiet<P: Position, W>(&mut self, scheduler: &Scheduler<P, W>) {
         for (lane, q) in self.quiet.iter_mut().enumerate() {
             if q.is_some() && scheduler.lane_running(lane) == 0 {
-                let _ = q.take().map(|q| q.send(()));
+                let _ = q.take().map(|q| q.send(true));
             }
         }
     }

@@ -118,9 +118,9 @@ pub fn verdict(lanes: &[LaneState], wal: Option<WalBudget>) -> Vec<(usize, Strin
             (Some(age), Some(max)) if age > max => Some((
                 i,
                 format!(
-                    "its oldest pending event waited {}s, more than its max_lag {}s",
-                    age.as_secs(),
-                    max.as_secs()
+                    "its oldest pending event waited {:.1}s, more than its max_lag {}",
+                    age.as_secs_f64(),
+                    humantime::format_duration(max)
                 ),
             )),
             _ => None,

@@ -49,13 +49,18 @@ use crate::sink::Sink;
 /// What a resume task asks of the dispatcher.
 #[derive(Debug)]
 pub enum Handover {
-    /// Start no job of `lane`; answer on `quiet` once none of its jobs
-    /// runs.
+    /// Start no job of `lane` and answer `true` on `quiet` once none of
+    /// its jobs runs — or answer `false` at once, holding nothing, when the
+    /// lane has more than `handful` jobs pending or one older than its
+    /// `max_lag`: those are still to be parked (or would be parked again at
+    /// once), so the endpoint is not caught up.
     Hold {
         /// The endpoint's lane.
         lane: usize,
-        /// Answered once the lane is quiet.
-        quiet: oneshot::Sender<()>,
+        /// The most jobs the lane may have pending.
+        handful: usize,
+        /// Answered once the lane is quiet (`true`) or at once (`false`).
+        quiet: oneshot::Sender<bool>,
     },
     /// Let `lane` go again; `live`: turn its endpoint back to live first
     /// (its parked rows are all replayed).
@@ -78,6 +83,13 @@ const LOCK_RETRY: Duration = Duration::from_secs(5);
 
 /// Failed passes between two warnings.
 const WARN_EVERY: u32 = 20;
+
+/// Between two warnings that the replay has not caught up.
+const BEHIND_WARN_EVERY: Duration = Duration::from_secs(300);
+
+/// After the dispatcher refused a handover (the lane's backlog is still
+/// queued), before the next pass.
+const REFUSED_PAUSE: Duration = Duration::from_secs(1);
 
 /// How a pass went.
 #[derive(Debug, Default)]
@@ -137,6 +149,7 @@ async fn drive<S: Sink, D: DeadLetterStore>(
     let mut backoff = d.backoff();
     let mut failed: u32 = 0;
     let mut replayed = 0usize;
+    let mut progress = tokio::time::Instant::now();
     loop {
         let p = pass(d, PASS_ROWS).await?;
         replayed += p.handled;
@@ -157,15 +170,33 @@ async fn drive<S: Sink, D: DeadLetterStore>(
         failed = 0;
         backoff = d.backoff();
         if !p.exhausted || p.handled > handful {
+            behind(d, &mut progress, replayed);
             continue;
         }
         let (quiet, quieted) = oneshot::channel();
-        if handover.send(Handover::Hold { lane, quiet }).await.is_err() {
+        let hold = Handover::Hold {
+            lane,
+            handful,
+            quiet,
+        };
+        if handover.send(hold).await.is_err() {
             return Ok(()); // the dispatcher is gone
         }
-        tokio::select! {
-            q = quieted => if q.is_err() { return Ok(()) },
+        let held = tokio::select! {
+            q = quieted => match q {
+                Ok(held) => held,
+                Err(_) => return Ok(()),
+            },
             _ = d.stopping.cancelled() => return Ok(()),
+        };
+        if !held {
+            // Its backlog is still queued in the relay, to be parked and
+            // then replayed: not caught up yet.
+            behind(d, &mut progress, replayed);
+            if !sleep(d, REFUSED_PAUSE).await {
+                return Ok(());
+            }
+            continue;
         }
         let last = pass(d, handful * 4).await;
         let live = matches!(&last, Ok(p) if p.exhausted && p.stopped.is_none());
@@ -176,6 +207,19 @@ async fn drive<S: Sink, D: DeadLetterStore>(
             tracing::info!(endpoint = %d.endpoint.name(), replayed, "parked endpoint resumed: its parked rows are replayed and live delivery goes on");
             return Ok(());
         }
+    }
+}
+
+/// Warns, every [`BEHIND_WARN_EVERY`], that the endpoint is still parked
+/// although it answers: its events come faster than it takes them.
+fn behind<S, D>(d: &Delivery<S, D>, last: &mut tokio::time::Instant, replayed: usize) {
+    if last.elapsed() >= BEHIND_WARN_EVERY {
+        *last = tokio::time::Instant::now();
+        tracing::warn!(
+            endpoint = %d.endpoint.name(), replayed,
+            "the parked endpoint answers but has not caught up: its events arrive faster than it takes them \
+             (rate, max_in_flight, its latency); it stays parked, its backlog in the dead-letter table"
+        );
     }
 }
 
@@ -290,11 +334,6 @@ async fn chain<S: Sink, D: DeadLetterStore>(
         if stopped.get().is_some() {
             break;
         }
-        if let Some(pace) = &d.pace
-            && !until_stopping(d, pace.wait()).await
-        {
-            break;
-        }
         let seq = u64::try_from(row.id).unwrap_or(0);
         let admission = tokio::select! {
             a = d.breaker.admit(seq) => a,
@@ -303,6 +342,18 @@ async fn chain<S: Sink, D: DeadLetterStore>(
                 break;
             }
         };
+        // Another aggregate's row failed while this one waited for the
+        // breaker: the endpoint is failing, so this row is not tried.
+        if stopped.get().is_some() {
+            d.breaker.release(admission);
+            break;
+        }
+        if let Some(pace) = &d.pace
+            && !until_stopping(d, pace.wait()).await
+        {
+            d.breaker.release(admission);
+            break;
+        }
         let request = d.sink.prepare(&row.event);
         match d.attempt(admission, &row.event, &request, false).await {
             Tried::Delivered => delivered.push(row.id),

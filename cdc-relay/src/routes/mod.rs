@@ -86,7 +86,7 @@ pub struct EndpointSpec {
     /// long (at least 1 s); `None`: never parked for lag
     /// (`docs/architecture.md#parking`).
     pub max_lag: Option<Duration>,
-    /// Requests per second at most (above 0, at most 1,000,000), live and
+    /// Requests per second at most (0.001 to 1,000,000), live and
     /// replayed together; `None`: no cap.
     pub rate: Option<f64>,
     /// `resume = "auto"` (the default): a parked endpoint's rows are
@@ -441,12 +441,14 @@ fn endpoint(t: &Table, n: usize) -> Result<EndpointSpec, EndpointError> {
     let rate = match t.get("rate") {
         None => None,
         Some(v) => match v.as_float().or_else(|| v.as_integer().map(|i| i as f64)) {
-            Some(r) if r > 0.0 && r <= 1e6 => Some(r),
+            Some(r) if crate::pace::valid_rate(r) => Some(r),
             _ => {
                 return Err(e(
                     "rate",
                     format!(
-                        "{v} is not a number of requests per second above 0 and at most 1000000, e.g. 200 or 2.5"
+                        "{v} is not a number of requests per second from {} to {}, e.g. 200 or 2.5",
+                        crate::pace::MIN_RATE,
+                        crate::pace::MAX_RATE
                     ),
                 ));
             }

@@ -234,7 +234,15 @@ fn rate_and_resume_are_read_and_checked() {
     assert_eq!(f.endpoints[0].rate, Some(2.5));
     assert!(f.endpoints[0].auto_resume, "auto unless said");
     assert_eq!(parse(&with("")).unwrap().endpoints[0].rate, None);
-    for bad in ["rate = 0", "rate = -1", "rate = \"fast\"", "rate = 2000000"] {
+    for bad in [
+        "rate = 0",
+        "rate = -1",
+        "rate = 1e-20",
+        "rate = nan",
+        "rate = inf",
+        "rate = \"fast\"",
+        "rate = 2000000",
+    ] {
         let e = parse(&with(bad)).unwrap_err();
         assert_eq!(e.key.as_deref(), Some("rate"), "{bad}");
         assert!(e.problem.contains("requests per second"), "{e}");

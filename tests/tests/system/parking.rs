@@ -379,6 +379,32 @@ async fn a_parked_endpoint_that_answers_again_is_resumed_by_the_relay() {
         "{}",
         replay.text()
     );
+    // Without --endpoint too: the rows selected may be billing's parked ones.
+    let sink_url = sinks[0].url.to_string();
+    let replay = app::relay_command(
+        &stack,
+        &stack.relay_url.clone(),
+        &[
+            "dead-letter",
+            "replay",
+            "--all",
+            "--error-contains",
+            "parked",
+            "--sink-url",
+            &sink_url,
+        ],
+        &[("EVENT_SECRET", SECRETS[0].1)],
+    )
+    .await
+    .unwrap();
+    assert!(!replay.success(), "{}", replay.text());
+    assert!(
+        replay
+            .text()
+            .contains("a relay is replaying endpoint billing"),
+        "{}",
+        replay.text()
+    );
 
     // Restarted while billing is still down: it starts parked and stays so.
     drop(relay);

@@ -184,7 +184,7 @@ struct Replay<'a> {
     flight: JoinSet<(DeadLetter, Attempt)>,
     /// Requests allowed in flight: 1 until the sink has answered.
     window: usize,
-    pace: Option<tokio::time::Interval>,
+    pace: Option<crate::pace::Pacer>,
     /// Why nothing more is sent.
     stopped: Option<String>,
     /// Delivered rows not removed yet.
@@ -292,8 +292,8 @@ impl Replay<'_> {
                 }
                 Verdict::Send(event) => event,
             };
-            if let Some(pace) = self.pace.as_mut() {
-                pace.tick().await;
+            if let Some(pace) = &self.pace {
+                pace.wait().await;
             }
             if let Some(key) = &row.aggregate_key {
                 self.busy.insert(key.clone(), VecDeque::new());
@@ -378,6 +378,27 @@ impl Replay<'_> {
     }
 }
 
+/// Takes the replay lock of `endpoint`, or with none of every endpoint
+/// with parked rows, as a relay resuming an endpoint holds it (on this
+/// connection, until it closes): the two never send one aggregate's rows
+/// at once. An error naming the endpoint when a relay holds one.
+async fn lock_parked(client: &Client, endpoint: Option<&str>) -> anyhow::Result<()> {
+    let names = match endpoint {
+        Some(name) => vec![name.to_owned()],
+        None => deadletter::parked_endpoints(client).await?,
+    };
+    for name in names {
+        let free = crate::deadletter::DeadLetterStore::resume_lock(client, &name, true)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot take the replay lock of endpoint {name}: {e}"))?;
+        anyhow::ensure!(
+            free,
+            "a relay is replaying endpoint {name}'s parked rows (resume = \"auto\"); replaying them here too would send an aggregate's rows in parallel: wait until `dead-letter list --endpoint {name} --error-contains parked` shows none, or stop the relay"
+        );
+    }
+    Ok(())
+}
+
 /// Re-sends rows once each; a row is removed (with an audit entry) only
 /// after a 2xx. See the module doc for the order and stop rules.
 pub(super) async fn replay(client: &Client, a: ReplayArgs) -> anyhow::Result<()> {
@@ -388,16 +409,8 @@ pub(super) async fn replay(client: &Client, a: ReplayArgs) -> anyhow::Result<()>
         Some(replay_sink(&a).map_err(ConfigError)?)
     };
     let endpoint = a.filter.endpoint.clone();
-    if let (Some(name), Some(_)) = (&endpoint, &sink) {
-        // Held by this connection until it closes, as a relay resuming the
-        // endpoint holds it: the two never send one aggregate's rows at once.
-        let free = crate::deadletter::DeadLetterStore::resume_lock(client, name, true)
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot take the replay lock of endpoint {name}: {e}"))?;
-        anyhow::ensure!(
-            free,
-            "a relay is replaying endpoint {name}'s parked rows (resume = \"auto\"); replaying them here too would send an aggregate's rows in parallel: wait until `dead-letter list --endpoint {name} --error-contains parked` shows none, or stop the relay"
-        );
+    if sink.is_some() {
+        lock_parked(client, endpoint.as_deref()).await?;
     }
     let mut filter = checked(client, &a.filter).await?;
     if a.id.is_some() {
@@ -406,11 +419,7 @@ pub(super) async fn replay(client: &Client, a: ReplayArgs) -> anyhow::Result<()>
     }
     let selection = Selection::new(a.id.into_iter().collect(), a.all, filter)?;
     let mut source = Source::new(client, selection).await?;
-    let pace = a.rate.map(|per_s| {
-        let mut i = tokio::time::interval(Duration::from_secs_f64(1.0 / per_s));
-        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        i
-    });
+    let pace = a.rate.map(crate::pace::Pacer::new);
     let mut r = Replay {
         args: &a,
         client,

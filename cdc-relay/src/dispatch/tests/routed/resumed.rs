@@ -10,7 +10,11 @@
 //! flight during the final pass was left behind and
 //! `the_backlog_goes_first_then_live_delivery_in_commit_order` failed
 //! ("every parked row was replayed and removed"). The store's writes take
-//! 15 ms of paused time so that such a write is in flight.
+//! 15 ms of paused time so that such a write is in flight. With the
+//! dispatcher granting every hold (not refusing one while the lane's
+//! backlog is still queued), `a_slow_endpoint_stays_parked_until_it_has_caught_up`
+//! failed ("parked at the end of the traffic": a slow endpoint was handed
+//! back every second and its backlog never parked, a defect a tester found).
 
 use std::collections::HashMap;
 
@@ -201,4 +205,59 @@ async fn an_endpoint_started_parked_with_nothing_left_goes_live() {
     let (_, rows, _) = r.finish().await;
     assert!(rows.is_empty(), "nothing parked: {rows:?}");
     assert_eq!(ids(&a, 204), ["e0", "e1"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_endpoint_stays_parked_until_it_has_caught_up() {
+    // a answers 2xx, but takes 1 s: with 4 at once it takes 4 events/s,
+    // and 20/s arrive for 60 s. Parked after 10 s behind, it must stay
+    // parked (its events becoming parked rows, the slot moving) until the
+    // traffic stops and it has taken the whole backlog; then it is live.
+    let a = ScriptedSink::new(|_, _| (Duration::from_secs(1), 204));
+    let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+    let mut r = start(&a, &b);
+    let t0 = Instant::now();
+    let mut n = 0;
+    let mut live_flips = 0;
+    let mut was_parked = false;
+    while t0.elapsed() < Duration::from_secs(60) {
+        r.tx(vec![event_n(n), event_n(n + 1)]).await;
+        n += 2;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let parked = r
+            .metrics
+            .render()
+            .contains("cdc_relay_endpoint_parked{endpoint=\"a\"} 1");
+        if was_parked && !parked {
+            live_flips += 1;
+        }
+        was_parked = parked;
+    }
+    assert!(was_parked, "parked at the end of the traffic");
+    assert_eq!(live_flips, 0, "never handed back while behind");
+    let behind = r.position();
+    assert!(
+        behind >= Lsn::new(100 * (n as u64 / 2 - 20)),
+        "the slot kept moving: {behind}"
+    );
+    // Traffic over: a catches up from the parked rows and goes live.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert!(r.store.parked_ids("a").is_empty(), "backlog replayed");
+    let (last, _, metrics) = r.finish().await;
+    assert_eq!(last, Lsn::new(100 * (n as u64 / 2)));
+    assert!(
+        metrics
+            .render()
+            .contains("cdc_relay_endpoint_parked{endpoint=\"a\"} 0")
+    );
+    let taken = taken_per_aggregate(&a);
+    for (k, seq) in &taken {
+        let mut sorted = seq.clone();
+        sorted.sort_unstable();
+        assert_eq!(seq, &sorted, "aggregate {k} out of commit order at a");
+    }
+    let mut all: Vec<usize> = taken.values().flatten().copied().collect();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), n, "a took every event");
 }
