@@ -30,7 +30,8 @@
 //! WAL (`pg_current_wal_lsn() − restart_lsn`, max and p99 against the
 //! budget), the WAL written and fsynced per second, and how many events
 //! billing held in the window; billing's parked events, when and why it
-//! was parked, and how long the backlog it held then took to clear.
+//! was parked, how long the backlog it held then took to clear, and the
+//! most parked dead letters written in one second.
 
 mod report;
 mod sampler;
@@ -142,6 +143,8 @@ struct Parked {
     first: Option<i64>,
     /// The first one's error: which rule parked billing.
     why: Option<String>,
+    /// The most written in one second (by `quarantined_at`).
+    busiest_second: Option<i64>,
 }
 
 pub(crate) async fn isolation(ctx: &mut Ctx, run: u32) -> anyhow::Result<()> {
@@ -352,12 +355,14 @@ fn latencies(committed: &HashMap<String, i64>, answers: &HashMap<String, i64>) -
 async fn parked(db: &Client) -> anyhow::Result<Parked> {
     let row = db
         .query_one(
-            "SELECT count(*),
+            "WITH parked AS (SELECT * FROM cdc_relay_dead_letter
+                             WHERE endpoint = 'billing' AND error LIKE 'parked:%')
+             SELECT count(*),
                     floor(extract(epoch FROM min(quarantined_at)) * 1e6)::int8,
-                    (SELECT error FROM cdc_relay_dead_letter
-                     WHERE endpoint = 'billing' AND error LIKE 'parked:%' ORDER BY id LIMIT 1)
-             FROM cdc_relay_dead_letter
-             WHERE endpoint = 'billing' AND error LIKE 'parked:%'",
+                    (SELECT error FROM parked ORDER BY id LIMIT 1),
+                    (SELECT max(n) FROM (SELECT count(*) AS n FROM parked
+                                         GROUP BY date_trunc('second', quarantined_at)) s)
+             FROM parked",
             &[],
         )
         .await
@@ -366,6 +371,7 @@ async fn parked(db: &Client) -> anyhow::Result<Parked> {
         count: row.get::<_, i64>(0) as u64,
         first: row.get(1),
         why: row.get(2),
+        busiest_second: row.get(3),
     })
 }
 
