@@ -8,6 +8,8 @@
 //!     [--sinks billing,null] [--mif 16,64] [--rates 10 --latency-s 60]
 //!     [--no-baselines] [--relay-threads N]                # focused runs
 //!     [--signature-schemes legacy,both]                   # A/B of the signing cost (b)
+//!     [--iso-window-s 600 --iso-runs healthy,frozen,frozen-no-lag]   # scenario j
+//!     [--iso-raw target/bench-j]                          # j's raw latencies and readings
 //! ```
 //!
 //! Scenarios (a fresh pair of databases per scenario, one cluster per run):
@@ -44,11 +46,22 @@
 //! - **i** routing's own cost (issue 15): the scenario-b backlog drained into
 //!   the null sink by `run --sink-url` and by `run --routes` with one
 //!   endpoint taking `*`, alternating, `--parity-pairs` pairs: both medians
-//!   and their ratio (target ≥ 0.95).
+//!   and their ratio (target ≥ 0.95);
+//! - **j** isolation and the WAL budget (issue 15): three endpoints of one
+//!   routes file (billing, shipping, audit, each a recording sink process)
+//!   at 500 orders/s for `--iso-window-s` (600; 60 with `--quick`), all
+//!   healthy, then with billing's sink frozen (SIGSTOP) and parked by its
+//!   `max_lag`, then frozen without `max_lag` (parked by
+//!   `--max-retained-wal` only): the healthy endpoints' commit→2xx
+//!   p50/p99/max, their p99 ratio frozen / healthy (target ≤ 1.2), the
+//!   slot's retained WAL sampled every second against the budget, and
+//!   billing's parked events.
 //!
 //! The baseline (see `baseline.rs`) runs as a child process of this
 //! binary (`bench baseline-worker`), in three variants: the tutorial's 250 ms
-//! poll with one worker, a 100 ms poll, and four workers.
+//! poll with one worker, a 100 ms poll, and four workers. Scenario j's
+//! sinks do too (`bench sink-worker`, `recording_sink.rs`), so that one can
+//! be stopped with SIGSTOP.
 //!
 //! Layout: one module per scenario (`latency`, `throughput` for b and d,
 //! `idle`, `recovery`), what they share (`workload`: databases, backlogs,
@@ -59,8 +72,10 @@
 mod baseline;
 mod contender;
 mod idle;
+mod isolation;
 mod latency;
 mod prune;
+mod recording_sink;
 mod recovery;
 mod replay;
 mod report;
@@ -80,8 +95,10 @@ use harness::{ClusterOptions, PgCluster};
 use crate::baseline::BaselineArgs;
 use crate::contender::{RELAY_THREADS, clk_tck};
 use crate::idle::idle;
+use crate::isolation::{Run, isolation};
 use crate::latency::latency;
 use crate::prune::prune_under_load;
+use crate::recording_sink::SinkWorkerArgs;
 use crate::recovery::recovery;
 use crate::replay::replay;
 use crate::report::{machine_info, render_table, to_json};
@@ -106,8 +123,8 @@ struct Cli {
     /// Repeat every scenario this many times (figures show median, min, max).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
     runs: u32,
-    /// Scenarios to run (a,b,c,d,e,f,g,h,i).
-    #[arg(long, value_delimiter = ',', default_value = "a,b,c,d,e,f,g,h,i")]
+    /// Scenarios to run (a,b,c,d,e,f,g,h,i,j).
+    #[arg(long, value_delimiter = ',', default_value = "a,b,c,d,e,f,g,h,i,j")]
     only: Vec<String>,
     /// Skip the 1000 orders/s latency step.
     #[arg(long)]
@@ -160,6 +177,26 @@ struct Cli {
     /// Scenario i: pairs of drains (--sink-url, --routes), default 3 (2 with --quick).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=20))]
     parity_pairs: Option<u32>,
+    /// Scenario j: the window of each run, seconds (default 600; 60 with --quick).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=7200))]
+    iso_window_s: Option<u64>,
+    /// Scenario j: the runs, in this order (rotated by one per --runs).
+    #[arg(long, value_delimiter = ',', default_value = "healthy,frozen,frozen-no-lag",
+          value_parser = ["healthy", "frozen", "frozen-no-lag"])]
+    iso_runs: Vec<String>,
+    /// Scenario j: orders posted per second.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=5000))]
+    iso_rate: u32,
+    /// Scenario j: billing's `max_lag`, seconds.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    iso_max_lag_s: u64,
+    /// Scenario j: the relay's `--max-retained-wal`, MiB.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    iso_budget_mib: u64,
+    /// Scenario j: also write each run's latencies and readings as TSV
+    /// files into this directory.
+    #[arg(long)]
+    iso_raw: Option<PathBuf>,
     /// Where the JSON goes.
     #[arg(long, default_value = "target/bench.json")]
     out: PathBuf,
@@ -170,6 +207,9 @@ enum Sub {
     /// The tutorial's polling relay (started by the benchmark).
     #[command(hide = true)]
     BaselineWorker(BaselineArgs),
+    /// A recording sink of scenario j (started by the benchmark).
+    #[command(hide = true)]
+    SinkWorker(SinkWorkerArgs),
 }
 
 /// Sizes of one run.
@@ -192,6 +232,12 @@ struct Config {
     replay_rows: u64,
     replay_mif: Vec<u32>,
     parity_pairs: u32,
+    iso_window_s: u64,
+    iso_runs: Vec<Run>,
+    iso_rate: f64,
+    iso_max_lag_s: u64,
+    iso_budget_mib: u64,
+    iso_raw: Option<PathBuf>,
     max_in_flight: Vec<u32>,
     billing_max_requests: u64,
     billing_max_concurrency: Vec<usize>,
@@ -225,6 +271,12 @@ impl Config {
             replay_rows: if quick { 20_000 } else { 100_000 },
             replay_mif: vec![64],
             parity_pairs: if quick { 2 } else { 3 },
+            iso_window_s: if quick { 60 } else { 600 },
+            iso_runs: vec![Run::Healthy, Run::Frozen, Run::FrozenNoLag],
+            iso_rate: 500.0,
+            iso_max_lag_s: 10,
+            iso_budget_mib: 64,
+            iso_raw: None,
             max_in_flight: Vec::new(),
             billing_max_requests: if quick { 20_000 } else { 100_000 },
             billing_max_concurrency: vec![16, 64, 256],
@@ -247,6 +299,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     match cli.command {
         Some(Sub::BaselineWorker(args)) => runtime.block_on(baseline::run(args)),
+        Some(Sub::SinkWorker(args)) => runtime.block_on(recording_sink::run(args)),
         None => runtime.block_on(bench(cli)),
     }
 }
@@ -295,6 +348,14 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
     if let Some(s) = cli.latency_s {
         cfg.latency_window_s = s;
     }
+    if let Some(s) = cli.iso_window_s {
+        cfg.iso_window_s = s;
+    }
+    cfg.iso_runs = cli.iso_runs.iter().filter_map(|r| Run::parse(r)).collect();
+    cfg.iso_rate = f64::from(cli.iso_rate);
+    cfg.iso_max_lag_s = cli.iso_max_lag_s;
+    cfg.iso_budget_mib = cli.iso_budget_mib;
+    cfg.iso_raw = cli.iso_raw.clone();
     let started = Instant::now();
     eprintln!("bench: building the workspace binaries (release under --release)");
     tokio::task::spawn_blocking(|| {
@@ -371,6 +432,11 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
             && let Err(err) = routes_parity(&mut ctx).await
         {
             ctx.results.note(format!("i failed: {err:#}"));
+        }
+        if want("j")
+            && let Err(err) = isolation(&mut ctx, run).await
+        {
+            ctx.results.note(format!("j failed: {err:#}"));
         }
     }
     set_targets(&mut ctx.results);

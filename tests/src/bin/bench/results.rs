@@ -149,6 +149,14 @@ pub(crate) fn set_targets(r: &mut Results) {
         if row.scenario == crate::prune::SCENARIO && row.metric.starts_with("p99 ratio") {
             row.target = Some(Target::AtMost(2.0));
         }
+        if row.scenario == crate::isolation::SCENARIO {
+            if row.metric.contains("p99 ratio") {
+                row.target = Some(Target::AtMost(1.2));
+            }
+            if row.metric.ends_with("retained WAL max / budget") {
+                row.target = Some(Target::AtMost(100.0));
+            }
+        }
         if row.scenario.starts_with("e. recovery") {
             match row.metric.as_str() {
                 "return → first invoice" => row.target = Some(Target::AtMost(0.5)),
