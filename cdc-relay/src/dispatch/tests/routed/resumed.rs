@@ -58,6 +58,20 @@ fn taken_per_aggregate(sink: &ScriptedSink) -> HashMap<String, Vec<usize>> {
     out
 }
 
+/// Every event `sink` took (2xx), ascending, after checking that each
+/// aggregate's events reached it in commit order.
+fn in_commit_order(sink: &ScriptedSink) -> Vec<usize> {
+    let taken = taken_per_aggregate(sink);
+    for (k, seq) in &taken {
+        let mut sorted = seq.clone();
+        sorted.sort_unstable();
+        assert_eq!(seq, &sorted, "aggregate {k} out of commit order at a");
+    }
+    let mut all: Vec<usize> = taken.values().flatten().copied().collect();
+    all.sort_unstable();
+    all
+}
+
 fn start(a: &Arc<ScriptedSink>, b: &Arc<ScriptedSink>) -> Routed {
     Routed::start_parked(
         vec![
@@ -101,14 +115,7 @@ async fn the_backlog_goes_first_then_live_delivery_in_commit_order() {
     let (last, rows, metrics) = r.finish().await;
     assert_eq!(last, Lsn::new(100 * (n as u64 / 2)), "everything confirmed");
     assert_eq!(position, last);
-    let taken = taken_per_aggregate(&a);
-    for (k, seq) in &taken {
-        let mut sorted = seq.clone();
-        sorted.sort_unstable();
-        assert_eq!(seq, &sorted, "aggregate {k} out of commit order at a");
-    }
-    let mut all: Vec<usize> = taken.values().flatten().copied().collect();
-    all.sort_unstable();
+    let all = in_commit_order(&a);
     assert_eq!(all, (0..n).collect::<Vec<_>>(), "each event once at a");
     let replayed = rows
         .iter()
@@ -250,14 +257,7 @@ async fn a_slow_endpoint_stays_parked_until_it_has_caught_up() {
             .render()
             .contains("cdc_relay_endpoint_parked{endpoint=\"a\"} 0")
     );
-    let taken = taken_per_aggregate(&a);
-    for (k, seq) in &taken {
-        let mut sorted = seq.clone();
-        sorted.sort_unstable();
-        assert_eq!(seq, &sorted, "aggregate {k} out of commit order at a");
-    }
-    let mut all: Vec<usize> = taken.values().flatten().copied().collect();
-    all.sort_unstable();
+    let mut all = in_commit_order(&a);
     all.dedup();
     assert_eq!(all.len(), n, "a took every event");
 }
