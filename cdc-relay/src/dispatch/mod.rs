@@ -47,7 +47,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -64,7 +64,7 @@ use delivery::{Delivery, DeliveryParts, Finished, Work};
 use park::{LaneState, Park, WalBudget};
 use progress::DoneLog;
 pub use progress::{Confirmed, DoneTx};
-use resume::Handover;
+use resume::Resumes;
 pub use route::{Router, Unrouted};
 use scheduler::{Scheduler, Ticket};
 pub use window::{Window, WindowPermit};
@@ -437,97 +437,6 @@ impl Parking {
             }
         }
         thrown
-    }
-}
-
-/// The resume tasks of parked endpoints and their handovers
-/// ([`resume`]).
-struct Resumes {
-    /// Resume tasks, each returning its lane.
-    tasks: JoinSet<(usize, Result<(), DispatchError>)>,
-    /// Whether lane `i` has a resume task.
-    running: Vec<bool>,
-    /// Lanes held for a handover, with the answer owed once quiet.
-    quiet: Vec<Option<oneshot::Sender<bool>>>,
-    handover: mpsc::Receiver<Handover>,
-    /// Cloned into every task.
-    handover_tx: mpsc::Sender<Handover>,
-}
-
-impl Resumes {
-    fn new(lanes: usize) -> Self {
-        let (handover_tx, handover) = mpsc::channel(lanes.max(1));
-        Resumes {
-            tasks: JoinSet::new(),
-            running: vec![false; lanes],
-            quiet: (0..lanes).map(|_| None).collect(),
-            handover,
-            handover_tx,
-        }
-    }
-
-    /// Starts lane `lane`'s resume task if its endpoint is parked, resumes
-    /// automatically and has none.
-    fn start<S: Sink, D: DeadLetterStore>(
-        &mut self,
-        lane: usize,
-        parking: &Parking,
-        deliveries: &[Arc<Delivery<S, D>>],
-    ) {
-        if self.running[lane] || !parking.auto_resume[lane] || !parking.parks[lane].is_parked() {
-            return;
-        }
-        self.running[lane] = true;
-        let d = Arc::clone(&deliveries[lane]);
-        let tx = self.handover_tx.clone();
-        self.tasks
-            .spawn(async move { (lane, resume::run(d, lane, tx).await) });
-    }
-
-    fn handle<P: Position, W>(
-        &mut self,
-        h: Handover,
-        scheduler: &mut Scheduler<P, W>,
-        parking: &Parking,
-        metrics: &[EndpointMetrics],
-    ) {
-        match h {
-            Handover::Hold {
-                lane,
-                handful,
-                quiet,
-            } => {
-                let overdue = match (
-                    scheduler.lane_oldest_pending_since(lane),
-                    parking.max_lags[lane],
-                ) {
-                    (Some(since), Some(max)) => since.elapsed() > max,
-                    _ => false,
-                };
-                if overdue || scheduler.lane_pending(lane) > handful {
-                    let _ = quiet.send(false);
-                    return;
-                }
-                scheduler.hold(lane, true);
-                self.quiet[lane] = Some(quiet);
-            }
-            Handover::Release { lane, live } => {
-                if live && parking.parks[lane].resume() {
-                    metrics[lane].parked.set(0);
-                }
-                self.quiet[lane] = None;
-                scheduler.hold(lane, false);
-            }
-        }
-    }
-
-    /// Answers each held lane that no job of runs any more.
-    fn answer_quiet<P: Position, W>(&mut self, scheduler: &Scheduler<P, W>) {
-        for (lane, q) in self.quiet.iter_mut().enumerate() {
-            if q.is_some() && scheduler.lane_running(lane) == 0 {
-                let _ = q.take().map(|q| q.send(true));
-            }
-        }
     }
 }
 

@@ -29,6 +29,9 @@
 //! later in commit order: the lane goes live. A relay that dies in between
 //! starts the endpoint parked again while any parked row is left.
 //!
+//! [`run`] is the task's side; [`Resumes`] the dispatcher's (the tasks it
+//! started, and the holds and releases it carries out).
+//!
 //! Replays are paced by the endpoint's `rate` and go through its breaker,
 //! so a dead endpoint sees the breaker's probes and nothing more. One
 //! session at a time replays an endpoint's rows (an advisory lock, for the
@@ -41,9 +44,14 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 
-use super::DispatchError;
+use tokio::task::JoinSet;
+
 use super::delivery::{Delivery, Tried, unix_micros};
+use super::scheduler::Scheduler;
+use super::{DispatchError, Parking};
+use crate::ack::Position;
 use crate::deadletter::{DeadLetterStore, NewDeadLetter, ParkedRow, StoreError};
+use crate::endpoint_metrics::EndpointMetrics;
 use crate::sink::Sink;
 
 /// What a resume task asks of the dispatcher.
@@ -431,6 +439,97 @@ async fn remove<S: Sink, D: DeadLetterStore>(
                 if !sleep(d, delay).await {
                     return Ok(false);
                 }
+            }
+        }
+    }
+}
+
+/// The resume tasks of parked endpoints and their handovers
+/// ([`resume`]).
+pub(super) struct Resumes {
+    /// Resume tasks, each returning its lane.
+    pub(super) tasks: JoinSet<(usize, Result<(), DispatchError>)>,
+    /// Whether lane `i` has a resume task.
+    pub(super) running: Vec<bool>,
+    /// Lanes held for a handover, with the answer owed once quiet.
+    quiet: Vec<Option<oneshot::Sender<bool>>>,
+    pub(super) handover: mpsc::Receiver<Handover>,
+    /// Cloned into every task.
+    handover_tx: mpsc::Sender<Handover>,
+}
+
+impl Resumes {
+    pub(super) fn new(lanes: usize) -> Self {
+        let (handover_tx, handover) = mpsc::channel(lanes.max(1));
+        Resumes {
+            tasks: JoinSet::new(),
+            running: vec![false; lanes],
+            quiet: (0..lanes).map(|_| None).collect(),
+            handover,
+            handover_tx,
+        }
+    }
+
+    /// Starts lane `lane`'s resume task if its endpoint is parked, resumes
+    /// automatically and has none.
+    pub(super) fn start<S: Sink, D: DeadLetterStore>(
+        &mut self,
+        lane: usize,
+        parking: &Parking,
+        deliveries: &[Arc<Delivery<S, D>>],
+    ) {
+        if self.running[lane] || !parking.auto_resume[lane] || !parking.parks[lane].is_parked() {
+            return;
+        }
+        self.running[lane] = true;
+        let d = Arc::clone(&deliveries[lane]);
+        let tx = self.handover_tx.clone();
+        self.tasks
+            .spawn(async move { (lane, run(d, lane, tx).await) });
+    }
+
+    pub(super) fn handle<P: Position, W>(
+        &mut self,
+        h: Handover,
+        scheduler: &mut Scheduler<P, W>,
+        parking: &Parking,
+        metrics: &[EndpointMetrics],
+    ) {
+        match h {
+            Handover::Hold {
+                lane,
+                handful,
+                quiet,
+            } => {
+                let overdue = match (
+                    scheduler.lane_oldest_pending_since(lane),
+                    parking.max_lags[lane],
+                ) {
+                    (Some(since), Some(max)) => since.elapsed() > max,
+                    _ => false,
+                };
+                if overdue || scheduler.lane_pending(lane) > handful {
+                    let _ = quiet.send(false);
+                    return;
+                }
+                scheduler.hold(lane, true);
+                self.quiet[lane] = Some(quiet);
+            }
+            Handover::Release { lane, live } => {
+                if live && parking.parks[lane].resume() {
+                    metrics[lane].parked.set(0);
+                }
+                self.quiet[lane] = None;
+                scheduler.hold(lane, false);
+            }
+        }
+    }
+
+    /// Answers each held lane that no job of runs any more.
+    pub(super) fn answer_quiet<P: Position, W>(&mut self, scheduler: &Scheduler<P, W>) {
+        for (lane, q) in self.quiet.iter_mut().enumerate() {
+            if q.is_some() && scheduler.lane_running(lane) == 0 {
+                let _ = q.take().map(|q| q.send(true));
             }
         }
     }
