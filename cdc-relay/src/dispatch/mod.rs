@@ -43,7 +43,7 @@ pub mod window;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,7 +61,7 @@ use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Sink, StatusPolicy};
 use delivery::{Delivery, DeliveryParts, Finished, Work};
-use park::{LaneState, Park, WalBudget};
+use park::{LaneState, Park, WalBudget, WindowFull};
 use progress::DoneLog;
 pub use progress::{Confirmed, DoneTx};
 use resume::Resumes;
@@ -179,6 +179,10 @@ pub struct Shared<D> {
     /// `--max-retained-wal` and the slot monitor's readings; `None`: no
     /// budget.
     pub wal_budget: Option<RetainedWal>,
+    /// The window the source admits events through, watched for an
+    /// endpoint holding more than its share of it
+    /// (`docs/architecture.md#parking`); `None`: not watched.
+    pub window: Option<Window>,
 }
 
 /// The WAL budget parking enforces (`docs/architecture.md#parking`).
@@ -221,6 +225,7 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
         health: services.health,
         stopping: services.stopping,
         wal_budget: None,
+        window: None,
     };
     run_routed(
         vec![endpoint],
@@ -266,6 +271,8 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
         max_lags: Vec::new(),
         auto_resume: Vec::new(),
         wal_budget: shared.wal_budget.clone(),
+        window: shared.window.clone(),
+        waited: VecDeque::new(),
     };
     for e in endpoints {
         e.breaker.new_session();
@@ -384,17 +391,55 @@ struct Parking {
     /// Each endpoint's `resume` setting (`true`: auto).
     auto_resume: Vec<bool>,
     wal_budget: Option<RetainedWal>,
+    window: Option<Window>,
+    /// [`Window::waited`] at past checks, oldest first, back to the newest
+    /// at least [`park::WINDOW_STALL_SPAN`] old.
+    waited: VecDeque<(Instant, Duration)>,
 }
 
 impl Parking {
+    /// How much the source waited for room in the window over about the
+    /// last [`park::WINDOW_STALL_SPAN`]; `None`: the window is not watched,
+    /// or not watched for that long yet.
+    fn window_full(&mut self) -> Option<WindowFull> {
+        let w = self.window.as_ref()?;
+        let now = Instant::now();
+        let waited = w.waited();
+        self.waited.push_back((now, waited));
+        while self
+            .waited
+            .get(1)
+            .is_some_and(|(at, _)| now - *at >= park::WINDOW_STALL_SPAN)
+        {
+            self.waited.pop_front();
+        }
+        let (at, then) = *self.waited.front()?;
+        let span = now - at;
+        (span >= park::WINDOW_STALL_SPAN).then(|| WindowFull {
+            stalled: waited.saturating_sub(then),
+            span,
+            held: w.held(),
+            endpoints: self.parks.len(),
+        })
+    }
+
     /// Parks the endpoints [`park::verdict`] names, logging each, and
     /// returns their lanes. The WAL budget is checked once per new reading
     /// of the slot monitor.
-    fn check<P: Position, W>(
+    fn check<P: Position>(
         &mut self,
-        scheduler: &Scheduler<P, W>,
+        scheduler: &Scheduler<P, Job>,
         metrics: &[EndpointMetrics],
     ) -> Vec<usize> {
+        let window = self.window_full();
+        // Only this lane's job holds the event's permit: every other
+        // endpoint is done with it (or never had it).
+        let exclusive = |lane| {
+            scheduler
+                .lane_queued(lane)
+                .filter(|(_, permit)| Arc::strong_count(permit) == 1)
+                .count()
+        };
         let lanes: Vec<LaneState> = self
             .parks
             .iter()
@@ -406,6 +451,7 @@ impl Parking {
                     .map(|t| t.elapsed()),
                 max_lag: *max_lag,
                 parked: park.is_parked(),
+                exclusive: if window.is_some() { exclusive(lane) } else { 0 },
             })
             .collect();
         let wal = self.wal_budget.as_mut().and_then(|w| {
@@ -419,7 +465,7 @@ impl Parking {
             })
         });
         let mut thrown = Vec::new();
-        for (lane, why) in park::verdict(&lanes, wal) {
+        for (lane, why) in park::verdict(&lanes, wal, window) {
             if self.parks[lane].throw(why) {
                 let m = &metrics[lane];
                 m.parked.set(1);

@@ -4,9 +4,12 @@
 //! as done and the slot moves on.
 //!
 //! An endpoint is parked when its oldest pending event has waited longer
-//! than its `max_lag`, or when the slot's retained WAL exceeds
+//! than its `max_lag`; when the slot's retained WAL exceeds
 //! `--max-retained-wal` (then the endpoint holding the oldest pending
-//! event, the one pinning the slot). [`verdict`] decides, free of I/O;
+//! event, the one pinning the slot); or when the source spent at least
+//! half of the last [`WINDOW_STALL_SPAN`] waiting for room in the window
+//! and one endpoint alone holds more than its share of it (the one holding
+//! the most), which is what gives each endpoint its own window share. [`verdict`] decides, free of I/O;
 //! [`Park`] is the switch the dispatcher throws and the endpoint's
 //! deliveries watch.
 //!
@@ -85,7 +88,31 @@ pub struct LaneState {
     pub max_lag: Option<Duration>,
     /// Already parked.
     pub parked: bool,
+    /// Events of the window only this endpoint still has to finish (its
+    /// jobs not yet started whose event is done at every other endpoint).
+    pub exclusive: usize,
 }
+
+/// The window as [`verdict`] sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowFull {
+    /// The time the source spent waiting for room during the last `span`.
+    pub stalled: Duration,
+    /// How far back `stalled` was measured (about [`WINDOW_STALL_SPAN`]).
+    pub span: Duration,
+    /// Events the window holds.
+    pub held: usize,
+    /// Endpoints sharing it (each one's share is `held / endpoints`).
+    pub endpoints: usize,
+}
+
+/// An endpoint holding more than its share of the window is parked once
+/// the source has spent at least half of this long waiting for room: a
+/// burst the endpoints clear sooner parks nobody, and the others wait
+/// about this long (plus a tick) for a stuck endpoint. Half, not all: an
+/// endpoint that is slow rather than stopped lets the source in now and
+/// then, one event per event it finishes.
+pub const WINDOW_STALL_SPAN: Duration = Duration::from_secs(2);
 
 /// The slot's retained WAL and the budget, bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,8 +135,21 @@ pub const BUDGET_MIN_AGE: Duration = Duration::from_secs(30);
 /// its `max_lag` is parked; over the WAL budget (`wal`: a fresh reading),
 /// the unparked endpoint with the oldest pending event is, if that event
 /// has waited at least [`BUDGET_MIN_AGE`] (one per reading: parking it
-/// lets the slot move, and later readings show whether that was enough).
-pub fn verdict(lanes: &[LaneState], wal: Option<WalBudget>) -> Vec<(usize, String)> {
+/// lets the slot move, and later readings show whether that was enough);
+/// with the source held up by a full window (`window`: it waited at least
+/// half of the span, the span at least [`WINDOW_STALL_SPAN`]), the unparked
+/// endpoint with the most [`LaneState::exclusive`] events is, if that is
+/// more than its share (one per call: its events leave the window as they
+/// are parked).
+///
+/// Endpoints that are all merely slow share a full window evenly (an event
+/// routed to several is held by none of them alone), so none is parked:
+/// the relay is at its capacity, not held back by one endpoint.
+pub fn verdict(
+    lanes: &[LaneState],
+    wal: Option<WalBudget>,
+    window: Option<WindowFull>,
+) -> Vec<(usize, String)> {
     let mut park: Vec<(usize, String)> = lanes
         .iter()
         .enumerate()
@@ -126,24 +166,46 @@ pub fn verdict(lanes: &[LaneState], wal: Option<WalBudget>) -> Vec<(usize, Strin
             _ => None,
         })
         .collect();
-    let Some(w) = wal.filter(|w| w.retained > w.budget) else {
-        return park;
-    };
-    let oldest = lanes
-        .iter()
-        .enumerate()
-        .filter(|(i, l)| !l.parked && !park.iter().any(|(p, _)| p == i))
-        .filter_map(|(i, l)| l.oldest_pending.map(|age| (age, i)))
-        .max()
-        .filter(|(age, _)| *age >= BUDGET_MIN_AGE);
-    if let Some((_, i)) = oldest {
-        park.push((
-            i,
-            format!(
-                "the slot retains {} bytes of WAL, more than --max-retained-wal {} bytes, and this endpoint holds the oldest pending event",
-                w.retained, w.budget
-            ),
-        ));
+    if let Some(w) = wal.filter(|w| w.retained > w.budget) {
+        let oldest = lanes
+            .iter()
+            .enumerate()
+            .filter(|(i, l)| !l.parked && !park.iter().any(|(p, _)| p == i))
+            .filter_map(|(i, l)| l.oldest_pending.map(|age| (age, i)))
+            .max()
+            .filter(|(age, _)| *age >= BUDGET_MIN_AGE);
+        if let Some((_, i)) = oldest {
+            park.push((
+                i,
+                format!(
+                    "the slot retains {} bytes of WAL, more than --max-retained-wal {} bytes, and this endpoint holds the oldest pending event",
+                    w.retained, w.budget
+                ),
+            ));
+        }
+    }
+    let stalled =
+        |w: &WindowFull| w.span >= WINDOW_STALL_SPAN && w.stalled * 2 >= w.span && w.endpoints > 1;
+    if let Some(w) = window.filter(stalled) {
+        let most = lanes
+            .iter()
+            .enumerate()
+            .filter(|(i, l)| !l.parked && !park.iter().any(|(p, _)| p == i))
+            .map(|(i, l)| (l.exclusive, i))
+            .max()
+            .filter(|(held, _)| held * w.endpoints > w.held);
+        if let Some((held, i)) = most {
+            park.push((
+                i,
+                format!(
+                    "the source waited {:.1}s of the last {:.1}s for room in the window (--max-pending-events, --max-pending-bytes) and this endpoint alone held {held} of its {} events, more than its share (1/{})",
+                    w.stalled.as_secs_f64(),
+                    w.span.as_secs_f64(),
+                    w.held,
+                    w.endpoints
+                ),
+            ));
+        }
     }
     park
 }
@@ -157,6 +219,7 @@ mod tests {
             oldest_pending: age.map(Duration::from_secs),
             max_lag: max.map(Duration::from_secs),
             parked,
+            exclusive: 0,
         }
     }
 
@@ -168,7 +231,10 @@ mod tests {
             lane(Some(60), Some(60), false),
             lane(Some(900), Some(60), true),
         ];
-        let v: Vec<usize> = verdict(&lanes, None).into_iter().map(|(i, _)| i).collect();
+        let v: Vec<usize> = verdict(&lanes, None, None)
+            .into_iter()
+            .map(|(i, _)| i)
+            .collect();
         assert_eq!(
             v,
             [0],
@@ -188,19 +254,92 @@ mod tests {
             retained: 100,
             budget: 100,
         };
-        assert!(verdict(&lanes, Some(under)).is_empty(), "at the budget");
+        assert!(
+            verdict(&lanes, Some(under), None).is_empty(),
+            "at the budget"
+        );
         let over = WalBudget {
             retained: 101,
             budget: 100,
         };
-        let v = verdict(&lanes, Some(over));
+        let v = verdict(&lanes, Some(over), None);
         assert_eq!(v.len(), 1);
         assert_eq!(v[0].0, 1, "the oldest pending among the unparked: {v:?}");
         assert!(v[0].1.contains("--max-retained-wal"), "{}", v[0].1);
         let young = [lane(Some(29), None, false), lane(Some(3), None, false)];
         assert!(
-            verdict(&young, Some(over)).is_empty(),
+            verdict(&young, Some(over), None).is_empty(),
             "no endpoint stuck long enough to be the cause"
+        );
+    }
+
+    #[test]
+    fn with_the_window_full_the_endpoint_holding_more_than_its_share_is_parked() {
+        let holding = |exclusive, parked| LaneState {
+            exclusive,
+            ..lane(Some(5), None, parked)
+        };
+        let full = |secs, held, endpoints| WindowFull {
+            stalled: Duration::from_secs(secs),
+            span: Duration::from_secs(2),
+            held,
+            endpoints,
+        };
+        let lanes = [
+            holding(10, false),
+            holding(700, true),
+            holding(500, false),
+            holding(20, false),
+        ];
+        let v = verdict(&lanes, None, Some(full(2, 1000, 4)));
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!(v[0].0, 2, "the most held alone, among the unparked");
+        assert!(v[0].1.contains("500 of its 1000"), "{}", v[0].1);
+        assert!(
+            verdict(&lanes, None, Some(full(1, 1000, 4))).len() == 1,
+            "held up half the span: a slow endpoint"
+        );
+        let burst = WindowFull {
+            stalled: Duration::from_millis(999),
+            ..full(0, 1000, 4)
+        };
+        assert!(verdict(&lanes, None, Some(burst)).is_empty(), "a burst");
+        let early = WindowFull {
+            span: Duration::from_secs(1),
+            ..full(1, 1000, 4)
+        };
+        assert!(
+            verdict(&lanes, None, Some(early)).is_empty(),
+            "too soon to tell"
+        );
+        let even = [holding(250, false), holding(250, false)];
+        assert!(
+            verdict(&even, None, Some(full(2, 500, 2))).is_empty(),
+            "at its share, not above"
+        );
+        let fanned = [holding(0, false), holding(0, false), holding(3, false)];
+        assert!(
+            verdict(&fanned, None, Some(full(2, 1000, 3))).is_empty(),
+            "all slow on the same events: at capacity, nobody to blame"
+        );
+        let alone = [holding(1000, false)];
+        assert!(
+            verdict(&alone, None, Some(full(2, 1000, 1))).is_empty(),
+            "one endpoint has nobody to be isolated from"
+        );
+        let lagging = [
+            LaneState {
+                exclusive: 900,
+                ..lane(Some(61), Some(60), false)
+            },
+            holding(800, false),
+        ];
+        let v = verdict(&lagging, None, Some(full(2, 1000, 2)));
+        let parked: Vec<usize> = v.iter().map(|(i, _)| *i).collect();
+        assert_eq!(
+            parked,
+            [0, 1],
+            "one for lag, then the most of the rest: {v:?}"
         );
     }
 

@@ -244,6 +244,16 @@ impl<P: Position, W> Scheduler<P, W> {
         self.lanes[lane].held = held;
     }
 
+    /// The work of `lane`'s jobs not yet started (ready or waiting behind
+    /// their aggregate), in no particular order.
+    pub fn lane_queued(&self, lane: usize) -> impl Iterator<Item = &W> {
+        let l = &self.lanes[lane];
+        l.ready
+            .values()
+            .chain(l.waiting.values().flatten())
+            .map(|j| &j.work)
+    }
+
     /// Jobs running now, over all lanes.
     pub fn running(&self) -> usize {
         self.lanes.iter().map(|l| l.running).sum()
@@ -352,6 +362,8 @@ mod tests {
         let (t1, w1) = s.next_job().unwrap();
         assert_eq!((w0, w1), ("a1@0", "a1@1"), "one per lane, the same key");
         assert!(s.next_job().is_none());
+        let queued: Vec<&str> = s.lane_queued(0).copied().collect();
+        assert_eq!(queued, ["a2@0"], "waiting behind a1, not running");
         s.complete(t1);
         let (t2, w2) = s.next_job().unwrap();
         assert_eq!(w2, "a2@1", "lane 1 goes on while lane 0 is stuck");

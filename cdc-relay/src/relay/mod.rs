@@ -430,12 +430,14 @@ impl Session<'_> {
             budget,
             retained: retained_wal(readings.clone()),
         });
+        let window = Window::new(cfg.window_events, cfg.window_bytes);
         let shared = Shared {
             store: Arc::clone(&p.side),
             metrics: self.metrics.clone(),
             health: Arc::clone(self.health),
             stopping: stop.clone(),
             wal_budget,
+            window: Some(window.clone()),
         };
         let endpoints = targets
             .endpoints
@@ -467,7 +469,7 @@ impl Session<'_> {
             confirmed: confirmed_rx,
             ceiling,
             items: items_tx,
-            window: Window::new(cfg.window_events, cfg.window_bytes),
+            window,
             mapper: {
                 let mut m =
                     OutboxMapper::new(cfg.table.clone(), cfg.columns.clone(), Some(p.table.oid));

@@ -475,3 +475,73 @@ async fn a_parked_endpoint_that_answers_again_is_resumed_by_the_relay() {
         .get(0);
     assert!(audited >= 30, "each replayed row audited: {audited}");
 }
+
+/// Each endpoint's share of the window: billing (no `max_lag`, no budget)
+/// hangs past its request timeout while shipping is healthy, in a window
+/// of 20 events. Once the relay has waited on the full window, billing,
+/// holding nearly all of it alone, is parked, and shipping gets every
+/// event. Broken on purpose once: with the dispatcher given no window to
+/// watch (`Shared::window: None`), it failed (the slot never caught up:
+/// settle timed out with shipping stalled behind billing).
+#[tokio::test]
+async fn an_endpoint_holding_the_window_alone_is_parked_and_the_others_go_on() {
+    let stack = PgCluster::shared().create_stack().await.unwrap();
+    app::relay_setup(&stack).await.unwrap();
+    let sinks = vec![
+        ScriptedSink::start().await.unwrap(),
+        ScriptedSink::start().await.unwrap(),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(routes_file(dir.path(), &sinks, "manual"))
+        .unwrap()
+        .replace("max_lag = \"3s\"\n", "request_timeout = \"1s\"\n");
+    let path = dir.path().join("window.toml");
+    std::fs::write(&path, text).unwrap();
+    let relay = app::start_relay_with_routes(
+        &stack,
+        &path,
+        &["--backoff-cap", "200ms", "--max-pending-events", "20"],
+        &SECRETS,
+    )
+    .await
+    .unwrap();
+    app::wait_streaming(&relay).await.unwrap();
+    let db = stack.orders_admin().await.unwrap();
+    let mut aggregates = Vec::new();
+    for _ in 0..4 {
+        aggregates.push(oracle::expected::insert_order(&db).await.unwrap());
+    }
+    sinks[0].set_delay(std::time::Duration::from_secs(5));
+    let events = commit(&db, &aggregates, 30, 0).await;
+    oracle::settle(&db, &stack.slot).await.unwrap();
+    let all: BTreeSet<String> = events.iter().map(|e| e.id.clone()).collect();
+    let shipping: BTreeSet<String> = in_order("shipping", &sinks[1], &events)
+        .into_iter()
+        .collect();
+    assert_eq!(shipping, all, "shipping got everything");
+    let parked = parked_rows(&db).await;
+    assert!(
+        parked.len() > 30,
+        "most of billing's events: {}",
+        parked.len()
+    );
+    let delivered = in_order("billing", &sinks[0], &events);
+    let at_billing: BTreeSet<String> = parked.iter().chain(&delivered).cloned().collect();
+    assert_eq!(at_billing, all, "billing's events delivered or parked");
+    assert_eq!(parked.len() + delivered.len(), all.len(), "each once");
+    let why: String = db
+        .query_one(
+            "SELECT error FROM cdc_relay_dead_letter WHERE endpoint = 'billing' LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(why.contains("more than its share (1/2)"), "{why}");
+    let m = relay.metrics().await.unwrap();
+    assert_eq!(
+        m.value("cdc_relay_endpoint_parked", &[("endpoint", "shipping")]),
+        Some(0.0)
+    );
+    drop(relay);
+}

@@ -60,6 +60,28 @@ impl Routed {
         parks: Vec<park::Park>,
         auto_resume: bool,
     ) -> Self {
+        let window = Window::new(10_000, 1 << 20);
+        Self::start_windowed(
+            lanes,
+            unrouted,
+            max_lags,
+            wal_budget,
+            parks,
+            auto_resume,
+            window,
+        )
+    }
+
+    /// As [`Self::start_parked`], events admitted through `window`.
+    fn start_windowed(
+        lanes: Vec<(&str, Arc<ScriptedSink>, Vec<&str>)>,
+        unrouted: Unrouted,
+        max_lags: &[Duration],
+        wal_budget: Option<RetainedWal>,
+        parks: Vec<park::Park>,
+        auto_resume: bool,
+        window: Window,
+    ) -> Self {
         let store = Arc::new(MemoryStore::default());
         let metrics = Metrics::new();
         let router = Router::new(
@@ -91,6 +113,7 @@ impl Routed {
             health: Health::new(Duration::from_secs(60)),
             stopping: tokio_util::sync::CancellationToken::new(),
             wal_budget,
+            window: Some(window.clone()),
         };
         let (items, items_rx) = mpsc::channel(16);
         let (confirmed_tx, confirmed) = watch::channel(Confirmed::default());
@@ -108,7 +131,7 @@ impl Routed {
             dispatcher,
             store,
             metrics,
-            window: Window::new(10_000, 1 << 20),
+            window,
             txs: 0,
         }
     }

@@ -1,9 +1,10 @@
 //! Parking (`docs/architecture.md#parking`) in the routed pipeline, in
 //! paused time, with `resume = "manual"` (the way back is in
-//! `resumed.rs`): an endpoint past its `max_lag`, or holding the oldest
-//! event while the slot is over its WAL budget, has its pending and new
-//! events dead-lettered with reason `parked`, and the watermark moves past
-//! them while the other endpoint goes on.
+//! `resumed.rs`): an endpoint past its `max_lag`, holding the oldest
+//! event while the slot is over its WAL budget, or holding more than its
+//! share of a full window, has its pending and new events dead-lettered
+//! with reason `parked`, and the watermark moves past them while the other
+//! endpoints go on.
 //!
 //! Broken on purpose once, to show these tests can fail: with
 //! `Delivery::run` ignoring the switch (no `Work::Deliver(..) if parked`
@@ -177,4 +178,110 @@ async fn an_endpoint_started_parked_is_never_tried() {
             .render()
             .contains("cdc_relay_endpoint_parked{endpoint=\"a\"} 1")
     );
+}
+
+/// Sends `n` one-event transactions of type `T` (keys `k0`..`k4`), failing
+/// the test if the window keeps them out for more than `within`.
+async fn send_all(r: &mut Routed, n: usize, within: Duration) {
+    let sent = tokio::time::timeout(within, async {
+        for i in 0..n {
+            r.tx(vec![typed(
+                &format!("e{i:03}"),
+                "T",
+                Some(&format!("k{}", i % 5)),
+            )])
+            .await;
+        }
+    })
+    .await;
+    assert!(sent.is_ok(), "the window stayed full for {within:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_endpoint_holding_more_than_its_share_of_a_full_window_is_parked() {
+    // Frozen: every request runs into the relay's request timeout. Slow:
+    // 4 events/s (max_in_flight 4) where b and c take 200/s.
+    let frozen = ScriptedSink::new(|_, _| (Duration::from_secs(4), 504));
+    let slow = ScriptedSink::new(|_, _| (Duration::from_secs(1), 204));
+    for (how, a) in [("frozen", frozen), ("slow", slow)] {
+        let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+        let c = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+        let mut r = Routed::start_windowed(
+            vec![
+                ("a", Arc::clone(&a), vec!["*"]),
+                ("b", Arc::clone(&b), vec!["T"]),
+                ("c", Arc::clone(&c), vec!["T"]),
+            ],
+            Unrouted::DeadLetter,
+            &[],
+            None,
+            (0..3).map(|_| park::Park::default()).collect(),
+            false,
+            Window::new(20, 1 << 20),
+        );
+        let started = Instant::now();
+        send_all(&mut r, 100, Duration::from_secs(30)).await;
+        let waited = started.elapsed();
+        assert!(
+            waited <= park::WINDOW_STALL_SPAN + Duration::from_secs(1 + 4 + 1),
+            "{how}: b and c waited for a only until it was parked (a tick, and the attempts on the wire): {waited:?}"
+        );
+        let (last, rows, metrics) = r.finish().await;
+        assert_eq!(last, Lsn::new(100 * 100), "{how}: the slot moves past a");
+        let all: Vec<String> = (0..100).map(|i| format!("e{i:03}")).collect();
+        for (name, sink) in [("b", &b), ("c", &c)] {
+            let mut got = ids(sink, 204);
+            got.sort();
+            assert_eq!(got, all, "{how}: {name} got every event");
+        }
+        let parked = rows_at(&rows, "a");
+        assert!(parked.len() >= 80, "{how}: {}", parked.len());
+        let mut at_a = [parked, ids(&a, 204)].concat();
+        at_a.sort();
+        assert_eq!(
+            at_a, all,
+            "{how}: a's events delivered or parked, each once"
+        );
+        assert!(
+            rows.iter()
+                .all(|r| r.error.contains("more than its share (1/3)")),
+            "{how}: {:?}",
+            rows.first()
+        );
+        assert!(
+            metrics
+                .render()
+                .contains("cdc_relay_endpoint_parked{endpoint=\"a\"} 1")
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn endpoints_merely_slow_on_the_same_events_fill_the_window_and_nobody_is_parked() {
+    let a = ScriptedSink::new(|_, _| (Duration::from_secs(1), 204));
+    let b = ScriptedSink::new(|_, _| (Duration::from_millis(900), 204));
+    let mut r = Routed::start_windowed(
+        vec![
+            ("a", Arc::clone(&a), vec!["*"]),
+            ("b", Arc::clone(&b), vec!["*"]),
+        ],
+        Unrouted::DeadLetter,
+        &[],
+        None,
+        (0..2).map(|_| park::Park::default()).collect(),
+        false,
+        Window::new(20, 1 << 20),
+    );
+    // Five aggregates, one at a time each: five per second at best, so the
+    // window of 20 is full for most of the run.
+    send_all(&mut r, 60, Duration::from_secs(60)).await;
+    let (last, rows, _) = r.finish().await;
+    assert_eq!(last, Lsn::new(100 * 60));
+    assert!(
+        rows.is_empty(),
+        "at capacity, nobody is to blame: {:?}",
+        rows.first()
+    );
+    assert_eq!(ids(&a, 204).len(), 60);
+    assert_eq!(ids(&b, 204).len(), 60);
 }
