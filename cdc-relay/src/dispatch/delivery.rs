@@ -245,10 +245,20 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                 }
             }
             attempts += 1;
-            let (reason, retry_after, attempt) = match self
-                .attempt(admission, event, &request, true)
-                .await
-            {
+            // Parking abandons an attempt on the wire: the endpoint is
+            // stuck or slow, and the aggregate's later events must not wait
+            // for its request timeout. It may have arrived; the replay of
+            // its parked row then delivers it again (at-least-once).
+            let tried = tokio::select! {
+                biased;
+                _ = self.park.parked() => None,
+                tried = self.attempt(admission, event, &request, true) => Some(tried),
+            };
+            let Some(tried) = tried else {
+                self.breaker.release(admission);
+                return self.park_event(event).await;
+            };
+            let (reason, retry_after, attempt) = match tried {
                 Tried::Delivered => {
                     tracing::debug!(event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts, "delivered");
                     return Ok(Finished::Done);

@@ -223,8 +223,8 @@ async fn an_endpoint_holding_more_than_its_share_of_a_full_window_is_parked() {
         send_all(&mut r, 100, Duration::from_secs(30)).await;
         let waited = started.elapsed();
         assert!(
-            waited <= park::WINDOW_STALL_SPAN + Duration::from_secs(1 + 4 + 1),
-            "{how}: b and c waited for a only until it was parked (a tick, and the attempts on the wire): {waited:?}"
+            waited <= park::WINDOW_STALL_SPAN + Duration::from_secs(2),
+            "{how}: b and c waited for a only until it was parked (and a tick; not for the attempts on the wire): {waited:?}"
         );
         let (last, rows, metrics) = r.finish().await;
         assert_eq!(last, Lsn::new(100 * 100), "{how}: the slot moves past a");
