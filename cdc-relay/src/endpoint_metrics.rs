@@ -8,7 +8,8 @@
 //! routes file (`docs/operations.md#routes-file`).
 
 use prometheus::{
-    Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 
 /// The `endpoint` label value of the one endpoint of `--sink-url`.
@@ -27,6 +28,7 @@ pub struct EndpointFamilies {
     parked: IntGaugeVec,
     parked_events: IntCounterVec,
     replayed: IntCounterVec,
+    commit_to_delivery: HistogramVec,
     /// `cdc_relay_unrouted_events_total{action}`: events no endpoint's
     /// `event_types` matched, by `action` (`dead_letter`, `skip`).
     pub unrouted: IntCounterVec,
@@ -63,6 +65,11 @@ pub struct EndpointMetrics {
     /// `cdc_relay_endpoint_replayed_events_total`: parked events the relay
     /// replayed to this endpoint with a 2xx while resuming it.
     pub replayed: IntCounter,
+    /// `cdc_relay_endpoint_commit_to_delivery_seconds`: commit time of the
+    /// event's transaction to its live 2xx from this endpoint, seconds
+    /// (replays of parked rows are not counted): whether one endpoint's
+    /// trouble reaches the others' latency.
+    pub commit_to_delivery: Histogram,
 }
 
 impl EndpointMetrics {
@@ -199,6 +206,18 @@ impl EndpointFamilies {
                 )
                 .expect("valid metric"),
             ),
+            commit_to_delivery: register(
+                r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "cdc_relay_endpoint_commit_to_delivery_seconds",
+                        "Transaction commit time to the event's live 2xx, seconds, by endpoint",
+                    )
+                    .buckets(crate::metrics::latency_buckets()),
+                    ep,
+                )
+                .expect("valid metric"),
+            ),
             unrouted: {
                 let c = register(r, IntCounterVec::new(opts("cdc_relay_unrouted_events_total", "Events no endpoint's event_types matched, by action (dead_letter, skip)"), &["action"]).expect("valid metric"));
                 for action in ["dead_letter", "skip"] {
@@ -224,6 +243,7 @@ impl EndpointFamilies {
             parked: self.parked.with_label_values(l),
             parked_events: self.parked_events.with_label_values(l),
             replayed: self.replayed.with_label_values(l),
+            commit_to_delivery: self.commit_to_delivery.with_label_values(l),
         }
     }
 }

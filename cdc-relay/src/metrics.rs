@@ -185,7 +185,7 @@ fn status_updates(r: &Registry) -> IntCounterVec {
 }
 
 /// Latency buckets from 0.5 ms to 60 s, seconds.
-fn latency_buckets() -> Vec<f64> {
+pub(crate) fn latency_buckets() -> Vec<f64> {
     // Dense between 1 and 50 ms, where a healthy relay's deliveries land.
     vec![
         0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.035,

@@ -322,9 +322,9 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
                 if live {
                     metrics.events_delivered.inc();
                     self.endpoint.delivered.inc();
-                    metrics
-                        .commit_to_delivery
-                        .observe(seconds_since_commit(event.commit_time_micros));
+                    let since = seconds_since_commit(event.commit_time_micros);
+                    metrics.commit_to_delivery.observe(since);
+                    self.endpoint.commit_to_delivery.observe(since);
                 } else {
                     self.endpoint.replayed.inc();
                 }

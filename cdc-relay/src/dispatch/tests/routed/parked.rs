@@ -233,6 +233,10 @@ async fn an_endpoint_holding_more_than_its_share_of_a_full_window_is_parked() {
             let mut got = ids(sink, 204);
             got.sort();
             assert_eq!(got, all, "{how}: {name} got every event");
+            let count = format!(
+                "cdc_relay_endpoint_commit_to_delivery_seconds_count{{endpoint=\"{name}\"}} 100"
+            );
+            assert!(metrics.render().contains(&count), "{how}: {count}");
         }
         let parked = rows_at(&rows, "a");
         assert!(parked.len() >= 80, "{how}: {}", parked.len());
