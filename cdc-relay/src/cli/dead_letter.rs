@@ -46,9 +46,9 @@ pub enum DeadLetterCommand {
         /// Print what would be discarded and remove nothing.
         #[arg(long)]
         dry_run: bool,
-        /// Why (kept in the audit table). Required.
+        /// Why (kept in the audit table as the discard's reason). Required.
         #[arg(long)]
-        reason: String,
+        note: String,
         /// Who (kept in the audit table); default: $USER, else the
         /// database role.
         #[arg(long, env = "USER")]
@@ -112,10 +112,11 @@ pub struct DeadLetterFilterArgs {
     /// (`--type 'Order*'`).
     #[arg(long = "type")]
     pub event_type: Option<String>,
-    /// Only rows whose recorded error contains this text, ignoring case
-    /// (`http_422`, `unreadable`, `order_already_invoiced`).
-    #[arg(long)]
-    pub error_contains: Option<String>,
+    /// Only rows whose reason (the recorded error) contains this text,
+    /// ignoring case (`parked`, `unrouted`, `unreadable`, `http_422`,
+    /// `order_already_invoiced`).
+    #[arg(long, visible_alias = "error-contains")]
+    pub reason: Option<String>,
     /// Only rows dead-lettered at or after this time, with its UTC offset
     /// (e.g. '2026-11-30 10:00:00+00').
     #[arg(long)]
@@ -138,7 +139,7 @@ impl DeadLetterFilterArgs {
     pub fn filter(&self) -> crate::deadletter::Filter {
         crate::deadletter::Filter {
             event_type: self.event_type.clone(),
-            reason: self.error_contains.clone(),
+            reason: self.reason.clone(),
             since: self.since.clone(),
             until: self.until.clone(),
             aggregate: self.aggregate.clone(),

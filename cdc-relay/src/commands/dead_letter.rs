@@ -33,14 +33,14 @@ pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()>
             all,
             filter,
             dry_run,
-            reason,
+            note,
             actor,
             yes,
         } => {
             let selection = Selection::new(ids, all, checked(&client, &filter).await?)?;
             let rows = selection.rows(&client).await?;
             let how = Discard {
-                reason: &reason,
+                reason: &note,
                 actor: actor.as_deref(),
                 yes,
                 dry_run,
@@ -88,7 +88,7 @@ impl Selection {
             )
             .into()),
             (true, false) => Err(ConfigError(
-                "which rows? give row ids, a filter (--type, --error-contains, --since, --until, --aggregate, --endpoint), or --all for every row"
+                "which rows? give row ids, a filter (--type, --reason, --since, --until, --aggregate, --endpoint), or --all for every row"
                     .into(),
             )
             .into()),
@@ -214,7 +214,7 @@ async fn discard(
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
         !how.reason.trim().is_empty(),
-        "--reason is empty: say why the events are dropped (it is kept in the audit table)"
+        "--note is empty: say why the events are dropped (it is kept in the audit table)"
     );
     let describe = |r: &DeadLetter| {
         format!(

@@ -173,7 +173,7 @@ async fn a_dead_lettered_row_is_kept_until_its_dead_letter_is_resolved() -> anyh
             "dead-letter",
             "discard",
             &id.to_string(),
-            "--reason",
+            "--note",
             "test",
             "--yes",
         ],

@@ -349,7 +349,7 @@ async fn unreadable_rows_are_quarantined_instead_of_stopping() -> anyhow::Result
     Ok(())
 }
 
-/// One filter (`--type` glob, `--error-contains`, `--since`/`--until`,
+/// One filter (`--type` glob, `--reason`, `--since`/`--until`,
 /// `--aggregate`) selects rows for `list`, `discard` and `replay`; a
 /// discard by filter can be tried with `--dry-run`; `replay` keeps each
 /// aggregate's order (a later event of an aggregate whose earlier one is
@@ -408,9 +408,11 @@ async fn dead_letter_filters_select_rows_and_replay_keeps_aggregate_order() -> a
         listed(args(&["--aggregate", &a.to_string()])).await?,
         sorted(&[&a1.id, &a2.id])
     );
+    assert_eq!(listed(args(&["--reason", "HTTP_400"])).await?.len(), 4);
     assert_eq!(
         listed(args(&["--error-contains", "HTTP_400"])).await?.len(),
-        4
+        4,
+        "the filter's former name still works"
     );
     assert_eq!(
         listed(args(&["--since=-infinity", "--until", "now"]))
@@ -432,7 +434,7 @@ async fn dead_letter_filters_select_rows_and_replay_keeps_aggregate_order() -> a
         "discard",
         "--type",
         "InvoiceSent",
-        "--reason",
+        "--note",
         "test",
     ];
     let dry = cli(stack, &[&discard[..], &["--dry-run"]].concat(), &sink.url).await?;
@@ -448,7 +450,7 @@ async fn dead_letter_filters_select_rows_and_replay_keeps_aggregate_order() -> a
     );
     let none = cli(
         stack,
-        &["dead-letter", "discard", "--reason", "x", "--yes"],
+        &["dead-letter", "discard", "--note", "x", "--yes"],
         &sink.url,
     )
     .await?;
@@ -533,13 +535,30 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
         .await?
         .get(0);
     let id = id.to_string();
-    // A reason is required; without --yes (no terminal to ask on) nothing
-    // is discarded.
+    // A note is required; without --yes (no terminal to ask on) nothing
+    // is discarded. `--reason` (the note's name before 0.2) is now a
+    // filter: alone it names no note, so a script written for the old
+    // name stops with exit 2 and removes nothing.
     let no_reason = cli(stack, &["dead-letter", "discard", &id, "--yes"], &sink.url).await?;
     assert_eq!(no_reason.code(), Some(2), "{}", no_reason.text());
+    let old_name = cli(
+        stack,
+        &[
+            "dead-letter",
+            "discard",
+            &id,
+            "--reason",
+            "test data",
+            "--yes",
+        ],
+        &sink.url,
+    )
+    .await?;
+    assert_eq!(old_name.code(), Some(2), "{}", old_name.text());
+    assert!(old_name.text().contains("--note"), "{}", old_name.text());
     let unconfirmed = cli(
         stack,
-        &["dead-letter", "discard", &id, "--reason", "test data"],
+        &["dead-letter", "discard", &id, "--note", "test data"],
         &sink.url,
     )
     .await?;
@@ -557,7 +576,7 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
             "discard",
             &id,
             "999999",
-            "--reason",
+            "--note",
             "x",
             "--yes",
         ],
@@ -573,7 +592,7 @@ async fn discard_leaves_an_audit_trail() -> anyhow::Result<()> {
             "dead-letter",
             "discard",
             &id,
-            "--reason",
+            "--note",
             "test data",
             "--actor",
             "alice",

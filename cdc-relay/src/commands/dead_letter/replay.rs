@@ -393,7 +393,7 @@ async fn lock_parked(client: &Client, endpoint: Option<&str>) -> anyhow::Result<
             .map_err(|e| anyhow::anyhow!("cannot take the replay lock of endpoint {name}: {e}"))?;
         anyhow::ensure!(
             free,
-            "a relay is replaying endpoint {name}'s parked rows (resume = \"auto\"); replaying them here too would send an aggregate's rows in parallel: wait until `dead-letter list --endpoint {name} --error-contains parked` shows none, or stop the relay"
+            "a relay is replaying endpoint {name}'s parked rows (resume = \"auto\"); replaying them here too would send an aggregate's rows in parallel: wait until `dead-letter list --endpoint {name} --reason parked` shows none, or stop the relay"
         );
     }
     Ok(())
