@@ -8,7 +8,10 @@
 //!
 //! This module is the only place a dead-letter row is built
 //! ([`NewDeadLetter::rejected`], [`NewDeadLetter::unreadable`]); the
-//! pipeline writes it through the [`DeadLetterStore`] trait.
+//! pipeline writes it through the [`DeadLetterStore`] trait: the side
+//! connection ([`Client`], one statement per row), wrapped by the relay and
+//! `backfill` in a [`GroupedStore`] so rows written concurrently share one
+//! statement and one commit.
 //!
 //! Operators list, show, replay and discard rows with `cdc-relay dead-letter`;
 //! replays and discards leave a row in `cdc_relay_dead_letter_audit`.
@@ -19,7 +22,10 @@ use bytes::Bytes;
 use serde::Serialize;
 use tokio_postgres::{Client, GenericClient};
 
+mod grouped;
 mod store;
+
+pub use grouped::{GroupedStore, MAX_BYTES, MAX_ROWS};
 
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, UnreadableRow};
@@ -73,7 +79,7 @@ pub struct ParkedRow {
 }
 
 /// A dead-letter write failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// The store is gone (the connection closed): the session must end.
     #[error("dead-letter store lost: {0}")]
