@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::ack::Position;
 use crate::breaker::Breaker;
+use crate::deadletter::GroupedStore;
 use crate::dispatch::{self, Confirmed, DispatchConfig, DispatchError, Item, Services, Window};
 use crate::health::Health;
 use crate::metrics::Metrics;
@@ -302,7 +303,9 @@ pub async fn count(reader: &Client, plan: &BackfillPlan) -> Result<u64, Backfill
 }
 
 /// Re-sends the rows, oldest first, until every row is done or
-/// `control.stopping` is cancelled (see [`BackfillControl`]).
+/// `control.stopping` is cancelled (see [`BackfillControl`]). Dead letters
+/// go to `store` through a [`GroupedStore`] (concurrent ones share a
+/// commit).
 ///
 /// Errors: [`BackfillError::Read`] when the table cannot be read,
 /// [`BackfillError::Dispatch`] when dead letters cannot be written.
@@ -317,7 +320,7 @@ pub async fn run(
     let BackfillControl { metrics, stopping } = control;
     let services = Services {
         sink,
-        store,
+        store: Arc::new(GroupedStore::new(store)),
         metrics: metrics.clone(),
         health: Health::new(Duration::from_secs(3600)),
         breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),

@@ -24,7 +24,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::backoff::Backoff;
 use crate::breaker::Breaker;
-use crate::deadletter;
+use crate::deadletter::{self, GroupedStore};
 use crate::dispatch::park::Park;
 use crate::dispatch::{
     self, Confirmed, DispatchConfig, Endpoint, RetainedWal, Router, Shared, Window,
@@ -432,7 +432,9 @@ impl Session<'_> {
         });
         let window = Window::new(cfg.window_events, cfg.window_bytes);
         let shared = Shared {
-            store: Arc::clone(&p.side),
+            // Parked rows come as fast as the endpoint's events: concurrent
+            // ones share a statement and a commit.
+            store: Arc::new(GroupedStore::new(Arc::clone(&p.side))),
             metrics: self.metrics.clone(),
             health: Arc::clone(self.health),
             stopping: stop.clone(),

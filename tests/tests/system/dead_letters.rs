@@ -3,20 +3,24 @@
 //! builder and store commit it to the real `cdc_relay_dead_letter` table,
 //! as the relay's least-privilege role. And `dead-letter replay` runs
 //! aggregates concurrently while keeping each one's order (the filters,
-//! `--rate` and the stop at a failing sink are in `sink_failures`).
+//! `--rate` and the stop at a failing sink are in `sink_failures`). The
+//! relay's grouped store shares commits among concurrent writers and keeps
+//! each writer's order.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cdc_relay::deadletter::{DeadLetterStore, NewDeadLetter};
+use cdc_relay::deadletter::{DeadLetterStore, ERROR_BYTES, GroupedStore, NewDeadLetter, storable};
+use cdc_relay::lsn::Lsn;
 use cdc_relay::outbox::{OutboxEvent, UnreadableRow};
 use cdc_relay::sink::{Attempt, Reason};
+use futures::FutureExt;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
-use ::harness::{Inbox, PgCluster, Scenario, connect};
+use ::harness::{Inbox, PgCluster, Scenario, connect, wait_until};
 
 /// Arbitrary response bytes, lossily decoded the way the sink client does
 /// (NUL and control characters included), up to 4 KiB.
@@ -270,5 +274,223 @@ async fn a_payload_that_is_not_utf8_is_never_replayed_as_null() -> anyhow::Resul
         .await?
         .get(0);
     assert_eq!(left, 1, "the row stays");
+    Ok(())
+}
+
+/// Row `n` of writer `w` for the grouped-store test: every fourth payload
+/// is not UTF-8, every fourth holds a NUL (both go to `payload_bytes`),
+/// some have none; the error, excerpt and type hold NULs.
+fn grouped_row(w: usize, n: usize) -> NewDeadLetter {
+    let payload = match n % 4 {
+        0 => Some(Bytes::from(vec![0xff, 0xfe, w as u8, n as u8])),
+        1 => Some(Bytes::from(format!("{{\"w\":{w},\"nul\":\"a\0b\"}}"))),
+        2 => None,
+        _ => Some(Bytes::from(format!("{{\"w\":{w},\"n\":{n},\"é\":true}}"))),
+    };
+    NewDeadLetter {
+        event_id: Some(format!("w{w}-{n}")),
+        aggregate_key: Some(format!("agg-{w}")),
+        event_type: Some("Order\0Paid".into()),
+        payload,
+        commit_lsn: (!n.is_multiple_of(3)).then(|| Lsn::new(0x1_0000_0000 + (w * 1000 + n) as u64)),
+        http_status: n.is_multiple_of(2).then_some(422),
+        error: format!("parked: endpoint \"e\" is parked (test)\0 {n}"),
+        response_excerpt: n.is_multiple_of(2).then(|| "no\0pe".to_owned()),
+        attempts: n as u32,
+        first_attempt_unix_micros: (!n.is_multiple_of(5))
+            .then_some(1_700_000_000_000_000 + n as i64),
+        endpoint: w.is_multiple_of(2).then(|| "e".to_owned()),
+    }
+}
+
+/// Whether the table's row (as read by the test's query) holds what
+/// `want` should have been stored as.
+fn stored_as(row: &tokio_postgres::Row, want: &NewDeadLetter) -> Result<(), String> {
+    let (payload, payload_bytes) = match want.payload.as_deref() {
+        Some(p) => match std::str::from_utf8(p) {
+            Ok(t) if !t.contains('\0') => (Some(t.to_owned()), None),
+            _ => (None, Some(p.to_vec())),
+        },
+        None => (None, None),
+    };
+    let got = (
+        row.get::<_, Option<String>>("event_type"),
+        row.get::<_, Option<String>>("aggregate_key"),
+        row.get::<_, Option<String>>("payload"),
+        row.get::<_, Option<Vec<u8>>>("payload_bytes"),
+        row.get::<_, Option<String>>("lsn"),
+        row.get::<_, Option<i32>>("http_status"),
+        row.get::<_, String>("error"),
+        row.get::<_, Option<String>>("response_excerpt"),
+        row.get::<_, i32>("attempts"),
+        row.get::<_, Option<i64>>("first_micros"),
+        row.get::<_, Option<String>>("endpoint"),
+        row.get::<_, bool>("last_attempt_set"),
+    );
+    let expected = (
+        want.event_type.as_deref().map(|t| storable(t, 1024)),
+        want.aggregate_key.clone(),
+        payload,
+        payload_bytes,
+        want.commit_lsn.map(|l| l.to_string()),
+        want.http_status.map(i32::from),
+        storable(&want.error, ERROR_BYTES),
+        want.response_excerpt.as_deref().map(|e| storable(e, 2048)),
+        want.attempts as i32,
+        want.first_attempt_unix_micros,
+        want.endpoint.clone(),
+        true,
+    );
+    if got == expected {
+        Ok(())
+    } else {
+        Err(format!("stored {got:?}, expected {expected:?}"))
+    }
+}
+
+/// The relay's dead-letter store (`GroupedStore` over the relay role's
+/// connection) under 64 concurrent writers, 1,000 rows in all, each
+/// writer awaiting its row before the next, as a delivery does: every row
+/// is stored once with its content (non-UTF-8 and NUL-holding payloads in
+/// `payload_bytes`, NULs dropped from text), the id each insert returned is
+/// its row's, each writer's ids increase in the order it wrote (the order
+/// `docs/architecture.md#parking` relies on), and the rows took far fewer
+/// commits than rows: counted both as distinct inserting transactions
+/// (`xmin`) and as the database's `xact_commit` delta, each at most 500.
+/// Inserts whose waiter is dropped at once (polled once, then dropped)
+/// are mixed in:
+/// their rows may or may not be written, at most once, and they break no
+/// one else's batch.
+///
+/// Broken on purpose once: with `MAX_ROWS` set to 1 (one statement per
+/// row), the test failed on `1000 rows took 1000 inserting transactions`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_inserts_share_commits_and_keep_each_writers_order() -> anyhow::Result<()> {
+    const WRITERS: usize = 64;
+    const TOTAL: usize = 1000;
+    let stack = PgCluster::shared().create_stack().await?;
+    let admin = stack.orders_admin().await?;
+    let commits = || async {
+        let row = admin
+            .query_one(
+                "SELECT pg_stat_clear_snapshot(), xact_commit FROM pg_stat_database \
+                 WHERE datname = current_database()",
+                &[],
+            )
+            .await?;
+        anyhow::Ok(row.get::<_, i64>(1))
+    };
+    let relay = Arc::new(connect(&stack.relay_url).await?);
+    let relay_pid: i32 = relay
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .get(0);
+    let before = commits().await?;
+    let store = Arc::new(GroupedStore::new(Arc::clone(&relay)));
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                let mut ids = Vec::new();
+                for n in (w..TOTAL).step_by(WRITERS) {
+                    let id = store.insert(&grouped_row(w, n)).await?;
+                    ids.push((n, id));
+                    if n.is_multiple_of(7) {
+                        let mut dropped = grouped_row(w, n);
+                        dropped.event_id = Some(format!("dropped-{w}-{n}"));
+                        // Polled once (the row is queued), then dropped.
+                        let gone = store.insert(&dropped).now_or_never();
+                        assert!(gone.is_none(), "no id before the writer ran");
+                    }
+                }
+                anyhow::Ok((w, ids))
+            })
+        })
+        .collect();
+    let mut returned = Vec::new();
+    for writer in writers {
+        returned.push(writer.await??);
+    }
+    // The session ends: its backend flushes its statistics as it exits.
+    drop(store);
+    drop(relay);
+    wait_until(
+        "the relay role's backend to exit",
+        Duration::from_secs(30),
+        || async {
+            let n: i64 = admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                    &[&relay_pid],
+                )
+                .await?
+                .get(0);
+            anyhow::Ok(n == 0)
+        },
+    )
+    .await?;
+    let xact_commits = commits().await? - before;
+
+    let rows = admin
+        .query(
+            "SELECT id, event_id, event_type, aggregate_key, payload, payload_bytes, \
+               commit_lsn::text AS lsn, http_status, error, response_excerpt, attempts, \
+               (EXTRACT(EPOCH FROM first_attempt_at) * 1000000)::bigint AS first_micros, endpoint, \
+               last_attempt_at IS NOT NULL AS last_attempt_set \
+             FROM cdc_relay_dead_letter WHERE event_id LIKE 'w%'",
+            &[],
+        )
+        .await?;
+    assert_eq!(rows.len(), TOTAL, "every row stored, once");
+    let by_event: HashMap<String, &tokio_postgres::Row> = rows
+        .iter()
+        .map(|r| (r.get::<_, String>("event_id"), r))
+        .collect();
+    assert_eq!(by_event.len(), TOTAL, "no event id stored twice");
+    for (w, ids) in &returned {
+        for (n, id) in ids {
+            let row = by_event[&format!("w{w}-{n}")];
+            assert_eq!(
+                row.get::<_, i64>("id"),
+                *id,
+                "insert returned w{w}-{n}'s own id"
+            );
+            if let Err(e) = stored_as(row, &grouped_row(*w, *n)) {
+                panic!("w{w}-{n}: {e}");
+            }
+        }
+        assert!(
+            ids.windows(2).all(|p| p[0].1 < p[1].1),
+            "writer {w}'s ids increase in the order it wrote: {ids:?}"
+        );
+    }
+    let dropped: i64 = admin
+        .query_one(
+            "SELECT count(*) - count(DISTINCT event_id) FROM cdc_relay_dead_letter \
+             WHERE event_id LIKE 'dropped-%'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(dropped, 0, "a dropped insert's row is written at most once");
+    let inserting: i64 = admin
+        .query_one(
+            "SELECT count(DISTINCT xmin::text) FROM cdc_relay_dead_letter WHERE event_id LIKE 'w%'",
+            &[],
+        )
+        .await?
+        .get(0);
+    println!(
+        "{TOTAL} rows from {WRITERS} writers: {inserting} inserting transactions, \
+         xact_commit +{xact_commits}"
+    );
+    assert!(
+        inserting <= 500,
+        "{TOTAL} rows took {inserting} inserting transactions"
+    );
+    assert!(
+        xact_commits <= 500,
+        "{TOTAL} rows took {xact_commits} commits (pg_stat_database)"
+    );
     Ok(())
 }

@@ -8,7 +8,10 @@
 //!
 //! This module is the only place a dead-letter row is built
 //! ([`NewDeadLetter::rejected`], [`NewDeadLetter::unreadable`]); the
-//! pipeline writes it through the [`DeadLetterStore`] trait.
+//! pipeline writes it through the [`DeadLetterStore`] trait: the side
+//! connection ([`Client`], one statement per row), wrapped by the relay and
+//! `backfill` in a [`GroupedStore`] so rows written concurrently share one
+//! statement and one commit.
 //!
 //! Operators list, show, replay and discard rows with `cdc-relay dead-letter`;
 //! replays and discards leave a row in `cdc_relay_dead_letter_audit`.
@@ -18,6 +21,11 @@ use std::future::Future;
 use bytes::Bytes;
 use serde::Serialize;
 use tokio_postgres::{Client, GenericClient};
+
+mod grouped;
+mod store;
+
+pub use grouped::{GroupedStore, MAX_BYTES, MAX_ROWS};
 
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, UnreadableRow};
@@ -71,7 +79,7 @@ pub struct ParkedRow {
 }
 
 /// A dead-letter write failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// The store is gone (the connection closed): the session must end.
     #[error("dead-letter store lost: {0}")]
@@ -89,96 +97,6 @@ impl StoreError {
         } else {
             StoreError::Failed(text)
         }
-    }
-}
-
-/// The advisory-lock key of replaying an endpoint's parked rows.
-const RESUME_LOCK: &str = "hashtextextended('cdc_relay_resume:' || $1, 0)";
-
-impl DeadLetterStore for Client {
-    async fn insert(&self, row: &NewDeadLetter) -> Result<i64, StoreError> {
-        insert(self, row)
-            .await
-            .map_err(|e| StoreError::of(self, &e))
-    }
-
-    async fn parked(
-        &self,
-        endpoint: &str,
-        after: i64,
-        limit: i64,
-    ) -> Result<Vec<ParkedRow>, StoreError> {
-        let rows = self
-            .query(
-                "SELECT id, event_id, event_type, aggregate_key, payload, payload_bytes, commit_lsn::text \
-                 FROM cdc_relay_dead_letter \
-                 WHERE endpoint = $1 AND error LIKE 'parked:%' AND id > $2 ORDER BY id LIMIT $3",
-                &[&endpoint, &after, &limit],
-            )
-            .await
-            .map_err(|e| StoreError::of(self, &e))?;
-        Ok(rows
-            .iter()
-            .map(|r| {
-                let text: Option<String> = r.get(4);
-                let bytes: Option<Vec<u8>> = r.get(5);
-                let lsn: Option<String> = r.get(6);
-                ParkedRow {
-                    id: r.get(0),
-                    event: OutboxEvent {
-                        id: r.get::<_, Option<String>>(1).unwrap_or_default(),
-                        event_type: r.get::<_, Option<String>>(2).unwrap_or_default(),
-                        aggregate_key: r.get(3),
-                        payload: text.map(Bytes::from).or(bytes.map(Bytes::from)),
-                        commit_lsn: lsn.and_then(|l| l.parse().ok()),
-                        commit_time_micros: 0,
-                    },
-                }
-            })
-            .collect())
-    }
-
-    async fn replayed(&self, ids: &[i64]) -> Result<(), StoreError> {
-        remove_many(
-            self,
-            ids,
-            Removal::Replay,
-            Some("parked endpoint resumed by the relay"),
-            Some("cdc-relay"),
-        )
-        .await
-        .map(drop)
-        .map_err(|e| StoreError::of(self, &e))
-    }
-
-    async fn refused(&self, id: i64, d: &NewDeadLetter) -> Result<(), StoreError> {
-        self.execute(
-            "UPDATE cdc_relay_dead_letter SET http_status = $2, error = $3, response_excerpt = $4, \
-               attempts = $5, first_attempt_at = to_timestamp($6), last_attempt_at = now() WHERE id = $1",
-            &[
-                &id,
-                &d.http_status.map(i32::from),
-                &storable(&d.error, ERROR_BYTES),
-                &d.response_excerpt.as_deref().map(|e| storable(e, EXCERPT_BYTES)),
-                &i32::try_from(d.attempts).unwrap_or(i32::MAX),
-                &d.first_attempt_unix_micros.map(|m| m as f64 / 1e6),
-            ],
-        )
-        .await
-        .map(drop)
-        .map_err(|e| StoreError::of(self, &e))
-    }
-
-    async fn resume_lock(&self, endpoint: &str, take: bool) -> Result<bool, StoreError> {
-        let sql = if take {
-            format!("SELECT pg_try_advisory_lock({RESUME_LOCK})")
-        } else {
-            format!("SELECT pg_advisory_unlock({RESUME_LOCK})")
-        };
-        self.query_one(&sql, &[&endpoint])
-            .await
-            .map(|r| r.get(0))
-            .map_err(|e| StoreError::of(self, &e))
     }
 }
 
@@ -401,47 +319,6 @@ pub fn storable(s: &str, max: usize) -> String {
         out.truncate(cut);
     }
     out
-}
-
-/// Inserts a dead-letter row; returns its id. One statement, so the row is
-/// committed when this returns `Ok`. Text is made [`storable`]; a payload
-/// that is not UTF-8 goes to `payload_bytes` as it is.
-async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgres::Error> {
-    let status = d.http_status.map(i32::from);
-    let attempts = i32::try_from(d.attempts).unwrap_or(i32::MAX);
-    let first = d.first_attempt_unix_micros.map(|m| m as f64 / 1e6);
-    let name = |v: &Option<String>| v.as_deref().map(|s| storable(s, NAME_BYTES));
-    let (payload, payload_bytes) = match &d.payload {
-        Some(p) => match std::str::from_utf8(p) {
-            Ok(text) if !text.contains('\0') => (Some(text), None),
-            _ => (None, Some(p.as_ref())),
-        },
-        None => (None, None),
-    };
-    let row = client
-        .query_one(
-            "INSERT INTO cdc_relay_dead_letter \
-               (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
-                error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint) \
-             VALUES ($1, $2, $3, $4, $5, $6::text::pg_lsn, $7, $8, $9, $10, to_timestamp($11), now(), $12) \
-             RETURNING id",
-            &[
-                &name(&d.event_id),
-                &name(&d.aggregate_key),
-                &name(&d.event_type),
-                &payload,
-                &payload_bytes,
-                &d.commit_lsn.map(|l| l.to_string()),
-                &status,
-                &storable(&d.error, ERROR_BYTES),
-                &d.response_excerpt.as_deref().map(|e| storable(e, EXCERPT_BYTES)),
-                &attempts,
-                &first,
-                &name(&d.endpoint),
-            ],
-        )
-        .await?;
-    Ok(row.get(0))
 }
 
 const COLUMNS: &str = "id, event_id, aggregate_key, event_type, commit_lsn::text, http_status, error, \

@@ -1,0 +1,228 @@
+//! Group commit for dead-letter inserts: rows written concurrently share
+//! one statement and one commit.
+//!
+//! Every event of a parked endpoint becomes a dead-letter row, and up to
+//! the endpoint's `max_in_flight` deliveries write theirs at once. One
+//! autocommit statement each was one commit (one WAL flush) per event. So
+//! [`GroupedStore`] queues the rows, and one writer task takes the first
+//! queued row and whatever else is queued at that moment (at most
+//! [`MAX_ROWS`] rows, [`MAX_BYTES`] of text and payload), inserts them in
+//! one statement and answers each waiter with its row's id. A lone row is
+//! sent at once: nothing waits for company (no timer), rows group only
+//! while a statement is on its way, so batches grow with the load.
+//!
+//! **Order.** Rows get ids in queue order. Within a statement the rows are
+//! inserted `ORDER BY` their position in the batch, and PostgreSQL
+//! evaluates the `id` default (`nextval`) in the insert's projection, once
+//! per row as the sorted rows arrive, so ids increase with the position.
+//! Statements go one after another on one connection, so a later batch's
+//! ids are greater. A writer that awaits each insert before queueing the
+//! next (a delivery does: an aggregate's next event starts only when this
+//! one's row is committed) therefore sees its ids increase — the order
+//! `docs/architecture.md#parking` relies on, and what the system test
+//! `dead_letters::concurrent_inserts_share_commits_and_keep_each_writers_order`
+//! checks against a real server.
+
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio_postgres::Client;
+
+use super::store::Stored;
+use super::{DeadLetterStore, NewDeadLetter, ParkedRow, StoreError};
+
+/// Most rows one statement inserts.
+pub const MAX_ROWS: usize = 256;
+
+/// Most bytes of text and payload one statement inserts (a single larger
+/// row goes alone).
+pub const MAX_BYTES: usize = 4 << 20;
+
+/// A [`DeadLetterStore`] over the side connection whose concurrent
+/// inserts share one statement and one commit (see the module doc). Every
+/// other method is the connection's own.
+pub struct GroupedStore {
+    client: Arc<Client>,
+    queue: mpsc::UnboundedSender<Queued>,
+}
+
+/// A row waiting for the writer, and where its id goes.
+struct Queued {
+    row: Stored,
+    answer: oneshot::Sender<Result<i64, StoreError>>,
+}
+
+impl GroupedStore {
+    /// The store over `client`. Spawns the writer task, so it must be
+    /// called within a Tokio runtime; the task ends when the store is
+    /// dropped (after the statement it has on its way, if any).
+    pub fn new(client: Arc<Client>) -> Self {
+        let (queue, rows) = mpsc::unbounded_channel();
+        tokio::spawn(write(Arc::clone(&client), rows));
+        GroupedStore { client, queue }
+    }
+}
+
+impl DeadLetterStore for GroupedStore {
+    /// Queues `row` and returns its id once the statement holding it has
+    /// committed. Errors are the statement's, for every row in it
+    /// ([`StoreError::Lost`] when the connection is closed). Dropping the
+    /// future does not take the row back once the writer has taken it:
+    /// it may be committed all the same.
+    async fn insert(&self, row: &NewDeadLetter) -> Result<i64, StoreError> {
+        let (answer, id) = oneshot::channel();
+        let queued = Queued {
+            row: Stored::of(row),
+            answer,
+        };
+        let stopped = || StoreError::Lost("the dead-letter writer has stopped".into());
+        self.queue.send(queued).map_err(|_| stopped())?;
+        id.await.map_err(|_| stopped())?
+    }
+
+    async fn parked(
+        &self,
+        endpoint: &str,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<ParkedRow>, StoreError> {
+        self.client.parked(endpoint, after, limit).await
+    }
+
+    async fn replayed(&self, ids: &[i64]) -> Result<(), StoreError> {
+        self.client.replayed(ids).await
+    }
+
+    async fn refused(&self, id: i64, row: &NewDeadLetter) -> Result<(), StoreError> {
+        self.client.refused(id, row).await
+    }
+
+    async fn resume_lock(&self, endpoint: &str, take: bool) -> Result<bool, StoreError> {
+        self.client.resume_lock(endpoint, take).await
+    }
+}
+
+/// The writer: one batch at a time, until every sender (the store) is gone.
+async fn write(client: Arc<Client>, mut rows: mpsc::UnboundedReceiver<Queued>) {
+    let mut next = None;
+    loop {
+        let first = match next.take() {
+            Some(q) => q,
+            None => match rows.recv().await {
+                Some(q) => q,
+                None => return,
+            },
+        };
+        let (mut batch, over) = gather(first, &mut rows);
+        next = over;
+        // A waiter that went away before its row was taken wants nothing
+        // written; the others' statement goes on without it.
+        batch.retain(|q| !q.answer.is_closed());
+        if batch.is_empty() {
+            continue;
+        }
+        let ids = insert_all(&client, &batch)
+            .await
+            .map_err(|e| StoreError::of(&client, &e));
+        answer(batch, ids);
+    }
+}
+
+/// `first` and the rows queued behind it now, within [`MAX_ROWS`] and
+/// [`MAX_BYTES`]; the row that would pass the byte bound starts the next
+/// batch.
+fn gather(
+    first: Queued,
+    rows: &mut mpsc::UnboundedReceiver<Queued>,
+) -> (Vec<Queued>, Option<Queued>) {
+    let mut bytes = size(&first.row);
+    let mut batch = vec![first];
+    while batch.len() < MAX_ROWS {
+        let Ok(q) = rows.try_recv() else {
+            break;
+        };
+        bytes += size(&q.row);
+        if bytes > MAX_BYTES {
+            return (batch, Some(q));
+        }
+        batch.push(q);
+    }
+    (batch, None)
+}
+
+/// Bytes of text and payload `row` carries.
+fn size(row: &Stored) -> usize {
+    let len = |v: &Option<String>| v.as_ref().map_or(0, String::len);
+    len(&row.event_id)
+        + len(&row.aggregate_key)
+        + len(&row.event_type)
+        + len(&row.payload)
+        + row.payload_bytes.as_ref().map_or(0, Vec::len)
+        + row.error.len()
+        + len(&row.response_excerpt)
+        + len(&row.endpoint)
+}
+
+/// Answers each waiter of `batch`: its id, or the statement's error.
+fn answer(batch: Vec<Queued>, ids: Result<Vec<i64>, StoreError>) {
+    // A send fails only when the waiter went away meanwhile: its row is
+    // committed (or not) all the same, and nobody is left to tell.
+    match ids {
+        Ok(ids) => {
+            for (q, id) in batch.into_iter().zip(ids) {
+                let _ = q.answer.send(Ok(id));
+            }
+        }
+        Err(e) => {
+            for q in batch {
+                let _ = q.answer.send(Err(e.clone()));
+            }
+        }
+    }
+}
+
+/// One column of `batch`, as a statement parameter (an array).
+fn column<'a, T>(batch: &'a [Queued], value: impl Fn(&'a Stored) -> T) -> Vec<T> {
+    batch.iter().map(|q| value(&q.row)).collect()
+}
+
+/// Inserts the rows of `batch` in one statement, in batch order; returns
+/// their ids in that order. The values are the single insert's
+/// (`store::insert`), passed as one array per column.
+async fn insert_all(client: &Client, batch: &[Queued]) -> Result<Vec<i64>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "INSERT INTO cdc_relay_dead_letter \
+               (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
+                error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint) \
+             SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
+                    http_status, error, response_excerpt, attempts, to_timestamp(first_attempt_at), now(), endpoint \
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
+                         $7::int4[], $8::text[], $9::text[], $10::int4[], $11::float8[], $12::text[]) \
+                  WITH ORDINALITY AS r(event_id, aggregate_key, event_type, payload, payload_bytes, \
+                    commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint, n) \
+             ORDER BY n \
+             RETURNING id",
+            &[
+                &column(batch, |r| r.event_id.as_deref()),
+                &column(batch, |r| r.aggregate_key.as_deref()),
+                &column(batch, |r| r.event_type.as_deref()),
+                &column(batch, |r| r.payload.as_deref()),
+                &column(batch, |r| r.payload_bytes.as_deref()),
+                &column(batch, |r| r.commit_lsn.as_deref()),
+                &column(batch, |r| r.http_status),
+                &column(batch, |r| r.error.as_str()),
+                &column(batch, |r| r.response_excerpt.as_deref()),
+                &column(batch, |r| r.attempts),
+                &column(batch, |r| r.first_attempt_at),
+                &column(batch, |r| r.endpoint.as_deref()),
+            ],
+        )
+        .await?;
+    // Ids were taken in batch order (module doc), so ascending ids are the
+    // rows in batch order, whatever order RETURNING lists them in.
+    let mut ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    ids.sort_unstable();
+    debug_assert_eq!(ids.len(), batch.len(), "one id per row inserted");
+    Ok(ids)
+}
