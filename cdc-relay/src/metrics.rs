@@ -184,15 +184,6 @@ fn status_updates(r: &Registry) -> IntCounterVec {
     c
 }
 
-/// Latency buckets from 0.5 ms to 60 s, seconds.
-pub(crate) fn latency_buckets() -> Vec<f64> {
-    // Dense between 1 and 50 ms, where a healthy relay's deliveries land.
-    vec![
-        0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.035,
-        0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    ]
-}
-
 impl Metrics {
     /// A fresh registry with every relay metric registered.
     pub fn new() -> Self {
@@ -262,13 +253,13 @@ impl Metrics {
                 &r,
                 "cdc_relay_request_duration_seconds",
                 "Sink request duration, seconds",
-                latency_buckets(),
+                crate::endpoint_metrics::latency_buckets(),
             ),
             commit_to_delivery: histogram(
                 &r,
                 "cdc_relay_commit_to_delivery_seconds",
                 "Transaction commit time to the event's 2xx, seconds",
-                latency_buckets(),
+                crate::endpoint_metrics::latency_buckets(),
             ),
             in_flight: gauge(&r, "cdc_relay_in_flight", "Sink requests in flight"),
             pending_events: gauge(
