@@ -28,8 +28,15 @@ pub struct Metrics {
     pub commit_to_delivery: Histogram,
     /// Requests in flight now.
     pub in_flight: IntGauge,
-    /// Events admitted to the window and not yet done.
+    /// Events received and not yet done, once per endpoint an event goes
+    /// to (with a routes file, more than the window holds).
     pub pending_events: IntGauge,
+    /// `cdc_relay_window_events`: events the memory window holds, each once
+    /// however many endpoints it goes to (`--max-pending-events` at most).
+    pub window_events: IntGauge,
+    /// `cdc_relay_window_wait_seconds_total`: time the stream waited for
+    /// room in the memory window, seconds (it reads nothing meanwhile).
+    pub window_wait_seconds: prometheus::Counter,
     /// End LSN of the last transaction received (bytes).
     pub received_lsn: IntGauge,
     /// LSN last confirmed to the server (bytes).
@@ -265,8 +272,22 @@ impl Metrics {
             pending_events: gauge(
                 &r,
                 "cdc_relay_pending_events",
-                "Events received and not yet done",
+                "Events received and not yet done, once per endpoint an event goes to",
             ),
+            window_events: gauge(
+                &r,
+                "cdc_relay_window_events",
+                "Events the memory window holds (at most --max-pending-events)",
+            ),
+            window_wait_seconds: {
+                let c = prometheus::Counter::new(
+                    "cdc_relay_window_wait_seconds_total",
+                    "Time the stream waited for room in the memory window, seconds",
+                )
+                .expect("valid metric");
+                r.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
             received_lsn: gauge(
                 &r,
                 "cdc_relay_received_lsn",

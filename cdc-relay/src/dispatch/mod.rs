@@ -43,8 +43,8 @@ pub mod window;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashSet, VecDeque};
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
@@ -273,6 +273,7 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
         wal_budget: shared.wal_budget.clone(),
         window: shared.window.clone(),
         waited: VecDeque::new(),
+        running: Vec::new(),
     };
     for e in endpoints {
         e.breaker.new_session();
@@ -281,6 +282,7 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
         parking.parks.push(e.park.clone());
         parking.max_lags.push(e.cfg.max_lag);
         parking.auto_resume.push(e.cfg.auto_resume);
+        parking.running.push(HashMap::new());
         lane_metrics.push(endpoint.clone());
         deliveries.push(Arc::new(Delivery::new(DeliveryParts {
             cfg: e.cfg,
@@ -315,6 +317,8 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
     let mut items_open = true;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut resumes = Resumes::new(parking.parks.len());
+    // What the window's waits came to at the last tick (for the counter).
+    let mut window_waited = Duration::ZERO;
     for lane in 0..parking.parks.len() {
         resumes.start(lane, &parking, &deliveries);
     }
@@ -323,6 +327,7 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
             && let Some((ticket, (work, permit))) = scheduler.next_job()
         {
             let delivery = Arc::clone(&deliveries[ticket.lane]);
+            parking.started(ticket.lane, ticket.seq, &permit);
             running.spawn(async move {
                 match delivery.run(ticket.seq, work).await? {
                     Finished::Done => {
@@ -348,6 +353,7 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
             },
             Some(done) = running.join_next() => {
                 if let Some(ticket) = done.expect("delivery tasks do not panic")? {
+                    parking.completed(ticket.lane, ticket.seq);
                     scheduler.complete(ticket);
                 }
             }
@@ -374,6 +380,12 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
                     m.oldest_pending_age.set(age);
                     m.pending.set(i64::try_from(scheduler.lane_pending(lane)).unwrap_or(i64::MAX));
                 }
+                if let Some(w) = &parking.window {
+                    metrics.window_events.set(i64::try_from(w.held()).unwrap_or(i64::MAX));
+                    let waited = w.waited();
+                    metrics.window_wait_seconds.inc_by(waited.saturating_sub(window_waited).as_secs_f64());
+                    window_waited = waited;
+                }
                 for lane in parking.check(&scheduler, &lane_metrics) {
                     resumes.start(lane, &parking, &deliveries);
                 }
@@ -393,14 +405,38 @@ struct Parking {
     wal_budget: Option<RetainedWal>,
     window: Option<Window>,
     /// [`Window::waited`] at past checks, oldest first, back to the newest
-    /// at least [`park::WINDOW_STALL_SPAN`] old.
+    /// about [`park::WINDOW_STALL_SPAN`] old; cleared by a parking.
     waited: VecDeque<(Instant, Duration)>,
+    /// Per endpoint lane, the window permits of its running jobs, by job:
+    /// a running job that alone holds its event's permit (a strong count
+    /// of 1, its own) counts toward what the endpoint holds alone, as a
+    /// queued one does. Entries of jobs that were abandoned are pruned
+    /// when their permit is gone.
+    running: Vec<HashMap<u64, Weak<WindowPermit>>>,
 }
 
 impl Parking {
+    /// A job of `lane` holding `permit` started (noted only while the
+    /// window is watched).
+    fn started(&mut self, lane: usize, seq: u64, permit: &Arc<WindowPermit>) {
+        if self.window.is_none() {
+            return;
+        }
+        if let Some(r) = self.running.get_mut(lane) {
+            r.insert(seq, Arc::downgrade(permit));
+        }
+    }
+
+    /// A job of `lane` is complete.
+    fn completed(&mut self, lane: usize, seq: u64) {
+        if let Some(r) = self.running.get_mut(lane) {
+            r.remove(&seq);
+        }
+    }
+
     /// How much the source waited for room in the window over about the
     /// last [`park::WINDOW_STALL_SPAN`]; `None`: the window is not watched,
-    /// or not watched for that long yet.
+    /// or not watched for that long since the start or the last parking.
     fn window_full(&mut self) -> Option<WindowFull> {
         let w = self.window.as_ref()?;
         let now = Instant::now();
@@ -409,18 +445,29 @@ impl Parking {
         while self
             .waited
             .get(1)
-            .is_some_and(|(at, _)| now - *at >= park::WINDOW_STALL_SPAN)
+            .is_some_and(|(at, _)| now - *at >= park::WINDOW_STALL_MIN_SPAN)
         {
             self.waited.pop_front();
         }
         let (at, then) = *self.waited.front()?;
         let span = now - at;
-        (span >= park::WINDOW_STALL_SPAN).then(|| WindowFull {
+        (span >= park::WINDOW_STALL_MIN_SPAN).then(|| WindowFull {
             stalled: waited.saturating_sub(then),
             span,
             held: w.held(),
-            endpoints: self.parks.len(),
         })
+    }
+
+    /// Events of the window only `lane`'s jobs, queued or running, still
+    /// hold: every other endpoint is done with them (or never had them).
+    fn held_alone<P: Position>(&mut self, scheduler: &Scheduler<P, Job>, lane: usize) -> usize {
+        let queued = scheduler
+            .lane_queued(lane)
+            .filter(|(_, permit)| Arc::strong_count(permit) == 1)
+            .count();
+        let running = &mut self.running[lane];
+        running.retain(|_, p| p.strong_count() > 0);
+        queued + running.values().filter(|p| p.strong_count() == 1).count()
     }
 
     /// Parks the endpoints [`park::verdict`] names, logging each, and
@@ -432,26 +479,18 @@ impl Parking {
         metrics: &[EndpointMetrics],
     ) -> Vec<usize> {
         let window = self.window_full();
-        // Only this lane's job holds the event's permit: every other
-        // endpoint is done with it (or never had it).
-        let exclusive = |lane| {
-            scheduler
-                .lane_queued(lane)
-                .filter(|(_, permit)| Arc::strong_count(permit) == 1)
-                .count()
-        };
-        let lanes: Vec<LaneState> = self
-            .parks
-            .iter()
-            .zip(&self.max_lags)
-            .enumerate()
-            .map(|(lane, (park, max_lag))| LaneState {
+        let lanes: Vec<LaneState> = (0..self.parks.len())
+            .map(|lane| LaneState {
                 oldest_pending: scheduler
                     .lane_oldest_pending_since(lane)
                     .map(|t| t.elapsed()),
-                max_lag: *max_lag,
-                parked: park.is_parked(),
-                exclusive: if window.is_some() { exclusive(lane) } else { 0 },
+                max_lag: self.max_lags[lane],
+                parked: self.parks[lane].is_parked(),
+                exclusive: if window.is_some() {
+                    self.held_alone(scheduler, lane)
+                } else {
+                    0
+                },
             })
             .collect();
         let wal = self.wal_budget.as_mut().and_then(|w| {
@@ -481,6 +520,13 @@ impl Parking {
                 );
                 thrown.push(lane);
             }
+        }
+        if !thrown.is_empty() {
+            // The parked endpoint's events now leave the window: whether
+            // another endpoint holds more than its share is for a fresh
+            // span to show (a tester saw a healthy one parked a second
+            // after the culprit, on the stale one).
+            self.waited.clear();
         }
         thrown
     }

@@ -89,7 +89,8 @@ pub struct LaneState {
     /// Already parked.
     pub parked: bool,
     /// Events of the window only this endpoint still has to finish (its
-    /// jobs not yet started whose event is done at every other endpoint).
+    /// jobs, queued or running, whose event is done at every other
+    /// endpoint).
     pub exclusive: usize,
 }
 
@@ -102,8 +103,6 @@ pub struct WindowFull {
     pub span: Duration,
     /// Events the window holds.
     pub held: usize,
-    /// Endpoints sharing it (each one's share is `held / endpoints`).
-    pub endpoints: usize,
 }
 
 /// An endpoint holding more than its share of the window is parked once
@@ -113,6 +112,11 @@ pub struct WindowFull {
 /// endpoint that is slow rather than stopped lets the source in now and
 /// then, one event per event it finishes.
 pub const WINDOW_STALL_SPAN: Duration = Duration::from_secs(2);
+
+/// The shortest span a [`WindowFull`] reading may cover: the dispatcher
+/// samples once a second, so a span meant to be [`WINDOW_STALL_SPAN`] is
+/// 1.5 s to 2.5 s.
+pub const WINDOW_STALL_MIN_SPAN: Duration = Duration::from_millis(1500);
 
 /// The slot's retained WAL and the budget, bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,14 +141,17 @@ pub const BUDGET_MIN_AGE: Duration = Duration::from_secs(30);
 /// has waited at least [`BUDGET_MIN_AGE`] (one per reading: parking it
 /// lets the slot move, and later readings show whether that was enough);
 /// with the source held up by a full window (`window`: it waited at least
-/// half of the span, the span at least [`WINDOW_STALL_SPAN`]), the unparked
-/// endpoint with the most [`LaneState::exclusive`] events is, if that is
-/// more than its share (one per call: its events leave the window as they
-/// are parked).
+/// half of the span, the span at least [`WINDOW_STALL_MIN_SPAN`]), the
+/// unparked endpoint with the most [`LaneState::exclusive`] events is, if
+/// that is more than its share — the window divided among the endpoints
+/// not parked — and it is not the last of them (one per call: its events
+/// leave the window as they are parked, and the caller measures a fresh
+/// span before the next).
 ///
-/// Endpoints that are all merely slow share a full window evenly (an event
-/// routed to several is held by none of them alone), so none is parked:
-/// the relay is at its capacity, not held back by one endpoint.
+/// Endpoints that are equally slow on the same events hold a full window
+/// together (an event routed to several is held by none of them alone), so
+/// none is parked: the relay is at its capacity, not held back by one
+/// endpoint.
 pub fn verdict(
     lanes: &[LaneState],
     wal: Option<WalBudget>,
@@ -184,25 +191,29 @@ pub fn verdict(
             ));
         }
     }
-    let stalled =
-        |w: &WindowFull| w.span >= WINDOW_STALL_SPAN && w.stalled * 2 >= w.span && w.endpoints > 1;
-    if let Some(w) = window.filter(stalled) {
-        let most = lanes
+    let live: Vec<(usize, &LaneState)> = lanes
+        .iter()
+        .enumerate()
+        .filter(|(i, l)| !l.parked && !park.iter().any(|(p, _)| p == i))
+        .collect();
+    let stalled = |w: &WindowFull| w.span >= WINDOW_STALL_MIN_SPAN && w.stalled * 2 >= w.span;
+    if let Some(w) = window.filter(stalled)
+        && live.len() > 1
+    {
+        let most = live
             .iter()
-            .enumerate()
-            .filter(|(i, l)| !l.parked && !park.iter().any(|(p, _)| p == i))
-            .map(|(i, l)| (l.exclusive, i))
+            .map(|(i, l)| (l.exclusive, *i))
             .max()
-            .filter(|(held, _)| held * w.endpoints > w.held);
+            .filter(|(held, _)| held * live.len() > w.held);
         if let Some((held, i)) = most {
             park.push((
                 i,
                 format!(
-                    "the source waited {:.1}s of the last {:.1}s for room in the window (--max-pending-events, --max-pending-bytes) and this endpoint alone held {held} of its {} events, more than its share (1/{})",
+                    "the source waited {:.1}s of the last {:.1}s for room in the window (--max-pending-events, --max-pending-bytes) and this endpoint alone held {held} of the window's {} events, more than its share (1/{}, the endpoints not parked)",
                     w.stalled.as_secs_f64(),
                     w.span.as_secs_f64(),
                     w.held,
-                    w.endpoints
+                    live.len()
                 ),
             ));
         }
@@ -279,34 +290,37 @@ mod tests {
             exclusive,
             ..lane(Some(5), None, parked)
         };
-        let full = |secs, held, endpoints| WindowFull {
+        let full = |secs, held| WindowFull {
             stalled: Duration::from_secs(secs),
             span: Duration::from_secs(2),
             held,
-            endpoints,
         };
         let lanes = [
             holding(10, false),
             holding(700, true),
-            holding(500, false),
+            holding(340, false),
             holding(20, false),
         ];
-        let v = verdict(&lanes, None, Some(full(2, 1000, 4)));
+        let v = verdict(&lanes, None, Some(full(2, 1000)));
         assert_eq!(v.len(), 1, "{v:?}");
         assert_eq!(v[0].0, 2, "the most held alone, among the unparked");
-        assert!(v[0].1.contains("500 of its 1000"), "{}", v[0].1);
         assert!(
-            verdict(&lanes, None, Some(full(1, 1000, 4))).len() == 1,
+            v[0].1.contains("340 of the window's 1000") && v[0].1.contains("(1/3,"),
+            "shared by the three not parked: {}",
+            v[0].1
+        );
+        assert!(
+            verdict(&lanes, None, Some(full(1, 1000))).len() == 1,
             "held up half the span: a slow endpoint"
         );
         let burst = WindowFull {
             stalled: Duration::from_millis(999),
-            ..full(0, 1000, 4)
+            ..full(0, 1000)
         };
         assert!(verdict(&lanes, None, Some(burst)).is_empty(), "a burst");
         let early = WindowFull {
-            span: Duration::from_secs(1),
-            ..full(1, 1000, 4)
+            span: Duration::from_millis(1400),
+            ..full(1, 1000)
         };
         assert!(
             verdict(&lanes, None, Some(early)).is_empty(),
@@ -314,18 +328,23 @@ mod tests {
         );
         let even = [holding(250, false), holding(250, false)];
         assert!(
-            verdict(&even, None, Some(full(2, 500, 2))).is_empty(),
+            verdict(&even, None, Some(full(2, 500))).is_empty(),
             "at its share, not above"
         );
         let fanned = [holding(0, false), holding(0, false), holding(3, false)];
         assert!(
-            verdict(&fanned, None, Some(full(2, 1000, 3))).is_empty(),
-            "all slow on the same events: at capacity, nobody to blame"
+            verdict(&fanned, None, Some(full(2, 1000))).is_empty(),
+            "equally slow on the same events: at capacity, nobody to blame"
         );
         let alone = [holding(1000, false)];
         assert!(
-            verdict(&alone, None, Some(full(2, 1000, 1))).is_empty(),
+            verdict(&alone, None, Some(full(2, 1000))).is_empty(),
             "one endpoint has nobody to be isolated from"
+        );
+        let last = [holding(10, true), holding(990, false)];
+        assert!(
+            verdict(&last, None, Some(full(2, 1000))).is_empty(),
+            "nor has the last one not parked"
         );
         let lagging = [
             LaneState {
@@ -333,14 +352,17 @@ mod tests {
                 ..lane(Some(61), Some(60), false)
             },
             holding(800, false),
+            holding(0, false),
         ];
-        let v = verdict(&lagging, None, Some(full(2, 1000, 2)));
+        let v = verdict(&lagging, None, Some(full(2, 1000)));
         let parked: Vec<usize> = v.iter().map(|(i, _)| *i).collect();
         assert_eq!(
             parked,
             [0, 1],
-            "one for lag, then the most of the rest: {v:?}"
+            "one for lag, then the most of the two left: {v:?}"
         );
+        let v = verdict(&lagging[..2], None, Some(full(2, 1000)));
+        assert_eq!(v.len(), 1, "one for lag; the other is the last: {v:?}");
     }
 
     #[test]

@@ -537,12 +537,14 @@ async fn an_endpoint_holding_the_window_alone_is_parked_and_the_others_go_on() {
         .await
         .unwrap()
         .get(0);
-    assert!(why.contains("more than its share (1/2)"), "{why}");
+    assert!(why.contains("more than its share (1/2,"), "{why}");
     let m = relay.metrics().await.unwrap();
     assert_eq!(
         m.value("cdc_relay_endpoint_parked", &[("endpoint", "shipping")]),
         Some(0.0)
     );
+    let waited = m.value("cdc_relay_window_wait_seconds_total", &[]).unwrap();
+    assert!(waited >= 1.0, "the stream waited for room: {waited}s");
     drop(relay);
 }
 

@@ -13,6 +13,14 @@
 //! and so did the started-parked test ("a healthy but parked endpoint gets
 //! nothing live"); breaking only the first of the two, it passes: the
 //! breaker wait sees the switch before any attempt.
+//!
+//! The window share, each broken on purpose once: counting only an
+//! endpoint's queued jobs (not its running ones) as held alone, "frozen,
+//! all on the wire" failed (the window stayed full); keeping the stall
+//! span across a parking, the keeps-up test failed (b parked a second
+//! after a, holding 2 of the 3 events left); dividing the window among all
+//! endpoints rather than those not parked, the last-endpoint test failed
+//! (b parked after a, "1/1").
 
 use super::*;
 
@@ -183,14 +191,21 @@ async fn an_endpoint_started_parked_is_never_tried() {
 /// Sends `n` one-event transactions of type `T` (keys `k0`..`k4`), failing
 /// the test if the window keeps them out for more than `within`.
 async fn send_all(r: &mut Routed, n: usize, within: Duration) {
+    send_paced(r, n, within, Duration::ZERO).await;
+}
+
+/// As [`send_all`], one transaction every `pace` at most.
+async fn send_paced(r: &mut Routed, n: usize, within: Duration, pace: Duration) {
     let sent = tokio::time::timeout(within, async {
         for i in 0..n {
+            let next = Instant::now() + pace;
             r.tx(vec![typed(
                 &format!("e{i:03}"),
                 "T",
                 Some(&format!("k{}", i % 5)),
             )])
             .await;
+            tokio::time::sleep_until(next).await;
         }
     })
     .await;
@@ -203,7 +218,14 @@ async fn an_endpoint_holding_more_than_its_share_of_a_full_window_is_parked() {
     // 4 events/s (max_in_flight 4) where b and c take 200/s.
     let frozen = ScriptedSink::new(|_, _| (Duration::from_secs(4), 504));
     let slow = ScriptedSink::new(|_, _| (Duration::from_secs(1), 204));
-    for (how, a) in [("frozen", frozen), ("slow", slow)] {
+    // Frozen in a window no larger than its max_in_flight: every event it
+    // holds is on the wire or in backoff, none queued (a tester's case).
+    let running = ScriptedSink::new(|_, _| (Duration::from_secs(4), 504));
+    for (how, a, window) in [
+        ("frozen", frozen, 20),
+        ("slow", slow, 20),
+        ("frozen, all on the wire", running, 4),
+    ] {
         let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
         let c = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
         let mut r = Routed::start_windowed(
@@ -217,7 +239,7 @@ async fn an_endpoint_holding_more_than_its_share_of_a_full_window_is_parked() {
             None,
             (0..3).map(|_| park::Park::default()).collect(),
             false,
-            Window::new(20, 1 << 20),
+            Window::new(window, 1 << 20),
         );
         let started = Instant::now();
         send_all(&mut r, 100, Duration::from_secs(30)).await;
@@ -248,7 +270,7 @@ async fn an_endpoint_holding_more_than_its_share_of_a_full_window_is_parked() {
         );
         assert!(
             rows.iter()
-                .all(|r| r.error.contains("more than its share (1/3)")),
+                .all(|r| r.error.contains("more than its share (1/3,")),
             "{how}: {:?}",
             rows.first()
         );
@@ -256,6 +278,11 @@ async fn an_endpoint_holding_more_than_its_share_of_a_full_window_is_parked() {
             metrics
                 .render()
                 .contains("cdc_relay_endpoint_parked{endpoint=\"a\"} 1")
+        );
+        let stalled = metrics.window_wait_seconds.get();
+        assert!(
+            (1.0..=waited.as_secs_f64()).contains(&stalled),
+            "{how}: the stream waited {stalled}s for room, within {waited:?}"
         );
     }
 }
@@ -288,4 +315,70 @@ async fn endpoints_merely_slow_on_the_same_events_fill_the_window_and_nobody_is_
     );
     assert_eq!(ids(&a, 204).len(), 60);
     assert_eq!(ids(&b, 204).len(), 60);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_endpoint_that_keeps_up_is_not_parked_after_the_one_that_did_not() {
+    let frozen = ScriptedSink::new(|_, _| (Duration::from_secs(4), 504));
+    // 4 in flight at 60 ms: 66/s at most, for 50 events/s: busy, but
+    // keeping up.
+    let b = ScriptedSink::new(|_, _| (Duration::from_millis(60), 204));
+    let c = ScriptedSink::new(|_, _| (Duration::from_millis(1), 204));
+    let mut r = Routed::start_windowed(
+        vec![
+            ("a", Arc::clone(&frozen), vec!["*"]),
+            ("b", Arc::clone(&b), vec!["T"]),
+            ("c", Arc::clone(&c), vec!["T"]),
+        ],
+        Unrouted::DeadLetter,
+        &[],
+        None,
+        (0..3).map(|_| park::Park::default()).collect(),
+        false,
+        Window::new(20, 1 << 20),
+    );
+    send_paced(
+        &mut r,
+        200,
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+    )
+    .await;
+    let (_, rows, _) = r.finish().await;
+    let at = |name| rows_at(&rows, name).len();
+    assert!(at("a") >= 150, "a parked: {}", at("a"));
+    assert_eq!(
+        (at("b"), at("c")),
+        (0, 0),
+        "b and c keep up; only a held the window: {:?}",
+        rows.iter().find(|r| r.endpoint.as_deref() != Some("a"))
+    );
+    assert_eq!(ids(&b, 204).len(), 200);
+    assert_eq!(ids(&c, 204).len(), 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_last_endpoint_not_parked_is_never_parked_for_the_window() {
+    // Both slower than the traffic, on the same events, at unequal speeds:
+    // a holds the window alone and is parked; b is then the last one left
+    // and, however slow, has nobody to be isolated from.
+    let a = ScriptedSink::new(|_, _| (Duration::from_millis(400), 204));
+    let b = ScriptedSink::new(|_, _| (Duration::from_millis(200), 204));
+    let mut r = Routed::start_windowed(
+        vec![
+            ("a", Arc::clone(&a), vec!["*"]),
+            ("b", Arc::clone(&b), vec!["*"]),
+        ],
+        Unrouted::DeadLetter,
+        &[],
+        None,
+        (0..2).map(|_| park::Park::default()).collect(),
+        false,
+        Window::new(20, 1 << 20),
+    );
+    send_all(&mut r, 150, Duration::from_secs(120)).await;
+    let (_, rows, _) = r.finish().await;
+    assert!(!rows_at(&rows, "a").is_empty(), "a, the slower, parked");
+    assert!(rows_at(&rows, "b").is_empty(), "b never: {:?}", rows.last());
+    assert_eq!(ids(&b, 204).len(), 150);
 }
