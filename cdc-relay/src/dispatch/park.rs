@@ -9,9 +9,11 @@
 //! event, the one pinning the slot); or when the source spent at least
 //! half of the last [`WINDOW_STALL_SPAN`] waiting for room in the window
 //! and one endpoint alone holds more than its share of it (the one holding
-//! the most), which is what gives each endpoint its own window share. [`verdict`] decides, free of I/O;
-//! [`Park`] is the switch the dispatcher throws and the endpoint's
-//! deliveries watch.
+//! the most), which is what gives each endpoint its own window share.
+//! [`verdict`] decides, free of I/O; [`Park`] is the switch the dispatcher
+//! throws and the endpoint's deliveries watch; [`Parking`] is the
+//! dispatcher's side, which gathers each endpoint's state once a second and
+//! throws the switches.
 //!
 //! The way back is [`crate::dispatch::resume`]: while parked, the
 //! endpoint's parked rows are replayed oldest first, and the dispatcher
@@ -19,10 +21,17 @@
 //! "manual"` it stays parked for the life of the process; a relay starts an
 //! endpoint parked while the dead-letter table holds parked rows of it.
 
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::scheduler::Scheduler;
+use super::{Job, RetainedWal, Window, WindowPermit};
+use crate::ack::Position;
+use crate::endpoint_metrics::EndpointMetrics;
 
 /// One endpoint's parking switch, shared by the dispatcher (which throws
 /// it and turns it back) and the endpoint's deliveries (which watch it).
@@ -219,6 +228,144 @@ pub fn verdict(
         }
     }
     park
+}
+
+/// The endpoints' parking switches and what throws them.
+pub(super) struct Parking {
+    /// One per endpoint lane.
+    pub(super) parks: Vec<Park>,
+    /// Each endpoint's `max_lag`.
+    pub(super) max_lags: Vec<Option<Duration>>,
+    /// Each endpoint's `resume` setting (`true`: auto).
+    pub(super) auto_resume: Vec<bool>,
+    pub(super) wal_budget: Option<RetainedWal>,
+    pub(super) window: Option<Window>,
+    /// [`Window::waited`] at past checks, oldest first, back to the newest
+    /// about [`WINDOW_STALL_SPAN`] old; cleared by a parking.
+    pub(super) waited: VecDeque<(Instant, Duration)>,
+    /// Per endpoint lane, the window permits of its running jobs, by job:
+    /// a running job that alone holds its event's permit (a strong count
+    /// of 1, its own) counts toward what the endpoint holds alone, as a
+    /// queued one does. Entries of jobs that were abandoned are pruned
+    /// when their permit is gone.
+    pub(super) running: Vec<HashMap<u64, Weak<WindowPermit>>>,
+}
+
+impl Parking {
+    /// A job of `lane` holding `permit` started (noted only while the
+    /// window is watched).
+    pub(super) fn started(&mut self, lane: usize, seq: u64, permit: &Arc<WindowPermit>) {
+        if self.window.is_none() {
+            return;
+        }
+        if let Some(r) = self.running.get_mut(lane) {
+            r.insert(seq, Arc::downgrade(permit));
+        }
+    }
+
+    /// A job of `lane` is complete.
+    pub(super) fn completed(&mut self, lane: usize, seq: u64) {
+        if let Some(r) = self.running.get_mut(lane) {
+            r.remove(&seq);
+        }
+    }
+
+    /// How much the source waited for room in the window over about the
+    /// last [`WINDOW_STALL_SPAN`]; `None`: the window is not watched,
+    /// or not watched for that long since the start or the last parking.
+    fn window_full(&mut self) -> Option<WindowFull> {
+        let w = self.window.as_ref()?;
+        let now = Instant::now();
+        let waited = w.waited();
+        self.waited.push_back((now, waited));
+        while self
+            .waited
+            .get(1)
+            .is_some_and(|(at, _)| now - *at >= WINDOW_STALL_MIN_SPAN)
+        {
+            self.waited.pop_front();
+        }
+        let (at, then) = *self.waited.front()?;
+        let span = now - at;
+        (span >= WINDOW_STALL_MIN_SPAN).then(|| WindowFull {
+            stalled: waited.saturating_sub(then),
+            span,
+            held: w.held(),
+        })
+    }
+
+    /// Events of the window only `lane`'s jobs, queued or running, still
+    /// hold: every other endpoint is done with them (or never had them).
+    fn held_alone<P: Position>(&mut self, scheduler: &Scheduler<P, Job>, lane: usize) -> usize {
+        let queued = scheduler
+            .lane_queued(lane)
+            .filter(|(_, permit)| Arc::strong_count(permit) == 1)
+            .count();
+        let running = &mut self.running[lane];
+        running.retain(|_, p| p.strong_count() > 0);
+        queued + running.values().filter(|p| p.strong_count() == 1).count()
+    }
+
+    /// Parks the endpoints [`park::verdict`] names, logging each, and
+    /// returns their lanes. The WAL budget is checked once per new reading
+    /// of the slot monitor.
+    pub(super) fn check<P: Position>(
+        &mut self,
+        scheduler: &Scheduler<P, Job>,
+        metrics: &[EndpointMetrics],
+    ) -> Vec<usize> {
+        let window = self.window_full();
+        let lanes: Vec<LaneState> = (0..self.parks.len())
+            .map(|lane| LaneState {
+                oldest_pending: scheduler
+                    .lane_oldest_pending_since(lane)
+                    .map(|t| t.elapsed()),
+                max_lag: self.max_lags[lane],
+                parked: self.parks[lane].is_parked(),
+                exclusive: if window.is_some() {
+                    self.held_alone(scheduler, lane)
+                } else {
+                    0
+                },
+            })
+            .collect();
+        let wal = self.wal_budget.as_mut().and_then(|w| {
+            if !w.retained.has_changed().unwrap_or(false) {
+                return None;
+            }
+            let retained = (*w.retained.borrow_and_update())?;
+            Some(WalBudget {
+                retained,
+                budget: w.budget,
+            })
+        });
+        let mut thrown = Vec::new();
+        for (lane, why) in verdict(&lanes, wal, window) {
+            if self.parks[lane].throw(why) {
+                let m = &metrics[lane];
+                m.parked.set(1);
+                let back = if self.auto_resume[lane] {
+                    "the relay replays them and returns it to live delivery once the endpoint answers again"
+                } else {
+                    "it stays parked (resume = \"manual\") until they are replayed with the relay stopped"
+                };
+                tracing::error!(
+                    endpoint = %m.name(), why = %self.parks[lane].why(), pending = scheduler.lane_pending(lane),
+                    "endpoint parked: its pending and new events go to the dead-letter table with reason \"parked\" so the slot moves on; \
+                     {back} (docs/operations.md#a-parked-endpoint)"
+                );
+                thrown.push(lane);
+            }
+        }
+        if !thrown.is_empty() {
+            // The parked endpoint's events now leave the window: whether
+            // another endpoint holds more than its share is for a fresh
+            // span to show (a tester saw a healthy one parked a second
+            // after the culprit, on the stale one).
+            self.waited.clear();
+        }
+        thrown
+    }
 }
 
 #[cfg(test)]

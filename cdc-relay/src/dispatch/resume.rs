@@ -46,9 +46,10 @@ use tokio::sync::{mpsc, oneshot};
 
 use tokio::task::JoinSet;
 
+use super::DispatchError;
 use super::delivery::{Delivery, Tried, unix_micros};
+use super::park::Parking;
 use super::scheduler::Scheduler;
-use super::{DispatchError, Parking};
 use crate::ack::Position;
 use crate::deadletter::{DeadLetterStore, NewDeadLetter, ParkedRow, StoreError};
 use crate::endpoint_metrics::EndpointMetrics;
