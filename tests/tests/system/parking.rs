@@ -59,6 +59,30 @@ async fn start(stack: &Stack, path: &std::path::Path) -> Running {
     relay
 }
 
+/// A relay on [`routes_file`]'s endpoints with billing's `resume` and,
+/// instead of its `max_lag` line, `billing` (`(resume, lines)`), started
+/// with `args` besides `--backoff-cap 200ms`; streaming when it returns.
+async fn start_variant(
+    stack: &Stack,
+    dir: &std::path::Path,
+    sinks: &[ScriptedSink],
+    billing: (&str, &str),
+    args: &[&str],
+) -> Running {
+    let text = std::fs::read_to_string(routes_file(dir, sinks, billing.0))
+        .unwrap()
+        .replace("max_lag = \"3s\"\n", billing.1);
+    let path = dir.join("variant.toml");
+    std::fs::write(&path, text).unwrap();
+    let mut all = vec!["--backoff-cap", "200ms"];
+    all.extend_from_slice(args);
+    let relay = app::start_relay_with_routes(stack, &path, &all, &SECRETS)
+        .await
+        .unwrap();
+    app::wait_streaming(&relay).await.unwrap();
+    relay
+}
+
 /// `txs` transactions of two events each over `aggregates`.
 async fn commit(db: &Client, aggregates: &[uuid::Uuid], txs: usize, from: usize) -> Vec<Expected> {
     let mut out = Vec::new();
@@ -257,27 +281,14 @@ async fn over_the_wal_budget_the_endpoint_pinning_the_slot_is_parked() {
         ScriptedSink::start().await.unwrap(),
     ];
     let dir = tempfile::tempdir().unwrap();
-    let text = std::fs::read_to_string(routes_file(dir.path(), &sinks, "auto"))
-        .unwrap()
-        .replace("max_lag = \"3s\"\n", "");
-    let path = dir.path().join("budget.toml");
-    std::fs::write(&path, text).unwrap();
-    let relay = app::start_relay_with_routes(
+    let relay = start_variant(
         &stack,
-        &path,
-        &[
-            "--backoff-cap",
-            "200ms",
-            "--slot-stats-interval",
-            "1s",
-            "--max-retained-wal",
-            "4MiB",
-        ],
-        &SECRETS,
+        dir.path(),
+        &sinks,
+        ("auto", ""),
+        &["--slot-stats-interval", "1s", "--max-retained-wal", "4MiB"],
     )
-    .await
-    .unwrap();
-    app::wait_streaming(&relay).await.unwrap();
+    .await;
     let db = stack.orders_admin().await.unwrap();
     let aggregates = [oracle::expected::insert_order(&db).await.unwrap()];
     sinks[0].set_status(503);
@@ -492,20 +503,14 @@ async fn an_endpoint_holding_the_window_alone_is_parked_and_the_others_go_on() {
         ScriptedSink::start().await.unwrap(),
     ];
     let dir = tempfile::tempdir().unwrap();
-    let text = std::fs::read_to_string(routes_file(dir.path(), &sinks, "manual"))
-        .unwrap()
-        .replace("max_lag = \"3s\"\n", "request_timeout = \"1s\"\n");
-    let path = dir.path().join("window.toml");
-    std::fs::write(&path, text).unwrap();
-    let relay = app::start_relay_with_routes(
+    let relay = start_variant(
         &stack,
-        &path,
-        &["--backoff-cap", "200ms", "--max-pending-events", "20"],
-        &SECRETS,
+        dir.path(),
+        &sinks,
+        ("manual", "request_timeout = \"1s\"\n"),
+        &["--max-pending-events", "20"],
     )
-    .await
-    .unwrap();
-    app::wait_streaming(&relay).await.unwrap();
+    .await;
     let db = stack.orders_admin().await.unwrap();
     let mut aggregates = Vec::new();
     for _ in 0..4 {

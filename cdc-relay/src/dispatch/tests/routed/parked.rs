@@ -188,6 +188,21 @@ async fn an_endpoint_started_parked_is_never_tried() {
     );
 }
 
+/// `lanes` (every one live, `resume = "manual"`, no `max_lag`, no WAL
+/// budget) behind a window of `events` events.
+fn windowed(lanes: Vec<(&str, Arc<ScriptedSink>, Vec<&str>)>, events: usize) -> Routed {
+    let parks = lanes.iter().map(|_| park::Park::default()).collect();
+    Routed::start_windowed(
+        lanes,
+        Unrouted::DeadLetter,
+        &[],
+        None,
+        parks,
+        false,
+        Window::new(events, 1 << 20),
+    )
+}
+
 /// Sends `n` one-event transactions of type `T` (keys `k0`..`k4`), failing
 /// the test if the window keeps them out for more than `within`.
 async fn send_all(r: &mut Routed, n: usize, within: Duration) {
@@ -228,18 +243,13 @@ async fn an_endpoint_holding_more_than_its_share_of_a_full_window_is_parked() {
     ] {
         let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
         let c = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
-        let mut r = Routed::start_windowed(
+        let mut r = windowed(
             vec![
                 ("a", Arc::clone(&a), vec!["*"]),
                 ("b", Arc::clone(&b), vec!["T"]),
                 ("c", Arc::clone(&c), vec!["T"]),
             ],
-            Unrouted::DeadLetter,
-            &[],
-            None,
-            (0..3).map(|_| park::Park::default()).collect(),
-            false,
-            Window::new(window, 1 << 20),
+            window,
         );
         let started = Instant::now();
         send_all(&mut r, 100, Duration::from_secs(30)).await;
@@ -291,17 +301,12 @@ async fn an_endpoint_holding_more_than_its_share_of_a_full_window_is_parked() {
 async fn endpoints_merely_slow_on_the_same_events_fill_the_window_and_nobody_is_parked() {
     let a = ScriptedSink::new(|_, _| (Duration::from_secs(1), 204));
     let b = ScriptedSink::new(|_, _| (Duration::from_millis(900), 204));
-    let mut r = Routed::start_windowed(
+    let mut r = windowed(
         vec![
             ("a", Arc::clone(&a), vec!["*"]),
             ("b", Arc::clone(&b), vec!["*"]),
         ],
-        Unrouted::DeadLetter,
-        &[],
-        None,
-        (0..2).map(|_| park::Park::default()).collect(),
-        false,
-        Window::new(20, 1 << 20),
+        20,
     );
     // Five aggregates, one at a time each: five per second at best, so the
     // window of 20 is full for most of the run.
@@ -324,18 +329,13 @@ async fn an_endpoint_that_keeps_up_is_not_parked_after_the_one_that_did_not() {
     // keeping up.
     let b = ScriptedSink::new(|_, _| (Duration::from_millis(60), 204));
     let c = ScriptedSink::new(|_, _| (Duration::from_millis(1), 204));
-    let mut r = Routed::start_windowed(
+    let mut r = windowed(
         vec![
             ("a", Arc::clone(&frozen), vec!["*"]),
             ("b", Arc::clone(&b), vec!["T"]),
             ("c", Arc::clone(&c), vec!["T"]),
         ],
-        Unrouted::DeadLetter,
-        &[],
-        None,
-        (0..3).map(|_| park::Park::default()).collect(),
-        false,
-        Window::new(20, 1 << 20),
+        20,
     );
     send_paced(
         &mut r,
@@ -364,17 +364,12 @@ async fn the_last_endpoint_not_parked_is_never_parked_for_the_window() {
     // and, however slow, has nobody to be isolated from.
     let a = ScriptedSink::new(|_, _| (Duration::from_millis(400), 204));
     let b = ScriptedSink::new(|_, _| (Duration::from_millis(200), 204));
-    let mut r = Routed::start_windowed(
+    let mut r = windowed(
         vec![
             ("a", Arc::clone(&a), vec!["*"]),
             ("b", Arc::clone(&b), vec!["*"]),
         ],
-        Unrouted::DeadLetter,
-        &[],
-        None,
-        (0..2).map(|_| park::Park::default()).collect(),
-        false,
-        Window::new(20, 1 << 20),
+        20,
     );
     send_all(&mut r, 150, Duration::from_secs(120)).await;
     let (_, rows, _) = r.finish().await;
