@@ -28,7 +28,7 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::Client;
 
-use super::store::Stored;
+use super::store::{Stored, insert_rows};
 use super::{DeadLetterStore, NewDeadLetter, ParkedRow, StoreError};
 
 /// Most rows one statement inserts.
@@ -121,7 +121,8 @@ async fn write(client: Arc<Client>, mut rows: mpsc::UnboundedReceiver<Queued>) {
         if batch.is_empty() {
             continue;
         }
-        let ids = insert_all(&client, &batch)
+        let rows: Vec<&Stored> = batch.iter().map(|q| &q.row).collect();
+        let ids = insert_rows(&client, &rows)
             .await
             .map_err(|e| StoreError::of(&client, &e));
         answer(batch, ids);
@@ -179,50 +180,4 @@ fn answer(batch: Vec<Queued>, ids: Result<Vec<i64>, StoreError>) {
             }
         }
     }
-}
-
-/// One column of `batch`, as a statement parameter (an array).
-fn column<'a, T>(batch: &'a [Queued], value: impl Fn(&'a Stored) -> T) -> Vec<T> {
-    batch.iter().map(|q| value(&q.row)).collect()
-}
-
-/// Inserts the rows of `batch` in one statement, in batch order; returns
-/// their ids in that order. The values are the single insert's
-/// (`store::insert`), passed as one array per column.
-async fn insert_all(client: &Client, batch: &[Queued]) -> Result<Vec<i64>, tokio_postgres::Error> {
-    let rows = client
-        .query(
-            "INSERT INTO cdc_relay_dead_letter \
-               (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
-                error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint) \
-             SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
-                    http_status, error, response_excerpt, attempts, to_timestamp(first_attempt_at), now(), endpoint \
-             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
-                         $7::int4[], $8::text[], $9::text[], $10::int4[], $11::float8[], $12::text[]) \
-                  WITH ORDINALITY AS r(event_id, aggregate_key, event_type, payload, payload_bytes, \
-                    commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint, n) \
-             ORDER BY n \
-             RETURNING id",
-            &[
-                &column(batch, |r| r.event_id.as_deref()),
-                &column(batch, |r| r.aggregate_key.as_deref()),
-                &column(batch, |r| r.event_type.as_deref()),
-                &column(batch, |r| r.payload.as_deref()),
-                &column(batch, |r| r.payload_bytes.as_deref()),
-                &column(batch, |r| r.commit_lsn.as_deref()),
-                &column(batch, |r| r.http_status),
-                &column(batch, |r| r.error.as_str()),
-                &column(batch, |r| r.response_excerpt.as_deref()),
-                &column(batch, |r| r.attempts),
-                &column(batch, |r| r.first_attempt_at),
-                &column(batch, |r| r.endpoint.as_deref()),
-            ],
-        )
-        .await?;
-    // Ids were taken in batch order (module doc), so ascending ids are the
-    // rows in batch order, whatever order RETURNING lists them in.
-    let mut ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-    ids.sort_unstable();
-    debug_assert_eq!(ids.len(), batch.len(), "one id per row inserted");
-    Ok(ids)
 }

@@ -104,8 +104,8 @@ impl DeadLetterStore for Client {
 /// A dead-letter row's column values as stored: text made [`storable`], a
 /// payload that is not UTF-8 or holds a NUL in `payload_bytes` as it is,
 /// the commit LSN as text (the statement casts it to `pg_lsn`), the first
-/// attempt in seconds since the Unix epoch (for `to_timestamp`). The single
-/// insert and [`super::GroupedStore`]'s batches store the same values.
+/// attempt in seconds since the Unix epoch (for `to_timestamp`). What
+/// [`insert_rows`] writes, for one row or a batch.
 #[derive(Clone, Debug)]
 pub(super) struct Stored {
     pub(super) event_id: Option<String>,
@@ -153,31 +153,59 @@ impl Stored {
 }
 
 /// Inserts a dead-letter row; returns its id. One statement, so the row is
-/// committed when this returns `Ok`.
+/// committed when this returns `Ok`: the statement of
+/// [`super::GroupedStore`]'s batches, with one row.
 async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgres::Error> {
-    let s = Stored::of(d);
-    let row = client
-        .query_one(
+    let ids = insert_rows(client, &[&Stored::of(d)]).await?;
+    Ok(ids[0])
+}
+
+/// One column of `rows`, as a statement parameter (an array).
+fn column<'a, T>(rows: &[&'a Stored], value: impl Fn(&'a Stored) -> T) -> Vec<T> {
+    rows.iter().map(|r| value(r)).collect()
+}
+
+/// Inserts `rows` in one statement, in their order; returns their ids in
+/// that order. Ids are taken in that order: the rows are inserted `ORDER
+/// BY` their position, and the `id` default (`nextval`) is evaluated once
+/// per row as they arrive (`deadletter::grouped`'s module doc).
+pub(super) async fn insert_rows(
+    client: &Client,
+    rows: &[&Stored],
+) -> Result<Vec<i64>, tokio_postgres::Error> {
+    let inserted = client
+        .query(
             "INSERT INTO cdc_relay_dead_letter \
                (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
                 error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint) \
-             VALUES ($1, $2, $3, $4, $5, $6::text::pg_lsn, $7, $8, $9, $10, to_timestamp($11), now(), $12) \
+             SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
+                    http_status, error, response_excerpt, attempts, to_timestamp(first_attempt_at), now(), endpoint \
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
+                         $7::int4[], $8::text[], $9::text[], $10::int4[], $11::float8[], $12::text[]) \
+                  WITH ORDINALITY AS r(event_id, aggregate_key, event_type, payload, payload_bytes, \
+                    commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint, n) \
+             ORDER BY n \
              RETURNING id",
             &[
-                &s.event_id,
-                &s.aggregate_key,
-                &s.event_type,
-                &s.payload,
-                &s.payload_bytes,
-                &s.commit_lsn,
-                &s.http_status,
-                &s.error,
-                &s.response_excerpt,
-                &s.attempts,
-                &s.first_attempt_at,
-                &s.endpoint,
+                &column(rows, |r| r.event_id.as_deref()),
+                &column(rows, |r| r.aggregate_key.as_deref()),
+                &column(rows, |r| r.event_type.as_deref()),
+                &column(rows, |r| r.payload.as_deref()),
+                &column(rows, |r| r.payload_bytes.as_deref()),
+                &column(rows, |r| r.commit_lsn.as_deref()),
+                &column(rows, |r| r.http_status),
+                &column(rows, |r| r.error.as_str()),
+                &column(rows, |r| r.response_excerpt.as_deref()),
+                &column(rows, |r| r.attempts),
+                &column(rows, |r| r.first_attempt_at),
+                &column(rows, |r| r.endpoint.as_deref()),
             ],
         )
         .await?;
-    Ok(row.get(0))
+    // Ids were taken in row order, so ascending ids are the rows in order,
+    // whatever order RETURNING lists them in.
+    let mut ids: Vec<i64> = inserted.iter().map(|r| r.get(0)).collect();
+    ids.sort_unstable();
+    debug_assert_eq!(ids.len(), rows.len(), "one id per row inserted");
+    Ok(ids)
 }
