@@ -26,6 +26,8 @@ use ::harness::stack::Stack;
 use ::harness::{PgCluster, wait_until};
 use tokio_postgres::Client;
 
+mod stopped;
+
 /// Bound for the WAL budget to park an endpoint: its oldest event waits
 /// 30 s first, then the next slot reading (every 1 s here).
 const PARK_BY: std::time::Duration = std::time::Duration::from_secs(90);
@@ -81,6 +83,18 @@ async fn start_variant(
         .unwrap();
     app::wait_streaming(&relay).await.unwrap();
     relay
+}
+
+/// A stack set up for the relay, billing's and shipping's sinks, and a
+/// directory for the routes file.
+async fn two_sinks() -> (Stack, Vec<ScriptedSink>, tempfile::TempDir) {
+    let stack = PgCluster::shared().create_stack().await.unwrap();
+    app::relay_setup(&stack).await.unwrap();
+    let sinks = vec![
+        ScriptedSink::start().await.unwrap(),
+        ScriptedSink::start().await.unwrap(),
+    ];
+    (stack, sinks, tempfile::tempdir().unwrap())
 }
 
 /// `txs` transactions of two events each over `aggregates`.
@@ -148,13 +162,7 @@ async fn parked_rows(db: &Client) -> Vec<String> {
 /// `resume = "manual"`: the way back is the operator's.
 #[tokio::test]
 async fn a_dead_endpoint_is_parked_the_slot_moves_and_it_comes_back_in_order() {
-    let stack = PgCluster::shared().create_stack().await.unwrap();
-    app::relay_setup(&stack).await.unwrap();
-    let sinks = vec![
-        ScriptedSink::start().await.unwrap(),
-        ScriptedSink::start().await.unwrap(),
-    ];
-    let dir = tempfile::tempdir().unwrap();
+    let (stack, sinks, dir) = two_sinks().await;
     let path = routes_file(dir.path(), &sinks, "manual");
     let relay = start(&stack, &path).await;
     let db = stack.orders_admin().await.unwrap();
@@ -274,13 +282,7 @@ async fn a_dead_endpoint_is_parked_the_slot_moves_and_it_comes_back_in_order() {
 /// then moves and shipping never notices.
 #[tokio::test]
 async fn over_the_wal_budget_the_endpoint_pinning_the_slot_is_parked() {
-    let stack = PgCluster::shared().create_stack().await.unwrap();
-    app::relay_setup(&stack).await.unwrap();
-    let sinks = vec![
-        ScriptedSink::start().await.unwrap(),
-        ScriptedSink::start().await.unwrap(),
-    ];
-    let dir = tempfile::tempdir().unwrap();
+    let (stack, sinks, dir) = two_sinks().await;
     let relay = start_variant(
         &stack,
         dir.path(),
@@ -346,13 +348,7 @@ async fn over_the_wal_budget_the_endpoint_pinning_the_slot_is_parked() {
 /// restart": the backlog was left behind while events went live).
 #[tokio::test]
 async fn a_parked_endpoint_that_answers_again_is_resumed_by_the_relay() {
-    let stack = PgCluster::shared().create_stack().await.unwrap();
-    app::relay_setup(&stack).await.unwrap();
-    let sinks = vec![
-        ScriptedSink::start().await.unwrap(),
-        ScriptedSink::start().await.unwrap(),
-    ];
-    let dir = tempfile::tempdir().unwrap();
+    let (stack, sinks, dir) = two_sinks().await;
     let path = routes_file(dir.path(), &sinks, "auto");
     let relay = start(&stack, &path).await;
     let db = stack.orders_admin().await.unwrap();
@@ -496,13 +492,7 @@ async fn a_parked_endpoint_that_answers_again_is_resumed_by_the_relay() {
 /// settle timed out with shipping stalled behind billing).
 #[tokio::test]
 async fn an_endpoint_holding_the_window_alone_is_parked_and_the_others_go_on() {
-    let stack = PgCluster::shared().create_stack().await.unwrap();
-    app::relay_setup(&stack).await.unwrap();
-    let sinks = vec![
-        ScriptedSink::start().await.unwrap(),
-        ScriptedSink::start().await.unwrap(),
-    ];
-    let dir = tempfile::tempdir().unwrap();
+    let (stack, sinks, dir) = two_sinks().await;
     let relay = start_variant(
         &stack,
         dir.path(),
@@ -550,165 +540,5 @@ async fn an_endpoint_holding_the_window_alone_is_parked_and_the_others_go_on() {
     );
     let waited = m.value("cdc_relay_window_wait_seconds_total", &[]).unwrap();
     assert!(waited >= 1.0, "the stream waited for room: {waited}s");
-    drop(relay);
-}
-
-/// A sink in a process of its own (`bench sink-worker`): it answers 204
-/// and lists the ids it answered, in order, at `GET /received`.
-struct SinkProcess {
-    process: ::harness::ServiceProcess,
-    base: String,
-}
-
-impl SinkProcess {
-    async fn start() -> SinkProcess {
-        let process =
-            ::harness::ServiceProcess::spawn(env!("CARGO_BIN_EXE_bench"), &["sink-worker"], &[])
-                .unwrap();
-        let base = process
-            .listen_addr(std::time::Duration::from_secs(30))
-            .await
-            .unwrap();
-        SinkProcess { process, base }
-    }
-
-    fn signal(&self, signal: nix::sys::signal::Signal) {
-        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.process.pid()).unwrap());
-        nix::sys::signal::kill(pid, signal).unwrap();
-    }
-
-    /// The ids answered, in the order answered (repeats included).
-    async fn received(&self) -> Vec<String> {
-        reqwest::get(format!("{}/received", self.base))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.split(' ').next().map(str::to_owned))
-            .collect()
-    }
-}
-
-/// The issue's proof with a stopped process: billing's sink is a process
-/// of its own, stopped with SIGSTOP (it keeps its sockets, the kernel
-/// keeps accepting, nothing is answered) while events keep coming, then
-/// continued. No `max_lag`: billing, holding the window alone, is parked;
-/// the slot moves past its events while it is stopped; once it answers
-/// again the relay replays its parked backlog and returns it to live
-/// delivery. Billing gets every event, each aggregate in commit order
-/// over its first receipts (a request it had read before it stopped may
-/// be answered again later: at-least-once), and no event after the
-/// backlog's before the backlog is through; shipping gets everything,
-/// in order. Broken on purpose once: with the resume task never asking
-/// for the handover (`Handover::Hold` not sent), it failed (billing stayed
-/// parked: "billing back live" timed out).
-#[tokio::test]
-async fn an_endpoint_whose_process_is_stopped_is_parked_then_back_in_order() {
-    use nix::sys::signal::Signal;
-    let stack = PgCluster::shared().create_stack().await.unwrap();
-    app::relay_setup(&stack).await.unwrap();
-    let billing = SinkProcess::start().await;
-    let shipping = ScriptedSink::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let text = format!(
-        "[[endpoint]]\nname = \"billing\"\nurl = \"{}/inbox\"\nevent_types = [\"*\"]\nsecret_env = {:?}\nrequest_timeout = \"1s\"\nprobe_interval = \"200ms\"\n\n\
-         [[endpoint]]\nname = \"shipping\"\nurl = {:?}\nevent_types = [\"*\"]\nsecret_env = {:?}\n",
-        billing.base, SECRETS[0].0, shipping.url, SECRETS[1].0
-    );
-    let path = dir.path().join("stopped.toml");
-    std::fs::write(&path, text).unwrap();
-    let relay = app::start_relay_with_routes(
-        &stack,
-        &path,
-        &["--backoff-cap", "200ms", "--max-pending-events", "30"],
-        &SECRETS,
-    )
-    .await
-    .unwrap();
-    app::wait_streaming(&relay).await.unwrap();
-    let db = stack.orders_admin().await.unwrap();
-    let mut aggregates = Vec::new();
-    for _ in 0..4 {
-        aggregates.push(oracle::expected::insert_order(&db).await.unwrap());
-    }
-    let mut events = commit(&db, &aggregates, 5, 0).await;
-    oracle::settle(&db, &stack.slot).await.unwrap();
-
-    billing.signal(Signal::SIGSTOP);
-    events.extend(commit(&db, &aggregates, 40, 10).await);
-    oracle::settle(&db, &stack.slot).await.unwrap();
-    let parked = parked_rows(&db).await;
-    assert!(
-        parked.len() >= 40,
-        "billing's events parked while it is stopped: {}",
-        parked.len()
-    );
-    let m = relay.metrics().await.unwrap();
-    assert_eq!(
-        m.value("cdc_relay_endpoint_parked", &[("endpoint", "billing")]),
-        Some(1.0)
-    );
-
-    billing.signal(Signal::SIGCONT);
-    wait_until("billing back live", PARK_BY, || async {
-        let m = relay.metrics().await.unwrap();
-        m.value("cdc_relay_endpoint_parked", &[("endpoint", "billing")]) == Some(0.0)
-    })
-    .await
-    .unwrap();
-    let backlog = events.len();
-    events.extend(commit(&db, &aggregates, 5, 90).await);
-    oracle::settle(&db, &stack.slot).await.unwrap();
-    let all: BTreeSet<String> = events.iter().map(|e| e.id.clone()).collect();
-    wait_until("billing has every event", PARK_BY, || async {
-        billing
-            .received()
-            .await
-            .into_iter()
-            .collect::<BTreeSet<_>>()
-            == all
-    })
-    .await
-    .unwrap();
-    assert!(
-        parked_rows(&db).await.is_empty(),
-        "the backlog was replayed"
-    );
-
-    let place: HashMap<&str, usize> = events
-        .iter()
-        .enumerate()
-        .map(|(n, e)| (e.id.as_str(), n))
-        .collect();
-    let mut seen = BTreeSet::new();
-    let mut last: HashMap<&str, usize> = HashMap::new();
-    let mut firsts = Vec::new();
-    for id in billing.received().await {
-        let n = *place
-            .get(id.as_str())
-            .unwrap_or_else(|| panic!("billing got an event never committed: {id}"));
-        if !seen.insert(id.clone()) {
-            continue;
-        }
-        let aggregate = events[n].aggregate.as_str();
-        if let Some(prev) = last.insert(aggregate, n) {
-            assert!(
-                n > prev,
-                "billing: aggregate {aggregate} went back in commit order (event #{n} first received after #{prev})"
-            );
-        }
-        firsts.push(n);
-    }
-    let first_live = firsts.iter().position(|n| *n >= backlog).unwrap();
-    assert!(
-        firsts[..first_live].len() == backlog,
-        "the whole backlog reached billing before any event committed after it came back"
-    );
-    let shipping: BTreeSet<String> = in_order("shipping", &shipping, &events)
-        .into_iter()
-        .collect();
-    assert_eq!(shipping, all, "shipping: everything");
     drop(relay);
 }
