@@ -114,6 +114,14 @@ pub struct WindowFull {
     pub held: usize,
 }
 
+impl WindowFull {
+    /// Whether the source was held up: it waited at least half of a span
+    /// of at least [`WINDOW_STALL_MIN_SPAN`].
+    pub fn held_up(&self) -> bool {
+        self.span >= WINDOW_STALL_MIN_SPAN && self.stalled * 2 >= self.span
+    }
+}
+
 /// An endpoint holding more than its share of the window is parked once
 /// the source has spent at least half of this long waiting for room: a
 /// burst the endpoints clear sooner parks nobody, and the others wait
@@ -205,8 +213,7 @@ pub fn verdict(
         .enumerate()
         .filter(|(i, l)| !l.parked && !park.iter().any(|(p, _)| p == i))
         .collect();
-    let stalled = |w: &WindowFull| w.span >= WINDOW_STALL_MIN_SPAN && w.stalled * 2 >= w.span;
-    if let Some(w) = window.filter(stalled)
+    if let Some(w) = window.filter(WindowFull::held_up)
         && live.len() > 1
     {
         let most = live
@@ -306,7 +313,7 @@ impl Parking {
         queued + running.values().filter(|p| p.strong_count() == 1).count()
     }
 
-    /// Parks the endpoints [`park::verdict`] names, logging each, and
+    /// Parks the endpoints [`verdict`] names, logging each, and
     /// returns their lanes. The WAL budget is checked once per new reading
     /// of the slot monitor.
     pub(super) fn check<P: Position>(
@@ -315,6 +322,9 @@ impl Parking {
         metrics: &[EndpointMetrics],
     ) -> Vec<usize> {
         let window = self.window_full();
+        // What each endpoint holds alone is counted (over its jobs) only
+        // when it can matter.
+        let counted = window.as_ref().is_some_and(WindowFull::held_up);
         let lanes: Vec<LaneState> = (0..self.parks.len())
             .map(|lane| LaneState {
                 oldest_pending: scheduler
@@ -322,7 +332,7 @@ impl Parking {
                     .map(|t| t.elapsed()),
                 max_lag: self.max_lags[lane],
                 parked: self.parks[lane].is_parked(),
-                exclusive: if window.is_some() {
+                exclusive: if counted {
                     self.held_alone(scheduler, lane)
                 } else {
                     0
