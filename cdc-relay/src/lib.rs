@@ -35,7 +35,8 @@
 //!    rows), [`admin`] (the admin endpoint)
 //! 3. the pipeline, in flow order — [`source`] → [`pgoutput`] → [`outbox`]
 //!    → [`dispatch`] → [`sink`] → [`ack`] — and its policies: [`breaker`]
-//!    (circuit breaker, storm guard), [`deadletter`] (where poison goes);
+//!    (circuit breaker, storm guard), [`deadletter`] (where poison goes),
+//!    [`durable`] (confirming past asynchronously committed dead letters);
 //!    what a response means is [`sink::classify`]
 //! 4. shared types: [`lsn`], [`metrics`], [`endpoint_metrics`], [`health`],
 //!    [`backoff`], [`pace`] (rate caps), and the
@@ -77,6 +78,7 @@ pub mod dispatch;
 pub mod sink;
 
 pub mod ack;
+pub mod durable;
 
 pub mod breaker;
 pub mod deadletter;

@@ -22,14 +22,23 @@
 //! `docs/architecture.md#parking` relies on, and what the system test
 //! `dead_letters::concurrent_inserts_share_commits_and_keep_each_writers_order`
 //! checks against a real server.
+//!
+//! **Asynchronous commit.** The relay's store ([`GroupedStore::asynchronous`])
+//! commits each statement with `synchronous_commit = off` and counts the
+//! commit before answering; the relay then confirms past a row only once
+//! the server has flushed it (`crate::durable`). `backfill`'s store
+//! ([`GroupedStore::new`]) commits synchronously: it confirms nothing to a
+//! slot, and prints a resume point that must not pass a row a server crash
+//! could still lose.
 
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::Client;
 
-use super::store::{Stored, insert_rows};
+use super::store::{Commit, Stored, insert_rows};
 use super::{DeadLetterStore, NewDeadLetter, ParkedRow, StoreError};
+use crate::durable::{self, Durability, Flushes};
 
 /// Most rows one statement inserts.
 pub const MAX_ROWS: usize = 256;
@@ -53,13 +62,28 @@ struct Queued {
 }
 
 impl GroupedStore {
-    /// The store over `client`. Spawns the writer task, so it must be
+    /// The store over `client`, committing synchronously: a row is durable
+    /// when its insert returns. Spawns the writer task, so it must be
     /// called within a Tokio runtime; the task ends when the store is
     /// dropped (after the statement it has on its way, if any).
     pub fn new(client: Arc<Client>) -> Self {
         let (queue, rows) = mpsc::unbounded_channel();
-        tokio::spawn(write(Arc::clone(&client), rows));
+        tokio::spawn(write(Arc::clone(&client), rows, None));
         GroupedStore { client, queue }
+    }
+
+    /// The store over `client`, committing asynchronously (see the module
+    /// doc): a row's insert returns before its commit is flushed, and the
+    /// returned [`Durability`] says which commits are. Whoever confirms
+    /// past a row must wait for its flush (`crate::durable::FlushGate`).
+    /// Spawns the writer and the flush poller; the poller ends when
+    /// `client` closes or the [`Durability`] handles are dropped.
+    pub fn asynchronous(client: Arc<Client>) -> (Self, Durability) {
+        let (queue, rows) = mpsc::unbounded_channel();
+        let (flushes, durability, poller) = durable::follow(Arc::clone(&client));
+        tokio::spawn(poller);
+        tokio::spawn(write(Arc::clone(&client), rows, Some(flushes)));
+        (GroupedStore { client, queue }, durability)
     }
 }
 
@@ -103,7 +127,18 @@ impl DeadLetterStore for GroupedStore {
 }
 
 /// The writer: one batch at a time, until every sender (the store) is gone.
-async fn write(client: Arc<Client>, mut rows: mpsc::UnboundedReceiver<Queued>) {
+/// With `flushes`, each statement commits asynchronously and is counted
+/// there before its waiters are answered.
+async fn write(
+    client: Arc<Client>,
+    mut rows: mpsc::UnboundedReceiver<Queued>,
+    flushes: Option<Flushes>,
+) {
+    let commit = if flushes.is_some() {
+        Commit::Asynchronous
+    } else {
+        Commit::Synchronous
+    };
     let mut next = None;
     loop {
         let first = match next.take() {
@@ -122,9 +157,12 @@ async fn write(client: Arc<Client>, mut rows: mpsc::UnboundedReceiver<Queued>) {
             continue;
         }
         let rows: Vec<&Stored> = batch.iter().map(|q| &q.row).collect();
-        let ids = insert_rows(&client, &rows)
+        let ids = insert_rows(&client, &rows, commit)
             .await
             .map_err(|e| StoreError::of(&client, &e));
+        if let (Ok(_), Some(f)) = (&ids, &flushes) {
+            f.committed();
+        }
         answer(batch, ids);
     }
 }

@@ -156,13 +156,26 @@ impl Stored {
 /// committed when this returns `Ok`: the statement of
 /// [`super::GroupedStore`]'s batches, with one row.
 async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgres::Error> {
-    let ids = insert_rows(client, &[&Stored::of(d)]).await?;
+    let ids = insert_rows(client, &[&Stored::of(d)], Commit::Synchronous).await?;
     Ok(ids[0])
 }
 
 /// One column of `rows`, as a statement parameter (an array).
 fn column<'a, T>(rows: &[&'a Stored], value: impl Fn(&'a Stored) -> T) -> Vec<T> {
     rows.iter().map(|r| value(r)).collect()
+}
+
+/// How an [`insert_rows`] statement commits.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) enum Commit {
+    /// With the session's `synchronous_commit` (the server's default: the
+    /// rows are durable when the statement returns).
+    Synchronous,
+    /// With `synchronous_commit = off` for the statement's own transaction
+    /// (`set_config(.., true)`): it returns before its WAL is flushed
+    /// (`crate::durable`). Inside an explicit transaction the setting stays
+    /// until that transaction ends.
+    Asynchronous,
 }
 
 /// Inserts `rows` in one statement, in their order; returns their ids in
@@ -172,10 +185,21 @@ fn column<'a, T>(rows: &[&'a Stored], value: impl Fn(&'a Stored) -> T) -> Vec<T>
 pub(super) async fn insert_rows(
     client: &Client,
     rows: &[&Stored],
+    commit: Commit,
 ) -> Result<Vec<i64>, tokio_postgres::Error> {
+    // The setting is a materialized CTE the insert reads (one row, joined
+    // to every inserted row), so it is evaluated once, before the first row.
+    let (setting, joined) = match commit {
+        Commit::Synchronous => ("", ""),
+        Commit::Asynchronous => (
+            "WITH local_setting AS MATERIALIZED \
+               (SELECT set_config('synchronous_commit', 'off', true) AS value) ",
+            ", local_setting",
+        ),
+    };
     let inserted = client
         .query(
-            "INSERT INTO cdc_relay_dead_letter \
+            &format!("{setting}INSERT INTO cdc_relay_dead_letter \
                (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
                 error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint) \
              SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
@@ -183,9 +207,9 @@ pub(super) async fn insert_rows(
              FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
                          $7::int4[], $8::text[], $9::text[], $10::int4[], $11::float8[], $12::text[]) \
                   WITH ORDINALITY AS r(event_id, aggregate_key, event_type, payload, payload_bytes, \
-                    commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint, n) \
+                    commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint, n){joined} \
              ORDER BY n \
-             RETURNING id",
+             RETURNING id"),
             &[
                 &column(rows, |r| r.event_id.as_deref()),
                 &column(rows, |r| r.aggregate_key.as_deref()),

@@ -55,6 +55,7 @@ use tokio_util::sync::CancellationToken;
 use crate::ack::Position;
 use crate::breaker::{Breaker, BreakerConfig};
 use crate::deadletter::DeadLetterStore;
+use crate::durable::{Durability, FlushGate};
 use crate::endpoint_metrics::{DEFAULT_ENDPOINT, EndpointMetrics};
 use crate::health::Health;
 use crate::metrics::Metrics;
@@ -183,6 +184,10 @@ pub struct Shared<D> {
     /// endpoint holding more than its share of it
     /// (`docs/architecture.md#parking`); `None`: not watched.
     pub window: Option<Window>,
+    /// Which of `store`'s asynchronous commits the server has flushed
+    /// ([`crate::durable`]): the confirmed position passes a row only once
+    /// it is. `None`: `store` commits synchronously.
+    pub durability: Option<Durability>,
 }
 
 /// The WAL budget parking enforces (`docs/architecture.md#parking`).
@@ -226,6 +231,7 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
         stopping: services.stopping,
         wal_budget: None,
         window: None,
+        durability: None,
     };
     run_routed(
         vec![endpoint],
@@ -312,6 +318,7 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
         skipped_logged: HashSet::new(),
     };
     let mut scheduler: Scheduler<P, Job> = Scheduler::with_lanes(start, &limits);
+    let mut gate = shared.durability.map(|d| FlushGate::new(d, start));
     let mut done = DoneLog::new();
     let mut running: JoinSet<Result<Option<Ticket>, DispatchError>> = JoinSet::new();
     let mut items_open = true;
@@ -339,12 +346,22 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
             });
         }
         resumes.answer_quiet(&scheduler);
-        publish(&scheduler, &mut done, &confirmed, &metrics, &health);
+        publish(
+            &scheduler,
+            gate.as_mut(),
+            &mut done,
+            &confirmed,
+            &metrics,
+            &health,
+        );
         if !items_open
             && (scheduler.is_idle()
                 || (stopping.is_cancelled() && running.is_empty() && resumes.tasks.is_empty()))
         {
-            return Ok(scheduler.confirmed());
+            return Ok(match gate.as_mut() {
+                Some(g) => g.settle(scheduler.confirmed()).await,
+                None => scheduler.confirmed(),
+            });
         }
         tokio::select! {
             item = items.recv(), if items_open => match item {
@@ -365,6 +382,8 @@ pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
                 resumes.running[lane] = false;
                 r?;
             }
+            // More asynchronous commits flushed: publish sees what passed.
+            () = flushed(gate.as_mut()) => {}
             // Stopping: wake up to stop spawning and to see whether the
             // attempts on the wire are all done.
             _ = stopping.cancelled(), if !stopping.is_cancelled() => {}
@@ -478,16 +497,28 @@ fn skip(lanes: &mut Lanes, event: &OutboxEvent, metrics: &Metrics) {
     }
 }
 
-/// Sends the confirmed position when it moved, marks progress for
+/// Waits until `gate`'s poller reports more commits flushed; never, without
+/// a gate.
+async fn flushed<P: Position>(gate: Option<&mut FlushGate<P>>) {
+    match gate {
+        Some(g) => g.flushed().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends the confirmed position when it moved (the scheduler's, through
+/// `gate` when dead letters commit asynchronously), marks progress for
 /// `/readyz`, and sets the gauges derived from the scheduler's state.
 fn publish<P: Position, W>(
     scheduler: &Scheduler<P, W>,
+    gate: Option<&mut FlushGate<P>>,
     done: &mut DoneLog<P>,
     confirmed: &watch::Sender<Confirmed<P>>,
     metrics: &Metrics,
     health: &Health,
 ) {
     let position = scheduler.confirmed();
+    let position = gate.map_or(position, |g| g.pass(position));
     let passed = done.passed(position);
     let advanced = confirmed.send_if_modified(|cur| {
         let changed = cur.position != position || passed.is_some();

@@ -431,15 +431,18 @@ impl Session<'_> {
             retained: retained_wal(readings.clone()),
         });
         let window = Window::new(cfg.window_events, cfg.window_bytes);
+        // Parked rows come as fast as the endpoint's events: concurrent
+        // ones share a statement and a commit, and nobody waits for its
+        // flush but the confirmed position (`crate::durable`).
+        let (store, durability) = GroupedStore::asynchronous(Arc::clone(&p.side));
         let shared = Shared {
-            // Parked rows come as fast as the endpoint's events: concurrent
-            // ones share a statement and a commit.
-            store: Arc::new(GroupedStore::new(Arc::clone(&p.side))),
+            store: Arc::new(store),
             metrics: self.metrics.clone(),
             health: Arc::clone(self.health),
             stopping: stop.clone(),
             wal_budget,
             window: Some(window.clone()),
+            durability: Some(durability),
         };
         let endpoints = targets
             .endpoints

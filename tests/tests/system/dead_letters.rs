@@ -4,8 +4,8 @@
 //! as the relay's least-privilege role. And `dead-letter replay` runs
 //! aggregates concurrently while keeping each one's order (the filters,
 //! `--rate` and the stop at a failing sink are in `sink_failures`). The
-//! relay's grouped store shares commits among concurrent writers and keeps
-//! each writer's order.
+//! relay's grouped store shares commits among concurrent writers, keeps
+//! each writer's order, and commits asynchronously (`cdc_relay::durable`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -37,10 +37,12 @@ fn payload() -> impl Strategy<Value = Option<Vec<u8>>> {
 #[test]
 fn any_response_body_error_text_and_payload_is_written() {
     let rt = tokio::runtime::Runtime::new().unwrap();
+    // The relay's store: its statement, committed asynchronously.
     let (store, admin) = rt.block_on(async {
         let stack = PgCluster::shared().create_stack().await.unwrap();
         let relay = connect(&stack.relay_url).await.unwrap();
-        (Arc::new(relay), stack.orders_admin().await.unwrap())
+        let (store, _) = GroupedStore::asynchronous(Arc::new(relay));
+        (store, stack.orders_admin().await.unwrap())
     });
     let mut runner = TestRunner::new(Config {
         cases: 200,
@@ -348,8 +350,8 @@ fn stored_as(row: &tokio_postgres::Row, want: &NewDeadLetter) -> Result<(), Stri
     }
 }
 
-/// The relay's dead-letter store (`GroupedStore` over the relay role's
-/// connection) under 64 concurrent writers, 1,000 rows in all, each
+/// The relay's dead-letter store (`GroupedStore::asynchronous` over the
+/// relay role's connection) under 64 concurrent writers, 1,000 rows in all, each
 /// writer awaiting its row before the next, as a delivery does: every row
 /// is stored once with its content (non-UTF-8 and NUL-holding payloads in
 /// `payload_bytes`, NULs dropped from text), the id each insert returned is
@@ -386,7 +388,8 @@ async fn concurrent_inserts_share_commits_and_keep_each_writers_order() -> anyho
         .await?
         .get(0);
     let before = commits().await?;
-    let store = Arc::new(GroupedStore::new(Arc::clone(&relay)));
+    let (store, durability) = GroupedStore::asynchronous(Arc::clone(&relay));
+    let store = Arc::new(store);
     let writers: Vec<_> = (0..WRITERS)
         .map(|w| {
             let store = Arc::clone(&store);
@@ -411,8 +414,14 @@ async fn concurrent_inserts_share_commits_and_keep_each_writers_order() -> anyho
     for writer in writers {
         returned.push(writer.await??);
     }
+    assert!(
+        durability.committed() <= 500,
+        "{} asynchronous commits counted",
+        durability.committed()
+    );
     // The session ends: its backend flushes its statistics as it exits.
     drop(store);
+    drop(durability);
     drop(relay);
     wait_until(
         "the relay role's backend to exit",
@@ -491,6 +500,78 @@ async fn concurrent_inserts_share_commits_and_keep_each_writers_order() -> anyho
     assert!(
         xact_commits <= 500,
         "{TOTAL} rows took {xact_commits} commits (pg_stat_database)"
+    );
+    Ok(())
+}
+
+/// The relay's store commits each statement with `synchronous_commit =
+/// off` for that statement only, and counts the commit; `backfill`'s
+/// commits synchronously. Read inside an explicit transaction (the store's
+/// statement then runs in it): `off` after the relay store's insert, `on`
+/// after backfill's; in autocommit the session's setting is `on` again
+/// after the statement. The poller then reports the counted commit
+/// flushed, and the server's flush position has reached the insert
+/// position read after it.
+///
+/// Broken on purpose once: with the setting in a CTE the insert does not
+/// read (not joined), PostgreSQL skipped it and the test
+/// failed on `synchronous_commit inside the relay store's statement`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relays_store_commits_asynchronously_and_follows_the_flush() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let client = Arc::new(connect(&stack.relay_url).await?);
+    let setting = || async {
+        let row = client.query_one("SHOW synchronous_commit", &[]).await?;
+        anyhow::Ok(row.get::<_, String>(0))
+    };
+    let (relays, durability) = GroupedStore::asynchronous(Arc::clone(&client));
+    let backfills = GroupedStore::new(Arc::clone(&client));
+    assert_eq!(setting().await?, "on", "the server's default");
+
+    client.batch_execute("BEGIN").await?;
+    relays.insert(&grouped_row(0, 1)).await?;
+    assert_eq!(
+        setting().await?,
+        "off",
+        "synchronous_commit inside the relay store's statement"
+    );
+    client.batch_execute("ROLLBACK").await?;
+    client.batch_execute("BEGIN").await?;
+    backfills.insert(&grouped_row(0, 2)).await?;
+    assert_eq!(setting().await?, "on", "inside backfill's statement");
+    client.batch_execute("ROLLBACK").await?;
+
+    let before = durability.committed();
+    relays.insert(&grouped_row(0, 3)).await?;
+    assert_eq!(
+        setting().await?,
+        "on",
+        "the setting ended with the statement"
+    );
+    assert_eq!(durability.committed(), before + 1, "the commit is counted");
+    let insert: String = client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await?
+        .get(0);
+    wait_until(
+        "the poller to report the commit flushed",
+        Duration::from_secs(10),
+        || {
+            let covered = durability.covered();
+            async move { anyhow::Ok(covered >= before + 1) }
+        },
+    )
+    .await?;
+    let flushed: bool = client
+        .query_one(
+            "SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn",
+            &[&insert],
+        )
+        .await?
+        .get(0);
+    assert!(
+        flushed,
+        "reported flushed, and the server's flush position says so"
     );
     Ok(())
 }

@@ -114,6 +114,7 @@ impl Routed {
             stopping: tokio_util::sync::CancellationToken::new(),
             wal_budget,
             window: Some(window.clone()),
+            durability: None,
         };
         let (items, items_rx) = mpsc::channel(16);
         let (confirmed_tx, confirmed) = watch::channel(Confirmed::default());

@@ -1,0 +1,379 @@
+//! Asynchronously committed dead letters, and the rule that makes
+//! confirming past them safe: the slot is confirmed past an event whose
+//! row was committed asynchronously only once the server has flushed that
+//! commit.
+//!
+//! **Why asynchronous.** A parked endpoint turns every one of its events
+//! into a dead-letter row. They arrive one at a time, as fast as the
+//! endpoint's events, so group commit ([`crate::deadletter::GroupedStore`])
+//! rarely finds company, and one synchronous commit per row doubled the
+//! server's WAL flushes in benchmark j. The other endpoints' events pass
+//! through the same server, and their commit→2xx time includes waiting
+//! behind those flushes. So the relay's writer commits its statements with
+//! `synchronous_commit = off`, set for that statement's transaction only
+//! (PostgreSQL docs, "Asynchronous Commit"): the commit returns before its
+//! WAL is flushed, and the WAL writer or the next synchronous commit
+//! flushes it. Nobody waits for that flush.
+//!
+//! **What a server crash does.** It loses the commits whose WAL was not
+//! flushed yet. WAL is flushed in order, so it loses a suffix of them.
+//! Until its commit is flushed, a row is therefore not yet a promise.
+//! [`FlushGate`] holds the confirmed position back until it is:
+//!
+//! ```text
+//!  writer:     COMMIT (async) ─▶ Flushes: committed += 1 ─▶ answers the delivery ─▶ job done
+//!  poller:     n = committed; F = pg_current_wal_insert_lsn();
+//!              wait until pg_current_wal_flush_lsn() >= F; covered = n
+//!  dispatcher: p = Scheduler::confirmed(); n = committed  ─▶ FlushGate::pass(p)
+//!              = the latest p it was offered whose n <= covered
+//! ```
+//!
+//! **Why this is safe.** A job counted in `p` completed after its row's
+//! commit returned, and the writer counted that commit before answering.
+//! The dispatcher reads `n` after computing `p`, so `n` counts the commit.
+//! `covered >= n` means the poller read the insert position `F` after the
+//! `n`-th commit returned. That commit's record therefore ends at or before
+//! `F`, and `F` is flushed. The model check
+//! (`cdc-relay/tests/ack_model.rs`, "asynchronous parking") drives the real
+//! gate through server crashes and catches the rule without it.
+//!
+//! **What it costs.** The aggregate's next event does not wait for the
+//! flush: the job is done at commit, so ordering is unchanged. Only the
+//! confirmed position waits. It lags by one poll (about
+//! [`POLL_INTERVAL`]) while other commits flush the WAL, and by at most
+//! about three `wal_writer_delay` (600 ms by default) when nothing else
+//! does. Without asynchronous commits (no parked or poison events) it
+//! costs nothing: `committed` stays at `covered` and the gate passes every
+//! position at once.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{Notify, watch};
+use tokio_postgres::Client;
+
+/// How often the poller reads the server's flush position while a counted
+/// commit is not yet flushed.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(10);
+
+/// How long the poller waits after a failed query before trying again
+/// (the connection is still open; a closed one ends the poller).
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Most positions a gate holds; beyond it, the latest replaces the newest
+/// held (that one then waits a little longer: never less safe).
+const MAX_OFFERED: usize = 64;
+
+/// The writer's side: counts asynchronous commits and wakes the poller.
+#[derive(Clone, Debug)]
+pub struct Flushes {
+    committed: Arc<AtomicU64>,
+    wake: Arc<Notify>,
+}
+
+impl Flushes {
+    /// An asynchronous commit returned: count it. Call it before telling
+    /// anyone the row is committed (see the module doc).
+    pub fn committed(&self) {
+        self.committed.fetch_add(1, Ordering::SeqCst);
+        self.wake.notify_one();
+    }
+}
+
+/// The reader's side: how many asynchronous commits returned, and how many
+/// of them the server has flushed (a prefix: WAL is flushed in order).
+#[derive(Clone, Debug)]
+pub struct Durability {
+    committed: Arc<AtomicU64>,
+    covered: watch::Receiver<u64>,
+}
+
+impl Durability {
+    /// Asynchronous commits that have returned so far.
+    pub fn committed(&self) -> u64 {
+        self.committed.load(Ordering::SeqCst)
+    }
+
+    /// How many of them are known flushed: the first `covered()` commits.
+    pub fn covered(&self) -> u64 {
+        *self.covered.borrow()
+    }
+}
+
+/// A counter of asynchronous commits over `client`'s session, and the task
+/// that follows their flush: the writer's [`Flushes`], the dispatcher's
+/// [`Durability`], and the poller to spawn. The poller runs `SELECT
+/// pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()` on `client`
+/// only while a counted commit is not known flushed, every
+/// [`POLL_INTERVAL`]; it ends when `client` closes or every [`Durability`]
+/// is dropped.
+pub fn follow(
+    client: Arc<Client>,
+) -> (
+    Flushes,
+    Durability,
+    impl std::future::Future<Output = ()> + Send,
+) {
+    let committed = Arc::new(AtomicU64::new(0));
+    let wake = Arc::new(Notify::new());
+    let (covered_tx, covered) = watch::channel(0);
+    let flushes = Flushes {
+        committed: Arc::clone(&committed),
+        wake: Arc::clone(&wake),
+    };
+    let durability = Durability {
+        committed: Arc::clone(&committed),
+        covered,
+    };
+    (
+        flushes,
+        durability,
+        poll(client, committed, wake, covered_tx),
+    )
+}
+
+/// The poller of [`follow`].
+async fn poll(
+    client: Arc<Client>,
+    committed: Arc<AtomicU64>,
+    wake: Arc<Notify>,
+    covered: watch::Sender<u64>,
+) {
+    loop {
+        let n = committed.load(Ordering::SeqCst);
+        if n <= *covered.borrow() {
+            tokio::select! {
+                () = wake.notified() => continue,
+                () = covered.closed() => return,
+            }
+        }
+        match flushed_to_insert(&client).await {
+            Ok(()) => {
+                if covered.send(n).is_err() {
+                    return;
+                }
+            }
+            Err(e) if client.is_closed() => {
+                tracing::debug!(error = %e, "flush poller ends with its connection");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the server's WAL flush position; the confirmed position waits for it");
+                tokio::time::sleep(RETRY_AFTER).await;
+            }
+        }
+    }
+}
+
+/// Returns once the server has flushed its WAL up to the insert position
+/// read at the call (every commit that returned before it is flushed).
+async fn flushed_to_insert(client: &Client) -> Result<(), tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            "SELECT pg_current_wal_insert_lsn()::text, \
+                    pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()",
+            &[],
+        )
+        .await?;
+    let target: String = row.get(0);
+    let mut flushed: bool = row.get(1);
+    while !flushed {
+        tokio::time::sleep(POLL_INTERVAL).await;
+        flushed = client
+            .query_one(
+                "SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn",
+                &[&target],
+            )
+            .await?
+            .get(0);
+    }
+    Ok(())
+}
+
+/// The positions offered and not yet passed, each with the number of
+/// asynchronous commits it needs flushed; the pure part of [`FlushGate`].
+///
+/// Invariant: positions and counts strictly increase from front to back,
+/// and every position is greater than `passed`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Held<P> {
+    offered: VecDeque<(P, u64)>,
+    passed: P,
+}
+
+impl<P: Copy + Ord> Held<P> {
+    /// Nothing held; `start` passed.
+    pub fn new(start: P) -> Self {
+        Held {
+            offered: VecDeque::new(),
+            passed: start,
+        }
+    }
+
+    /// Position `p` is done as far as deliveries go, and `needs` commits
+    /// (counted after `p` was computed) must be flushed before it is
+    /// confirmed; `covered` are. Returns the position that may be confirmed.
+    pub fn offer(&mut self, p: P, needs: u64, covered: u64) -> P {
+        let newest = self.offered.back().map_or(self.passed, |&(q, _)| q);
+        if p > newest {
+            let full = self.offered.len() >= MAX_OFFERED;
+            match self.offered.back_mut() {
+                Some(back) if back.1 == needs || full => {
+                    *back = (p, needs.max(back.1));
+                }
+                _ => self.offered.push_back((p, needs)),
+            }
+        }
+        self.release(covered)
+    }
+
+    /// The first `covered` commits are flushed: passes every position they
+    /// were all it needed. Returns the position that may be confirmed.
+    pub fn release(&mut self, covered: u64) -> P {
+        while let Some(&(p, needs)) = self.offered.front() {
+            if needs > covered {
+                break;
+            }
+            self.passed = p;
+            self.offered.pop_front();
+        }
+        self.passed
+    }
+
+    /// The position that may be confirmed.
+    pub fn passed(&self) -> P {
+        self.passed
+    }
+
+    /// Whether a position waits for a flush.
+    pub fn is_holding(&self) -> bool {
+        !self.offered.is_empty()
+    }
+}
+
+/// The dispatcher's gate between the scheduler's confirmed position and
+/// the confirmed position it publishes (see the module doc).
+#[derive(Debug)]
+pub struct FlushGate<P> {
+    durability: Durability,
+    held: Held<P>,
+}
+
+impl<P: Copy + Ord> FlushGate<P> {
+    /// A gate that has passed `start`.
+    pub fn new(durability: Durability, start: P) -> Self {
+        FlushGate {
+            durability,
+            held: Held::new(start),
+        }
+    }
+
+    /// `p`, the scheduler's confirmed position just computed: returns the
+    /// position that may be confirmed now (`p`, or an earlier one whose
+    /// commits are flushed).
+    pub fn pass(&mut self, p: P) -> P {
+        let needs = self.durability.committed();
+        self.held.offer(p, needs, self.durability.covered())
+    }
+
+    /// Waits until the poller reports more commits flushed (never returns
+    /// once the poller has ended); [`FlushGate::pass`] then gives more.
+    pub async fn flushed(&mut self) {
+        if self.durability.covered.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// `p`, the scheduler's final confirmed position, once every commit it
+    /// needs is flushed; the last position passed if the poller has ended
+    /// first.
+    pub async fn settle(&mut self, p: P) -> P {
+        loop {
+            let passed = self.pass(p);
+            if passed == p || !self.held.is_holding() {
+                return passed;
+            }
+            if self.durability.covered.changed().await.is_err() {
+                return self.held.passed();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_position_waits_for_the_commits_counted_after_it() {
+        let mut h = Held::new(0u64);
+        assert_eq!(
+            h.offer(10, 0, 0),
+            10,
+            "no asynchronous commit: passed at once"
+        );
+        assert_eq!(h.offer(20, 2, 1), 10, "needs 2 flushed, 1 is");
+        assert_eq!(h.offer(30, 3, 1), 10);
+        assert_eq!(h.release(2), 20);
+        assert_eq!(h.release(2), 20);
+        assert_eq!(h.offer(40, 3, 3), 40, "all flushed: the newest passes");
+        assert!(!h.is_holding());
+    }
+
+    #[test]
+    fn a_full_gate_merges_into_its_newest_position() {
+        let mut h = Held::new(0u64);
+        for i in 1..=(MAX_OFFERED as u64 + 10) {
+            h.offer(i, i, 0);
+        }
+        assert_eq!(h.offered.len(), MAX_OFFERED);
+        assert_eq!(h.release(MAX_OFFERED as u64 - 1), MAX_OFFERED as u64 - 1);
+        assert_eq!(
+            h.release(MAX_OFFERED as u64 + 9),
+            MAX_OFFERED as u64 - 1,
+            "the newest held entry took the later offers: it waits for their count"
+        );
+        assert_eq!(h.release(MAX_OFFERED as u64 + 10), MAX_OFFERED as u64 + 10);
+    }
+
+    proptest! {
+        /// Whatever the order of offers and flushes: the gate never passes a
+        /// position before the commits counted with it are flushed, never
+        /// moves back, and passes the newest position once everything is
+        /// flushed.
+        #[test]
+        fn never_passes_a_position_before_its_commits_are_flushed(
+            steps in proptest::collection::vec((any::<bool>(), 0u64..4, 0u64..4), 1..200),
+        ) {
+            let mut h = Held::new(0u64);
+            let (mut p, mut committed, mut covered) = (0u64, 0u64, 0u64);
+            let mut needs_of: Vec<(u64, u64)> = Vec::new();
+            let mut last = 0;
+            for (offer, dp, dc) in steps {
+                if offer {
+                    p += dp;
+                    committed += dc;
+                    needs_of.push((p, committed));
+                    let passed = h.offer(p, committed, covered);
+                    prop_assert!(passed >= last, "moved back");
+                    last = passed;
+                } else {
+                    covered = (covered + dc).min(committed);
+                    let passed = h.release(covered);
+                    prop_assert!(passed >= last, "moved back");
+                    last = passed;
+                }
+                // Every position passed had its commits flushed: the least
+                // count any offer of a position >= it needed is covered.
+                let needed = needs_of.iter().filter(|&&(q, _)| q >= last && last > 0).map(|&(_, n)| n).min();
+                if let Some(n) = needed {
+                    prop_assert!(n <= covered, "passed {} needing {} with {} flushed", last, n, covered);
+                }
+            }
+            prop_assert_eq!(h.release(committed), p, "everything flushed: the newest passes");
+        }
+    }
+}
