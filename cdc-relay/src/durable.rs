@@ -54,9 +54,10 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio_postgres::Client;
 
-/// How often the poller reads the server's flush position while a counted
-/// commit is not yet flushed.
-pub const POLL_INTERVAL: Duration = Duration::from_millis(10);
+/// The least time between two of the poller's reads of the server's
+/// positions. Commits keep coming while an endpoint is parked; without a
+/// pace the poller would query back to back.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(25);
 
 /// How long the poller waits after a failed query before trying again
 /// (the connection is still open; a closed one ends the poller).
@@ -106,7 +107,7 @@ impl Durability {
 /// that follows their flush: the writer's [`Flushes`], the dispatcher's
 /// [`Durability`], and the poller to spawn. The poller runs `SELECT
 /// pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()` on `client`
-/// only while a counted commit is not known flushed, every
+/// only while a counted commit is not known flushed, at most once per
 /// [`POLL_INTERVAL`]; it ends when `client` closes or every [`Durability`]
 /// is dropped.
 pub fn follow(
@@ -149,11 +150,13 @@ async fn poll(
                 () = covered.closed() => return,
             }
         }
+        let paced = tokio::time::sleep(POLL_INTERVAL);
         match flushed_to_insert(&client).await {
             Ok(()) => {
                 if covered.send(n).is_err() {
                     return;
                 }
+                paced.await;
             }
             Err(e) if client.is_closed() => {
                 tracing::debug!(error = %e, "flush poller ends with its connection");

@@ -48,6 +48,19 @@
 //! property, and "a parked job completes before its row is written" (a
 //! crash in between loses the event) must fail safety.
 //!
+//! **Asynchronous parking** (`cdc_relay::durable`): the relay commits a
+//! parked row with `synchronous_commit = off`, so the row is committed but
+//! not durable until the server flushes its WAL; the job completes at
+//! commit. The model adds the server's WAL flush (the oldest unflushed row
+//! becomes durable: WAL is flushed in order), the flush poller (reports how
+//! many of this session's commits are flushed) and a *server* crash (every
+//! unflushed row is lost; the relay's session ends). Status updates carry
+//! the position the **real** [`cdc_relay::durable::Held`] gate passed,
+//! offered the tracker's position and the commit count after every step,
+//! as `dispatch::publish` does. Safety counts only durable rows. Broken
+//! rule: "status updates carry the tracker's position" (no gate) must fail
+//! safety.
+//!
 //! Run: `cargo test -p cdc-relay --test ack_model -- --nocapture`.
 
 use std::collections::{HashMap, VecDeque};
@@ -57,6 +70,7 @@ use std::marker::PhantomData;
 use std::time::Instant;
 
 use cdc_relay::ack::{AckTracker, TxSeq};
+use cdc_relay::durable::Held;
 use cdc_relay::lsn::Lsn;
 use stateright::{Checker, Expectation, HasDiscoveries, Model, Path, Property};
 
@@ -71,6 +85,9 @@ trait Rule: Clone + Debug + Eq + Hash + Send + Sync + 'static {
     /// A parked job completes only once its dead-letter row is committed
     /// (`false`: completes first, the row is written in a later step).
     const ROW_FIRST: bool = true;
+    /// With asynchronous parking, status updates carry the position the
+    /// flush gate passed (`false`: the tracker's own, ignoring flushes).
+    const GATED: bool = true;
     fn new(start: Lsn) -> Self;
     fn begin(&mut self) -> Self::Seq;
     fn add_event(&mut self, tx: Self::Seq);
@@ -358,6 +375,40 @@ impl Rule for ParkedBeforeRow {
     }
 }
 
+/// Broken rule 7 (asynchronous parking): status updates carry the
+/// tracker's position at once, as if the relay confirmed past a row whose
+/// asynchronous commit the server has not flushed: a server crash then
+/// loses the row after the slot passed its event.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Ungated(AckTracker);
+
+impl Rule for Ungated {
+    type Seq = TxSeq;
+    const NAME: &'static str = "broken: confirms past a row before its commit is flushed";
+    const GATED: bool = false;
+    fn new(start: Lsn) -> Self {
+        Ungated(AckTracker::new(start))
+    }
+    fn begin(&mut self) -> TxSeq {
+        self.0.begin()
+    }
+    fn add_event(&mut self, tx: TxSeq) {
+        self.0.add_event(tx)
+    }
+    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
+        self.0.commit(tx, end_lsn)
+    }
+    fn complete(&mut self, tx: TxSeq) {
+        self.0.complete(tx)
+    }
+    fn keepalive(&mut self, wal_end: Lsn) {
+        self.0.keepalive(wal_end)
+    }
+    fn confirmed(&self) -> Lsn {
+        self.0.confirmed()
+    }
+}
+
 // ---------------------------------------------------------------------------
 // The world: WAL, walsender, slot, relay, sinks.
 
@@ -410,6 +461,12 @@ struct State<R: Rule> {
     /// Parked jobs completed whose row is not written yet (only with a rule
     /// that is not `ROW_FIRST`): lost on a crash.
     unwritten: Vec<(u8, u8)>,
+    /// Asynchronous parking: parked rows committed and not yet flushed, in
+    /// commit order: (event, endpoint, counted by the current session).
+    /// Lost on a server crash; the oldest is flushed first.
+    unflushed: Vec<(u8, u8, bool)>,
+    /// A server crash lost an unflushed row (non-vacuity).
+    lost_row: bool,
     // --- the current session: lost on a crash ---
     /// Next WAL item the walsender will decode.
     next: u8,
@@ -424,6 +481,12 @@ struct State<R: Rule> {
     pending: Vec<(u8, u8, R::Seq)>,
     /// The acknowledgement state under test.
     tracker: R,
+    /// Asynchronous commits of this session (`Flushes::committed`).
+    committed: u8,
+    /// How many of them the poller reported flushed.
+    covered: u8,
+    /// The real flush gate, offered the tracker's position after each step.
+    gate: Held<Lsn>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -455,6 +518,13 @@ enum Action {
     StatusUpdate(Lsn),
     /// The relay dies: pipeline dropped, a new session starts from the slot.
     Crash,
+    /// Asynchronous parking: the server flushes the oldest unflushed row.
+    Flush,
+    /// The flush poller reports this session's flushed commits.
+    Poll,
+    /// The server crashes: unflushed rows are lost, the relay's session
+    /// ends and a new one starts from the slot.
+    ServerCrash,
 }
 
 struct AckModel<R> {
@@ -464,6 +534,8 @@ struct AckModel<R> {
     endpoints: u8,
     /// Whether pending deliveries may be parked.
     parking: bool,
+    /// Whether parked rows commit asynchronously (see the module doc).
+    asynchronous: bool,
     _rule: PhantomData<fn() -> R>,
 }
 
@@ -484,6 +556,7 @@ impl<R: Rule> AckModel<R> {
             max_crashes,
             endpoints: 1,
             parking: false,
+            asynchronous: false,
             _rule: PhantomData,
         }
     }
@@ -499,6 +572,28 @@ impl<R: Rule> AckModel<R> {
         self.endpoints = 2;
         self.parking = true;
         self
+    }
+
+    /// The parking model with asynchronously committed rows.
+    fn asynchronous(mut self) -> Self {
+        self = self.parking();
+        self.asynchronous = true;
+        self
+    }
+
+    /// What a status update carries: the gate's position with asynchronous
+    /// parking (unless the rule is not `GATED`), else the tracker's.
+    fn ack(&self, s: &State<R>) -> Lsn {
+        if self.asynchronous && R::GATED {
+            s.gate.passed()
+        } else {
+            s.tracker.confirmed()
+        }
+    }
+
+    /// Unflushed rows this session counted.
+    fn counted_unflushed(s: &State<R>) -> u8 {
+        s.unflushed.iter().filter(|u| u.2).count() as u8
     }
 
     /// The endpoints event `e` goes to, as a bitmask: with two endpoints,
@@ -563,6 +658,14 @@ impl<R: Rule> AckModel<R> {
         s.pending.clear();
         s.unwritten.clear();
         s.tracker = R::new(s.slot);
+        // The server keeps the old session's unflushed rows; the new
+        // session's counter does not count them.
+        for u in &mut s.unflushed {
+            u.2 = false;
+        }
+        s.committed = 0;
+        s.covered = 0;
+        s.gate = Held::new(s.slot);
     }
 
     /// The safety property, as a function so the broken rules can be tested
@@ -600,12 +703,17 @@ impl<R: Rule> Model for AckModel<R> {
                     delivered: [0; 2],
                     parked: [0; 2],
                     unwritten: Vec::new(),
+                    unflushed: Vec::new(),
+                    lost_row: false,
                     next: 0,
                     streaming: None,
                     sent: Lsn::new(BASE),
                     open: None,
                     pending: Vec::new(),
                     tracker: R::new(Lsn::new(BASE)),
+                    committed: 0,
+                    covered: 0,
+                    gate: Held::new(Lsn::new(BASE)),
                 };
                 self.session(&mut s);
                 s
@@ -661,11 +769,22 @@ impl<R: Rule> Model for AckModel<R> {
                 }
             }
         }
-        if s.tracker.confirmed() != s.slot {
-            actions.push(Action::StatusUpdate(s.tracker.confirmed()));
+        if self.ack(s) != s.slot {
+            actions.push(Action::StatusUpdate(self.ack(s)));
         }
         if s.crashes < self.max_crashes {
             actions.push(Action::Crash);
+        }
+        if self.asynchronous {
+            if !s.unflushed.is_empty() {
+                actions.push(Action::Flush);
+                if s.crashes < self.max_crashes {
+                    actions.push(Action::ServerCrash);
+                }
+            }
+            if s.committed - Self::counted_unflushed(s) != s.covered {
+                actions.push(Action::Poll);
+            }
         }
     }
 
@@ -720,7 +839,11 @@ impl<R: Rule> Model for AckModel<R> {
                     .iter()
                     .position(|&(p, pe, _)| p == e && pe == ep)?;
                 let (_, _, tx) = n.pending.remove(at);
-                if R::ROW_FIRST {
+                if self.asynchronous {
+                    // Committed, not flushed; counted before the job completes.
+                    n.unflushed.push((e, ep, true));
+                    n.committed += 1;
+                } else if R::ROW_FIRST {
                     n.parked[usize::from(ep)] |= 1 << e;
                 } else {
                     n.unwritten.push((e, ep));
@@ -744,6 +867,25 @@ impl<R: Rule> Model for AckModel<R> {
                 n.crashes += 1;
                 self.session(&mut n);
             }
+            Action::Flush => {
+                let (e, ep, _) = n.unflushed.remove(0);
+                n.parked[usize::from(ep)] |= 1 << e;
+            }
+            Action::Poll => n.covered = n.committed - Self::counted_unflushed(&n),
+            Action::ServerCrash => {
+                n.crashes += 1;
+                n.unflushed.clear();
+                n.lost_row = true;
+                self.session(&mut n);
+            }
+        }
+        if self.asynchronous {
+            // dispatch::publish after every step: the position, then the count.
+            n.gate.offer(
+                n.tracker.confirmed(),
+                u64::from(n.committed),
+                u64::from(n.covered),
+            );
         }
         (n != *s).then_some(n)
     }
@@ -753,7 +895,7 @@ impl<R: Rule> Model for AckModel<R> {
             Property::always(SAFETY, |m: &Self, s: &State<R>| m.safe(s)),
             Property::always(
                 "status updates never move the slot back",
-                |_: &Self, s: &State<R>| s.tracker.confirmed() >= s.slot,
+                |m: &Self, s: &State<R>| m.ack(s) >= s.slot,
             ),
             // Non-vacuity: the interesting situations are reachable.
             Property::sometimes(
@@ -798,6 +940,14 @@ impl<R: Rule> Model for AckModel<R> {
                 },
             ),
             Property::sometimes(
+                "the gate held back a position whose parked row was not flushed",
+                |m: &Self, s: &State<R>| !m.asynchronous || s.gate.passed() < s.tracker.confirmed(),
+            ),
+            Property::sometimes(
+                "a server crash lost an unflushed parked row",
+                |m: &Self, s: &State<R>| !m.asynchronous || s.lost_row,
+            ),
+            Property::sometimes(
                 "one endpoint is done with an event while the other is down",
                 |m: &Self, s: &State<R>| {
                     m.endpoints == 2
@@ -823,14 +973,19 @@ impl<R: Rule> fmt::Display for Summary<'_, R> {
         let bits = |m: u8| -> Vec<u8> { (0..8).filter(|e| m & (1 << e) != 0).collect() };
         write!(
             f,
-            "slot={} relay.confirmed={} sent={} delivered={:?}/{:?} parked={:?}/{:?} pending(event,endpoint)={:?} sinks={:?} crashes={}",
+            "slot={} relay.confirmed={} gate={} sent={} delivered={:?}/{:?} parked={:?}/{:?} unflushed={:?} pending(event,endpoint)={:?} sinks={:?} crashes={}",
             s.slot.as_u64(),
             s.tracker.confirmed().as_u64(),
+            s.gate.passed().as_u64(),
             s.sent.as_u64(),
             bits(s.delivered[0]),
             bits(s.delivered[1]),
             bits(s.parked[0]),
             bits(s.parked[1]),
+            s.unflushed
+                .iter()
+                .map(|&(e, ep, _)| (e, ep))
+                .collect::<Vec<_>>(),
             s.pending
                 .iter()
                 .map(|&(e, ep, _)| (e, ep))
@@ -985,7 +1140,12 @@ struct Liveness<R: Rule> {
 fn recovery<R: Rule>() -> Liveness<R> {
     Liveness {
         name: "recovery",
-        allowed: |a| !matches!(a, Action::Crash | Action::SinkFails(_)),
+        allowed: |a| {
+            !matches!(
+                a,
+                Action::Crash | Action::ServerCrash | Action::SinkFails(_)
+            )
+        },
         from: |_| true,
         goal: |m, s| m.goal(s),
     }
@@ -997,7 +1157,12 @@ fn recovery<R: Rule>() -> Liveness<R> {
 fn moves_on_while_down<R: Rule>() -> Liveness<R> {
     Liveness {
         name: "the slot moves on while an endpoint is down",
-        allowed: |a| !matches!(a, Action::Crash | Action::SinkRecovers(1)),
+        allowed: |a| {
+            !matches!(
+                a,
+                Action::Crash | Action::ServerCrash | Action::SinkRecovers(1)
+            )
+        },
         from: |s| !s.sink_up[1],
         goal: |m, s| s.slot == m.wal_end(s),
     }
@@ -1310,6 +1475,34 @@ fn broken_rule_parked_stays_pending_is_caught() {
 #[test]
 fn broken_rule_parked_before_row_is_caught() {
     assert_caught_in(|| AckModel::<ParkedBeforeRow>::new(wals_parking(), 1).parking());
+}
+
+/// The real rule with asynchronously committed parked rows behind the real
+/// flush gate: safe across server crashes (a lost row's event is resent),
+/// recovers, and the slot still moves on while an endpoint is down.
+#[test]
+fn real_ack_tracker_is_safe_recovers_and_moves_on_with_asynchronous_parking() {
+    check_real(|| AckModel::new(wals_asynchronous(), 1).asynchronous());
+    let explored = check_liveness(
+        &AckModel::<AckTracker>::new(wals_asynchronous(), 1).asynchronous(),
+        &moves_on_while_down(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(explored > 0);
+}
+
+#[test]
+fn broken_rule_confirming_before_the_flush_is_caught() {
+    assert_caught_in(|| AckModel::<Ungated>::new(wals_asynchronous(), 1).asynchronous());
+}
+
+/// Two WALs for the asynchronous parking model (the parking model's space
+/// times the unflushed rows' order and the gate's held positions): two
+/// events, one to both endpoints and one to the second, in two
+/// transactions, or in one followed by unpublished WAL.
+fn wals_asynchronous() -> Vec<Vec<Item>> {
+    use Item::{Gap, Tx};
+    vec![vec![Tx(1), Tx(1)], vec![Tx(2), Gap]]
 }
 
 /// Three WALs for the parking model, whose space is the largest: events

@@ -34,9 +34,9 @@
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
-use tokio_postgres::Client;
+use tokio_postgres::{Client, Statement};
 
-use super::store::{Commit, Stored, insert_rows};
+use super::store::{Commit, Stored, insert_rows, insert_statement};
 use super::{DeadLetterStore, NewDeadLetter, ParkedRow, StoreError};
 use crate::durable::{self, Durability, Flushes};
 
@@ -128,7 +128,8 @@ impl DeadLetterStore for GroupedStore {
 
 /// The writer: one batch at a time, until every sender (the store) is gone.
 /// With `flushes`, each statement commits asynchronously and is counted
-/// there before its waiters are answered.
+/// there before its waiters are answered. The statement is prepared once
+/// (again after a failed preparation), so a batch is one round trip.
 async fn write(
     client: Arc<Client>,
     mut rows: mpsc::UnboundedReceiver<Queued>,
@@ -139,6 +140,8 @@ async fn write(
     } else {
         Commit::Synchronous
     };
+    let sql = insert_statement(commit);
+    let mut prepared: Option<Statement> = None;
     let mut next = None;
     loop {
         let first = match next.take() {
@@ -157,9 +160,18 @@ async fn write(
             continue;
         }
         let rows: Vec<&Stored> = batch.iter().map(|q| &q.row).collect();
-        let ids = insert_rows(&client, &rows, commit)
-            .await
-            .map_err(|e| StoreError::of(&client, &e));
+        let ids = match &prepared {
+            Some(statement) => insert_rows(&client, statement, &rows).await,
+            None => match client.prepare(&sql).await {
+                Ok(statement) => {
+                    let ids = insert_rows(&client, &statement, &rows).await;
+                    prepared = Some(statement);
+                    ids
+                }
+                Err(e) => Err(e),
+            },
+        }
+        .map_err(|e| StoreError::of(&client, &e));
         if let (Ok(_), Some(f)) = (&ids, &flushes) {
             f.committed();
         }

@@ -3,7 +3,7 @@
 //! writers and passes everything else through to it.
 
 use bytes::Bytes;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, ToStatement};
 
 use super::{
     DeadLetterStore, ERROR_BYTES, EXCERPT_BYTES, NAME_BYTES, NewDeadLetter, ParkedRow, Removal,
@@ -156,7 +156,8 @@ impl Stored {
 /// committed when this returns `Ok`: the statement of
 /// [`super::GroupedStore`]'s batches, with one row.
 async fn insert(client: &Client, d: &NewDeadLetter) -> Result<i64, tokio_postgres::Error> {
-    let ids = insert_rows(client, &[&Stored::of(d)], Commit::Synchronous).await?;
+    let sql = insert_statement(Commit::Synchronous);
+    let ids = insert_rows(client, sql.as_str(), &[&Stored::of(d)]).await?;
     Ok(ids[0])
 }
 
@@ -178,15 +179,8 @@ pub(super) enum Commit {
     Asynchronous,
 }
 
-/// Inserts `rows` in one statement, in their order; returns their ids in
-/// that order. Ids are taken in that order: the rows are inserted `ORDER
-/// BY` their position, and the `id` default (`nextval`) is evaluated once
-/// per row as they arrive (`deadletter::grouped`'s module doc).
-pub(super) async fn insert_rows(
-    client: &Client,
-    rows: &[&Stored],
-    commit: Commit,
-) -> Result<Vec<i64>, tokio_postgres::Error> {
+/// The statement [`insert_rows`] runs, committing as `commit` says.
+pub(super) fn insert_statement(commit: Commit) -> String {
     // The setting is a materialized CTE the insert reads (one row, joined
     // to every inserted row), so it is evaluated once, before the first row.
     let (setting, joined) = match commit {
@@ -197,9 +191,8 @@ pub(super) async fn insert_rows(
             ", local_setting",
         ),
     };
-    let inserted = client
-        .query(
-            &format!("{setting}INSERT INTO cdc_relay_dead_letter \
+    format!(
+        "{setting}INSERT INTO cdc_relay_dead_letter \
                (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
                 error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint) \
              SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
@@ -209,7 +202,23 @@ pub(super) async fn insert_rows(
                   WITH ORDINALITY AS r(event_id, aggregate_key, event_type, payload, payload_bytes, \
                     commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint, n){joined} \
              ORDER BY n \
-             RETURNING id"),
+             RETURNING id"
+    )
+}
+
+/// Inserts `rows` in one statement (`statement`: [`insert_statement`]'s
+/// text, or that text prepared), in their order; returns their ids in that
+/// order. Ids are taken in that order: the rows are inserted `ORDER BY`
+/// their position, and the `id` default (`nextval`) is evaluated once per
+/// row as they arrive (`deadletter::grouped`'s module doc).
+pub(super) async fn insert_rows<T: ToStatement + ?Sized>(
+    client: &Client,
+    statement: &T,
+    rows: &[&Stored],
+) -> Result<Vec<i64>, tokio_postgres::Error> {
+    let inserted = client
+        .query(
+            statement,
             &[
                 &column(rows, |r| r.event_id.as_deref()),
                 &column(rows, |r| r.aggregate_key.as_deref()),
