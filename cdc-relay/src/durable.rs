@@ -37,6 +37,12 @@
 //! (`cdc-relay/tests/ack_model.rs`, "asynchronous parking") drives the real
 //! gate through server crashes and catches the rule without it.
 //!
+//! **Not with synchronous replication.** A synchronous commit also waits
+//! for the synchronous standbys (`synchronous_standby_names`); the flush
+//! position read here is the primary's own. So where that setting is set
+//! the relay commits its dead letters synchronously, as before, and uses
+//! no gate (`relay::Session::prepare` reads it at each session start).
+//!
 //! **What it costs.** The aggregate's next event does not wait for the
 //! flush: the job is done at commit, so ordering is unchanged. Only the
 //! confirmed position waits. It lags by one poll (about

@@ -333,6 +333,10 @@ struct Prepared {
     row_filter: Option<String>,
     /// Endpoints whose parked dead letters wait: they start parked.
     parked: Vec<String>,
+    /// The server's `synchronous_standby_names` is set (synchronous
+    /// replication): dead letters then commit synchronously, so each waits
+    /// for the synchronous standbys as before (`crate::durable`).
+    synchronous_replication: bool,
 }
 
 impl Session<'_> {
@@ -433,8 +437,18 @@ impl Session<'_> {
         let window = Window::new(cfg.window_events, cfg.window_bytes);
         // Parked rows come as fast as the endpoint's events: concurrent
         // ones share a statement and a commit, and nobody waits for its
-        // flush but the confirmed position (`crate::durable`).
-        let (store, durability) = GroupedStore::asynchronous(Arc::clone(&p.side));
+        // flush but the confirmed position (`crate::durable`) — unless the
+        // server replicates synchronously: then each commit waits for the
+        // synchronous standbys, as a flush check on the primary cannot.
+        let (store, durability) = if p.synchronous_replication {
+            tracing::info!(
+                "synchronous_standby_names is set: dead letters commit synchronously (each waits for the synchronous standbys)"
+            );
+            (GroupedStore::new(Arc::clone(&p.side)), None)
+        } else {
+            let (store, durability) = GroupedStore::asynchronous(Arc::clone(&p.side));
+            (store, Some(durability))
+        };
         let shared = Shared {
             store: Arc::new(store),
             metrics: self.metrics.clone(),
@@ -442,7 +456,7 @@ impl Session<'_> {
             stopping: stop.clone(),
             wal_budget,
             window: Some(window.clone()),
-            durability: Some(durability),
+            durability,
         };
         let endpoints = targets
             .endpoints
@@ -568,17 +582,31 @@ impl Session<'_> {
             let parked = deadletter::parked_endpoints(&side)
                 .await
                 .map_err(|e| SourceError::sql("looking for parked dead letters", &e))?;
-            Ok::<_, SourceError>((side, side_closed, server, wal_sender_timeout, slot, parked))
+            let standbys = catalog::setting(&side, "synchronous_standby_names").await?;
+            Ok::<_, SourceError>((
+                side,
+                side_closed,
+                server,
+                wal_sender_timeout,
+                slot,
+                (parked, !standbys.trim().is_empty()),
+            ))
         };
         let tries = u32::try_from(cfg.conn.hosts.len()).unwrap_or(u32::MAX);
         let bound = cfg.conn.connect_timeout * tries.saturating_add(1);
-        let (side, side_closed, server, wal_sender_timeout, slot, parked) =
-            tokio::time::timeout(bound, startup).await.map_err(|_| {
-                SourceError::Transient(format!(
-                    "{}: no answer within {bound:?} while connecting",
-                    cfg.conn.display()
-                ))
-            })??;
+        let (
+            side,
+            side_closed,
+            server,
+            wal_sender_timeout,
+            slot,
+            (parked, synchronous_replication),
+        ) = tokio::time::timeout(bound, startup).await.map_err(|_| {
+            SourceError::Transient(format!(
+                "{}: no answer within {bound:?} while connecting",
+                cfg.conn.display()
+            ))
+        })??;
         let side = Arc::new(side);
         // The slot was recreated and the gap since the progress record
         // re-sent: the new slot is ahead of where this process left the old
@@ -701,6 +729,7 @@ impl Session<'_> {
             sql_ascii,
             row_filter,
             parked,
+            synchronous_replication,
         }))
     }
 

@@ -26,6 +26,7 @@ use ::harness::stack::Stack;
 use ::harness::{PgCluster, wait_until};
 use tokio_postgres::Client;
 
+mod durability;
 mod stopped;
 
 /// Bound for the WAL budget to park an endpoint: its oldest event waits
@@ -144,6 +145,39 @@ fn in_order(name: &str, sink: &ScriptedSink, events: &[Expected]) -> Vec<String>
         got.push(id);
     }
     got
+}
+
+/// The place in `events` of each event in `received` (ids in the order an
+/// endpoint answered them, repeats included) at its first receipt,
+/// checking that each aggregate's first receipts follow commit order: an
+/// event received again later (at-least-once) may repeat, but no event is
+/// first received after a later one of its aggregate.
+fn first_receipts_in_order(name: &str, received: Vec<String>, events: &[Expected]) -> Vec<usize> {
+    let place: HashMap<&str, usize> = events
+        .iter()
+        .enumerate()
+        .map(|(n, e)| (e.id.as_str(), n))
+        .collect();
+    let mut seen = BTreeSet::new();
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    let mut firsts = Vec::new();
+    for id in received {
+        let n = *place
+            .get(id.as_str())
+            .unwrap_or_else(|| panic!("{name} got an event never committed: {id}"));
+        if !seen.insert(id.clone()) {
+            continue;
+        }
+        let aggregate = events[n].aggregate.as_str();
+        if let Some(prev) = last.insert(aggregate, n) {
+            assert!(
+                n > prev,
+                "{name}: aggregate {aggregate} went back in commit order (event #{n} first received after #{prev})"
+            );
+        }
+        firsts.push(n);
+    }
+    firsts
 }
 
 async fn parked_rows(db: &Client) -> Vec<String> {

@@ -1,7 +1,7 @@
 //! Issue 15's proof with a stopped process: an endpoint whose sink process
 //! is stopped (SIGSTOP) while events keep coming, parked, then continued.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 use super::*;
 
@@ -129,30 +129,7 @@ async fn an_endpoint_whose_process_is_stopped_is_parked_then_back_in_order() {
         "the backlog was replayed"
     );
 
-    let place: HashMap<&str, usize> = events
-        .iter()
-        .enumerate()
-        .map(|(n, e)| (e.id.as_str(), n))
-        .collect();
-    let mut seen = BTreeSet::new();
-    let mut last: HashMap<&str, usize> = HashMap::new();
-    let mut firsts = Vec::new();
-    for id in billing.received().await {
-        let n = *place
-            .get(id.as_str())
-            .unwrap_or_else(|| panic!("billing got an event never committed: {id}"));
-        if !seen.insert(id.clone()) {
-            continue;
-        }
-        let aggregate = events[n].aggregate.as_str();
-        if let Some(prev) = last.insert(aggregate, n) {
-            assert!(
-                n > prev,
-                "billing: aggregate {aggregate} went back in commit order (event #{n} first received after #{prev})"
-            );
-        }
-        firsts.push(n);
-    }
+    let firsts = first_receipts_in_order("billing", billing.received().await, &events);
     let first_live = firsts.iter().position(|n| *n >= backlog).unwrap();
     assert!(
         firsts[..first_live].len() == backlog,
