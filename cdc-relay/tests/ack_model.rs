@@ -140,6 +140,31 @@ impl Rule for AckTracker {
     }
 }
 
+/// A broken rule wrapping the real tracker (`self.0`): every method but
+/// `keepalive` (and whatever the rule overrides) is the tracker's own.
+macro_rules! real_tracker_but_keepalive {
+    () => {
+        fn new(start: Lsn) -> Self {
+            Self(AckTracker::new(start))
+        }
+        fn begin(&mut self) -> TxSeq {
+            self.0.begin()
+        }
+        fn add_event(&mut self, tx: TxSeq) {
+            self.0.add_event(tx)
+        }
+        fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
+            self.0.commit(tx, end_lsn)
+        }
+        fn complete(&mut self, tx: TxSeq) {
+            self.0.complete(tx)
+        }
+        fn confirmed(&self) -> Lsn {
+            self.0.confirmed()
+        }
+    };
+}
+
 /// Broken rule 1: confirms the end LSN of the highest *done* transaction,
 /// ignoring undone ones before it (no prefix).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -241,25 +266,8 @@ struct NoKeepalive(AckTracker);
 impl Rule for NoKeepalive {
     type Seq = TxSeq;
     const NAME: &'static str = "broken: keepalives never confirmed";
-    fn new(start: Lsn) -> Self {
-        NoKeepalive(AckTracker::new(start))
-    }
-    fn begin(&mut self) -> TxSeq {
-        self.0.begin()
-    }
-    fn add_event(&mut self, tx: TxSeq) {
-        self.0.add_event(tx)
-    }
-    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
-        self.0.commit(tx, end_lsn)
-    }
-    fn complete(&mut self, tx: TxSeq) {
-        self.0.complete(tx)
-    }
+    real_tracker_but_keepalive!();
     fn keepalive(&mut self, _: Lsn) {}
-    fn confirmed(&self) -> Lsn {
-        self.0.confirmed()
-    }
 }
 
 /// Broken rule 4 (two endpoints): an event counts once, done at the first
@@ -317,26 +325,9 @@ struct ParkedStaysPending(AckTracker);
 impl Rule for ParkedStaysPending {
     type Seq = TxSeq;
     const NAME: &'static str = "broken: a parked event stays pending";
-    fn new(start: Lsn) -> Self {
-        ParkedStaysPending(AckTracker::new(start))
-    }
-    fn begin(&mut self) -> TxSeq {
-        self.0.begin()
-    }
-    fn add_event(&mut self, tx: TxSeq) {
-        self.0.add_event(tx)
-    }
-    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
-        self.0.commit(tx, end_lsn)
-    }
-    fn complete(&mut self, tx: TxSeq) {
-        self.0.complete(tx)
-    }
+    real_tracker_but_keepalive!();
     fn keepalive(&mut self, wal_end: Lsn) {
         self.0.keepalive(wal_end)
-    }
-    fn confirmed(&self) -> Lsn {
-        self.0.confirmed()
     }
     fn park_at(&mut self, _tx: TxSeq, _event: u8) {}
 }
@@ -352,26 +343,9 @@ impl Rule for ParkedBeforeRow {
     type Seq = TxSeq;
     const NAME: &'static str = "broken: a parked job completes before its row is written";
     const ROW_FIRST: bool = false;
-    fn new(start: Lsn) -> Self {
-        ParkedBeforeRow(AckTracker::new(start))
-    }
-    fn begin(&mut self) -> TxSeq {
-        self.0.begin()
-    }
-    fn add_event(&mut self, tx: TxSeq) {
-        self.0.add_event(tx)
-    }
-    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
-        self.0.commit(tx, end_lsn)
-    }
-    fn complete(&mut self, tx: TxSeq) {
-        self.0.complete(tx)
-    }
+    real_tracker_but_keepalive!();
     fn keepalive(&mut self, wal_end: Lsn) {
         self.0.keepalive(wal_end)
-    }
-    fn confirmed(&self) -> Lsn {
-        self.0.confirmed()
     }
 }
 
@@ -386,26 +360,9 @@ impl Rule for Ungated {
     type Seq = TxSeq;
     const NAME: &'static str = "broken: confirms past a row before its commit is flushed";
     const GATED: bool = false;
-    fn new(start: Lsn) -> Self {
-        Ungated(AckTracker::new(start))
-    }
-    fn begin(&mut self) -> TxSeq {
-        self.0.begin()
-    }
-    fn add_event(&mut self, tx: TxSeq) {
-        self.0.add_event(tx)
-    }
-    fn commit(&mut self, tx: TxSeq, end_lsn: Lsn) {
-        self.0.commit(tx, end_lsn)
-    }
-    fn complete(&mut self, tx: TxSeq) {
-        self.0.complete(tx)
-    }
+    real_tracker_but_keepalive!();
     fn keepalive(&mut self, wal_end: Lsn) {
         self.0.keepalive(wal_end)
-    }
-    fn confirmed(&self) -> Lsn {
-        self.0.confirmed()
     }
 }
 
