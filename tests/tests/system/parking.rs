@@ -89,7 +89,12 @@ async fn start_variant(
 /// A stack set up for the relay, billing's and shipping's sinks, and a
 /// directory for the routes file.
 async fn two_sinks() -> (Stack, Vec<ScriptedSink>, tempfile::TempDir) {
-    let stack = PgCluster::shared().create_stack().await.unwrap();
+    two_sinks_on(PgCluster::shared()).await
+}
+
+/// [`two_sinks`] on `cluster`.
+async fn two_sinks_on(cluster: &PgCluster) -> (Stack, Vec<ScriptedSink>, tempfile::TempDir) {
+    let stack = cluster.create_stack().await.unwrap();
     app::relay_setup(&stack).await.unwrap();
     let sinks = vec![
         ScriptedSink::start().await.unwrap(),

@@ -40,13 +40,7 @@ const RECOVERY: Duration = Duration::from_secs(60);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_crash_while_parking_loses_no_event() {
     let cluster = Arc::new(PgCluster::start(ClusterOptions::default()).unwrap());
-    let stack = cluster.create_stack().await.unwrap();
-    app::relay_setup(&stack).await.unwrap();
-    let sinks = vec![
-        ScriptedSink::start().await.unwrap(),
-        ScriptedSink::start().await.unwrap(),
-    ];
-    let dir = tempfile::tempdir().unwrap();
+    let (stack, sinks, dir) = two_sinks_on(&cluster).await;
     let path = routes_file(dir.path(), &sinks, "auto");
     let relay = start(&stack, &path).await;
     let db = stack.orders_admin().await.unwrap();
@@ -128,13 +122,7 @@ async fn with_synchronous_replication_dead_letters_commit_synchronously() {
         ..ClusterOptions::default()
     })
     .unwrap();
-    let stack = cluster.create_stack().await.unwrap();
-    app::relay_setup(&stack).await.unwrap();
-    let sinks = vec![
-        ScriptedSink::start().await.unwrap(),
-        ScriptedSink::start().await.unwrap(),
-    ];
-    let dir = tempfile::tempdir().unwrap();
+    let (stack, sinks, dir) = two_sinks_on(&cluster).await;
     let path = routes_file(dir.path(), &sinks, "manual");
     let relay = start(&stack, &path).await;
     relay
