@@ -60,7 +60,7 @@ pub struct Stream {
     /// The dispatcher's confirmed LSN.
     confirmed: watch::Receiver<Confirmed<Lsn>>,
     /// The slot monitor's limit on the confirmed LSN.
-    ceiling: watch::Receiver<Option<Lsn>>,
+    ceiling: Ceiling,
     items: mpsc::Sender<Item<Lsn>>,
     window: Window,
     mapper: OutboxMapper,
@@ -80,6 +80,36 @@ pub struct Stream {
     /// Copies the transport's status-update counters into metrics until
     /// the session ends.
     _status_updates: AbortOnDropHandle<()>,
+}
+
+/// The slot monitor's limit on the confirmed LSN, followed.
+///
+/// The monitor ends with the side connection, whose own branch ends the
+/// session. Until that branch runs, a closed channel must not be ready:
+/// the reader's `select!`s are `biased`, and a `changed()` that fails at
+/// once on every turn would spin ahead of that branch for good (a
+/// session that never ended after the side connection closed).
+struct Ceiling {
+    rx: watch::Receiver<Option<Lsn>>,
+    open: bool,
+}
+
+impl Ceiling {
+    fn new(rx: watch::Receiver<Option<Lsn>>) -> Self {
+        Ceiling { rx, open: true }
+    }
+
+    /// The next ceiling the monitor sets; never completes once the
+    /// monitor has ended.
+    async fn changed(&mut self) -> Option<Lsn> {
+        if self.open {
+            if self.rx.changed().await.is_ok() {
+                return *self.rx.borrow_and_update();
+            }
+            self.open = false;
+        }
+        std::future::pending().await
+    }
 }
 
 /// What the reader needs besides the transport.
@@ -115,7 +145,7 @@ impl Stream {
             transport,
             slot: parts.slot,
             confirmed: parts.confirmed,
-            ceiling: parts.ceiling,
+            ceiling: Ceiling::new(parts.ceiling),
             items: parts.items,
             window: parts.window,
             mapper: parts.mapper,
@@ -147,7 +177,7 @@ impl Stream {
             tokio::select! {
                 biased;
                 r = self.confirmed.changed() => self.forward_ack(r)?,
-                r = self.ceiling.changed() => self.forward_ceiling(r),
+                c = self.ceiling.changed() => self.transport.hold_at(c),
                 _ = shutdown.cancelled(), if deadline.is_none() => {
                     tracing::info!(in_transaction = self.tx.is_some(), "shutdown requested: stop reading at the next transaction boundary");
                     deadline = Some(Instant::now() + budget);
@@ -196,15 +226,6 @@ impl Stream {
         let lsn = self.confirmed.borrow_and_update().position;
         self.transport.confirm(lsn);
         Ok(())
-    }
-
-    fn forward_ceiling(&mut self, changed: Result<(), watch::error::RecvError>) {
-        // The monitor ends only with the side connection, which ends the
-        // session by its own branch.
-        if changed.is_ok() {
-            let ceiling = *self.ceiling.borrow_and_update();
-            self.transport.hold_at(ceiling);
-        }
     }
 
     async fn handle(
@@ -363,7 +384,7 @@ impl Stream {
             tokio::select! {
                 biased;
                 r = self.confirmed.changed() => self.forward_ack(r)?,
-                r = self.ceiling.changed() => self.forward_ceiling(r),
+                c = self.ceiling.changed() => self.transport.hold_at(c),
                 p = &mut admitted => return Ok(p),
                 _ = &mut self.side_closed => return Err(side_lost()),
                 _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {
@@ -490,4 +511,26 @@ fn side_lost() -> SourceError {
 
 fn pipeline_stopped() -> SourceError {
     SourceError::Transient("delivery pipeline stopped".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_ceiling_whose_monitor_ended_waits_instead_of_failing_on_every_turn() {
+        let (tx, rx) = watch::channel(None);
+        let mut ceiling = Ceiling::new(rx);
+        tx.send(Some(Lsn::new(0x10))).unwrap();
+        assert_eq!(ceiling.changed().await, Some(Lsn::new(0x10)));
+        drop(tx);
+        for _ in 0..2 {
+            assert!(
+                tokio::time::timeout(Duration::from_millis(20), ceiling.changed())
+                    .await
+                    .is_err(),
+                "a closed ceiling must stay pending"
+            );
+        }
+    }
 }
