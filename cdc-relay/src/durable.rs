@@ -1,12 +1,12 @@
-//! Asynchronously committed dead letters, and the rule that makes
+//! Asynchronously written dead letters, and the rule that makes
 //! confirming past them safe: the slot is confirmed past an event whose
-//! row was committed asynchronously only once the server has flushed that
-//! commit.
+//! dead-letter row is written asynchronously only once the server has
+//! committed that row and flushed the commit.
 //!
 //! **Why asynchronous.** A parked endpoint turns every one of its events
 //! into a dead-letter row. They arrive one at a time, as fast as the
 //! endpoint's events, so group commit ([`crate::deadletter::GroupedStore`])
-//! rarely finds company, and one synchronous commit per row doubled the
+//! found little company, and one synchronous commit per row doubled the
 //! server's WAL flushes in benchmark j. The other endpoints' events pass
 //! through the same server, and their commit→2xx time includes waiting
 //! behind those flushes. So the relay's writer commits its statements with
@@ -15,42 +15,58 @@
 //! WAL is flushed, and the WAL writer or the next synchronous commit
 //! flushes it. Nobody waits for that flush.
 //!
-//! **What a server crash does.** It loses the commits whose WAL was not
-//! flushed yet. WAL is flushed in order, so it loses a suffix of them.
-//! Until its commit is flushed, a row is therefore not yet a promise.
-//! [`FlushGate`] holds the confirmed position back until it is:
+//! **Parked jobs do not wait for the commit either.** A parked event's job
+//! is done once its row is *queued* for the writer
+//! ([`crate::deadletter::GroupedStore::park`]): the writer takes rows in
+//! queue order, so an aggregate's rows still get increasing ids, and it
+//! gathers the rows of a few milliseconds into one statement. A hot
+//! aggregate of a parked endpoint then no longer waits one commit per
+//! event, and the server runs tens of statements a second instead of one
+//! per parked event. A statement that fails is retried by the writer, in
+//! order, before anything behind it.
+//!
+//! **What a crash does.** A relay crash loses the queued rows; a server
+//! crash loses the commits whose WAL was not flushed yet (WAL is flushed in
+//! order, so a suffix of them). Until it is committed and flushed, a row is
+//! therefore not yet a promise. [`FlushGate`] holds the confirmed position
+//! back until it is:
 //!
 //! ```text
-//!  writer:     COMMIT (async) ─▶ Flushes: committed += 1 ─▶ answers the delivery ─▶ job done
+//!  store:      promised += 1 ─▶ queue the row ─▶ job done (parked) / wait for the commit (other rows)
+//!  writer:     COMMIT (async) of the next k queued rows ─▶ committed += k ─▶ answers the waiters
 //!  poller:     n = committed; F = pg_current_wal_insert_lsn();
 //!              wait until pg_current_wal_flush_lsn() >= F; covered = n
-//!  dispatcher: p = Scheduler::confirmed(); n = committed  ─▶ FlushGate::pass(p)
+//!  dispatcher: p = Scheduler::confirmed(); n = promised  ─▶ FlushGate::pass(p)
 //!              = the latest p it was offered whose n <= covered
 //! ```
 //!
-//! **Why this is safe.** A job counted in `p` completed after its row's
-//! commit returned, and the writer counted that commit before answering.
-//! The dispatcher reads `n` after computing `p`, so `n` counts the commit.
-//! `covered >= n` means the poller read the insert position `F` after the
-//! `n`-th commit returned. That commit's record therefore ends at or before
-//! `F`, and `F` is flushed. The model check
-//! (`cdc-relay/tests/ack_model.rs`, "asynchronous parking") drives the real
-//! gate through server crashes and catches the rule without it.
+//! **Why this is safe.** A job counted in `p` completed after its row was
+//! queued, and the row was counted in `promised` before it was queued. The
+//! dispatcher reads `n` after computing `p`, so every such row is among
+//! the first `n` rows of the queue (rows are counted before they are
+//! queued, so no more than `n` were queued when `n` was read). The writer
+//! commits rows in queue order and counts a statement's rows only after it
+//! committed, so `covered >= n` means the first `n` rows were committed
+//! and the poller read the insert position `F` after that commit returned:
+//! the commit record ends at or before `F`, and `F` is flushed. The model
+//! check (`cdc-relay/tests/ack_model.rs`, "asynchronous parking") drives
+//! the real gate through relay and server crashes and catches the rule
+//! without it, and the rule that counts committed rows instead of promised
+//! ones.
 //!
 //! **Not with synchronous replication.** A synchronous commit also waits
 //! for the synchronous standbys (`synchronous_standby_names`); the flush
 //! position read here is the primary's own. So where that setting is set
-//! the relay commits its dead letters synchronously, as before, and uses
-//! no gate (`relay::Session::prepare` reads it at each session start).
+//! the relay commits its dead letters synchronously and waits for each, as
+//! before, and uses no gate (`relay::Session::prepare` reads it at each
+//! session start).
 //!
-//! **What it costs.** The aggregate's next event does not wait for the
-//! flush: the job is done at commit, so ordering is unchanged. Only the
-//! confirmed position waits. It lags by one poll (about
-//! [`POLL_INTERVAL`]) while other commits flush the WAL, and by at most
-//! about three `wal_writer_delay` (600 ms by default) when nothing else
-//! does. Without asynchronous commits (no parked or poison events) it
-//! costs nothing: `committed` stays at `covered` and the gate passes every
-//! position at once.
+//! **What it costs.** Only the confirmed position waits: for the writer's
+//! gathering (about [`crate::deadletter::GATHER`]), then one poll (about
+//! [`POLL_INTERVAL`]) while other commits flush the WAL, or at most about
+//! three `wal_writer_delay` (600 ms by default) when nothing else does.
+//! Without dead letters it costs nothing: `promised` stays at `covered`
+//! and the gate passes every position at once.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -73,49 +89,62 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// held (that one then waits a little longer: never less safe).
 const MAX_OFFERED: usize = 64;
 
-/// The writer's side: counts asynchronous commits and wakes the poller.
+/// The store's and the writer's side: counts the rows promised (queued
+/// for the writer) and the rows whose statement committed, and wakes the
+/// poller. Both count rows in queue order.
 #[derive(Clone, Debug)]
 pub struct Flushes {
+    promised: Arc<AtomicU64>,
     committed: Arc<AtomicU64>,
     wake: Arc<Notify>,
 }
 
 impl Flushes {
-    /// An asynchronous commit returned: count it. Call it before telling
-    /// anyone the row is committed (see the module doc).
-    pub fn committed(&self) {
-        self.committed.fetch_add(1, Ordering::SeqCst);
+    /// A row is about to be queued for the writer: count it. Call it
+    /// before queueing the row, and so before anyone counts its job done
+    /// (see the module doc).
+    pub fn promised(&self) {
+        self.promised.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The writer's statement holding the next `rows` queued rows committed
+    /// asynchronously (a row it dropped, its waiter gone, counts too: it
+    /// needs nothing flushed): count them. Call it before answering anyone.
+    pub fn committed(&self, rows: u64) {
+        self.committed.fetch_add(rows, Ordering::SeqCst);
         self.wake.notify_one();
     }
 }
 
-/// The reader's side: how many asynchronous commits returned, and how many
-/// of them the server has flushed (a prefix: WAL is flushed in order).
+/// The reader's side: how many rows were promised, and how many of them
+/// the server has flushed (a prefix of the queue: the writer commits in
+/// queue order, and WAL is flushed in order).
 #[derive(Clone, Debug)]
 pub struct Durability {
-    committed: Arc<AtomicU64>,
+    promised: Arc<AtomicU64>,
     covered: watch::Receiver<u64>,
 }
 
 impl Durability {
-    /// Asynchronous commits that have returned so far.
-    pub fn committed(&self) -> u64 {
-        self.committed.load(Ordering::SeqCst)
+    /// Rows promised so far (queued, committed or not).
+    pub fn promised(&self) -> u64 {
+        self.promised.load(Ordering::SeqCst)
     }
 
-    /// How many of them are known flushed: the first `covered()` commits.
+    /// How many of them are known committed and flushed: the first
+    /// `covered()` rows of the queue.
     pub fn covered(&self) -> u64 {
         *self.covered.borrow()
     }
 }
 
-/// A counter of asynchronous commits over `client`'s session, and the task
-/// that follows their flush: the writer's [`Flushes`], the dispatcher's
-/// [`Durability`], and the poller to spawn. The poller runs `SELECT
-/// pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()` on `client`
-/// only while a counted commit is not known flushed, at most once per
-/// [`POLL_INTERVAL`]; it ends when `client` closes or every [`Durability`]
-/// is dropped.
+/// Counters of the rows promised and committed over `client`'s session,
+/// and the task that follows their flush: the store's and writer's
+/// [`Flushes`], the dispatcher's [`Durability`], and the poller to spawn.
+/// The poller runs `SELECT pg_current_wal_insert_lsn(),
+/// pg_current_wal_flush_lsn()` on `client` only while a committed row is
+/// not known flushed, at most once per [`POLL_INTERVAL`]; it ends when
+/// `client` closes or every [`Durability`] is dropped.
 pub fn follow(
     client: Arc<Client>,
 ) -> (
@@ -123,17 +152,16 @@ pub fn follow(
     Durability,
     impl std::future::Future<Output = ()> + Send,
 ) {
+    let promised = Arc::new(AtomicU64::new(0));
     let committed = Arc::new(AtomicU64::new(0));
     let wake = Arc::new(Notify::new());
     let (covered_tx, covered) = watch::channel(0);
     let flushes = Flushes {
+        promised: Arc::clone(&promised),
         committed: Arc::clone(&committed),
         wake: Arc::clone(&wake),
     };
-    let durability = Durability {
-        committed: Arc::clone(&committed),
-        covered,
-    };
+    let durability = Durability { promised, covered };
     (
         flushes,
         durability,
@@ -202,7 +230,8 @@ async fn flushed_to_insert(client: &Client) -> Result<(), tokio_postgres::Error>
 }
 
 /// The positions offered and not yet passed, each with the number of
-/// asynchronous commits it needs flushed; the pure part of [`FlushGate`].
+/// promised rows it needs committed and flushed; the pure part of
+/// [`FlushGate`].
 ///
 /// Invariant: positions and counts strictly increase from front to back,
 /// and every position is greater than `passed`.
@@ -221,9 +250,9 @@ impl<P: Copy + Ord> Held<P> {
         }
     }
 
-    /// Position `p` is done as far as deliveries go, and `needs` commits
-    /// (counted after `p` was computed) must be flushed before it is
-    /// confirmed; `covered` are. Returns the position that may be confirmed.
+    /// Position `p` is done as far as deliveries go, and the first `needs`
+    /// promised rows (counted after `p` was computed) must be committed and
+    /// flushed before it is confirmed; the first `covered` are. Returns the position that may be confirmed.
     pub fn offer(&mut self, p: P, needs: u64, covered: u64) -> P {
         let newest = self.offered.back().map_or(self.passed, |&(q, _)| q);
         if p > newest {
@@ -238,8 +267,8 @@ impl<P: Copy + Ord> Held<P> {
         self.release(covered)
     }
 
-    /// The first `covered` commits are flushed: passes every position they
-    /// were all it needed. Returns the position that may be confirmed.
+    /// The first `covered` promised rows are committed and flushed: passes
+    /// every position they were all it needed. Returns the position that may be confirmed.
     pub fn release(&mut self, covered: u64) -> P {
         while let Some(&(p, needs)) = self.offered.front() {
             if needs > covered {
@@ -283,7 +312,7 @@ impl<P: Copy + Ord> FlushGate<P> {
     /// position that may be confirmed now (`p`, or an earlier one whose
     /// commits are flushed).
     pub fn pass(&mut self, p: P) -> P {
-        let needs = self.durability.committed();
+        let needs = self.durability.promised();
         self.held.offer(p, needs, self.durability.covered())
     }
 

@@ -48,18 +48,22 @@
 //! property, and "a parked job completes before its row is written" (a
 //! crash in between loses the event) must fail safety.
 //!
-//! **Asynchronous parking** (`cdc_relay::durable`): the relay commits a
-//! parked row with `synchronous_commit = off`, so the row is committed but
-//! not durable until the server flushes its WAL; the job completes at
-//! commit. The model adds the server's WAL flush (the oldest unflushed row
-//! becomes durable: WAL is flushed in order), the flush poller (reports how
-//! many of this session's commits are flushed) and a *server* crash (every
-//! unflushed row is lost; the relay's session ends). Status updates carry
-//! the position the **real** [`cdc_relay::durable::Held`] gate passed,
-//! offered the tracker's position and the commit count after every step,
-//! as `dispatch::publish` does. Safety counts only durable rows. Broken
-//! rule: "status updates carry the tracker's position" (no gate) must fail
-//! safety.
+//! **Asynchronous parking** (`cdc_relay::durable`): a parked job
+//! completes once its row is *queued* for the relay's dead-letter writer
+//! (counted as promised first); the writer commits queued rows in queue
+//! order with `synchronous_commit = off`, so a committed row is not durable
+//! until the server flushes its WAL. The model adds the writer's commit
+//! (the oldest queued row becomes committed), the server's WAL flush (the
+//! oldest unflushed row becomes durable: WAL is flushed in order), the
+//! flush poller (reports how many of this session's promised rows are
+//! committed and flushed), a relay crash losing the queued rows, and a
+//! *server* crash (every queued and unflushed row is lost; the relay's
+//! session ends). Status updates carry the position the **real**
+//! [`cdc_relay::durable::Held`] gate passed, offered the tracker's position
+//! and the promised count after every step, as `dispatch::publish` does.
+//! Safety counts only durable rows. Broken rules: "status updates carry the
+//! tracker's position" (no gate) and "the gate counts committed rows, not
+//! promised ones" must fail safety.
 //!
 //! Run: `cargo test -p cdc-relay --test ack_model -- --nocapture`.
 
@@ -88,6 +92,10 @@ trait Rule: Clone + Debug + Eq + Hash + Send + Sync + 'static {
     /// With asynchronous parking, status updates carry the position the
     /// flush gate passed (`false`: the tracker's own, ignoring flushes).
     const GATED: bool = true;
+    /// With asynchronous parking, the gate needs every row promised
+    /// (queued or committed) before the position was computed (`false`:
+    /// only the rows the writer had committed).
+    const COUNTS_PROMISED: bool = true;
     fn new(start: Lsn) -> Self;
     fn begin(&mut self) -> Self::Seq;
     fn add_event(&mut self, tx: Self::Seq);
@@ -366,6 +374,23 @@ impl Rule for Ungated {
     }
 }
 
+/// Broken rule 8 (asynchronous parking): the gate needs only the rows the
+/// writer had committed when the position was computed, not the rows
+/// queued for it (as if `FlushGate::pass` read the committed count): a
+/// relay crash then loses a queued row after the slot passed its event.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct CountsCommitted(AckTracker);
+
+impl Rule for CountsCommitted {
+    type Seq = TxSeq;
+    const NAME: &'static str = "broken: the gate waits only for committed rows, not queued ones";
+    const COUNTS_PROMISED: bool = false;
+    real_tracker_but_keepalive!();
+    fn keepalive(&mut self, wal_end: Lsn) {
+        self.0.keepalive(wal_end)
+    }
+}
+
 // ---------------------------------------------------------------------------
 // The world: WAL, walsender, slot, relay, sinks.
 
@@ -424,6 +449,8 @@ struct State<R: Rule> {
     unflushed: Vec<(u8, u8, bool)>,
     /// A server crash lost an unflushed row (non-vacuity).
     lost_row: bool,
+    /// A relay crash lost a queued row (non-vacuity).
+    lost_queued: bool,
     // --- the current session: lost on a crash ---
     /// Next WAL item the walsender will decode.
     next: u8,
@@ -438,9 +465,13 @@ struct State<R: Rule> {
     pending: Vec<(u8, u8, R::Seq)>,
     /// The acknowledgement state under test.
     tracker: R,
-    /// Asynchronous commits of this session (`Flushes::committed`).
-    committed: u8,
-    /// How many of them the poller reported flushed.
+    /// Asynchronous parking: parked rows queued for the writer and not yet
+    /// committed, in queue order: (event, endpoint).
+    queued: Vec<(u8, u8)>,
+    /// Rows this session promised (`Flushes::promised`).
+    promised: u8,
+    /// How many of them (the first, in queue order) the poller reported
+    /// committed and flushed.
     covered: u8,
     /// The real flush gate, offered the tracker's position after each step.
     gate: Held<Lsn>,
@@ -475,6 +506,8 @@ enum Action {
     StatusUpdate(Lsn),
     /// The relay dies: pipeline dropped, a new session starts from the slot.
     Crash,
+    /// Asynchronous parking: the writer commits the oldest queued row.
+    WriterCommit,
     /// Asynchronous parking: the server flushes the oldest unflushed row.
     Flush,
     /// The flush poller reports this session's flushed commits.
@@ -553,6 +586,13 @@ impl<R: Rule> AckModel<R> {
         s.unflushed.iter().filter(|u| u.2).count() as u8
     }
 
+    /// This session's promised rows that are committed and flushed (a
+    /// prefix of its queue: the writer commits in order, WAL flushes in
+    /// order).
+    fn flushed_of_session(s: &State<R>) -> u8 {
+        s.promised - s.queued.len() as u8 - Self::counted_unflushed(s)
+    }
+
     /// The endpoints event `e` goes to, as a bitmask: with two endpoints,
     /// even events to both (fan-out), odd ones to the second only.
     fn routes(&self, e: u8) -> u8 {
@@ -614,13 +654,14 @@ impl<R: Rule> AckModel<R> {
         s.open = None;
         s.pending.clear();
         s.unwritten.clear();
+        s.queued.clear();
         s.tracker = R::new(s.slot);
         // The server keeps the old session's unflushed rows; the new
         // session's counter does not count them.
         for u in &mut s.unflushed {
             u.2 = false;
         }
-        s.committed = 0;
+        s.promised = 0;
         s.covered = 0;
         s.gate = Held::new(s.slot);
     }
@@ -662,13 +703,15 @@ impl<R: Rule> Model for AckModel<R> {
                     unwritten: Vec::new(),
                     unflushed: Vec::new(),
                     lost_row: false,
+                    lost_queued: false,
                     next: 0,
                     streaming: None,
                     sent: Lsn::new(BASE),
                     open: None,
                     pending: Vec::new(),
                     tracker: R::new(Lsn::new(BASE)),
-                    committed: 0,
+                    queued: Vec::new(),
+                    promised: 0,
                     covered: 0,
                     gate: Held::new(Lsn::new(BASE)),
                 };
@@ -733,13 +776,16 @@ impl<R: Rule> Model for AckModel<R> {
             actions.push(Action::Crash);
         }
         if self.asynchronous {
+            if !s.queued.is_empty() {
+                actions.push(Action::WriterCommit);
+            }
             if !s.unflushed.is_empty() {
                 actions.push(Action::Flush);
-                if s.crashes < self.max_crashes {
-                    actions.push(Action::ServerCrash);
-                }
             }
-            if s.committed - Self::counted_unflushed(s) != s.covered {
+            if (!s.unflushed.is_empty() || !s.queued.is_empty()) && s.crashes < self.max_crashes {
+                actions.push(Action::ServerCrash);
+            }
+            if Self::flushed_of_session(s) != s.covered {
                 actions.push(Action::Poll);
             }
         }
@@ -797,9 +843,9 @@ impl<R: Rule> Model for AckModel<R> {
                     .position(|&(p, pe, _)| p == e && pe == ep)?;
                 let (_, _, tx) = n.pending.remove(at);
                 if self.asynchronous {
-                    // Committed, not flushed; counted before the job completes.
-                    n.unflushed.push((e, ep, true));
-                    n.committed += 1;
+                    // Promised, then queued; the job completes at once.
+                    n.promised += 1;
+                    n.queued.push((e, ep));
                 } else if R::ROW_FIRST {
                     n.parked[usize::from(ep)] |= 1 << e;
                 } else {
@@ -822,13 +868,18 @@ impl<R: Rule> Model for AckModel<R> {
             Action::StatusUpdate(lsn) => n.slot = lsn,
             Action::Crash => {
                 n.crashes += 1;
+                n.lost_queued |= !n.queued.is_empty();
                 self.session(&mut n);
+            }
+            Action::WriterCommit => {
+                let (e, ep) = n.queued.remove(0);
+                n.unflushed.push((e, ep, true));
             }
             Action::Flush => {
                 let (e, ep, _) = n.unflushed.remove(0);
                 n.parked[usize::from(ep)] |= 1 << e;
             }
-            Action::Poll => n.covered = n.committed - Self::counted_unflushed(&n),
+            Action::Poll => n.covered = Self::flushed_of_session(&n),
             Action::ServerCrash => {
                 n.crashes += 1;
                 n.unflushed.clear();
@@ -838,9 +889,14 @@ impl<R: Rule> Model for AckModel<R> {
         }
         if self.asynchronous {
             // dispatch::publish after every step: the position, then the count.
+            let needs = if R::COUNTS_PROMISED {
+                n.promised
+            } else {
+                n.promised - n.queued.len() as u8
+            };
             n.gate.offer(
                 n.tracker.confirmed(),
-                u64::from(n.committed),
+                u64::from(needs),
                 u64::from(n.covered),
             );
         }
@@ -905,6 +961,10 @@ impl<R: Rule> Model for AckModel<R> {
                 |m: &Self, s: &State<R>| !m.asynchronous || s.lost_row,
             ),
             Property::sometimes(
+                "a relay crash lost a queued parked row",
+                |m: &Self, s: &State<R>| !m.asynchronous || s.lost_queued,
+            ),
+            Property::sometimes(
                 "one endpoint is done with an event while the other is down",
                 |m: &Self, s: &State<R>| {
                     m.endpoints == 2
@@ -930,7 +990,7 @@ impl<R: Rule> fmt::Display for Summary<'_, R> {
         let bits = |m: u8| -> Vec<u8> { (0..8).filter(|e| m & (1 << e) != 0).collect() };
         write!(
             f,
-            "slot={} relay.confirmed={} gate={} sent={} delivered={:?}/{:?} parked={:?}/{:?} unflushed={:?} pending(event,endpoint)={:?} sinks={:?} crashes={}",
+            "slot={} relay.confirmed={} gate={} sent={} delivered={:?}/{:?} parked={:?}/{:?} queued={:?} unflushed={:?} pending(event,endpoint)={:?} sinks={:?} crashes={}",
             s.slot.as_u64(),
             s.tracker.confirmed().as_u64(),
             s.gate.passed().as_u64(),
@@ -939,6 +999,7 @@ impl<R: Rule> fmt::Display for Summary<'_, R> {
             bits(s.delivered[1]),
             bits(s.parked[0]),
             bits(s.parked[1]),
+            s.queued,
             s.unflushed
                 .iter()
                 .map(|&(e, ep, _)| (e, ep))
@@ -1451,6 +1512,11 @@ fn real_ack_tracker_is_safe_recovers_and_moves_on_with_asynchronous_parking() {
 #[test]
 fn broken_rule_confirming_before_the_flush_is_caught() {
     assert_caught_in(|| AckModel::<Ungated>::new(wals_asynchronous(), 1).asynchronous());
+}
+
+#[test]
+fn broken_rule_gate_counting_committed_rows_is_caught() {
+    assert_caught_in(|| AckModel::<CountsCommitted>::new(wals_asynchronous(), 1).asynchronous());
 }
 
 /// Two WALs for the asynchronous parking model (the parking model's space

@@ -25,7 +25,7 @@ use tokio_postgres::{Client, GenericClient};
 mod grouped;
 mod store;
 
-pub use grouped::{GroupedStore, MAX_BYTES, MAX_ROWS};
+pub use grouped::{GATHER, GroupedStore, MAX_BYTES, MAX_ROWS};
 
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, UnreadableRow};
@@ -37,6 +37,17 @@ use crate::sink::{Attempt, Reason};
 pub trait DeadLetterStore: Send + Sync + 'static {
     /// Inserts `row` and returns its id once it is committed.
     fn insert(&self, row: &NewDeadLetter) -> impl Future<Output = Result<i64, StoreError>> + Send;
+
+    /// Writes a parked row: returns its id once it is committed, or `None`
+    /// once it is queued, from a store that writes behind the flush gate
+    /// (`GroupedStore::asynchronous`, `crate::durable`): it is then written
+    /// after every row queued before it.
+    fn park(
+        &self,
+        row: &NewDeadLetter,
+    ) -> impl Future<Output = Result<Option<i64>, StoreError>> + Send {
+        async move { self.insert(row).await.map(Some) }
+    }
 
     /// Endpoint `endpoint`'s parked rows (error starting [`PARKED`]) after
     /// row id `after`, oldest first, at most `limit`.

@@ -204,7 +204,7 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
     /// parked): the event is then done at this endpoint.
     async fn park_event(&self, event: &OutboxEvent) -> Result<Finished, DispatchError> {
         let row = NewDeadLetter::parked(event, self.endpoint.name(), &self.park.why());
-        let done = self.dead_letter(&row).await?;
+        let done = self.write_dead_letter(&row, Write::Park).await?;
         if done == Finished::Done {
             self.endpoint.parked_events.inc();
         }
@@ -373,16 +373,31 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
     /// Writes a dead-letter row, retrying until it is committed. The event
     /// stays pending meanwhile; a lost store ends the pipeline.
     async fn dead_letter(&self, row: &NewDeadLetter) -> Result<Finished, DispatchError> {
+        self.write_dead_letter(row, Write::Insert).await
+    }
+
+    /// Writes a dead-letter row as `how` says, retrying until the store
+    /// has it. The event stays pending meanwhile; a lost store ends the
+    /// pipeline.
+    async fn write_dead_letter(
+        &self,
+        row: &NewDeadLetter,
+        how: Write,
+    ) -> Result<Finished, DispatchError> {
         let mut backoff = self.backoff();
         loop {
-            match self.store.insert(row).await {
+            let written = match how {
+                Write::Insert => self.store.insert(row).await.map(Some),
+                Write::Park => self.store.park(row).await,
+            };
+            match written {
                 Ok(id) => {
                     self.metrics.events_dead_lettered.inc();
-                    if row.error.starts_with(crate::deadletter::PARKED) {
+                    if how == Write::Park {
                         // Parking was logged once; its rows are counted.
-                        tracing::debug!(dead_letter_id = id, event_id = %crate::shown(&row.event_id), "parked");
+                        tracing::debug!(dead_letter_id = ?id, event_id = %crate::shown(&row.event_id), "parked");
                     } else {
-                        tracing::warn!(dead_letter_id = id, event_id = %crate::shown(&row.event_id), error = %row.error, "dead-lettered");
+                        tracing::warn!(dead_letter_id = id.unwrap_or_default(), event_id = %crate::shown(&row.event_id), error = %row.error, "dead-lettered");
                     }
                     return Ok(Finished::Done);
                 }
@@ -409,6 +424,16 @@ impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
             self.cfg.retry_after_max,
         )
     }
+}
+
+/// How [`Delivery::write_dead_letter`] writes its row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Write {
+    /// [`DeadLetterStore::insert`]: done once committed.
+    Insert,
+    /// [`DeadLetterStore::park`]: done once the store has it (queued behind
+    /// the flush gate, or committed).
+    Park,
 }
 
 fn count_attempt(metrics: &Metrics, outcome: &str, attempt: &Attempt) {

@@ -22,9 +22,11 @@
 //! previous one got its 2xx, or was refused as poison), several aggregates
 //! at once; the first failure stops the pass, so no row overtakes an
 //! earlier one of its aggregate. Once the lane is held and quiet, no job of
-//! the endpoint runs or starts, so every parked row is committed and no new
-//! one comes (but from another shard's relay, whose aggregates are not this
-//! one's); the final pass reads after that. When it finds none left,
+//! the endpoint runs or starts, so every parked row is queued for the
+//! dead-letter writer and no new one comes (but from another shard's
+//! relay, whose aggregates are not this one's); the final pass reads after
+//! that, and a read of the parked rows waits until every row queued before
+//! it is committed (`deadletter::GroupedStore`). When it finds none left,
 //! everything parked is at the endpoint, and everything not yet started is
 //! later in commit order: the lane goes live. A relay that dies in between
 //! starts the endpoint parked again while any parked row is left.
