@@ -31,6 +31,11 @@
 //! ([`DeadLetterStore::parked`]) first waits until every row queued before
 //! the read is committed, so a replay never misses a parked row.
 //!
+//! **Bounded.** Parked rows queued and not yet committed hold at most
+//! [`PARKED_QUEUE_KIB`] of memory; a park beyond it waits, so a writer
+//! that cannot write leaves the parked endpoint's events pending in the
+//! memory window, which bounds them, as before parking was asynchronous.
+//!
 //! **Asynchronous commit.** The relay's store ([`GroupedStore::asynchronous`])
 //! commits each statement with `synchronous_commit = off`, counts every row
 //! before queueing it and counts a statement's rows once it committed; the
@@ -43,7 +48,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio_postgres::{Client, Statement};
 
 use super::store::{Commit, Stored, insert_rows, insert_statement};
@@ -61,6 +66,14 @@ pub const MAX_BYTES: usize = 4 << 20;
 /// them (from the first such row taken).
 pub const GATHER: Duration = Duration::from_millis(10);
 
+/// Most parked rows queued and not yet committed, in KiB of text and
+/// payload (each row at least 1): a park beyond it waits for room. Parked
+/// jobs no longer hold the memory window once queued, so a writer that
+/// cannot write (a statement failing again and again) would otherwise
+/// queue the parked endpoint's events in memory without bound; with it,
+/// they wait in the window again, which then bounds them.
+pub const PARKED_QUEUE_KIB: u32 = 16 * 1024;
+
 /// The writer's first pause after a failed statement whose rows nobody
 /// waits for; it doubles up to [`RETRY_CAP`].
 const RETRY_FIRST: Duration = Duration::from_millis(100);
@@ -77,6 +90,9 @@ pub struct GroupedStore {
     queue: mpsc::UnboundedSender<Queued>,
     /// With asynchronous commits: counts each row before it is queued.
     flushes: Option<Flushes>,
+    /// Room for parked rows queued and not yet committed
+    /// ([`PARKED_QUEUE_KIB`]).
+    room: Arc<Semaphore>,
 }
 
 /// What the writer takes from the queue.
@@ -96,6 +112,9 @@ enum Queued {
 struct Row {
     row: Stored,
     answer: Option<oneshot::Sender<Result<i64, StoreError>>>,
+    /// A parked row's room in the queue, given back when the row is dropped
+    /// (written, or abandoned with the store).
+    _room: Option<OwnedSemaphorePermit>,
 }
 
 impl Row {
@@ -118,6 +137,7 @@ impl GroupedStore {
             client,
             queue,
             flushes: None,
+            room: Arc::new(Semaphore::new(PARKED_QUEUE_KIB as usize)),
         }
     }
 
@@ -141,24 +161,17 @@ impl GroupedStore {
                 client,
                 queue,
                 flushes: Some(flushes),
+                room: Arc::new(Semaphore::new(PARKED_QUEUE_KIB as usize)),
             },
             durability,
         )
     }
 
     /// Queues `row` (counted first, with asynchronous commits).
-    fn queue(
-        &self,
-        row: &NewDeadLetter,
-        answer: Option<oneshot::Sender<Result<i64, StoreError>>>,
-    ) -> Result<(), StoreError> {
+    fn queue(&self, row: Row) -> Result<(), StoreError> {
         if let Some(f) = &self.flushes {
             f.promised();
         }
-        let row = Row {
-            row: Stored::of(row),
-            answer,
-        };
         self.queue.send(Queued::Row(row)).map_err(|_| stopped())
     }
 }
@@ -175,18 +188,35 @@ impl DeadLetterStore for GroupedStore {
     /// it may be committed all the same.
     async fn insert(&self, row: &NewDeadLetter) -> Result<i64, StoreError> {
         let (answer, id) = oneshot::channel();
-        self.queue(row, Some(answer))?;
+        self.queue(Row {
+            row: Stored::of(row),
+            answer: Some(answer),
+            _room: None,
+        })?;
         id.await.map_err(|_| stopped())?
     }
 
-    /// With asynchronous commits, queues `row` and returns at once: the
+    /// With asynchronous commits, queues `row` and returns (`None`): the
     /// writer inserts it after every row queued before, retrying until it
     /// is committed or the store is gone, and the flush gate holds the
-    /// confirmed position until it is committed and flushed. Otherwise
-    /// [`DeadLetterStore::insert`].
+    /// confirmed position until it is committed and flushed. It waits
+    /// first while [`PARKED_QUEUE_KIB`] of parked rows are queued and not
+    /// committed. Otherwise [`DeadLetterStore::insert`].
     async fn park(&self, row: &NewDeadLetter) -> Result<Option<i64>, StoreError> {
         if self.flushes.is_some() {
-            self.queue(row, None)?;
+            let row = Stored::of(row);
+            let kib = u32::try_from(size(&row) / 1024)
+                .unwrap_or(u32::MAX)
+                .clamp(1, PARKED_QUEUE_KIB);
+            let room = Arc::clone(&self.room)
+                .acquire_many_owned(kib)
+                .await
+                .map_err(|_| stopped())?;
+            self.queue(Row {
+                row,
+                answer: None,
+                _room: Some(room),
+            })?;
             Ok(None)
         } else {
             self.insert(row).await.map(Some)

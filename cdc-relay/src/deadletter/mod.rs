@@ -25,7 +25,7 @@ use tokio_postgres::{Client, GenericClient};
 mod grouped;
 mod store;
 
-pub use grouped::{GATHER, GroupedStore, MAX_BYTES, MAX_ROWS};
+pub use grouped::{GATHER, GroupedStore, MAX_BYTES, MAX_ROWS, PARKED_QUEUE_KIB};
 
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, UnreadableRow};

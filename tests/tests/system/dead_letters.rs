@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cdc_relay::deadletter::{DeadLetterStore, ERROR_BYTES, GroupedStore, NewDeadLetter, storable};
+use cdc_relay::deadletter::{
+    DeadLetterStore, ERROR_BYTES, GroupedStore, NewDeadLetter, PARKED_QUEUE_KIB, storable,
+};
 use cdc_relay::lsn::Lsn;
 use cdc_relay::outbox::{OutboxEvent, UnreadableRow};
 use cdc_relay::sink::{Attempt, Reason};
@@ -738,5 +740,69 @@ async fn a_failed_statement_of_parked_rows_is_retried_in_order() -> anyhow::Resu
         async move { anyhow::Ok(covered == 12) }
     })
     .await?;
+    Ok(())
+}
+
+/// Parked rows the writer cannot write do not pile up in memory: with
+/// every statement refused (a CHECK constraint), parks complete until
+/// `PARKED_QUEUE_KIB` of rows (small rows: 1 KiB each) are queued, and the
+/// next one waits; once the constraint is dropped it completes and every
+/// row is written.
+///
+/// Broken on purpose once: with the room taken and not held by the row
+/// (given back as soon as it was queued), the test failed on `a park
+/// beyond the queue's room waits`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parking_waits_when_the_writer_cannot_keep_up() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let admin = stack.orders_admin().await?;
+    admin
+        .batch_execute(
+            "ALTER TABLE cdc_relay_dead_letter ADD CONSTRAINT test_refuses_all \
+             CHECK (endpoint <> 'bounded')",
+        )
+        .await?;
+    let relay = Arc::new(connect(&stack.relay_url).await?);
+    let (store, durability) = GroupedStore::asynchronous(Arc::clone(&relay));
+    let store = Arc::new(store);
+    let row = |n: usize| {
+        let mut r = grouped_row(1, n);
+        r.event_id = Some(format!("b-{n}"));
+        r.payload = Some(Bytes::from_static(b"{}"));
+        r.endpoint = Some("bounded".into());
+        r
+    };
+    let room = PARKED_QUEUE_KIB as usize;
+    for n in 0..room {
+        tokio::time::timeout(Duration::from_secs(5), store.park(&row(n)))
+            .await
+            .map_err(|_| anyhow::anyhow!("park {n} of {room} waited"))??;
+    }
+    let beyond = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move { store.park(&row(room)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !beyond.is_finished(),
+        "a park beyond the queue's room waits"
+    );
+    admin
+        .batch_execute("ALTER TABLE cdc_relay_dead_letter DROP CONSTRAINT test_refuses_all")
+        .await?;
+    tokio::time::timeout(Duration::from_secs(30), beyond).await???;
+    wait_until("every row covered", Duration::from_secs(30), || {
+        let covered = durability.covered();
+        async move { anyhow::Ok(covered == room as u64 + 1) }
+    })
+    .await?;
+    let written: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM cdc_relay_dead_letter WHERE endpoint = 'bounded'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(written, room as i64 + 1, "every row written once");
     Ok(())
 }
