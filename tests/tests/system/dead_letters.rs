@@ -15,6 +15,7 @@ use bytes::Bytes;
 use cdc_relay::deadletter::{
     DeadLetterStore, ERROR_BYTES, GroupedStore, NewDeadLetter, PARKED_QUEUE_KIB, storable,
 };
+use cdc_relay::durable::Durability;
 use cdc_relay::lsn::Lsn;
 use cdc_relay::outbox::{OutboxEvent, UnreadableRow};
 use cdc_relay::sink::{Attempt, Reason};
@@ -647,16 +648,7 @@ async fn parked_rows_are_done_when_queued_and_a_read_waits_for_them() -> anyhow:
         "{total} parked rows took {inserting} inserting transactions"
     );
     assert_eq!(durability.promised(), total as u64);
-    wait_until(
-        "the poller to report every promised row flushed",
-        Duration::from_secs(10),
-        || {
-            let covered = durability.covered();
-            async move { anyhow::Ok(covered == total as u64) }
-        },
-    )
-    .await?;
-    Ok(())
+    covered(&durability, total as u64).await
 }
 
 /// A statement of parked rows that fails (here: a CHECK constraint the
@@ -672,23 +664,8 @@ async fn parked_rows_are_done_when_queued_and_a_read_waits_for_them() -> anyhow:
 /// failed row` (12 covered: the dropped rows counted as done).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_statement_of_parked_rows_is_retried_in_order() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    let admin = stack.orders_admin().await?;
-    admin
-        .batch_execute(
-            "ALTER TABLE cdc_relay_dead_letter ADD CONSTRAINT test_refuses \
-             CHECK (event_id NOT LIKE 'refused%')",
-        )
-        .await?;
-    let relay = Arc::new(connect(&stack.relay_url).await?);
-    let (store, durability) = GroupedStore::asynchronous(Arc::clone(&relay));
-    let store = Arc::new(store);
-    let row = |id: String| {
-        let mut r = grouped_row(0, 1);
-        r.event_id = Some(id);
-        r.endpoint = Some("retried".into());
-        r
-    };
+    let (admin, store, durability) = refusing("event_id NOT LIKE 'refused%'").await?;
+    let row = |id: String| parked_row(id, "retried");
     for n in 0..6 {
         store.park(&row(format!("ok-{n}"))).await?;
     }
@@ -717,9 +694,7 @@ async fn a_failed_statement_of_parked_rows_is_retried_in_order() -> anyhow::Resu
         .get(0);
     assert_eq!(written, 0, "no row behind the failed statement overtook it");
 
-    admin
-        .batch_execute("ALTER TABLE cdc_relay_dead_letter DROP CONSTRAINT test_refuses")
-        .await?;
+    admin.batch_execute(REFUSE_NO_MORE).await?;
     let read = tokio::time::timeout(Duration::from_secs(30), reader).await???;
     let order: Vec<&str> = read.iter().map(|r| r.event.id.as_str()).collect();
     let want: Vec<String> = (0..12)
@@ -735,12 +710,7 @@ async fn a_failed_statement_of_parked_rows_is_retried_in_order() -> anyhow::Resu
         order, want,
         "every row written after the constraint went, in queue order"
     );
-    wait_until("every row covered", Duration::from_secs(10), || {
-        let covered = durability.covered();
-        async move { anyhow::Ok(covered == 12) }
-    })
-    .await?;
-    Ok(())
+    covered(&durability, 12).await
 }
 
 /// Parked rows the writer cannot write do not pile up in memory: with
@@ -754,22 +724,10 @@ async fn a_failed_statement_of_parked_rows_is_retried_in_order() -> anyhow::Resu
 /// beyond the queue's room waits`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parking_waits_when_the_writer_cannot_keep_up() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    let admin = stack.orders_admin().await?;
-    admin
-        .batch_execute(
-            "ALTER TABLE cdc_relay_dead_letter ADD CONSTRAINT test_refuses_all \
-             CHECK (endpoint <> 'bounded')",
-        )
-        .await?;
-    let relay = Arc::new(connect(&stack.relay_url).await?);
-    let (store, durability) = GroupedStore::asynchronous(Arc::clone(&relay));
-    let store = Arc::new(store);
+    let (admin, store, durability) = refusing("endpoint <> 'bounded'").await?;
     let row = |n: usize| {
-        let mut r = grouped_row(1, n);
-        r.event_id = Some(format!("b-{n}"));
+        let mut r = parked_row(format!("b-{n}"), "bounded");
         r.payload = Some(Bytes::from_static(b"{}"));
-        r.endpoint = Some("bounded".into());
         r
     };
     let room = PARKED_QUEUE_KIB as usize;
@@ -787,15 +745,9 @@ async fn parking_waits_when_the_writer_cannot_keep_up() -> anyhow::Result<()> {
         !beyond.is_finished(),
         "a park beyond the queue's room waits"
     );
-    admin
-        .batch_execute("ALTER TABLE cdc_relay_dead_letter DROP CONSTRAINT test_refuses_all")
-        .await?;
+    admin.batch_execute(REFUSE_NO_MORE).await?;
     tokio::time::timeout(Duration::from_secs(30), beyond).await???;
-    wait_until("every row covered", Duration::from_secs(30), || {
-        let covered = durability.covered();
-        async move { anyhow::Ok(covered == room as u64 + 1) }
-    })
-    .await?;
+    covered(&durability, room as u64 + 1).await?;
     let written: i64 = admin
         .query_one(
             "SELECT count(*) FROM cdc_relay_dead_letter WHERE endpoint = 'bounded'",
@@ -805,4 +757,43 @@ async fn parking_waits_when_the_writer_cannot_keep_up() -> anyhow::Result<()> {
         .get(0);
     assert_eq!(written, room as i64 + 1, "every row written once");
     Ok(())
+}
+
+/// Drops [`refusing`]'s constraint.
+const REFUSE_NO_MORE: &str = "ALTER TABLE cdc_relay_dead_letter DROP CONSTRAINT test_refuses";
+
+/// A fresh stack whose dead-letter table refuses rows failing `check` (a
+/// CHECK constraint the operator might add), its admin connection, and
+/// the relay's store over the relay role's connection.
+async fn refusing(
+    check: &str,
+) -> anyhow::Result<(tokio_postgres::Client, Arc<GroupedStore>, Durability)> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let admin = stack.orders_admin().await?;
+    admin
+        .batch_execute(&format!(
+            "ALTER TABLE cdc_relay_dead_letter ADD CONSTRAINT test_refuses CHECK ({check})"
+        ))
+        .await?;
+    let relay = Arc::new(connect(&stack.relay_url).await?);
+    let (store, durability) = GroupedStore::asynchronous(relay);
+    Ok((admin, Arc::new(store), durability))
+}
+
+/// A small parked row of `endpoint` with event id `id`.
+fn parked_row(id: String, endpoint: &str) -> NewDeadLetter {
+    let mut r = grouped_row(0, 1);
+    r.event_id = Some(id);
+    r.endpoint = Some(endpoint.into());
+    r
+}
+
+/// Waits until the poller reports the first `rows` promised rows committed
+/// and flushed.
+async fn covered(durability: &Durability, rows: u64) -> anyhow::Result<()> {
+    wait_until("the promised rows covered", Duration::from_secs(30), || {
+        let covered = durability.covered();
+        async move { anyhow::Ok(covered == rows) }
+    })
+    .await
 }
