@@ -57,6 +57,11 @@ fn build() -> Result<Layout, String> {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut command = Command::new(cargo);
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(set_by_outer_cargo) {
+            command.env_remove(name);
+        }
+    }
     command
         .current_dir(&workspace)
         .args(["build", "--bins", "--profile", &layout.profile])
@@ -80,6 +85,36 @@ fn build() -> Result<Layout, String> {
         ));
     }
     Ok(layout)
+}
+
+/// Whether `name` is a variable cargo sets for the process it runs
+/// (`cargo test`, `cargo run`; "Environment variables Cargo sets for
+/// crates" in the Cargo book). Cargo decides whether to rerun a build script
+/// that watches a variable (`rerun-if-env-changed`; ring's watches
+/// `CARGO_MANIFEST_DIR` and `CARGO_PKG_*`) against its own environment: a
+/// nested cargo that inherited them would rerun it, and a plain `cargo
+/// build` afterwards would rerun it back, each time rebuilding ring, rustls
+/// and every crate above them.
+fn set_by_outer_cargo(name: &str) -> bool {
+    const PREFIXES: [&str; 4] = [
+        "CARGO_PKG_",
+        "CARGO_BIN_EXE_",
+        "CARGO_CFG_",
+        "CARGO_FEATURE_",
+    ];
+    matches!(
+        name,
+        "CARGO"
+            | "CARGO_MANIFEST_DIR"
+            | "CARGO_MANIFEST_PATH"
+            | "CARGO_MANIFEST_LINKS"
+            | "CARGO_CRATE_NAME"
+            | "CARGO_BIN_NAME"
+            | "CARGO_PRIMARY_PACKAGE"
+            | "CARGO_TARGET_TMPDIR"
+            | "CARGO_RUSTC_CURRENT_DIR"
+            | "OUT_DIR"
+    ) || PREFIXES.iter().any(|p| name.starts_with(p))
 }
 
 /// Derives the layout from the executable's path: its directory is `deps/`,
@@ -115,7 +150,33 @@ fn layout(exe: &Path, cargo_target_dir: Option<&Path>) -> Result<Layout, String>
 mod tests {
     use std::path::{Path, PathBuf};
 
-    use super::{Layout, layout};
+    use super::{Layout, layout, set_by_outer_cargo};
+
+    #[test]
+    fn the_nested_build_drops_what_the_outer_cargo_set_and_keeps_the_users_settings() {
+        for outer in [
+            "CARGO",
+            "CARGO_MANIFEST_DIR",
+            "CARGO_PKG_NAME",
+            "CARGO_PKG_VERSION_MAJOR",
+            "CARGO_BIN_EXE_demo",
+            "CARGO_CRATE_NAME",
+            "OUT_DIR",
+        ] {
+            assert!(set_by_outer_cargo(outer), "{outer}");
+        }
+        for user in [
+            "CARGO_HOME",
+            "CARGO_TARGET_DIR",
+            "CARGO_NET_OFFLINE",
+            "CARGO_BUILD_JOBS",
+            "CARGO_INCREMENTAL",
+            "PATH",
+            "RUSTFLAGS",
+        ] {
+            assert!(!set_by_outer_cargo(user), "{user}");
+        }
+    }
 
     #[test]
     fn test_executable_in_debug_deps_builds_the_dev_profile() {
