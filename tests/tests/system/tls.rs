@@ -293,6 +293,10 @@ async fn serve_h2(
         return;
     };
     let mut held = None;
+    // Streams of the batch kept until three are in hand: refusing the first
+    // at once would let the relay's retry open a second connection before
+    // the rest of the batch was sent, and the batch would go there instead.
+    let mut waiting = Vec::new();
     let mut draining = false;
     while let Some(Ok((request, mut respond))) = conn.accept().await {
         let warmed = !state.lock().expect("h2 sink lock").delivered.is_empty();
@@ -306,31 +310,39 @@ async fn serve_h2(
             continue;
         }
         // The batch on the first connection: the first stream is taken and
-        // answered a little later; the others are refused, and with three
-        // refused the connection drains (GOAWAY) like a server shutting down.
-        if held.is_none() && !draining {
+        // answered a little later; three more are refused together, and the
+        // connection drains (GOAWAY) like a server shutting down, refusing
+        // whatever else arrives before the relay sees the GOAWAY.
+        if draining {
+            respond.send_reset(h2::Reason::REFUSED_STREAM);
+            state.lock().expect("h2 sink lock").refused += 1;
+            continue;
+        }
+        if held.is_none() {
             held = Some((request, respond));
             continue;
         }
-        respond.send_reset(h2::Reason::REFUSED_STREAM);
-        let refused = {
+        waiting.push((request, respond));
+        if waiting.len() < 3 {
+            continue;
+        }
+        draining = true;
+        for (_request, mut respond) in waiting.drain(..) {
+            respond.send_reset(h2::Reason::REFUSED_STREAM);
+        }
+        {
             let mut s = state.lock().expect("h2 sink lock");
-            s.refused += 1;
-            s.refused
-        };
-        if refused >= 3 && !draining {
-            draining = true;
-            state.lock().expect("h2 sink lock").goaway_at = Some(std::time::Instant::now());
-            conn.graceful_shutdown();
-            if let Some((request, respond)) = held.take() {
-                let delay = Duration::from_millis(100);
-                tokio::spawn(answer_204(
-                    request,
-                    respond,
-                    std::sync::Arc::clone(&state),
-                    delay,
-                ));
-            }
+            s.refused += 3;
+            s.goaway_at = Some(std::time::Instant::now());
+        }
+        conn.graceful_shutdown();
+        if let Some((request, respond)) = held.take() {
+            tokio::spawn(answer_204(
+                request,
+                respond,
+                std::sync::Arc::clone(&state),
+                Duration::from_millis(100),
+            ));
         }
     }
 }
