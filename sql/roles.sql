@@ -1,12 +1,16 @@
--- roles.sql: least-privilege login roles for the Orders app, the Billing app
--- and the relay.
+-- roles.sql: least-privilege login roles for the Orders app, the Billing app,
+-- the example payment provider and the relay.
 --
 --   orders_app   SELECT, INSERT on orders and outbox (the Orders service never
 --                updates or deletes them); SELECT, INSERT, UPDATE on
 --                order_idempotency_keys (an expired key is taken over).
 --   billing_app  SELECT, INSERT on processed_events and invoices (the inbox
 --                insert uses ON CONFLICT DO NOTHING ... RETURNING, which needs
---                SELECT; nothing updates or deletes).
+--                SELECT; nothing deletes); UPDATE on the invoices' charge_*
+--                columns only (the charge's state machine), when they exist.
+--   payments_app SELECT, INSERT on charges (never updated or deleted);
+--                SELECT, INSERT, UPDATE on charge_idempotency_keys (an
+--                expired key is taken over).
 --   cdc_relay    LOGIN REPLICATION: streams the publication through a logical
 --                slot; SELECT, INSERT, DELETE on its dead-letter table,
 --                INSERT on the audit table, SELECT on outbox for `backfill`,
@@ -25,19 +29,22 @@
 -- by this file.
 --
 -- How to apply: in EACH application database, after that database's schema
--- file (orders.sql + publication.sql, or billing.sql), as a superuser:
+-- file (orders.sql + publication.sql, billing.sql, or payments.sql), as a
+-- superuser:
 --
---   psql -v ON_ERROR_STOP=1 -d orders  -f sql/roles.sql
---   psql -v ON_ERROR_STOP=1 -d billing -f sql/roles.sql
+--   psql -v ON_ERROR_STOP=1 -d orders   -f sql/roles.sql
+--   psql -v ON_ERROR_STOP=1 -d billing  -f sql/roles.sql
+--   psql -v ON_ERROR_STOP=1 -d payments -f sql/roles.sql
 --
 -- then set the passwords (the roles are cluster-wide; do it once):
 --
 --   ALTER ROLE orders_app  PASSWORD '...';
 --   ALTER ROLE billing_app PASSWORD '...';
+--   ALTER ROLE payments_app PASSWORD '...';
 --   ALTER ROLE cdc_relay   PASSWORD '...';
 --
 -- Grants depend on which tables exist in the current database, so the same
--- file fits both databases; a database holding none of them is left alone.
+-- file fits every database; a database holding none of them is left alone.
 -- In a database it does touch, CONNECT is revoked from PUBLIC and granted
 -- only to the roles whose tables live there. Re-runnable: the file converges
 -- the privileges to exactly these, whatever was granted before.
@@ -51,6 +58,7 @@ BEGIN
     FOR r IN
         SELECT * FROM (VALUES ('orders_app', false),
                               ('billing_app', false),
+                              ('payments_app', false),
                               ('cdc_relay', true)) AS wanted (name, replication)
     LOOP
         BEGIN
@@ -106,10 +114,10 @@ BEGIN
                      aclexplode(coalesce(d.datacl, acldefault('d', d.datdba))) a
                 WHERE d.datname = db
                   AND (a.grantee = 0 OR a.grantee IN (SELECT oid FROM pg_roles
-                       WHERE rolname IN ('orders_app', 'billing_app', 'cdc_relay'))));
+                       WHERE rolname IN ('orders_app', 'billing_app', 'payments_app', 'cdc_relay'))));
             BEGIN
                 EXECUTE format('REVOKE CONNECT, TEMPORARY ON DATABASE %I FROM PUBLIC', db);
-                EXECUTE format('REVOKE ALL ON DATABASE %I FROM orders_app, billing_app, cdc_relay', db);
+                EXECUTE format('REVOKE ALL ON DATABASE %I FROM orders_app, billing_app, payments_app, cdc_relay', db);
             EXCEPTION WHEN internal_error THEN
                 PERFORM pg_sleep(0.05 * attempt);
             END;
@@ -125,20 +133,22 @@ DECLARE
                            AND to_regclass('public.outbox') IS NOT NULL;
     has_billing boolean := to_regclass('public.processed_events') IS NOT NULL
                            AND to_regclass('public.invoices') IS NOT NULL;
+    has_payments boolean := to_regclass('public.charges') IS NOT NULL
+                           AND to_regclass('public.charge_idempotency_keys') IS NOT NULL;
     has_dlq     boolean := to_regclass('public.cdc_relay_dead_letter') IS NOT NULL
                            AND to_regclass('public.cdc_relay_dead_letter_audit') IS NOT NULL;
     owner_role  text;
     fn          record;
     relay_prunes boolean;
 BEGIN
-    IF NOT (has_orders OR has_billing) THEN
-        RAISE NOTICE 'roles.sql: database % holds neither the orders nor the billing schema; only the roles were ensured', db;
+    IF NOT (has_orders OR has_billing OR has_payments) THEN
+        RAISE NOTICE 'roles.sql: database % holds none of the orders, billing and payments schemas; only the roles were ensured', db;
         RETURN;
     END IF;
 
     -- An owner bypasses every grant below, so refuse rather than pretend.
     SELECT pg_get_userbyid(datdba) INTO owner_role FROM pg_database WHERE datname = db;
-    IF owner_role IN ('orders_app', 'billing_app', 'cdc_relay') THEN
+    IF owner_role IN ('orders_app', 'billing_app', 'payments_app', 'cdc_relay') THEN
         RAISE EXCEPTION 'database % is owned by %; run ALTER DATABASE % OWNER TO <an admin role> first',
             db, owner_role, db;
     END IF;
@@ -148,8 +158,9 @@ BEGIN
               'public.orders', 'public.outbox', 'public.processed_events', 'public.invoices',
               'public.cdc_relay_dead_letter', 'public.cdc_relay_dead_letter_audit',
               'public.cdc_relay_progress', 'public.order_idempotency_keys',
-              'public.cdc_relay_prune_mark']) AS t)
-      AND pg_get_userbyid(c.relowner) IN ('orders_app', 'billing_app', 'cdc_relay')
+              'public.cdc_relay_prune_mark', 'public.charges',
+              'public.charge_idempotency_keys']) AS t)
+      AND pg_get_userbyid(c.relowner) IN ('orders_app', 'billing_app', 'payments_app', 'cdc_relay')
     LIMIT 1;
     IF owner_role IS NOT NULL THEN
         RAISE EXCEPTION 'a table in database % is owned by %; apply the schema files as an admin role', db, owner_role;
@@ -158,9 +169,9 @@ BEGIN
     -- Nobody but the roles granted below connects, creates temporary tables
     -- or creates objects in schema public (the default before PostgreSQL 15).
     EXECUTE format('REVOKE CONNECT, TEMPORARY ON DATABASE %I FROM PUBLIC', db);
-    EXECUTE format('REVOKE ALL ON DATABASE %I FROM orders_app, billing_app, cdc_relay', db);
+    EXECUTE format('REVOKE ALL ON DATABASE %I FROM orders_app, billing_app, payments_app, cdc_relay', db);
     REVOKE CREATE ON SCHEMA public FROM PUBLIC;
-    REVOKE ALL ON SCHEMA public FROM orders_app, billing_app, cdc_relay;
+    REVOKE ALL ON SCHEMA public FROM orders_app, billing_app, payments_app, cdc_relay;
 
     -- Large objects: none of the services uses them, and by default any role
     -- may create them (lo_creat, lo_create, lo_from_bytea, lo_import with
@@ -175,7 +186,7 @@ BEGIN
           AND (p.proname LIKE 'lo\_%' OR p.proname IN ('loread', 'lowrite'))
     LOOP
         EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', fn.sig);
-        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM orders_app, billing_app, cdc_relay', fn.sig);
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM orders_app, billing_app, payments_app, cdc_relay', fn.sig);
     END LOOP;
 
     IF has_orders THEN
@@ -238,6 +249,25 @@ BEGIN
 
         REVOKE ALL ON public.processed_events, public.invoices FROM orders_app, billing_app, cdc_relay;
         GRANT SELECT, INSERT ON public.processed_events, public.invoices TO billing_app;
+        -- The charge's state machine (services/README.md): Billing moves an
+        -- invoice's charge_* columns and nothing else of it.
+        IF EXISTS (SELECT 1 FROM pg_attribute
+                   WHERE attrelid = 'public.invoices'::regclass AND attname = 'charge_status'
+                     AND NOT attisdropped) THEN
+            GRANT UPDATE (charge_status, charge_attempts, charge_next_at, charge_id,
+                          charge_error, charge_updated_at) ON public.invoices TO billing_app;
+        END IF;
+    END IF;
+
+    IF has_payments THEN
+        EXECUTE format('GRANT CONNECT ON DATABASE %I TO payments_app', db);
+        GRANT USAGE ON SCHEMA public TO payments_app;
+
+        REVOKE ALL ON public.charges, public.charge_idempotency_keys
+            FROM orders_app, billing_app, payments_app, cdc_relay;
+        GRANT SELECT, INSERT ON public.charges TO payments_app;
+        -- UPDATE: a key past expires_at is taken over by the next charge with it.
+        GRANT SELECT, INSERT, UPDATE ON public.charge_idempotency_keys TO payments_app;
     END IF;
 END
 $grants$;

@@ -93,12 +93,19 @@ impl Relays {
             }
             streaming += 1;
             let circuit_open = metrics.circuit_state.get() != 0;
-            let verdict = match health.ready() {
-                Ok(()) if circuit_open => Err("the circuit breaker is open: the sink is failing"),
+            let retired = metrics.endpoints.retired();
+            let verdict = match health.ready().map_err(str::to_owned) {
+                Ok(()) if !retired.is_empty() => Err(format!(
+                    "endpoint {} retired: the sink answered 410 Gone (events kept; point the endpoint's URL at its replacement)",
+                    retired.join(", ")
+                )),
+                Ok(()) if circuit_open => {
+                    Err("the circuit breaker is open: the sink is failing".to_owned())
+                }
                 other => other,
             };
             verdict.map_err(|why| match relays.len() {
-                1 => why.to_owned(),
+                1 => why,
                 _ => format!("{}: {why}", shard_label(metrics)),
             })?;
         }

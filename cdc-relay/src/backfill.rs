@@ -21,9 +21,10 @@ use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
 use crate::ack::Position;
-use crate::breaker::Breaker;
-use crate::deadletter::GroupedStore;
-use crate::dispatch::{self, Confirmed, DispatchConfig, DispatchError, Item, Services, Window};
+use crate::dead_letter::GroupedStore;
+use crate::dispatch::{
+    self, Confirmed, DispatchConfig, DispatchError, Item, Lane, Pipeline, Window,
+};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxColumns, OutboxEvent, TableName, UnreadableRow};
@@ -318,19 +319,18 @@ pub async fn run(
     control: BackfillControl,
 ) -> Result<BackfillReport, BackfillError> {
     let BackfillControl { metrics, stopping } = control;
-    let services = Services {
-        sink,
-        store: Arc::new(GroupedStore::new(store)),
-        metrics: metrics.clone(),
-        health: Health::new(Duration::from_secs(3600)),
-        breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),
-        stopping: stopping.clone(),
-    };
+    let pipeline = Pipeline::new(
+        Arc::new(GroupedStore::new(store)),
+        metrics.clone(),
+        Health::new(Duration::from_secs(3600)),
+        stopping.clone(),
+    );
+    let lane = Lane::single(cfg, sink, &metrics);
     let (items, items_rx) = mpsc::channel(1024);
     let (confirmed, confirmed_rx) = watch::channel(Confirmed::default());
     let dispatcher = tokio::spawn(dispatch::run(
-        cfg,
-        services,
+        vec![lane],
+        pipeline,
         BackfillRow::default(),
         items_rx,
         confirmed,
@@ -475,6 +475,7 @@ async fn to_item(row: &tokio_postgres::Row, window: &Window) -> Item<BackfillRow
                 aggregate_key,
                 commit_lsn: None,
                 commit_time_micros,
+                dead_letter_id: None,
             };
             let permit = window.admit(event.size_bytes()).await;
             Item::Event(event, permit)

@@ -40,6 +40,14 @@
 //! Storm guard: when poison verdicts hit `storm_threshold` distinct events in
 //! a row (no 2xx between), the sink is more likely broken than the events:
 //! dead-lettering stops, the circuit opens, and the events wait for a 2xx.
+//!
+//! Retired: a 410 Gone says the endpoint was retired on purpose (the
+//! Standard Webhooks convention). The circuit opens as for a configuration
+//! fault, the endpoint is marked retired (`cdc_relay_endpoint_retired`,
+//! `/readyz`), and probes slow to `retired_probe_interval` (a minute by
+//! default): nobody is coming back soon, and a probe every half second
+//! would be a request every half second to a receiver that asked for none.
+//! The first 2xx clears it like any open circuit.
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};
@@ -60,6 +68,9 @@ pub struct BreakerConfig {
     pub probe_interval: Duration,
     /// Distinct consecutive poison events that count as a storm.
     pub storm_threshold: u32,
+    /// Time between probes while the endpoint is retired (410 Gone),
+    /// stretched by jitter like `probe_interval`.
+    pub retired_probe_interval: Duration,
 }
 
 /// Circuit state, as exported by the `cdc_relay_circuit_state` gauge.
@@ -80,6 +91,9 @@ pub enum Signal {
     Transient,
     /// A configuration fault (401, 403, 404, 405, 3xx): opens at once.
     ConfigFault,
+    /// 410 Gone: opens at once, marks the endpoint retired, and probes
+    /// only every `retired_probe_interval`.
+    Retired,
     /// A poison verdict that was dead-lettered: the sink is up and judging
     /// events, so the circuit closes like on a 2xx (the poison run goes on).
     DeadLettered,
@@ -109,6 +123,8 @@ struct State {
     /// While open: when it opened, the probes failed since, and when the
     /// last "still open" line was logged (or it opened).
     open: Option<OpenSpell>,
+    /// The last answer was 410 Gone (until a 2xx).
+    retired: bool,
 }
 
 /// How long the circuit has been open, for the periodic "still open" log.
@@ -160,6 +176,8 @@ struct Shared {
     metrics: Metrics,
     /// The endpoint's `cdc_relay_endpoint_circuit_state`.
     endpoint_state: Option<prometheus::IntGauge>,
+    /// The endpoint's `cdc_relay_endpoint_retired`.
+    retired: prometheus::IntGauge,
     /// Whether this breaker sets the relay-wide `cdc_relay_circuit_state`
     /// (the one endpoint of `--sink-url`; with `--routes` the per-endpoint
     /// gauge is the one to read).
@@ -182,14 +200,9 @@ impl Breaker {
     /// A closed breaker for the one endpoint of `--sink-url`: it sets
     /// `cdc_relay_circuit_state` and the `default` endpoint's gauge.
     pub fn new(cfg: BreakerConfig, metrics: Metrics) -> Self {
-        let gauge = metrics
-            .endpoints
-            .endpoint(crate::endpoint_metrics::DEFAULT_ENDPOINT)
-            .circuit_state;
         Self::build(
             cfg,
             metrics,
-            Some(gauge),
             true,
             crate::endpoint_metrics::DEFAULT_ENDPOINT,
         )
@@ -198,23 +211,16 @@ impl Breaker {
     /// A closed breaker for one endpoint of a routes file: it sets that
     /// endpoint's `cdc_relay_endpoint_circuit_state` only.
     pub fn for_endpoint(cfg: BreakerConfig, metrics: Metrics, endpoint: &str) -> Self {
-        let gauge = metrics.endpoints.endpoint(endpoint).circuit_state;
-        Self::build(cfg, metrics, Some(gauge), false, endpoint)
+        Self::build(cfg, metrics, false, endpoint)
     }
 
-    fn build(
-        cfg: BreakerConfig,
-        metrics: Metrics,
-        endpoint_state: Option<prometheus::IntGauge>,
-        relay_wide: bool,
-        endpoint: &str,
-    ) -> Self {
+    fn build(cfg: BreakerConfig, metrics: Metrics, relay_wide: bool, endpoint: &str) -> Self {
+        let series = metrics.endpoints.endpoint(endpoint);
         if relay_wide {
             metrics.circuit_state.set(CircuitState::Closed as i64);
         }
-        if let Some(g) = &endpoint_state {
-            g.set(CircuitState::Closed as i64);
-        }
+        series.circuit_state.set(CircuitState::Closed as i64);
+        series.retired.set(0);
         let shared = Shared {
             cfg,
             state: Mutex::new(State {
@@ -229,10 +235,12 @@ impl Breaker {
                 proven: false,
                 answered: false,
                 open: None,
+                retired: false,
             }),
             changed: Notify::new(),
             metrics,
-            endpoint_state,
+            endpoint_state: Some(series.circuit_state),
+            retired: series.retired,
             relay_wide,
             endpoint: endpoint.to_owned(),
         };
@@ -346,6 +354,11 @@ impl Breaker {
                 s.consecutive_failures = 0;
                 s.poison_run.clear();
                 s.storm = false;
+                if s.retired {
+                    tracing::info!(endpoint = %self.shared.endpoint, "the endpoint is no longer retired: it answered 2xx after 410 Gone");
+                    s.retired = false;
+                    self.shared.retired.set(0);
+                }
                 if s.circuit == CircuitState::Open {
                     tracing::info!(endpoint = %self.shared.endpoint, "circuit closed: the sink answered 2xx; full window resumes");
                     self.set(&mut s, CircuitState::Closed);
@@ -355,6 +368,8 @@ impl Breaker {
                 s.proven = true;
                 s.answered = true;
                 s.consecutive_failures = 0;
+                s.retired = false;
+                self.shared.retired.set(0);
                 if s.circuit == CircuitState::Open {
                     tracing::info!(endpoint = %self.shared.endpoint, "circuit closed: the sink answers again");
                     self.set(&mut s, CircuitState::Closed);
@@ -391,8 +406,28 @@ impl Breaker {
                     self.set(&mut s, CircuitState::Open);
                 }
             }
+            Signal::Retired => {
+                s.proven = false;
+                if !s.retired {
+                    tracing::error!(
+                        endpoint = %self.shared.endpoint,
+                        reason,
+                        probe_interval_s = self.shared.cfg.retired_probe_interval.as_secs(),
+                        hint = RETIRED_HINT,
+                        "the endpoint is retired: the sink answered 410 Gone; events are kept, not dead-lettered, and it is probed rarely"
+                    );
+                    s.retired = true;
+                    self.shared.retired.set(1);
+                }
+                if s.circuit == CircuitState::Closed {
+                    self.set(&mut s, CircuitState::Open);
+                }
+            }
         }
-        let failed = matches!(signal, Signal::Transient | Signal::ConfigFault);
+        let failed = matches!(
+            signal,
+            Signal::Transient | Signal::ConfigFault | Signal::Retired
+        );
         if admission == Admission::Probe
             && failed
             && s.circuit == CircuitState::Open
@@ -409,7 +444,7 @@ impl Breaker {
         }
         if admission == Admission::Probe && (s.circuit == CircuitState::Open || !s.answered) {
             // The next paced attempt: a probe interval after this one ended.
-            s.next_probe_at = Instant::now() + self.jittered_interval();
+            s.next_probe_at = Instant::now() + self.jittered_interval(s.retired);
         }
         drop(s);
         self.shared.changed.notify_waiters();
@@ -460,7 +495,7 @@ impl Breaker {
         s.circuit = to;
         s.consecutive_failures = 0;
         s.probe_in_flight = false;
-        s.next_probe_at = Instant::now() + self.jittered_interval();
+        s.next_probe_at = Instant::now() + self.jittered_interval(s.retired);
         if self.shared.relay_wide {
             self.shared.metrics.circuit_state.set(to as i64);
         }
@@ -469,13 +504,27 @@ impl Breaker {
         }
     }
 
-    /// The probe interval stretched by up to 20 %: never shorter, so an open
-    /// circuit never sends more than one probe per interval.
-    fn jittered_interval(&self) -> Duration {
-        let base = self.shared.cfg.probe_interval.as_secs_f64();
+    /// Whether the endpoint's last answer was 410 Gone.
+    pub fn is_retired(&self) -> bool {
+        self.lock().retired
+    }
+
+    /// The probe interval (the retired one while the endpoint is retired)
+    /// stretched by up to 20 %: never shorter, so an open circuit never
+    /// sends more than one probe per interval.
+    fn jittered_interval(&self, retired: bool) -> Duration {
+        let interval = if retired {
+            self.shared.cfg.retired_probe_interval
+        } else {
+            self.shared.cfg.probe_interval
+        };
+        let base = interval.as_secs_f64();
         Duration::from_secs_f64(base * rand::rng().random_range(1.0..=1.2))
     }
 }
+
+/// What to do about a 410 Gone.
+pub const RETIRED_HINT: &str = "the receiver retired this endpoint on purpose (410 Gone): point --sink-url (or the routes file's url) at its replacement, or remove the endpoint from the routes file, then restart; its pending events are delivered then";
 
 /// What an operator should check for a configuration-fault status label.
 fn config_fault_hint(reason: &str) -> &'static str {
@@ -525,6 +574,7 @@ mod tests {
                 failure_threshold: 3,
                 probe_interval: Duration::from_millis(500),
                 storm_threshold: 3,
+                retired_probe_interval: Duration::from_secs(60),
             },
             Metrics::new(),
         ))
@@ -680,6 +730,47 @@ mod tests {
             (16..=20).contains(&probes),
             "{probes} probes in 10 s: never above 2/s"
         );
+    }
+
+    /// 410 Gone: the endpoint is marked retired and probed once per
+    /// retired interval (60 s here), not once per probe interval; a 2xx
+    /// clears it and the circuit.
+    #[tokio::test(start_paused = true)]
+    async fn a_retired_endpoint_is_probed_once_a_retired_interval() {
+        let metrics = Metrics::new();
+        let b = Breaker::new(
+            BreakerConfig {
+                failure_threshold: 3,
+                probe_interval: Duration::from_millis(500),
+                storm_threshold: 3,
+                retired_probe_interval: Duration::from_secs(60),
+            },
+            metrics.clone(),
+        );
+        b.record(Admission::Normal, Signal::Retired, "http_410");
+        assert_eq!(b.state(), CircuitState::Open);
+        assert!(b.is_retired());
+        assert_eq!(metrics.endpoints.retired(), ["default"]);
+        let start = Instant::now();
+        let mut probes = 0;
+        while start.elapsed() < Duration::from_secs(600) {
+            assert_eq!(b.admit(1).await, Admission::Probe);
+            probes += 1;
+            b.record(Admission::Probe, Signal::Retired, "http_410");
+        }
+        assert!(
+            (9..=10).contains(&probes),
+            "{probes} probes in 10 minutes: at most one a minute"
+        );
+        // A failure of another kind keeps the retired pace until a 2xx.
+        b.record(Admission::Probe, Signal::Transient, "connect");
+        let t = Instant::now();
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        assert!(t.elapsed() >= Duration::from_secs(60));
+        b.record(Admission::Probe, Signal::Success, "");
+        assert_eq!(b.state(), CircuitState::Closed);
+        assert!(!b.is_retired());
+        assert!(metrics.endpoints.retired().is_empty());
     }
 
     #[tokio::test(start_paused = true)]

@@ -35,6 +35,7 @@ pub struct EndpointFamilies {
     pending: IntGaugeVec,
     oldest_pending_age: GaugeVec,
     circuit_state: IntGaugeVec,
+    retired: IntGaugeVec,
     parked: IntGaugeVec,
     parked_events: IntCounterVec,
     replayed: IntCounterVec,
@@ -66,6 +67,10 @@ pub struct EndpointMetrics {
     pub oldest_pending_age: Gauge,
     /// `cdc_relay_endpoint_circuit_state`: 0 closed, 1 open, 2 probing.
     pub circuit_state: IntGauge,
+    /// `cdc_relay_endpoint_retired`: 1 while the endpoint's last answer
+    /// was 410 Gone (retired by its receiver; events kept, probed rarely),
+    /// else 0.
+    pub retired: IntGauge,
     /// `cdc_relay_endpoint_parked`: 1 while the endpoint is parked (its
     /// events go to the dead-letter table with reason `parked`), else 0.
     pub parked: IntGauge,
@@ -183,6 +188,17 @@ impl EndpointFamilies {
                 )
                 .expect("valid metric"),
             ),
+            retired: register(
+                r,
+                IntGaugeVec::new(
+                    opts(
+                        "cdc_relay_endpoint_retired",
+                        "1 while an endpoint's last answer was 410 Gone (retired: events kept, probed rarely), by endpoint",
+                    ),
+                    ep,
+                )
+                .expect("valid metric"),
+            ),
             parked: register(
                 r,
                 IntGaugeVec::new(
@@ -238,6 +254,18 @@ impl EndpointFamilies {
         }
     }
 
+    /// The endpoints whose `cdc_relay_endpoint_retired` is 1, by name.
+    pub fn retired(&self) -> Vec<String> {
+        use prometheus::core::Collector as _;
+        self.retired
+            .collect()
+            .iter()
+            .flat_map(|family| family.get_metric())
+            .filter(|m| m.get_gauge().get_value() > 0.0)
+            .filter_map(|m| m.get_label().first().map(|l| l.value().to_owned()))
+            .collect()
+    }
+
     /// The series of endpoint `name`, created at 0.
     pub fn endpoint(&self, name: &str) -> EndpointMetrics {
         let l = &[name];
@@ -250,6 +278,7 @@ impl EndpointFamilies {
             pending: self.pending.with_label_values(l),
             oldest_pending_age: self.oldest_pending_age.with_label_values(l),
             circuit_state: self.circuit_state.with_label_values(l),
+            retired: self.retired.with_label_values(l),
             parked: self.parked.with_label_values(l),
             parked_events: self.parked_events.with_label_values(l),
             replayed: self.replayed.with_label_values(l),

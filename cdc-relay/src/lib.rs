@@ -12,7 +12,7 @@
 //!      │ standby status update            ▼                                         ▼
 //!      │ (Transport::confirm)      dispatch::run ──▶ dispatch::scheduler ──▶ dispatch::delivery ──▶ sink ──POST──▶ inbox
 //!      │                                  │ complete                                 │ classify, breaker,
-//!      └──── confirmed LSN (watch) ◀── ack::AckTracker ◀───────────────────────────────┘ deadletter
+//!      └──── confirmed LSN (watch) ◀── ack::AckTracker ◀───────────────────────────────┘ dead_letter
 //! ```
 //!
 //! Why the progress rule is safe: PostgreSQL resumes a slot at its
@@ -24,8 +24,9 @@
 //! `docs/architecture.md`.
 //!
 //! Modules by role. Imports point down this list or stay within a group,
-//! never up, and the import graph has no cycles (the `module_graph` test
-//! checks both):
+//! never up, and the import graph has no cycles, nor has the graph between
+//! the modules of `source/` or of `dispatch/` (the `module_graph` test
+//! checks all three):
 //!
 //! 1. operator surface: [`cli`] (the clap schema), [`settings`] (validate
 //!    and build), [`routes`] (the routes file), [`commands`] (one module
@@ -35,11 +36,11 @@
 //!    rows), [`admin`] (the admin endpoint)
 //! 3. the pipeline, in flow order — [`source`] → [`pgoutput`] → [`outbox`]
 //!    → [`dispatch`] → [`sink`] → [`ack`] — and its policies: [`breaker`]
-//!    (circuit breaker, storm guard), [`deadletter`] (where poison goes),
-//!    [`durable`] (confirming past asynchronously committed dead letters);
+//!    (circuit breaker, storm guard), [`dead_letter`] (where poison goes);
 //!    what a response means is [`sink::classify`]
 //! 4. shared types: [`lsn`], [`metrics`], [`endpoint_metrics`], [`health`],
-//!    [`backoff`], [`pace`] (rate caps), and the
+//!    [`backoff`], [`pace`] (rate caps), [`redact`] (how a URL is shown),
+//!    and the
 //!    error-text helpers below
 
 // 1. Operator surface.
@@ -78,10 +79,9 @@ pub mod dispatch;
 pub mod sink;
 
 pub mod ack;
-pub mod durable;
 
 pub mod breaker;
-pub mod deadletter;
+pub mod dead_letter;
 
 // 4. Shared types.
 pub mod backoff;
@@ -90,6 +90,7 @@ pub mod health;
 pub mod lsn;
 pub mod metrics;
 pub mod pace;
+pub mod redact;
 
 /// An optional value for a log field: the value's `Display`, or `none`
 /// (never Rust's `Some(…)`). `event_id = %shown(&row.event_id)`.

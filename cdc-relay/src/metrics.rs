@@ -9,6 +9,56 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
+/// `cdc_relay_delivery_attempts_total{outcome}`: how an attempt was judged
+/// (one per `sink::Disposition`, poison during a storm counted as a retry).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// A 2xx.
+    Delivered,
+    /// Poison: the event goes to the dead-letter table.
+    DeadLetter,
+    /// Transient (or poison during a storm): retried.
+    Retry,
+    /// The sink refuses the relay itself: retried, loudly.
+    ConfigFault,
+    /// 410 Gone: the endpoint is retired; retried rarely.
+    Retired,
+}
+
+impl AttemptOutcome {
+    /// Every outcome.
+    pub const ALL: [AttemptOutcome; 5] = [
+        AttemptOutcome::Delivered,
+        AttemptOutcome::DeadLetter,
+        AttemptOutcome::Retry,
+        AttemptOutcome::ConfigFault,
+        AttemptOutcome::Retired,
+    ];
+
+    /// The metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Delivered => "delivered",
+            AttemptOutcome::DeadLetter => "dead_letter",
+            AttemptOutcome::Retry => "retry",
+            AttemptOutcome::ConfigFault => "config_fault",
+            AttemptOutcome::Retired => "retired",
+        }
+    }
+}
+
+/// Every `outcome` label of `cdc_relay_delivery_attempts_total`
+/// ([`AttemptOutcome::as_str`]).
+pub const OUTCOMES: [&str; 5] = {
+    let mut out = [""; 5];
+    let mut i = 0;
+    while i < AttemptOutcome::ALL.len() {
+        out[i] = AttemptOutcome::ALL[i].as_str();
+        i += 1;
+    }
+    out
+};
+
 /// All relay metrics. Cheap to clone (every field is an `Arc` inside).
 #[derive(Clone)]
 pub struct Metrics {
@@ -20,7 +70,7 @@ pub struct Metrics {
     /// Events quarantined in the dead-letter table.
     pub events_dead_lettered: IntCounter,
     /// Delivery attempts by `outcome` (delivered, retry, dead_letter,
-    /// config_fault) and `status_class` (2xx … 5xx, none).
+    /// config_fault, retired) and `status_class` (2xx … 5xx, none).
     pub delivery_attempts: IntCounterVec,
     /// Time from sending a request to its response, seconds.
     pub request_duration: Histogram,
@@ -456,7 +506,7 @@ impl Metrics {
         for result in ["ok", "error"] {
             self.secret_reloads.with_label_values(&[result]);
         }
-        for outcome in ["delivered", "retry", "dead_letter", "config_fault"] {
+        for outcome in OUTCOMES {
             for class in ["2xx", "3xx", "4xx", "5xx", "none"] {
                 self.delivery_attempts.with_label_values(&[outcome, class]);
             }

@@ -9,11 +9,12 @@ use crate::breaker::BreakerConfig;
 use event_secret::{EventKeys, Source};
 
 use crate::cli::{DeliveryArgs, GlobalArgs, PruneArgs, RunArgs, SecretArgs, SinkArgs};
-use crate::dispatch::DispatchConfig;
+use crate::dispatch::{DispatchConfig, Lane, Unrouted};
+use crate::metrics::Metrics;
 use crate::outbox::OutboxColumns;
 use crate::prune::{PrunePlan, Schedule};
-use crate::relay::{OnSlotLoss, RelayConfig, Target, Targets};
-use crate::routes::{EndpointSpec, RoutesFile};
+use crate::relay::{OnSlotLoss, RelayConfig};
+use crate::routes::{EndpointSpec, RoutesError, RoutesFile};
 use crate::sink::{HttpSink, Signer, Signing, SinkConfig, StatusPolicy};
 use crate::source::ConnParams;
 
@@ -139,26 +140,32 @@ impl SinkArgs {
 }
 
 impl SinkArgs {
-    /// The endpoints of a routes file, with these flags' shared settings
-    /// (connect and pool timeouts, CA file, signature scheme) and `base`
-    /// (the delivery flags) under each endpoint's own. `shutdown` bounds
-    /// request timeouts. The error names the file, the endpoint and the
-    /// key, or the flag.
-    pub fn build_routes(
+    /// The lanes of a routes file's endpoints, in file order, with these
+    /// flags' shared settings (connect and pool timeouts, CA file,
+    /// signature scheme) and `base` (the delivery flags) under each
+    /// endpoint's own. `shutdown` bounds request timeouts. Their series and
+    /// breakers are in a registry of their own until `Lane::in_registry`
+    /// moves them to a relay's. The error names the file, the endpoint and
+    /// the key, or the flag.
+    pub fn routed_lanes(
         &self,
         file: &RoutesFile,
         base: &DispatchConfig,
         shutdown: Option<Duration>,
-    ) -> Result<Vec<Target>, String> {
-        let mut out = Vec::new();
-        for e in &file.endpoints {
-            out.push(Target {
-                name: e.name.clone(),
-                dispatch: file.dispatch(e, base).map_err(|err| err.to_string())?,
-                sink: self.endpoint_sink(file, e, shutdown)?,
-            });
-        }
-        Ok(out)
+    ) -> Result<Vec<Lane<HttpSink>>, String> {
+        let metrics = Metrics::new();
+        file.endpoints
+            .iter()
+            .map(|e| {
+                Ok(Lane::routed(
+                    e.name.clone(),
+                    e.event_types.clone(),
+                    endpoint_config(file, e, base).map_err(|err| err.to_string())?,
+                    self.endpoint_sink(file, e, shutdown)?,
+                    &metrics,
+                ))
+            })
+            .collect()
     }
 
     /// The HTTP sink of endpoint `e` of `file`: its URL, secret and request
@@ -198,6 +205,46 @@ impl SinkArgs {
     }
 }
 
+/// Endpoint `e`'s delivery settings: `base` (run's flags) with the file's
+/// settings over it. The error names the file, the endpoint and the key.
+pub fn endpoint_config(
+    file: &RoutesFile,
+    e: &EndpointSpec,
+    base: &DispatchConfig,
+) -> Result<DispatchConfig, RoutesError> {
+    let backoff_base = e.backoff_base.unwrap_or(base.backoff_base);
+    let backoff_cap = e.backoff_cap.unwrap_or(base.backoff_cap);
+    if backoff_base.is_zero() || backoff_cap < backoff_base {
+        return Err(file.error(
+            e,
+            "backoff_base",
+            format!("must be above 0 and not above backoff_cap ({backoff_cap:?})"),
+        ));
+    }
+    let policy = match &e.poison_statuses {
+        Some(p) => StatusPolicy::new(p.clone()).map_err(|m| file.error(e, "poison_statuses", m))?,
+        None => base.policy.clone(),
+    };
+    Ok(DispatchConfig {
+        max_in_flight: e.max_in_flight.unwrap_or(base.max_in_flight),
+        backoff_base,
+        backoff_cap,
+        retry_after_max: base.retry_after_max,
+        policy,
+        breaker: BreakerConfig {
+            failure_threshold: e
+                .failure_threshold
+                .unwrap_or(base.breaker.failure_threshold),
+            probe_interval: e.probe_interval.unwrap_or(base.breaker.probe_interval),
+            storm_threshold: base.breaker.storm_threshold,
+            retired_probe_interval: base.breaker.retired_probe_interval,
+        },
+        max_lag: e.max_lag,
+        rate: e.rate,
+        auto_resume: e.auto_resume,
+    })
+}
+
 impl DeliveryArgs {
     /// The delivery settings; the error names the flags.
     pub fn dispatch(&self) -> Result<DispatchConfig, String> {
@@ -206,6 +253,9 @@ impl DeliveryArgs {
         }
         if self.probe_interval < Duration::from_millis(50) {
             return Err("--probe-interval must be at least 50ms".into());
+        }
+        if self.retired_probe_interval < Duration::from_secs(1) {
+            return Err("--retired-probe-interval must be at least 1s".into());
         }
         Ok(DispatchConfig {
             max_in_flight: self.max_in_flight as usize,
@@ -217,6 +267,7 @@ impl DeliveryArgs {
                 failure_threshold: self.failure_threshold,
                 probe_interval: self.probe_interval,
                 storm_threshold: self.poison_storm_threshold,
+                retired_probe_interval: self.retired_probe_interval,
             },
             max_lag: None,
             rate: None,
@@ -226,10 +277,10 @@ impl DeliveryArgs {
 }
 
 impl RunArgs {
-    /// The relay's configuration and where it delivers (`--sink-url`, or
-    /// the endpoints of `--routes`); the error names the flags, or the
-    /// routes file, endpoint and key.
-    pub fn relay(&self, g: &GlobalArgs) -> Result<(RelayConfig, Targets), String> {
+    /// The relay's configuration and the lanes it delivers to (the one of
+    /// `--sink-url`, or one per endpoint of `--routes`); the error names
+    /// the flags, or the routes file, endpoint and key.
+    pub fn relay(&self, g: &GlobalArgs) -> Result<(RelayConfig, Vec<Lane<HttpSink>>), String> {
         if self.sink.request_timeout >= self.shutdown_timeout {
             return Err(format!(
                 "--request-timeout ({:?}) must be shorter than --shutdown-timeout ({:?}) so in-flight requests can finish on shutdown",
@@ -241,21 +292,24 @@ impl RunArgs {
         }
         let dispatch = self.delivery.dispatch()?;
         let conn = g.conn()?;
-        let targets = match &self.routes.routes {
-            None => Targets::single(dispatch.clone(), self.sink.build()?),
+        let (lanes, unrouted) = match &self.routes.routes {
+            None => (
+                vec![Lane::single(
+                    dispatch.clone(),
+                    self.sink.build()?,
+                    &Metrics::new(),
+                )],
+                Unrouted::DeadLetter,
+            ),
             Some(path) => {
                 if self.on_slot_loss != OnSlotLoss::Stop {
                     return Err("--on-slot-loss recover is not supported with --routes yet (the recovery backfill has one sink): use --on-slot-loss stop and `cdc-relay backfill` per endpoint".into());
                 }
                 let file = RoutesFile::load(path).map_err(|e| e.to_string())?;
-                Targets {
-                    endpoints: self.sink.build_routes(
-                        &file,
-                        &dispatch,
-                        Some(self.shutdown_timeout),
-                    )?,
-                    router: file.router(),
-                }
+                let lanes =
+                    self.sink
+                        .routed_lanes(&file, &dispatch, Some(self.shutdown_timeout))?;
+                (lanes, file.unrouted)
             }
         };
         let cfg = RelayConfig {
@@ -266,12 +320,14 @@ impl RunArgs {
             columns: g.columns(),
             application_name: self.application_name.clone(),
             dispatch,
+            unrouted,
             window_events: self.delivery.max_pending_events as usize,
             window_bytes: self.delivery.max_pending_bytes,
             shutdown_timeout: self.shutdown_timeout,
             reconnect_max: self.reconnect_max,
             slot_stats_interval: self.slot_stats_interval,
             create_slot: self.create_slot,
+            slot_create_timeout: g.slot_create_timeout,
             allow_non_utf8: self.allow_non_utf8,
             on_slot_loss: self.on_slot_loss,
             backfill_margin: self.backfill_margin,
@@ -284,7 +340,7 @@ impl RunArgs {
             stop_at: self.stop_at_lsn,
             claims: None,
         };
-        Ok((cfg, targets))
+        Ok((cfg, lanes))
     }
 
     /// `--shards N` with `--max-shards K`: `Some((N, min(K, N)))`, `None`
@@ -341,6 +397,7 @@ impl RunArgs {
                 pause: self.prune_pause,
             },
             interval: self.prune_interval,
+            first_tick: self.prune_first_tick.unwrap_or(crate::prune::FIRST_TICK),
         }))
     }
 }
@@ -457,5 +514,47 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("cdc-relay-secret-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    #[test]
+    fn endpoint_settings_override_the_flags() {
+        let f = crate::routes::tests::parse(crate::routes::tests::GOOD).unwrap();
+        let base = DispatchConfig {
+            max_in_flight: 64,
+            backoff_base: Duration::from_millis(50),
+            backoff_cap: Duration::from_secs(1),
+            retry_after_max: Duration::from_secs(60),
+            policy: StatusPolicy::new(vec![400, 413, 422]).unwrap(),
+            breaker: BreakerConfig {
+                failure_threshold: 5,
+                probe_interval: Duration::from_millis(500),
+                storm_threshold: 10,
+                retired_probe_interval: Duration::from_secs(60),
+            },
+            max_lag: None,
+            rate: None,
+            auto_resume: true,
+        };
+        let b = endpoint_config(&f, &f.endpoints[0], &base).unwrap();
+        assert_eq!(b.max_in_flight, 8);
+        assert_eq!(b.max_lag, Some(Duration::from_secs(600)));
+        assert_eq!(a_lag(&f, &base), None, "absent: never parked for lag");
+        let e = crate::routes::tests::parse(&crate::routes::tests::with("max_lag = \"500ms\""))
+            .unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("max_lag"));
+        assert_eq!(b.breaker.probe_interval, Duration::from_millis(250));
+        assert_eq!(b.breaker.failure_threshold, 5);
+        let a = endpoint_config(&f, &f.endpoints[1], &base).unwrap();
+        assert_eq!(a.max_in_flight, 64);
+        let bad = crate::routes::tests::parse(&crate::routes::tests::with(
+            "backoff_base = \"2s\"\nbackoff_cap = \"1s\"",
+        ))
+        .unwrap();
+        let e = endpoint_config(&bad, &bad.endpoints[0], &base).unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("backoff_base"));
+    }
+
+    fn a_lag(f: &RoutesFile, base: &DispatchConfig) -> Option<Duration> {
+        endpoint_config(f, &f.endpoints[1], base).unwrap().max_lag
     }
 }

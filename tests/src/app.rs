@@ -133,6 +133,39 @@ pub async fn start_billing_with(
     .await
 }
 
+/// Starts the Payments service over `payments` on a free port with extra
+/// `args` (its test hooks, `--idempotency-key-ttl`, ...).
+pub async fn start_payments(
+    payments: &crate::stack::PaymentsDb,
+    args: &[&str],
+) -> anyhow::Result<Running> {
+    start_service(
+        "payments",
+        ("PAYMENTS_DATABASE_URL", &payments.app_url),
+        args,
+        &[],
+    )
+    .await
+}
+
+/// Billing's flags that charge each invoice at `payments_url` (a provider
+/// base URL), polling for due invoices every 200 ms and backing off at most
+/// 1 s, so that tests and chaos runs drain fast; `args` follow.
+pub fn charging_args<'a>(payments_url: &'a str, args: &[&'a str]) -> Vec<&'a str> {
+    let mut all = vec![
+        "--payments-url",
+        payments_url,
+        "--charge-poll-interval",
+        "200ms",
+        "--charge-backoff-max",
+        "1s",
+        "--charge-timeout",
+        "3s",
+    ];
+    all.extend_from_slice(args);
+    all
+}
+
 /// Starts service binary `bin` on a free port with its database URL
 /// variable `db`, extra `args` and environment `env`; returns once it listens.
 async fn start_service(

@@ -1,4 +1,4 @@
-//! The workspace binaries (`orders`, `billing`, `cdc-relay`), built once per
+//! The workspace binaries (`orders`, `billing`, `payments`, `cdc-relay`), built once per
 //! process with the profile of the running test executable, so a test never
 //! runs a stale binary.
 //!
@@ -11,7 +11,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 /// Binaries [`path`] builds.
-pub const WORKSPACE_BINS: [&str; 3] = ["orders", "billing", "cdc-relay"];
+pub const WORKSPACE_BINS: [&str; 4] = ["orders", "billing", "payments", "cdc-relay"];
 
 /// Set to `1` to use whatever binaries are in the target directory.
 pub const SKIP_BUILD_ENV: &str = "CDC_RELAY_SKIP_BUILD";

@@ -12,7 +12,12 @@
 //!                │                    │  a new one starts as the standby)
 //!                ▼
 //!        FaultProxy "billing link" ──▶ ScriptedSink (503 bursts; records every answer)
-//!                                          ──▶ Front ──▶ Billing  (SIGKILLed, restarted on a new port)
+//!                                          ──▶ Front ──▶ Billing  (SIGKILLed, restarted on a new port;
+//!                                                          │       dies between a charge and its record)
+//!                                              POST /charges, Idempotency-Key
+//!                                                          ▼
+//!                                          Front ──▶ Payments (2 % 503s, 2 % answers dropped after the
+//!                                                     charge; SIGKILLed; dies between its charge and its answer)
 //! ```
 //!
 //! The [`Front`](front::Front)s are stable TCP forwarders whose upstream is
@@ -25,7 +30,8 @@
 //! committed outbox event to reach Billing's inbox. Then
 //! [`report::analyse`] counts, from both databases and the sink's record:
 //! lost, duplicate effects, phantom, dead-lettered and accepted-but-not-
-//! committed (all must be 0), and the figures (redeliveries per relay kill,
+//! committed (all must be 0), the provider's charges per order
+//! ([`Charges`]: double charges and uncharged invoices must be 0), and the figures (redeliveries per relay kill,
 //! recovery after each fault, requests per second to Billing while it was
 //! down, commit-to-invoice latency, peak slot lag).
 //!
@@ -38,6 +44,7 @@ pub mod front;
 pub mod load;
 pub mod report;
 pub mod schedule;
+mod services;
 pub mod shards;
 
 use std::path::{Path, PathBuf};
@@ -49,14 +56,17 @@ use anyhow::Context;
 use tokio::sync::Mutex as AsyncMutex;
 
 use crate::app::{self, Running, TEST_SECRET};
+use crate::oracle::Charges;
 use crate::proxy::{FaultProxy, Mode};
 use crate::sink::ScriptedSink;
+use crate::stack::PaymentsDb;
 use crate::{ClusterOptions, PgCluster, ServiceProcess, Stack, StopMode, bins, wait_until};
 
 use front::Front;
 use load::{HttpLoad, SqlLoad};
 use report::{FaultOutcome, Observed, Report, SinkRecord};
 use schedule::{Fault, FaultKind, Schedule, Shape};
+use services::Service;
 
 /// How a run is set up.
 #[derive(Debug, Clone)]
@@ -82,6 +92,9 @@ pub struct Config {
     /// Copy every process log (and PostgreSQL's) here at the end; when
     /// `None`, logs are copied only if the ledger is not clean.
     pub keep_logs: Option<PathBuf>,
+    /// Billing sends its `Idempotency-Key` to the provider; `false` is the
+    /// comparison run that counts the double charges the key prevents.
+    pub idempotency_key: bool,
 }
 
 impl Config {
@@ -98,6 +111,7 @@ impl Config {
             request_timeout: "3s".into(),
             drain_timeout: Duration::from_secs(300),
             keep_logs: None,
+            idempotency_key: true,
         }
     }
 
@@ -115,6 +129,7 @@ impl Config {
             request_timeout: "3s".into(),
             drain_timeout: Duration::from_secs(90),
             keep_logs: None,
+            idempotency_key: true,
         }
     }
 }
@@ -183,6 +198,10 @@ struct World {
     billing_front: Front,
     orders: AsyncMutex<Running>,
     orders_front: Front,
+    payments_db: PaymentsDb,
+    payments: AsyncMutex<Running>,
+    payments_front: Front,
+    idempotency_key: bool,
     sink: ScriptedSink,
     billing_link: FaultProxy,
     pg_link: FaultProxy,
@@ -253,8 +272,15 @@ impl World {
         };
         let result = match fault.kind {
             FaultKind::RelayKill => self.kill_relay(&mut out).await,
-            FaultKind::BillingKill => self.kill_service(&mut out, true).await,
-            FaultKind::OrdersKill => self.kill_service(&mut out, false).await,
+            FaultKind::BillingKill => self.kill_service(&mut out, Service::Billing).await,
+            FaultKind::OrdersKill => self.kill_service(&mut out, Service::Orders).await,
+            FaultKind::PaymentsKill => self.kill_service(&mut out, Service::Payments).await,
+            FaultKind::BillingExitAfterCharge => {
+                self.exit_after_charge(&mut out, Service::Billing).await
+            }
+            FaultKind::PaymentsExitAfterCharge => {
+                self.exit_after_charge(&mut out, Service::Payments).await
+            }
             FaultKind::BillingLinkBlackhole => {
                 self.cut(&self.billing_link, Mode::Blackhole, &mut out)
                     .await
@@ -404,42 +430,6 @@ impl World {
         Ok(())
     }
 
-    async fn kill_service(&self, out: &mut FaultOutcome, billing: bool) -> anyhow::Result<()> {
-        let (slot, front, name) = if billing {
-            (&self.billing, &self.billing_front, "billing")
-        } else {
-            (&self.orders, &self.orders_front, "orders")
-        };
-        let mut service = slot.lock().await;
-        out.started = self.now();
-        service.process.sigkill();
-        out.victim = Some(name.to_owned());
-        let counted = self.count_sink_requests(false, out.fault.hold).await;
-        let mut last = None;
-        for _ in 0..3 {
-            let started = if billing {
-                app::start_billing(&self.stack, TEST_SECRET).await
-            } else {
-                app::start_orders(&self.stack).await
-            };
-            match started {
-                Ok(new) => {
-                    front.set_upstream(front::socket_addr(&new.url)?);
-                    let old = std::mem::replace(&mut *service, new);
-                    self.bury(name, old.process);
-                    out.ended = self.now();
-                    if billing {
-                        out.sink_requests_after_first_second = Some(counted.finish(self));
-                    }
-                    return Ok(());
-                }
-                Err(err) => last = Some(err),
-            }
-        }
-        out.ended = self.now();
-        Err(last.expect("three attempts")).context(format!("restarting {name}"))
-    }
-
     async fn terminate_walsender(&self, out: &mut FaultOutcome) -> anyhow::Result<()> {
         let db = self.stack.orders_admin().await?;
         let deadline = Instant::now() + Duration::from_secs(15);
@@ -572,9 +562,13 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Report> {
             .context("starting the chaos cluster")?,
     );
     let stack = cluster.create_stack().await?;
+    let payments_db = cluster.create_payments(&stack).await?;
     app::relay_setup(&stack).await?;
 
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    let payments = services::start_payments(&payments_db, false).await?;
+    let payments_front = Front::start(front::socket_addr(&payments.url)?).await?;
+    let billing =
+        services::start_billing(&stack, &payments_front.url(), cfg.idempotency_key, false).await?;
     let billing_front = Front::start(front::socket_addr(&billing.url)?).await?;
     let sink = ScriptedSink::proxy(&format!("{}/inbox", billing_front.url())).await?;
     let (billing_link, relay_sink_url) = app::proxied(&sink.url).await?;
@@ -590,6 +584,10 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Report> {
         billing_front,
         orders: AsyncMutex::new(orders),
         orders_front,
+        payments_db,
+        payments: AsyncMutex::new(payments),
+        payments_front,
+        idempotency_key: cfg.idempotency_key,
         sink,
         billing_link,
         pg_link,
@@ -676,11 +674,11 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Report> {
         cfg.drain_timeout
     );
     let drained = wait_until(
-        "every committed outbox event in Billing's inbox",
+        "every committed outbox event in Billing's inbox, and every invoice charged or failed",
         cfg.drain_timeout,
         || async {
             tokio::time::sleep(Duration::from_millis(500)).await;
-            drained(&stack).await
+            drained(&stack, &world.payments_db).await
         },
     )
     .await;
@@ -768,6 +766,7 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Report> {
         unexpected_exits: world.unexpected_exits.lock().expect("exits lock").clone(),
     };
     let unexpected_exits = observed.unexpected_exits.clone();
+    let charges = Charges::read(&stack, &world.payments_db).await?;
     let (ledger, figures, by_kind, load, faults) = report::analyse(observed);
     let mut report = Report {
         label: cfg.label.clone(),
@@ -784,6 +783,8 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Report> {
         wall_s: wall.elapsed().as_secs_f64(),
         started_unix: wall0,
         ledger,
+        idempotency_key: cfg.idempotency_key,
+        charges,
         figures,
         by_kind,
         load,
@@ -826,9 +827,11 @@ fn shift_http(mut http: load::HttpTally, warm: f64) -> load::HttpTally {
     http
 }
 
-/// Whether every committed outbox event has an inbox row.
-async fn drained(stack: &Stack) -> anyhow::Result<bool> {
-    Ok(crate::oracle::Ledger::read(stack).await?.lost == 0)
+/// Whether every committed outbox event has an inbox row, and no invoice
+/// waits for its charge.
+async fn drained(stack: &Stack, payments: &PaymentsDb) -> anyhow::Result<bool> {
+    Ok(crate::oracle::Ledger::read(stack).await?.lost == 0
+        && Charges::read(stack, payments).await?.settled())
 }
 
 async fn keep_logs(world: &World, cluster: &PgCluster, dir: &Path) -> anyhow::Result<()> {
@@ -851,6 +854,7 @@ async fn keep_logs(world: &World, cluster: &PgCluster, dir: &Path) -> anyhow::Re
     }
     copy("billing", &world.billing.lock().await.process, i);
     copy("orders", &world.orders.lock().await.process, i + 1);
+    copy("payments", &world.payments.lock().await.process, i + 2);
     Ok(())
 }
 

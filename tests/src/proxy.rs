@@ -38,10 +38,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::watch;
-use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
+
+use crate::tcp::{Acceptor, reset};
 
 /// What the proxy does to traffic; see the [module docs](self).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,10 +65,9 @@ const CHUNK_BYTES: usize = 16 * 1024;
 
 /// A running proxy; stops, closing its connections, when dropped.
 pub struct FaultProxy {
-    addr: SocketAddr,
     upstream: SocketAddr,
     shared: Arc<Shared>,
-    accept: JoinHandle<()>,
+    accept: Acceptor,
 }
 
 struct Shared {
@@ -97,17 +97,30 @@ impl FaultProxy {
     /// Starts a proxy in [`Mode::Pass`] on a free loopback port in front of
     /// `upstream`.
     pub async fn start(upstream: SocketAddr) -> io::Result<FaultProxy> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             mode: watch::Sender::new(Mode::Pass),
             accepted: AtomicUsize::new(0),
             stranded_below: AtomicUsize::new(0),
             open: AtomicUsize::new(0),
         });
-        let accept = tokio::spawn(accept_loop(listener, upstream, Arc::clone(&shared)));
+        let accept = Acceptor::start({
+            let shared = Arc::clone(&shared);
+            move |client| {
+                // Numbered, and judged against the mode, as accepted.
+                let id = shared.accepted.fetch_add(1, Ordering::SeqCst);
+                let reset_now = shared.mode_for(id) == Mode::Reset;
+                let shared = Arc::clone(&shared);
+                async move {
+                    if reset_now {
+                        reset(client);
+                    } else {
+                        connection(id, client, upstream, shared).await;
+                    }
+                }
+            }
+        })
+        .await?;
         Ok(FaultProxy {
-            addr,
             upstream,
             shared,
             accept,
@@ -116,12 +129,12 @@ impl FaultProxy {
 
     /// The address clients connect to.
     pub fn addr(&self) -> SocketAddr {
-        self.addr
+        self.accept.addr()
     }
 
     /// The port clients connect to.
     pub fn port(&self) -> u16 {
-        self.addr.port()
+        self.addr().port()
     }
 
     /// Where connections are forwarded.
@@ -160,43 +173,14 @@ impl FaultProxy {
     }
 }
 
-impl Drop for FaultProxy {
-    fn drop(&mut self) {
-        // The accept task owns the connection tasks: aborting it drops them.
-        self.accept.abort();
-    }
-}
-
 impl std::fmt::Debug for FaultProxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FaultProxy")
-            .field("addr", &self.addr)
+            .field("addr", &self.addr())
             .field("upstream", &self.upstream)
             .field("mode", &self.mode())
             .field("open", &self.open())
             .finish_non_exhaustive()
-    }
-}
-
-async fn accept_loop(listener: TcpListener, upstream: SocketAddr, shared: Arc<Shared>) {
-    let mut connections = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((client, _)) = accepted else {
-                    // Out of descriptors and the like: back off briefly.
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                };
-                let id = shared.accepted.fetch_add(1, Ordering::SeqCst);
-                if shared.mode_for(id) == Mode::Reset {
-                    reset(client);
-                    continue;
-                }
-                connections.spawn(connection(id, client, upstream, Arc::clone(&shared)));
-            }
-            Some(_) = connections.join_next() => {}
-        }
     }
 }
 
@@ -370,18 +354,10 @@ async fn forward(
     }
 }
 
-/// Closes `stream` with a TCP RST instead of a FIN.
-fn reset(stream: TcpStream) {
-    // A zero linger makes close() send RST and never blocks, which is what
-    // the deprecation of `set_linger` warns about (a non-zero linger).
-    #[allow(deprecated)]
-    let _ = stream.set_linger(Some(Duration::ZERO));
-    drop(stream);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::net::TcpListener;
 
     /// An echo server on a free loopback port; returns its address.
     async fn echo_server() -> SocketAddr {

@@ -33,6 +33,10 @@ pub struct Received {
     pub webhook: Option<Webhook>,
     /// `Content-Type`.
     pub content_type: Option<String>,
+    /// `Authorization` (a sink URL's userinfo arrives as `Basic`).
+    pub authorization: Option<String>,
+    /// The request target's path and query, e.g. `/inbox?token=t`.
+    pub target: String,
     /// The status the sink answered.
     pub status: u16,
     /// When it was answered.
@@ -317,6 +321,7 @@ impl ScriptedSink {
 async fn handle(
     State(script): State<Arc<Script>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    uri: axum::http::Uri,
     headers: HeaderMap,
     body: Bytes,
 ) -> (StatusCode, [(HeaderName, String); 1], Bytes) {
@@ -354,6 +359,10 @@ async fn handle(
         idempotency_key: header("idempotency-key"),
         webhook,
         content_type: header("content-type"),
+        authorization: header("authorization"),
+        target: uri
+            .path_and_query()
+            .map_or_else(String::new, |p| p.to_string()),
         status,
         at: Instant::now(),
         arrived,

@@ -41,6 +41,7 @@ pub(crate) struct StackState {
 struct RolePasswords {
     orders_app: String,
     billing_app: String,
+    payments_app: String,
     cdc_relay: String,
 }
 
@@ -138,11 +139,13 @@ impl PgCluster {
                 let passwords = RolePasswords {
                     orders_app: random_token(24),
                     billing_app: random_token(24),
+                    payments_app: random_token(24),
                     cdc_relay: random_token(24),
                 };
                 for (role, password) in [
                     ("orders_app", &passwords.orders_app),
                     ("billing_app", &passwords.billing_app),
+                    ("payments_app", &passwords.payments_app),
                     ("cdc_relay", &passwords.cdc_relay),
                 ] {
                     client
@@ -153,6 +156,57 @@ impl PgCluster {
                 Ok(passwords)
             })
             .await
+    }
+}
+
+/// The payment provider's database of a stack (`payments_<pid>_<n>`, from
+/// `sql/payments.sql`), made on demand by [`PgCluster::create_payments`]:
+/// most tests charge nothing.
+#[derive(Debug, Clone)]
+pub struct PaymentsDb {
+    /// Its name.
+    pub db: String,
+    /// `payments_app` over TCP (SCRAM).
+    pub app_url: String,
+    /// The superuser over TCP.
+    pub admin_url: String,
+}
+
+impl PaymentsDb {
+    /// Superuser connection (TCP, SCRAM).
+    pub async fn admin(&self) -> anyhow::Result<Client> {
+        connect(&self.admin_url).await
+    }
+}
+
+impl PgCluster {
+    /// Creates the payments database of `stack` and applies
+    /// `sql/payments.sql` and `sql/roles.sql` to it.
+    pub async fn create_payments(&self, stack: &Stack) -> anyhow::Result<PaymentsDb> {
+        let passwords = self.ensure_roles().await?;
+        let suffix = stack
+            .orders_db
+            .strip_prefix("orders_")
+            .context("a stack's orders database is named orders_<suffix>")?;
+        let db = format!("payments_{suffix}");
+        let admin = self.connect_superuser("postgres").await?;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {db}"))
+            .await
+            .with_context(|| format!("CREATE DATABASE {db}"))?;
+        let payments = PaymentsDb {
+            app_url: self.url("payments_app", &passwords.payments_app, &db),
+            admin_url: self.superuser_url(&db),
+            db,
+        };
+        let client = payments.admin().await?;
+        for file in ["payments.sql", "roles.sql"] {
+            client
+                .batch_execute(&read_sql(file)?)
+                .await
+                .with_context(|| format!("applying sql/{file} to {}", payments.db))?;
+        }
+        Ok(payments)
     }
 }
 

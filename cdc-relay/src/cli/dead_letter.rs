@@ -136,8 +136,8 @@ pub struct DeadLetterFilterArgs {
 
 impl DeadLetterFilterArgs {
     /// The filter these flags describe.
-    pub fn filter(&self) -> crate::deadletter::Filter {
-        crate::deadletter::Filter {
+    pub fn filter(&self) -> crate::dead_letter::Filter {
+        crate::dead_letter::Filter {
             event_type: self.event_type.clone(),
             reason: self.reason.clone(),
             since: self.since.clone(),

@@ -79,6 +79,7 @@ const DATABASE_FLAGS: &[&str] = &[
     "connect_timeout",
 ];
 const SLOT_FLAGS: &[&str] = &["slot", "publication", "shards"];
+const SLOT_CREATE_FLAGS: &[&str] = &["slot_create_timeout"];
 const STANDBY_FLAGS: &[&str] = &["standby_url"];
 const OUTBOX_FLAGS: &[&str] = &[
     "table",
@@ -92,7 +93,14 @@ const LOG_FLAGS: &[&str] = &["log_format", "log"];
 /// The global flag groups a subcommand reads; `None` for every group.
 fn globals_read_by(subcommand: &str) -> Option<&'static [&'static [&'static str]]> {
     match subcommand {
-        "setup" | "prune" => Some(&[DATABASE_FLAGS, SLOT_FLAGS, OUTBOX_FLAGS, LOG_FLAGS]),
+        "setup" => Some(&[
+            DATABASE_FLAGS,
+            SLOT_FLAGS,
+            SLOT_CREATE_FLAGS,
+            OUTBOX_FLAGS,
+            LOG_FLAGS,
+        ]),
+        "prune" => Some(&[DATABASE_FLAGS, SLOT_FLAGS, OUTBOX_FLAGS, LOG_FLAGS]),
         "backfill" => Some(&[DATABASE_FLAGS, OUTBOX_FLAGS, LOG_FLAGS]),
         "dead-letter" => Some(&[DATABASE_FLAGS, LOG_FLAGS]),
         "completions" => Some(&[]),
@@ -110,6 +118,7 @@ fn hide_unused_globals(cmd: clap::Command) -> clap::Command {
     let all = [
         DATABASE_FLAGS,
         SLOT_FLAGS,
+        SLOT_CREATE_FLAGS,
         STANDBY_FLAGS,
         OUTBOX_FLAGS,
         LOG_FLAGS,
@@ -259,6 +268,18 @@ pub struct GlobalArgs {
         value_parser = clap::value_parser!(u32).range(1..=crate::source::shards::MAX_SHARDS as i64)
     )]
     pub shards: Option<u32>,
+    /// How long creating a slot (`setup`, `run --create-slot`) may wait for
+    /// the transactions older than it to end before it gives up, enforced
+    /// by the server (statement_timeout): no backend is left creating it.
+    #[arg(
+        help_heading = "Slot and outbox",
+        long,
+        env = "CDC_RELAY_SLOT_CREATE_TIMEOUT",
+        default_value = "3m",
+        value_parser = parse_duration,
+        global = true
+    )]
+    pub slot_create_timeout: Duration,
     /// A standby to check the slot's failover copy on (PostgreSQL 17+),
     /// libpq URL; repeat or comma-separate for several. A listed server out
     /// of recovery is a primary and is skipped, so list every server of the
@@ -392,6 +413,36 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(mult)
         .filter(|v| *v > 0)
         .ok_or_else(|| format!("size {s:?} out of range"))
+}
+
+/// `--sink-url`'s parser: [`parse_sink_url`], with an error that quotes the
+/// value as [`crate::redact::url`] shows it. clap's own message for a
+/// refused value quotes it verbatim, password and token included.
+#[derive(Clone)]
+struct SinkUrlParser;
+
+impl clap::builder::TypedValueParser for SinkUrlParser {
+    type Value = url::Url;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<url::Url, clap::Error> {
+        let s = value.to_string_lossy();
+        parse_sink_url(&s).map_err(|reason| {
+            let flag = arg.map_or_else(|| "--sink-url".to_owned(), |a| a.to_string());
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!(
+                    "invalid value '{}' for '{flag}': {reason}\n",
+                    crate::redact::url(&s)
+                ),
+            )
+            .with_cmd(cmd)
+        })
+    }
 }
 
 /// `--sink-url`: an absolute http(s) URL with a host. The WHATWG parser

@@ -9,7 +9,7 @@ use super::*;
 pub struct SinkArgs {
     /// Inbox URL events are POSTed to (http:// or https://, with a host).
     /// Required to send anything (not by `--dry-run`).
-    #[arg(long, env = "CDC_RELAY_SINK_URL", value_parser = parse_sink_url)]
+    #[arg(long, env = "CDC_RELAY_SINK_URL", value_parser = SinkUrlParser)]
     pub sink_url: Option<url::Url>,
     /// Extra CA certificate (PEM) to trust for an https sink.
     #[arg(long, env = "CDC_RELAY_SINK_CA_FILE")]
@@ -189,6 +189,11 @@ pub struct RunArgs {
     /// at a minute or more to stay within the idle budget. At least 1s.
     #[arg(long, env = "CDC_RELAY_PRUNE_INTERVAL", default_value = "10m", value_parser = parse_duration, help_heading = "Retention")]
     pub prune_interval: Duration,
+    /// Test-only: the delay before the first prune tick (default 10 s, or
+    /// the interval if shorter), so a test sees a tick without waiting
+    /// for the interval. Hidden from --help; not for production use.
+    #[arg(long, env = "CDC_RELAY_PRUNE_FIRST_TICK", value_parser = parse_duration, hide = true, help_heading = "Retention")]
+    pub prune_first_tick: Option<Duration>,
     /// Rows per prune batch (about).
     #[arg(long, env = "CDC_RELAY_PRUNE_BATCH", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000), help_heading = "Retention")]
     pub prune_batch: u32,
@@ -218,11 +223,14 @@ pub struct DeliveryArgs {
     /// Deliveries at once (pipelining). 1 gives strict global commit order.
     #[arg(long, env = "CDC_RELAY_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_in_flight: u32,
-    /// Events received and not yet delivered held in memory; when full the
-    /// relay stops reading and WAL waits on the server.
+    /// The memory window, in events: events received and not yet done
+    /// (delivered or dead-lettered at every endpoint) that the relay holds.
+    /// When the window is full the relay stops reading and WAL waits on the
+    /// server ("pending" in the flag's name is the window's content).
     #[arg(long, env = "CDC_RELAY_MAX_PENDING_EVENTS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_pending_events: u32,
-    /// Bytes of those events (payloads included). A larger event is admitted alone.
+    /// The memory window, in bytes of those events (payloads included). A
+    /// larger event is admitted alone.
     #[arg(long, env = "CDC_RELAY_MAX_PENDING_BYTES", default_value = "64MiB", value_parser = parse_bytes)]
     pub max_pending_bytes: u32,
     /// First retry delay ceiling (doubles per attempt, full jitter).
@@ -252,6 +260,11 @@ pub struct DeliveryArgs {
     /// out per interval (plus up to 20 % jitter).
     #[arg(long, env = "CDC_RELAY_PROBE_INTERVAL", default_value = "500ms", value_parser = parse_duration)]
     pub probe_interval: Duration,
+    /// Once an endpoint answers 410 Gone (retired by its receiver), one
+    /// probe goes out per this interval (plus up to 20 % jitter) until it
+    /// answers 2xx again. At least 1s.
+    #[arg(long, env = "CDC_RELAY_RETIRED_PROBE_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub retired_probe_interval: Duration,
     /// Poison verdicts on this many distinct events in a row (no 2xx between)
     /// mean the sink is broken, not the events: stop quarantining and open
     /// the circuit.

@@ -2,6 +2,7 @@
 //! dead-lettered events (`replay` is in `dead_letter/replay.rs`).
 
 mod replay;
+pub mod rows;
 
 use std::io::{BufRead, IsTerminal, Write};
 
@@ -10,7 +11,8 @@ use tokio_postgres::Client;
 
 use super::{ConfigError, connect, outln};
 use crate::cli::{DeadLetterCommand, GlobalArgs};
-use crate::deadletter::{self, DeadLetter, Removal};
+use crate::dead_letter::{self, Removal};
+use rows::DeadLetter;
 
 /// Runs one `dead-letter` subcommand.
 pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()> {
@@ -22,12 +24,12 @@ pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()>
             limit,
         } => list(&client, json, &checked(&client, &filter).await?, limit).await?,
         DeadLetterCommand::Show { id } => {
-            let row = deadletter::get(&client, id)
+            let row = rows::get(&client, id)
                 .await?
                 .with_context(|| format!("no dead-letter row {id}"))?;
             outln!("{}", serde_json::to_string_pretty(&shown(row))?);
         }
-        DeadLetterCommand::Replay(a) => replay::replay(&client, *a).await?,
+        DeadLetterCommand::Replay(a) => replay::replay(client, *a).await?,
         DeadLetterCommand::Discard {
             ids,
             all,
@@ -56,7 +58,7 @@ pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()>
 async fn checked(
     client: &Client,
     args: &crate::cli::DeadLetterFilterArgs,
-) -> anyhow::Result<deadletter::Filter> {
+) -> anyhow::Result<dead_letter::Filter> {
     let filter = args.filter();
     for (flag, value) in [("--since", &filter.since), ("--until", &filter.until)] {
         if let Some(v) = value {
@@ -75,11 +77,11 @@ async fn checked(
 /// `--all`, or a filter alone.
 enum Selection {
     Ids(Vec<i64>),
-    Filtered(deadletter::Filter),
+    Filtered(dead_letter::Filter),
 }
 
 impl Selection {
-    fn new(ids: Vec<i64>, all: bool, filter: deadletter::Filter) -> anyhow::Result<Self> {
+    fn new(ids: Vec<i64>, all: bool, filter: dead_letter::Filter) -> anyhow::Result<Self> {
         match (ids.is_empty(), all || !filter.is_empty()) {
             (false, false) => Ok(Self::Ids(ids)),
             (true, true) => Ok(Self::Filtered(filter)),
@@ -103,7 +105,7 @@ impl Selection {
                 let mut rows = Vec::new();
                 let mut after = 0;
                 loop {
-                    let page = deadletter::page(client, f, after, 10_000).await?;
+                    let page = rows::page(client, f, after, 10_000).await?;
                     let Some(last) = page.last() else {
                         return Ok(rows);
                     };
@@ -113,7 +115,7 @@ impl Selection {
             }
             Self::Ids(ids) => {
                 let mut found: std::collections::HashMap<i64, DeadLetter> =
-                    deadletter::get_many(client, ids)
+                    rows::get_many(client, ids)
                         .await?
                         .into_iter()
                         .map(|r| (r.id, r))
@@ -158,10 +160,10 @@ fn age(secs: i64) -> String {
 async fn list(
     client: &Client,
     json: bool,
-    filter: &deadletter::Filter,
+    filter: &dead_letter::Filter,
     limit: Option<i64>,
 ) -> anyhow::Result<()> {
-    let rows = deadletter::list(client, filter, limit).await?;
+    let rows = rows::list(client, filter, limit).await?;
     if json {
         outln!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
@@ -261,7 +263,7 @@ async fn discard(
     let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
     let tx = client.transaction().await?;
     let removed =
-        deadletter::remove_many(&tx, &ids, Removal::Discard, Some(how.reason), how.actor).await?;
+        dead_letter::remove_many(&tx, &ids, Removal::Discard, Some(how.reason), how.actor).await?;
     if let Some(gone) = ids.iter().find(|id| removed.binary_search(id).is_err()) {
         anyhow::bail!("dead-letter row {gone} was removed meanwhile; nothing was discarded");
     }

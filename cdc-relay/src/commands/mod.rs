@@ -91,6 +91,16 @@ impl StopSignals {
     }
 }
 
+/// Refuses (exit 2) a `--database-url` that reaches a pooler or proxy not
+/// carrying replication connections: `setup` and `status` say what `run`
+/// would stop with.
+async fn refuse_pooler(g: &GlobalArgs) -> anyhow::Result<()> {
+    let conn = g.conn().map_err(ConfigError)?;
+    source::transport::check_not_pooled(&conn)
+        .await
+        .map_err(|e| ConfigError(e.to_string()).into())
+}
+
 /// A side SQL connection for a command.
 async fn connect(g: &GlobalArgs) -> anyhow::Result<tokio_postgres::Client> {
     let conn = g.conn().map_err(ConfigError)?;

@@ -30,7 +30,12 @@ async fn check(g: &GlobalArgs, a: &CheckArgs) -> anyhow::Result<()> {
     );
     for e in &file.endpoints {
         let types: Vec<&str> = e.event_types.iter().map(|p| p.as_str()).collect();
-        outln!("  {:<20} {}  takes {}", e.name, e.url, types.join(", "));
+        outln!(
+            "  {:<20} {}  takes {}",
+            e.name,
+            crate::redact::url(e.url.as_str()),
+            types.join(", ")
+        );
     }
     let unrouted = match file.unrouted {
         Unrouted::DeadLetter => "dead-lettered (reason unrouted)",

@@ -8,13 +8,15 @@ use tokio_util::sync::CancellationToken;
 use super::outln;
 use crate::admin::{self, Relays};
 use crate::cli::{GlobalArgs, LogFormat, OnFatal, RunArgs, SecretArgs};
+use crate::dispatch::Lane;
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::prune::{self, Schedule};
-use crate::relay::{self, RelayConfig, RelayError, ShardOf, Targets};
-use crate::sink::{Signer, Signing};
+use crate::relay::{self, RelayConfig, ShardOf};
+use crate::sink::{HttpSink, Signer, Signing};
 use crate::source::SourceError;
 use crate::source::shards::Shard;
+use crate::source::stream::StreamError;
 
 /// `cdc-relay run`; returns the exit code (documented in `--help` and
 /// `docs/operations.md`).
@@ -23,8 +25,8 @@ pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
         .relay(g)
         .and_then(|r| Ok((r, a.prune_schedule(g)?, a.sharding(g)?)));
     match built {
-        Ok(((cfg, targets), prune, sharding)) => {
-            serve_and_run(cfg, targets, prune, sharding, &a, g.log_format).await
+        Ok(((cfg, lanes), prune, sharding)) => {
+            serve_and_run(cfg, lanes, prune, sharding, &a, g.log_format).await
         }
         // A flag, variable or file of the configuration: the same code as
         // a command line clap refuses.
@@ -44,22 +46,23 @@ pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
 /// change the relay cannot map (nothing after it acknowledged); 6 the slot
 /// predates its publication; 7 the slot jumped ahead of where this process
 /// left it (events skipped upstream); 1 anything else.
-pub fn exit_code(e: &RelayError) -> u8 {
+pub fn exit_code(e: &StreamError) -> u8 {
     match e {
-        RelayError::Source(SourceError::SlotMissing { .. } | SourceError::NeedsSetup(_)) => 3,
-        RelayError::Source(SourceError::SlotInvalidated { .. }) => 4,
-        RelayError::Decode(_)
-        | RelayError::Outbox(_)
-        | RelayError::Source(SourceError::PayloadType(_) | SourceError::Unconvertible(_)) => 5,
-        RelayError::Source(SourceError::SlotPredatesPublication { .. }) => 6,
-        RelayError::Source(SourceError::SlotJumped { .. }) => 7,
-        RelayError::Source(_) => 1,
+        StreamError::Source(SourceError::ThroughPooler { .. }) => 2,
+        StreamError::Source(SourceError::SlotMissing { .. } | SourceError::NeedsSetup(_)) => 3,
+        StreamError::Source(SourceError::SlotInvalidated { .. }) => 4,
+        StreamError::Decode(_)
+        | StreamError::Outbox(_)
+        | StreamError::Source(SourceError::PayloadType(_) | SourceError::Unconvertible(_)) => 5,
+        StreamError::Source(SourceError::SlotPredatesPublication { .. }) => 6,
+        StreamError::Source(SourceError::SlotJumped { .. }) => 7,
+        StreamError::Source(_) => 1,
     }
 }
 
 async fn serve_and_run(
     cfg: RelayConfig,
-    targets: Targets,
+    lanes: Vec<Lane<HttpSink>>,
     prune: Option<Schedule>,
     sharding: Option<(u32, u32)>,
     a: &RunArgs,
@@ -112,17 +115,13 @@ async fn serve_and_run(
             }
         },
     };
-    let signings: Vec<Signing> = targets
-        .endpoints
-        .iter()
-        .map(|t| t.sink.signing().clone())
-        .collect();
+    let signings: Vec<Signing> = lanes.iter().map(|l| l.sink.signing().clone()).collect();
     tokio::spawn(reload_secrets_on_sighup(reload, signings, metrics.clone()));
-    for t in &targets.endpoints {
-        let signer = t.sink.signing().current();
+    for l in &lanes {
+        let signer = l.sink.signing().current();
         tracing::info!(
-            source = %cfg.conn.display(), slot = %cfg.slot, endpoint = %t.name, sink = %t.sink.display_url(), admin = %addr,
-            max_in_flight = t.dispatch.max_in_flight, signature_scheme = %signer.scheme(),
+            source = %cfg.conn.display(), slot = %cfg.slot, endpoint = %l.name, sink = %l.sink.display_url(), admin = %addr,
+            max_in_flight = l.cfg.max_in_flight, signature_scheme = %signer.scheme(),
             keys = %signer.keys(), shards = sharding.map_or(0, |(count, _)| count),
             max_shards = sharding.map_or(0, |(_, max)| max), "cdc-relay starting"
         );
@@ -139,7 +138,7 @@ async fn serve_and_run(
             shutdown.clone(),
         ));
     }
-    let result = run_relays(units, targets, &shutdown).await;
+    let result = run_relays(units, lanes, &shutdown).await;
     let code = match &result {
         Ok(()) => {
             tracing::info!("stopped");
@@ -209,19 +208,24 @@ fn units(
 /// process taking that shard would hit the same error.
 async fn run_relays(
     units: Vec<Unit>,
-    targets: Targets,
+    lanes: Vec<Lane<HttpSink>>,
     shutdown: &CancellationToken,
-) -> Result<(), Box<(RelayError, Metrics)>> {
+) -> Result<(), Box<(StreamError, Metrics)>> {
     let stop = shutdown.child_token();
     let mut relays = tokio::task::JoinSet::new();
     for (cfg, metrics, health) in units {
-        let mut targets = targets.clone();
-        for t in &mut targets.endpoints {
-            t.sink = t.sink.clone().with_metrics(metrics.clone());
-        }
+        // Each relay counts in its own registry, with breakers of its own.
+        let lanes: Vec<Lane<HttpSink>> = lanes
+            .iter()
+            .cloned()
+            .map(|l| {
+                let sink = l.sink.clone().with_metrics(metrics.clone());
+                l.in_registry(&metrics, sink)
+            })
+            .collect();
         let stop = stop.clone();
         relays.spawn(async move {
-            let outcome = relay::run(cfg, targets, metrics.clone(), health, stop).await;
+            let outcome = relay::run(cfg, lanes, metrics.clone(), health, stop).await;
             outcome.map_err(|e| Box::new((e, metrics)))
         });
     }
@@ -247,7 +251,7 @@ async fn run_relays(
 /// until `shutdown`, so an alert sees a relay that would otherwise be gone.
 async fn linger(
     code: u8,
-    e: &RelayError,
+    e: &StreamError,
     metrics: &Metrics,
     failed: &Metrics,
     health: &Health,
@@ -257,7 +261,7 @@ async fn linger(
         .halted
         .with_label_values(&[code.to_string().as_str()])
         .set(1);
-    if let RelayError::Source(SourceError::SlotInvalidated { .. }) = e {
+    if let StreamError::Source(SourceError::SlotInvalidated { .. }) = e {
         for status in ["reserved", "extended", "unreserved"] {
             failed.slot_wal_status.with_label_values(&[status]).set(0);
         }
@@ -392,21 +396,22 @@ mod tests {
     #[test]
     fn exit_codes_are_distinct() {
         let slot = || "s".to_owned();
-        let missing: RelayError = SourceError::SlotMissing { slot: slot() }.into();
-        let lost: RelayError = SourceError::SlotInvalidated {
+        let missing: StreamError = SourceError::SlotMissing { slot: slot() }.into();
+        let lost: StreamError = SourceError::SlotInvalidated {
             slot: slot(),
             reason: None,
             since: None,
         }
         .into();
-        let auth: RelayError = SourceError::Definite("auth".into()).into();
-        let no_publication: RelayError = SourceError::NeedsSetup("p".into()).into();
-        let text_payload: RelayError = SourceError::PayloadType("t".into()).into();
-        let predates: RelayError = SourceError::SlotPredatesPublication {
+        let auth: StreamError = SourceError::Definite("auth".into()).into();
+        let no_publication: StreamError = SourceError::NeedsSetup("p".into()).into();
+        let text_payload: StreamError = SourceError::PayloadType("t".into()).into();
+        let predates: StreamError = SourceError::SlotPredatesPublication {
             slot: slot(),
             publication: "p".into(),
         }
         .into();
+        let pooler: StreamError = SourceError::ThroughPooler { answer: "a".into() }.into();
         assert_eq!(
             [
                 &missing,
@@ -414,10 +419,11 @@ mod tests {
                 &auth,
                 &no_publication,
                 &text_payload,
-                &predates
+                &predates,
+                &pooler
             ]
             .map(exit_code),
-            [3, 4, 1, 3, 5, 6]
+            [3, 4, 1, 3, 5, 6, 2]
         );
     }
 }

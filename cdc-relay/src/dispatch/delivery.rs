@@ -1,15 +1,24 @@
-//! One job's life: attempts through the circuit breaker until the event is
-//! done — a 2xx, or a committed dead-letter row.
+//! One job's life at one lane: attempts through the circuit breaker until
+//! the event is delivered, dead-lettered, or handed back.
 //!
 //! ```text
-//!  breaker.admit ─▶ Sink::post ─▶ classify ─┬─ Delivered ─────────────────────────▶ done
-//!        ▲                                  ├─ DeadLetter (not a storm) ─▶ store ──▶ done
-//!        └──────────── backoff sleep ◀──────┴─ Retry | ConfigFault | storm
+//!  breaker.admit ─▶ pace ─▶ Sink::post ─▶ classify ─┬─ Delivered ──────────────────────▶ Delivered
+//!        ▲                                          ├─ DeadLetter (not a storm) ─▶ row ──▶ DeadLettered
+//!        └──────────────── backoff sleep ◀──────────┴─ Retry | ConfigFault | Retired | storm
+//!  the lane parked meanwhile ─▶ Parked (the dispatcher hands the job to the dead-letter writer)
+//!  the pipeline stopping     ─▶ Stopped (the event stays pending)
 //! ```
 //!
-//! A dead-letter write is retried until it commits; the event stays pending
-//! meanwhile. Only a lost store (the side connection closed) ends the
-//! pipeline, and with it the session.
+//! A poison event's dead-letter row is written through the store, which
+//! retries a failed write itself; the event stays pending meanwhile. Only a
+//! lost store (the side connection closed) ends the pipeline, and with it
+//! the session. A replayed dead letter refused again is recorded on its own
+//! row instead ([`DeadLetterStore::refused`]).
+//!
+//! With [`Persist::OneAttempt`] (`dead-letter replay`) a job makes one
+//! attempt: refused, it is [`Finished::Kept`]; failing, the pipeline stops
+//! ([`Finished::Failing`]). With [`Persist::UntilFailing`] (a resume's
+//! final pass) a failure stops the pipeline too.
 //!
 //! Once the pipeline is stopping (shutdown), no new attempt starts: a
 //! delivery waiting for the breaker or sleeping in backoff gives up at once
@@ -18,44 +27,64 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio_util::sync::CancellationToken;
 
+use super::lane::Lane;
+use super::{DispatchError, Persist};
 use crate::backoff::Backoff;
-use crate::breaker::{Admission, Breaker, Signal};
-use crate::deadletter::{DeadLetterStore, NewDeadLetter, StoreError};
+use crate::breaker::{Admission, Signal};
+use crate::dead_letter::{DeadLetterStore, NewDeadLetter, StoreError, Urgency};
 use crate::endpoint_metrics::EndpointMetrics;
-use crate::metrics::Metrics;
-use crate::outbox::{OutboxEvent, UnreadableRow};
-use crate::pace::Pacer;
+use crate::metrics::{AttemptOutcome, Metrics};
+use crate::outbox::OutboxEvent;
 use crate::sink::{Attempt, Disposition, Prepared, Reason, Sink, classify, status_class};
 
-use super::park::Park;
-use super::{DispatchConfig, DispatchError};
-
-/// How a job ended.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Finished {
-    /// The event is done: delivered or dead-lettered.
-    Done,
-    /// The pipeline is stopping and the event is not done: it stays
-    /// pending and is never confirmed by this session.
-    Abandoned,
+/// What every delivery of one pipeline shares.
+pub(super) struct Ctx<D> {
+    /// Where poison events' dead letters go.
+    pub(super) store: Arc<D>,
+    /// Relay-wide series of attempts.
+    pub(super) metrics: Metrics,
+    /// Cancelled when the pipeline stops: no new attempt starts.
+    pub(super) stopping: CancellationToken,
+    /// Retry until done, or one attempt.
+    pub(super) persist: Persist,
 }
 
-/// How one attempt went, judged ([`Delivery::attempt`]).
-pub(super) enum Tried {
-    /// A 2xx.
-    Delivered,
-    /// The endpoint refused the event itself (and no poison storm is on):
-    /// it is to be dead-lettered.
+/// How a delivery ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Finished {
+    /// A 2xx with this status: done.
+    Delivered(u16),
+    /// Refused as poison, its dead-letter row committed: done.
+    DeadLettered,
+    /// Its lane was parked meanwhile: the dispatcher hands the job to the
+    /// dead-letter writer.
+    Parked,
+    /// The pipeline is stopping and the event is not done: it stays
+    /// pending and is never confirmed by this session.
+    Stopped,
+    /// [`Persist::OneAttempt`]: refused as poison and kept as it was (the
+    /// answer's detail); not done, its aggregate's later jobs not tried.
+    Kept(String),
+    /// [`Persist::OneAttempt`] or [`Persist::UntilFailing`]: the sink is
+    /// failing (the answer's detail); not done, and the pipeline stops.
+    Failing(String),
+}
+
+/// How one attempt went, judged ([`attempt`]).
+enum Tried {
+    /// A 2xx with this status.
+    Delivered(u16),
+    /// The endpoint refused the event itself (and no poison storm is on).
     Poison(Reason, Attempt),
     /// Not delivered; worth retrying later (the endpoint failing, or a
     /// configuration fault).
     Failed {
         reason: Reason,
-        retry_after: Option<std::time::Duration>,
+        retry_after: Option<Duration>,
         attempt: Attempt,
     },
 }
@@ -65,61 +94,6 @@ enum Waited<T> {
     Done(T),
     Stopping,
     Parked,
-}
-
-/// What a job does.
-#[derive(Debug)]
-pub enum Work {
-    /// Deliver an event to the job's endpoint until it is done there (one
-    /// job per endpoint the event is routed to, sharing the event).
-    Deliver(Arc<OutboxEvent>),
-    /// Dead-letter a row that cannot become an event.
-    DeadLetter(Box<UnreadableRow>),
-    /// Dead-letter an event no endpoint's `event_types` match (reason
-    /// `unrouted`).
-    Unrouted(Arc<OutboxEvent>),
-}
-
-/// What every delivery task of one endpoint shares (one allocation).
-pub struct Delivery<S, D> {
-    pub(super) cfg: DispatchConfig,
-    pub(super) sink: S,
-    pub(super) store: Arc<D>,
-    metrics: Metrics,
-    pub(super) endpoint: EndpointMetrics,
-    /// The endpoint's name for its dead-letter rows; `None` for the one
-    /// endpoint of `--sink-url`.
-    pub(super) dead_letter_endpoint: Option<String>,
-    pub(super) stopping: CancellationToken,
-    pub(super) breaker: Breaker,
-    pub(super) park: Park,
-    /// The endpoint's rate cap (`rate`), shared by live deliveries and the
-    /// replay of its parked rows.
-    pub(super) pace: Option<Pacer>,
-}
-
-/// Where a [`Delivery`] sends and writes.
-pub struct DeliveryParts<S, D> {
-    /// Delivery settings of the endpoint.
-    pub cfg: DispatchConfig,
-    /// The endpoint.
-    pub sink: S,
-    /// Where dead letters are written.
-    pub store: Arc<D>,
-    /// Relay-wide metrics.
-    pub metrics: Metrics,
-    /// The endpoint's labelled series.
-    pub endpoint: EndpointMetrics,
-    /// The endpoint's name for its dead-letter rows (`None`: one-endpoint
-    /// mode, the column stays NULL).
-    pub dead_letter_endpoint: Option<String>,
-    /// Cancelled when shutdown begins.
-    pub stopping: CancellationToken,
-    /// The endpoint's breaker.
-    pub breaker: Breaker,
-    /// The endpoint's parking switch: once thrown, its events are
-    /// dead-lettered with reason `parked` instead of delivered.
-    pub park: Park,
 }
 
 /// Counts one request in `cdc_relay_in_flight` (and its endpoint's) while
@@ -142,304 +116,262 @@ impl Drop for InFlight<'_> {
     }
 }
 
-impl<S: Sink, D: DeadLetterStore> Delivery<S, D> {
-    /// A delivery context for one endpoint of a pipeline.
-    pub fn new(p: DeliveryParts<S, D>) -> Self {
-        Delivery {
-            pace: p.cfg.rate.map(Pacer::new),
-            cfg: p.cfg,
-            sink: p.sink,
-            store: p.store,
-            metrics: p.metrics,
-            endpoint: p.endpoint,
-            dead_letter_endpoint: p.dead_letter_endpoint,
-            stopping: p.stopping,
-            breaker: p.breaker,
-            park: p.park,
-        }
+/// Waits for `wait` unless the pipeline stops or the lane is parked first.
+async fn unless_interrupted<S, D, T>(
+    lane: &Lane<S>,
+    ctx: &Ctx<D>,
+    wait: impl Future<Output = T>,
+) -> Waited<T> {
+    tokio::select! {
+        biased;
+        _ = ctx.stopping.cancelled() => Waited::Stopping,
+        _ = lane.park.parked() => Waited::Parked,
+        t = wait => Waited::Done(t),
     }
+}
 
-    /// Does job `seq` (its place in stream order) until it is done, or
-    /// until the pipeline stops with it not done.
-    pub async fn run(&self, seq: u64, work: Work) -> Result<Finished, DispatchError> {
-        match work {
-            Work::Deliver(event) if self.park.is_parked() => self.park_event(&event).await,
-            Work::Deliver(event) => self.deliver(seq, &event).await,
-            Work::DeadLetter(row) => {
-                tracing::warn!(event_id = %crate::shown(&row.event_id), problem = %row.problem, "unreadable outbox row");
-                self.dead_letter(&NewDeadLetter::unreadable(&row)).await
+/// Delivers `event` (job `seq`, its place in stream order) at `lane` until
+/// it is done there, or handed back (see the module doc). An error only
+/// when the store is lost.
+pub(super) async fn deliver<S: Sink, D: DeadLetterStore>(
+    lane: &Lane<S>,
+    ctx: &Ctx<D>,
+    seq: u64,
+    event: &OutboxEvent,
+) -> Result<Finished, DispatchError> {
+    let request = lane.sink.prepare(event);
+    let mut backoff = lane.backoff();
+    let first_attempt = unix_micros();
+    let mut attempts: u32 = 0;
+    loop {
+        let admission = match unless_interrupted(lane, ctx, lane.breaker.admit(seq)).await {
+            Waited::Done(a) => a,
+            other => {
+                lane.breaker.withdraw(seq);
+                return Ok(interrupted(&other));
             }
-            Work::Unrouted(event) => {
-                self.metrics
-                    .endpoints
-                    .unrouted
-                    .with_label_values(&["dead_letter"])
-                    .inc();
-                self.dead_letter(&NewDeadLetter::unrouted(&event)).await
+        };
+        // The rate cap after the breaker: deliveries held by an open
+        // circuit do not all go at once when it closes.
+        if let Some(pace) = &lane.pace {
+            let waited = unless_interrupted(lane, ctx, pace.wait()).await;
+            if !matches!(waited, Waited::Done(())) {
+                lane.breaker.release(admission);
+                return Ok(interrupted(&waited));
             }
         }
-    }
-
-    /// Waits for `wait` unless the pipeline starts stopping first (`None`).
-    async fn unless_stopping<T>(&self, wait: impl Future<Output = T>) -> Option<T> {
-        tokio::select! {
+        attempts += 1;
+        // Parking abandons an attempt on the wire: the endpoint is stuck or
+        // slow, and the aggregate's later events must not wait for its
+        // request timeout. It may have arrived; the replay of its parked
+        // row then delivers it again (at-least-once).
+        let tried = tokio::select! {
             biased;
-            _ = self.stopping.cancelled() => None,
-            t = wait => Some(t),
-        }
-    }
-
-    /// Waits for `wait` unless the pipeline stops or the endpoint is parked
-    /// first.
-    async fn unless_interrupted<T>(&self, wait: impl Future<Output = T>) -> Waited<T> {
-        tokio::select! {
-            biased;
-            _ = self.stopping.cancelled() => Waited::Stopping,
-            _ = self.park.parked() => Waited::Parked,
-            t = wait => Waited::Done(t),
-        }
-    }
-
-    /// Writes `event`'s dead letter with reason `parked` (its endpoint is
-    /// parked): the event is then done at this endpoint.
-    async fn park_event(&self, event: &OutboxEvent) -> Result<Finished, DispatchError> {
-        let row = NewDeadLetter::parked(event, self.endpoint.name(), &self.park.why());
-        let done = self.write_dead_letter(&row, Write::Park).await?;
-        if done == Finished::Done {
-            self.endpoint.parked_events.inc();
-        }
-        Ok(done)
-    }
-
-    /// Delivers one event until it is done: a 2xx, or dead-lettered.
-    async fn deliver(&self, seq: u64, event: &OutboxEvent) -> Result<Finished, DispatchError> {
-        let request = self.sink.prepare(event);
-        let mut backoff = self.backoff();
-        let first_attempt = unix_micros();
-        let mut attempts: u32 = 0;
-        loop {
-            let admission = match self.unless_interrupted(self.breaker.admit(seq)).await {
-                Waited::Done(a) => a,
-                Waited::Stopping => {
-                    self.breaker.withdraw(seq);
-                    return Ok(Finished::Abandoned);
-                }
-                Waited::Parked => {
-                    self.breaker.withdraw(seq);
-                    return self.park_event(event).await;
-                }
-            };
-            // The rate cap after the breaker: deliveries held by an open
-            // circuit do not all go at once when it closes.
-            if let Some(pace) = &self.pace {
-                match self.unless_interrupted(pace.wait()).await {
-                    Waited::Done(()) => {}
-                    Waited::Stopping => {
-                        self.breaker.release(admission);
-                        return Ok(Finished::Abandoned);
-                    }
-                    Waited::Parked => {
-                        self.breaker.release(admission);
-                        return self.park_event(event).await;
-                    }
-                }
-            }
-            attempts += 1;
-            // Parking abandons an attempt on the wire: the endpoint is
-            // stuck or slow, and the aggregate's later events must not wait
-            // for its request timeout. It may have arrived; the replay of
-            // its parked row then delivers it again (at-least-once).
-            let tried = tokio::select! {
-                biased;
-                _ = self.park.parked() => None,
-                tried = self.attempt(admission, event, &request, true) => Some(tried),
-            };
-            let Some(tried) = tried else {
-                self.breaker.release(admission);
-                return self.park_event(event).await;
-            };
-            let (reason, retry_after, attempt) = match tried {
-                Tried::Delivered => {
-                    tracing::debug!(event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts, "delivered");
-                    return Ok(Finished::Done);
-                }
-                Tried::Poison(r, attempt) => {
-                    let mut row =
-                        NewDeadLetter::rejected(event, &attempt, &r, attempts, first_attempt);
-                    row.endpoint.clone_from(&self.dead_letter_endpoint);
-                    let done = self.dead_letter(&row).await?;
-                    if done == Finished::Done {
-                        self.endpoint.dead_lettered.inc();
-                    }
-                    return Ok(done);
-                }
-                Tried::Failed {
-                    reason,
-                    retry_after,
-                    attempt,
-                } => (reason, retry_after, attempt),
-            };
-            let delay = backoff.next_delay(retry_after, &mut rand::rng());
-            if attempts == 1 || attempts.is_multiple_of(20) {
-                tracing::warn!(
-                    endpoint = %self.endpoint.name(), event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts,
-                    reason = %reason, detail = %attempt.detail(),
-                    retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
-                );
-            }
-            match self.unless_interrupted(tokio::time::sleep(delay)).await {
-                Waited::Done(()) => {}
-                Waited::Stopping => return Ok(Finished::Abandoned),
-                Waited::Parked => return self.park_event(event).await,
-            }
-        }
-    }
-
-    /// Makes one attempt admitted by the breaker, judges it, and records
-    /// the outcome in the breaker and the metrics (a `live` delivery counts
-    /// as delivered; a replay of a parked row as replayed). A `Retry-After`
-    /// pauses every delivery of the endpoint.
-    pub(super) async fn attempt(
-        &self,
-        admission: Admission,
-        event: &OutboxEvent,
-        request: &Prepared,
-        live: bool,
-    ) -> Tried {
-        let metrics = &self.metrics;
-        let started = Instant::now();
-        let attempt = {
-            let _in_flight = InFlight::start(metrics, &self.endpoint);
-            self.sink.post(&event.id, request).await
+            _ = lane.park.parked() => None,
+            tried = attempt(lane, ctx, admission, event, &request) => Some(tried),
         };
-        metrics
-            .request_duration
-            .observe(started.elapsed().as_secs_f64());
-        let (outcome, signal, reason) = match classify(&attempt, &self.cfg.policy) {
-            Disposition::Delivered => {
-                self.breaker.record(admission, Signal::Success, "");
-                count_attempt(metrics, "delivered", &attempt);
-                if live {
-                    metrics.events_delivered.inc();
-                    self.endpoint.delivered.inc();
-                    let since = seconds_since_commit(event.commit_time_micros);
-                    metrics.commit_to_delivery.observe(since);
-                    self.endpoint.commit_to_delivery.observe(since);
-                } else {
-                    self.endpoint.replayed.inc();
-                }
-                return Tried::Delivered;
-            }
-            Disposition::DeadLetter(r) if self.breaker.poison(&event.id) => {
-                self.breaker
-                    .record(admission, Signal::DeadLettered, &r.to_string());
-                count_attempt(metrics, "dead_letter", &attempt);
-                tracing::warn!(
-                    endpoint = %self.endpoint.name(), event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
-                    detail = %attempt.detail(), "poison event: writing it to the dead-letter table"
-                );
-                return Tried::Poison(r, attempt);
-            }
-            // During a poison storm, poison waits like a transient failure.
-            Disposition::DeadLetter(r) | Disposition::Retry(r) => ("retry", Signal::Transient, r),
-            Disposition::ConfigFault(r) => ("config_fault", Signal::ConfigFault, r),
+        let Some(tried) = tried else {
+            lane.breaker.release(admission);
+            return Ok(Finished::Parked);
         };
-        // The breaker logs the exact status; the metric gets the bounded label.
-        self.breaker.record(admission, signal, &reason.to_string());
-        count_attempt(metrics, outcome, &attempt);
-        metrics.retries.with_label_values(&[reason.label]).inc();
-        self.endpoint.retry(reason.label);
-        let retry_after = match &attempt {
-            Attempt::Response { retry_after, .. } => *retry_after,
-            _ => None,
+        let (reason, retry_after, attempt) = match tried {
+            Tried::Delivered(status) => {
+                tracing::debug!(event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts, "delivered");
+                return Ok(Finished::Delivered(status));
+            }
+            Tried::Poison(_, attempt) if ctx.persist == Persist::OneAttempt => {
+                return Ok(Finished::Kept(attempt.detail()));
+            }
+            Tried::Poison(r, attempt) => {
+                let mut row = NewDeadLetter::rejected(event, &attempt, &r, attempts, first_attempt);
+                row.endpoint = lane.dead_letter_endpoint().map(str::to_owned);
+                return dead_letter(lane, ctx, event, &row).await;
+            }
+            Tried::Failed { attempt, .. } if ctx.persist != Persist::UntilDone => {
+                return Ok(Finished::Failing(attempt.detail()));
+            }
+            Tried::Failed {
+                reason,
+                retry_after,
+                attempt,
+            } => (reason, retry_after, attempt),
         };
-        if let Some(asked) = retry_after {
-            // The sink asked for quiet: every delivery waits, not just this one.
-            let pause = asked.min(self.cfg.retry_after_max);
-            self.breaker
-                .pause_until(tokio::time::Instant::now() + pause);
+        let delay = backoff.next_delay(retry_after, &mut rand::rng());
+        if attempts == 1 || attempts.is_multiple_of(20) {
             tracing::warn!(
-                endpoint = %self.endpoint.name(), event_id = %event.id, reason = %reason, retry_after_s = asked.as_secs_f64(),
-                pause_s = pause.as_secs_f64(), "the sink asked for quiet (Retry-After): every delivery pauses"
+                endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts,
+                reason = %reason, detail = %attempt.detail(),
+                retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
             );
         }
-        Tried::Failed {
-            reason,
-            retry_after,
-            attempt,
+        let slept = unless_interrupted(lane, ctx, tokio::time::sleep(delay)).await;
+        if !matches!(slept, Waited::Done(())) {
+            return Ok(interrupted(&slept));
         }
     }
+}
 
-    /// Writes a dead-letter row, retrying until it is committed. The event
-    /// stays pending meanwhile; a lost store ends the pipeline.
-    async fn dead_letter(&self, row: &NewDeadLetter) -> Result<Finished, DispatchError> {
-        self.write_dead_letter(row, Write::Insert).await
+/// What an interrupted wait means for the job.
+fn interrupted<T>(w: &Waited<T>) -> Finished {
+    match w {
+        Waited::Parked => Finished::Parked,
+        _ => Finished::Stopped,
     }
+}
 
-    /// Writes a dead-letter row as `how` says, retrying until the store
-    /// has it. The event stays pending meanwhile; a lost store ends the
-    /// pipeline.
-    async fn write_dead_letter(
-        &self,
-        row: &NewDeadLetter,
-        how: Write,
-    ) -> Result<Finished, DispatchError> {
-        let mut backoff = self.backoff();
-        loop {
-            let written = match how {
-                Write::Insert => self.store.insert(row).await.map(Some),
-                Write::Park => self.store.park(row).await,
-            };
-            match written {
-                Ok(id) => {
-                    self.metrics.events_dead_lettered.inc();
-                    if how == Write::Park {
-                        // Parking was logged once; its rows are counted.
-                        tracing::debug!(dead_letter_id = ?id, event_id = %crate::shown(&row.event_id), "parked");
-                    } else {
-                        tracing::warn!(dead_letter_id = id.unwrap_or_default(), event_id = %crate::shown(&row.event_id), error = %row.error, "dead-lettered");
-                    }
-                    return Ok(Finished::Done);
-                }
-                Err(StoreError::Lost(e)) => return Err(DispatchError::StoreLost(e)),
-                Err(StoreError::Failed(e)) => {
-                    tracing::error!(error = %e, event_id = %crate::shown(&row.event_id), "cannot write the dead-letter row; the event stays pending");
-                    let delay = backoff.next_delay(None, &mut rand::rng());
-                    if self
-                        .unless_stopping(tokio::time::sleep(delay))
-                        .await
-                        .is_none()
-                    {
-                        return Ok(Finished::Abandoned);
-                    }
+/// Writes a poison event's dead letter (or, for a replayed dead letter,
+/// records the refusal on its own row), waiting until it is committed; the
+/// event stays pending meanwhile.
+async fn dead_letter<S, D: DeadLetterStore>(
+    lane: &Lane<S>,
+    ctx: &Ctx<D>,
+    event: &OutboxEvent,
+    row: &NewDeadLetter,
+) -> Result<Finished, DispatchError> {
+    let written = match event.dead_letter_id {
+        None => {
+            let write = ctx.store.write(row, Urgency::Now);
+            tokio::select! {
+                biased;
+                _ = ctx.stopping.cancelled() => return Ok(Finished::Stopped),
+                w = write => w.map(Some),
+            }
+        }
+        Some(id) => match refused(lane, ctx, id, row).await {
+            Ok(true) => Ok(None),
+            Ok(false) => return Ok(Finished::Stopped),
+            Err(e) => Err(e),
+        },
+    };
+    match written {
+        Ok(id) => {
+            if id.is_some() {
+                ctx.metrics.events_dead_lettered.inc();
+            }
+            lane.metrics.dead_lettered.inc();
+            tracing::warn!(dead_letter_id = id.or(event.dead_letter_id).unwrap_or_default(), event_id = %event.id, error = %row.error, "dead-lettered");
+            Ok(Finished::DeadLettered)
+        }
+        Err(StoreError::Lost(e)) => Err(DispatchError::StoreLost(e)),
+        Err(StoreError::Failed(e)) => unreachable!("the store retries failed writes itself: {e}"),
+    }
+}
+
+/// Records replayed row `id` refused as poison, retrying until it is
+/// committed; `false` when the pipeline stopped first (the row stays as it
+/// was, and its aggregate waits behind it).
+async fn refused<S, D: DeadLetterStore>(
+    lane: &Lane<S>,
+    ctx: &Ctx<D>,
+    id: i64,
+    row: &NewDeadLetter,
+) -> Result<bool, StoreError> {
+    let mut backoff: Backoff = lane.backoff();
+    loop {
+        match ctx.store.refused(id, row).await {
+            Ok(()) => return Ok(true),
+            Err(e @ StoreError::Lost(_)) => return Err(e),
+            Err(StoreError::Failed(e)) => {
+                tracing::error!(error = %e, dead_letter_id = id, "cannot record a replayed dead letter as refused; trying again");
+                let delay = backoff.next_delay(None, &mut rand::rng());
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = ctx.stopping.cancelled() => return Ok(false),
                 }
             }
         }
     }
+}
 
-    pub(super) fn backoff(&self) -> Backoff {
-        Backoff::new(
-            self.cfg.backoff_base,
-            self.cfg.backoff_cap,
-            self.cfg.retry_after_max,
-        )
+/// Makes one attempt admitted by the breaker, judges it, and records the
+/// outcome in the breaker and the metrics (a live delivery counts as
+/// delivered; a replayed dead letter as replayed). A `Retry-After` pauses
+/// every delivery of the endpoint.
+async fn attempt<S: Sink, D>(
+    lane: &Lane<S>,
+    ctx: &Ctx<D>,
+    admission: Admission,
+    event: &OutboxEvent,
+    request: &Prepared,
+) -> Tried {
+    let metrics = &ctx.metrics;
+    let started = Instant::now();
+    let attempt = {
+        let _in_flight = InFlight::start(metrics, &lane.metrics);
+        lane.sink.post(&event.id, request).await
+    };
+    metrics
+        .request_duration
+        .observe(started.elapsed().as_secs_f64());
+    let (outcome, signal, reason) = match classify(&attempt, &lane.cfg.policy) {
+        Disposition::Delivered => {
+            lane.breaker.record(admission, Signal::Success, "");
+            count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
+            if event.dead_letter_id.is_none() {
+                metrics.events_delivered.inc();
+                lane.metrics.delivered.inc();
+                let since = seconds_since_commit(event.commit_time_micros);
+                metrics.commit_to_delivery.observe(since);
+                lane.metrics.commit_to_delivery.observe(since);
+            } else {
+                lane.metrics.replayed.inc();
+            }
+            let status = match &attempt {
+                Attempt::Response { status, .. } => *status,
+                _ => 200,
+            };
+            return Tried::Delivered(status);
+        }
+        Disposition::DeadLetter(r) if lane.breaker.poison(&event.id) => {
+            lane.breaker
+                .record(admission, Signal::DeadLettered, &r.to_string());
+            count_attempt(metrics, AttemptOutcome::DeadLetter, &attempt);
+            tracing::warn!(
+                endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
+                detail = %attempt.detail(), "poison event: the endpoint refuses it"
+            );
+            return Tried::Poison(r, attempt);
+        }
+        // During a poison storm, poison waits like a transient failure.
+        Disposition::DeadLetter(r) | Disposition::Retry(r) => {
+            (AttemptOutcome::Retry, Signal::Transient, r)
+        }
+        Disposition::ConfigFault(r) => (AttemptOutcome::ConfigFault, Signal::ConfigFault, r),
+        Disposition::Retired(r) => (AttemptOutcome::Retired, Signal::Retired, r),
+    };
+    // The breaker logs the exact status; the metric gets the bounded label.
+    lane.breaker.record(admission, signal, &reason.to_string());
+    count_attempt(metrics, outcome, &attempt);
+    metrics
+        .retries
+        .with_label_values(&[reason.label.as_str()])
+        .inc();
+    lane.metrics.retry(reason.label.as_str());
+    let retry_after = match &attempt {
+        Attempt::Response { retry_after, .. } => *retry_after,
+        _ => None,
+    };
+    if let Some(asked) = retry_after {
+        // The sink asked for quiet: every delivery waits, not just this one.
+        let pause = asked.min(lane.cfg.retry_after_max);
+        lane.breaker
+            .pause_until(tokio::time::Instant::now() + pause);
+        tracing::warn!(
+            endpoint = %lane.name, event_id = %event.id, reason = %reason, retry_after_s = asked.as_secs_f64(),
+            pause_s = pause.as_secs_f64(), "the sink asked for quiet (Retry-After): every delivery pauses"
+        );
+    }
+    Tried::Failed {
+        reason,
+        retry_after,
+        attempt,
     }
 }
 
-/// How [`Delivery::write_dead_letter`] writes its row.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Write {
-    /// [`DeadLetterStore::insert`]: done once committed.
-    Insert,
-    /// [`DeadLetterStore::park`]: done once the store has it (queued behind
-    /// the flush gate, or committed).
-    Park,
-}
-
-fn count_attempt(metrics: &Metrics, outcome: &str, attempt: &Attempt) {
+fn count_attempt(metrics: &Metrics, outcome: AttemptOutcome, attempt: &Attempt) {
     metrics
         .delivery_attempts
-        .with_label_values(&[outcome, status_class(attempt)])
+        .with_label_values(&[outcome.as_str(), status_class(attempt)])
         .inc();
 }
 

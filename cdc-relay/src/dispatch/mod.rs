@@ -1,30 +1,37 @@
 //! The delivery pipeline: a bounded window, per-aggregate ordering,
-//! pipelined requests with retries, and the acknowledgement watermark.
+//! pipelined requests with retries, dead letters, and the acknowledgement
+//! watermark.
 //!
 //! ```text
-//!  source ──Item──▶ run ──▶ Scheduler (pure: keys, max_in_flight, AckTracker)
-//!    ▲  (stream        │        │ next_job
-//!    │   order)        │        ▼
-//!    │                 │   delivery task ──Sink::post──▶ Attempt ─classify─▶ done | retry | dead letter
-//!    │                 ◀── complete(ticket) ─────────────────────────────────────┘
+//!  source ──Item──▶ run ──▶ Scheduler (pure: keys, max_in_flight, hand-offs, AckTracker)
+//!    ▲  (stream        │        │ next_job                          │ hand_off (parked lanes, dead-letter lane)
+//!    │   order)        │        ▼                                   ▼
+//!    │                 │   delivery task ─Sink::post─▶ classify   dead-letter writer (group commit)
+//!    │                 ◀── complete(ticket) ────────────────────────┘
 //!    └── confirmed position (watch) ◀── Scheduler::confirmed
 //! ```
 //!
+//! - [`lane`]: one endpoint (`--sink-url` is one lane, a routes file one
+//!   per endpoint).
 //! - [`window`]: the memory bound the source admits events through.
 //! - [`scheduler`]: the state machine, free of I/O (unit- and
 //!   property-tested).
-//! - [`delivery`]: one event's life at one endpoint: attempts through the
-//!   breaker, backoff, the dead-letter write.
-//! - [`route`]: which endpoints (lanes) an event goes to.
+//! - [`delivery`]: one event's attempts at one lane: the breaker, backoff,
+//!   the poison event's dead letter.
+//! - [`route`]: which lanes an event goes to.
 //! - [`park`]: parking an endpoint that holds the slot back (its events
 //!   dead-lettered with reason `parked`).
+//! - [`replay`]: dead-letter rows as a source of this pipeline.
 //! - [`resume`]: replaying a parked endpoint's rows and handing it back
 //!   to live delivery.
+//! - [`confirmed`]: what [`run`] publishes as confirmed.
 //!
-//! With a routes file each endpoint is a lane of the scheduler with its own
-//! sink, breaker, backoff, `max_in_flight` and per-aggregate order; an
-//! event is one job per endpoint it is routed to, and its transaction is
+//! Each event is one job per lane it is routed to, and its transaction is
 //! done when all of them are (`docs/architecture.md#acknowledgement`).
+//! Jobs that only write a dead-letter row — a parked lane's events, and
+//! the *dead-letter lane* of unrouted events and unreadable rows — run no
+//! task: the dispatcher hands them to the store's single writer in stream
+//! order, and completes each once its row is committed.
 //!
 //! The two I/O seams are traits: [`Sink`] (the HTTP client) and
 //! [`DeadLetterStore`] (the side connection), so the whole pipeline runs in
@@ -32,9 +39,11 @@
 //! writer of the confirmed position, which travels back to the source as a
 //! value through a `watch` channel.
 
+pub mod confirmed;
 pub mod delivery;
+pub mod lane;
 pub mod park;
-pub mod progress;
+pub mod replay;
 pub mod resume;
 pub mod route;
 pub mod scheduler;
@@ -43,29 +52,32 @@ pub mod window;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::ack::Position;
-use crate::breaker::{Breaker, BreakerConfig};
-use crate::deadletter::DeadLetterStore;
-use crate::durable::{Durability, FlushGate};
-use crate::endpoint_metrics::{DEFAULT_ENDPOINT, EndpointMetrics};
+use crate::breaker::BreakerConfig;
+use crate::dead_letter::{DeadLetterStore, NewDeadLetter, StoreError, Urgency};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Sink, StatusPolicy};
-use delivery::{Delivery, DeliveryParts, Finished, Work};
-use park::{Park, Parking};
-use progress::DoneLog;
-pub use progress::{Confirmed, DoneTx};
-use resume::Resumes;
+use confirmed::DoneLog;
+pub use confirmed::{Confirmed, DoneTx};
+use delivery::{Ctx, Finished};
+pub use lane::Lane;
+use park::Parking;
+use resume::{Resume, Resumes};
 pub use route::{Router, Unrouted};
 use scheduler::{Scheduler, Ticket};
 pub use window::{Window, WindowPermit};
@@ -95,7 +107,7 @@ pub enum Item<P> {
     },
 }
 
-/// Delivery settings.
+/// One lane's delivery settings.
 #[derive(Clone, Debug)]
 pub struct DispatchConfig {
     /// Maximum deliveries running at once (requests plus their backoff
@@ -124,23 +136,103 @@ pub struct DispatchConfig {
     pub auto_resume: bool,
 }
 
-/// What a pipeline shares: the sink, the dead-letter store, the breaker,
-/// metrics and health.
-pub struct Services<S, D> {
-    /// Where events are POSTed.
-    pub sink: S,
+/// How hard a pipeline tries each event.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum Persist {
+    /// Until it is done: failures are retried (backoff, breaker), poison
+    /// is dead-lettered. The relay and backfill.
+    #[default]
+    UntilDone,
+    /// Poison is dead-lettered, but the first failure stops the pipeline
+    /// (the event stays pending): a bounded pass (a resume's final pass).
+    UntilFailing,
+    /// One attempt: poison is kept as it is (not done, and its aggregate's
+    /// later events are not tried), the first failure stops the pipeline.
+    /// `dead-letter replay`.
+    OneAttempt,
+}
+
+/// What a pipeline's lanes share.
+pub struct Pipeline<D> {
     /// Where dead letters are written (the side SQL connection).
     pub store: Arc<D>,
-    /// Metrics.
+    /// Relay-wide series (attempts, and the pipeline's gauges).
     pub metrics: Metrics,
-    /// Readiness.
+    /// Readiness: progress is marked whenever the confirmed position moves.
     pub health: Arc<Health>,
-    /// The circuit breaker and storm guard: the caller keeps it across
-    /// sessions, so a reconnect does not reset an open circuit or a storm.
-    pub breaker: Breaker,
     /// Cancelled when shutdown begins: from then on no new attempt starts
     /// (`docs/architecture.md#shutdown`); attempts on the wire finish.
     pub stopping: CancellationToken,
+    /// What happens to an event no lane takes.
+    pub unrouted: Unrouted,
+    /// `--max-retained-wal` and the slot monitor's readings; `None`: no
+    /// budget.
+    pub wal_budget: Option<RetainedWal>,
+    /// The window the source admits events through, watched for an
+    /// endpoint holding more than its share of it
+    /// (`docs/architecture.md#parking`); `None`: not watched.
+    pub window: Option<Window>,
+    /// How hard each event is tried.
+    pub persist: Persist,
+    /// Whether the pipeline sets the relay-wide gauges (confirmed and
+    /// received positions, pending events, the oldest one's age): not a
+    /// replay's pipeline nested in a session.
+    pub gauges: bool,
+    /// Where each delivery job's end is reported (replays); `None`: not
+    /// reported.
+    pub report: Option<mpsc::UnboundedSender<Ended>>,
+}
+
+impl<D> Pipeline<D> {
+    /// A pipeline over `store` that retries until done, parks nothing and
+    /// reports nothing; unrouted events are dead-lettered.
+    pub fn new(
+        store: Arc<D>,
+        metrics: Metrics,
+        health: Arc<Health>,
+        stopping: CancellationToken,
+    ) -> Self {
+        Pipeline {
+            store,
+            metrics,
+            health,
+            stopping,
+            unrouted: Unrouted::DeadLetter,
+            wal_budget: None,
+            window: None,
+            persist: Persist::UntilDone,
+            gauges: true,
+            report: None,
+        }
+    }
+}
+
+/// How one delivery job ended ([`Pipeline::report`]).
+#[derive(Clone, Debug)]
+pub struct Ended {
+    /// The event.
+    pub event: Arc<OutboxEvent>,
+    /// Its lane.
+    pub lane: usize,
+    /// What became of it there.
+    pub outcome: Outcome,
+}
+
+/// What became of an event at one lane.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// A 2xx with this status.
+    Delivered(u16),
+    /// Its dead-letter row is committed (refused as poison, or parked).
+    DeadLettered,
+    /// [`Persist::OneAttempt`]: refused as poison and kept (the answer).
+    Kept(String),
+    /// Not delivered: the sink is failing (the answer), and the pipeline
+    /// stopped.
+    Failing(String),
+    /// Never tried: an earlier event of its aggregate at this lane was
+    /// not done and it must not overtake it.
+    NotAttempted,
 }
 
 /// The pipeline stopped before its input ended.
@@ -149,45 +241,9 @@ pub enum DispatchError {
     /// Dead letters cannot be written: the side connection is gone.
     #[error("cannot write the dead-letter table: {0}")]
     StoreLost(String),
-}
-
-/// One endpoint of a routed pipeline.
-pub struct Endpoint<S> {
-    /// Its name: the `endpoint` label of its metrics and the `endpoint`
-    /// column of its dead letters.
-    pub name: String,
-    /// Its delivery settings.
-    pub cfg: DispatchConfig,
-    /// Where its events are POSTed.
-    pub sink: S,
-    /// Its circuit breaker, kept by the caller across sessions.
-    pub breaker: Breaker,
-    /// Its parking switch (thrown already when it starts parked: its parked
-    /// dead letters are still waiting).
-    pub park: Park,
-}
-
-/// What the endpoints of a routed pipeline share.
-pub struct Shared<D> {
-    /// Where dead letters are written (the side SQL connection).
-    pub store: Arc<D>,
-    /// Metrics.
-    pub metrics: Metrics,
-    /// Readiness.
-    pub health: Arc<Health>,
-    /// Cancelled when shutdown begins (see [`Services::stopping`]).
-    pub stopping: CancellationToken,
-    /// `--max-retained-wal` and the slot monitor's readings; `None`: no
-    /// budget.
-    pub wal_budget: Option<RetainedWal>,
-    /// The window the source admits events through, watched for an
-    /// endpoint holding more than its share of it
-    /// (`docs/architecture.md#parking`); `None`: not watched.
-    pub window: Option<Window>,
-    /// Which of `store`'s asynchronous commits the server has flushed
-    /// ([`crate::durable`]): the confirmed position passes a row only once
-    /// it is. `None`: `store` commits synchronously.
-    pub durability: Option<Durability>,
+    /// A replay could not read or remove its rows.
+    #[error("reading or removing dead letters: {0}")]
+    Rows(String),
 }
 
 /// The WAL budget parking enforces (`docs/architecture.md#parking`).
@@ -200,269 +256,310 @@ pub struct RetainedWal {
     pub retained: watch::Receiver<Option<u64>>,
 }
 
-/// Jobs of the lane after the endpoints' in a routed pipeline: dead-letter
-/// writes of unrouted events and unreadable rows, at most this many at once.
-const QUARANTINE_IN_FLIGHT: usize = 4;
-
-/// A job: its work, and its room in the window, shared by the event's jobs
-/// at every endpoint (released when the last is done).
-type Job = (Work, Arc<WindowPermit>);
-
-/// Runs the one-endpoint pipeline (`--sink-url`, backfill) until `items`
-/// closes and everything admitted is done; see [`run_routed`].
-pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
-    cfg: DispatchConfig,
-    services: Services<S, D>,
-    start: P,
-    items: mpsc::Receiver<Item<P>>,
-    confirmed: watch::Sender<Confirmed<P>>,
-) -> Result<P, DispatchError> {
-    let endpoint = Endpoint {
-        name: DEFAULT_ENDPOINT.to_owned(),
-        cfg,
-        sink: services.sink,
-        breaker: services.breaker,
-        park: Park::default(),
-    };
-    let shared = Shared {
-        store: services.store,
-        metrics: services.metrics,
-        health: services.health,
-        stopping: services.stopping,
-        wal_budget: None,
-        window: None,
-        durability: None,
-    };
-    run_routed(
-        vec![endpoint],
-        Router::single(),
-        shared,
-        start,
-        items,
-        confirmed,
-    )
-    .await
+/// What a job does.
+#[derive(Debug)]
+enum Work {
+    /// Deliver an event to the job's lane until it is done there (one job
+    /// per lane the event is routed to, sharing the event).
+    Deliver(Arc<OutboxEvent>),
+    /// Dead-letter a row that cannot become an event.
+    DeadLetter(Box<UnreadableRow>),
+    /// Dead-letter an event no lane takes (reason `unrouted`).
+    Unrouted(Arc<OutboxEvent>),
 }
 
-/// Runs until `items` closes and everything admitted is done, then returns
-/// the final confirmed position. Each event goes to the endpoints `router`
-/// names (lane `i` is `endpoints[i]`). Once `shared.stopping` is cancelled
-/// no new attempt starts: it returns when `items` is closed and the
-/// attempts on the wire have finished, with what was not done left
+/// A job: its work, and its room in the window, shared by the event's jobs
+/// at every lane (released when the last is done).
+type Job = (Work, Arc<WindowPermit>);
+
+/// A delivery task's end: its job handed back with how it finished.
+type Delivered = (Ticket, Job, Result<Finished, DispatchError>);
+
+/// A dead-letter write of a handed-off job, and its result.
+type Written = Pin<Box<dyn Future<Output = (Ticket, Job, Result<i64, StoreError>)> + Send>>;
+
+/// Runs until `items` closes and everything admitted is done (or has been
+/// given up: [`Persist::OneAttempt`]), then returns the final confirmed
+/// position. Each event goes to the lanes
+/// that take it ([`Lane::takes`]; lane `i` is `lanes[i]`), and to the
+/// dead-letter lane (after them) when none does. Once `pipeline.stopping`
+/// is cancelled no new attempt starts: it returns when `items` is closed
+/// and the attempts on the wire have finished, with what was not done left
 /// unconfirmed. Dropping the future aborts deliveries in flight (they are
 /// redelivered after a restart: at-least-once). The confirmed position
-/// (and the last done transaction with events) is published on `confirmed`
-/// whenever it moves.
-///
-/// # Panics
-/// When `router` has another number of lanes than `endpoints`.
-pub async fn run_routed<P: Position, S: Sink, D: DeadLetterStore>(
-    endpoints: Vec<Endpoint<S>>,
-    router: Router,
-    shared: Shared<D>,
+/// (and the last done transaction with events) is published on
+/// `confirmed` whenever it moves.
+pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
+    lanes: Vec<Lane<S>>,
+    pipeline: Pipeline<D>,
     start: P,
     mut items: mpsc::Receiver<Item<P>>,
     confirmed: watch::Sender<Confirmed<P>>,
 ) -> Result<P, DispatchError> {
-    assert_eq!(router.lanes(), endpoints.len(), "one lane per endpoint");
-    let metrics = shared.metrics.clone();
-    let health = Arc::clone(&shared.health);
-    let stopping = shared.stopping.clone();
-    let single = router.is_single();
-    let mut limits: Vec<usize> = endpoints.iter().map(|e| e.cfg.max_in_flight).collect();
-    let mut lane_metrics: Vec<EndpointMetrics> = Vec::new();
-    let mut deliveries: Vec<Arc<Delivery<S, D>>> = Vec::new();
-    let mut parking = Parking {
-        parks: Vec::new(),
-        max_lags: Vec::new(),
-        auto_resume: Vec::new(),
-        wal_budget: shared.wal_budget.clone(),
-        window: shared.window.clone(),
-        waited: VecDeque::new(),
-        running: Vec::new(),
-    };
-    for e in endpoints {
-        e.breaker.new_session();
-        let endpoint = metrics.endpoints.endpoint(&e.name);
-        endpoint.parked.set(i64::from(e.park.is_parked()));
-        parking.parks.push(e.park.clone());
-        parking.max_lags.push(e.cfg.max_lag);
-        parking.auto_resume.push(e.cfg.auto_resume);
-        parking.running.push(HashMap::new());
-        lane_metrics.push(endpoint.clone());
-        deliveries.push(Arc::new(Delivery::new(DeliveryParts {
-            cfg: e.cfg,
-            sink: e.sink,
-            store: Arc::clone(&shared.store),
-            metrics: metrics.clone(),
-            endpoint,
-            dead_letter_endpoint: (!single).then_some(e.name),
-            stopping: stopping.clone(),
-            breaker: e.breaker,
-            park: e.park,
-        })));
+    let mut router = Router::new(
+        lanes.iter().map(|l| l.takes.clone()).collect(),
+        pipeline.unrouted,
+    );
+    let lanes: Vec<Arc<Lane<S>>> = lanes.into_iter().map(Arc::new).collect();
+    let dead_letter_lane = lanes.len();
+    let mut limits: Vec<usize> = lanes.iter().map(|l| l.cfg.max_in_flight).collect();
+    limits.push(1);
+    if pipeline.gauges {
+        for l in &lanes {
+            l.metrics.parked.set(i64::from(l.park.is_parked()));
+        }
     }
-    // Routed: unrouted events and unreadable rows are dead-lettered on a
-    // lane of their own, so a stuck endpoint never delays them. Those jobs
-    // never touch the sink or the breaker of the delivery that runs them.
-    let quarantine = if single {
-        0
-    } else {
-        limits.push(QUARANTINE_IN_FLIGHT);
-        deliveries.push(Arc::clone(&deliveries[0]));
-        deliveries.len() - 1
-    };
-    let mut lanes = Lanes {
-        router,
-        quarantine,
-        skipped_logged: HashSet::new(),
-    };
+    let metrics = pipeline.metrics.clone();
+    let stopping = pipeline.stopping.clone();
+    let ctx = Arc::new(Ctx {
+        store: Arc::clone(&pipeline.store),
+        metrics: metrics.clone(),
+        stopping: stopping.clone(),
+        persist: pipeline.persist,
+    });
+    let mut parking = Parking::new(pipeline.wal_budget.clone(), pipeline.window.clone());
     let mut scheduler: Scheduler<P, Job> = Scheduler::with_lanes(start, &limits);
-    let mut gate = shared.durability.map(|d| FlushGate::new(d, start));
     let mut done = DoneLog::new();
-    let mut running: JoinSet<Result<Option<Ticket>, DispatchError>> = JoinSet::new();
+    let mut skipped = Skipped::default();
+    let mut running: JoinSet<Delivered> = JoinSet::new();
+    let mut writes: FuturesUnordered<Written> = FuturesUnordered::new();
     let mut items_open = true;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut resumes = Resumes::new(parking.parks.len());
+    let mut resumes = Resumes::new(lanes.len());
     // What the window's waits came to at the last tick (for the counter).
     let mut window_waited = Duration::ZERO;
-    for lane in 0..parking.parks.len() {
-        resumes.start(lane, &parking, &deliveries);
+    let resume = |i: usize| Resume {
+        lane: Arc::clone(&lanes[i]),
+        index: i,
+        store: Arc::clone(&pipeline.store),
+        metrics: metrics.clone(),
+        stopping: stopping.clone(),
+    };
+    for i in 0..lanes.len() {
+        resumes.start(resume(i));
     }
+    scheduler.drain(dead_letter_lane, true);
     loop {
-        while !stopping.is_cancelled()
-            && let Some((ticket, (work, permit))) = scheduler.next_job()
-        {
-            let delivery = Arc::clone(&deliveries[ticket.lane]);
-            parking.started(ticket.lane, ticket.seq, &permit);
-            running.spawn(async move {
-                match delivery.run(ticket.seq, work).await? {
-                    Finished::Done => {
-                        drop(permit);
-                        Ok(Some(ticket))
+        if !stopping.is_cancelled() {
+            for (i, lane) in lanes.iter().enumerate() {
+                scheduler.drain(i, lane.park.is_parked());
+            }
+            for i in 0..=dead_letter_lane {
+                if scheduler.is_draining(i) {
+                    while let Some((ticket, job)) = scheduler.hand_off(i) {
+                        writes.push(write(&lanes, &pipeline, ticket, job));
                     }
-                    Finished::Abandoned => Ok(None),
                 }
-            });
+            }
+            while let Some((mut ticket, job)) = scheduler.next_job() {
+                let Work::Deliver(event) = &job.0 else {
+                    // Only a draining lane's jobs write rows, and those
+                    // are never started.
+                    scheduler.hand_off_running(&mut ticket);
+                    writes.push(write(&lanes, &pipeline, ticket, job));
+                    continue;
+                };
+                let event = Arc::clone(event);
+                let lane = Arc::clone(&lanes[ticket.lane]);
+                let ctx = Arc::clone(&ctx);
+                running.spawn(async move {
+                    let finished = delivery::deliver(&lane, &ctx, ticket.seq, &event).await;
+                    (ticket, job, finished)
+                });
+            }
+        }
+        for (lane, (work, _)) in scheduler.take_abandoned() {
+            report(&pipeline, &work, lane, Outcome::NotAttempted);
         }
         resumes.answer_quiet(&scheduler);
-        publish(
-            &scheduler,
-            gate.as_mut(),
-            &mut done,
-            &confirmed,
-            &metrics,
-            &health,
-        );
-        if !items_open
-            && (scheduler.is_idle()
-                || (stopping.is_cancelled() && running.is_empty() && resumes.tasks.is_empty()))
-        {
-            return Ok(match gate.as_mut() {
-                Some(g) => g.settle(scheduler.confirmed()).await,
-                None => scheduler.confirmed(),
-            });
+        publish(&scheduler, &mut done, &confirmed, &pipeline);
+        // Done: nothing left to start (or, stopping, to finish). A parked
+        // lane's resume replays rows already done: it is not waited for,
+        // but when stopping (it stops too).
+        let ended = if stopping.is_cancelled() {
+            resumes.is_empty()
+        } else {
+            scheduler.is_idle()
+        };
+        if !items_open && running.is_empty() && writes.is_empty() && ended {
+            return Ok(scheduler.confirmed());
         }
         tokio::select! {
             item = items.recv(), if items_open => match item {
-                Some(item) => handle(&mut scheduler, &mut done, &mut lanes, item, &metrics),
+                Some(item) => handle(&mut scheduler, &mut done, &mut router, &mut skipped, dead_letter_lane, item, &pipeline),
                 None => items_open = false,
             },
-            Some(done) = running.join_next() => {
-                if let Some(ticket) = done.expect("delivery tasks do not panic")? {
-                    parking.completed(ticket.lane, ticket.seq);
-                    scheduler.complete(ticket);
+            Some(joined) = running.join_next() => {
+                let (mut ticket, job, finished) = joined.expect("delivery tasks do not panic");
+                match finished? {
+                    Finished::Delivered(status) => {
+                        report(&pipeline, &job.0, ticket.lane, Outcome::Delivered(status));
+                        scheduler.complete(ticket);
+                    }
+                    Finished::DeadLettered => {
+                        report(&pipeline, &job.0, ticket.lane, Outcome::DeadLettered);
+                        scheduler.complete(ticket);
+                    }
+                    Finished::Parked => {
+                        scheduler.hand_off_running(&mut ticket);
+                        writes.push(write(&lanes, &pipeline, ticket, job));
+                    }
+                    Finished::Stopped => scheduler.abandon(ticket),
+                    Finished::Kept(detail) => {
+                        report(&pipeline, &job.0, ticket.lane, Outcome::Kept(detail));
+                        scheduler.abandon(ticket);
+                    }
+                    Finished::Failing(detail) => {
+                        report(&pipeline, &job.0, ticket.lane, Outcome::Failing(detail));
+                        scheduler.abandon(ticket);
+                        stopping.cancel();
+                    }
                 }
             }
-            Some(h) = resumes.handover.recv() => {
-                resumes.handle(h, &mut scheduler, &parking, &lane_metrics);
+            Some((ticket, job, written)) = writes.next() => {
+                let id = written.map_err(|e| DispatchError::StoreLost(e.to_string()))?;
+                wrote(&lanes, &pipeline, ticket.lane, &job.0, id);
+                report(&pipeline, &job.0, ticket.lane, Outcome::DeadLettered);
+                scheduler.complete(ticket);
             }
+            Some(h) = resumes.handover.recv() => resumes.handle(h, &mut scheduler, &lanes),
             Some(ended) = resumes.tasks.join_next() => {
                 let (lane, r) = ended.expect("resume tasks do not panic");
-                resumes.running[lane] = false;
+                resumes.ended(lane);
                 r?;
             }
-            // More asynchronous commits flushed: publish sees what passed.
-            () = flushed(gate.as_mut()) => {}
-            // Stopping: wake up to stop spawning and to see whether the
+            // Stopping: wake up to stop starting and to see whether the
             // attempts on the wire are all done.
             _ = stopping.cancelled(), if !stopping.is_cancelled() => {}
             _ = tick.tick() => {
-                let age = scheduler
-                    .oldest_pending_since()
-                    .map_or(0.0, |t| t.elapsed().as_secs_f64());
-                metrics.oldest_unconfirmed_event_age.set(age);
-                for (lane, m) in lane_metrics.iter().enumerate() {
-                    let age = scheduler
-                        .lane_oldest_pending_since(lane)
-                        .map_or(0.0, |t| t.elapsed().as_secs_f64());
-                    m.oldest_pending_age.set(age);
-                    m.pending.set(i64::try_from(scheduler.lane_pending(lane)).unwrap_or(i64::MAX));
+                if pipeline.gauges {
+                    lane_gauges(&scheduler, &lanes, &metrics);
+                    if let Some(w) = &pipeline.window {
+                        metrics.window_events.set(i64::try_from(w.held()).unwrap_or(i64::MAX));
+                        let waited = w.waited();
+                        metrics.window_wait_seconds.inc_by(waited.saturating_sub(window_waited).as_secs_f64());
+                        window_waited = waited;
+                    }
                 }
-                if let Some(w) = &parking.window {
-                    metrics.window_events.set(i64::try_from(w.held()).unwrap_or(i64::MAX));
-                    let waited = w.waited();
-                    metrics.window_wait_seconds.inc_by(waited.saturating_sub(window_waited).as_secs_f64());
-                    window_waited = waited;
-                }
-                for lane in parking.check(&scheduler, &lane_metrics) {
-                    resumes.start(lane, &parking, &deliveries);
+                for lane in parking.check(&scheduler, &lanes) {
+                    resumes.start(resume(lane));
                 }
             }
         }
     }
 }
 
-/// How [`handle`] places events on lanes.
-struct Lanes {
-    router: Router,
-    /// The lane of dead-letter-only jobs (unrouted events, unreadable rows).
-    quarantine: usize,
-    /// Event types skipped as unrouted and already logged (`unrouted =
-    /// "skip"`), up to [`SKIP_LOGGED_TYPES`].
-    skipped_logged: HashSet<String>,
+/// Queues a handed-off job's dead-letter row now (the writer's order is
+/// the hand-off order); the future gives the row's id once committed.
+fn write<S, D: DeadLetterStore>(
+    lanes: &[Arc<Lane<S>>],
+    pipeline: &Pipeline<D>,
+    ticket: Ticket,
+    job: Job,
+) -> Written {
+    let (row, urgency) = match &job.0 {
+        Work::Deliver(event) => {
+            let lane = &lanes[ticket.lane];
+            let row = NewDeadLetter::parked(event, &lane.name, &lane.park.why());
+            (row, Urgency::Gather)
+        }
+        Work::DeadLetter(row) => (NewDeadLetter::unreadable(row), Urgency::Now),
+        Work::Unrouted(event) => (NewDeadLetter::unrouted(event), Urgency::Now),
+    };
+    let written = pipeline.store.write(&row, urgency);
+    Box::pin(async move { (ticket, job, written.await) })
 }
+
+/// Counts and logs a handed-off job's committed row `id`.
+fn wrote<S, D>(lanes: &[Arc<Lane<S>>], pipeline: &Pipeline<D>, lane: usize, work: &Work, id: i64) {
+    pipeline.metrics.events_dead_lettered.inc();
+    match work {
+        Work::Deliver(event) => {
+            lanes[lane].metrics.parked_events.inc();
+            // Parking was logged once; its rows are counted.
+            tracing::debug!(dead_letter_id = id, event_id = %event.id, endpoint = %lanes[lane].name, "parked");
+        }
+        Work::DeadLetter(row) => {
+            tracing::warn!(dead_letter_id = id, event_id = %crate::shown(&row.event_id), problem = %row.problem, "unreadable outbox row dead-lettered");
+        }
+        Work::Unrouted(event) => {
+            pipeline
+                .metrics
+                .endpoints
+                .unrouted
+                .with_label_values(&[Unrouted::DeadLetter.as_str()])
+                .inc();
+            tracing::warn!(dead_letter_id = id, event_id = %event.id, event_type = %event.event_type, "unrouted event dead-lettered");
+        }
+    }
+}
+
+/// Reports a delivery job's end on the pipeline's report channel, if any.
+fn report<D>(pipeline: &Pipeline<D>, work: &Work, lane: usize, outcome: Outcome) {
+    if let (Some(tx), Work::Deliver(event)) = (&pipeline.report, work) {
+        let _ = tx.send(Ended {
+            event: Arc::clone(event),
+            lane,
+            outcome,
+        });
+    }
+}
+
+/// Event types skipped as unrouted and already logged (`unrouted =
+/// "skip"`), up to [`SKIP_LOGGED_TYPES`].
+#[derive(Default)]
+struct Skipped(HashSet<String>);
 
 /// Distinct skipped event types logged before the rest are only counted.
 const SKIP_LOGGED_TYPES: usize = 1000;
 
-fn handle<P: Position>(
+fn handle<P: Position, D>(
     scheduler: &mut Scheduler<P, Job>,
     done: &mut DoneLog<P>,
-    lanes: &mut Lanes,
+    router: &mut Router,
+    skipped: &mut Skipped,
+    dead_letter_lane: usize,
     item: Item<P>,
-    metrics: &Metrics,
+    pipeline: &Pipeline<D>,
 ) {
+    let metrics = &pipeline.metrics;
     match item {
         Item::Begin => scheduler.begin(),
         Item::Event(event, permit) => {
-            metrics.events_received.inc();
+            if pipeline.gauges {
+                metrics.events_received.inc();
+            }
             done.event(Some(&event.id));
             let key = event.aggregate_key.clone();
-            let to = lanes.router.route(&event.event_type);
+            let to = router.route(&event.event_type);
             let event = Arc::new(event);
             let permit = Arc::new(permit);
             let now = Instant::now();
             if to.is_empty() {
-                match lanes.router.unrouted() {
+                match router.unrouted() {
                     Unrouted::DeadLetter => {
                         let work = (Work::Unrouted(event), permit);
-                        scheduler.add_to(lanes.quarantine, None, work, now);
+                        scheduler.add_to(dead_letter_lane, None, work, now);
                     }
-                    Unrouted::Skip => skip(lanes, &event, metrics),
+                    Unrouted::Skip => skip(skipped, &event, metrics),
                 }
                 return;
             }
-            for lane in to.iter() {
-                let work = (Work::Deliver(Arc::clone(&event)), Arc::clone(&permit));
-                scheduler.add_to(*lane, key.clone(), work, now);
-            }
+            let jobs = to.iter().map(|lane| {
+                (
+                    *lane,
+                    (Work::Deliver(Arc::clone(&event)), Arc::clone(&permit)),
+                )
+            });
+            scheduler.add_event(key, jobs, now);
         }
         Item::Unreadable(row, permit) => {
-            metrics.events_received.inc();
+            if pipeline.gauges {
+                metrics.events_received.inc();
+            }
             done.event(row.event_id.as_deref());
             let work = (Work::DeadLetter(row), Arc::new(permit));
-            scheduler.add_to(lanes.quarantine, None, work, Instant::now());
+            scheduler.add_to(dead_letter_lane, None, work, Instant::now());
         }
         Item::Commit {
             end,
@@ -470,10 +567,14 @@ fn handle<P: Position>(
         } => {
             scheduler.commit(end);
             done.commit(end, commit_time_micros);
-            metrics.received_lsn.set(scheduler.received().gauge());
+            if pipeline.gauges {
+                metrics.received_lsn.set(scheduler.received().gauge());
+            }
         }
         Item::Keepalive { wal_end } => {
-            metrics.server_wal_lsn.set(wal_end.gauge());
+            if pipeline.gauges {
+                metrics.server_wal_lsn.set(wal_end.gauge());
+            }
             scheduler.keepalive(wal_end);
         }
     }
@@ -481,15 +582,13 @@ fn handle<P: Position>(
 
 /// An unrouted event under `unrouted = "skip"`: counted, logged once per
 /// type, and done at once (its window permit is released here).
-fn skip(lanes: &mut Lanes, event: &OutboxEvent, metrics: &Metrics) {
+fn skip(skipped: &mut Skipped, event: &OutboxEvent, metrics: &Metrics) {
     metrics
         .endpoints
         .unrouted
-        .with_label_values(&["skip"])
+        .with_label_values(&[Unrouted::Skip.as_str()])
         .inc();
-    if lanes.skipped_logged.len() < SKIP_LOGGED_TYPES
-        && lanes.skipped_logged.insert(event.event_type.clone())
-    {
+    if skipped.0.len() < SKIP_LOGGED_TYPES && skipped.0.insert(event.event_type.clone()) {
         tracing::warn!(
             event_type = %event.event_type, event_id = %event.id,
             "no endpoint of the routes file takes this event type; skipping it (unrouted = \"skip\"): this is logged once per type, cdc_relay_unrouted_events_total{{action=\"skip\"}} counts every one"
@@ -497,28 +596,35 @@ fn skip(lanes: &mut Lanes, event: &OutboxEvent, metrics: &Metrics) {
     }
 }
 
-/// Waits until `gate`'s poller reports more commits flushed; never, without
-/// a gate.
-async fn flushed<P: Position>(gate: Option<&mut FlushGate<P>>) {
-    match gate {
-        Some(g) => g.flushed().await,
-        None => std::future::pending().await,
+/// Each lane's pending gauges, and the relay's oldest pending event age.
+fn lane_gauges<P: Position, W, S>(
+    scheduler: &Scheduler<P, W>,
+    lanes: &[Arc<Lane<S>>],
+    metrics: &Metrics,
+) {
+    let age = |since: Option<Instant>| since.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    metrics
+        .oldest_unconfirmed_event_age
+        .set(age(scheduler.oldest_pending_since()));
+    for (i, l) in lanes.iter().enumerate() {
+        l.metrics
+            .oldest_pending_age
+            .set(age(scheduler.lane_oldest_pending_since(i)));
+        l.metrics
+            .pending
+            .set(i64::try_from(scheduler.lane_pending(i)).unwrap_or(i64::MAX));
     }
 }
 
-/// Sends the confirmed position when it moved (the scheduler's, through
-/// `gate` when dead letters commit asynchronously), marks progress for
+/// Sends the confirmed position when it moved, marks progress for
 /// `/readyz`, and sets the gauges derived from the scheduler's state.
-fn publish<P: Position, W>(
+fn publish<P: Position, W, D>(
     scheduler: &Scheduler<P, W>,
-    gate: Option<&mut FlushGate<P>>,
     done: &mut DoneLog<P>,
     confirmed: &watch::Sender<Confirmed<P>>,
-    metrics: &Metrics,
-    health: &Health,
+    pipeline: &Pipeline<D>,
 ) {
     let position = scheduler.confirmed();
-    let position = gate.map_or(position, |g| g.pass(position));
     let passed = done.passed(position);
     let advanced = confirmed.send_if_modified(|cur| {
         let changed = cur.position != position || passed.is_some();
@@ -530,10 +636,13 @@ fn publish<P: Position, W>(
     });
     let pending = scheduler.pending();
     if advanced || pending == 0 {
-        health.progress();
+        pipeline.health.progress();
     }
-    metrics.confirmed_lsn.set(position.gauge());
-    metrics
-        .pending_events
-        .set(i64::try_from(pending).unwrap_or(i64::MAX));
+    if pipeline.gauges {
+        pipeline.metrics.confirmed_lsn.set(position.gauge());
+        pipeline
+            .metrics
+            .pending_events
+            .set(i64::try_from(pending).unwrap_or(i64::MAX));
+    }
 }

@@ -21,72 +21,17 @@
 //! "manual"` it stays parked for the life of the process; a relay starts an
 //! endpoint parked while the dead-letter table holds parked rows of it.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Weak};
+use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::lane::Lane;
+pub use super::lane::Park;
 use super::scheduler::Scheduler;
-use super::{Job, RetainedWal, Window, WindowPermit};
+use super::{RetainedWal, Window};
 use crate::ack::Position;
-use crate::endpoint_metrics::EndpointMetrics;
-
-/// One endpoint's parking switch, shared by the dispatcher (which throws
-/// it and turns it back) and the endpoint's deliveries (which watch it).
-/// Cheap to clone.
-#[derive(Clone, Debug)]
-pub struct Park {
-    /// Why the endpoint is parked; `None` while it is live.
-    state: Arc<watch::Sender<Option<String>>>,
-}
-
-impl Default for Park {
-    fn default() -> Self {
-        Park {
-            state: Arc::new(watch::Sender::new(None)),
-        }
-    }
-}
-
-impl Park {
-    /// Parks the endpoint for reason `why` (kept in its dead letters);
-    /// returns false when it already was.
-    pub fn throw(&self, why: String) -> bool {
-        self.state.send_if_modified(|s| {
-            if s.is_some() {
-                return false;
-            }
-            *s = Some(why);
-            true
-        })
-    }
-
-    /// Turns the endpoint back to live; returns false when it was not
-    /// parked. Only the dispatcher calls it, at a moment the endpoint has
-    /// no job running and no parked row left ([`crate::dispatch::resume`]).
-    pub fn resume(&self) -> bool {
-        self.state.send_if_modified(|s| s.take().is_some())
-    }
-
-    /// Whether the endpoint is parked.
-    pub fn is_parked(&self) -> bool {
-        self.state.borrow().is_some()
-    }
-
-    /// Completes once the endpoint is parked (at once if it is).
-    pub async fn parked(&self) {
-        let mut rx = self.state.subscribe();
-        // The sender lives in `self`: the wait cannot fail.
-        let _ = rx.wait_for(Option::is_some).await;
-    }
-
-    /// Why it is parked (empty while live).
-    pub fn why(&self) -> String {
-        self.state.borrow().clone().unwrap_or_default()
-    }
-}
 
 /// What one endpoint looks like to [`verdict`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,8 +43,8 @@ pub struct LaneState {
     /// Already parked.
     pub parked: bool,
     /// Events of the window only this endpoint still has to finish (its
-    /// jobs, queued or running, whose event is done at every other
-    /// endpoint).
+    /// jobs, queued, running or with the writer, whose event is done at
+    /// every other endpoint: [`Scheduler::lane_exclusive`]).
     pub exclusive: usize,
 }
 
@@ -237,43 +182,22 @@ pub fn verdict(
     park
 }
 
-/// The endpoints' parking switches and what throws them.
+/// The dispatcher's side of parking: what it watches (the WAL budget, the
+/// window) and the switches it throws.
 pub(super) struct Parking {
-    /// One per endpoint lane.
-    pub(super) parks: Vec<Park>,
-    /// Each endpoint's `max_lag`.
-    pub(super) max_lags: Vec<Option<Duration>>,
-    /// Each endpoint's `resume` setting (`true`: auto).
-    pub(super) auto_resume: Vec<bool>,
-    pub(super) wal_budget: Option<RetainedWal>,
-    pub(super) window: Option<Window>,
+    wal_budget: Option<RetainedWal>,
+    window: Option<Window>,
     /// [`Window::waited`] at past checks, oldest first, back to the newest
     /// about [`WINDOW_STALL_SPAN`] old; cleared by a parking.
-    pub(super) waited: VecDeque<(Instant, Duration)>,
-    /// Per endpoint lane, the window permits of its running jobs, by job:
-    /// a running job that alone holds its event's permit (a strong count
-    /// of 1, its own) counts toward what the endpoint holds alone, as a
-    /// queued one does. Entries of jobs that were abandoned are pruned
-    /// when their permit is gone.
-    pub(super) running: Vec<HashMap<u64, Weak<WindowPermit>>>,
+    waited: VecDeque<(Instant, Duration)>,
 }
 
 impl Parking {
-    /// A job of `lane` holding `permit` started (noted only while the
-    /// window is watched).
-    pub(super) fn started(&mut self, lane: usize, seq: u64, permit: &Arc<WindowPermit>) {
-        if self.window.is_none() {
-            return;
-        }
-        if let Some(r) = self.running.get_mut(lane) {
-            r.insert(seq, Arc::downgrade(permit));
-        }
-    }
-
-    /// A job of `lane` is complete.
-    pub(super) fn completed(&mut self, lane: usize, seq: u64) {
-        if let Some(r) = self.running.get_mut(lane) {
-            r.remove(&seq);
+    pub(super) fn new(wal_budget: Option<RetainedWal>, window: Option<Window>) -> Self {
+        Parking {
+            wal_budget,
+            window,
+            waited: VecDeque::new(),
         }
     }
 
@@ -301,39 +225,26 @@ impl Parking {
         })
     }
 
-    /// Events of the window only `lane`'s jobs, queued or running, still
-    /// hold: every other endpoint is done with them (or never had them).
-    fn held_alone<P: Position>(&mut self, scheduler: &Scheduler<P, Job>, lane: usize) -> usize {
-        let queued = scheduler
-            .lane_queued(lane)
-            .filter(|(_, permit)| Arc::strong_count(permit) == 1)
-            .count();
-        let running = &mut self.running[lane];
-        running.retain(|_, p| p.strong_count() > 0);
-        queued + running.values().filter(|p| p.strong_count() == 1).count()
-    }
-
-    /// Parks the endpoints [`verdict`] names, logging each, and
-    /// returns their lanes. The WAL budget is checked once per new reading
-    /// of the slot monitor.
-    pub(super) fn check<P: Position>(
+    /// Parks the lanes [`verdict`] names, logging each, and returns them.
+    /// The WAL budget is checked once per new reading of the slot monitor.
+    pub(super) fn check<P: Position, W, S>(
         &mut self,
-        scheduler: &Scheduler<P, Job>,
-        metrics: &[EndpointMetrics],
+        scheduler: &Scheduler<P, W>,
+        lanes: &[Arc<Lane<S>>],
     ) -> Vec<usize> {
         let window = self.window_full();
-        // What each endpoint holds alone is counted (over its jobs) only
-        // when it can matter.
+        // What each lane holds alone is counted (over its jobs) only when
+        // it can matter.
         let counted = window.as_ref().is_some_and(WindowFull::held_up);
-        let lanes: Vec<LaneState> = (0..self.parks.len())
-            .map(|lane| LaneState {
-                oldest_pending: scheduler
-                    .lane_oldest_pending_since(lane)
-                    .map(|t| t.elapsed()),
-                max_lag: self.max_lags[lane],
-                parked: self.parks[lane].is_parked(),
+        let states: Vec<LaneState> = lanes
+            .iter()
+            .enumerate()
+            .map(|(i, l)| LaneState {
+                oldest_pending: scheduler.lane_oldest_pending_since(i).map(|t| t.elapsed()),
+                max_lag: l.cfg.max_lag,
+                parked: l.park.is_parked(),
                 exclusive: if counted {
-                    self.held_alone(scheduler, lane)
+                    scheduler.lane_exclusive(i)
                 } else {
                     0
                 },
@@ -350,27 +261,27 @@ impl Parking {
             })
         });
         let mut thrown = Vec::new();
-        for (lane, why) in verdict(&lanes, wal, window) {
-            if self.parks[lane].throw(why) {
-                let m = &metrics[lane];
-                m.parked.set(1);
-                let back = if self.auto_resume[lane] {
+        for (i, why) in verdict(&states, wal, window) {
+            let lane = &lanes[i];
+            if lane.park.throw(why) {
+                lane.metrics.parked.set(1);
+                let back = if lane.cfg.auto_resume {
                     "the relay replays them and returns it to live delivery once the endpoint answers again"
                 } else {
                     "it stays parked (resume = \"manual\") until they are replayed with the relay stopped"
                 };
                 tracing::error!(
-                    endpoint = %m.name(), why = %self.parks[lane].why(), pending = scheduler.lane_pending(lane),
+                    endpoint = %lane.name, why = %lane.park.why(), pending = scheduler.lane_pending(i),
                     "endpoint parked: its pending and new events go to the dead-letter table with reason \"parked\" so the slot moves on; \
                      {back} (docs/operations.md#a-parked-endpoint)"
                 );
-                thrown.push(lane);
+                thrown.push(i);
             }
         }
         if !thrown.is_empty() {
             // The parked endpoint's events now leave the window: whether
             // another endpoint holds more than its share is for a fresh
-            // span to show (a tester saw a healthy one parked a second
+            // span to show (a healthy one must not be parked a second
             // after the culprit, on the stale one).
             self.waited.clear();
         }

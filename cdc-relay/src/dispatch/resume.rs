@@ -1,70 +1,71 @@
 //! Resuming a parked endpoint (`docs/architecture.md#parking`): its parked
-//! rows are replayed oldest first, then the dispatcher turns it back to
-//! live at a moment it has proven safe.
+//! rows are replayed oldest first ([`super::replay`]), then the dispatcher
+//! turns it back to live at a moment it has proven safe.
 //!
 //! ```text
-//!  parked ─▶ pass: replay parked rows ──(failing: the breaker paces the next pass)──┐
-//!              │ ▲                                                                   │
-//!              │ └───────────── more than a handful left ◀───────────────────────────┘
+//!  parked ─▶ pass: replay parked rows, retried until done (the breaker paces a dead endpoint)
+//!              │ ▲
+//!              │ └──────── more than a handful left
 //!              ▼ a handful or none
-//!         Hold: the lane starts no job; quiet once none runs
+//!         Hold: the lane starts and hands off no job; quiet once none is running or with the writer
 //!              ▼
-//!         final pass: every parked row, read after the lane's last parked write
+//!         final pass: every parked row, read once the lane is quiet, stopping at the first failure
 //!              ├─ all delivered (or refused as poison) ─▶ Release{live}: live delivery
 //!              └─ otherwise ─▶ Release: still parked, back to passes
 //! ```
 //!
-//! The order argument. While the endpoint is parked, its jobs become
-//! parked rows in per-aggregate commit order (a job starts only after the
-//! previous job of its aggregate at the endpoint is complete), and row ids
-//! increase in that order. A pass replays rows oldest first, one at a time
-//! within an aggregate (an aggregate's next row goes only after the
-//! previous one got its 2xx, or was refused as poison), several aggregates
-//! at once; the first failure stops the pass, so no row overtakes an
-//! earlier one of its aggregate. Once the lane is held and quiet, no job of
-//! the endpoint runs or starts, so every parked row is queued for the
-//! dead-letter writer and no new one comes (but from another shard's
-//! relay, whose aggregates are not this one's); the final pass reads after
-//! that, and a read of the parked rows waits until every row queued before
-//! it is committed (`deadletter::GroupedStore`). When it finds none left,
-//! everything parked is at the endpoint, and everything not yet started is
-//! later in commit order: the lane goes live. A relay that dies in between
-//! starts the endpoint parked again while any parked row is left.
+//! The order argument. While the endpoint is parked, the dispatcher hands
+//! its jobs to the dead-letter writer in each aggregate's commit order (a
+//! job is handed off only once the previous job of its aggregate at the
+//! endpoint has been), the writer stores rows in the order it is handed
+//! them, and row ids increase in that order. A pass replays rows oldest
+//! first, one at a time within an aggregate (an aggregate's next row goes
+//! only after the previous one got its 2xx, or was refused as poison),
+//! several aggregates at once: the pipeline's rule, with row ids as stream
+//! order. Once the lane is held and quiet, no job of the endpoint runs,
+//! starts or waits for the writer, and a handed-off job is complete only
+//! once its row is committed: every parked row is in the table and no new
+//! one comes (but from another shard's relay, whose aggregates are not this
+//! one's). The final pass reads after that. When it leaves none, everything
+//! parked is at the endpoint, and everything not yet started is later in
+//! commit order: the lane goes live. A relay that dies in between starts
+//! the endpoint parked again while any parked row is left.
 //!
 //! [`run`] is the task's side; [`Resumes`] the dispatcher's (the tasks it
-//! started, and the holds and releases it carries out).
-//!
-//! Replays are paced by the endpoint's `rate` and go through its breaker,
-//! so a dead endpoint sees the breaker's probes and nothing more. One
-//! session at a time replays an endpoint's rows (an advisory lock, for the
-//! relays of several shards).
+//! started, and the holds and releases it carries out). One session at a
+//! time replays an endpoint's rows (an advisory lock, for the relays of
+//! several shards and `dead-letter replay`).
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
-
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 
-use super::DispatchError;
-use super::delivery::{Delivery, Tried, unix_micros};
-use super::park::Parking;
+use super::lane::Lane;
+use super::replay::{self, Rows};
 use super::scheduler::Scheduler;
+use super::{DispatchError, Outcome, Persist, Pipeline};
 use crate::ack::Position;
-use crate::deadletter::{DeadLetterStore, NewDeadLetter, ParkedRow, StoreError};
-use crate::endpoint_metrics::EndpointMetrics;
+use crate::dead_letter::{DeadLetterStore, StoreError};
+use crate::health::Health;
+use crate::metrics::Metrics;
+use crate::outbox::OutboxEvent;
 use crate::sink::Sink;
 
 /// What a resume task asks of the dispatcher.
 #[derive(Debug)]
 pub enum Handover {
-    /// Start no job of `lane` and answer `true` on `quiet` once none of
-    /// its jobs runs — or answer `false` at once, holding nothing, when the
-    /// lane has more than `handful` jobs pending or one older than its
-    /// `max_lag`: those are still to be parked (or would be parked again at
-    /// once), so the endpoint is not caught up.
+    /// Start and hand off no job of `lane`, and answer `true` on `quiet`
+    /// once none of its jobs runs or waits for the writer — or answer
+    /// `false` at once, holding nothing, when the lane has more than
+    /// `handful` jobs pending or one older than its `max_lag`: those are
+    /// still to be parked (or would be parked again at once), so the
+    /// endpoint is not caught up.
     Hold {
         /// The endpoint's lane.
         lane: usize,
@@ -92,370 +93,219 @@ const PASS_ROWS: usize = 5000;
 /// Between tries for the resume lock another session holds.
 const LOCK_RETRY: Duration = Duration::from_secs(5);
 
-/// Failed passes between two warnings.
-const WARN_EVERY: u32 = 20;
-
 /// Between two warnings that the replay has not caught up.
 const BEHIND_WARN_EVERY: Duration = Duration::from_secs(300);
 
-/// After the dispatcher refused a handover (the lane's backlog is still
-/// queued), before the next pass.
+/// After a handover that did not go live (refused: the lane's backlog is
+/// still queued; or the final pass failed), before the next pass.
 const REFUSED_PAUSE: Duration = Duration::from_secs(1);
 
+/// What a resume task works with: the parked endpoint's lane (its sink,
+/// breaker, rate cap and series), the store, the relay-wide series of
+/// attempts, and the session's stopping token.
+pub(super) struct Resume<S, D> {
+    pub(super) lane: Arc<Lane<S>>,
+    pub(super) index: usize,
+    pub(super) store: Arc<D>,
+    pub(super) metrics: Metrics,
+    pub(super) stopping: CancellationToken,
+}
+
+/// A parked endpoint's rows after a row id, a page at a time.
+struct Parked<'a, D> {
+    store: &'a D,
+    endpoint: &'a str,
+    after: i64,
+}
+
+impl<D: DeadLetterStore> Rows for Parked<'_, D> {
+    async fn next_page(&mut self) -> Result<Vec<OutboxEvent>, StoreError> {
+        let rows = self.store.parked(self.endpoint, self.after, PAGE).await?;
+        if let Some(last) = rows.last() {
+            self.after = last.id;
+        }
+        Ok(rows.into_iter().map(|r| r.event).collect())
+    }
+
+    async fn remove(&mut self, ids: &[i64]) -> Result<(), StoreError> {
+        self.store.replayed(ids).await
+    }
+}
+
+impl<S: Sink, D: DeadLetterStore> Resume<S, D> {
+    /// Replays the endpoint's parked rows and hands it back to live
+    /// delivery; returns once it is live, or when the pipeline stops. An
+    /// error only when the store is lost (the session ends).
+    pub(super) async fn run(self, handover: mpsc::Sender<Handover>) -> Result<(), DispatchError> {
+        let name = self.lane.name.clone();
+        let mut told = false;
+        loop {
+            match self.store.resume_lock(&name, true).await {
+                Ok(true) => break,
+                Ok(false) if !told => {
+                    told = true;
+                    tracing::info!(endpoint = %name, "another session replays this endpoint's parked rows; waiting for it");
+                }
+                Ok(false) => {}
+                Err(StoreError::Lost(e)) => return Err(DispatchError::StoreLost(e)),
+                Err(StoreError::Failed(e)) => {
+                    tracing::warn!(endpoint = %name, error = %e, "cannot take the resume lock; trying again");
+                }
+            }
+            if !self.sleep(LOCK_RETRY).await {
+                return Ok(());
+            }
+        }
+        tracing::info!(endpoint = %name, "replaying the parked endpoint's rows, oldest first; it returns to live delivery when none is left");
+        let out = self.drive(&handover).await;
+        // Best effort: the lock goes with the session anyway.
+        let _ = self.store.resume_lock(&name, false).await;
+        out
+    }
+
+    /// Passes until a handover succeeds or the pipeline stops.
+    async fn drive(&self, handover: &mpsc::Sender<Handover>) -> Result<(), DispatchError> {
+        // A handful: what the endpoint takes in a moment, so the lane is
+        // held only briefly while the final pass replays it.
+        let handful = self.lane.cfg.max_in_flight.max(8);
+        let mut replayed = 0usize;
+        let mut progress = tokio::time::Instant::now();
+        loop {
+            let p = self.pass(Persist::UntilDone, PASS_ROWS).await?;
+            tracing::debug!(endpoint = %self.lane.name, done = p.done, exhausted = p.exhausted, "resume: pass ended");
+            replayed += p.done;
+            if self.stopping.is_cancelled() {
+                return Ok(());
+            }
+            if !p.exhausted || p.done > handful {
+                self.behind(&mut progress, replayed);
+                continue;
+            }
+            let (quiet, quieted) = oneshot::channel();
+            let hold = Handover::Hold {
+                lane: self.index,
+                handful,
+                quiet,
+            };
+            if handover.send(hold).await.is_err() {
+                return Ok(()); // the dispatcher is gone
+            }
+            tracing::debug!(endpoint = %self.lane.name, "resume: hold asked");
+            let held = tokio::select! {
+                q = quieted => match q {
+                    Ok(held) => held,
+                    Err(_) => return Ok(()),
+                },
+                _ = self.stopping.cancelled() => return Ok(()),
+            };
+            if held {
+                // Bounded: a failure ends it (the lane must not stay held
+                // while the endpoint is down).
+                let last = self.pass(Persist::UntilFailing, handful * 4).await;
+                let live =
+                    matches!(&last, Ok(p) if p.exhausted && p.unended.is_empty() && p.failed == 0);
+                let _ = handover
+                    .send(Handover::Release {
+                        lane: self.index,
+                        live,
+                    })
+                    .await;
+                replayed += last.as_ref().map_or(0, |p| p.done);
+                last?;
+                if live {
+                    tracing::info!(endpoint = %self.lane.name, replayed, "parked endpoint resumed: its parked rows are replayed and live delivery goes on");
+                    return Ok(());
+                }
+            }
+            // Not caught up yet (its backlog is still queued in the relay,
+            // to be parked and then replayed), or the endpoint failed.
+            self.behind(&mut progress, replayed);
+            if !self.sleep(REFUSED_PAUSE).await {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Replays parked rows from the oldest, up to `limit` of them, through
+    /// a pipeline of its own (the same sink, breaker and rate cap as the
+    /// lane).
+    async fn pass(&self, persist: Persist, limit: usize) -> Result<Pass, DispatchError> {
+        let lane = (*self.lane).clone();
+        let pipeline = Pipeline {
+            persist,
+            ..Pipeline::new(
+                Arc::clone(&self.store),
+                self.metrics.clone(),
+                Health::new(Duration::from_secs(60)),
+                self.stopping.child_token(),
+            )
+        };
+        let mut rows = Parked {
+            store: &*self.store,
+            endpoint: &self.lane.name,
+            after: 0,
+        };
+        let mut failed = 0;
+        let r = replay::replay(lane, pipeline, &mut rows, limit, |e| {
+            if matches!(e.outcome, Outcome::Failing(_)) {
+                failed += 1;
+            }
+        })
+        .await?;
+        Ok(Pass {
+            done: r.done,
+            exhausted: r.exhausted,
+            unended: r.unended,
+            failed,
+        })
+    }
+
+    /// Warns, every [`BEHIND_WARN_EVERY`], that the endpoint is still parked
+    /// although it answers: its events come faster than it takes them.
+    fn behind(&self, last: &mut tokio::time::Instant, replayed: usize) {
+        if last.elapsed() >= BEHIND_WARN_EVERY {
+            *last = tokio::time::Instant::now();
+            tracing::warn!(
+                endpoint = %self.lane.name, replayed,
+                "the parked endpoint has not caught up: its events arrive faster than it takes them \
+                 (rate, max_in_flight, its latency), or it fails; it stays parked, its backlog in the dead-letter table"
+            );
+        }
+    }
+
+    /// Waits `delay` unless the pipeline stops first (`false`).
+    async fn sleep(&self, delay: Duration) -> bool {
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => true,
+            _ = self.stopping.cancelled() => false,
+        }
+    }
+}
+
 /// How a pass went.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Pass {
     /// Rows done: delivered, or refused as poison.
-    handled: usize,
+    done: usize,
     /// It read every parked row there was.
     exhausted: bool,
-    /// Why it stopped early (the endpoint failing, the table unreadable,
-    /// the relay stopping).
-    stopped: Option<String>,
+    /// Rows read whose job never ended.
+    unended: Vec<(i64, String)>,
+    /// Rows whose attempt failed (the final pass stops at the first).
+    failed: usize,
 }
 
-/// Replays endpoint `lane`'s parked rows and hands it back to live
-/// delivery; returns once it is live, or when the pipeline stops. An error
-/// only when the store is lost (the session ends).
-pub async fn run<S: Sink, D: DeadLetterStore>(
-    d: Arc<Delivery<S, D>>,
-    lane: usize,
-    handover: mpsc::Sender<Handover>,
-) -> Result<(), DispatchError> {
-    let name = d.endpoint.name().to_owned();
-    let mut told = false;
-    loop {
-        match d.store.resume_lock(&name, true).await {
-            Ok(true) => break,
-            Ok(false) if !told => {
-                told = true;
-                tracing::info!(endpoint = %name, "another session replays this endpoint's parked rows; waiting for it");
-            }
-            Ok(false) => {}
-            Err(StoreError::Lost(e)) => return Err(DispatchError::StoreLost(e)),
-            Err(StoreError::Failed(e)) => {
-                tracing::warn!(endpoint = %name, error = %e, "cannot take the resume lock; trying again");
-            }
-        }
-        if !sleep(&d, LOCK_RETRY).await {
-            return Ok(());
-        }
-    }
-    tracing::info!(endpoint = %name, "replaying the parked endpoint's rows, oldest first; it returns to live delivery when none is left");
-    let out = drive(&d, lane, &handover).await;
-    // Best effort: the lock goes with the session anyway.
-    let _ = d.store.resume_lock(&name, false).await;
-    out
-}
-
-/// Passes until a handover succeeds or the pipeline stops.
-async fn drive<S: Sink, D: DeadLetterStore>(
-    d: &Delivery<S, D>,
-    lane: usize,
-    handover: &mpsc::Sender<Handover>,
-) -> Result<(), DispatchError> {
-    // A handful: what the endpoint takes in a moment, so the lane is held
-    // only briefly while the final pass replays it.
-    let handful = d.cfg.max_in_flight.max(8);
-    let mut backoff = d.backoff();
-    let mut failed: u32 = 0;
-    let mut replayed = 0usize;
-    let mut progress = tokio::time::Instant::now();
-    loop {
-        let p = pass(d, PASS_ROWS).await?;
-        replayed += p.handled;
-        if d.stopping.is_cancelled() {
-            return Ok(());
-        }
-        if let Some(why) = &p.stopped {
-            if failed.is_multiple_of(WARN_EVERY) {
-                tracing::warn!(endpoint = %d.endpoint.name(), why = %why, replayed, "replaying the parked endpoint's rows stopped; trying again (its breaker paces the tries)");
-            }
-            failed += 1;
-            let delay = backoff.next_delay(None, &mut rand::rng());
-            if !sleep(d, delay).await {
-                return Ok(());
-            }
-            continue;
-        }
-        failed = 0;
-        backoff = d.backoff();
-        if !p.exhausted || p.handled > handful {
-            behind(d, &mut progress, replayed);
-            continue;
-        }
-        let (quiet, quieted) = oneshot::channel();
-        let hold = Handover::Hold {
-            lane,
-            handful,
-            quiet,
-        };
-        if handover.send(hold).await.is_err() {
-            return Ok(()); // the dispatcher is gone
-        }
-        let held = tokio::select! {
-            q = quieted => match q {
-                Ok(held) => held,
-                Err(_) => return Ok(()),
-            },
-            _ = d.stopping.cancelled() => return Ok(()),
-        };
-        if !held {
-            // Its backlog is still queued in the relay, to be parked and
-            // then replayed: not caught up yet.
-            behind(d, &mut progress, replayed);
-            if !sleep(d, REFUSED_PAUSE).await {
-                return Ok(());
-            }
-            continue;
-        }
-        let last = pass(d, handful * 4).await;
-        let live = matches!(&last, Ok(p) if p.exhausted && p.stopped.is_none());
-        let _ = handover.send(Handover::Release { lane, live }).await;
-        replayed += last.as_ref().map_or(0, |p| p.handled);
-        last?;
-        if live {
-            tracing::info!(endpoint = %d.endpoint.name(), replayed, "parked endpoint resumed: its parked rows are replayed and live delivery goes on");
-            return Ok(());
-        }
-    }
-}
-
-/// Warns, every [`BEHIND_WARN_EVERY`], that the endpoint is still parked
-/// although it answers: its events come faster than it takes them.
-fn behind<S, D>(d: &Delivery<S, D>, last: &mut tokio::time::Instant, replayed: usize) {
-    if last.elapsed() >= BEHIND_WARN_EVERY {
-        *last = tokio::time::Instant::now();
-        tracing::warn!(
-            endpoint = %d.endpoint.name(), replayed,
-            "the parked endpoint answers but has not caught up: its events arrive faster than it takes them \
-             (rate, max_in_flight, its latency); it stays parked, its backlog in the dead-letter table"
-        );
-    }
-}
-
-/// Waits `delay` unless the pipeline stops first (`false`).
-async fn sleep<S, D>(d: &Delivery<S, D>, delay: Duration) -> bool {
-    tokio::select! {
-        _ = tokio::time::sleep(delay) => true,
-        _ = d.stopping.cancelled() => false,
-    }
-}
-
-/// Replays parked rows from the oldest, up to `limit` of them.
-async fn pass<S: Sink, D: DeadLetterStore>(
-    d: &Delivery<S, D>,
-    limit: usize,
-) -> Result<Pass, DispatchError> {
-    let mut p = Pass::default();
-    let mut after = 0;
-    while p.handled < limit {
-        if d.stopping.is_cancelled() {
-            p.stopped = Some("the relay is stopping".into());
-            return Ok(p);
-        }
-        let want = PAGE.min(i64::try_from(limit - p.handled).unwrap_or(PAGE));
-        let rows = match d.store.parked(d.endpoint.name(), after, want).await {
-            Ok(rows) => rows,
-            Err(StoreError::Lost(e)) => return Err(DispatchError::StoreLost(e)),
-            Err(StoreError::Failed(e)) => {
-                p.stopped = Some(format!("cannot read the parked rows: {e}"));
-                return Ok(p);
-            }
-        };
-        let full = rows.len() as i64 == want;
-        if let Some(last) = rows.last() {
-            after = last.id;
-        }
-        let (handled, stopped) = page(d, rows).await?;
-        p.handled += handled;
-        if stopped.is_some() {
-            p.stopped = stopped;
-            return Ok(p);
-        }
-        if !full {
-            p.exhausted = true;
-            return Ok(p);
-        }
-    }
-    Ok(p)
-}
-
-/// Replays one page: its aggregates at once (up to the endpoint's
-/// `max_in_flight`), each aggregate's rows one after the other, then
-/// removes the delivered rows. Returns the rows done and why it stopped
-/// early.
-async fn page<S: Sink, D: DeadLetterStore>(
-    d: &Delivery<S, D>,
-    rows: Vec<ParkedRow>,
-) -> Result<(usize, Option<String>), DispatchError> {
-    let mut chains: Vec<Vec<ParkedRow>> = Vec::new();
-    let mut by_key: HashMap<String, usize> = HashMap::new();
-    for row in rows {
-        match row.event.aggregate_key.clone() {
-            Some(k) => match by_key.get(&k) {
-                Some(&i) => chains[i].push(row),
-                None => {
-                    by_key.insert(k, chains.len());
-                    chains.push(vec![row]);
-                }
-            },
-            None => chains.push(vec![row]),
-        }
-    }
-    let stopped: OnceLock<String> = OnceLock::new();
-    let done: Vec<Result<(Vec<i64>, usize), DispatchError>> = futures::stream::iter(chains)
-        .map(|c| chain(d, c, &stopped))
-        .buffer_unordered(d.cfg.max_in_flight.max(1))
-        .collect()
-        .await;
-    let mut delivered = Vec::new();
-    let mut refused = 0;
-    let mut lost = None;
-    for r in done {
-        match r {
-            Ok((ids, n)) => {
-                delivered.extend(ids);
-                refused += n;
-            }
-            Err(e) => lost = Some(e),
-        }
-    }
-    // Rows delivered are removed even when the store failed elsewhere.
-    let removed = remove(d, &delivered).await?;
-    if let Some(e) = lost {
-        return Err(e);
-    }
-    let stopped = stopped
-        .into_inner()
-        .or_else(|| (!removed).then(|| "the relay is stopping".to_owned()));
-    Ok((delivered.len() + refused, stopped))
-}
-
-/// Replays one aggregate's rows in order until one fails; returns the rows
-/// delivered and how many were refused as poison.
-async fn chain<S: Sink, D: DeadLetterStore>(
-    d: &Delivery<S, D>,
-    rows: Vec<ParkedRow>,
-    stopped: &OnceLock<String>,
-) -> Result<(Vec<i64>, usize), DispatchError> {
-    let mut delivered = Vec::new();
-    let mut refused = 0;
-    for row in rows {
-        if stopped.get().is_some() {
-            break;
-        }
-        let seq = u64::try_from(row.id).unwrap_or(0);
-        let admission = tokio::select! {
-            a = d.breaker.admit(seq) => a,
-            _ = d.stopping.cancelled() => {
-                d.breaker.withdraw(seq);
-                break;
-            }
-        };
-        // Another aggregate's row failed while this one waited for the
-        // breaker: the endpoint is failing, so this row is not tried.
-        if stopped.get().is_some() {
-            d.breaker.release(admission);
-            break;
-        }
-        if let Some(pace) = &d.pace
-            && !until_stopping(d, pace.wait()).await
-        {
-            d.breaker.release(admission);
-            break;
-        }
-        let request = d.sink.prepare(&row.event);
-        match d.attempt(admission, &row.event, &request, false).await {
-            Tried::Delivered => delivered.push(row.id),
-            Tried::Poison(reason, attempt) => {
-                let mut dl =
-                    NewDeadLetter::rejected(&row.event, &attempt, &reason, 1, unix_micros());
-                dl.endpoint.clone_from(&d.dead_letter_endpoint);
-                if !write_refused(d, row.id, &dl).await? {
-                    break;
-                }
-                d.endpoint.dead_lettered.inc();
-                refused += 1;
-            }
-            Tried::Failed {
-                reason, attempt, ..
-            } => {
-                let _ = stopped.set(format!("{reason}: {}", attempt.detail()));
-                break;
-            }
-        }
-    }
-    Ok((delivered, refused))
-}
-
-/// Waits for `f` unless the pipeline stops first (`false`).
-async fn until_stopping<S, D>(d: &Delivery<S, D>, f: impl Future<Output = ()>) -> bool {
-    tokio::select! {
-        () = f => true,
-        _ = d.stopping.cancelled() => false,
-    }
-}
-
-/// Records a parked row refused as poison, retrying until it is
-/// committed; `false` when the pipeline stopped first (the row stays
-/// parked, and its aggregate waits behind it).
-async fn write_refused<S: Sink, D: DeadLetterStore>(
-    d: &Delivery<S, D>,
-    id: i64,
-    row: &NewDeadLetter,
-) -> Result<bool, DispatchError> {
-    let mut backoff = d.backoff();
-    loop {
-        match d.store.refused(id, row).await {
-            Ok(()) => return Ok(true),
-            Err(StoreError::Lost(e)) => return Err(DispatchError::StoreLost(e)),
-            Err(StoreError::Failed(e)) => {
-                tracing::error!(error = %e, dead_letter_id = id, "cannot record a replayed parked row as refused; trying again");
-                let delay = backoff.next_delay(None, &mut rand::rng());
-                if !sleep(d, delay).await {
-                    return Ok(false);
-                }
-            }
-        }
-    }
-}
-
-/// Removes delivered rows (with their audit rows), retrying until it is
-/// committed. Stopping first leaves them (`false`): they are sent again
-/// after a restart (at-least-once).
-async fn remove<S: Sink, D: DeadLetterStore>(
-    d: &Delivery<S, D>,
-    ids: &[i64],
-) -> Result<bool, DispatchError> {
-    if ids.is_empty() {
-        return Ok(true);
-    }
-    let mut backoff = d.backoff();
-    loop {
-        match d.store.replayed(ids).await {
-            Ok(()) => return Ok(true),
-            Err(StoreError::Lost(e)) => return Err(DispatchError::StoreLost(e)),
-            Err(StoreError::Failed(e)) => {
-                tracing::error!(error = %e, rows = ids.len(), "cannot remove replayed parked rows; trying again");
-                let delay = backoff.next_delay(None, &mut rand::rng());
-                if !sleep(d, delay).await {
-                    return Ok(false);
-                }
-            }
-        }
-    }
-}
+/// A resume task's future (boxed: a resume runs a pipeline of its own).
+type Task = Pin<Box<dyn Future<Output = (usize, Result<(), DispatchError>)> + Send>>;
 
 /// The resume tasks of parked endpoints and their handovers
-/// ([`resume`]).
+/// ([`Resume::run`]).
 pub(super) struct Resumes {
     /// Resume tasks, each returning its lane.
     pub(super) tasks: JoinSet<(usize, Result<(), DispatchError>)>,
-    /// Whether lane `i` has a resume task.
-    pub(super) running: Vec<bool>,
-    /// Lanes held for a handover, with the answer owed once quiet.
-    quiet: Vec<Option<oneshot::Sender<bool>>>,
+    /// The lanes with a resume task, and the answer owed once held and
+    /// quiet.
+    resuming: HashMap<usize, Option<oneshot::Sender<bool>>>,
     pub(super) handover: mpsc::Receiver<Handover>,
     /// Cloned into every task.
     handover_tx: mpsc::Sender<Handover>,
@@ -466,37 +316,41 @@ impl Resumes {
         let (handover_tx, handover) = mpsc::channel(lanes.max(1));
         Resumes {
             tasks: JoinSet::new(),
-            running: vec![false; lanes],
-            quiet: (0..lanes).map(|_| None).collect(),
+            resuming: HashMap::new(),
             handover,
             handover_tx,
         }
     }
 
-    /// Starts lane `lane`'s resume task if its endpoint is parked, resumes
-    /// automatically and has none.
-    pub(super) fn start<S: Sink, D: DeadLetterStore>(
-        &mut self,
-        lane: usize,
-        parking: &Parking,
-        deliveries: &[Arc<Delivery<S, D>>],
-    ) {
-        if self.running[lane] || !parking.auto_resume[lane] || !parking.parks[lane].is_parked() {
-            return;
-        }
-        self.running[lane] = true;
-        let d = Arc::clone(&deliveries[lane]);
-        let tx = self.handover_tx.clone();
-        self.tasks
-            .spawn(async move { (lane, run(d, lane, tx).await) });
+    /// Whether no resume task runs.
+    pub(super) fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
     }
 
-    pub(super) fn handle<P: Position, W>(
+    /// Starts `r`'s resume task if its endpoint is parked, resumes
+    /// automatically and has none.
+    pub(super) fn start<S: Sink, D: DeadLetterStore>(&mut self, r: Resume<S, D>) {
+        let lane = r.index;
+        if self.resuming.contains_key(&lane) || !r.lane.cfg.auto_resume || !r.lane.park.is_parked()
+        {
+            return;
+        }
+        self.resuming.insert(lane, None);
+        let tx = self.handover_tx.clone();
+        let task: Task = Box::pin(async move { (lane, r.run(tx).await) });
+        self.tasks.spawn(task);
+    }
+
+    /// Lane `lane`'s resume task ended.
+    pub(super) fn ended(&mut self, lane: usize) {
+        self.resuming.remove(&lane);
+    }
+
+    pub(super) fn handle<P: Position, W, S>(
         &mut self,
         h: Handover,
         scheduler: &mut Scheduler<P, W>,
-        parking: &Parking,
-        metrics: &[EndpointMetrics],
+        lanes: &[Arc<Lane<S>>],
     ) {
         match h {
             Handover::Hold {
@@ -506,7 +360,7 @@ impl Resumes {
             } => {
                 let overdue = match (
                     scheduler.lane_oldest_pending_since(lane),
-                    parking.max_lags[lane],
+                    lanes[lane].cfg.max_lag,
                 ) {
                     (Some(since), Some(max)) => since.elapsed() > max,
                     _ => false,
@@ -516,22 +370,24 @@ impl Resumes {
                     return;
                 }
                 scheduler.hold(lane, true);
-                self.quiet[lane] = Some(quiet);
+                self.resuming.insert(lane, Some(quiet));
             }
             Handover::Release { lane, live } => {
-                if live && parking.parks[lane].resume() {
-                    metrics[lane].parked.set(0);
+                if live && lanes[lane].park.resume() {
+                    lanes[lane].metrics.parked.set(0);
                 }
-                self.quiet[lane] = None;
+                if let Some(q) = self.resuming.get_mut(&lane) {
+                    *q = None;
+                }
                 scheduler.hold(lane, false);
             }
         }
     }
 
-    /// Answers each held lane that no job of runs any more.
+    /// Answers each held lane that has no job running or with the writer.
     pub(super) fn answer_quiet<P: Position, W>(&mut self, scheduler: &Scheduler<P, W>) {
-        for (lane, q) in self.quiet.iter_mut().enumerate() {
-            if q.is_some() && scheduler.lane_running(lane) == 0 {
+        for (lane, q) in &mut self.resuming {
+            if q.is_some() && scheduler.lane_busy(*lane) == 0 {
                 let _ = q.take().map(|q| q.send(true));
             }
         }

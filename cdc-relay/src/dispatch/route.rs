@@ -16,9 +16,19 @@ pub enum Unrouted {
     /// default: nothing is dropped silently).
     #[default]
     DeadLetter,
-    /// Counted in `cdc_relay_unrouted_skipped_total`, logged once per type,
-    /// and done at once.
+    /// Counted in `cdc_relay_unrouted_events_total{action="skip"}`, logged
+    /// once per type, and done at once.
     Skip,
+}
+
+impl Unrouted {
+    /// The `action` label of `cdc_relay_unrouted_events_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unrouted::DeadLetter => "dead_letter",
+            Unrouted::Skip => "skip",
+        }
+    }
 }
 
 /// An `event_types` entry: an exact name, or a glob where `*` stands for
@@ -73,8 +83,8 @@ const CACHE_TYPES: usize = 10_000;
 /// Maps an event type to the lanes (endpoints) it goes to.
 #[derive(Clone, Debug)]
 pub struct Router {
-    /// Per lane, its patterns; empty for the one-endpoint router.
-    lanes: Vec<Vec<Pattern>>,
+    /// Per lane, its patterns; `None`: every event.
+    lanes: Vec<Option<Vec<Pattern>>>,
     /// `true`: every event goes to lane 0 (`--sink-url`), without a
     /// lookup.
     single: bool,
@@ -87,20 +97,15 @@ pub struct Router {
 impl Router {
     /// Every event to lane 0: the one endpoint of `--sink-url`.
     pub fn single() -> Self {
-        Router {
-            lanes: vec![Vec::new()],
-            single: true,
-            lane_zero: Arc::from([0]),
-            unrouted: Unrouted::DeadLetter,
-            cache: HashMap::new(),
-        }
+        Self::new(vec![None], Unrouted::DeadLetter)
     }
 
-    /// A router over lanes with these patterns, in lane order.
-    pub fn new(lanes: Vec<Vec<Pattern>>, unrouted: Unrouted) -> Self {
+    /// A router over lanes with these patterns, in lane order (`None`: the
+    /// lane takes every event).
+    pub fn new(lanes: Vec<Option<Vec<Pattern>>>, unrouted: Unrouted) -> Self {
         Router {
+            single: matches!(lanes.as_slice(), [None]),
             lanes,
-            single: false,
             lane_zero: Arc::from([0]),
             unrouted,
             cache: HashMap::new(),
@@ -146,7 +151,11 @@ impl Router {
         self.lanes
             .iter()
             .enumerate()
-            .filter(|(_, patterns)| patterns.iter().any(|p| p.matches(event_type)))
+            .filter(|(_, patterns)| {
+                patterns
+                    .as_ref()
+                    .is_none_or(|ps| ps.iter().any(|p| p.matches(event_type)))
+            })
             .map(|(lane, _)| lane)
             .collect()
     }
@@ -185,9 +194,9 @@ mod tests {
     fn fan_out_and_unrouted() {
         let mut r = Router::new(
             vec![
-                vec![Pattern::new("Order*")],
-                vec![Pattern::new("OrderCreated"), Pattern::new("Invoice*")],
-                vec![Pattern::new("Shipment*")],
+                Some(vec![Pattern::new("Order*")]),
+                Some(vec![Pattern::new("OrderCreated"), Pattern::new("Invoice*")]),
+                Some(vec![Pattern::new("Shipment*")]),
             ],
             Unrouted::DeadLetter,
         );

@@ -23,9 +23,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::*;
-use crate::deadletter::{NewDeadLetter, StoreError};
+use crate::breaker::Breaker;
+use crate::dead_letter::{NewDeadLetter, StoreError};
 
 mod routed;
 use crate::lsn::Lsn;
@@ -98,15 +100,29 @@ const TLS: u16 = 2;
 const TRANSPORT: u16 = 3;
 
 /// Dead letters, in memory: every row written (`.0`, by id − 1, refused
-/// rows rewritten in place), and the ids replayed (removed).
+/// rows rewritten in place), the ids replayed (removed), when each row
+/// commits (`.2`, by id − 1: it is invisible until then), and a switch
+/// that holds every write uncommitted while it is on (`.3`: a writer that
+/// cannot write).
 #[derive(Default)]
-struct MemoryStore(Mutex<Vec<NewDeadLetter>>, Mutex<Vec<i64>>);
+struct MemoryStore(
+    Mutex<Vec<NewDeadLetter>>,
+    Mutex<Vec<i64>>,
+    Mutex<Vec<Instant>>,
+    watch::Sender<bool>,
+);
+
+/// A write takes a moment, as on a database: what runs meanwhile is what
+/// the tests must get right.
+const WRITE_TAKES: Duration = Duration::from_millis(15);
 
 impl MemoryStore {
-    /// Ids of the parked rows of `endpoint` still in the table.
+    /// Ids of the committed parked rows of `endpoint` still in the table.
     fn parked_ids(&self, endpoint: &str) -> Vec<i64> {
         let removed: std::collections::HashSet<i64> =
             self.1.lock().unwrap().iter().copied().collect();
+        let committed = self.2.lock().unwrap().clone();
+        let now = Instant::now();
         self.0
             .lock()
             .unwrap()
@@ -117,6 +133,7 @@ impl MemoryStore {
                 r.endpoint.as_deref() == Some(endpoint)
                     && r.error.starts_with("parked:")
                     && !removed.contains(id)
+                    && committed[*id as usize - 1] <= now
             })
             .map(|(id, _)| id)
             .collect()
@@ -124,13 +141,23 @@ impl MemoryStore {
 }
 
 impl DeadLetterStore for MemoryStore {
-    async fn insert(&self, row: &NewDeadLetter) -> Result<i64, StoreError> {
-        // A write takes a moment, as on a database: what runs meanwhile is
-        // what the tests must get right.
-        tokio::time::sleep(Duration::from_millis(15)).await;
+    fn write(
+        &self,
+        row: &NewDeadLetter,
+        _urgency: crate::dead_letter::Urgency,
+    ) -> impl std::future::Future<Output = Result<i64, StoreError>> + Send + 'static {
+        // Queued (and numbered) now, committed a moment later.
+        let at = Instant::now() + WRITE_TAKES;
         let mut rows = self.0.lock().unwrap();
         rows.push(row.clone());
-        Ok(rows.len() as i64)
+        self.2.lock().unwrap().push(at);
+        let id = rows.len() as i64;
+        let mut held = self.3.subscribe();
+        async move {
+            tokio::time::sleep_until(at).await;
+            let _ = held.wait_for(|h| !h).await;
+            Ok(id)
+        }
     }
 
     async fn parked(
@@ -138,7 +165,7 @@ impl DeadLetterStore for MemoryStore {
         endpoint: &str,
         after: i64,
         limit: i64,
-    ) -> Result<Vec<crate::deadletter::ParkedRow>, StoreError> {
+    ) -> Result<Vec<crate::dead_letter::ParkedRow>, StoreError> {
         tokio::time::sleep(Duration::from_millis(1)).await;
         let ids = self.parked_ids(endpoint);
         let rows = self.0.lock().unwrap();
@@ -148,7 +175,7 @@ impl DeadLetterStore for MemoryStore {
             .take(limit as usize)
             .map(|id| {
                 let r = &rows[id as usize - 1];
-                crate::deadletter::ParkedRow {
+                crate::dead_letter::ParkedRow {
                     id,
                     event: OutboxEvent {
                         id: r.event_id.clone().unwrap_or_default(),
@@ -157,6 +184,7 @@ impl DeadLetterStore for MemoryStore {
                         aggregate_key: r.aggregate_key.clone(),
                         commit_lsn: r.commit_lsn,
                         commit_time_micros: 0,
+                        dead_letter_id: Some(id),
                     },
                 }
             })
@@ -189,6 +217,7 @@ fn config(max_in_flight: usize) -> DispatchConfig {
             failure_threshold: 3,
             probe_interval: Duration::from_millis(500),
             storm_threshold: 10,
+            retired_probe_interval: Duration::from_secs(60),
         },
         max_lag: None,
         rate: None,
@@ -204,7 +233,22 @@ fn event(id: &str, key: Option<&str>) -> OutboxEvent {
         aggregate_key: key.map(str::to_owned),
         commit_lsn: None,
         commit_time_micros: 0,
+        dead_letter_id: None,
     }
+}
+
+/// A pipeline over `store` with its own health, retrying until done.
+fn pipeline(
+    store: &Arc<MemoryStore>,
+    metrics: Metrics,
+    stopping: CancellationToken,
+) -> Pipeline<MemoryStore> {
+    Pipeline::new(
+        Arc::clone(store),
+        metrics,
+        Health::new(Duration::from_secs(60)),
+        stopping,
+    )
 }
 
 /// Feeds `txs` (each a list of events, ending at LSN 100·(i+1)) through a
@@ -217,17 +261,11 @@ async fn dispatch_all(
 ) -> (Lsn, Vec<NewDeadLetter>) {
     let store = Arc::new(MemoryStore::default());
     let metrics = Metrics::new();
-    let services = Services {
-        sink,
-        store: Arc::clone(&store),
-        breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),
-        metrics,
-        health: Health::new(Duration::from_secs(60)),
-        stopping: tokio_util::sync::CancellationToken::new(),
-    };
+    let lane = Lane::single(cfg, sink, &metrics);
+    let pipeline = pipeline(&store, metrics, CancellationToken::new());
     let (items, items_rx) = mpsc::channel(16);
     let (confirmed, _) = watch::channel(Confirmed::default());
-    let dispatcher = tokio::spawn(run(cfg, services, Lsn::ZERO, items_rx, confirmed));
+    let dispatcher = tokio::spawn(run(vec![lane], pipeline, Lsn::ZERO, items_rx, confirmed));
     let window = Window::new(10_000, 1 << 20);
     for (i, tx) in txs.into_iter().enumerate() {
         items.send(Item::Begin).await.unwrap();
@@ -424,17 +462,18 @@ async fn session_dropped_after(
     lasting: Duration,
 ) -> Vec<NewDeadLetter> {
     let store = Arc::new(MemoryStore::default());
-    let services = Services {
-        sink,
-        store: Arc::clone(&store),
+    let metrics = Metrics::new();
+    // A session starts as the relay starts one: the breaker carries over,
+    // its deliveries do not.
+    breaker.new_session();
+    let lane = Lane {
         breaker,
-        metrics: Metrics::new(),
-        health: Health::new(Duration::from_secs(60)),
-        stopping: tokio_util::sync::CancellationToken::new(),
+        ..Lane::single(cfg, sink, &metrics)
     };
+    let pipeline = pipeline(&store, metrics, CancellationToken::new());
     let (items, items_rx) = mpsc::channel(16);
     let (confirmed, _) = watch::channel(Confirmed::default());
-    let dispatcher = tokio::spawn(run(cfg, services, Lsn::ZERO, items_rx, confirmed));
+    let dispatcher = tokio::spawn(run(vec![lane], pipeline, Lsn::ZERO, items_rx, confirmed));
     let window = Window::new(10_000, 1 << 20);
     items.send(Item::Begin).await.unwrap();
     for e in events {
@@ -563,19 +602,12 @@ async fn stopping_starts_no_new_attempt_and_confirms_nothing_undone() {
     });
     let store = Arc::new(MemoryStore::default());
     let metrics = Metrics::new();
-    let stopping = tokio_util::sync::CancellationToken::new();
-    let cfg = config(8);
-    let services = Services {
-        sink: Arc::clone(&sink),
-        store,
-        breaker: Breaker::new(cfg.breaker.clone(), metrics.clone()),
-        metrics,
-        health: Health::new(Duration::from_secs(60)),
-        stopping: stopping.clone(),
-    };
+    let stopping = CancellationToken::new();
+    let lane = Lane::single(config(8), Arc::clone(&sink), &metrics);
+    let pipeline = pipeline(&store, metrics, stopping.clone());
     let (items, items_rx) = mpsc::channel(16);
     let (confirmed, _) = watch::channel(Confirmed::default());
-    let dispatcher = tokio::spawn(run(cfg, services, Lsn::ZERO, items_rx, confirmed));
+    let dispatcher = tokio::spawn(run(vec![lane], pipeline, Lsn::ZERO, items_rx, confirmed));
     let window = Window::new(10_000, 1 << 20);
     for (n, id) in ["ok", "bad"].into_iter().enumerate() {
         items.send(Item::Begin).await.unwrap();

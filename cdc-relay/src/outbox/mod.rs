@@ -40,6 +40,10 @@ pub struct OutboxEvent {
     /// Commit time of the event's transaction, microseconds since
     /// 2000-01-01 00:00:00 UTC (PostgreSQL's epoch).
     pub commit_time_micros: i64,
+    /// The dead-letter row this event was read back from, when a replay
+    /// sends it again (`dispatch::replay`); `None` for an event of the
+    /// stream or of a backfill.
+    pub dead_letter_id: Option<i64>,
 }
 
 impl OutboxEvent {

@@ -25,7 +25,7 @@ use crate::backfill::{self, BackfillPlan};
 use crate::lsn::Lsn;
 use crate::sink::HttpSink;
 use crate::source::catalog::{self, SlotInfo};
-use crate::source::{self, ConnParams, SourceError, progress};
+use crate::source::{self, ConnParams, SourceError, progress, slot_creation};
 
 /// Where this process left the slot when a session ended.
 #[derive(Clone, Debug, PartialEq)]
@@ -114,7 +114,14 @@ pub async fn recreate_and_backfill(
             slot: cfg.slot.clone(),
         });
     };
-    let lsn = catalog::create_slot(side, &cfg.slot, cfg.failover).await?;
+    let lsn = slot_creation::create_slot(
+        side,
+        server,
+        &cfg.slot,
+        cfg.failover,
+        cfg.slot_create_timeout,
+    )
+    .await?;
     let margin = humantime::format_duration(cfg.backfill_margin).to_string();
     tracing::warn!(
         slot = %cfg.slot, created_at = %lsn, since = %since, margin = %margin,

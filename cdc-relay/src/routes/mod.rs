@@ -27,9 +27,7 @@ use std::time::Duration;
 use event_secret::{EventKeys, Source};
 use toml::{Table, Value};
 
-use crate::breaker::BreakerConfig;
-use crate::dispatch::{DispatchConfig, Router, Unrouted, route::Pattern};
-use crate::sink::StatusPolicy;
+use crate::dispatch::{Router, Unrouted, route::Pattern};
 
 /// A routes file that cannot be used: which file, endpoint and key, and why.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -215,7 +213,7 @@ impl RoutesFile {
         Router::new(
             self.endpoints
                 .iter()
-                .map(|e| e.event_types.clone())
+                .map(|e| Some(e.event_types.clone()))
                 .collect(),
             self.unrouted,
         )
@@ -232,7 +230,8 @@ impl RoutesFile {
         self.error(e, key, problem).to_string()
     }
 
-    fn error(&self, e: &EndpointSpec, key: &str, problem: String) -> RoutesError {
+    /// The error for a problem with `key` of endpoint `e`.
+    pub fn error(&self, e: &EndpointSpec, key: &str, problem: String) -> RoutesError {
         RoutesError {
             file: self.path.clone(),
             endpoint: Some(format!("endpoint {:?}", e.name)),
@@ -270,47 +269,6 @@ impl RoutesFile {
             },
         )
         .map_err(|err| self.error(e, secret_key(&e.secret, ""), err.to_string()))
-    }
-
-    /// Endpoint `e`'s delivery settings: `base` (run's flags) with the
-    /// file's settings over it.
-    pub fn dispatch(
-        &self,
-        e: &EndpointSpec,
-        base: &DispatchConfig,
-    ) -> Result<DispatchConfig, RoutesError> {
-        let backoff_base = e.backoff_base.unwrap_or(base.backoff_base);
-        let backoff_cap = e.backoff_cap.unwrap_or(base.backoff_cap);
-        if backoff_base.is_zero() || backoff_cap < backoff_base {
-            return Err(self.error(
-                e,
-                "backoff_base",
-                format!("must be above 0 and not above backoff_cap ({backoff_cap:?})"),
-            ));
-        }
-        let policy = match &e.poison_statuses {
-            Some(p) => {
-                StatusPolicy::new(p.clone()).map_err(|m| self.error(e, "poison_statuses", m))?
-            }
-            None => base.policy.clone(),
-        };
-        Ok(DispatchConfig {
-            max_in_flight: e.max_in_flight.unwrap_or(base.max_in_flight),
-            backoff_base,
-            backoff_cap,
-            retry_after_max: base.retry_after_max,
-            policy,
-            breaker: BreakerConfig {
-                failure_threshold: e
-                    .failure_threshold
-                    .unwrap_or(base.breaker.failure_threshold),
-                probe_interval: e.probe_interval.unwrap_or(base.breaker.probe_interval),
-                storm_threshold: base.breaker.storm_threshold,
-            },
-            max_lag: e.max_lag,
-            rate: e.rate,
-            auto_resume: e.auto_resume,
-        })
     }
 }
 
@@ -375,9 +333,12 @@ fn endpoint(t: &Table, n: usize) -> Result<EndpointSpec, EndpointError> {
         }
     }
     let url = match t.get("url") {
-        Some(Value::String(s)) => {
-            url::Url::parse(s).map_err(|err| e("url", format!("{s:?} is not a URL: {err}")))?
-        }
+        Some(Value::String(s)) => url::Url::parse(s).map_err(|err| {
+            e(
+                "url",
+                format!("{:?} is not a URL: {err}", crate::redact::url(s)),
+            )
+        })?,
         Some(_) => return Err(e("url", "must be a string".into())),
         None => {
             return Err(e(
@@ -555,4 +516,4 @@ fn duration(t: &Table, key: &'static str, min: Duration) -> Result<Option<Durati
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use super::*;
 
-const GOOD: &str = r#"
+pub(crate) const GOOD: &str = r#"
 unrouted = "skip"
 
 [[endpoint]]
@@ -27,7 +27,7 @@ secret_file = "/etc/cdc-relay/audit"
 previous_secret_env = "AUDIT_OLD"
 "#;
 
-fn parse(text: &str) -> Result<RoutesFile, RoutesError> {
+pub(crate) fn parse(text: &str) -> Result<RoutesFile, RoutesError> {
     RoutesFile::parse(Path::new("/etc/routes.toml"), text)
 }
 
@@ -41,7 +41,7 @@ fn problem(text: &str) -> (Option<String>, Option<String>, String) {
     (e.endpoint, e.key, e.problem)
 }
 
-fn with(extra: &str) -> String {
+pub(crate) fn with(extra: &str) -> String {
     format!(
         "[[endpoint]]\nname = \"a\"\nurl = \"http://x/\"\nevent_types = [\"T\"]\nsecret_env = \"S\"\n{extra}"
     )
@@ -186,43 +186,6 @@ fn a_missing_secret_variable_names_the_key_and_the_variable() {
     let e = f.keys(&f.endpoints[0]).unwrap_err();
     assert_eq!(e.key.as_deref(), Some("secret_env"));
     assert!(e.problem.contains("CDC_RELAY_TEST_UNSET_SECRET_VAR"), "{e}");
-}
-
-#[test]
-fn endpoint_settings_override_the_flags() {
-    let f = parse(GOOD).unwrap();
-    let base = DispatchConfig {
-        max_in_flight: 64,
-        backoff_base: Duration::from_millis(50),
-        backoff_cap: Duration::from_secs(1),
-        retry_after_max: Duration::from_secs(60),
-        policy: StatusPolicy::new(vec![400, 413, 422]).unwrap(),
-        breaker: BreakerConfig {
-            failure_threshold: 5,
-            probe_interval: Duration::from_millis(500),
-            storm_threshold: 10,
-        },
-        max_lag: None,
-        rate: None,
-        auto_resume: true,
-    };
-    let b = f.dispatch(&f.endpoints[0], &base).unwrap();
-    assert_eq!(b.max_in_flight, 8);
-    assert_eq!(b.max_lag, Some(Duration::from_secs(600)));
-    assert_eq!(a_lag(&f, &base), None, "absent: never parked for lag");
-    let e = parse(&with("max_lag = \"500ms\"")).unwrap_err();
-    assert_eq!(e.key.as_deref(), Some("max_lag"));
-    assert_eq!(b.breaker.probe_interval, Duration::from_millis(250));
-    assert_eq!(b.breaker.failure_threshold, 5);
-    let a = f.dispatch(&f.endpoints[1], &base).unwrap();
-    assert_eq!(a.max_in_flight, 64);
-    let bad = parse(&with("backoff_base = \"2s\"\nbackoff_cap = \"1s\"")).unwrap();
-    let e = bad.dispatch(&bad.endpoints[0], &base).unwrap_err();
-    assert_eq!(e.key.as_deref(), Some("backoff_base"));
-}
-
-fn a_lag(f: &RoutesFile, base: &DispatchConfig) -> Option<Duration> {
-    f.dispatch(&f.endpoints[1], base).unwrap().max_lag
 }
 
 #[test]

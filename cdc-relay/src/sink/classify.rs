@@ -7,6 +7,7 @@
 //! | 2xx | [`Disposition::Delivered`] |
 //! | timeout, connection error, 408, 425, 429, 5xx | [`Disposition::Retry`] |
 //! | 400, 413, 422 (configurable) | [`Disposition::DeadLetter`] |
+//! | 410 | [`Disposition::Retired`]: kept, probed rarely |
 //! | 401, 403, 404, 405, 415, 3xx, anything else | [`Disposition::ConfigFault`]: retried, loudly |
 //!
 //! Unknown cases retry: an infrastructure error is transient until proven
@@ -19,30 +20,98 @@ use std::fmt;
 
 use crate::sink::service::Attempt;
 
-/// Every label a [`Reason`] can have (`cdc_relay_retries_total{reason}`),
-/// documented in `docs/architecture.md#response-classes`.
-pub const REASONS: [&str; 12] = [
-    "timeout",
-    "connect",
-    "tls",
-    "transport",
-    "http_3xx",
-    "http_401",
-    "http_403",
-    "http_404",
-    "http_429",
-    "http_4xx",
-    "http_5xx",
-    "http_other",
-];
+/// A [`Reason`]'s metric label (`cdc_relay_retries_total{reason}`): a
+/// fixed list, documented in `docs/architecture.md#response-classes`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ReasonLabel {
+    /// The whole attempt timed out.
+    Timeout,
+    /// The connection could not be made.
+    Connect,
+    /// The TLS handshake failed.
+    Tls,
+    /// The connection broke mid-request.
+    Transport,
+    /// A redirect.
+    Http3xx,
+    /// 401: the secret or credentials.
+    Http401,
+    /// 403: the secret or credentials.
+    Http403,
+    /// 404: the URL.
+    Http404,
+    /// 410: the endpoint is retired.
+    Http410,
+    /// 429: rate limited.
+    Http429,
+    /// Any other 4xx.
+    Http4xx,
+    /// A 5xx.
+    Http5xx,
+    /// A status outside 1xx-5xx classes above.
+    HttpOther,
+}
+
+impl ReasonLabel {
+    /// Every label, in documentation order.
+    pub const ALL: [ReasonLabel; 13] = [
+        ReasonLabel::Timeout,
+        ReasonLabel::Connect,
+        ReasonLabel::Tls,
+        ReasonLabel::Transport,
+        ReasonLabel::Http3xx,
+        ReasonLabel::Http401,
+        ReasonLabel::Http403,
+        ReasonLabel::Http404,
+        ReasonLabel::Http410,
+        ReasonLabel::Http429,
+        ReasonLabel::Http4xx,
+        ReasonLabel::Http5xx,
+        ReasonLabel::HttpOther,
+    ];
+
+    /// The metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ReasonLabel::Timeout => "timeout",
+            ReasonLabel::Connect => "connect",
+            ReasonLabel::Tls => "tls",
+            ReasonLabel::Transport => "transport",
+            ReasonLabel::Http3xx => "http_3xx",
+            ReasonLabel::Http401 => "http_401",
+            ReasonLabel::Http403 => "http_403",
+            ReasonLabel::Http404 => "http_404",
+            ReasonLabel::Http410 => "http_410",
+            ReasonLabel::Http429 => "http_429",
+            ReasonLabel::Http4xx => "http_4xx",
+            ReasonLabel::Http5xx => "http_5xx",
+            ReasonLabel::HttpOther => "http_other",
+        }
+    }
+}
+
+/// Every label a [`Reason`] can have, as text ([`ReasonLabel::as_str`]).
+pub const REASONS: [&str; 13] = {
+    let mut out = [""; 13];
+    let mut i = 0;
+    while i < ReasonLabel::ALL.len() {
+        out[i] = ReasonLabel::ALL[i].as_str();
+        i += 1;
+    }
+    out
+};
+
+/// Every label [`status_class`] returns (`status_class` of
+/// `cdc_relay_delivery_attempts_total`).
+pub const STATUS_CLASSES: [&str; 7] = ["1xx", "2xx", "3xx", "4xx", "5xx", "other", "none"];
 
 /// Why an attempt was classified as it was: a label from [`REASONS`]
 /// (metric-safe) plus the HTTP status when there was one. Displays as the
 /// exact status (`http_503`) for logs, or the label.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reason {
-    /// One of [`REASONS`].
-    pub label: &'static str,
+    /// Its metric label.
+    pub label: ReasonLabel,
     /// HTTP status, if a response arrived.
     pub status: Option<u16>,
 }
@@ -51,7 +120,7 @@ impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.status {
             Some(status) => write!(f, "http_{status}"),
-            None => f.write_str(self.label),
+            None => f.write_str(self.label.as_str()),
         }
     }
 }
@@ -68,6 +137,11 @@ pub enum Disposition {
     /// The sink is misconfigured (auth, URL, method): not the event's fault.
     /// Retry with backoff and alert; never dead-letter.
     ConfigFault(Reason),
+    /// 410 Gone: the endpoint is retired (the Standard Webhooks
+    /// convention: a receiver answers 410 to say "stop sending"). Not the
+    /// event's fault either: kept, never dead-lettered, and the endpoint is
+    /// probed only rarely until it answers 2xx again.
+    Retired(Reason),
 }
 
 /// Which HTTP statuses are poison. Defaults: 400, 413, 422.
@@ -78,8 +152,8 @@ pub struct StatusPolicy {
 
 /// Statuses that are never the event's fault: configuration faults (the
 /// URL, the secret, the method, the body's media type or encoding: a proxy
-/// compressing requests) and "try again later".
-const NEVER_POISON: [u16; 8] = [401, 403, 404, 405, 415, 408, 425, 429];
+/// compressing requests), a retired endpoint (410) and "try again later".
+const NEVER_POISON: [u16; 9] = [401, 403, 404, 405, 410, 415, 408, 425, 429];
 
 impl Default for StatusPolicy {
     fn default() -> Self {
@@ -105,6 +179,7 @@ impl StatusPolicy {
                 "--poison-statuses cannot list {bad}: 401, 403, 404, 405 and 415 say the relay's own \
                  configuration is wrong (events are kept and the circuit opens; a wrong \
                  --sink-url, or a proxy compressing requests, must not dead-letter every event), \
+                 410 says the endpoint is retired (events are kept and it is probed rarely), \
                  408, 425 and 429 are retried"
             ));
         }
@@ -121,38 +196,39 @@ impl StatusPolicy {
 pub fn classify(attempt: &Attempt, policy: &StatusPolicy) -> Disposition {
     let status = match attempt {
         Attempt::Response { status, .. } => *status,
-        Attempt::Timeout => return Disposition::Retry(reason("timeout", None)),
-        Attempt::Connect(_) => return Disposition::Retry(reason("connect", None)),
-        Attempt::Tls(_) => return Disposition::Retry(reason("tls", None)),
-        Attempt::Transport(_) => return Disposition::Retry(reason("transport", None)),
+        Attempt::Timeout => return Disposition::Retry(reason(ReasonLabel::Timeout, None)),
+        Attempt::Connect(_) => return Disposition::Retry(reason(ReasonLabel::Connect, None)),
+        Attempt::Tls(_) => return Disposition::Retry(reason(ReasonLabel::Tls, None)),
+        Attempt::Transport(_) => return Disposition::Retry(reason(ReasonLabel::Transport, None)),
     };
     let why = reason(status_label(status), Some(status));
     match status {
         200..=299 => Disposition::Delivered,
         408 | 425 | 429 | 500..=599 => Disposition::Retry(why),
+        410 => Disposition::Retired(why),
         s if policy.poison.contains(&s) => Disposition::DeadLetter(why),
         _ => Disposition::ConfigFault(why),
     }
 }
 
 /// The label of a status: the ones that name a distinct fault keep their
-/// number (401/403: the secret or credentials; 404: the URL; 429: rate
-/// limited), the rest fall into their class.
-fn status_label(status: u16) -> &'static str {
+/// number (401/403: the secret or credentials; 404: the URL; 410: the
+/// endpoint retired; 429: rate limited), the rest fall into their class.
+fn status_label(status: u16) -> ReasonLabel {
     match status {
-        401 => "http_401",
-        403 => "http_403",
-        404 => "http_404",
-        429 => "http_429",
-        300..=399 => "http_3xx",
-        400..=499 => "http_4xx",
-        500..=599 => "http_5xx",
-        _ => "http_other",
+        401 => ReasonLabel::Http401,
+        403 => ReasonLabel::Http403,
+        404 => ReasonLabel::Http404,
+        410 => ReasonLabel::Http410,
+        429 => ReasonLabel::Http429,
+        300..=399 => ReasonLabel::Http3xx,
+        400..=499 => ReasonLabel::Http4xx,
+        500..=599 => ReasonLabel::Http5xx,
+        _ => ReasonLabel::HttpOther,
     }
 }
 
-fn reason(label: &'static str, status: Option<u16>) -> Reason {
-    debug_assert!(REASONS.contains(&label), "{label} is not in REASONS");
+fn reason(label: ReasonLabel, status: Option<u16>) -> Reason {
     Reason { label, status }
 }
 
@@ -201,7 +277,14 @@ mod tests {
                 "{s}"
             );
         }
-        for s in [301, 302, 307, 401, 403, 404, 405, 409, 410, 415, 100] {
+        assert!(matches!(
+            classify(&resp(410), &p),
+            Disposition::Retired(Reason {
+                label: ReasonLabel::Http410,
+                status: Some(410)
+            })
+        ));
+        for s in [301, 302, 307, 401, 403, 404, 405, 409, 415, 100] {
             assert!(
                 matches!(classify(&resp(s), &p), Disposition::ConfigFault(_)),
                 "{s}"
@@ -219,7 +302,14 @@ mod tests {
 
     #[test]
     fn config_faults_and_retried_statuses_cannot_be_poison() {
-        for bad in [vec![404], vec![400, 401], vec![429], vec![500], vec![200]] {
+        for bad in [
+            vec![404],
+            vec![400, 401],
+            vec![410],
+            vec![429],
+            vec![500],
+            vec![200],
+        ] {
             let err = StatusPolicy::new(bad.clone()).unwrap_err();
             assert!(err.contains("--poison-statuses"), "{bad:?}: {err}");
         }
@@ -233,7 +323,7 @@ mod tests {
         assert_eq!(
             verdict,
             Disposition::DeadLetter(Reason {
-                label: "http_4xx",
+                label: ReasonLabel::Http4xx,
                 status: Some(409)
             })
         );
@@ -266,19 +356,26 @@ mod tests {
                 Disposition::Delivered => {}
                 Disposition::Retry(r)
                 | Disposition::DeadLetter(r)
-                | Disposition::ConfigFault(r) => {
-                    assert!(REASONS.contains(&r.label), "{a:?}: {}", r.label);
-                    seen.insert(r.label);
+                | Disposition::ConfigFault(r)
+                | Disposition::Retired(r) => {
+                    assert!(REASONS.contains(&r.label.as_str()), "{a:?}: {:?}", r.label);
+                    seen.insert(r.label.as_str());
                 }
             }
         }
         assert_eq!(seen, REASONS.into_iter().collect());
-        assert_eq!(status_label(503), "http_5xx");
-        assert_eq!(status_label(599), "http_5xx");
-        assert_eq!(status_label(401), "http_401");
-        assert_eq!(status_label(418), "http_4xx");
-        assert_eq!(status_label(302), "http_3xx");
-        assert_eq!(status_label(600), "http_other");
-        assert_eq!(status_label(101), "http_other");
+        let classes: std::collections::BTreeSet<&str> = (0..=999)
+            .map(resp)
+            .chain([Attempt::Timeout])
+            .map(|a| status_class(&a))
+            .collect();
+        assert_eq!(classes, STATUS_CLASSES.into_iter().collect());
+        assert_eq!(status_label(503).as_str(), "http_5xx");
+        assert_eq!(status_label(599).as_str(), "http_5xx");
+        assert_eq!(status_label(401).as_str(), "http_401");
+        assert_eq!(status_label(418).as_str(), "http_4xx");
+        assert_eq!(status_label(302).as_str(), "http_3xx");
+        assert_eq!(status_label(600).as_str(), "http_other");
+        assert_eq!(status_label(101).as_str(), "http_other");
     }
 }

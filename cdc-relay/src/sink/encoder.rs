@@ -100,6 +100,7 @@ mod tests {
             aggregate_key: None,
             commit_lsn: Some(Lsn::new(1)),
             commit_time_micros: 0,
+            dead_letter_id: None,
         }
     }
 

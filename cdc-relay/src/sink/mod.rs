@@ -16,7 +16,9 @@ pub mod signature;
 
 use std::future::Future;
 
-pub use classify::{Disposition, REASONS, Reason, StatusPolicy, classify, status_class};
+pub use classify::{
+    Disposition, REASONS, Reason, ReasonLabel, STATUS_CLASSES, StatusPolicy, classify, status_class,
+};
 pub use encoder::Prepared;
 pub use service::{Attempt, HttpSink, SinkConfig, SinkError};
 pub use signature::{SignatureScheme, Signer, Signing};
@@ -24,7 +26,7 @@ pub use signature::{SignatureScheme, Signer, Signing};
 use crate::outbox::OutboxEvent;
 
 /// Where events are delivered.
-pub trait Sink: Send + Sync + 'static {
+pub trait Sink: Clone + Send + Sync + 'static {
     /// Builds the request for `event` once (body, legacy signature); every
     /// attempt sends the same bytes.
     fn prepare(&self, event: &OutboxEvent) -> Prepared;

@@ -308,13 +308,10 @@ impl HttpSink {
         &self.signing
     }
 
-    /// The URL without any user or password, safe to log.
+    /// The URL as [`crate::redact::url`] shows it (no userinfo, no query
+    /// value), safe to log.
     pub fn display_url(&self) -> String {
-        let mut u = self.target.url.clone();
-        // Cannot fail for http(s) URLs, which are the only ones accepted.
-        let _ = u.set_username("");
-        let _ = u.set_password(None);
-        u.to_string()
+        crate::redact::url(self.target.url.as_str())
     }
 
     async fn attempt(&self, event_id: &str, request: &Prepared) -> Attempt {

@@ -112,6 +112,19 @@ pub enum SourceError {
         /// Where a backfill should start (UTC text).
         since: String,
     },
+    /// The replication connection reached a connection pooler or proxy
+    /// that does not carry replication connections (PgBouncer before 1.23
+    /// answers "unsupported startup parameter: replication"), or one that
+    /// dropped the `replication` parameter and passed on a normal session
+    /// (the server then refuses the replication commands as SQL). A
+    /// configuration error: the URL must reach PostgreSQL itself.
+    #[error(
+        "the database URL reaches a connection pooler or proxy that does not carry replication connections (it answered: {answer}). The relay's connections must go to PostgreSQL itself: point --database-url (CDC_RELAY_DATABASE_URL) at the server's own host and port (5432 by default), not at PgBouncer or another pooler (docs/operations.md#troubleshooting)"
+    )]
+    ThroughPooler {
+        /// What the pooler (or the server behind it) answered.
+        answer: String,
+    },
     /// The server refused us for a reason retrying will not fix (auth,
     /// missing publication or database, privileges, protocol), or the
     /// database is not prepared as the relay needs. The message says what
@@ -138,6 +151,7 @@ impl SourceError {
                 | SourceError::NeedsSetup(_)
                 | SourceError::PayloadType(_)
                 | SourceError::Unconvertible(_)
+                | SourceError::ThroughPooler { .. }
                 | SourceError::Definite(_)
         )
     }
@@ -154,6 +168,7 @@ impl SourceError {
             SourceError::NeedsSetup(_) => "needs_setup",
             SourceError::PayloadType(_) => "payload_type",
             SourceError::Unconvertible(_) => "unconvertible",
+            SourceError::ThroughPooler { .. } => "pooler",
             SourceError::Definite(_) => "definite",
             SourceError::Transient(_) => "transient",
             SourceError::Stalled(_) => "watchdog",
@@ -194,6 +209,9 @@ impl SourceError {
 /// slot's state.
 fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError {
     let lower = msg.to_ascii_lowercase();
+    if slot.is_some() && refused_as_not_replication(code, &lower) {
+        return SourceError::ThroughPooler { answer: msg };
+    }
     if let Some(slot) = slot.map(str::to_owned) {
         match code {
             Some("55006") => {
@@ -239,6 +257,29 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
         Some(c) if !sqlstate_is_transient(c) => SourceError::Definite(msg),
         _ => SourceError::Transient(msg),
     }
+}
+
+/// Whether an error on the replication path says the connection is not a
+/// replication connection: a pooler refusing a startup parameter
+/// (PgBouncer: "unsupported startup parameter: replication", or `options`,
+/// SQLSTATE 08P01, which alone would read as a transient connection
+/// error; PostgreSQL itself never says "startup parameter"), or the server refusing a replication command as SQL (42601 at
+/// `IDENTIFY_SYSTEM`, `START_REPLICATION`, ...: something in between
+/// dropped the parameter). `lower` is the message in lower case.
+fn refused_as_not_replication(code: Option<&str>, lower: &str) -> bool {
+    const REPLICATION_COMMANDS: [&str; 5] = [
+        "identify_system",
+        "start_replication",
+        "create_replication_slot",
+        "alter_replication_slot",
+        "read_replication_slot",
+    ];
+    let parameter_refused = ["unsupported startup parameter", "unknown startup parameter"]
+        .iter()
+        .any(|p| lower.contains(p));
+    let command_refused =
+        code == Some("42601") && REPLICATION_COMMANDS.iter().any(|c| lower.contains(c));
+    parameter_refused || command_refused
 }
 
 /// What to change for a connect error that retrying cannot fix; `None`
@@ -451,6 +492,24 @@ mod tests {
         );
         assert!(e.to_string().contains("--recreate-slot") && e.to_string().contains("backfill"));
         assert!(!server("the database system is starting up (SQLSTATE 57P03)").is_definite());
+        // A pooler in between: PgBouncer's refusal (08P01, a connection
+        // class), or a replication command run as SQL by a server that got
+        // a normal session. Named for what it is, and definite.
+        for msg in [
+            "unsupported startup parameter: replication (SQLSTATE 08P01)",
+            "unsupported startup parameter: options (SQLSTATE 08P01)",
+            "syntax error at or near \"IDENTIFY_SYSTEM\" (SQLSTATE 42601)",
+            "syntax error at or near \"START_REPLICATION\" (SQLSTATE 42601)",
+        ] {
+            let e = server(msg);
+            assert!(
+                matches!(e, SourceError::ThroughPooler { .. }),
+                "{msg}: {e:?}"
+            );
+            assert!(e.is_definite() && e.to_string().contains("pooler"), "{e}");
+        }
+        // A protocol violation that names no replication parameter stays transient.
+        assert!(!server("protocol violation (SQLSTATE 08P01)").is_definite());
         // Outside the replication path, 42704 is an ordinary definite error.
         let e = classify(
             Some("42704"),

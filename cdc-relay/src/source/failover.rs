@@ -23,32 +23,20 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
-use super::catalog;
+use super::catalog::{self, SlotReading, supports_failover_slots};
 use super::conn::ConnParams;
 use super::error::SourceError;
-use super::watchdog::SlotReading;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
+
+// `relay` reads the version through this module.
 
 /// Least time between two `pg_log_standby_snapshot()` calls.
 pub const NUDGE_INTERVAL: Duration = Duration::from_secs(5);
 
-/// The server's `server_version_num`, e.g. 170004.
-pub async fn server_version(client: &Client) -> Result<i32, SourceError> {
-    Ok(catalog::setting(client, "server_version_num")
-        .await?
-        .parse()
-        .unwrap_or(0))
-}
-
-/// Whether failover slots exist on this server (17+).
-pub fn supports_failover_slots(version: i32) -> bool {
-    version >= 170_000
-}
-
 /// The slot's `failover` flag; `None` before 17 or when the slot is missing.
 pub async fn slot_failover(client: &Client, slot: &str) -> Result<Option<bool>, SourceError> {
-    if !supports_failover_slots(server_version(client).await?) {
+    if !supports_failover_slots(catalog::server_version(client).await?) {
         return Ok(None);
     }
     let row = client
@@ -63,7 +51,7 @@ pub async fn slot_failover(client: &Client, slot: &str) -> Result<Option<bool>, 
 
 /// The primary's `synchronized_standby_slots` (17+; `None` before).
 pub async fn synchronized_standby_slots(client: &Client) -> Result<Option<String>, SourceError> {
-    if !supports_failover_slots(server_version(client).await?) {
+    if !supports_failover_slots(catalog::server_version(client).await?) {
         return Ok(None);
     }
     catalog::setting(client, "synchronized_standby_slots")

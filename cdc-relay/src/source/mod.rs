@@ -18,6 +18,8 @@
 //! - [`stream`]: the stream's reader: decode, map, admit, hand on.
 //! - [`membership`]: whether the outbox is still in its publication.
 //! - [`progress`]: the progress record in `cdc_relay_progress`.
+//! - [`slot_creation`]: creating a slot, bounded, saying what it waits
+//!   for; a slot still being created.
 //! - [`failover`]: failover slots and the standbys' copies (17+).
 //! - [`status_updates`]: counts the standby status updates sent.
 //! - [`watchdog`]: the slot monitor and the stream watchdog.
@@ -33,6 +35,7 @@ pub mod failover;
 pub mod membership;
 pub mod progress;
 pub mod shards;
+pub mod slot_creation;
 pub mod status_updates;
 pub mod stream;
 pub mod tls;

@@ -135,6 +135,17 @@ pub async fn replication_command(
     }
 }
 
+/// Whether `conn` can carry a replication connection: `IDENTIFY_SYSTEM`
+/// on one. Only a refusal that names a pooler or proxy in between
+/// ([`SourceError::ThroughPooler`]) is an error; any other failure is left
+/// to the command's own checks, which say it better.
+pub async fn check_not_pooled(conn: &ConnParams) -> Result<(), SourceError> {
+    match replication_command(conn, "", "IDENTIFY_SYSTEM").await {
+        Err(e @ SourceError::ThroughPooler { .. }) => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// The transport of one session. [`Transport::confirm`] and
 /// [`Transport::hold_at`] are the one place that hands the server a flush
 /// position.

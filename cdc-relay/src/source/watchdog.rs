@@ -29,9 +29,8 @@ use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::outbox::TableName;
 
-/// The monitor's latest reading of the slot and when it was taken; `None`
-/// before the first one.
-pub type SlotReading = Option<(Instant, SlotInfo)>;
+// `relay` names the reading through this module.
+use super::catalog::SlotReading;
 
 /// What the monitor reads, and how often.
 #[derive(Clone, Debug)]

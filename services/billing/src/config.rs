@@ -4,11 +4,15 @@
 //! (the `event_secret` crate).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Parser;
+use clap::builder::BoolishValueParser;
 use event_secret::{EventKeys, SecretError, Source};
 use service_common::cli::ServiceArgs;
 
+use crate::charge::ChargeSettings;
+use crate::charge::store::Backoff;
 use crate::signature::{SignatureScheme, Verifier};
 
 /// Prefix of the environment variables (`BILLING_LISTEN`, ...).
@@ -52,6 +56,83 @@ pub struct BillingArgs {
     /// verifier (and of every official one).
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=300))]
     pub timestamp_tolerance_secs: u32,
+    /// Charging invoices at the payment provider.
+    #[command(flatten)]
+    pub charge: ChargeArgs,
+}
+
+/// The charge step (`services/README.md#effects-outside-the-database`):
+/// on when `--payments-url` is given.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ChargeArgs {
+    /// Base URL of the payment provider (its `POST /charges`), e.g.
+    /// `http://127.0.0.1:8082/`. When given, each new invoice is charged
+    /// there once; without it invoices are only recorded (`charge_status`
+    /// `none`) and nothing is charged.
+    #[arg(long, value_parser = http_url)]
+    pub payments_url: Option<reqwest::Url>,
+    /// Bound on one charge request; an attempt without an answer by then
+    /// is retried with the same key.
+    #[arg(long, default_value = "10s", value_parser = positive_duration)]
+    pub charge_timeout: Duration,
+    /// Largest wait between two attempts of one invoice (exponential
+    /// backoff from 200 ms, full jitter).
+    #[arg(long, default_value = "30s", value_parser = positive_duration)]
+    pub charge_backoff_max: Duration,
+    /// How often invoices due again are looked for (retries, and attempts
+    /// a crashed Billing left unfinished).
+    #[arg(long, default_value = "1s", value_parser = positive_duration)]
+    pub charge_poll_interval: Duration,
+    /// Charge attempts at once.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    pub charge_concurrency: u16,
+    /// An invoice older than this is not retried any more but marked
+    /// `failed`, to reconcile by hand. Keep it below the provider's key
+    /// lifetime (24 h for ours, and for most providers): a retry after the
+    /// provider forgot the key could charge a second time.
+    #[arg(long, default_value = "23h", value_parser = positive_duration)]
+    pub charge_retry_window: Duration,
+    /// TEST HOOK, never set in production: exit (status 87) right after the
+    /// provider's charge and before recording it, as a crash there would.
+    #[arg(long, action = clap::ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub fault_exit_after_charge: bool,
+    /// TEST HOOK, never set in production: send no Idempotency-Key, to
+    /// measure the double charges it prevents.
+    #[arg(long, action = clap::ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub charge_without_idempotency_key: bool,
+}
+
+impl ChargeArgs {
+    /// The worker's settings.
+    pub fn settings(&self) -> ChargeSettings {
+        ChargeSettings {
+            timeout: self.charge_timeout,
+            backoff: Backoff {
+                base: Duration::from_millis(200),
+                max: self.charge_backoff_max,
+            },
+            poll_interval: self.charge_poll_interval,
+            concurrency: usize::from(self.charge_concurrency),
+            retry_window: self.charge_retry_window,
+            exit_after_charge: self.fault_exit_after_charge,
+        }
+    }
+}
+
+fn http_url(text: &str) -> Result<reqwest::Url, String> {
+    let url = reqwest::Url::parse(text).map_err(|e| format!("{text:?} is not a URL: {e}"))?;
+    match url.scheme() {
+        "http" | "https" if url.host().is_some() => Ok(url),
+        _ => Err(format!("{text:?} is not an http:// or https:// URL")),
+    }
+}
+
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        Ok(_) => Err("must be above zero".to_owned()),
+        Err(e) => Err(format!("{text:?}: {e}")),
+    }
 }
 
 impl BillingArgs {
@@ -82,5 +163,49 @@ impl BillingArgs {
             self.signature_scheme,
             self.timestamp_tolerance_secs,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<BillingArgs, clap::Error> {
+        service_common::cli::try_parse_with_env_prefix(
+            "BILLING_UNSET_IN_TESTS",
+            DEFAULT_LISTEN,
+            DEFAULT_ADMIN_LISTEN,
+            ["billing", "--database-url", "postgresql://u@h/db"]
+                .into_iter()
+                .chain(args.iter().copied()),
+        )
+    }
+
+    #[test]
+    fn the_charge_step_is_off_without_a_payments_url_and_hooks_are_off() {
+        let args = parse(&[]).expect("parses");
+        assert!(args.charge.payments_url.is_none());
+        assert!(!args.charge.fault_exit_after_charge);
+        assert!(!args.charge.charge_without_idempotency_key);
+        assert!(args.charge.charge_retry_window < Duration::from_secs(24 * 3600));
+        let args = parse(&["--payments-url", "http://127.0.0.1:8082/"]).expect("parses");
+        assert_eq!(
+            args.charge.payments_url.map(|u| u.to_string()).as_deref(),
+            Some("http://127.0.0.1:8082/")
+        );
+    }
+
+    #[test]
+    fn a_bad_payments_url_or_duration_is_refused_naming_the_flag() {
+        for bad in [
+            ["--payments-url", "127.0.0.1:8082"],
+            ["--payments-url", "ftp://h/"],
+            ["--charge-timeout", "0s"],
+            ["--charge-backoff-max", "soon"],
+        ] {
+            let err = parse(&bad).unwrap_err();
+            assert!(err.to_string().contains(bad[0]), "{bad:?}: {err}");
+            assert_eq!(err.exit_code(), 2, "{bad:?}");
+        }
     }
 }

@@ -15,6 +15,7 @@
 //! Delivery is at-least-once; the inbox makes the effect exactly-once, and
 //! `invoices.order_id UNIQUE` is a second invariant behind it.
 
+pub mod charge;
 pub mod config;
 pub mod event;
 pub mod routes;

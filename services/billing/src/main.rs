@@ -14,7 +14,7 @@ async fn main() -> ExitCode {
         (Ok(verifier), Ok(hangup)) => {
             let shared = SharedVerifier::new(verifier);
             let service = args.service.clone();
-            service_common::server::run("billing", service, move |pool, metrics| {
+            service_common::service::run("billing", service, move |pool, metrics| {
                 let current = shared.current();
                 tracing::info!(keys = %current.keys(), scheme = %current.scheme(), "event secrets loaded");
                 let reloads = IntCounterVec::new(
@@ -28,18 +28,19 @@ async fn main() -> ExitCode {
                 for result in ["ok", "error"] {
                     reloads.with_label_values(&[result]);
                 }
+                let charge = billing::charge::start(&args.charge, pool.clone(), metrics.registry())?;
                 tokio::spawn(reload_on_sighup(
                     hangup,
                     move || args.verifier(),
                     shared.clone(),
                     reloads,
                 ));
-                billing::router(pool, &metrics, shared)
+                billing::router(pool, &metrics, shared, charge)
             })
             .await
         }
         (Err(e), _) => Err(e.into()),
         (_, Err(e)) => Err(anyhow::Error::new(e).context("installing the SIGHUP handler")),
     };
-    service_common::server::exit_code("billing", result)
+    service_common::service::exit_code("billing", result)
 }

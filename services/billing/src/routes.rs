@@ -15,6 +15,7 @@ use service_common::body::{RawJsonBody, parse_json};
 use service_common::metrics::HttpMetrics;
 use service_common::server::Routes;
 
+use crate::charge::ChargeWorker;
 use crate::event::{OrderCreated, parse_uuid};
 use crate::signature::SharedVerifier;
 use crate::store::{InboxStore, Invoice, Recorded};
@@ -26,6 +27,7 @@ pub const EVENT_ID_HEADERS: [&str; 2] = ["idempotency-key", "webhook-id"];
 struct AppState {
     verifier: SharedVerifier,
     store: InboxStore,
+    charge: Option<ChargeWorker>,
     verified: IntCounterVec,
     invoiced: IntCounter,
     duplicates: IntCounter,
@@ -35,11 +37,13 @@ struct AppState {
 /// listener, `GET /invoices` (an operator's read) on the admin listener;
 /// registers `billing_signatures_verified_total{scheme}`,
 /// `billing_invoices_created_total` and `billing_duplicates_absorbed_total`
-/// in `metrics`.
+/// in `metrics`. With a `charge` worker, each new invoice starts `pending`
+/// and wakes it.
 pub fn router(
     pool: Pool,
     metrics: &HttpMetrics,
     verifier: SharedVerifier,
+    charge: Option<ChargeWorker>,
 ) -> anyhow::Result<Routes> {
     let verified = IntCounterVec::new(
         Opts::new(
@@ -55,7 +59,8 @@ pub fn router(
     let state = Arc::new(AppState {
         verifier,
         verified,
-        store: InboxStore::new(pool),
+        store: InboxStore::new(pool, charge.is_some()),
+        charge,
         invoiced: counter(
             metrics.registry(),
             "billing_invoices_created_total",
@@ -103,7 +108,12 @@ async fn inbox(
     let event = OrderCreated::from_json(&parse_json(&body)?)?;
     check_event_id_headers(&headers, &event)?;
     match state.store.record(&event).await? {
-        Recorded::Invoiced => state.invoiced.inc(),
+        Recorded::Invoiced => {
+            state.invoiced.inc();
+            if let Some(worker) = &state.charge {
+                worker.wake();
+            }
+        }
         Recorded::Duplicate => {
             tracing::debug!(event_id = %event.id, "duplicate delivery absorbed");
             state.duplicates.inc();

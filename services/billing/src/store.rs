@@ -5,7 +5,9 @@
 //! the `processed_events` insert with `ON CONFLICT DO NOTHING RETURNING`
 //! feeds the invoice insert, which therefore happens only when the event id
 //! was new. A concurrent duplicate waits on the first one's key, then finds
-//! the conflict and inserts nothing. Any error aborts both inserts.
+//! the conflict and inserts nothing. Any error aborts both inserts. The
+//! invoice starts its charge's state machine there (`pending`, due now) when
+//! Billing charges; [`crate::charge`] takes it from there.
 
 use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::error::SqlState;
@@ -21,11 +23,12 @@ const RECORD_EVENT: &str = "\
         ON CONFLICT DO NOTHING \
         RETURNING event_id \
     ) \
-    INSERT INTO invoices (id, order_id, amount_cents, currency) \
-    SELECT $2::uuid, $3::uuid, $4::bigint, $5::bpchar FROM inbox";
+    INSERT INTO invoices (id, order_id, amount_cents, currency, charge_status, charge_next_at) \
+    SELECT $2::uuid, $3::uuid, $4::bigint, $5::bpchar, $6::text, now() FROM inbox";
 
 const SELECT_INVOICES: &str = "SELECT id, order_id, amount_cents, currency, \
-     to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
+     to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
+     charge_status, charge_id, charge_error, charge_attempts \
      FROM invoices WHERE order_id = $1 ORDER BY created_at, id";
 
 /// What recording an event did.
@@ -50,18 +53,32 @@ pub struct Invoice {
     pub currency: String,
     /// Creation time, RFC 3339 in UTC with microseconds.
     pub created_at: String,
+    /// `none`, `pending`, `charging`, `charged` or `failed`
+    /// (`sql/billing.sql`).
+    pub charge_status: String,
+    /// The provider's charge id, once `charged`.
+    pub charge_id: Option<String>,
+    /// Why it `failed`, or the last attempt's error while `charging`.
+    pub charge_error: Option<String>,
+    /// Attempts so far.
+    pub charge_attempts: i32,
 }
 
 /// Inbox and invoices over a pool.
 #[derive(Clone)]
 pub struct InboxStore {
     pool: Pool,
+    charge_status: &'static str,
 }
 
 impl InboxStore {
-    /// A store over `pool`.
-    pub fn new(pool: Pool) -> Self {
-        Self { pool }
+    /// A store over `pool`; new invoices start `pending` when `charging`
+    /// (a payments URL is set), else `none`.
+    pub fn new(pool: Pool, charging: bool) -> Self {
+        Self {
+            pool,
+            charge_status: if charging { "pending" } else { "none" },
+        }
     }
 
     /// Records `event` exactly once. A second event id for an already
@@ -76,7 +93,14 @@ impl InboxStore {
         let inserted = client
             .execute(
                 &statement,
-                &[&event.id, &invoice_id, &event.order_id, &event.amount_cents, &event.currency],
+                &[
+                    &event.id,
+                    &invoice_id,
+                    &event.order_id,
+                    &event.amount_cents,
+                    &event.currency,
+                    &self.charge_status,
+                ],
             )
             .await
             .map_err(|e| {
@@ -111,6 +135,10 @@ impl InboxStore {
                 amount_cents: row.get(2),
                 currency: row.get(3),
                 created_at: row.get(4),
+                charge_status: row.get(5),
+                charge_id: row.get(6),
+                charge_error: row.get(7),
+                charge_attempts: row.get(8),
             })
             .collect())
     }

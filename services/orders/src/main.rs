@@ -9,7 +9,7 @@ async fn main() -> ExitCode {
     let args = OrdersArgs::parse_env();
     let fault = args.fault_after_order_insert;
     let key_ttl = args.idempotency_key_ttl;
-    let result = service_common::server::run("orders", args.service, move |pool, metrics| {
+    let result = service_common::service::run("orders", args.service, move |pool, metrics| {
         Ok(service_common::server::Routes {
             public: orders::router(pool, &metrics, fault, key_ttl)?,
             // GET /orders/{id} is the clients' (POST answers with its Location).
@@ -17,5 +17,5 @@ async fn main() -> ExitCode {
         })
     })
     .await;
-    service_common::server::exit_code("orders", result)
+    service_common::service::exit_code("orders", result)
 }

@@ -7,12 +7,16 @@
 //! ```text
 //! cargo run --release -p cdc-relay-tests --bin chaos -- [--seed N] [--duration 10m] [--rate 100]
 //!                                                       [--out chaos.json] [--keep-logs DIR] [--no-fsync]
+//!                                                       [--without-idempotency-key]
 //! ```
 //!
 //! Prints the seed and the drawn schedule first, one line per fault as it
 //! is applied, then the table; writes the JSON report to `--out`. Exit
 //! status 1 when the ledger is not clean (lost, duplicate, phantom,
-//! dead-lettered or accepted-but-not-committed is not 0).
+//! dead-lettered or accepted-but-not-committed is not 0), or an order was
+//! charged twice or never at the payment provider. With
+//! `--without-idempotency-key` Billing sends no key: the run counts the
+//! double charges the key prevents (and exits 1 for them).
 //!
 //! `--shards N` runs issue 16's shard chaos instead
 //! ([`chaos::shards`]): N shards streamed by 2 relays that may each hold
@@ -53,6 +57,11 @@ struct Args {
     /// Run PostgreSQL with fsync off (the full run keeps it on).
     #[arg(long)]
     no_fsync: bool,
+    /// The comparison run: Billing sends no Idempotency-Key to the payment
+    /// provider, and the report counts the double charges it prevents
+    /// (the ledger is then not clean, on purpose).
+    #[arg(long)]
+    without_idempotency_key: bool,
     /// Issue 16's shard chaos over this many shards instead of the fault
     /// schedule.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -84,6 +93,7 @@ async fn main() -> ExitCode {
     let mut cfg = Config::full(seed, args.duration, args.rate);
     cfg.fsync = !args.no_fsync;
     cfg.keep_logs = args.keep_logs;
+    cfg.idempotency_key = !args.without_idempotency_key;
     let report = match chaos::run(&cfg).await {
         Ok(r) => r,
         Err(err) => {
@@ -105,7 +115,7 @@ async fn main() -> ExitCode {
     }
     if report.passed() {
         println!(
-            "ledger clean: nothing lost, nothing charged twice, no phantom, nothing dead-lettered"
+            "ledger clean: nothing lost, no order invoiced or charged twice, none left uncharged, no phantom, nothing dead-lettered"
         );
         ExitCode::SUCCESS
     } else {

@@ -14,61 +14,36 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::net::TcpStream;
+
+use crate::tcp::{Acceptor, reset};
 
 /// A running front; stops, closing its connections, when dropped.
 pub struct Front {
-    addr: SocketAddr,
     upstream: Arc<Mutex<SocketAddr>>,
-    accept: JoinHandle<()>,
+    accept: Acceptor,
 }
 
 impl Front {
     /// Starts a front on a free loopback port forwarding to `upstream`.
     pub async fn start(upstream: SocketAddr) -> std::io::Result<Front> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
         let upstream = Arc::new(Mutex::new(upstream));
-        let accept = tokio::spawn(accept_loop(listener, Arc::clone(&upstream)));
-        Ok(Front {
-            addr,
-            upstream,
-            accept,
+        let accept = Acceptor::start({
+            let upstream = Arc::clone(&upstream);
+            move |client| forward(client, *upstream.lock().expect("front lock"))
         })
+        .await?;
+        Ok(Front { upstream, accept })
     }
 
     /// `http://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("http://{}", self.accept.addr())
     }
 
     /// New connections go to `upstream` from now on.
     pub fn set_upstream(&self, upstream: SocketAddr) {
         *self.upstream.lock().expect("front lock") = upstream;
-    }
-}
-
-impl Drop for Front {
-    fn drop(&mut self) {
-        self.accept.abort();
-    }
-}
-
-async fn accept_loop(listener: TcpListener, upstream: Arc<Mutex<SocketAddr>>) {
-    let mut connections = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((client, _)) = accepted else {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                };
-                let to = *upstream.lock().expect("front lock");
-                connections.spawn(forward(client, to));
-            }
-            Some(_) = connections.join_next() => {}
-        }
     }
 }
 
@@ -87,13 +62,6 @@ async fn forward(mut client: TcpStream, to: SocketAddr) {
         reset(client);
         reset(server);
     }
-}
-
-/// Closes `stream` with a TCP RST.
-fn reset(stream: TcpStream) {
-    #[allow(deprecated)]
-    let _ = stream.set_linger(Some(Duration::ZERO));
-    drop(stream);
 }
 
 /// The socket address of `http://host:port` (an IP address).

@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 use super::load::{HttpTally, SqlTally};
 use super::schedule::{Fault, FaultKind, Schedule};
+use crate::oracle::Charges;
 use crate::stats::percentile;
 
 /// One request as the sink (in front of Billing) answered it.
@@ -289,6 +290,12 @@ pub struct Report {
     pub started_unix: f64,
     /// The must-be-zero figures.
     pub ledger: LedgerFigures,
+    /// Whether Billing sent its `Idempotency-Key` (`false`: the comparison
+    /// run).
+    pub idempotency_key: bool,
+    /// The provider's charges per order (double charges and uncharged
+    /// invoices must be 0).
+    pub charges: Charges,
     /// The measured figures.
     pub figures: Figures,
     /// Per fault kind.
@@ -304,9 +311,10 @@ pub struct Report {
 }
 
 impl Report {
-    /// Whether the ledger is clean and nothing exited on its own.
+    /// Whether the ledger is clean, every order was charged exactly once,
+    /// and the drain finished.
     pub fn passed(&self) -> bool {
-        self.ledger.is_clean() && self.figures.drain.is_some()
+        self.ledger.is_clean() && self.charges.is_clean() && self.figures.drain.is_some()
     }
 }
 
@@ -602,8 +610,36 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "| committed events / invoices | {} / {} |\n",
+            "| committed events / invoices | {} / {} |",
             l.committed_events, l.invoices
+        );
+        let c = &self.charges;
+        let _ = writeln!(
+            s,
+            "| double charges (orders charged twice or more{}) | {} |",
+            if self.idempotency_key {
+                ""
+            } else {
+                "; Idempotency-Key OFF, the comparison run"
+            },
+            verdict(c.twice)
+        );
+        let _ = writeln!(
+            s,
+            "| invoices never charged / not recorded `charged` | {} / {} |",
+            verdict(c.never),
+            verdict(c.invoices - c.by_status.get("charged").copied().unwrap_or(0))
+        );
+        let _ = writeln!(
+            s,
+            "| charges for no invoice / recorded with another charge id | {} / {} |",
+            verdict(c.orphan),
+            verdict(c.mismatched)
+        );
+        let _ = writeln!(
+            s,
+            "| charges / orders charged once / extra charges | {} / {} / {} |\n",
+            c.charges, c.once, c.extra_charges
         );
         let _ = writeln!(s, "| figure | value |\n|---|---:|");
         let _ = writeln!(

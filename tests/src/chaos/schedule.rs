@@ -46,11 +46,20 @@ pub enum FaultKind {
     PgRestartImmediate,
     /// `pg_terminate_backend` of the walsender serving the slot.
     WalsenderTerminate,
+    /// SIGKILL of the payment provider; restarted (on a new port) after the hold.
+    PaymentsKill,
+    /// Billing dies between the provider's charge and its own record of it
+    /// (restarted with `--fault-exit-after-charge`, it exits at its next
+    /// charge); restarted after the hold.
+    BillingExitAfterCharge,
+    /// The provider dies between its charge and its answer (restarted with
+    /// `--fault-exit-after-commit`); restarted after the hold.
+    PaymentsExitAfterCharge,
 }
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 10] = [
+    pub const ALL: [FaultKind; 13] = [
         FaultKind::RelayKill,
         FaultKind::BillingKill,
         FaultKind::OrdersKill,
@@ -61,10 +70,13 @@ impl FaultKind {
         FaultKind::Billing503,
         FaultKind::PgRestartImmediate,
         FaultKind::WalsenderTerminate,
+        FaultKind::PaymentsKill,
+        FaultKind::BillingExitAfterCharge,
+        FaultKind::PaymentsExitAfterCharge,
     ];
 
     /// Kinds that come back in every round.
-    const REPEATABLE: [FaultKind; 7] = [
+    const REPEATABLE: [FaultKind; 10] = [
         FaultKind::BillingKill,
         FaultKind::OrdersKill,
         FaultKind::BillingLinkBlackhole,
@@ -72,6 +84,9 @@ impl FaultKind {
         FaultKind::PgLinkBlackhole,
         FaultKind::PgLinkReset,
         FaultKind::Billing503,
+        FaultKind::PaymentsKill,
+        FaultKind::BillingExitAfterCharge,
+        FaultKind::PaymentsExitAfterCharge,
     ];
 
     /// A short name for tables and logs.
@@ -87,6 +102,9 @@ impl FaultKind {
             FaultKind::Billing503 => "Billing 503 burst",
             FaultKind::PgRestartImmediate => "PostgreSQL restart -m immediate",
             FaultKind::WalsenderTerminate => "walsender terminated",
+            FaultKind::PaymentsKill => "Payments SIGKILL",
+            FaultKind::BillingExitAfterCharge => "Billing dies after a charge",
+            FaultKind::PaymentsExitAfterCharge => "Payments dies before answering",
         }
     }
 
@@ -98,7 +116,10 @@ impl FaultKind {
             | FaultKind::PgRestartImmediate
             | FaultKind::WalsenderTerminate => 0.0,
             FaultKind::BillingKill => rng.random_range(2.0..5.0),
-            FaultKind::OrdersKill => rng.random_range(1.0..3.0),
+            FaultKind::OrdersKill
+            | FaultKind::PaymentsKill
+            | FaultKind::BillingExitAfterCharge
+            | FaultKind::PaymentsExitAfterCharge => rng.random_range(1.0..3.0),
             FaultKind::BillingLinkBlackhole
             | FaultKind::BillingLinkReset
             | FaultKind::PgLinkBlackhole

@@ -238,6 +238,8 @@ mod tests {
                 signature: sign_standard(TEST_SECRET.as_bytes(), id, "1700000000", body.as_bytes()),
             }),
             content_type: Some("application/json".into()),
+            authorization: None,
+            target: "/inbox".into(),
             status: 204,
             at: std::time::Instant::now(),
             arrived: std::time::Instant::now(),

@@ -2,6 +2,8 @@
 //!
 //! - [`ledger`]: what was committed against what took effect in Billing
 //!   (lost, duplicated, phantom).
+//! - [`charges`]: the payment provider's charges against Billing's invoices,
+//!   per order (once, never, twice): the effect outside the databases.
 //! - [`slot`]: the slot's own account of progress, and [`settle`], the one
 //!   way a test proves that something did NOT happen: the relay confirms a
 //!   position only once every transaction before it is done, so once the
@@ -15,12 +17,14 @@
 //!   which [`held`] proves by peeking at it.
 
 pub mod accounting;
+pub mod charges;
 pub mod expected;
 pub mod held;
 pub mod ledger;
 pub mod slot;
 
 pub use accounting::Accounting;
+pub use charges::Charges;
 pub use expected::{Expected, arrival_ids, assert_exact, body_id};
 pub use ledger::{Ledger, wait_ledger_clean};
 pub use slot::{SlotPosition, settle, slot_position, wal_position, walsender_pid};

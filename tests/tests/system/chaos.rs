@@ -5,6 +5,12 @@
 //! (`--nocapture`). The seed is fixed so CI is reproducible;
 //! `CDC_RELAY_CHAOS_SEED` overrides it.
 //!
+//! Issue 33: the provider's charges count once per order (0 double
+//! charges, 0 invoices never charged after the drain), with Billing and the
+//! provider killed between a charge and its record or answer; and the same
+//! schedule without the `Idempotency-Key` counts the double charges it
+//! prevents.
+//!
 //! Issue 14, HTTP manners 6: whatever a dead Billing looks like (killed, a
 //! 503 burst, the link cut or reset), it sees at most 2 requests per second
 //! once the fault's first second is over, per fault kind, relay kills
@@ -49,6 +55,13 @@ async fn chaos_compressed_schedule_loses_nothing_and_charges_no_one_twice() -> a
         "SQL commits that vanished: {context}"
     );
     assert_eq!(l.invoices, l.committed_events, "{context}");
+    // Issue 33: the charge outside every database, once per order.
+    let c = &report.charges;
+    assert_eq!(c.twice, 0, "double charges: {context}");
+    assert_eq!(c.never, 0, "invoices never charged: {context}");
+    assert_eq!(c.orphan + c.mismatched, 0, "stray charges: {context}");
+    assert!(c.is_clean(), "charges: {c:?}: {context}");
+    assert_eq!(c.invoices, l.invoices, "{context}");
     // The run did what it says: faults applied, load flowed, takeovers happened.
     assert!(report.load.http_accepted > 1000, "{context}");
     assert!(
@@ -90,6 +103,45 @@ async fn chaos_compressed_schedule_loses_nothing_and_charges_no_one_twice() -> a
     }
     eprintln!(
         "requests to a dead Billing held to ≤ 2/s (per kind: faults, of which with a relay kill inside): {measured:?}"
+    );
+    Ok(())
+}
+
+/// Issue 33, the comparison: the same compressed schedule (over 30 s of
+/// faults, each kind once) with Billing sending no `Idempotency-Key`. The
+/// crashes between a charge and its record (Billing's or the provider's)
+/// and the answers the provider drops now charge some orders twice: the
+/// double charges the key prevents. Everything else must still hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_without_the_idempotency_key_charges_some_orders_twice() -> anyhow::Result<()> {
+    let seed = std::env::var("CDC_RELAY_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(CI_SEED);
+    let mut cfg = Config::ci(seed);
+    cfg.label = "ci-without-key".into();
+    cfg.shape = chaos::schedule::Shape::compressed(std::time::Duration::from_secs(30));
+    cfg.idempotency_key = false;
+    let report = chaos::run(&cfg).await?;
+    let table = report.table();
+    eprintln!("{table}");
+    let context = format!("seed {seed}; logs: {:?}\n{table}", report.logs);
+    assert!(
+        report.figures.drain.is_some(),
+        "the drain did not finish: {context}"
+    );
+    let l = &report.ledger;
+    assert!(
+        l.is_clean(),
+        "the inbox ledger holds without the key: {context}"
+    );
+    let c = &report.charges;
+    assert!(c.twice > 0, "no double charge without the key: {context}");
+    assert_eq!(c.never, 0, "{context}");
+    assert_eq!(c.once + c.twice, c.invoices, "{context}");
+    eprintln!(
+        "without the Idempotency-Key: {} of {} orders charged twice or more ({} extra charges)",
+        c.twice, c.invoices, c.extra_charges
     );
     Ok(())
 }

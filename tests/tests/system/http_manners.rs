@@ -6,7 +6,8 @@
 //! starts or takes over while the sink is dead sends it at most 2 requests
 //! per second from its first one (6). Item 3 (HTTP/2 GOAWAY) is in
 //! `tls.rs`, which has the https peer; item 6 per fault kind, across relay
-//! kills, in `chaos.rs`.
+//! kills, in `chaos.rs`. A 410 Gone retires the endpoint: events kept,
+//! probed at most once a minute, `/readyz` and a metric say so (issue 30).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -89,8 +90,13 @@ async fn retry_after_pauses_every_request_to_the_sink_probes_included() -> anyho
     })
     .await?;
     let answered = sink.received()[asked].at;
-    tokio::time::sleep(Duration::from_millis(300)).await; // the rest of the batch's first answers
-    let first_round = sink.count() - asked;
+    // The rest of the batch's first answers: one request per event, all
+    // sent before the relay read the Retry-After.
+    wait_until("every event of the batch asked once", WAIT, || async {
+        asked_once_each(&sink.received_from(asked), 5).is_some()
+    })
+    .await?;
+    let first_round = asked_once_each(&sink.received_from(asked), 5).expect("waited for above");
     sink.set_status(204);
     sink.set_retry_after(None);
     s.settle().await?;
@@ -461,8 +467,126 @@ async fn a_relay_starting_or_taking_over_during_an_outage_sends_at_most_two_requ
     Ok(())
 }
 
+/// Issue 30, item 7: a 410 Gone means the endpoint is retired (the
+/// Standard Webhooks convention). With the defaults the relay marks it
+/// retired (`cdc_relay_endpoint_retired`, `/readyz`), logs a message that
+/// names 410 and what to do, keeps the event (never dead-lettered), and
+/// sends nothing more for the next 10 s (its probes come at most once a
+/// minute); `--poison-statuses 410` is refused. With
+/// `--retired-probe-interval 2s` a restarted relay finds the endpoint back
+/// and delivers.
+///
+/// Fails without the fix: 17 POSTs in 10 s (a probe every 500 ms), no
+/// metric, `/readyz` 200 on "circuit open" only, and the hint said to add
+/// 410 to `--poison-statuses`, which accepted it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_410_retires_the_endpoint_keeps_its_events_and_probes_rarely() -> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Scripted).await?;
+    s.sink().set_status(410);
+    let event = app::insert_order_event(&s.db).await?.to_string();
+    let retired = |m: &harness::prom::Exposition| {
+        m.value("cdc_relay_endpoint_retired", &[("endpoint", "default")])
+    };
+    wait_until("the endpoint marked retired", WAIT, || async {
+        Ok::<_, anyhow::Error>(retired(&s.relay.metrics().await?) == Some(1.0))
+    })
+    .await?;
+    let (status, body) = s.relay.get("/readyz").await?;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("retired") && body.contains("410 Gone"),
+        "{body}"
+    );
+    let line = s
+        .relay
+        .process
+        .wait_for_line("the endpoint is retired", WAIT)
+        .await?;
+    assert!(
+        line.contains("410 Gone")
+            && line.contains("replacement")
+            && !line.contains("--poison-statuses"),
+        "{line}"
+    );
+
+    // Time passing is the subject: 10 s at the default pace (a probe a
+    // minute) bring no request after the first answer.
+    let answered = s.sink().count();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let more = s.sink().count() - answered;
+    assert_eq!(more, 0, "{more} requests to a retired endpoint in 10 s");
+    let m = s.relay.metrics().await?;
+    assert_eq!(m.sum("cdc_relay_events_dead_lettered_total"), 0.0);
+    assert_eq!(
+        m.sum_by(
+            "cdc_relay_delivery_attempts_total",
+            ("outcome", "retired"),
+            "outcome"
+        )
+        .get("retired")
+        .copied(),
+        Some(answered as f64)
+    );
+
+    // 410 cannot be made poison.
+    let refused = app::relay_command(
+        &s.stack,
+        &s.stack.relay_url,
+        &[
+            "run",
+            "--sink-url",
+            s.inbox_url(),
+            "--poison-statuses",
+            "400,410",
+        ],
+        &[("EVENT_SECRET", app::TEST_SECRET)],
+    )
+    .await?;
+    assert_eq!(refused.code(), Some(2), "{}", refused.text());
+    assert!(
+        refused.stderr.contains("--poison-statuses cannot list 410"),
+        "{}",
+        refused.text()
+    );
+
+    // Stopped, the event is still held by the slot; a relay probing every
+    // 2 s finds the endpoint back, delivers, and is ready again.
+    s.stop_relay().await?;
+    s.assert_held(&["outbox"]).await?;
+    s.restart_relay(&["--retired-probe-interval", "2s"]).await?;
+    let (relay, sink) = (&s.relay, s.sink());
+    wait_until("retired again after the restart", WAIT, || async {
+        Ok::<_, anyhow::Error>(retired(&relay.metrics().await?) == Some(1.0))
+    })
+    .await?;
+    sink.set_status(204);
+    wait_until(
+        "delivered once the endpoint answers again",
+        WAIT,
+        || async { sink.delivered().iter().any(|r| r.id() == event) },
+    )
+    .await?;
+    wait_until("no longer retired, ready", WAIT, || async {
+        let ready = relay.get("/readyz").await?.0 == 200;
+        Ok::<_, anyhow::Error>(ready && retired(&relay.metrics().await?) == Some(0.0))
+    })
+    .await?;
+    s.assert_balanced().await?;
+    s.finish().await
+}
+
 /// `n` events in one transaction, each of its own order (aggregate), so
 /// they may all be in flight at once.
+/// How many of `received` it took until `events` distinct events had each
+/// been asked once; `None` while fewer have.
+fn asked_once_each(received: &[harness::sink::Received], events: usize) -> Option<usize> {
+    let mut seen = std::collections::HashSet::new();
+    received
+        .iter()
+        .position(|r| seen.insert(r.id()) && seen.len() == events)
+        .map(|i| i + 1)
+}
+
 fn many_events(n: usize) -> String {
     let mut sql = String::from("BEGIN;");
     for _ in 0..n {

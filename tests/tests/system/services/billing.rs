@@ -6,15 +6,15 @@ use std::time::{Duration, Instant};
 
 use ::harness::sink::sign;
 use ::harness::{ServiceProcess, bins};
-use reqwest::StatusCode;
-use reqwest::header::{ALLOW, CONTENT_TYPE};
+use reqwest::header::CONTENT_TYPE;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use uuid::Uuid;
 
 use super::{
-    BODY_LIMIT, SECRET, Service, count, deliver, deliver_signed, event, expect_error, http,
-    nested_arrays, post_order, stack,
+    BODY_LIMIT, SECRET, Service, count, deliver, deliver_signed, event, expect_error,
+    expect_wrong_methods, http, nested_arrays, post_order, stack,
 };
 
 #[tokio::test]
@@ -263,26 +263,10 @@ async fn billing_invalid_fields_are_422_naming_the_field_and_write_nothing() {
 async fn billing_wrong_method_is_405_with_allow() {
     let stack = stack().await;
     let billing = Service::billing(&stack, &[], &[]).await;
-    let client = http();
-    let response = client.get(billing.at("/inbox")).send().await.unwrap();
-    assert_eq!(response.headers()[ALLOW], "POST");
-    expect_error(
-        response,
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method_not_allowed",
-    )
-    .await;
-    let response = client
-        .post(billing.admin_at("/invoices"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.headers()[ALLOW], "GET,HEAD");
-    expect_error(
-        response,
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method_not_allowed",
-    )
+    expect_wrong_methods(&[
+        (Method::GET, billing.at("/inbox"), "POST"),
+        (Method::POST, billing.admin_at("/invoices"), "GET,HEAD"),
+    ])
     .await;
 }
 

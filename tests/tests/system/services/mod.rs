@@ -6,21 +6,27 @@
 //!   writes the order and its outbox row, timeouts and the pool.
 //! - [`billing`]: `POST /inbox` (signature, validation, the inbox row and the
 //!   invoice in one transaction, replays), `GET /invoices`, secret rotation.
+//! - [`payments`]: the payment provider's `POST /charges`: one charge per
+//!   `Idempotency-Key`, and its test hooks.
+//! - [`charges`]: Billing charging each invoice at the provider once,
+//!   whatever crashes or fails on either side.
 //! - here: the client helpers both use, and what holds for both services.
 //!
 //! Each test names one behaviour and asserts it, including what is in the
 //! database afterwards: an error path must leave no row behind.
 
 mod billing;
+mod charges;
 mod orders;
+mod payments;
 
 use std::str::FromStr;
 use std::time::Duration;
 
 use ::harness::sink::sign;
 use ::harness::{PgCluster, ServiceProcess, Stack, bins};
-use reqwest::header::CONTENT_TYPE;
-use reqwest::{Client, Response, StatusCode};
+use reqwest::header::{ALLOW, CONTENT_TYPE};
+use reqwest::{Client, Method, Response, StatusCode};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -118,6 +124,27 @@ async fn expect_error(response: Response, status: StatusCode, code: &str) -> Val
     let body: Value = serde_json::from_str(&text).expect("error body is JSON");
     assert_eq!(body["error"], code, "body: {text}");
     body
+}
+
+/// Each `(method, url, allow)`: the wrong `method` on `url` is a JSON 405
+/// `method_not_allowed` with `Allow: allow`.
+async fn expect_wrong_methods(table: &[(Method, String, &str)]) {
+    let client = http();
+    for (method, url, allow) in table {
+        let response = client.request(method.clone(), url).send().await.unwrap();
+        let status = response.status();
+        let got_allow = response.headers().get(ALLOW).cloned();
+        let text = response.text().await.expect("error body");
+        let body: Value = serde_json::from_str(&text).unwrap_or_default();
+        let answer = format!("{method} {url}: {status} Allow {got_allow:?} {text}");
+        assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{answer}");
+        assert_eq!(
+            got_allow.as_ref().map(|a| a.as_bytes()),
+            Some(allow.as_bytes()),
+            "{answer}"
+        );
+        assert_eq!(body["error"], "method_not_allowed", "{answer}");
+    }
 }
 
 async fn post_order(client: &Client, orders: &Service, body: impl Into<reqwest::Body>) -> Response {

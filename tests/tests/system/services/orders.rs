@@ -6,13 +6,14 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use ::harness::wait_until;
-use reqwest::StatusCode;
-use reqwest::header::{ALLOW, CONTENT_TYPE, LOCATION, RETRY_AFTER};
+use reqwest::header::{CONTENT_TYPE, LOCATION, RETRY_AFTER};
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::{
-    BODY_LIMIT, Service, count, expect_error, http, nested_arrays, order_of_len, post_order, stack,
+    BODY_LIMIT, Service, count, expect_error, expect_wrong_methods, http, nested_arrays,
+    order_of_len, post_order, stack,
 };
 
 #[tokio::test]
@@ -282,37 +283,12 @@ async fn orders_invalid_fields_are_422_naming_the_field_and_write_nothing() {
 async fn orders_wrong_method_is_405_with_allow() {
     let stack = stack().await;
     let orders = Service::orders(&stack, &[], &[]).await;
-    let client = http();
-
-    let response = client.put(orders.at("/orders")).send().await.unwrap();
-    assert_eq!(response.headers()[ALLOW], "POST");
-    expect_error(
-        response,
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method_not_allowed",
-    )
-    .await;
-
-    let response = client.get(orders.at("/orders")).send().await.unwrap();
-    assert_eq!(response.headers()[ALLOW], "POST");
-    expect_error(
-        response,
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method_not_allowed",
-    )
-    .await;
-
-    let response = client
-        .delete(orders.at(&format!("/orders/{}", Uuid::new_v4())))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.headers()[ALLOW], "GET,HEAD");
-    expect_error(
-        response,
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method_not_allowed",
-    )
+    let one = orders.at(&format!("/orders/{}", Uuid::new_v4()));
+    expect_wrong_methods(&[
+        (Method::PUT, orders.at("/orders"), "POST"),
+        (Method::GET, orders.at("/orders"), "POST"),
+        (Method::DELETE, one, "GET,HEAD"),
+    ])
     .await;
 }
 

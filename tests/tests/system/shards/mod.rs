@@ -728,6 +728,8 @@ fn the_order_oracle_flags_a_late_first_arrival_and_allows_repeats() {
         idempotency_key: None,
         webhook: None,
         content_type: None,
+        authorization: None,
+        target: "/inbox".into(),
         status: 204,
         at,
         arrived: at,

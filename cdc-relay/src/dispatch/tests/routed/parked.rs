@@ -6,13 +6,15 @@
 //! with reason `parked`, and the watermark moves past them while the other
 //! endpoints go on.
 //!
-//! Broken on purpose once, to show these tests can fail: with
-//! `Delivery::run` ignoring the switch (no `Work::Deliver(..) if parked`
-//! arm) and `unless_interrupted` never returning `Parked`, the lag test
-//! failed ("the slot moves past the parked events": confirmed stayed 0/0),
-//! and so did the started-parked test ("a healthy but parked endpoint gets
-//! nothing live"); breaking only the first of the two, it passes: the
-//! breaker wait sees the switch before any attempt.
+//! Broken on purpose once, to show these tests can fail: with the
+//! dispatcher not draining a parked lane (its jobs started as deliveries)
+//! and the deliveries ignoring the switch, the lag test failed ("the slot
+//! moves past the parked events": confirmed stayed 0/0), and so did the
+//! started-parked test ("a healthy but parked endpoint gets nothing
+//! live"). A parked lane starts no job at all: the scheduler's
+//! `a_hand_off_releases_the_claim_and_completes_in_its_own_time` ("a
+//! draining lane starts nothing"). With `Scheduler::lane_exclusive`
+//! counting nothing, the three window-share tests below failed.
 //!
 //! The window share, each broken on purpose once: counting only an
 //! endpoint's queued jobs (not its running ones) as held alone, "frozen,
@@ -186,6 +188,55 @@ async fn an_endpoint_started_parked_is_never_tried() {
             .render()
             .contains("cdc_relay_endpoint_parked{endpoint=\"a\"} 1")
     );
+}
+
+/// A parked endpoint's events hold their room in the window until their
+/// rows are committed: with the writer unable to write, the window fills
+/// with them and the source waits (the events stay pending, in bounded
+/// memory); once it writes again, they are parked and the slot moves on.
+///
+/// Broken on purpose once: with a handed-off job's permit dropped at the
+/// hand-off (`write` given the work only), the test failed on "the
+/// eleventh event waits for room".
+#[tokio::test(start_paused = true)]
+async fn a_parked_endpoints_writer_that_cannot_write_holds_its_events_in_the_window() {
+    let a = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+    let parked = park::Park::default();
+    parked.throw("its earlier parked events wait in the dead-letter table".into());
+    let window = Window::new(10, 1 << 20);
+    let mut r = Routed::start_windowed(
+        vec![("a", Arc::clone(&a), vec!["*"])],
+        Unrouted::DeadLetter,
+        &[],
+        None,
+        vec![parked],
+        false,
+        window.clone(),
+    );
+    r.store.3.send_replace(true);
+    for i in 0..10 {
+        r.tx(vec![typed(&format!("e{i}"), "T", Some("k"))]).await;
+    }
+    let eleventh = tokio::time::timeout(Duration::from_secs(5), window.admit(100)).await;
+    assert!(eleventh.is_err(), "the eleventh event waits for room");
+    assert_eq!(window.held(), 10, "the parked events hold the window");
+    assert_eq!(
+        r.position(),
+        Lsn::ZERO,
+        "nothing committed, nothing confirmed"
+    );
+    r.store.3.send_replace(false);
+    r.tx(vec![typed("e10", "T", Some("k"))]).await;
+    let (last, rows, _) = r.finish().await;
+    assert_eq!(
+        last,
+        Lsn::new(1100),
+        "every event parked, the slot moved on"
+    );
+    let mut want: Vec<String> = (0..10).map(|i| format!("e{i}")).collect();
+    want.push("e10".into());
+    assert_eq!(rows_at(&rows, "a"), want, "parked in commit order");
+    assert!(a.calls().is_empty());
 }
 
 /// `lanes` (every one live, `resume = "manual"`, no `max_lag`, no WAL

@@ -187,6 +187,44 @@ async fn an_endpoint_still_down_stays_parked_and_sees_only_probes() {
     );
 }
 
+/// The final pass of a resume holds the endpoint's lane, so it must end at
+/// the first failure. Here a is slow and failing (503 after 2 s), holds a
+/// small window alone and is parked by its share of it; the first pass
+/// finds no row committed yet, so the lane is held for the final pass,
+/// which meets a failing: it must let the lane go, and a's events are
+/// parked while the slot keeps moving. Broken on purpose once: with the
+/// final pass retrying failures (as a regular pass does), the lane stayed
+/// held, the window stayed full and the test failed on "the window stayed
+/// full".
+#[tokio::test(start_paused = true)]
+async fn a_final_pass_that_fails_lets_the_lane_go_and_the_slot_moves() {
+    let a = ScriptedSink::new(|_, _| (Duration::from_secs(2), 503));
+    let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
+    let mut r = Routed::start_windowed(
+        vec![
+            ("a", Arc::clone(&a), vec!["*"]),
+            ("b", Arc::clone(&b), vec!["*"]),
+        ],
+        Unrouted::DeadLetter,
+        &[],
+        None,
+        vec![park::Park::default(), park::Park::default()],
+        true,
+        Window::new(8, 1 << 20),
+    );
+    let sent = tokio::time::timeout(Duration::from_secs(60), async {
+        for n in 0..40 {
+            r.tx(vec![event_n(n)]).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(sent.is_ok(), "the window stayed full");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(r.position(), Lsn::new(100 * 40), "the slot moved on");
+    assert_eq!(r.store.parked_ids("a").len(), 40, "every event of a parked");
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_endpoint_started_parked_with_nothing_left_goes_live() {
     // Started parked (its rows replayed meanwhile by an operator): the

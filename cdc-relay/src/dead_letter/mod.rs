@@ -1,56 +1,57 @@
 //! The dead-letter table: where poison events go instead of being dropped.
 //!
 //! A poison event (the sink refused the event itself: 400, 413, 422 by
-//! default) or an unreadable outbox row (NULL id or type, bad text) becomes a
-//! row in `cdc_relay_dead_letter` (see `sql/orders.sql`) in the source
-//! database. The event counts as done only after that row is committed; if
-//! the write fails, the event stays pending and the write is retried.
+//! default), an unreadable outbox row (NULL id or type, bad text), an
+//! unrouted event or an event of a parked endpoint becomes a row in
+//! `cdc_relay_dead_letter` (see `sql/orders.sql`) in the source database.
+//! The event counts as done only after that row is committed; if the write
+//! fails, the event stays pending and the write is retried.
 //!
 //! This module is the only place a dead-letter row is built
-//! ([`NewDeadLetter::rejected`], [`NewDeadLetter::unreadable`]); the
-//! pipeline writes it through the [`DeadLetterStore`] trait: the side
-//! connection ([`Client`], one statement per row), wrapped by the relay and
-//! `backfill` in a [`GroupedStore`] so rows written concurrently share one
-//! statement and one commit.
+//! ([`NewDeadLetter::rejected`], [`NewDeadLetter::unreadable`],
+//! [`NewDeadLetter::unrouted`], [`NewDeadLetter::parked`]); the pipeline
+//! writes it through the [`DeadLetterStore`] trait: a [`GroupedStore`] over
+//! the side connection, so rows written concurrently share one statement
+//! and one commit.
 //!
-//! Operators list, show, replay and discard rows with `cdc-relay dead-letter`;
-//! replays and discards leave a row in `cdc_relay_dead_letter_audit`.
+//! Operators list, show, replay and discard rows with `cdc-relay dead-letter`
+//! (whose reads are in `commands::dead_letter::rows`); replays and discards
+//! leave a row in `cdc_relay_dead_letter_audit`.
 
 use std::future::Future;
 
 use bytes::Bytes;
-use serde::Serialize;
 use tokio_postgres::{Client, GenericClient};
 
 mod grouped;
 mod store;
 
-pub use grouped::{GATHER, GroupedStore, MAX_BYTES, MAX_ROWS, PARKED_QUEUE_KIB};
+pub use grouped::{GATHER, GroupedStore, MAX_BYTES, MAX_ROWS, Urgency};
+pub use store::resume_lock;
 
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::{Attempt, Reason};
 
 /// Where the pipeline writes dead letters, and where a parked endpoint's
-/// rows are read back to resume it (the side SQL connection in
-/// production, memory in unit tests).
+/// rows are read back to resume it (the side SQL connection through a
+/// [`GroupedStore`] in production, memory in unit tests).
 pub trait DeadLetterStore: Send + Sync + 'static {
-    /// Inserts `row` and returns its id once it is committed.
-    fn insert(&self, row: &NewDeadLetter) -> impl Future<Output = Result<i64, StoreError>> + Send;
-
-    /// Writes a parked row: returns its id once it is committed, or `None`
-    /// once it is queued, from a store that writes behind the flush gate
-    /// (`GroupedStore::asynchronous`, `crate::durable`): it is then written
-    /// after every row queued before it.
-    fn park(
+    /// Queues `row` when called (before the future is polled: rows written
+    /// one after another are stored in that order, with increasing ids)
+    /// and gives its id once it is committed. A write that fails is
+    /// retried by the store; the future fails only with
+    /// [`StoreError::Lost`]. `urgency` says whether the row may wait a
+    /// little for company ([`Urgency`]).
+    fn write(
         &self,
         row: &NewDeadLetter,
-    ) -> impl Future<Output = Result<Option<i64>, StoreError>> + Send {
-        async move { self.insert(row).await.map(Some) }
-    }
+        urgency: Urgency,
+    ) -> impl Future<Output = Result<i64, StoreError>> + Send + 'static;
 
     /// Endpoint `endpoint`'s parked rows (error starting [`PARKED`]) after
-    /// row id `after`, oldest first, at most `limit`.
+    /// row id `after`, oldest first, at most `limit`; each event carries
+    /// its row id ([`OutboxEvent::dead_letter_id`]).
     fn parked(
         &self,
         endpoint: &str,
@@ -271,43 +272,6 @@ pub async fn parked_endpoints(client: &Client) -> Result<Vec<String>, tokio_post
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
-/// A row of the dead-letter table, as listed.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
-pub struct DeadLetter {
-    /// Row id (what `show`, `replay` and `discard` take).
-    pub id: i64,
-    /// Event id.
-    pub event_id: Option<String>,
-    /// Aggregate key.
-    pub aggregate_key: Option<String>,
-    /// Event type.
-    pub event_type: Option<String>,
-    /// Payload JSON text (only in `show`; `list` leaves it out).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub payload: Option<String>,
-    /// A payload that was not UTF-8, as hex (only in `show`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub payload_bytes_hex: Option<String>,
-    /// Commit LSN (PostgreSQL text form); none for a backfilled row.
-    pub commit_lsn: Option<String>,
-    /// HTTP status of the last response.
-    pub http_status: Option<i32>,
-    /// Why it was dead-lettered.
-    pub error: String,
-    /// First bytes of the last response body.
-    pub response_excerpt: Option<String>,
-    /// Delivery attempts.
-    pub attempts: i32,
-    /// When it was written (RFC 3339, UTC; the table's `quarantined_at`).
-    #[serde(rename = "quarantined_at")]
-    pub dead_lettered_at: String,
-    /// How long it has waited, seconds.
-    pub age_secs: i64,
-    /// The routes file's endpoint that refused it (`null`: one-endpoint
-    /// mode, unrouted, or unreadable).
-    pub endpoint: Option<String>,
-}
-
 /// Longest `error` stored, in bytes.
 pub const ERROR_BYTES: usize = 4096;
 
@@ -330,33 +294,6 @@ pub fn storable(s: &str, max: usize) -> String {
         out.truncate(cut);
     }
     out
-}
-
-const COLUMNS: &str = "id, event_id, aggregate_key, event_type, commit_lsn::text, http_status, error, \
-     response_excerpt, attempts, to_char(quarantined_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
-     EXTRACT(EPOCH FROM now() - quarantined_at)::bigint, endpoint";
-
-fn from_row(
-    r: &tokio_postgres::Row,
-    payload: Option<String>,
-    payload_bytes: Option<Vec<u8>>,
-) -> DeadLetter {
-    DeadLetter {
-        id: r.get(0),
-        event_id: r.get(1),
-        aggregate_key: r.get(2),
-        event_type: r.get(3),
-        payload,
-        payload_bytes_hex: payload_bytes.map(hex::encode),
-        commit_lsn: r.get(4),
-        http_status: r.get(5),
-        error: r.get(6),
-        response_excerpt: r.get(7),
-        attempts: r.get(8),
-        dead_lettered_at: r.get(9),
-        age_secs: r.get(10),
-        endpoint: r.get(11),
-    }
 }
 
 /// Which dead letters a command works on: every condition given must hold
@@ -390,7 +327,7 @@ impl Filter {
 
     /// The `LIKE` pattern for the event-type glob: `*` becomes `%`, and
     /// `%`, `_` and `\` match themselves.
-    fn type_pattern(&self) -> Option<String> {
+    pub fn type_pattern(&self) -> Option<String> {
         self.event_type.as_ref().map(|t| {
             let mut p = String::with_capacity(t.len());
             for c in t.chars() {
@@ -411,103 +348,12 @@ impl Filter {
 /// The conditions of a [`Filter`] on `cdc_relay_dead_letter`: parameters
 /// `$1` to `$6` are the type pattern, reason, since, until, aggregate and
 /// endpoint, in that order.
-const FILTERED: &str = "($1::text IS NULL OR event_type LIKE $1) \
+pub const FILTERED: &str = "($1::text IS NULL OR event_type LIKE $1) \
        AND ($2::text IS NULL OR strpos(lower(error), lower($2)) > 0) \
        AND ($3::text IS NULL OR quarantined_at >= $3::text::timestamptz) \
        AND ($4::text IS NULL OR quarantined_at < $4::text::timestamptz) \
        AND ($5::text IS NULL OR aggregate_key = $5) \
        AND ($6::text IS NULL OR endpoint = $6)";
-
-/// The payload columns, after [`COLUMNS`], for the reads that need them
-/// ([`page`], [`get_many`]).
-const WITH_PAYLOAD: &str = "payload, payload_bytes";
-
-/// The rows `filter` selects, oldest first, at most `limit`, without
-/// payloads. A `since`/`until` PostgreSQL cannot read as a time is an
-/// error (22007/22008).
-pub async fn list(
-    client: &Client,
-    filter: &Filter,
-    limit: Option<i64>,
-) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    let rows = client
-        .query(
-            &format!(
-                "SELECT {COLUMNS} FROM cdc_relay_dead_letter WHERE {FILTERED} ORDER BY id LIMIT $7"
-            ),
-            &[
-                &filter.type_pattern(),
-                &filter.reason,
-                &filter.since,
-                &filter.until,
-                &filter.aggregate,
-                &filter.endpoint,
-                &limit,
-            ],
-        )
-        .await?;
-    Ok(rows.iter().map(|r| from_row(r, None, None)).collect())
-}
-
-/// The next `limit` rows `filter` selects after row id `after`, oldest
-/// first, with their payloads: one page of a keyset scan, so a replay of
-/// any number of rows reads them a page per round trip and never holds
-/// them all.
-pub async fn page(
-    client: &Client,
-    filter: &Filter,
-    after: i64,
-    limit: i64,
-) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    let rows = client
-        .query(
-            &format!(
-                "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
-                 WHERE {FILTERED} AND id > $7 ORDER BY id LIMIT $8"
-            ),
-            &[
-                &filter.type_pattern(),
-                &filter.reason,
-                &filter.since,
-                &filter.until,
-                &filter.aggregate,
-                &filter.endpoint,
-                &after,
-                &limit,
-            ],
-        )
-        .await?;
-    Ok(rows
-        .iter()
-        .map(|r| from_row(r, r.get(12), r.get(13)))
-        .collect())
-}
-
-/// One row with its payload.
-pub async fn get(client: &Client, id: i64) -> Result<Option<DeadLetter>, tokio_postgres::Error> {
-    Ok(get_many(client, &[id]).await?.pop())
-}
-
-/// The rows of `ids` that exist, with their payloads, oldest first; one
-/// statement.
-pub async fn get_many(
-    client: &Client,
-    ids: &[i64],
-) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    let rows = client
-        .query(
-            &format!(
-                "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
-                 WHERE id = ANY($1) ORDER BY id"
-            ),
-            &[&ids],
-        )
-        .await?;
-    Ok(rows
-        .iter()
-        .map(|r| from_row(r, r.get(12), r.get(13)))
-        .collect())
-}
 
 /// Why a row was removed.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -1,0 +1,162 @@
+//! The operator's reads of the dead-letter table: `list`, `show` and the
+//! rows a `replay` or `discard` works on, with the one [`Filter`] they share.
+
+use serde::Serialize;
+use tokio_postgres::Client;
+
+use crate::dead_letter::{FILTERED, Filter};
+
+/// A row of the dead-letter table, as listed.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// Row id (what `show`, `replay` and `discard` take).
+    pub id: i64,
+    /// Event id.
+    pub event_id: Option<String>,
+    /// Aggregate key.
+    pub aggregate_key: Option<String>,
+    /// Event type.
+    pub event_type: Option<String>,
+    /// Payload JSON text (only in `show`; `list` leaves it out).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload: Option<String>,
+    /// A payload that was not UTF-8, as hex (only in `show`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload_bytes_hex: Option<String>,
+    /// Commit LSN (PostgreSQL text form); none for a backfilled row.
+    pub commit_lsn: Option<String>,
+    /// HTTP status of the last response.
+    pub http_status: Option<i32>,
+    /// Why it was dead-lettered.
+    pub error: String,
+    /// First bytes of the last response body.
+    pub response_excerpt: Option<String>,
+    /// Delivery attempts.
+    pub attempts: i32,
+    /// When it was written (RFC 3339, UTC; the table's `quarantined_at`).
+    #[serde(rename = "quarantined_at")]
+    pub dead_lettered_at: String,
+    /// How long it has waited, seconds.
+    pub age_secs: i64,
+    /// The routes file's endpoint that refused it (`null`: one-endpoint
+    /// mode, unrouted, or unreadable).
+    pub endpoint: Option<String>,
+}
+
+const COLUMNS: &str = "id, event_id, aggregate_key, event_type, commit_lsn::text, http_status, error, \
+     response_excerpt, attempts, to_char(quarantined_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
+     EXTRACT(EPOCH FROM now() - quarantined_at)::bigint, endpoint";
+
+fn from_row(
+    r: &tokio_postgres::Row,
+    payload: Option<String>,
+    payload_bytes: Option<Vec<u8>>,
+) -> DeadLetter {
+    DeadLetter {
+        id: r.get(0),
+        event_id: r.get(1),
+        aggregate_key: r.get(2),
+        event_type: r.get(3),
+        payload,
+        payload_bytes_hex: payload_bytes.map(hex::encode),
+        commit_lsn: r.get(4),
+        http_status: r.get(5),
+        error: r.get(6),
+        response_excerpt: r.get(7),
+        attempts: r.get(8),
+        dead_lettered_at: r.get(9),
+        age_secs: r.get(10),
+        endpoint: r.get(11),
+    }
+}
+
+/// The payload columns, after [`COLUMNS`], for the reads that need them
+/// ([`page`], [`get_many`]).
+const WITH_PAYLOAD: &str = "payload, payload_bytes";
+
+/// The rows `filter` selects, oldest first, at most `limit`, without
+/// payloads. A `since`/`until` PostgreSQL cannot read as a time is an
+/// error (22007/22008).
+pub async fn list(
+    client: &Client,
+    filter: &Filter,
+    limit: Option<i64>,
+) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            &format!(
+                "SELECT {COLUMNS} FROM cdc_relay_dead_letter WHERE {FILTERED} ORDER BY id LIMIT $7"
+            ),
+            &[
+                &filter.type_pattern(),
+                &filter.reason,
+                &filter.since,
+                &filter.until,
+                &filter.aggregate,
+                &filter.endpoint,
+                &limit,
+            ],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| from_row(r, None, None)).collect())
+}
+
+/// The next `limit` rows `filter` selects after row id `after`, oldest
+/// first, with their payloads: one page of a keyset scan, so a replay of
+/// any number of rows reads them a page per round trip and never holds
+/// them all.
+pub async fn page(
+    client: &Client,
+    filter: &Filter,
+    after: i64,
+    limit: i64,
+) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            &format!(
+                "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
+                 WHERE {FILTERED} AND id > $7 ORDER BY id LIMIT $8"
+            ),
+            &[
+                &filter.type_pattern(),
+                &filter.reason,
+                &filter.since,
+                &filter.until,
+                &filter.aggregate,
+                &filter.endpoint,
+                &after,
+                &limit,
+            ],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| from_row(r, r.get(12), r.get(13)))
+        .collect())
+}
+
+/// One row with its payload.
+pub async fn get(client: &Client, id: i64) -> Result<Option<DeadLetter>, tokio_postgres::Error> {
+    Ok(get_many(client, &[id]).await?.pop())
+}
+
+/// The rows of `ids` that exist, with their payloads, oldest first; one
+/// statement.
+pub async fn get_many(
+    client: &Client,
+    ids: &[i64],
+) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            &format!(
+                "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
+                 WHERE id = ANY($1) ORDER BY id"
+            ),
+            &[&ids],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| from_row(r, r.get(12), r.get(13)))
+        .collect())
+}

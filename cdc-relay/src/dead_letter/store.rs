@@ -1,0 +1,216 @@
+//! The dead-letter table's statements on the side connection: the batch
+//! insert [`super::GroupedStore`]'s writer runs, and the one-statement reads
+//! and updates of a parked endpoint's resume.
+
+use bytes::Bytes;
+use tokio_postgres::{Client, ToStatement};
+
+use super::{
+    ERROR_BYTES, EXCERPT_BYTES, NAME_BYTES, NewDeadLetter, ParkedRow, Removal, StoreError,
+    remove_many, storable,
+};
+use crate::outbox::OutboxEvent;
+
+/// The advisory-lock key of replaying an endpoint's parked rows.
+const RESUME_LOCK: &str = "hashtextextended('cdc_relay_resume:' || $1, 0)";
+
+/// Endpoint `endpoint`'s parked rows (error starting [`super::PARKED`])
+/// after row id `after`, oldest first, at most `limit`.
+pub(super) async fn parked(
+    client: &Client,
+    endpoint: &str,
+    after: i64,
+    limit: i64,
+) -> Result<Vec<ParkedRow>, StoreError> {
+    let rows = client
+        .query(
+            "SELECT id, event_id, event_type, aggregate_key, payload, payload_bytes, commit_lsn::text \
+             FROM cdc_relay_dead_letter \
+             WHERE endpoint = $1 AND error LIKE 'parked:%' AND id > $2 ORDER BY id LIMIT $3",
+            &[&endpoint, &after, &limit],
+        )
+        .await
+        .map_err(|e| StoreError::of(client, &e))?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let text: Option<String> = r.get(4);
+            let bytes: Option<Vec<u8>> = r.get(5);
+            let lsn: Option<String> = r.get(6);
+            ParkedRow {
+                id: r.get(0),
+                event: OutboxEvent {
+                    id: r.get::<_, Option<String>>(1).unwrap_or_default(),
+                    event_type: r.get::<_, Option<String>>(2).unwrap_or_default(),
+                    aggregate_key: r.get(3),
+                    payload: text.map(Bytes::from).or(bytes.map(Bytes::from)),
+                    commit_lsn: lsn.and_then(|l| l.parse().ok()),
+                    commit_time_micros: 0,
+                    dead_letter_id: Some(r.get(0)),
+                },
+            }
+        })
+        .collect())
+}
+
+/// Removes parked rows the endpoint took with a 2xx when the relay
+/// replayed them, each with its audit row.
+pub(super) async fn replayed(client: &Client, ids: &[i64]) -> Result<(), StoreError> {
+    remove_many(
+        client,
+        ids,
+        Removal::Replay,
+        Some("parked endpoint resumed by the relay"),
+        Some("cdc-relay"),
+    )
+    .await
+    .map(drop)
+    .map_err(|e| StoreError::of(client, &e))
+}
+
+/// Parked row `id` was refused as poison when replayed: it stays, as `d`
+/// says (its error, status and response), no longer parked.
+pub(super) async fn refused(client: &Client, id: i64, d: &NewDeadLetter) -> Result<(), StoreError> {
+    client
+        .execute(
+            "UPDATE cdc_relay_dead_letter SET http_status = $2, error = $3, response_excerpt = $4, \
+               attempts = $5, first_attempt_at = to_timestamp($6), last_attempt_at = now() WHERE id = $1",
+            &[
+                &id,
+                &d.http_status.map(i32::from),
+                &storable(&d.error, ERROR_BYTES),
+                &d.response_excerpt.as_deref().map(|e| storable(e, EXCERPT_BYTES)),
+                &i32::try_from(d.attempts).unwrap_or(i32::MAX),
+                &d.first_attempt_unix_micros.map(|m| m as f64 / 1e6),
+            ],
+        )
+        .await
+        .map(drop)
+        .map_err(|e| StoreError::of(client, &e))
+}
+
+/// Takes (`take`) or releases the lock on replaying `endpoint`'s parked
+/// rows, held by `client`'s session until it closes; `Ok(false)`: another
+/// session (another shard's relay, or `dead-letter replay`) holds it.
+pub async fn resume_lock(client: &Client, endpoint: &str, take: bool) -> Result<bool, StoreError> {
+    let sql = if take {
+        format!("SELECT pg_try_advisory_lock({RESUME_LOCK})")
+    } else {
+        format!("SELECT pg_advisory_unlock({RESUME_LOCK})")
+    };
+    client
+        .query_one(&sql, &[&endpoint])
+        .await
+        .map(|r| r.get(0))
+        .map_err(|e| StoreError::of(client, &e))
+}
+
+/// A dead-letter row's column values as stored: text made [`storable`], a
+/// payload that is not UTF-8 or holds a NUL in `payload_bytes` as it is,
+/// the commit LSN as text (the statement casts it to `pg_lsn`), the first
+/// attempt in seconds since the Unix epoch (for `to_timestamp`). What
+/// [`insert_rows`] writes, for one row or a batch.
+#[derive(Clone, Debug)]
+pub(super) struct Stored {
+    pub(super) event_id: Option<String>,
+    pub(super) aggregate_key: Option<String>,
+    pub(super) event_type: Option<String>,
+    pub(super) payload: Option<String>,
+    pub(super) payload_bytes: Option<Vec<u8>>,
+    pub(super) commit_lsn: Option<String>,
+    pub(super) http_status: Option<i32>,
+    pub(super) error: String,
+    pub(super) response_excerpt: Option<String>,
+    pub(super) attempts: i32,
+    pub(super) first_attempt_at: Option<f64>,
+    pub(super) endpoint: Option<String>,
+}
+
+impl Stored {
+    pub(super) fn of(d: &NewDeadLetter) -> Self {
+        let name = |v: &Option<String>| v.as_deref().map(|s| storable(s, NAME_BYTES));
+        let (payload, payload_bytes) = match &d.payload {
+            Some(p) => match std::str::from_utf8(p) {
+                Ok(text) if !text.contains('\0') => (Some(text.to_owned()), None),
+                _ => (None, Some(p.to_vec())),
+            },
+            None => (None, None),
+        };
+        Stored {
+            event_id: name(&d.event_id),
+            aggregate_key: name(&d.aggregate_key),
+            event_type: name(&d.event_type),
+            payload,
+            payload_bytes,
+            commit_lsn: d.commit_lsn.map(|l| l.to_string()),
+            http_status: d.http_status.map(i32::from),
+            error: storable(&d.error, ERROR_BYTES),
+            response_excerpt: d
+                .response_excerpt
+                .as_deref()
+                .map(|e| storable(e, EXCERPT_BYTES)),
+            attempts: i32::try_from(d.attempts).unwrap_or(i32::MAX),
+            first_attempt_at: d.first_attempt_unix_micros.map(|m| m as f64 / 1e6),
+            endpoint: name(&d.endpoint),
+        }
+    }
+}
+
+/// One column of `rows`, as a statement parameter (an array).
+fn column<'a, T>(rows: &[&'a Stored], value: impl Fn(&'a Stored) -> T) -> Vec<T> {
+    rows.iter().map(|r| value(r)).collect()
+}
+
+/// The statement [`insert_rows`] runs: every row of a batch in one
+/// `INSERT … SELECT FROM unnest(…) WITH ORDINALITY ORDER BY` position.
+pub(super) fn insert_statement() -> String {
+    "INSERT INTO cdc_relay_dead_letter \
+           (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
+            error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint) \
+         SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
+                http_status, error, response_excerpt, attempts, to_timestamp(first_attempt_at), now(), endpoint \
+         FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
+                     $7::int4[], $8::text[], $9::text[], $10::int4[], $11::float8[], $12::text[]) \
+              WITH ORDINALITY AS r(event_id, aggregate_key, event_type, payload, payload_bytes, \
+                commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint, n) \
+         ORDER BY n \
+         RETURNING id"
+        .to_owned()
+}
+
+/// Inserts `rows` in one statement (`statement`: [`insert_statement`]'s
+/// text, or that text prepared), in their order; returns their ids in that
+/// order. Ids are taken in that order: the rows are inserted `ORDER BY`
+/// their position, and the `id` default (`nextval`) is evaluated once per
+/// row as they arrive (`dead_letter::grouped`'s module doc).
+pub(super) async fn insert_rows<T: ToStatement + ?Sized>(
+    client: &Client,
+    statement: &T,
+    rows: &[&Stored],
+) -> Result<Vec<i64>, tokio_postgres::Error> {
+    let inserted = client
+        .query(
+            statement,
+            &[
+                &column(rows, |r| r.event_id.as_deref()),
+                &column(rows, |r| r.aggregate_key.as_deref()),
+                &column(rows, |r| r.event_type.as_deref()),
+                &column(rows, |r| r.payload.as_deref()),
+                &column(rows, |r| r.payload_bytes.as_deref()),
+                &column(rows, |r| r.commit_lsn.as_deref()),
+                &column(rows, |r| r.http_status),
+                &column(rows, |r| r.error.as_str()),
+                &column(rows, |r| r.response_excerpt.as_deref()),
+                &column(rows, |r| r.attempts),
+                &column(rows, |r| r.first_attempt_at),
+                &column(rows, |r| r.endpoint.as_deref()),
+            ],
+        )
+        .await?;
+    // Ids were taken in row order, so ascending ids are the rows in order,
+    // whatever order RETURNING lists them in.
+    let mut ids: Vec<i64> = inserted.iter().map(|r| r.get(0)).collect();
+    ids.sort_unstable();
+    debug_assert_eq!(ids.len(), rows.len(), "one id per row inserted");
+    Ok(ids)
+}

@@ -1,0 +1,210 @@
+//! A session's preflight on the side connection: the connection, the slot
+//! (created, recreated and backfilled, or refused), the table, the
+//! publications, the shard coverage and the encoding, all bounded in time.
+
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use super::OnSlotLoss;
+use super::recovery::{self, LeftAt};
+use super::session::{Prepared, Session};
+use super::standby::blocked;
+use crate::dead_letter;
+use crate::sink::HttpSink;
+use crate::source::{self, SourceError, catalog, failover, progress, shards, slot_creation};
+
+impl Session<'_> {
+    /// Connects the side connection and checks the slot, the table and the
+    /// publications. tokio-postgres bounds only the TCP connect; a server
+    /// that accepts and then never answers must not hang the relay, so the
+    /// whole exchange is bounded too.
+    pub(super) async fn prepare(
+        &self,
+        left: Option<&LeftAt>,
+        sink: &HttpSink,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Prepared>, SourceError> {
+        let cfg = self.cfg;
+        let startup = async {
+            let (side, side_closed, server) =
+                source::connect_primary(&cfg.conn, &cfg.application_name).await?;
+            let wal_sender_timeout = catalog::wal_sender_timeout(&side).await?;
+            let slot = catalog::slot_info(&side, &cfg.slot).await?;
+            let parked = dead_letter::parked_endpoints(&side)
+                .await
+                .map_err(|e| SourceError::sql("looking for parked dead letters", &e))?;
+            Ok::<_, SourceError>((side, side_closed, server, wal_sender_timeout, slot, parked))
+        };
+        let tries = u32::try_from(cfg.conn.hosts.len()).unwrap_or(u32::MAX);
+        let bound = cfg.conn.connect_timeout * tries.saturating_add(1);
+        let (side, side_closed, server, wal_sender_timeout, slot, parked) =
+            tokio::time::timeout(bound, startup).await.map_err(|_| {
+                SourceError::Transient(format!(
+                    "{}: no answer within {bound:?} while connecting",
+                    cfg.conn.display()
+                ))
+            })??;
+        let side = Arc::new(side);
+        // The slot was recreated and the gap since the progress record
+        // re-sent: the new slot is ahead of where this process left the old
+        // one by design, and nothing in between is skipped.
+        let mut recovered = false;
+        let slot = match slot {
+            Some(slot) => slot,
+            None if cfg.on_slot_loss == OnSlotLoss::RecreateAndBackfill => {
+                match recovery::recreate_and_backfill(&side, &server, cfg, sink, shutdown).await? {
+                    Some(slot) => {
+                        recovered = true;
+                        slot
+                    }
+                    None => return Ok(None),
+                }
+            }
+            None if cfg.create_slot => {
+                slot_creation::create_slot(
+                    &side,
+                    &server,
+                    &cfg.slot,
+                    cfg.failover,
+                    cfg.slot_create_timeout,
+                )
+                .await?;
+                tracing::warn!(slot = %cfg.slot, "created the missing slot (--create-slot): events committed before now are not delivered");
+                catalog::slot_info(&side, &cfg.slot).await?.ok_or_else(|| {
+                    SourceError::SlotMissing {
+                        slot: cfg.slot.clone(),
+                    }
+                })?
+            }
+            None => {
+                return Err(SourceError::SlotMissing {
+                    slot: cfg.slot.clone(),
+                });
+            }
+        };
+        if !slot.local {
+            return Err(catalog::slot_elsewhere(&cfg.slot, &slot));
+        }
+        if slot.invalidated() {
+            return Err(SourceError::SlotInvalidated {
+                slot: cfg.slot.clone(),
+                reason: slot.invalidation_reason.clone(),
+                since: progress::backfill_since(&side, &cfg.slot).await,
+            });
+        }
+        if let (Some(at), Some(confirmed)) = (cfg.stop_at, slot.confirmed_flush_lsn)
+            && confirmed >= at
+        {
+            tracing::info!(slot = %cfg.slot, confirmed_flush_lsn = %confirmed, stop_at_lsn = %at, "the slot is confirmed at or past --stop-at-lsn: nothing to stream");
+            return Ok(None);
+        }
+        // Still being created by another backend: not usable yet, and not
+        // a relay to stand by for.
+        if let Some(pid) = slot_creation::being_created_by(&slot) {
+            let blockers = slot_creation::blockers(&side, pid).await?;
+            return Err(SourceError::Transient(
+                slot_creation::being_created_message(&cfg.slot, pid, &blockers),
+            ));
+        }
+        // Held by another process (START_REPLICATION would refuse it, and
+        // stays the lock), or another split streams: wait as a hot standby
+        // without the checks below.
+        if let Some(blocked) = blocked(&side, cfg).await? {
+            return Err(blocked);
+        }
+        if !recovered {
+            recovery::check_not_jumped(&side, cfg, self.holder, &slot, left).await?;
+        }
+        if cfg.failover && failover::slot_failover(&side, &cfg.slot).await? != Some(true) {
+            return Err(SourceError::Definite(format!(
+                "--failover: slot {:?} is not a failover slot (or the server predates PostgreSQL 17): run `cdc-relay setup --failover`",
+                cfg.slot
+            )));
+        }
+        // A publication that does not carry the table would let the slot be
+        // confirmed past every event: refuse to stream (the standby too).
+        // A shard streams only rows its filter keeps: first prove that the
+        // filters of all the shards keep every row exactly once, then hold
+        // the publication to the filter proven.
+        let row_filter = match &cfg.shard {
+            Some(s) => {
+                let coverage = shards::check_coverage(
+                    &side,
+                    &cfg.table,
+                    &cfg.columns,
+                    &s.publication_base,
+                    s.shard.count,
+                )
+                .await?;
+                coverage.filters.get(s.shard.index as usize).cloned()
+            }
+            None => None,
+        };
+        let table = catalog::check_stream_config(
+            &side,
+            &cfg.table,
+            &cfg.columns,
+            &cfg.publications,
+            row_filter.as_deref(),
+        )
+        .await?;
+        for warning in
+            catalog::publication_warnings(&side, &cfg.table, &table, &cfg.publications).await?
+        {
+            tracing::warn!("{warning}");
+        }
+        // PostgreSQL 18 decodes past a publication that does not exist at a
+        // point of the WAL with only a WARNING, which the replication stream
+        // does not show: its events would be skipped unseen. Ask first
+        // (15-17 fail on the stream instead, and `diagnose` says why).
+        if !slot.active
+            && catalog::server_version(&side).await? >= 180_000
+            && catalog::slot_predates_publication(&server, &cfg.slot, &cfg.publications).await?
+                == Some(true)
+        {
+            return Err(SourceError::SlotPredatesPublication {
+                slot: cfg.slot.clone(),
+                publication: cfg.publications.join(", "),
+            });
+        }
+        let sql_ascii = self.check_encoding(&side).await?;
+        if cfg.conn.hosts.len() > 1 {
+            tracing::info!(server = %server.display(), "connected to the primary");
+        }
+        Ok(Some(Prepared {
+            side,
+            side_closed,
+            server,
+            wal_sender_timeout,
+            slot,
+            table,
+            sql_ascii,
+            row_filter,
+            parked,
+        }))
+    }
+
+    /// Text the relay sends must be UTF-8. A server in another encoding
+    /// needs the operator's consent. The server converts a real encoding
+    /// (LATIN1, …) to UTF-8 itself; SQL_ASCII stores any bytes and has no
+    /// conversion, so the stream then asks for them as they are and rows
+    /// that are not UTF-8 become dead letters. Returns whether the server
+    /// is SQL_ASCII.
+    async fn check_encoding(&self, side: &tokio_postgres::Client) -> Result<bool, SourceError> {
+        let encoding = catalog::server_encoding(side).await?;
+        if encoding == "UTF8" {
+            return Ok(false);
+        }
+        if !self.cfg.allow_non_utf8 {
+            return Err(SourceError::Definite(format!(
+                "the source database's server_encoding is {encoding}, not UTF8: its text may hold bytes \
+                 that are not UTF-8, which a JSON body cannot carry. Pass --allow-non-utf8 \
+                 (CDC_RELAY_ALLOW_NON_UTF8=true) to stream anyway: rows that are not UTF-8 \
+                 then go to the dead-letter table, their payload bytes kept exactly"
+            )));
+        }
+        tracing::warn!(server_encoding = %encoding, "streaming from a database that is not UTF8 (--allow-non-utf8): rows that are not UTF-8 are dead-lettered, payload bytes kept");
+        Ok(encoding == "SQL_ASCII")
+    }
+}

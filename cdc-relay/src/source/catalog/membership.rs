@@ -1,0 +1,139 @@
+//! Whether the outbox is in its publications, as the catalog says now:
+//! which publications carry its inserts completely, and why the others do
+//! not. (Watching it change over time is `source::membership`.)
+
+use tokio_postgres::Client;
+
+use super::super::error::SourceError;
+use crate::lsn::Lsn;
+use crate::outbox::TableName;
+
+/// Whether the outbox is in the publications, as one monitor reading saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Membership {
+    /// The publications that carry the outbox's inserts completely
+    /// (inserts published, no row filter, no column list leaving out a
+    /// configured column), each as a token of its identity: name, OID,
+    /// `publish_via_partition_root`, `FOR ALL TABLES`, and the OIDs of its
+    /// `pg_publication_rel` / `pg_publication_namespace` rows for the table.
+    /// Empty: the outbox's inserts are not (all) streamed.
+    pub carriers: Vec<String>,
+    /// The relation OID `--table` names now.
+    pub table_oid: Option<u32>,
+    /// When no publication carries it: why, per publication that lists it.
+    pub problem: Option<String>,
+    /// `pg_current_wal_lsn()` when read.
+    pub wal_lsn: Lsn,
+    /// The server's clock when read, `YYYY-MM-DD HH:MM:SS+00` (UTC), a
+    /// `--since` value for `backfill`.
+    pub at: String,
+}
+
+impl Membership {
+    /// Some publication carries the outbox's inserts completely.
+    pub fn included(&self) -> bool {
+        !self.carriers.is_empty()
+    }
+
+    /// Whether, between `earlier` and this reading, no publication can
+    /// have carried the outbox all along: no carrier is the same at both
+    /// readings, or the table is another relation now. (A change in one of
+    /// several publications while another carries it throughout is no gap.)
+    pub fn gap_since(&self, earlier: &Membership) -> bool {
+        self.table_oid != earlier.table_oid
+            || !self.carriers.iter().any(|c| earlier.carriers.contains(c))
+    }
+}
+
+/// The membership part of the monitor's statement: `$2` publications, `$3`
+/// schema, `$4` table, `$5` the configured columns, `$6` the row filter a
+/// carrier must have (NULL: none; a shard's filter when sharded, see
+/// [`crate::source::shards`]). Five columns: WAL
+/// position, time, table OID, carriers, problem. Published tables are
+/// matched by joining their names to pg_class, never with `to_regclass` on
+/// the view's rows: the planner may evaluate that over every pg_class row,
+/// and `pg_toast` then fails with a permission error for a plain role.
+pub(super) const MEMBERSHIP_SQL: &str = "\
+    WITH t AS (SELECT to_regclass(format('%I.%I', $3::text, $4::text))::oid AS oid), \
+         p AS (SELECT oid, pubname, puballtables, pubinsert, pubviaroot FROM pg_publication \
+               WHERE pubname = ANY($2)), \
+         listed AS (SELECT p.oid, p.pubname, p.pubinsert, p.pubviaroot, p.puballtables, \
+                           pt.rowfilter, pt.attnames \
+                    FROM p JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
+                    JOIN pg_namespace pn ON pn.nspname = pt.schemaname \
+                    JOIN pg_class pc ON pc.relnamespace = pn.oid AND pc.relname = pt.tablename, t \
+                    WHERE coalesce(pg_partition_root(pc.oid), pc.oid)::oid = t.oid), \
+         carriers AS (SELECT DISTINCT oid, pubname, pubviaroot, puballtables FROM listed \
+                      WHERE pubinsert AND rowfilter IS NOT DISTINCT FROM $6::text \
+                        AND (attnames IS NULL OR $5::text[]::name[] <@ attnames)) \
+    SELECT pg_current_wal_lsn()::text, \
+           to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00'), \
+           (SELECT oid FROM t), \
+           ARRAY(SELECT c.pubname || ':' || c.oid || ':' || c.pubviaroot || ':' || c.puballtables || ':' || \
+                   coalesce((SELECT string_agg(pr.oid::text, ',' ORDER BY pr.oid) FROM pg_publication_rel pr, t \
+                             WHERE pr.prpubid = c.oid \
+                               AND coalesce(pg_partition_root(pr.prrelid), pr.prrelid)::oid = t.oid), '') || ':' || \
+                   coalesce((SELECT string_agg(pn.oid::text, ',' ORDER BY pn.oid) FROM pg_publication_namespace pn \
+                             WHERE pn.pnpubid = c.oid), '') \
+                 FROM carriers c ORDER BY 1), \
+           (SELECT string_agg(DISTINCT l.pubname || ' ' || CASE \
+                     WHEN NOT l.pubinsert THEN 'does not publish inserts: ALTER PUBLICATION ' || quote_ident(l.pubname) || ' SET (publish = ''insert'')' \
+                     WHEN $6::text IS NULL AND l.rowfilter IS NOT NULL THEN 'has a row filter (WHERE ' || l.rowfilter || '): drop it, the relay needs every row' \
+                     WHEN l.rowfilter IS DISTINCT FROM $6::text THEN 'has ' || coalesce('the row filter (WHERE ' || l.rowfilter || ')', 'no row filter') || ', not this shard''s (WHERE ' || $6::text || '): run `cdc-relay setup --shards`' \
+                     ELSE 'has a column list leaving out a column the relay reads: drop the list' END, '; ') \
+            FROM listed l WHERE l.oid NOT IN (SELECT oid FROM carriers))";
+
+/// Why the outbox is not carried, for messages: the reading's problem, or
+/// "not in any of them" with the command that adds it.
+pub fn membership_problem(m: &Membership, publications: &[String], table: &TableName) -> String {
+    if m.table_oid.is_none() {
+        return format!(
+            "{table} does not exist (renamed or dropped?): if it was renamed, set --table (CDC_RELAY_TABLE) to the new name"
+        );
+    }
+    m.problem.clone().unwrap_or_else(|| {
+        format!(
+            "{table} is in none of the publications ({}): ALTER PUBLICATION {} ADD TABLE {table} (or run `cdc-relay setup`)",
+            publications.join(", "),
+            publications.first().map_or("<publication>", String::as_str)
+        )
+    })
+}
+
+/// Reads the outbox's publication membership alone (one statement);
+/// `row_filter` is the filter a carrier must have (`None`: no filter).
+pub async fn membership(
+    client: &Client,
+    publications: &[String],
+    table: &TableName,
+    columns: &[String],
+    row_filter: Option<&str>,
+) -> Result<Membership, SourceError> {
+    // $1 (the slot, in the monitor's statement) is unused here.
+    let sql = format!("SELECT m.* FROM ({MEMBERSHIP_SQL}) m, (SELECT $1::text) unused");
+    let row = client
+        .query_one(
+            &sql,
+            &[
+                &"",
+                &publications,
+                &table.schema,
+                &table.name,
+                &columns,
+                &row_filter,
+            ],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the publications", &e))?;
+    Ok(membership_from_row(&row))
+}
+
+pub(super) fn membership_from_row(row: &tokio_postgres::Row) -> Membership {
+    Membership {
+        wal_lsn: row.get::<_, String>(0).parse().unwrap_or_default(),
+        at: row.get(1),
+        table_oid: row.get(2),
+        carriers: row.get(3),
+        problem: row.get(4),
+    }
+}

@@ -1,0 +1,81 @@
+//! The slot monitor's reading: the slot, the outbox's publication
+//! membership, the other logical slots and the dead letters waiting, in
+//! one statement (`source::watchdog` takes it every interval).
+
+use tokio_postgres::Client;
+
+use super::super::error::SourceError;
+use super::membership::{MEMBERSHIP_SQL, Membership, membership_from_row};
+use super::slots::{INVALIDATION_REASON, REPLY_AGE, SlotInfo, slot_from_row};
+use crate::outbox::TableName;
+
+/// The slot and the outbox's publication membership in ONE statement (the
+/// slot monitor's reading: its cost is the relay's whole cost to an idle
+/// database). The slot is `None` when it does not exist.
+///
+/// The same statement lists the other logical slots of this database (the
+/// third value) and, with `count_dead_letters`, counts the rows of
+/// `cdc_relay_dead_letter` (the fourth; `None` without). `row_filter` as
+/// for [`membership`](super::membership()).
+pub async fn monitor_reading(
+    client: &Client,
+    slot: &str,
+    publications: &[String],
+    table: &TableName,
+    columns: &[String],
+    row_filter: Option<&str>,
+    count_dead_letters: bool,
+) -> Result<(Option<SlotInfo>, Membership, Vec<String>, Option<i64>), SourceError> {
+    let dead_letters = if count_dead_letters {
+        "(SELECT count(*) FROM cdc_relay_dead_letter)"
+    } else {
+        "NULL::bigint"
+    };
+    let sql = format!(
+        "WITH m AS ({MEMBERSHIP_SQL}) \
+         SELECT m.*, s.plugin::text, s.database::text, s.active, s.active_pid, \
+                s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
+                (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
+                a.wait_event_type::text, s.database = current_database(), {INVALIDATION_REASON}, \
+                (pg_current_wal_lsn() - s.restart_lsn)::bigint, \
+                s.slot_name IS NOT NULL, \
+                ARRAY(SELECT o.slot_name::text FROM pg_replication_slots o \
+                      WHERE o.slot_type = 'logical' AND o.database = current_database() \
+                        AND o.slot_name <> $1 ORDER BY 1), \
+                {dead_letters} \
+         FROM m \
+         LEFT JOIN pg_replication_slots s ON s.slot_name = $1 \
+         LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
+         LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid"
+    );
+    let row = client
+        .query_one(
+            &sql,
+            &[
+                &slot,
+                &publications,
+                &table.schema,
+                &table.name,
+                &columns,
+                &row_filter,
+            ],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;
+    let slot = row.get::<_, bool>(18).then(|| slot_from_row(&row, 5));
+    let others: Vec<String> = row.get(19);
+    Ok((slot, membership_from_row(&row), others, row.get(20)))
+}
+
+/// Whether `cdc_relay_dead_letter` exists (as the relay's role resolves
+/// the name), so the monitor can count its rows.
+pub async fn dead_letter_table_exists(client: &Client) -> Result<bool, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT to_regclass('cdc_relay_dead_letter') IS NOT NULL",
+            &[],
+        )
+        .await
+        .map_err(|e| SourceError::sql("looking up cdc_relay_dead_letter", &e))?;
+    Ok(row.get(0))
+}

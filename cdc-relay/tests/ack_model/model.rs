@@ -1,0 +1,528 @@
+//! The world of the model: a fixed WAL, the walsender, the slot, the
+//! relay's session (the rule under test drives its acknowledgement) and
+//! one or two HTTP sinks; its actions, properties and how a path is shown.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use cdc_relay::lsn::Lsn;
+use stateright::{Model, Property};
+
+use crate::rules::Rule;
+
+/// One stretch of WAL, in commit order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Item {
+    /// A committed transaction decoded and sent as Begin, this many outbox
+    /// inserts, Commit (0: it touched only other published tables).
+    Tx(u8),
+    /// WAL the walsender reads without sending anything (unpublished tables,
+    /// empty transactions skipped by pgoutput); only a keepalive reports it.
+    Gap,
+}
+
+/// Where the slot was created.
+pub(crate) const BASE: u64 = 100;
+/// WAL bytes per item.
+pub(crate) const STEP: u64 = 10;
+
+/// End LSN of item `i` (for a transaction: the position after its commit
+/// record, what `Commit.end_lsn` reports).
+pub(crate) fn end_of(i: usize) -> Lsn {
+    Lsn::new(BASE + STEP * (i as u64 + 1))
+}
+
+/// Start of item `i`'s commit record. The walsender's sent position while it
+/// streams transaction `i`: it has read every record before the commit record
+/// and is decoding that one. A restarted slot resends a transaction iff its
+/// commit record starts at or after `confirmed_flush_lsn` (PostgreSQL skips
+/// `commit origptr < start_decoding_at`), i.e. iff `end_of(i) > slot` here.
+pub(crate) fn commit_start_of(i: usize) -> Lsn {
+    Lsn::new(end_of(i).as_u64() - 1)
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct State<R: Rule> {
+    /// Which WAL of [`AckModel::wals`].
+    pub(crate) wal: u8,
+    /// The slot's `confirmed_flush_lsn`: survives crashes.
+    pub(crate) slot: Lsn,
+    pub(crate) crashes: u8,
+    /// Per endpoint (the second unused with one endpoint).
+    pub(crate) sink_up: [bool; 2],
+    /// Per endpoint, events (global ids) it answered with a 2xx at least
+    /// once, ever.
+    pub(crate) delivered: [u8; 2],
+    /// Per endpoint, events with a parked dead-letter row (durable; gone
+    /// once replayed).
+    pub(crate) parked: [u8; 2],
+    /// Parked jobs completed whose row is not written yet (only with a rule
+    /// that is not `ROW_FIRST`): lost on a crash.
+    pub(crate) unwritten: Vec<(u8, u8)>,
+    // --- the current session: lost on a crash ---
+    /// Next WAL item the walsender will decode.
+    pub(crate) next: u8,
+    /// Transaction being sent: (item, outbox inserts sent so far).
+    pub(crate) streaming: Option<(u8, u8)>,
+    /// The walsender's sent position (what a keepalive reports as wal_end).
+    pub(crate) sent: Lsn,
+    /// The dispatcher's open transaction (`Dispatcher::tx`).
+    pub(crate) open: Option<R::Seq>,
+    /// Deliveries handed to dispatch and not yet done: (event id,
+    /// endpoint, transaction).
+    pub(crate) pending: Vec<(u8, u8, R::Seq)>,
+    /// The acknowledgement state under test.
+    pub(crate) tracker: R,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Action {
+    /// The walsender sends Begin of WAL item `.0`.
+    Begin(u8),
+    /// The walsender sends an outbox insert (global event id).
+    Insert(u8),
+    /// The walsender sends Commit of WAL item `.0`.
+    Commit(u8),
+    /// The walsender reads WAL item `.0` (a gap) and sends nothing.
+    Skip(u8),
+    /// A keepalive reporting this wal_end reaches the relay.
+    Keepalive(Lsn),
+    /// Endpoint `.1` answers event `.0` with a 2xx and the relay sees it.
+    Deliver(u8, u8),
+    /// Endpoint `.1` is parked for event `.0`: its row is committed, then
+    /// the job completes.
+    Park(u8, u8),
+    /// The row of a parked job completed before it (not `ROW_FIRST`) is
+    /// written.
+    WriteRow(u8, u8),
+    /// Event `.0`'s parked row is replayed to endpoint `.1` (up), which
+    /// answers with a 2xx; the row is removed.
+    Replay(u8, u8),
+    SinkFails(u8),
+    SinkRecovers(u8),
+    /// A standby status update carries the relay's confirmed LSN to the slot.
+    StatusUpdate(Lsn),
+    /// The relay dies: pipeline dropped, a new session starts from the slot.
+    Crash,
+}
+
+pub(crate) struct AckModel<R> {
+    pub(crate) wals: Vec<Vec<Item>>,
+    pub(crate) max_crashes: u8,
+    /// 1, or 2 (`run --routes`: see [`AckModel::routes`]).
+    pub(crate) endpoints: u8,
+    /// Whether pending deliveries may be parked.
+    pub(crate) parking: bool,
+    pub(crate) _rule: PhantomData<fn() -> R>,
+}
+
+impl<R: Rule> AckModel<R> {
+    pub(crate) fn new(wals: Vec<Vec<Item>>, max_crashes: u8) -> Self {
+        for w in &wals {
+            let events: u32 = w
+                .iter()
+                .map(|it| match it {
+                    Item::Tx(n) => u32::from(*n),
+                    Item::Gap => 0,
+                })
+                .sum();
+            assert!(events <= 8, "event ids are a u8 bitmask");
+        }
+        AckModel {
+            wals,
+            max_crashes,
+            endpoints: 1,
+            parking: false,
+            _rule: PhantomData,
+        }
+    }
+
+    /// The same model with two endpoints.
+    pub(crate) fn two_endpoints(mut self) -> Self {
+        self.endpoints = 2;
+        self
+    }
+
+    /// The two-endpoint model with parking.
+    pub(crate) fn parking(mut self) -> Self {
+        self.endpoints = 2;
+        self.parking = true;
+        self
+    }
+
+    /// The endpoints event `e` goes to, as a bitmask: with two endpoints,
+    /// even events to both (fan-out), odd ones to the second only.
+    pub(crate) fn routes(&self, e: u8) -> u8 {
+        match (self.endpoints, e % 2) {
+            (1, _) => 0b01,
+            (_, 0) => 0b11,
+            _ => 0b10,
+        }
+    }
+
+    /// Whether every endpoint event `e` goes to answered it with a 2xx or
+    /// holds a parked row of it.
+    pub(crate) fn done_everywhere(&self, s: &State<R>, e: u8) -> bool {
+        (0..2).all(|ep| {
+            self.routes(e) & (1 << ep) == 0 || (s.delivered[ep] | s.parked[ep]) & (1 << e) != 0
+        })
+    }
+
+    /// Whether every endpoint event `e` goes to answered it with a 2xx.
+    pub(crate) fn delivered_everywhere(&self, s: &State<R>, e: u8) -> bool {
+        (0..2).all(|ep| self.routes(e) & (1 << ep) == 0 || s.delivered[ep] & (1 << e) != 0)
+    }
+
+    pub(crate) fn items(&self, s: &State<R>) -> &[Item] {
+        &self.wals[usize::from(s.wal)]
+    }
+
+    pub(crate) fn events_in(&self, s: &State<R>, i: usize) -> u8 {
+        match self.items(s)[i] {
+            Item::Tx(n) => n,
+            Item::Gap => 0,
+        }
+    }
+
+    /// Global id of the first event of item `i`.
+    pub(crate) fn first_event(&self, s: &State<R>, i: usize) -> u8 {
+        (0..i).map(|j| self.events_in(s, j)).sum()
+    }
+
+    pub(crate) fn all_events(&self, s: &State<R>) -> u8 {
+        let n = self.first_event(s, self.items(s).len());
+        ((1u16 << n) - 1) as u8
+    }
+
+    pub(crate) fn wal_end(&self, s: &State<R>) -> Lsn {
+        end_of(self.items(s).len() - 1)
+    }
+
+    /// A new session: everything the relay held is gone; the walsender
+    /// starts at the slot (`sentPtr = confirmed_flush`) and resends every
+    /// item ending after it.
+    pub(crate) fn session(&self, s: &mut State<R>) {
+        let next = (0..self.items(s).len())
+            .find(|&i| end_of(i) > s.slot)
+            .unwrap_or(self.items(s).len());
+        s.next = next as u8;
+        s.streaming = None;
+        s.sent = s.slot;
+        s.open = None;
+        s.pending.clear();
+        s.unwritten.clear();
+        s.tracker = R::new(s.slot);
+    }
+
+    /// The safety property, as a function so the broken rules can be tested
+    /// against the same definition.
+    pub(crate) fn safe(&self, s: &State<R>) -> bool {
+        (0..self.items(s).len()).all(|i| {
+            let first = self.first_event(s, i);
+            let all_delivered =
+                (first..first + self.events_in(s, i)).all(|e| self.done_everywhere(s, e));
+            all_delivered || s.slot < end_of(i)
+        })
+    }
+
+    pub(crate) fn goal(&self, s: &State<R>) -> bool {
+        let all = self.all_events(s);
+        (0..8)
+            .filter(|e| all & (1 << e) != 0)
+            .all(|e| self.delivered_everywhere(s, e))
+            && s.slot == self.wal_end(s)
+    }
+}
+
+impl<R: Rule> Model for AckModel<R> {
+    type State = State<R>;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<State<R>> {
+        (0..self.wals.len())
+            .map(|w| {
+                let mut s = State {
+                    wal: w as u8,
+                    slot: Lsn::new(BASE),
+                    crashes: 0,
+                    sink_up: [true; 2],
+                    delivered: [0; 2],
+                    parked: [0; 2],
+                    unwritten: Vec::new(),
+                    next: 0,
+                    streaming: None,
+                    sent: Lsn::new(BASE),
+                    open: None,
+                    pending: Vec::new(),
+                    tracker: R::new(Lsn::new(BASE)),
+                };
+                self.session(&mut s);
+                s
+            })
+            .collect()
+    }
+
+    fn actions(&self, s: &State<R>, actions: &mut Vec<Action>) {
+        match s.streaming {
+            Some((i, k)) if k < self.events_in(s, usize::from(i)) => {
+                actions.push(Action::Insert(self.first_event(s, usize::from(i)) + k));
+            }
+            Some((i, _)) => actions.push(Action::Commit(i)),
+            None => match self.items(s).get(usize::from(s.next)) {
+                Some(Item::Tx(_)) => actions.push(Action::Begin(s.next)),
+                Some(Item::Gap) => actions.push(Action::Skip(s.next)),
+                None => {}
+            },
+        }
+        actions.push(Action::Keepalive(s.sent));
+        for ep in 0..self.endpoints {
+            if s.sink_up[usize::from(ep)] {
+                actions.extend(
+                    s.pending
+                        .iter()
+                        .filter(|&&(_, p, _)| p == ep)
+                        .map(|&(e, _, _)| Action::Deliver(e, ep)),
+                );
+                actions.push(Action::SinkFails(ep));
+            } else {
+                actions.push(Action::SinkRecovers(ep));
+            }
+            if self.parking {
+                actions.extend(
+                    s.unwritten
+                        .iter()
+                        .filter(|&&(_, p)| p == ep)
+                        .map(|&(e, _)| Action::WriteRow(e, ep)),
+                );
+                actions.extend(
+                    s.pending
+                        .iter()
+                        .filter(|&&(_, p, _)| p == ep)
+                        .map(|&(e, _, _)| Action::Park(e, ep)),
+                );
+                if s.sink_up[usize::from(ep)] {
+                    let parked = s.parked[usize::from(ep)];
+                    actions.extend(
+                        (0..8)
+                            .filter(|e| parked & (1 << e) != 0)
+                            .map(|e| Action::Replay(e, ep)),
+                    );
+                }
+            }
+        }
+        if s.tracker.confirmed() != s.slot {
+            actions.push(Action::StatusUpdate(s.tracker.confirmed()));
+        }
+        if s.crashes < self.max_crashes {
+            actions.push(Action::Crash);
+        }
+    }
+
+    fn next_state(&self, s: &State<R>, action: Action) -> Option<State<R>> {
+        let mut n = s.clone();
+        match action {
+            Action::Begin(i) => {
+                n.streaming = Some((i, 0));
+                n.sent = commit_start_of(usize::from(i));
+                n.open = Some(n.tracker.begin());
+            }
+            Action::Insert(e) => {
+                let (i, k) = n.streaming.expect("insert inside a transaction");
+                n.streaming = Some((i, k + 1));
+                let tx = n.open.expect("dispatcher saw Begin");
+                let routes = self.routes(e);
+                n.tracker.add_routed(tx, e, routes.count_ones() as u8);
+                for ep in (0..2u8).filter(|ep| routes & (1 << ep) != 0) {
+                    n.pending.push((e, ep, tx));
+                }
+                n.pending.sort();
+            }
+            Action::Commit(i) => {
+                n.streaming = None;
+                n.next = i + 1;
+                n.sent = end_of(usize::from(i));
+                let tx = n.open.take().expect("dispatcher saw Begin");
+                n.tracker.commit(tx, end_of(usize::from(i)));
+            }
+            Action::Skip(i) => {
+                n.next = i + 1;
+                n.sent = end_of(usize::from(i));
+            }
+            Action::Keepalive(wal_end) => {
+                // dispatch.rs: keepalives are ignored while a transaction is open.
+                if n.open.is_none() {
+                    n.tracker.keepalive(wal_end);
+                }
+            }
+            Action::Deliver(e, ep) => {
+                let at = n
+                    .pending
+                    .iter()
+                    .position(|&(p, pe, _)| p == e && pe == ep)?;
+                let (_, _, tx) = n.pending.remove(at);
+                n.delivered[usize::from(ep)] |= 1 << e;
+                n.tracker.complete_at(tx, e);
+            }
+            Action::Park(e, ep) => {
+                let at = n
+                    .pending
+                    .iter()
+                    .position(|&(p, pe, _)| p == e && pe == ep)?;
+                let (_, _, tx) = n.pending.remove(at);
+                if R::ROW_FIRST {
+                    n.parked[usize::from(ep)] |= 1 << e;
+                } else {
+                    n.unwritten.push((e, ep));
+                    n.unwritten.sort();
+                }
+                n.tracker.park_at(tx, e);
+            }
+            Action::WriteRow(e, ep) => {
+                let at = n.unwritten.iter().position(|&u| u == (e, ep))?;
+                n.unwritten.remove(at);
+                n.parked[usize::from(ep)] |= 1 << e;
+            }
+            Action::Replay(e, ep) => {
+                n.parked[usize::from(ep)] &= !(1 << e);
+                n.delivered[usize::from(ep)] |= 1 << e;
+            }
+            Action::SinkFails(ep) => n.sink_up[usize::from(ep)] = false,
+            Action::SinkRecovers(ep) => n.sink_up[usize::from(ep)] = true,
+            Action::StatusUpdate(lsn) => n.slot = lsn,
+            Action::Crash => {
+                n.crashes += 1;
+                self.session(&mut n);
+            }
+        }
+        (n != *s).then_some(n)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(crate::SAFETY, |m: &Self, s: &State<R>| m.safe(s)),
+            Property::always(
+                "status updates never move the slot back",
+                |_: &Self, s: &State<R>| s.tracker.confirmed() >= s.slot,
+            ),
+            // Non-vacuity: the interesting situations are reachable.
+            Property::sometimes(
+                "every event delivered, whole WAL confirmed",
+                |m: &Self, s: &State<R>| m.goal(s),
+            ),
+            Property::sometimes(
+                "a keepalive confirmed unpublished WAL",
+                |m: &Self, s: &State<R>| {
+                    m.items(s)
+                        .iter()
+                        .enumerate()
+                        .any(|(i, it)| *it == Item::Gap && s.slot == end_of(i))
+                },
+            ),
+            Property::sometimes(
+                "a delivered event is redelivered after a crash",
+                |_: &Self, s: &State<R>| {
+                    s.pending
+                        .iter()
+                        .any(|&(e, ep, _)| s.delivered[usize::from(ep)] & (1 << e) != 0)
+                },
+            ),
+            Property::sometimes(
+                "a later event completes before an earlier one",
+                |_: &Self, s: &State<R>| {
+                    s.pending
+                        .iter()
+                        .any(|&(e, ep, _)| s.delivered[usize::from(ep)] >> e > 1)
+                },
+            ),
+            Property::sometimes(
+                "the slot passed an event parked at a down endpoint",
+                |m: &Self, s: &State<R>| {
+                    !m.parking
+                        || (0..m.items(s).len()).any(|i| {
+                            let first = m.first_event(s, i);
+                            s.slot >= end_of(i)
+                                && (first..first + m.events_in(s, i))
+                                    .any(|e| !s.sink_up[1] && s.parked[1] & (1 << e) != 0)
+                        })
+                },
+            ),
+            Property::sometimes(
+                "one endpoint is done with an event while the other is down",
+                |m: &Self, s: &State<R>| {
+                    m.endpoints == 2
+                        && s.pending.iter().any(|&(e, ep, _)| {
+                            !s.sink_up[usize::from(ep)]
+                                && s.delivered[usize::from(1 - ep)] & (1 << e) != 0
+                        })
+                        || m.endpoints == 1
+                },
+            ),
+        ]
+    }
+}
+
+// Reporting.
+
+pub(crate) struct Summary<'a, R: Rule>(pub(crate) &'a State<R>);
+
+impl<R: Rule> fmt::Display for Summary<'_, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.0;
+        let bits = |m: u8| -> Vec<u8> { (0..8).filter(|e| m & (1 << e) != 0).collect() };
+        write!(
+            f,
+            "slot={} relay.confirmed={} sent={} delivered={:?}/{:?} parked={:?}/{:?} pending(event,endpoint)={:?} sinks={:?} crashes={}",
+            s.slot.as_u64(),
+            s.tracker.confirmed().as_u64(),
+            s.sent.as_u64(),
+            bits(s.delivered[0]),
+            bits(s.delivered[1]),
+            bits(s.parked[0]),
+            bits(s.parked[1]),
+            s.pending
+                .iter()
+                .map(|&(e, ep, _)| (e, ep))
+                .collect::<Vec<_>>(),
+            s.sink_up,
+            s.crashes,
+        )
+    }
+}
+
+pub(crate) fn describe_wal(items: &[Item]) -> String {
+    let mut out = Vec::new();
+    let mut event = 0u8;
+    for (i, it) in items.iter().enumerate() {
+        match it {
+            Item::Tx(n) => {
+                let ids: Vec<u8> = (event..event + n).collect();
+                event += n;
+                out.push(format!(
+                    "item {i}: tx events {ids:?} end {}",
+                    end_of(i).as_u64()
+                ));
+            }
+            Item::Gap => out.push(format!(
+                "item {i}: unpublished WAL up to {}",
+                end_of(i).as_u64()
+            )),
+        }
+    }
+    out.join("; ")
+}
+
+pub(crate) fn render<R: Rule>(
+    model: &AckModel<R>,
+    steps: Vec<(State<R>, Option<Action>)>,
+) -> String {
+    let mut out = format!(
+        "  WAL: {}\n  start: {}\n",
+        describe_wal(model.items(&steps[0].0)),
+        Summary(&steps[0].0)
+    );
+    for w in steps.windows(2) {
+        let action = w[0].1.expect("every step but the last has an action");
+        out += &format!("  {action:?} -> {}\n", Summary(&w[1].0));
+    }
+    out
+}
