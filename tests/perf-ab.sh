@@ -33,7 +33,9 @@ if [ ! -x "$side/release/cdc-relay" ]; then
     git worktree remove --force "$tree"
 fi
 echo "perf-ab: building the working tree (release)" >&2
-cargo build --release --locked -p cdc-relay-tests --bin bench -p cdc-relay -p orders -p billing >&2
+# Two builds: `--bin` would restrict the other packages to that binary too.
+cargo build --release --locked -p cdc-relay-tests --bin bench >&2
+cargo build --release --locked -p cdc-relay -p orders -p billing -p payments >&2
 head="$dir/cdc-relay-head"
 cp target/release/cdc-relay "$head"
 restore() { cp "$head" target/release/cdc-relay; }

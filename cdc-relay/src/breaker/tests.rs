@@ -1,0 +1,270 @@
+//! Tests of the circuit breaker and the storm guard, in paused time.
+
+use super::*;
+use std::sync::Arc;
+
+#[tokio::test(start_paused = true)]
+async fn an_open_circuit_says_it_is_still_open_once_a_minute() {
+    let opened = Instant::now();
+    let mut spell = OpenSpell::new(opened);
+    let mut lines = Vec::new();
+    // A failed probe every 5 s for 3.5 minutes.
+    for _ in 0..42 {
+        tokio::time::advance(Duration::from_secs(5)).await;
+        if let Some(line) = spell.probe_failed(Instant::now()) {
+            lines.push(line);
+        }
+    }
+    assert_eq!(
+        lines,
+        [
+            (Duration::from_secs(60), 12),
+            (Duration::from_secs(120), 24),
+            (Duration::from_secs(180), 36)
+        ]
+    );
+}
+
+fn breaker() -> Arc<Breaker> {
+    Arc::new(Breaker::new(
+        BreakerConfig {
+            failure_threshold: 3,
+            probe_interval: Duration::from_millis(500),
+            storm_threshold: 3,
+            retired_probe_interval: Duration::from_secs(60),
+        },
+        Metrics::new(),
+    ))
+}
+
+#[tokio::test(start_paused = true)]
+async fn starts_with_one_attempt_at_a_time_until_the_sink_answers() {
+    let b = breaker();
+    assert_eq!(b.admit(1).await, Admission::Probe);
+    let second = tokio::spawn({
+        let b = b.clone();
+        async move { b.admit(2).await }
+    });
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        !second.is_finished(),
+        "one attempt at a time before the first answer"
+    );
+    b.record(Admission::Probe, Signal::Success, "");
+    assert_eq!(
+        second.await.unwrap(),
+        Admission::Normal,
+        "then the whole window"
+    );
+    assert_eq!(b.admit(3).await, Admission::Normal);
+}
+
+/// Issue 14, HTTP manners 6: a relay that starts (or takes over from
+/// one killed mid-outage) while the sink is down sends its first
+/// attempt at once and every later one a probe interval after the last
+/// failure: not the K failures that open the circuit back to back.
+/// Once the sink has answered, a failure is retried at once again
+/// (one at a time), and K failures open the circuit as before.
+#[tokio::test(start_paused = true)]
+async fn a_fresh_breaker_paces_its_attempts_until_the_sink_first_answers() {
+    let b = breaker();
+    let t0 = Instant::now();
+    let mut starts = Vec::new();
+    for n in 1..=5 {
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        starts.push(t0.elapsed());
+        b.record(Admission::Probe, Signal::Transient, "connect");
+        let expected = if n < 3 {
+            CircuitState::Closed
+        } else {
+            CircuitState::Open
+        };
+        assert_eq!(b.state(), expected, "after {n} failures");
+    }
+    assert_eq!(starts[0], Duration::ZERO, "the first attempt goes at once");
+    for pair in starts.windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(
+            gap >= Duration::from_millis(500) && gap <= Duration::from_millis(600),
+            "attempts {gap:?} apart: {starts:?}"
+        );
+    }
+
+    assert_eq!(b.admit(1).await, Admission::Probe);
+    b.record(Admission::Probe, Signal::Success, "");
+    assert_eq!(b.admit(2).await, Admission::Normal);
+    b.record(Admission::Normal, Signal::Transient, "http_503");
+    let t1 = Instant::now();
+    assert_eq!(b.admit(2).await, Admission::Probe);
+    assert_eq!(t1.elapsed(), Duration::ZERO, "not paced once answered");
+}
+
+/// A relay that held the slot, lost it (a reconnect, or another relay
+/// took over) and takes it over again later must not trust what the
+/// sink answered back then: not a whole window at once, and failures
+/// paced. Fails without the reset in `new_session`: the first admission
+/// after it is Normal.
+#[tokio::test(start_paused = true)]
+async fn a_new_session_forgets_that_the_sink_answered() {
+    let b = breaker();
+    assert_eq!(b.admit(1).await, Admission::Probe);
+    b.record(Admission::Probe, Signal::Success, "");
+    assert_eq!(b.admit(2).await, Admission::Normal);
+
+    b.new_session();
+    assert_eq!(b.admit(1).await, Admission::Probe, "one attempt at a time");
+    let second = tokio::spawn({
+        let b = b.clone();
+        async move { b.admit(2).await }
+    });
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!second.is_finished(), "the second waits for the first");
+    b.record(Admission::Probe, Signal::Transient, "connect");
+    let failed = Instant::now();
+    assert_eq!(second.await.unwrap(), Admission::Probe);
+    assert!(
+        failed.elapsed() >= Duration::from_millis(500),
+        "paced: {:?}",
+        failed.elapsed()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn opens_after_k_failures_and_probes_with_the_oldest() {
+    let b = breaker();
+    b.record(Admission::Normal, Signal::Success, ""); // the sink answered once
+    assert_eq!(b.admit(1).await, Admission::Normal);
+    b.record(Admission::Normal, Signal::Transient, "http_503");
+    // After a failure, one attempt at a time until the sink answers.
+    assert_eq!(b.admit(1).await, Admission::Probe);
+    b.record(Admission::Probe, Signal::Transient, "http_503");
+    assert_eq!(b.state(), CircuitState::Closed);
+    b.record(Admission::Normal, Signal::Transient, "http_503");
+    assert_eq!(b.state(), CircuitState::Open);
+
+    // Two deliveries wait; only the oldest (seq 1) probes, after the interval.
+    let t0 = Instant::now();
+    let newer = tokio::spawn({
+        let b = b.clone();
+        async move { b.admit(7).await }
+    });
+    tokio::task::yield_now().await;
+    assert_eq!(b.admit(1).await, Admission::Probe);
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(500) && waited <= Duration::from_millis(600),
+        "{waited:?}"
+    );
+    assert!(!newer.is_finished(), "the newer delivery keeps waiting");
+
+    // A failed probe: the next one only after another interval.
+    b.record(Admission::Probe, Signal::Transient, "http_503");
+    let t1 = Instant::now();
+    assert_eq!(b.admit(1).await, Admission::Probe);
+    assert!(t1.elapsed() >= Duration::from_millis(400));
+
+    // The first 2xx closes the circuit and releases everyone at once.
+    b.record(Admission::Probe, Signal::Success, "");
+    assert_eq!(b.state(), CircuitState::Closed);
+    assert_eq!(newer.await.unwrap(), Admission::Normal);
+}
+
+#[tokio::test(start_paused = true)]
+async fn probe_rate_stays_near_two_per_second() {
+    let b = breaker();
+    b.record(Admission::Normal, Signal::ConfigFault, "http_401");
+    assert_eq!(b.state(), CircuitState::Open);
+    let start = Instant::now();
+    let mut probes = 0;
+    while start.elapsed() < Duration::from_secs(10) {
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        probes += 1;
+        b.record(Admission::Probe, Signal::ConfigFault, "http_401");
+    }
+    assert!(
+        (16..=20).contains(&probes),
+        "{probes} probes in 10 s: never above 2/s"
+    );
+}
+
+/// 410 Gone: the endpoint is marked retired and probed once per
+/// retired interval (60 s here), not once per probe interval; a 2xx
+/// clears it and the circuit.
+#[tokio::test(start_paused = true)]
+async fn a_retired_endpoint_is_probed_once_a_retired_interval() {
+    let metrics = Metrics::new();
+    let b = Breaker::new(
+        BreakerConfig {
+            failure_threshold: 3,
+            probe_interval: Duration::from_millis(500),
+            storm_threshold: 3,
+            retired_probe_interval: Duration::from_secs(60),
+        },
+        metrics.clone(),
+    );
+    b.record(Admission::Normal, Signal::Retired, "http_410");
+    assert_eq!(b.state(), CircuitState::Open);
+    assert!(b.is_retired());
+    assert_eq!(metrics.endpoints.retired(), ["default"]);
+    let start = Instant::now();
+    let mut probes = 0;
+    while start.elapsed() < Duration::from_secs(600) {
+        assert_eq!(b.admit(1).await, Admission::Probe);
+        probes += 1;
+        b.record(Admission::Probe, Signal::Retired, "http_410");
+    }
+    assert!(
+        (9..=10).contains(&probes),
+        "{probes} probes in 10 minutes: at most one a minute"
+    );
+    // A failure of another kind keeps the retired pace until a 2xx.
+    b.record(Admission::Probe, Signal::Transient, "connect");
+    let t = Instant::now();
+    assert_eq!(b.admit(1).await, Admission::Probe);
+    assert!(t.elapsed() >= Duration::from_secs(60));
+    b.record(Admission::Probe, Signal::Success, "");
+    assert_eq!(b.state(), CircuitState::Closed);
+    assert!(!b.is_retired());
+    assert!(metrics.endpoints.retired().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_after_pause_holds_every_delivery_and_the_probe() {
+    let b = breaker();
+    b.record(Admission::Normal, Signal::ConfigFault, "http_401");
+    assert_eq!(b.state(), CircuitState::Open);
+    let t0 = Instant::now();
+    b.pause_until(t0 + Duration::from_secs(20));
+    b.pause_until(t0 + Duration::from_secs(5)); // an earlier end changes nothing
+    assert_eq!(
+        b.admit(1).await,
+        Admission::Probe,
+        "the probe waits out the pause"
+    );
+    assert_eq!(t0.elapsed(), Duration::from_secs(20));
+
+    // A closed, proven circuit pauses every delivery too.
+    b.record(Admission::Probe, Signal::Success, "");
+    assert_eq!(b.admit(2).await, Admission::Normal);
+    let t1 = Instant::now();
+    b.pause_until(t1 + Duration::from_secs(3));
+    let (a, c) = tokio::join!(b.admit(3), b.admit(4));
+    assert_eq!((a, c), (Admission::Normal, Admission::Normal));
+    assert_eq!(t1.elapsed(), Duration::from_secs(3));
+}
+
+#[test]
+fn storm_guard_stops_quarantining_after_distinct_poison_events() {
+    let b = breaker();
+    assert!(b.poison("a"));
+    assert!(b.poison("a"), "the same event does not count twice");
+    assert!(b.poison("b"));
+    assert!(!b.poison("c"), "third distinct event: storm");
+    assert_eq!(b.state(), CircuitState::Open);
+    assert!(!b.poison("d"), "no dead letter during the storm");
+    b.record(Admission::Probe, Signal::Success, "");
+    assert_eq!(b.state(), CircuitState::Closed);
+    assert!(b.poison("e"), "a 2xx ends the storm");
+}
