@@ -67,7 +67,7 @@ pub struct Metrics {
     pub events_received: IntCounter,
     /// Events that got a 2xx.
     pub events_delivered: IntCounter,
-    /// Events quarantined in the dead-letter table.
+    /// Events written to the dead-letter table.
     pub events_dead_lettered: IntCounter,
     /// Delivery attempts by `outcome` (delivered, retry, dead_letter,
     /// config_fault, retired) and `status_class` (2xx … 5xx, none).
@@ -298,7 +298,7 @@ impl Metrics {
             events_dead_lettered: counter(
                 &r,
                 "cdc_relay_events_dead_lettered_total",
-                "Outbox events quarantined in the dead-letter table",
+                "Outbox events written to the dead-letter table",
             ),
             delivery_attempts: counter_vec(
                 &r,

@@ -256,7 +256,7 @@ async fn retry_after_pause_holds_every_delivery_and_the_probe() {
 }
 
 #[test]
-fn storm_guard_stops_quarantining_after_distinct_poison_events() {
+fn storm_guard_stops_dead_lettering_after_distinct_poison_events() {
     let b = breaker();
     assert!(b.poison("a"));
     assert!(b.poison("a"), "the same event does not count twice");

@@ -25,7 +25,7 @@ pub use run::{DeliveryArgs, RunArgs, SecretArgs, SinkArgs};
 /// Streams a PostgreSQL outbox table through a pgoutput logical replication
 /// slot and POSTs each committed insert, HMAC-signed, to an HTTP inbox. The
 /// slot's confirmed LSN advances only past transactions whose events all got
-/// a 2xx (or were quarantined): delivery is at-least-once, so the receiver
+/// a 2xx (or were dead-lettered): delivery is at-least-once, so the receiver
 /// deduplicates by event id (the Idempotency-Key header).
 ///
 /// Exit codes: 0 clean stop; 1 error (the message says which setting or what
@@ -158,7 +158,7 @@ pub enum Command {
     Status(StatusArgs),
     /// Stream and deliver until SIGTERM/SIGINT.
     Run(Box<RunArgs>),
-    /// Inspect and resolve quarantined (poison) events.
+    /// Inspect and resolve dead letters (poison events and parked endpoints' events).
     #[command(subcommand)]
     DeadLetter(DeadLetterCommand),
     /// Re-send outbox rows still in the table, oldest first, through the same

@@ -4,7 +4,7 @@
 
 use super::{ConfigError, connect, outln, report};
 use crate::cli::GlobalArgs;
-use crate::dispatch::Unrouted;
+use crate::dispatch::{Router, Unrouted};
 use crate::routes::RoutesFile;
 use crate::routes::args::{CheckArgs, RoutesCommand};
 use crate::source::catalog::{quote_ident, quote_table};
@@ -60,7 +60,7 @@ async fn check(g: &GlobalArgs, a: &CheckArgs) -> anyhow::Result<()> {
             crate::db_message(&e)
         )
     })?;
-    let router = file.router();
+    let router = router(&file);
     outln!(
         "event types in the last {} row(s) of {} (by {}):",
         a.recent_rows,
@@ -98,4 +98,16 @@ async fn check(g: &GlobalArgs, a: &CheckArgs) -> anyhow::Result<()> {
         outln!("{unrouted_types} event type(s) match no endpoint");
     }
     Ok(())
+}
+
+/// The relay's router over the file's endpoints, in file order, as `run
+/// --routes` builds it.
+fn router(file: &RoutesFile) -> Router {
+    Router::new(
+        file.endpoints
+            .iter()
+            .map(|e| Some(e.event_types.clone()))
+            .collect(),
+        file.unrouted,
+    )
 }

@@ -18,7 +18,7 @@
 //!
 //! On top of the proof a row must be older than the cutoff (its time
 //! column) and have no dead letter waiting (`cdc_relay_dead_letter`, by
-//! event id): a quarantined event keeps its outbox row until it is
+//! event id): a dead-lettered event keeps its outbox row until it is
 //! replayed or discarded.
 
 use std::time::Duration;

@@ -27,7 +27,7 @@ use std::time::Duration;
 use event_secret::{EventKeys, Source};
 use toml::{Table, Value};
 
-use crate::dispatch::{Router, Unrouted, route::Pattern};
+use crate::dispatch::{Unrouted, route::Pattern};
 
 /// A routes file that cannot be used: which file, endpoint and key, and why.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -206,17 +206,6 @@ impl RoutesFile {
             unrouted,
             endpoints,
         })
-    }
-
-    /// The router over the endpoints, in file order.
-    pub fn router(&self) -> Router {
-        Router::new(
-            self.endpoints
-                .iter()
-                .map(|e| Some(e.event_types.clone()))
-                .collect(),
-            self.unrouted,
-        )
     }
 
     /// The endpoint named `name`.
