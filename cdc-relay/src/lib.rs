@@ -37,7 +37,7 @@
 //! 3. the pipeline, in flow order — [`source`] → [`pgoutput`] → [`outbox`]
 //!    → [`dispatch`] → [`sink`] → [`ack`] — and its policies: [`breaker`]
 //!    (circuit breaker, storm guard), [`dead_letter`] (where poison goes);
-//!    what a response means is [`sink::classify`]
+//!    what a response means is [`sink::classify`](mod@sink::classify)
 //! 4. shared types: [`lsn`], [`metrics`], [`endpoint_metrics`], [`health`],
 //!    [`backoff`], [`pace`] (rate caps), [`redact`] (how a URL is shown),
 //!    and the

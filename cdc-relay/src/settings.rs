@@ -303,7 +303,7 @@ impl RunArgs {
             ),
             Some(path) => {
                 if self.on_slot_loss != OnSlotLoss::Stop {
-                    return Err("--on-slot-loss recover is not supported with --routes yet (the recovery backfill has one sink): use --on-slot-loss stop and `cdc-relay backfill` per endpoint".into());
+                    return Err("--on-slot-loss recreate-and-backfill is not supported with --routes yet (the recovery backfill has one sink): use --on-slot-loss stop and `cdc-relay backfill` per endpoint".into());
                 }
                 let file = RoutesFile::load(path).map_err(|e| e.to_string())?;
                 let lanes =

@@ -336,6 +336,50 @@ pub async fn post_order(
     Ok((field("order_id")?, field("event_id")?))
 }
 
+/// Posts one order as a careful client does under load: with an
+/// `Idempotency-Key`, and again with the same key after a 503's
+/// `Retry-After` (Orders' answer when its database pool stays busy past
+/// its wait), at most `attempts` times; returns `(order_id, event_id)`.
+pub async fn post_order_retrying(
+    http: &reqwest::Client,
+    orders: &str,
+    amount_cents: i64,
+    attempts: u32,
+) -> anyhow::Result<(String, String)> {
+    let key = uuid::Uuid::new_v4().to_string();
+    for attempt in 1.. {
+        let resp = http
+            .post(format!("{orders}/orders"))
+            .header("idempotency-key", &key)
+            .json(&serde_json::json!({"amount_cents": amount_cents, "currency": "EUR"}))
+            .send()
+            .await?;
+        let status = resp.status();
+        if status.as_u16() == 503 && attempt < attempts {
+            let wait = resp
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                .unwrap_or(1);
+            tokio::time::sleep(Duration::from_secs(wait)).await;
+            continue;
+        }
+        let body: serde_json::Value = resp.json().await?;
+        anyhow::ensure!(
+            status.as_u16() == 201,
+            "POST /orders (attempt {attempt}): {status} {body}"
+        );
+        let field = |k: &str| {
+            body[k]
+                .as_str()
+                .map(str::to_owned)
+                .context("missing id in response")
+        };
+        return Ok((field("order_id")?, field("event_id")?));
+    }
+    unreachable!("the loop returns")
+}
+
 /// [`start_relay`] with the relay's database URL given: e.g. `stack.relay_url`
 /// rewritten by [`proxied`] to pass through a fault-injecting proxy.
 pub async fn start_relay_with_url(

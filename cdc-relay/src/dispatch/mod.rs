@@ -25,6 +25,8 @@
 //! - [`resume`]: replaying a parked endpoint's rows and handing it back
 //!   to live delivery.
 //! - [`confirmed`]: what [`run`] publishes as confirmed.
+//! - [`pipeline`]: what [`run`] takes and gives: the source's items, a
+//!   lane's settings, what the lanes share, how a job and the run ended.
 //!
 //! Each event is one job per lane it is routed to, and its transaction is
 //! done when all of them are (`docs/architecture.md#acknowledgement`).

@@ -13,14 +13,14 @@
 //! rows go oldest first, one at a time within an aggregate and several
 //! aggregates at once (up to the lane's `max_in_flight`), paced by its
 //! `rate`, through its breaker, judged by `sink::classify`; how hard each
-//! is tried is the pipeline's [`Persist`]. A row is removed, with its audit
+//! is tried is the pipeline's [`Persist`](super::Persist). A row is removed, with its audit
 //! row, only after its 2xx: in batches of [`BATCH`], at the first 2xx
 //! [`FLUSH_EVERY`] after the previous removal, and at the end. A replay
 //! killed between a 2xx and its removal leaves the row, and a later replay
 //! sends it again: the receiver sees the event id twice, which it must
 //! absorb anyway (delivery is at least once).
 //!
-//! Two replayers use it: `dead-letter replay` (with [`Persist::OneAttempt`])
+//! Two replayers use it: `dead-letter replay` (with [`Persist::OneAttempt`](super::Persist::OneAttempt))
 //! and a parked endpoint's resume ([`super::resume`]).
 
 use std::collections::{BTreeMap, VecDeque};
@@ -93,7 +93,7 @@ pub struct Replayed {
 }
 
 /// Replays `rows` to `lane` through a pipeline of its own (`pipeline`:
-/// its store, stopping token and [`Persist`]; its report channel is the
+/// its store, stopping token and [`Persist`](super::Persist); its report channel is the
 /// replay's), at most `limit` rows, calling `ended` for each job's end.
 /// The lane keeps its sink, breaker, rate cap and series, but is never
 /// parked: a replay writes no parked rows. Returns when every row handed

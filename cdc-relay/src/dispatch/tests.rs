@@ -3,8 +3,8 @@
 //! schedule below is exact and the tests never sleep on the wall clock.
 //!
 //! Broken on purpose once, to show these tests can fail:
-//! - `Scheduler::add` with `Some(key) if false && self.claimed.contains(&key)`
-//!   (key claims ignored): `two_events_of_one_aggregate_are_never_in_flight_together`
+//! - key claims ignored (then in `Scheduler::add`, now in
+//!   `Scheduler::add_event`'s `l.claimed.contains(k)`): `two_events_of_one_aggregate_are_never_in_flight_together`
 //!   failed ("e4 and e8 of key k0 overlap"), as did the poison test and both
 //!   scheduler tests.
 //! - `Scheduler::next_job` without its `running >= max_in_flight` check:

@@ -1,7 +1,7 @@
 //! `cdc-relay run`'s engine: supervises replication sessions.
 //!
 //! ```text
-//! loop:  side connection ─▶ catalog checks ─▶ stream::open (START_REPLICATION 0/0)
+//! loop:  side connection ─▶ preflight checks ─▶ transport::open (START_REPLICATION)
 //!        Stream (read ─▶ decode ─▶ map ─▶ admit) ─Item─▶ dispatch ─▶ sink
 //!          ▲                                                │
 //!          └────────── confirmed LSN (watch) ◀──────────────┘  → standby status updates

@@ -65,7 +65,7 @@ impl Session<'_> {
         left: &mut Option<LeftAt>,
     ) -> Result<(), StreamError> {
         let cfg = self.cfg;
-        // A recovery backfill (`--on-slot-loss recover`) is refused with a
+        // A recovery backfill (`--on-slot-loss recreate-and-backfill`) is refused with a
         // routes file at start, so it always has the one endpoint here.
         let sink = &lanes[0].sink;
         let Some(p) = self.prepare(left.as_ref(), sink, shutdown).await? else {

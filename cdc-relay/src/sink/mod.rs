@@ -34,6 +34,6 @@ pub trait Sink: Clone + Send + Sync + 'static {
     /// Makes one attempt to deliver `request` for event `event_id` (the
     /// idempotency key) and reports what happened, within the sink's
     /// request timeout. Never fails: every failure is an [`Attempt`] for
-    /// [`classify`] to judge.
+    /// [`classify`](mod@classify) to judge.
     fn post(&self, event_id: &str, request: &Prepared) -> impl Future<Output = Attempt> + Send;
 }

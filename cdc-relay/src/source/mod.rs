@@ -11,8 +11,8 @@
 //!   string, with an [`SslMode`].
 //! - [`tls`]: libpq's `sslmode` for both connections.
 //! - [`error`]: [`SourceError`] and the one SQLSTATE/transport classifier.
-//! - [`catalog`]: slot info, settings, slot creation, outbox and
-//!   publication checks, identifier quoting.
+//! - [`catalog`]: slot info, settings, outbox and publication checks,
+//!   identifier quoting.
 //! - [`transport`]: opening the replication stream; the one place that
 //!   sets the flush position.
 //! - [`stream`]: the stream's reader: decode, map, admit, hand on.
@@ -23,6 +23,7 @@
 //! - [`failover`]: failover slots and the standbys' copies (17+).
 //! - [`status_updates`]: counts the standby status updates sent.
 //! - [`watchdog`]: the slot monitor and the stream watchdog.
+//! - [`shards`]: the bucket expression, row filters, the coverage proof.
 //!
 //! A logical replication connection matches `pg_hba.conf` by database name,
 //! not by the keyword `replication` (PostgreSQL docs, "The pg_hba.conf

@@ -2,7 +2,8 @@
 //! on a normal SQL connection, by subject:
 //!
 //! - `slots`: the slot's row ([`SlotInfo`]), the other logical slots,
-//!   creating a slot, and whether its pending WAL predates a publication;
+//!   a new slot's birth in the prune marks, and whether its pending WAL
+//!   predates a publication (creating a slot is `source::slot_creation`);
 //! - `membership`: whether the outbox is in its publications
 //!   ([`Membership`]);
 //! - `monitor`: the slot monitor's one statement reading both;

@@ -1,6 +1,7 @@
 //! The replication slot in the catalog: its row as `pg_replication_slots`
 //! and the walsender holding it show it, the other logical slots of the
-//! database, and creating one (with its birth in the prune marks).
+//! database, and a new slot's birth in the prune marks (the slot itself
+//! is created by `source::slot_creation`).
 
 use tokio::time::Instant;
 use tokio_postgres::Client;
