@@ -339,7 +339,9 @@ pub async fn post_order(
 /// Posts one order as a careful client does under load: with an
 /// `Idempotency-Key`, and again with the same key after a 503's
 /// `Retry-After` (Orders' answer when its database pool stays busy past
-/// its wait), at most `attempts` times; returns `(order_id, event_id)`.
+/// its wait) or after a connection the server closed under it (a kept-alive
+/// one it closed as idle to make room, as servers may), at most `attempts`
+/// times; returns `(order_id, event_id)`.
 pub async fn post_order_retrying(
     http: &reqwest::Client,
     orders: &str,
@@ -348,12 +350,19 @@ pub async fn post_order_retrying(
 ) -> anyhow::Result<(String, String)> {
     let key = uuid::Uuid::new_v4().to_string();
     for attempt in 1.. {
-        let resp = http
+        let resp = match http
             .post(format!("{orders}/orders"))
             .header("idempotency-key", &key)
             .json(&serde_json::json!({"amount_cents": amount_cents, "currency": "EUR"}))
             .send()
-            .await?;
+            .await
+        {
+            Err(e) if e.is_request() && attempt < attempts => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            sent => sent?,
+        };
         let status = resp.status();
         if status.as_u16() == 503 && attempt < attempts {
             let wait = resp
