@@ -40,7 +40,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use base64::Engine as _;
 use bytes::Bytes;
 use http::header::{AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER, USER_AGENT};
-use http::{HeaderValue, Method, Request, Uri};
+use http::{HeaderName, HeaderValue, Method, Request, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
@@ -330,14 +330,14 @@ impl HttpSink {
             headers.reserve(8);
             headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
             if let Some(signature) = &legacy {
-                headers.insert("x-event-signature", signature.clone());
+                headers.insert(X_EVENT_SIGNATURE, signature.clone());
             }
             if let Some(signature) = &standard {
-                headers.insert("webhook-id", key.clone());
-                headers.insert("webhook-timestamp", HeaderValue::from(timestamp));
-                headers.insert("webhook-signature", signature.clone());
+                headers.insert(WEBHOOK_ID, key.clone());
+                headers.insert(WEBHOOK_TIMESTAMP, HeaderValue::from(timestamp));
+                headers.insert(WEBHOOK_SIGNATURE, signature.clone());
             }
-            headers.insert("idempotency-key", key.clone());
+            headers.insert(IDEMPOTENCY_KEY, key.clone());
             headers.insert(USER_AGENT, HeaderValue::from_static(USER_AGENT_VALUE));
             if let Some(auth) = &self.target.authorization {
                 headers.insert(AUTHORIZATION, auth.clone());
@@ -421,6 +421,14 @@ impl Sink for HttpSink {
         }
     }
 }
+
+// The wire format's own headers, made once: a name given as `&str` is
+// parsed and copied into a new allocation on every insert.
+const X_EVENT_SIGNATURE: HeaderName = HeaderName::from_static("x-event-signature");
+const WEBHOOK_ID: HeaderName = HeaderName::from_static("webhook-id");
+const WEBHOOK_TIMESTAMP: HeaderName = HeaderName::from_static("webhook-timestamp");
+const WEBHOOK_SIGNATURE: HeaderName = HeaderName::from_static("webhook-signature");
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 const USER_AGENT_VALUE: &str = concat!("cdc-relay/", env!("CARGO_PKG_VERSION"));
 

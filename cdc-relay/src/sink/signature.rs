@@ -83,8 +83,10 @@ impl Signer {
         }
         let mut mac = self.macs[0].clone();
         mac.update(body);
-        let hex = hex::encode(mac.finalize().into_bytes());
-        Some(HeaderValue::from_str(&hex).expect("hex is a valid header value"))
+        let mut hex = [0u8; 64];
+        hex::encode_to_slice(mac.finalize().into_bytes(), &mut hex)
+            .expect("a SHA-256 MAC is 32 bytes: 64 hex digits");
+        Some(HeaderValue::from_bytes(&hex).expect("hex is a valid header value"))
     }
 
     /// `webhook-signature` for the message `id.timestamp.body`: one
@@ -95,13 +97,14 @@ impl Signer {
         if !self.scheme.standard() {
             return None;
         }
-        let timestamp = timestamp.to_string();
+        let mut digits = [0u8; 20];
+        let timestamp = decimal(timestamp, &mut digits);
         let mut value = String::with_capacity(self.macs.len() * (V1_ENTRY_LEN + 1));
         for mac in &self.macs {
             let mut mac = mac.clone();
             mac.update(id.as_bytes());
             mac.update(b".");
-            mac.update(timestamp.as_bytes());
+            mac.update(timestamp);
             mac.update(b".");
             mac.update(body);
             if !value.is_empty() {
@@ -111,7 +114,11 @@ impl Signer {
             base64::engine::general_purpose::STANDARD
                 .encode_string(mac.finalize().into_bytes(), &mut value);
         }
-        Some(HeaderValue::from_str(&value).expect("base64 is a valid header value"))
+        // Its bytes become the header value as they are (no copy).
+        Some(
+            HeaderValue::from_maybe_shared(bytes::Bytes::from(value))
+                .expect("base64 is a valid header value"),
+        )
     }
 }
 
@@ -138,9 +145,31 @@ impl Signing {
     }
 }
 
+/// `n` in decimal ASCII, written into `buf` (no allocation): the
+/// `webhook-timestamp` as signed.
+fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decimal_writes_every_u64() {
+        let mut buf = [0u8; 20];
+        for n in [0, 9, 10, 1_733_212_345, u64::MAX] {
+            assert_eq!(decimal(n, &mut buf), n.to_string().as_bytes());
+        }
+    }
     use event_secret::{CURRENT, Key};
 
     fn key(text: &str) -> Key {
