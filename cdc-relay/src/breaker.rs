@@ -89,8 +89,9 @@ pub enum Signal {
     Success,
     /// A transient failure (timeout, connection error, 408/425/429/5xx).
     Transient,
-    /// A configuration fault (401, 403, 404, 405, 3xx): opens at once.
-    ConfigFault,
+    /// A configuration fault (401, 403, 404, 405, 3xx): opens at once; the
+    /// hint says what to check (`sink::classify::config_fault_hint`).
+    ConfigFault(&'static str),
     /// 410 Gone: opens at once, marks the endpoint retired, and probes
     /// only every `retired_probe_interval`.
     Retired,
@@ -394,13 +395,13 @@ impl Breaker {
                     self.set(&mut s, CircuitState::Open);
                 }
             }
-            Signal::ConfigFault => {
+            Signal::ConfigFault(hint) => {
                 s.proven = false;
                 if s.circuit == CircuitState::Closed {
                     tracing::error!(
                         endpoint = %self.shared.endpoint,
                         reason,
-                        hint = config_fault_hint(reason),
+                        hint,
                         "circuit opened: the sink rejects the relay itself; events are kept, not dead-lettered"
                     );
                     self.set(&mut s, CircuitState::Open);
@@ -426,7 +427,7 @@ impl Breaker {
         }
         let failed = matches!(
             signal,
-            Signal::Transient | Signal::ConfigFault | Signal::Retired
+            Signal::Transient | Signal::ConfigFault(_) | Signal::Retired
         );
         if admission == Admission::Probe
             && failed
@@ -525,21 +526,6 @@ impl Breaker {
 
 /// What to do about a 410 Gone.
 pub const RETIRED_HINT: &str = "the receiver retired this endpoint on purpose (410 Gone): point --sink-url (or the routes file's url) at its replacement, or remove the endpoint from the routes file, then restart; its pending events are delivered then";
-
-/// What an operator should check for a configuration-fault status label.
-fn config_fault_hint(reason: &str) -> &'static str {
-    match reason {
-        "http_401" | "http_403" => "check the event secret (EVENT_SECRET) and the sink's auth",
-        "http_404" | "http_405" => "check --sink-url (path and method POST)",
-        "http_415" => {
-            "the sink refuses the body's Content-Type or Content-Encoding: is a proxy in front of it compressing requests?"
-        }
-        r if r.starts_with("http_3") => "the sink redirects; point --sink-url at the final URL",
-        _ => {
-            "an unexpected status; if it means the event itself is refused, add it to --poison-statuses"
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests;

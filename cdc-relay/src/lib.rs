@@ -38,7 +38,8 @@
 //!    → [`dispatch`] → [`sink`] → [`ack`] — and its policies: [`breaker`]
 //!    (circuit breaker, storm guard), [`dead_letter`] (where poison goes);
 //!    what a response means is [`sink::classify`](mod@sink::classify)
-//! 4. shared types: [`lsn`], [`metrics`], [`endpoint_metrics`], [`health`],
+//! 4. shared types: [`lsn`], [`clock`] (the server's time and ours),
+//!    [`metrics`], [`endpoint_metrics`], [`health`],
 //!    [`backoff`], [`pace`] (rate caps), [`redact`] (how a URL is shown),
 //!    and the
 //!    error-text helpers below
@@ -85,6 +86,7 @@ pub mod dead_letter;
 
 // 4. Shared types.
 pub mod backoff;
+pub mod clock;
 pub mod endpoint_metrics;
 pub mod health;
 pub mod lsn;

@@ -144,6 +144,11 @@ pub struct Metrics {
     /// Seconds since the server last sent anything on the stream (or the
     /// watchdog last found the walsender reading our replies), at scrape time.
     pub seconds_since_server_message: prometheus::Gauge,
+    /// `cdc_relay_clock_skew_seconds`: this machine's clock minus the
+    /// database server's, seconds, from the last stream message's send time
+    /// (the network delay included); positive: this clock is ahead.
+    /// Delivery latency is corrected by it (`crate::clock`).
+    pub clock_skew: prometheus::Gauge,
     /// Event secret reloads (SIGHUP) by `result`: `ok` (the new keys sign
     /// from the next attempt on) or `error` (the old keys stay; the log
     /// says why).
@@ -438,6 +443,11 @@ impl Metrics {
                 &r,
                 "cdc_relay_seconds_since_server_message",
                 "Seconds since the server last sent anything on the replication stream",
+            ),
+            clock_skew: float_gauge(
+                &r,
+                "cdc_relay_clock_skew_seconds",
+                "This machine's clock minus the database server's, seconds, from the last stream message's send time (network delay included; positive: this clock is ahead)",
             ),
             secret_reloads: counter_vec(
                 &r,

@@ -41,6 +41,7 @@
 pub mod app;
 pub mod bins;
 pub mod chaos;
+pub mod debian;
 mod guardian;
 pub mod oracle;
 pub mod pg;

@@ -131,36 +131,9 @@ impl Pooler {
     }
 }
 
-/// The PgBouncer binary, installed from Debian's package when missing and
-/// we are root on Debian/Ubuntu; otherwise an error with the command.
+/// The PgBouncer binary, installed from Debian's package when missing.
 fn installed() -> anyhow::Result<PathBuf> {
-    let binary = PathBuf::from(PGBOUNCER);
-    if binary.exists() {
-        return Ok(binary);
-    }
-    let apt = Path::new("/usr/bin/apt-get").exists();
-    anyhow::ensure!(
-        Uid::effective().is_root() && apt,
-        "PgBouncer is not installed: `sudo apt-get install pgbouncer` (Debian/Ubuntu), then run the tests again"
-    );
-    // Concurrent tests may all find it missing: one installs, under a lock.
-    static INSTALL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = INSTALL.lock().unwrap_or_else(|p| p.into_inner());
-    if !binary.exists() {
-        for args in [
-            &["update", "-qq"][..],
-            &["install", "-y", "-qq", "pgbouncer"],
-        ] {
-            let status = Command::new("apt-get")
-                .args(args)
-                .env("DEBIAN_FRONTEND", "noninteractive")
-                .status()
-                .context("running apt-get")?;
-            anyhow::ensure!(status.success(), "apt-get {args:?} failed: {status}");
-        }
-    }
-    anyhow::ensure!(binary.exists(), "apt-get installed no {PGBOUNCER}");
-    Ok(binary)
+    crate::debian::package_file(PGBOUNCER, "pgbouncer")
 }
 
 /// The uid/gid PgBouncer runs as: `postgres` when we are root (it refuses

@@ -174,14 +174,22 @@ async fn opens_after_k_failures_and_probes_with_the_oldest() {
 #[tokio::test(start_paused = true)]
 async fn probe_rate_stays_near_two_per_second() {
     let b = breaker();
-    b.record(Admission::Normal, Signal::ConfigFault, "http_401");
+    b.record(
+        Admission::Normal,
+        Signal::ConfigFault("check the secret"),
+        "http_401",
+    );
     assert_eq!(b.state(), CircuitState::Open);
     let start = Instant::now();
     let mut probes = 0;
     while start.elapsed() < Duration::from_secs(10) {
         assert_eq!(b.admit(1).await, Admission::Probe);
         probes += 1;
-        b.record(Admission::Probe, Signal::ConfigFault, "http_401");
+        b.record(
+            Admission::Probe,
+            Signal::ConfigFault("check the secret"),
+            "http_401",
+        );
     }
     assert!(
         (16..=20).contains(&probes),
@@ -233,7 +241,11 @@ async fn a_retired_endpoint_is_probed_once_a_retired_interval() {
 #[tokio::test(start_paused = true)]
 async fn retry_after_pause_holds_every_delivery_and_the_probe() {
     let b = breaker();
-    b.record(Admission::Normal, Signal::ConfigFault, "http_401");
+    b.record(
+        Admission::Normal,
+        Signal::ConfigFault("check the secret"),
+        "http_401",
+    );
     assert_eq!(b.state(), CircuitState::Open);
     let t0 = Instant::now();
     b.pause_until(t0 + Duration::from_secs(20));

@@ -27,7 +27,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
@@ -39,7 +39,9 @@ use crate::dead_letter::{DeadLetterStore, NewDeadLetter, StoreError, Urgency};
 use crate::endpoint_metrics::EndpointMetrics;
 use crate::metrics::{AttemptOutcome, Metrics};
 use crate::outbox::OutboxEvent;
-use crate::sink::{Attempt, Disposition, Prepared, Reason, Sink, classify, status_class};
+use crate::sink::{
+    Attempt, Disposition, Prepared, Reason, Sink, classify, config_fault_hint, status_class,
+};
 
 /// What every delivery of one pipeline shares.
 pub(super) struct Ctx<D> {
@@ -141,7 +143,7 @@ pub(super) async fn deliver<S: Sink, D: DeadLetterStore>(
 ) -> Result<Finished, DispatchError> {
     let request = lane.sink.prepare(event);
     let mut backoff = lane.backoff();
-    let first_attempt = unix_micros();
+    let first_attempt = crate::clock::unix_micros();
     let mut attempts: u32 = 0;
     loop {
         let admission = match unless_interrupted(lane, ctx, lane.breaker.admit(seq)).await {
@@ -310,7 +312,8 @@ async fn attempt<S: Sink, D>(
             if event.dead_letter_id.is_none() {
                 metrics.events_delivered.inc();
                 lane.metrics.delivered.inc();
-                let since = seconds_since_commit(event.commit_time_micros);
+                let since =
+                    crate::clock::seconds_since(event.commit_time_micros, metrics.clock_skew.get());
                 metrics.commit_to_delivery.observe(since);
                 lane.metrics.commit_to_delivery.observe(since);
             } else {
@@ -336,7 +339,10 @@ async fn attempt<S: Sink, D>(
         Disposition::DeadLetter(r) | Disposition::Retry(r) => {
             (AttemptOutcome::Retry, Signal::Transient, r)
         }
-        Disposition::ConfigFault(r) => (AttemptOutcome::ConfigFault, Signal::ConfigFault, r),
+        Disposition::ConfigFault(r) => {
+            let hint = config_fault_hint(&r, &attempt, metrics.clock_skew.get());
+            (AttemptOutcome::ConfigFault, Signal::ConfigFault(hint), r)
+        }
         Disposition::Retired(r) => (AttemptOutcome::Retired, Signal::Retired, r),
     };
     // The breaker logs the exact status; the metric gets the bounded label.
@@ -373,19 +379,4 @@ fn count_attempt(metrics: &Metrics, outcome: AttemptOutcome, attempt: &Attempt) 
         .delivery_attempts
         .with_label_values(&[outcome.as_str(), status_class(attempt)])
         .inc();
-}
-
-/// PostgreSQL timestamps count microseconds from 2000-01-01 00:00:00 UTC.
-const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
-
-/// Microseconds since the Unix epoch, now.
-pub fn unix_micros() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
-}
-
-fn seconds_since_commit(commit_time_micros: i64) -> f64 {
-    let unix = commit_time_micros.saturating_add(PG_EPOCH_UNIX_MICROS);
-    (unix_micros().saturating_sub(unix).max(0) as f64) / 1e6
 }

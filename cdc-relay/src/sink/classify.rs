@@ -18,6 +18,7 @@
 
 use std::fmt;
 
+use crate::clock::SKEW_WARN;
 use crate::sink::service::Attempt;
 
 /// A [`Reason`]'s metric label (`cdc_relay_retries_total{reason}`): a
@@ -247,9 +248,71 @@ pub fn status_class(attempt: &Attempt) -> &'static str {
     }
 }
 
+/// What an operator should check for the configuration fault `reason`,
+/// answered by `attempt`, while this machine's clock is `clock_skew`
+/// seconds off the database server's (`cdc_relay_clock_skew_seconds`). A
+/// 401 or 403 whose body speaks of a timestamp, or that comes while the
+/// clocks are [`SKEW_WARN`] or more apart, is the clock: receivers check the
+/// signature's `webhook-timestamp` against theirs, and a stepped clock
+/// fails every signature however right the secret is.
+pub fn config_fault_hint(reason: &Reason, attempt: &Attempt, clock_skew: f64) -> &'static str {
+    let timestamp = match attempt {
+        Attempt::Response { excerpt, .. } => excerpt.to_ascii_lowercase().contains("timestamp"),
+        _ => false,
+    };
+    match reason.status {
+        Some(401 | 403) if timestamp || clock_skew.abs() >= SKEW_WARN.as_secs_f64() => {
+            "the receiver refuses the signature's timestamp: check this machine's clock against the database server's and the receiver's (cdc_relay_clock_skew_seconds; fix time sync: NTP, chrony), not the event secret"
+        }
+        Some(401 | 403) => "check the event secret (EVENT_SECRET) and the sink's auth",
+        Some(404 | 405) => "check --sink-url (path and method POST)",
+        Some(415) => {
+            "the sink refuses the body's Content-Type or Content-Encoding: is a proxy in front of it compressing requests?"
+        }
+        Some(300..=399) => "the sink redirects; point --sink-url at the final URL",
+        _ => {
+            "an unexpected status; if it means the event itself is refused, add it to --poison-statuses"
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn answered(status: u16, excerpt: &str) -> Attempt {
+        Attempt::Response {
+            status,
+            retry_after: None,
+            excerpt: excerpt.to_owned(),
+        }
+    }
+
+    #[test]
+    fn a_401_is_the_clock_when_the_body_or_the_skew_says_so_else_the_secret() {
+        let r401 = Reason {
+            label: ReasonLabel::Http401,
+            status: Some(401),
+        };
+        let clock = config_fault_hint(
+            &r401,
+            &answered(401, r#"{"error":"timestamp_outside_tolerance"}"#),
+            0.0,
+        );
+        assert!(clock.contains("clock"), "{clock}");
+        let skewed = config_fault_hint(&r401, &answered(401, "unauthorized"), -600.0);
+        assert!(skewed.contains("clock"), "{skewed}");
+        let secret = config_fault_hint(&r401, &answered(401, "invalid_signature"), 0.5);
+        assert!(
+            secret.contains("EVENT_SECRET") && !secret.contains("clock"),
+            "{secret}"
+        );
+        let url = Reason {
+            label: ReasonLabel::Http404,
+            status: Some(404),
+        };
+        assert!(config_fault_hint(&url, &answered(404, "timestamp"), 900.0).contains("--sink-url"));
+    }
 
     fn resp(status: u16) -> Attempt {
         Attempt::Response {

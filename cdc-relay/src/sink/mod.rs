@@ -17,7 +17,8 @@ pub mod signature;
 use std::future::Future;
 
 pub use classify::{
-    Disposition, REASONS, Reason, ReasonLabel, STATUS_CLASSES, StatusPolicy, classify, status_class,
+    Disposition, REASONS, Reason, ReasonLabel, STATUS_CLASSES, StatusPolicy, classify,
+    config_fault_hint, status_class,
 };
 pub use encoder::Prepared;
 pub use service::{Attempt, HttpSink, SinkConfig, SinkError};

@@ -24,6 +24,7 @@
 //! - [`status_updates`]: counts the standby status updates sent.
 //! - [`watchdog`]: the slot monitor and the stream watchdog.
 //! - [`shards`]: the bucket expression, row filters, the coverage proof.
+//! - [`skew`]: the server's clock against ours, from every message.
 //!
 //! A logical replication connection matches `pg_hba.conf` by database name,
 //! not by the keyword `replication` (PostgreSQL docs, "The pg_hba.conf
@@ -36,6 +37,7 @@ pub mod failover;
 pub mod membership;
 pub mod progress;
 pub mod shards;
+pub mod skew;
 pub mod slot_creation;
 pub mod status_updates;
 pub mod stream;

@@ -23,9 +23,6 @@ use crate::lsn::Lsn;
 /// Time between two writes of the progress record while events flow.
 pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 
-/// PostgreSQL timestamps count microseconds from 2000-01-01 00:00:00 UTC.
-const PG_EPOCH_UNIX_SECS: i64 = 946_684_800;
-
 /// A slot's progress row.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProgressRecord {
@@ -87,7 +84,8 @@ async fn write(
     c: &Confirmed<Lsn>,
 ) -> Result<(), tokio_postgres::Error> {
     let done = c.last_done.as_ref();
-    let commit_unix = done.map(|d| d.commit_time_micros as f64 / 1e6 + PG_EPOCH_UNIX_SECS as f64);
+    let commit_unix = done
+        .map(|d| (d.commit_time_micros as f64 + crate::clock::PG_EPOCH_UNIX_MICROS as f64) / 1e6);
     client
         .execute(
             "INSERT INTO cdc_relay_progress AS p \

@@ -27,9 +27,11 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::catalog;
 use super::error::SourceError;
+use super::skew::SkewWatch;
 use super::status_updates::{self, StatusUpdateCounter};
 use super::transport::Transport;
 use super::watchdog::Watchdog;
+use crate::clock;
 use crate::dispatch::{Confirmed, DispatchError, Item, Window, WindowPermit};
 use crate::lsn::Lsn;
 use crate::metrics::{IGNORED_RELATIONS, Metrics};
@@ -76,6 +78,8 @@ pub struct Stream {
     /// server's shutdown hostage. Also, dead letters need this connection.
     side_closed: oneshot::Receiver<()>,
     watchdog: Watchdog,
+    /// The server's clock against ours, from every message's send time.
+    skew: SkewWatch,
     ignored: IgnoredChanges,
     /// Copies the transport's status-update counters into metrics until
     /// the session ends.
@@ -153,6 +157,7 @@ impl Stream {
             side: parts.side,
             side_closed: parts.side_closed,
             watchdog: parts.watchdog,
+            skew: SkewWatch::new(parts.metrics.clock_skew.clone()),
             ignored: IgnoredChanges::new(parts.metrics),
             _status_updates: AbortOnDropHandle::new(counting),
         }
@@ -234,7 +239,12 @@ impl Stream {
         deadline: Option<Instant>,
     ) -> Result<(), StreamError> {
         match ev {
-            ReplicationEvent::KeepAlive { wal_end, .. } => {
+            ReplicationEvent::KeepAlive {
+                wal_end,
+                server_time_micros,
+                ..
+            } => {
+                self.skew.observe(server_time_micros);
                 self.send(Item::Keepalive {
                     wal_end: wal_end.into(),
                 })
@@ -263,7 +273,14 @@ impl Stream {
                 })
                 .await?;
             }
-            ReplicationEvent::XLogData { data, .. } => self.change(data, deadline).await?,
+            ReplicationEvent::XLogData {
+                data,
+                server_time_micros,
+                ..
+            } => {
+                self.skew.observe(server_time_micros);
+                self.change(data, deadline).await?
+            }
             // Logical decoding messages are never posted; their transaction
             // still advances the watermark through its Commit.
             ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
@@ -407,7 +424,9 @@ impl Stream {
     /// the pipeline fully delivered in this session, if any.
     pub fn last_done_commit(&self) -> Option<String> {
         let done = self.confirmed.borrow().last_done.clone()?;
-        let unix_micros = done.commit_time_micros.checked_add(PG_EPOCH_UNIX_MICROS)?;
+        let unix_micros = done
+            .commit_time_micros
+            .checked_add(clock::PG_EPOCH_UNIX_MICROS)?;
         let at = std::time::UNIX_EPOCH + Duration::from_micros(u64::try_from(unix_micros).ok()?);
         Some(humantime::format_rfc3339_micros(at).to_string())
     }
@@ -499,9 +518,6 @@ impl IgnoredChanges {
         }
     }
 }
-
-/// PostgreSQL timestamps count microseconds from 2000-01-01 00:00:00 UTC.
-const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
 
 fn side_lost() -> SourceError {
     SourceError::Transient(

@@ -28,6 +28,7 @@
 //! | `redaction.rs` | secrets in URLs (a sink's `user:password@`, a `?token=`) on every output surface: logs, admin endpoint, `status`, `routes check`, refusals, rows, `application_name` |
 //! | `observability.rs` | what an operator watches: `/metrics` (gauges against the real state), `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
 //! | `tls.rs` | TLS to PostgreSQL and to the sink |
+//! | `clock.rs` | the relay's clock stepped against the database's (libfaketime): the skew measured and named, latency on the server's clock, Billing's 401 named as the clock |
 //! | `standby.rs` | what failover tests stand on: the server's library path, `PgCluster::kill`, a streaming standby, promotion, failover-slot sync (17+) |
 //! | `signatures.rs` | the signature headers on the wire, secret rotation by SIGHUP (relay and Billing), the secret syntax both refuse alike |
 //! | `interop.rs` | receivers built on the official Standard Webhooks verifiers (Python, Node.js): a run and a rotation drill |
@@ -53,6 +54,7 @@
 mod backfill;
 mod chaos;
 mod cli;
+mod clock;
 mod dead_letters;
 mod failover;
 mod harness;

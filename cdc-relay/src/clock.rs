@@ -1,0 +1,83 @@
+//! Time as the relay reads it against the database server's clock.
+//!
+//! The replication protocol's timestamps — a transaction's commit time,
+//! the send time of every keepalive and WAL data message — count
+//! microseconds since 2000-01-01 00:00:00 UTC on the **server's** clock
+//! (PostgreSQL docs, "Streaming Replication Protocol": `XLogData`,
+//! "Primary keepalive message"; "Logical Replication Message Formats":
+//! `Begin`, `Commit`). This machine's clock may differ from it, and may be
+//! stepped while the relay runs (an NTP step, a VM resumed). So the relay
+//! measures the difference on every message ([`skew_seconds`]: local now
+//! minus the message's send time; the network delay, milliseconds on a
+//! LAN, is part of it) and corrects by it wherever it compares a server
+//! time with now ([`seconds_since`]): a step is corrected at the next
+//! message, never read as a commit 10 minutes old or in the future.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// 2000-01-01 00:00:00 UTC, PostgreSQL's epoch, in microseconds since the
+/// Unix epoch.
+pub const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+
+/// A skew at least this large is logged at WARN: receivers refuse
+/// signatures whose `webhook-timestamp` is further from their clock than
+/// their tolerance (5 minutes in the Standard Webhooks libraries, often
+/// less), and a skew this size says the machine's time sync is off.
+pub const SKEW_WARN: Duration = Duration::from_secs(30);
+
+/// Microseconds since the Unix epoch, now, on this machine's clock.
+pub fn unix_micros() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+/// This machine's clock minus the server's, in seconds, for a message the
+/// server sent at `server_micros` (microseconds since PostgreSQL's epoch,
+/// its clock) and that arrives now. Positive: this clock is ahead.
+pub fn skew_seconds(server_micros: i64) -> f64 {
+    let sent = server_micros.saturating_add(PG_EPOCH_UNIX_MICROS);
+    unix_micros().saturating_sub(sent) as f64 / 1e6
+}
+
+/// Seconds from a commit at `commit_micros` (microseconds since
+/// PostgreSQL's epoch, the server's clock) to now, with this machine's
+/// clock corrected by `skew` seconds ([`skew_seconds`]); never negative.
+pub fn seconds_since(commit_micros: i64, skew: f64) -> f64 {
+    let committed = commit_micros.saturating_add(PG_EPOCH_UNIX_MICROS);
+    let now_on_server = unix_micros() as f64 - skew * 1e6;
+    ((now_on_server - committed as f64) / 1e6).max(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Now on this clock, as a server time `ahead` seconds behind it.
+    fn server_now(ahead: f64) -> i64 {
+        unix_micros() - PG_EPOCH_UNIX_MICROS - (ahead * 1e6) as i64
+    }
+
+    #[test]
+    fn a_clock_ten_minutes_ahead_or_behind_is_measured() {
+        for ahead in [600.0, -600.0, 0.0] {
+            let skew = skew_seconds(server_now(ahead));
+            assert!((skew - ahead).abs() < 1.0, "{skew} for {ahead}");
+        }
+    }
+
+    #[test]
+    fn a_commit_two_seconds_ago_is_two_seconds_old_whatever_the_skew() {
+        for ahead in [600.0, -600.0, 0.0] {
+            let commit = server_now(ahead) - 2_000_000;
+            let since = seconds_since(commit, ahead);
+            assert!((since - 2.0).abs() < 0.5, "{since} with a skew of {ahead}");
+            // Uncorrected, the step shows: 0 (clamped) or 600 s too many.
+            let raw = seconds_since(commit, 0.0);
+            assert!(
+                ahead == 0.0 || (raw - 2.0).abs() > 500.0 || raw == 0.0,
+                "{raw}"
+            );
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! The relay's clock stepped against the database's (issue 30, item 5), as
+//! an NTP step or a resumed VM leaves it: the relay runs under libfaketime
+//! (Debian's `libfaketime`, installed when missing) ten minutes ahead or
+//! behind, against a server on the true time.
+//!
+//! Before: the hint for Billing's 401 ("timestamp outside tolerance")
+//! said to check the event secret, nothing measured or named the skew,
+//! and `cdc_relay_commit_to_delivery_seconds` summed to 0 for 20 events
+//! (clock behind, each clamped at 0) or about 12,000 s (clock ahead, 600 s
+//! each).
+
+use std::time::Duration;
+
+use ::harness::app::{self, TEST_SECRET};
+use ::harness::oracle::{self, Ledger};
+use ::harness::sink::ScriptedSink;
+use ::harness::{PgCluster, wait_until};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// libfaketime's preload library, from Debian's package.
+fn faketime() -> anyhow::Result<String> {
+    let lib = ::harness::debian::package_file(
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "libfaketime",
+    )?;
+    Ok(lib.display().to_string())
+}
+
+/// The environment that runs the relay `offset` off the true time
+/// (`+10m`, `-10m`): a constant offset on the wall clock only.
+fn stepped(lib: &str, offset: &str) -> Vec<(String, String)> {
+    vec![
+        ("EVENT_SECRET".into(), TEST_SECRET.into()),
+        ("LD_PRELOAD".into(), lib.into()),
+        ("FAKETIME".into(), offset.into()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
+    ]
+}
+
+/// A relay ten minutes ahead, then one ten minutes behind: the skew is
+/// measured (the gauge within a few seconds of ±600) and named at WARN,
+/// and the latency of 20 delivered events is their true few milliseconds
+/// each, neither 600 s nor 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stepped_clock_is_measured_named_and_does_not_skew_delivery_latency() -> anyhow::Result<()>
+{
+    let lib = faketime()?;
+    for (offset, sign) in [("+10m", 1.0), ("-10m", -1.0)] {
+        let stack = PgCluster::shared().create_stack().await?;
+        app::relay_setup(&stack).await?;
+        let sink = ScriptedSink::start().await?;
+        let env = stepped(&lib, offset);
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let relay =
+            app::start_relay_with_env(&stack, &stack.relay_url, &sink.url, &[], &env).await?;
+        app::wait_streaming(&relay).await?;
+        let db = stack.orders_admin().await?;
+        for _ in 0..20 {
+            app::insert_order_event(&db).await?;
+        }
+        wait_until("20 events delivered", WAIT, || async { sink.count() >= 20 }).await?;
+        let skew_near = |m: &::harness::prom::Exposition| {
+            m.value("cdc_relay_clock_skew_seconds", &[])
+                .is_some_and(|s| (s - sign * 600.0).abs() < 30.0)
+        };
+        wait_until("the skew measured", WAIT, || async {
+            anyhow::Ok(skew_near(&relay.metrics().await?))
+        })
+        .await?;
+        let m = relay.metrics().await?;
+        let skew = m
+            .value("cdc_relay_clock_skew_seconds", &[])
+            .unwrap_or(f64::NAN);
+        let count = m.sum("cdc_relay_commit_to_delivery_seconds_count");
+        let sum = m.sum("cdc_relay_commit_to_delivery_seconds_sum");
+        eprintln!("{offset}: skew {skew:.1} s; {count} deliveries, latency sum {sum:.3} s");
+        assert!(count >= 20.0, "{count}");
+        assert!(
+            sum > 0.0 && sum / count < 5.0,
+            "{offset}: the mean commit-to-delivery latency is {:.3} s over {count} events: the step shows",
+            sum / count
+        );
+        let way = if sign > 0.0 { "ahead of" } else { "behind" };
+        let logs = relay.process.logs();
+        assert!(
+            logs.contains(&format!("s {way} the database server's")),
+            "{offset}: the skew is not named at WARN:\n{logs}"
+        );
+        drop(relay);
+    }
+    Ok(())
+}
+
+/// Billing refuses a relay ten minutes ahead (401, its Standard Webhooks
+/// verifier: "timestamp outside tolerance"): the relay's hint names the
+/// clock, not the secret; the events stay pending (no dead letter, no
+/// invoice), and a relay on the true time delivers them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn billing_refusing_a_stepped_clock_gets_the_clock_hint_and_loses_nothing()
+-> anyhow::Result<()> {
+    let lib = faketime()?;
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    let env = stepped(&lib, "+10m");
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let relay =
+        app::start_relay_with_env(&stack, &stack.relay_url, &billing.inbox(), &[], &env).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    for _ in 0..5 {
+        app::insert_order_event(&db).await?;
+    }
+    wait_until("the circuit opened on the 401", WAIT, || async {
+        relay
+            .process
+            .logs()
+            .contains("circuit opened: the sink rejects the relay itself")
+    })
+    .await?;
+    let logs = relay.process.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("circuit opened: the sink rejects the relay itself"))
+        .expect("found above");
+    assert!(
+        line.contains("clock") && !line.contains("check the event secret"),
+        "the hint must name the clock: {line}"
+    );
+    let m = relay.metrics().await?;
+    assert_eq!(
+        m.sum("cdc_relay_events_dead_lettered_total"),
+        0.0,
+        "none dead-lettered"
+    );
+    assert_eq!(
+        m.sum("cdc_relay_events_delivered_total"),
+        0.0,
+        "none delivered"
+    );
+    drop(relay);
+
+    // On the true time, the same events go through, once each.
+    let relay = app::start_relay(&stack, &billing.inbox(), &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let ledger = oracle::wait_ledger_clean(&stack, 5, WAIT).await?;
+    assert_eq!(
+        ledger,
+        Ledger {
+            committed: 5,
+            invoices: 5,
+            ..Ledger::default()
+        }
+    );
+    Ok(())
+}
