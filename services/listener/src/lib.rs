@@ -541,11 +541,25 @@ mod tests {
     use tokio::net::TcpStream;
 
     async fn start(limits: Limits) -> std::net::SocketAddr {
+        let router = Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        start_with(router, limits).await
+    }
+
+    async fn start_with(router: Router, limits: Limits) -> std::net::SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let router = Router::new().route("/", axum::routing::get(|| async { "ok" }));
         tokio::spawn(serve(listener, router, limits, std::future::pending()));
         addr
+    }
+
+    /// Reads `stream`'s answer (within 5 s); whether it is a 200.
+    async fn answered_200(stream: &mut TcpStream) -> bool {
+        let mut response = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut response))
+            .await
+            .expect("an answer within 5 s")
+            .unwrap();
+        response[..n].starts_with(b"HTTP/1.1 200")
     }
 
     fn limits(timeout_ms: u64, max: usize) -> Limits {
@@ -676,39 +690,25 @@ mod tests {
     /// waited the grace; one whose request is being served never gives way.
     #[tokio::test]
     async fn at_the_cap_an_idle_connection_gives_way_to_a_request_never_a_served_one() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let release = Arc::new(Notify::new());
-        tokio::spawn(serve(
-            listener,
-            router_with_slow(&release),
-            limits(10_000, 2),
-            std::future::pending(),
-        ));
+        let addr = start_with(router_with_slow(&release), limits(10_000, 2)).await;
         let mut slow = TcpStream::connect(addr).await.unwrap();
         slow.write_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
             .await
             .unwrap();
         let mut idle = TcpStream::connect(addr).await.unwrap();
         idle.write_all(GET).await.unwrap();
-        let mut response = [0u8; 64];
-        let n = idle.read(&mut response).await.unwrap();
-        assert!(response[..n].starts_with(b"HTTP/1.1 200"));
+        assert!(answered_200(&mut idle).await);
         // Both slots taken: one inside a request, one kept alive, idle.
         let mut real = TcpStream::connect(addr).await.unwrap();
         real.write_all(GET).await.unwrap();
-        let n = tokio::time::timeout(Duration::from_secs(5), real.read(&mut response))
-            .await
-            .expect("served in the idle one's place")
-            .unwrap();
-        assert!(response[..n].starts_with(b"HTTP/1.1 200"));
+        assert!(
+            answered_200(&mut real).await,
+            "served in the idle one's place"
+        );
         assert!(closed_after(idle).await < Duration::from_secs(5));
         release.notify_one();
-        let n = slow.read(&mut response).await.unwrap();
-        assert!(
-            response[..n].starts_with(b"HTTP/1.1 200"),
-            "the served request finished"
-        );
+        assert!(answered_200(&mut slow).await, "the served request finished");
     }
 
     /// Connections that have sent nothing wait without a slot, twice as
@@ -716,15 +716,7 @@ mod tests {
     /// the grace), and a request on a new connection is served.
     #[tokio::test]
     async fn silent_connections_take_no_slot_and_the_oldest_gives_way_when_they_fill_the_lobby() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let release = Arc::new(Notify::new());
-        tokio::spawn(serve(
-            listener,
-            router_with_slow(&release),
-            limits(10_000, 2),
-            std::future::pending(),
-        ));
+        let addr = start(limits(10_000, 2)).await;
         let first = TcpStream::connect(addr).await.unwrap();
         let second = TcpStream::connect(addr).await.unwrap();
         let _third = TcpStream::connect(addr).await.unwrap();
@@ -732,14 +724,12 @@ mod tests {
         // Four silent connections fill the lobby, the slots are still free:
         // a request on a new connection waits for room in the lobby (the
         // first gives way after the grace), then is served at once.
-        let mut response = [0u8; 64];
         let mut real = TcpStream::connect(addr).await.unwrap();
         real.write_all(GET).await.unwrap();
-        let n = tokio::time::timeout(Duration::from_secs(5), real.read(&mut response))
-            .await
-            .expect("served once the oldest silent one gave way")
-            .unwrap();
-        assert!(response[..n].starts_with(b"HTTP/1.1 200"));
+        assert!(
+            answered_200(&mut real).await,
+            "served once the oldest silent one gave way"
+        );
         assert!(closed_after(first).await < Duration::from_secs(5));
         let still_open =
             tokio::time::timeout(Duration::from_millis(300), closed_after(second)).await;
