@@ -44,7 +44,7 @@ const DOCUMENTED_PER_ENDPOINT: [(&str, &str); 8] = [
     ("cdc_relay_endpoint_retired", "gauge"),
 ];
 
-const DOCUMENTED: [(&str, &str); 27] = [
+const DOCUMENTED: [(&str, &str); 28] = [
     ("cdc_relay_events_received_total", "counter"),
     ("cdc_relay_events_delivered_total", "counter"),
     ("cdc_relay_events_dead_lettered_total", "counter"),
@@ -76,6 +76,8 @@ const DOCUMENTED: [(&str, &str); 27] = [
     // Issue 17: retention (0 unless run --prune-older-than).
     ("cdc_relay_pruned_rows_total", "counter"),
     ("cdc_relay_outbox_table_size_bytes", "gauge"),
+    // Issue 30: this machine's clock against the server's.
+    ("cdc_relay_clock_skew_seconds", "gauge"),
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
