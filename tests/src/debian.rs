@@ -37,3 +37,12 @@ pub fn package_file(file: &str, package: &str) -> anyhow::Result<PathBuf> {
     anyhow::ensure!(path.exists(), "apt-get install {package} left no {file}");
     Ok(path)
 }
+
+/// libfaketime's preload library (Debian's `libfaketime`), installed when
+/// missing as [`package_file`] does.
+pub fn libfaketime() -> anyhow::Result<PathBuf> {
+    package_file(
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "libfaketime",
+    )
+}

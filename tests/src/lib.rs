@@ -47,6 +47,7 @@ pub mod oracle;
 pub mod pg;
 pub mod pgbin;
 mod pgfiles;
+pub mod pki;
 pub mod pooler;
 pub mod process;
 pub mod prom;

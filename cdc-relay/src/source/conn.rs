@@ -13,11 +13,14 @@ use std::str::FromStr;
 use std::time::Duration;
 
 /// libpq's `sslmode` (PostgreSQL docs, "SSL Support" → "Protection Provided
-/// in Different Modes"). `allow` is read as `prefer`.
+/// in Different Modes").
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub enum SslMode {
     /// No TLS.
     Disable,
+    /// Plain first; TLS (unauthenticated) only when the server refuses a
+    /// plain connection.
+    Allow,
     /// TLS when the server offers it, unauthenticated (libpq's default).
     #[default]
     Prefer,
@@ -34,6 +37,7 @@ impl SslMode {
     pub fn as_str(self) -> &'static str {
         match self {
             SslMode::Disable => "disable",
+            SslMode::Allow => "allow",
             SslMode::Prefer => "prefer",
             SslMode::Require => "require",
             SslMode::VerifyCa => "verify-ca",
@@ -48,7 +52,8 @@ impl FromStr for SslMode {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Ok(match s {
             "disable" => SslMode::Disable,
-            "allow" | "prefer" => SslMode::Prefer,
+            "allow" => SslMode::Allow,
+            "prefer" => SslMode::Prefer,
             "require" => SslMode::Require,
             "verify-ca" => SslMode::VerifyCa,
             "verify-full" => SslMode::VerifyFull,
@@ -59,6 +64,54 @@ impl FromStr for SslMode {
             }
         })
     }
+}
+
+impl SslMode {
+    /// Whether the server's certificate chain is checked: verify-ca and
+    /// verify-full, and `require` when a root certificate is known (libpq
+    /// keeps that for compatibility: "require" with a root CA file behaves
+    /// like verify-ca).
+    pub fn checks_chain(self, root: Option<&RootCert>) -> bool {
+        match self {
+            SslMode::VerifyCa | SslMode::VerifyFull => true,
+            SslMode::Require => root.is_some(),
+            SslMode::Disable | SslMode::Allow | SslMode::Prefer => false,
+        }
+    }
+}
+
+/// Where the CA certificates that verify the server come from (libpq's
+/// `sslrootcert`; PostgreSQL docs, "libpq — Parameter Key Words").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RootCert {
+    /// A PEM file of one or more CA certificates: the `sslrootcert` given,
+    /// or `~/.postgresql/root.crt` when that exists.
+    File(PathBuf),
+    /// `sslrootcert=system`: the system's trusted roots (`SSL_CERT_FILE`
+    /// when set, else the platform's bundle). Forces `verify-full`.
+    System,
+}
+
+/// A client certificate and its private key (libpq's `sslcert` and
+/// `sslkey`, by default `~/.postgresql/postgresql.crt` and `.key`), PEM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientCert {
+    /// The certificate (chain), PEM.
+    pub cert: PathBuf,
+    /// Its private key (PKCS#8, PKCS#1 or SEC1), PEM, unencrypted.
+    pub key: PathBuf,
+}
+
+/// libpq's `channel_binding`. `require` is refused when the URL is parsed:
+/// the replication connection cannot bind SCRAM to the TLS channel.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum ChannelBinding {
+    /// Never bind.
+    Disable,
+    /// Bind on the side connection when the server offers
+    /// SCRAM-SHA-256-PLUS; the replication connection does not bind.
+    #[default]
+    Prefer,
 }
 
 impl fmt::Display for SslMode {
@@ -91,9 +144,14 @@ pub struct ConnParams {
     pub dbname: String,
     /// TLS mode.
     pub sslmode: SslMode,
-    /// CA certificate file for `verify-ca` / `verify-full` (and `require`,
-    /// which then behaves like `verify-ca`, as in libpq).
-    pub ssl_root_cert: Option<PathBuf>,
+    /// The CA certificates for `verify-ca` / `verify-full` (and `require`,
+    /// which then behaves like `verify-ca`, as in libpq). Always set for
+    /// those two modes.
+    pub ssl_root_cert: Option<RootCert>,
+    /// The client certificate to present, if any.
+    pub ssl_client_cert: Option<ClientCert>,
+    /// SCRAM channel binding on the side connection.
+    pub channel_binding: ChannelBinding,
     /// Connect timeout (the URL's `connect_timeout` wins over the flag).
     pub connect_timeout: Duration,
 }
@@ -153,10 +211,7 @@ impl ConnParams {
             .map(|p| String::from_utf8_lossy(p).into_owned())
             .unwrap_or_default();
         let dbname = cfg.get_dbname().unwrap_or(&user).to_owned();
-        let sslmode = match query_param(url, "sslmode") {
-            Some(m) => m.parse()?,
-            None => SslMode::Prefer,
-        };
+        let tls = TlsParams::parse(url, std::env::var_os("HOME").map(PathBuf::from))?;
         Ok(ConnParams {
             host: hosts[0].0.clone(),
             port: hosts[0].1,
@@ -164,8 +219,10 @@ impl ConnParams {
             user,
             password,
             dbname,
-            sslmode,
-            ssl_root_cert: query_param(url, "sslrootcert").map(Into::into),
+            sslmode: tls.sslmode,
+            ssl_root_cert: tls.root,
+            ssl_client_cert: tls.client,
+            channel_binding: tls.channel_binding,
             connect_timeout: cfg
                 .get_connect_timeout()
                 .copied()
@@ -210,7 +267,199 @@ impl ConnParams {
 
 /// Parameters read here that tokio-postgres would reject (or read
 /// differently).
-const OWN_PARAMS: [&str; 3] = ["sslmode", "sslrootcert", "target_session_attrs"];
+const OWN_PARAMS: [&str; 12] = [
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "sslpassword",
+    "sslcrl",
+    "sslcrldir",
+    "sslsni",
+    "channel_binding",
+    "sslnegotiation",
+    "target_session_attrs",
+    "requiressl",
+];
+
+/// The TLS parameters of a connection string, resolved as libpq resolves
+/// them (PostgreSQL docs, "libpq — Parameter Key Words" and "SSL
+/// Support"): defaults from `~/.postgresql/`, `require` with a root
+/// certificate meaning verify-ca, `sslrootcert=system` forcing
+/// verify-full. What the relay cannot do on both of its connections is
+/// refused here, naming the parameter.
+#[derive(Debug)]
+struct TlsParams {
+    sslmode: SslMode,
+    root: Option<RootCert>,
+    client: Option<ClientCert>,
+    channel_binding: ChannelBinding,
+}
+
+impl TlsParams {
+    fn parse(url: &str, home: Option<PathBuf>) -> Result<TlsParams, BadUrl> {
+        let param = |k: &str| query_param(url, k).map(|v| percent_decode(&v));
+        let dot_pg = |name: &str| home.as_ref().map(|h| h.join(".postgresql").join(name));
+        let root = match param("sslrootcert").as_deref() {
+            Some("system") => Some(RootCert::System),
+            Some(path) => Some(RootCert::File(path.into())),
+            None => dot_pg("root.crt")
+                .filter(|p| p.exists())
+                .map(RootCert::File),
+        };
+        let sslmode = match (param("sslmode"), &root) {
+            (Some(m), _) => m.parse()?,
+            (None, Some(RootCert::System)) => SslMode::VerifyFull,
+            (None, _) => SslMode::Prefer,
+        };
+        if root == Some(RootCert::System) && sslmode != SslMode::VerifyFull {
+            return Err(BadUrl(format!(
+                "sslrootcert=system with sslmode={sslmode}: a publicly trusted certificate proves \
+                 nothing without the host name, so libpq allows only sslmode=verify-full with it \
+                 (omit sslmode, or set sslmode=verify-full)"
+            )));
+        }
+        if matches!(sslmode, SslMode::VerifyCa | SslMode::VerifyFull) && root.is_none() {
+            return Err(BadUrl(format!(
+                "sslmode={sslmode} needs the CA that signed the server's certificate: set \
+                 sslrootcert=/path/to/ca.pem (or sslrootcert=system for the system's trusted \
+                 roots, or put it in ~/.postgresql/root.crt), or choose an sslmode that does not \
+                 verify the server"
+            )));
+        }
+        let client = match (param("sslcert"), param("sslkey")) {
+            (Some(cert), key) => {
+                let cert = PathBuf::from(cert);
+                let key = key.map_or_else(|| cert.with_extension("key"), PathBuf::from);
+                if !cert.exists() {
+                    return Err(BadUrl(format!(
+                        "sslcert={}: no such file (the client certificate to present)",
+                        cert.display()
+                    )));
+                }
+                Some(ClientCert { cert, key })
+            }
+            (None, Some(key)) => match dot_pg("postgresql.crt").filter(|p| p.exists()) {
+                Some(cert) => Some(ClientCert {
+                    cert,
+                    key: key.into(),
+                }),
+                None => {
+                    return Err(BadUrl(format!(
+                        "sslkey={key} without a certificate: set sslcert to the client \
+                         certificate that goes with the key"
+                    )));
+                }
+            },
+            (None, None) => dot_pg("postgresql.crt")
+                .filter(|p| p.exists())
+                .zip(dot_pg("postgresql.key"))
+                .map(|(cert, key)| ClientCert { cert, key }),
+        };
+        if let Some(c) = &client {
+            check_key_file(&c.key)?;
+        }
+        if param("sslpassword").is_some() {
+            return Err(BadUrl(
+                "sslpassword: encrypted client keys are not supported; store the key \
+                 unencrypted with mode 0600 (openssl pkey -in KEY -out KEY.plain) and remove \
+                 sslpassword"
+                    .into(),
+            ));
+        }
+        for crl in ["sslcrl", "sslcrldir"] {
+            if param(crl).is_some_and(|v| !v.is_empty()) {
+                return Err(BadUrl(format!(
+                    "{crl}: certificate revocation lists are not supported; remove {crl} and \
+                     revoke by replacing the CA in sslrootcert"
+                )));
+            }
+        }
+        if param("sslsni").is_some_and(|v| v != "1") {
+            return Err(BadUrl(
+                "sslsni=0: both connections always send the host name (SNI); remove sslsni".into(),
+            ));
+        }
+        if param("requiressl").is_some() {
+            return Err(BadUrl(
+                "requiressl is obsolete: use sslmode=require (or stronger)".into(),
+            ));
+        }
+        match param("sslnegotiation").as_deref() {
+            None | Some("postgres") => {}
+            Some("direct") => {
+                return Err(BadUrl(
+                    "sslnegotiation=direct: the replication connection negotiates TLS the \
+                     standard way (SSLRequest first), which every server accepts; remove \
+                     sslnegotiation or set it to postgres"
+                        .into(),
+                ));
+            }
+            Some(other) => {
+                return Err(BadUrl(format!(
+                    "sslnegotiation={other}: expected postgres (or direct, which the relay does \
+                     not support)"
+                )));
+            }
+        }
+        let channel_binding = match param("channel_binding").as_deref() {
+            None | Some("prefer") => ChannelBinding::Prefer,
+            Some("disable") => ChannelBinding::Disable,
+            Some("require") => {
+                return Err(BadUrl(
+                    "channel_binding=require: the replication connection cannot bind SCRAM \
+                     authentication to the TLS channel (no SCRAM-SHA-256-PLUS), so the relay \
+                     refuses rather than connect without it; remove channel_binding (or set \
+                     prefer) and authenticate the server with sslmode=verify-full"
+                        .into(),
+                ));
+            }
+            Some(other) => {
+                return Err(BadUrl(format!(
+                    "channel_binding={other}: expected disable or prefer (require is not \
+                     supported)"
+                )));
+            }
+        };
+        Ok(TlsParams {
+            sslmode,
+            root,
+            client,
+            channel_binding,
+        })
+    }
+}
+
+/// libpq's check of a private key file: owned by us and not readable by
+/// group or others (0600), or owned by root and at most group-readable
+/// (0640).
+fn check_key_file(key: &std::path::Path) -> Result<(), BadUrl> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(key).map_err(|e| {
+        BadUrl(format!(
+            "sslkey={}: {e} (the private key of the client certificate)",
+            key.display()
+        ))
+    })?;
+    let mode = meta.mode() & 0o777;
+    let allowed = if meta.uid() == 0 { 0o640 } else { 0o600 };
+    if mode & !allowed != 0 {
+        return Err(BadUrl(format!(
+            "sslkey={}: the private key has mode {mode:04o}; it must not be readable by others \
+             (chmod 0600, or 0640 when owned by root)",
+            key.display()
+        )));
+    }
+    Ok(())
+}
+
+/// `%XX` escapes of a URL query value decoded (a key/value string's
+/// values come through unchanged).
+fn percent_decode(v: &str) -> String {
+    percent_encoding::percent_decode_str(v)
+        .decode_utf8_lossy()
+        .into_owned()
+}
 
 /// The string without [`OWN_PARAMS`].
 fn strip_own_params(url: &str) -> String {
@@ -255,10 +504,7 @@ mod tests {
             ("127.0.0.1", 5433, "orders")
         );
         assert_eq!(c.sslmode, SslMode::VerifyFull);
-        assert_eq!(
-            c.ssl_root_cert.as_deref(),
-            Some(std::path::Path::new("/ca.pem"))
-        );
+        assert_eq!(c.ssl_root_cert, Some(RootCert::File("/ca.pem".into())));
         assert!(!format!("{c:?}").contains("s3cret"));
         assert!(ConnParams::parse("not a url at all=", Duration::from_secs(1)).is_err());
         let err = ConnParams::parse("postgres://u@h/d?sslmode=maybe", Duration::from_secs(1));
@@ -292,6 +538,151 @@ mod tests {
         assert_eq!(default.sslmode, SslMode::Prefer);
         let allow =
             ConnParams::parse("postgres://u@h/d?sslmode=allow", Duration::from_secs(1)).unwrap();
-        assert_eq!(allow.sslmode, SslMode::Prefer);
+        assert_eq!(allow.sslmode, SslMode::Allow);
+    }
+
+    /// A private home directory for one test.
+    fn home(name: &str) -> PathBuf {
+        let h = std::env::temp_dir().join(format!("cdc-relay-conn-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&h);
+        std::fs::create_dir_all(h.join(".postgresql")).unwrap();
+        h
+    }
+
+    fn tls(url: &str, home: &std::path::Path) -> Result<TlsParams, String> {
+        TlsParams::parse(url, Some(home.to_owned())).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn tls_parameters_resolve_as_libpq_does() {
+        let h = home("resolve");
+        let u = "postgres://u@h/d";
+        // Nothing in ~/.postgresql: prefer, no root, no client certificate.
+        let t = tls(u, &h).unwrap();
+        assert_eq!(
+            (t.sslmode, &t.root, &t.client),
+            (SslMode::Prefer, &None, &None)
+        );
+        assert!(!t.sslmode.checks_chain(t.root.as_ref()));
+        // verify-ca / verify-full need a root certificate.
+        for mode in ["verify-ca", "verify-full"] {
+            let err = tls(&format!("{u}?sslmode={mode}"), &h).unwrap_err();
+            assert!(
+                err.contains(&format!("sslmode={mode}")) && err.contains("sslrootcert"),
+                "{err}"
+            );
+        }
+        // ~/.postgresql/root.crt is the default root, and makes require check the chain.
+        std::fs::write(h.join(".postgresql/root.crt"), "x").unwrap();
+        let t = tls(&format!("{u}?sslmode=require"), &h).unwrap();
+        assert_eq!(t.root, Some(RootCert::File(h.join(".postgresql/root.crt"))));
+        assert!(t.sslmode.checks_chain(t.root.as_ref()));
+        assert!(tls(&format!("{u}?sslmode=verify-ca"), &h).is_ok());
+        // sslrootcert=system: verify-full by default, nothing weaker.
+        let t = tls(&format!("{u}?sslrootcert=system"), &h).unwrap();
+        assert_eq!(
+            (t.sslmode, t.root),
+            (SslMode::VerifyFull, Some(RootCert::System))
+        );
+        for mode in ["require", "verify-ca", "prefer"] {
+            let err = tls(&format!("{u}?sslrootcert=system&sslmode={mode}"), &h).unwrap_err();
+            assert!(
+                err.contains("sslrootcert=system") && err.contains("verify-full"),
+                "{err}"
+            );
+        }
+        // A percent-encoded path is decoded.
+        let t = tls(
+            &format!("{u}?sslmode=verify-ca&sslrootcert=%2Fetc%2Fca.pem"),
+            &h,
+        )
+        .unwrap();
+        assert_eq!(t.root, Some(RootCert::File("/etc/ca.pem".into())));
+    }
+
+    #[test]
+    fn client_certificates_resolve_and_keys_must_be_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let h = home("client");
+        let u = "postgres://u@h/d";
+        let cert = h.join("c.pem");
+        let key = h.join("c.key");
+        std::fs::write(&cert, "x").unwrap();
+        std::fs::write(&key, "x").unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let url = format!("{u}?sslcert={}&sslkey={}", cert.display(), key.display());
+        let t = tls(&url, &h).unwrap();
+        assert_eq!(
+            t.client,
+            Some(ClientCert {
+                cert: cert.clone(),
+                key: key.clone()
+            })
+        );
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = tls(&url, &h).unwrap_err();
+        assert!(
+            err.contains("sslkey=") && err.contains("0644") && err.contains("chmod 0600"),
+            "{err}"
+        );
+        let err = tls(&format!("{u}?sslcert=/nonexistent/c.pem"), &h).unwrap_err();
+        assert!(err.contains("sslcert=/nonexistent/c.pem"), "{err}");
+        // The defaults in ~/.postgresql.
+        let dot = h.join(".postgresql");
+        std::fs::write(dot.join("postgresql.crt"), "x").unwrap();
+        std::fs::write(dot.join("postgresql.key"), "x").unwrap();
+        std::fs::set_permissions(
+            dot.join("postgresql.key"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        let t = tls(u, &h).unwrap();
+        assert_eq!(
+            t.client,
+            Some(ClientCert {
+                cert: dot.join("postgresql.crt"),
+                key: dot.join("postgresql.key")
+            })
+        );
+    }
+
+    #[test]
+    fn what_the_relay_cannot_do_on_both_connections_is_refused_by_name() {
+        let h = home("refused");
+        let u = "postgres://u@h/d?sslmode=require";
+        for (param, names) in [
+            ("channel_binding=require", "channel_binding=require"),
+            ("channel_binding=maybe", "channel_binding=maybe"),
+            ("sslnegotiation=direct", "sslnegotiation=direct"),
+            ("sslnegotiation=other", "sslnegotiation=other"),
+            ("sslpassword=x", "sslpassword"),
+            ("sslcrl=/crl.pem", "sslcrl"),
+            ("sslcrldir=/crl", "sslcrldir"),
+            ("sslsni=0", "sslsni=0"),
+            ("requiressl=1", "requiressl"),
+        ] {
+            let err = tls(&format!("{u}&{param}"), &h).unwrap_err();
+            assert!(err.contains(names), "{param}: {err}");
+            // The same through ConnParams: the URL error names the setting.
+            let err = ConnParams::parse(&format!("{u}&{param}"), Duration::from_secs(1))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("--database-url") && err.contains(names),
+                "{err}"
+            );
+        }
+        for ok in [
+            "channel_binding=disable",
+            "channel_binding=prefer",
+            "sslnegotiation=postgres",
+            "sslsni=1",
+        ] {
+            assert!(tls(&format!("{u}&{ok}"), &h).is_ok(), "{ok}");
+            assert!(
+                ConnParams::parse(&format!("{u}&{ok}"), Duration::from_secs(1)).is_ok(),
+                "{ok}"
+            );
+        }
     }
 }

@@ -192,12 +192,26 @@ impl SourceError {
         classify(code, msg, None)
     }
 
+    /// Whether the server refused the connection for being unencrypted
+    /// (its `pg_hba.conf` admits this role from here only with `hostssl`):
+    /// `sslmode=allow` then tries again with TLS.
+    pub fn refuses_plain(&self) -> bool {
+        self.to_string().contains("no encryption")
+    }
+
     /// A replication transport error while streaming `slot`.
     pub fn transport(e: &PgWireError, slot: &str) -> Self {
         let text = e.to_string();
         match e {
             PgWireError::Auth(_) => SourceError::Definite(format!("authentication failed: {text}")),
-            PgWireError::Tls(_) => SourceError::Definite(format!("TLS failed: {text}")),
+            PgWireError::Tls(_) => SourceError::Definite(match tls_hint(&text) {
+                Some(hint) => format!("TLS failed: {text}. {hint}"),
+                None => format!("TLS failed: {text}"),
+            }),
+            PgWireError::Server(msg) if sqlstate(msg) == Some("28000") => match tls_hint(msg) {
+                Some(hint) => SourceError::Definite(format!("{msg}. {hint}")),
+                None => classify(sqlstate(msg), msg.clone(), Some(slot)),
+            },
             PgWireError::Server(msg) => classify(sqlstate(msg), msg.clone(), Some(slot)),
             _ => SourceError::Transient(text),
         }
@@ -291,6 +305,9 @@ fn connect_hint(code: Option<&str>, msg: &str) -> Option<&'static str> {
     const PASSWORD: &str = "Set the password with CDC_RELAY_DATABASE_PASSWORD \
         (--database-password) or CDC_RELAY_DATABASE_PASSWORD_FILE (--database-password-file), \
         or in the URL";
+    if let Some(hint) = tls_hint(msg) {
+        return Some(hint);
+    }
     match code {
         Some("28P01" | "28000") => Some(
             "Check the role and password (CDC_RELAY_DATABASE_PASSWORD or \
@@ -303,10 +320,6 @@ fn connect_hint(code: Option<&str>, msg: &str) -> Option<&'static str> {
             "The server has ssl = off: connect with sslmode=disable (or prefer), or enable TLS \
              on the server",
         ),
-        None if msg.contains("invalid peer certificate") => Some(
-            "The server's certificate is not trusted for this host name: give its CA with \
-             sslrootcert=FILE in the URL, or connect by the name the certificate carries",
-        ),
         None if msg.contains("invalid configuration")
             || msg.contains("invalid connection string") =>
         {
@@ -314,6 +327,45 @@ fn connect_hint(code: Option<&str>, msg: &str) -> Option<&'static str> {
         }
         None => None,
     }
+}
+
+/// What to change in the database URL for a TLS failure or a refusal
+/// that depends on TLS, by the words of the error (rustls's certificate
+/// errors, PostgreSQL's `pg_hba.conf` refusals); `None` for any other.
+pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
+    let lower = msg.to_ascii_lowercase();
+    let has = |s: &str| lower.contains(s);
+    Some(if has("unknownissuer") || has("unknown issuer") {
+        "The server's certificate is not signed by a CA in sslrootcert: set sslrootcert in \
+         the URL to the CA certificate that issued it"
+    } else if has("not valid for name") || has("notvalidforname") {
+        "The server's certificate does not carry the URL's host name: connect by a name in \
+         its subjectAltName, reissue it for this host, or use sslmode=verify-ca to check the \
+         chain only"
+    } else if has("expired") {
+        "The server's certificate has expired: renew it on the server (ssl_cert_file) and \
+         reload the server's configuration; if it is not expired, check this machine's clock"
+    } else if has("notvalidyet") || has("not valid yet") || has("not valid before") {
+        "The server's certificate is not valid yet: check this machine's clock and the \
+         certificate's notBefore"
+    } else if has("badsignature") || has("invalid peer certificate") {
+        "The server's certificate could not be verified: check sslrootcert and sslmode in the \
+         URL"
+    } else if has("server does not support tls") || has("sslrequest refused") {
+        "The server has ssl = off: connect with sslmode=disable (or allow, prefer), or enable \
+         TLS on the server"
+    } else if has("no encryption") {
+        "The server's pg_hba.conf admits this role from here only over TLS (hostssl): set \
+         sslmode=require (or stronger) in the URL"
+    } else if has("valid client certificate") || has("certificate authentication failed") {
+        "The server's pg_hba.conf asks this role for a client certificate: set sslcert and \
+         sslkey in the URL to a certificate whose common name is the role, signed by a CA \
+         in the server's ssl_ca_file"
+    } else if has("sslcert=") || has("sslkey=") || has("sslrootcert=") {
+        "Fix the named file or the URL parameter that names it"
+    } else {
+        return None;
+    })
 }
 
 /// The backfill step of a recovery: with the time the progress record

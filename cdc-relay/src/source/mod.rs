@@ -159,10 +159,25 @@ async fn connect(
     application_name: &str,
     notices: Option<NoticeLog>,
 ) -> Result<(tokio_postgres::Client, oneshot::Receiver<()>), SourceError> {
+    match connect_once(conn, application_name, notices.clone(), false).await {
+        // sslmode=allow: plain first, TLS when the server refuses plain.
+        Err(e) if conn.sslmode == SslMode::Allow && e.refuses_plain() => {
+            connect_once(conn, application_name, notices, true).await
+        }
+        other => other,
+    }
+}
+
+async fn connect_once(
+    conn: &ConnParams,
+    application_name: &str,
+    notices: Option<NoticeLog>,
+    fallback: bool,
+) -> Result<(tokio_postgres::Client, oneshot::Receiver<()>), SourceError> {
     let context = format!("connecting to {}", conn.display());
     let sql_error = |e: tokio_postgres::Error| SourceError::sql(&context, &e);
     let mut config = conn.sql_config(application_name);
-    let tls = tls::client_config(conn.sslmode, conn.ssl_root_cert.as_deref())
+    let tls = tls::client_config(conn, fallback)
         .map_err(|e| SourceError::Definite(format!("{context}: {e}")))?;
     let Some(tls) = tls else {
         let (client, connection) = config
@@ -174,6 +189,10 @@ async fn connect(
     config.ssl_mode(match conn.sslmode {
         SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
         _ => tokio_postgres::config::SslMode::Require,
+    });
+    config.channel_binding(match conn.channel_binding {
+        conn::ChannelBinding::Disable => tokio_postgres::config::ChannelBinding::Disable,
+        conn::ChannelBinding::Prefer => tokio_postgres::config::ChannelBinding::Prefer,
     });
     let (client, connection) = config
         .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))

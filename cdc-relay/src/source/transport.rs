@@ -53,49 +53,77 @@ const TRANSPORT_BUFFER: usize = 64;
 
 /// Opens a pgoutput stream at the slot's own position (`0/0`) and waits
 /// until the server accepted `START_REPLICATION` (the slot is then held).
-/// Bounded by twice the connect timeout.
+/// Bounded by twice the connect timeout (per TLS attempt).
 pub async fn open(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationClient, SourceError> {
-    let mut cfg = ReplicationConfig::new(
-        conn.host.clone(),
-        conn.user.clone(),
-        conn.password.clone(),
-        conn.dbname.clone(),
-        s.slot.clone(),
-        s.publications.clone(),
-    )
-    .with_port(conn.port)
-    .with_tls(tls::replication_tls(conn))
-    .with_start_lsn(Lsn::ZERO.into())
-    .with_status_interval(s.status_interval)
-    .with_wakeup_interval(s.status_interval)
-    .with_buffer_size(TRANSPORT_BUFFER)
-    .with_application_name(s.application_name.clone())
-    // Text output must not depend on the role's settings.
-    .with_options(
-        "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3",
-    );
-    cfg.max_message_size = 1 << 30;
-    let raw = s.raw_encoding;
-    let connect = async {
-        let mut client = if raw {
-            let mut c = ReplicationClient::connect_gated(cfg).await?;
-            c.simple_query("SET client_encoding = 'SQL_ASCII'").await?;
-            c.start().await?;
-            c
-        } else {
-            ReplicationClient::connect(cfg).await?
+    with_tls(conn, &s.slot, |tls| async move {
+        let mut cfg = ReplicationConfig::new(
+            conn.host.clone(),
+            conn.user.clone(),
+            conn.password.clone(),
+            conn.dbname.clone(),
+            s.slot.clone(),
+            s.publications.clone(),
+        )
+        .with_port(conn.port)
+        .with_tls(tls)
+        .with_start_lsn(Lsn::ZERO.into())
+        .with_status_interval(s.status_interval)
+        .with_wakeup_interval(s.status_interval)
+        .with_buffer_size(TRANSPORT_BUFFER)
+        .with_application_name(s.application_name.clone())
+        // Text output must not depend on the role's settings.
+        .with_options(
+            "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3",
+        );
+        cfg.max_message_size = 1 << 30;
+        let raw = s.raw_encoding;
+        let connect = async {
+            let mut client = if raw {
+                let mut c = ReplicationClient::connect_gated(cfg).await?;
+                c.simple_query("SET client_encoding = 'SQL_ASCII'").await?;
+                c.start().await?;
+                c
+            } else {
+                ReplicationClient::connect(cfg).await?
+            };
+            client.wait_started().await?;
+            Ok::<_, PgWireError>(client)
         };
-        client.wait_started().await?;
-        Ok::<_, PgWireError>(client)
+        let bound = conn.connect_timeout * 2;
+        match tokio::time::timeout(bound, connect).await {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e)) => Err(SourceError::transport(&e, &s.slot)),
+            Err(_) => Err(SourceError::Transient(format!(
+                "starting replication on {} timed out after {bound:?}",
+                conn.display()
+            ))),
+        }
+    })
+    .await
+}
+
+/// Runs `attempt` with the replication TLS settings of `conn`: once, or,
+/// for `sslmode=allow`, plain first and with TLS when the server refuses a
+/// plain connection (as libpq does).
+async fn with_tls<T, F, Fut>(conn: &ConnParams, slot: &str, attempt: F) -> Result<T, SourceError>
+where
+    F: Fn(pgwire_replication::TlsConfig) -> Fut,
+    Fut: std::future::Future<Output = Result<T, SourceError>>,
+{
+    let once = |fallback: bool| {
+        let attempt = &attempt;
+        async move {
+            let tls = match tls::replication_tls(conn, fallback).await {
+                Ok(tls::ReplicationTls::Plain) => pgwire_replication::TlsConfig::disabled(),
+                Ok(tls::ReplicationTls::Tls(t)) => t,
+                Err(text) => return Err(SourceError::transport(&PgWireError::Tls(text), slot)),
+            };
+            attempt(tls).await
+        }
     };
-    let bound = conn.connect_timeout * 2;
-    match tokio::time::timeout(bound, connect).await {
-        Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => Err(SourceError::transport(&e, &s.slot)),
-        Err(_) => Err(SourceError::Transient(format!(
-            "starting replication on {} timed out after {bound:?}",
-            conn.display()
-        ))),
+    match once(false).await {
+        Err(e) if conn.sslmode == super::SslMode::Allow && e.refuses_plain() => once(true).await,
+        other => other,
     }
 }
 
@@ -107,32 +135,35 @@ pub async fn replication_command(
     slot: &str,
     sql: &str,
 ) -> Result<(), SourceError> {
-    let cfg = ReplicationConfig::new(
-        conn.host.clone(),
-        conn.user.clone(),
-        conn.password.clone(),
-        conn.dbname.clone(),
-        slot.to_owned(),
-        Vec::<String>::new(),
-    )
-    .with_port(conn.port)
-    .with_tls(tls::replication_tls(conn))
-    .with_application_name("cdc-relay-setup".to_owned());
-    let run = async {
-        let mut client = ReplicationClient::connect_gated(cfg).await?;
-        client.simple_query(sql).await?;
-        client.abort();
-        Ok::<_, PgWireError>(())
-    };
-    let bound = conn.connect_timeout * 2;
-    match tokio::time::timeout(bound, run).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(SourceError::transport(&e, slot)),
-        Err(_) => Err(SourceError::Transient(format!(
-            "{sql} on {} got no answer within {bound:?}",
-            conn.display()
-        ))),
-    }
+    with_tls(conn, slot, |tls| async move {
+        let cfg = ReplicationConfig::new(
+            conn.host.clone(),
+            conn.user.clone(),
+            conn.password.clone(),
+            conn.dbname.clone(),
+            slot.to_owned(),
+            Vec::<String>::new(),
+        )
+        .with_port(conn.port)
+        .with_tls(tls)
+        .with_application_name("cdc-relay-setup".to_owned());
+        let run = async {
+            let mut client = ReplicationClient::connect_gated(cfg).await?;
+            client.simple_query(sql).await?;
+            client.abort();
+            Ok::<_, PgWireError>(())
+        };
+        let bound = conn.connect_timeout * 2;
+        match tokio::time::timeout(bound, run).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(SourceError::transport(&e, slot)),
+            Err(_) => Err(SourceError::Transient(format!(
+                "{sql} on {} got no answer within {bound:?}",
+                conn.display()
+            ))),
+        }
+    })
+    .await
 }
 
 /// Whether `conn` can carry a replication connection: `IDENTIFY_SYSTEM`

@@ -20,11 +20,7 @@ const WAIT: Duration = Duration::from_secs(60);
 
 /// libfaketime's preload library, from Debian's package.
 fn faketime() -> anyhow::Result<String> {
-    let lib = ::harness::debian::package_file(
-        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
-        "libfaketime",
-    )?;
-    Ok(lib.display().to_string())
+    Ok(::harness::debian::libfaketime()?.display().to_string())
 }
 
 /// The environment that runs the relay `offset` off the true time

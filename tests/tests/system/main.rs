@@ -66,6 +66,7 @@ mod listeners;
 mod observability;
 mod oracle;
 mod parking;
+mod pg_tls;
 mod pooler;
 mod prune;
 mod redaction;

@@ -1,0 +1,177 @@
+//! Throwaway certificate authorities and certificates for TLS tests, made
+//! with the `openssl` command: a CA, server certificates with the names
+//! and validity a test needs (an expired one is made under libfaketime),
+//! client certificates for `pg_hba.conf`'s `cert` method, and the server
+//! key as PostgreSQL insists on it.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+
+/// Runs `openssl ARGS…`; an error carries its stderr.
+pub fn openssl(args: &[&str]) -> anyhow::Result<()> {
+    openssl_with(args, &[])
+}
+
+fn openssl_with(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<()> {
+    let out = std::process::Command::new("openssl")
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .context("running openssl (the TLS tests need the openssl command)")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// `p` as UTF-8 (for command lines).
+pub fn path_str(p: &Path) -> anyhow::Result<&str> {
+    p.to_str().context("a UTF-8 path")
+}
+
+const EC: [&str; 5] = [
+    "-newkey",
+    "ec",
+    "-pkeyopt",
+    "ec_paramgen_curve:prime256v1",
+    "-nodes",
+];
+
+/// A certificate authority whose files live in `dir`.
+pub struct Ca {
+    dir: PathBuf,
+    name: String,
+    /// The CA certificate, PEM.
+    pub cert: PathBuf,
+    key: PathBuf,
+}
+
+/// A certificate and its key, PEM.
+pub struct Issued {
+    /// The certificate.
+    pub cert: PathBuf,
+    /// Its private key (mode 0600).
+    pub key: PathBuf,
+}
+
+/// What to issue.
+pub struct Request<'a> {
+    /// File name stem and subject CN.
+    pub name: &'a str,
+    /// subjectAltName entries, e.g. `["DNS:localhost", "IP:127.0.0.1"]`
+    /// (none for a client certificate).
+    pub sans: &'a [&'a str],
+    /// A server certificate (`serverAuth`) or a client one (`clientAuth`).
+    pub client: bool,
+    /// Whether the certificate's validity ended before now.
+    pub expired: bool,
+}
+
+impl Ca {
+    /// A new CA named `name` in `dir` (which must exist), valid for two days.
+    pub fn new(dir: &Path, name: &str) -> anyhow::Result<Ca> {
+        let cert = dir.join(format!("{name}.pem"));
+        let key = dir.join(format!("{name}.key"));
+        openssl(
+            &[
+                &["req", "-x509", "-days", "2", "-subj"][..],
+                &[&format!("/CN={name}")],
+                &EC,
+                &["-keyout", path_str(&key)?, "-out", path_str(&cert)?],
+                &["-addext", "basicConstraints=critical,CA:TRUE"],
+                &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+            ]
+            .concat(),
+        )?;
+        Ok(Ca {
+            dir: dir.to_owned(),
+            name: name.to_owned(),
+            cert,
+            key,
+        })
+    }
+
+    /// Issues a certificate as `req` asks.
+    pub fn issue(&self, req: &Request<'_>) -> anyhow::Result<Issued> {
+        use std::os::unix::fs::PermissionsExt;
+        let p = |ext: &str| self.dir.join(format!("{}.{}.{ext}", self.name, req.name));
+        let (cert, key, csr, extfile) = (p("pem"), p("key"), p("csr"), p("ext"));
+        openssl(
+            &[
+                &["req", "-subj"][..],
+                &[&format!("/CN={}", req.name)],
+                &EC,
+                &["-keyout", path_str(&key)?, "-out", path_str(&csr)?],
+            ]
+            .concat(),
+        )?;
+        let mut ext =
+            String::from("basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n");
+        ext.push_str(if req.client {
+            "extendedKeyUsage=clientAuth\n"
+        } else {
+            "extendedKeyUsage=serverAuth\n"
+        });
+        if !req.sans.is_empty() {
+            ext.push_str(&format!("subjectAltName={}\n", req.sans.join(",")));
+        }
+        std::fs::write(&extfile, ext)?;
+        let args = [
+            "x509",
+            "-req",
+            "-days",
+            "2",
+            "-in",
+            path_str(&csr)?,
+            "-CA",
+            path_str(&self.cert)?,
+            "-CAkey",
+            path_str(&self.key)?,
+            "-CAcreateserial",
+            "-extfile",
+            path_str(&extfile)?,
+            "-out",
+            path_str(&cert)?,
+        ];
+        if req.expired {
+            // Signed ten days ago for two days: expired for eight.
+            let lib = crate::debian::libfaketime()?;
+            openssl_with(
+                &args,
+                &[("LD_PRELOAD", path_str(&lib)?), ("FAKETIME", "-10d")],
+            )?;
+        } else {
+            openssl(&args)?;
+        }
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::set_permissions(&cert, std::fs::Permissions::from_mode(0o644))?;
+        Ok(Issued { cert, key })
+    }
+}
+
+/// A copy of `key` that the PostgreSQL server accepts as `ssl_key_file`:
+/// mode 0600, owned by the user the harness runs the server as.
+pub fn server_key(key: &Path) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let copy = key.with_extension("server.key");
+    std::fs::copy(key, &copy)?;
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o600))?;
+    if nix::unistd::Uid::effective().is_root() {
+        let pg = nix::unistd::User::from_name(crate::pg::SUPERUSER)?
+            .context("the postgres user the harness runs the server as")?;
+        nix::unistd::chown(&copy, Some(pg.uid), Some(pg.gid))?;
+    }
+    Ok(copy)
+}
+
+/// A directory for certificates that the server (which may run as
+/// `postgres`) can read.
+pub fn dir() -> anyhow::Result<tempfile::TempDir> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir()?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    Ok(dir)
+}

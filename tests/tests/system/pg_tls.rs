@@ -1,0 +1,541 @@
+//! Issue 30, item 1: TLS to PostgreSQL means what libpq says, on both of
+//! the relay's connections. A server with `ssl = on` and a private CA
+//! (made here with `openssl`) presents in turn a certificate with the
+//! right DNS and IP names, one for another name, an expired one and one
+//! from an unknown CA; for each, every `sslmode` the case needs is tried
+//! by `psql` (the oracle of what libpq accepts) and by the relay, which
+//! accepts only if its side connection and its replication session both
+//! come up (it logs `streaming`). They must agree, and agree with what the
+//! case expects. Client certificates are tried against `pg_hba.conf`'s
+//! `cert` method, and what the relay cannot do on both connections is
+//! refused at startup with exit 2 naming the parameter.
+//!
+//! Failed on `cb3ea2e`: verify-full to `127.0.0.1` exited 1 (the
+//! replication transport refused an IP host although the certificate has
+//! it in its SAN); verify-ca refused a certificate for another name;
+//! `sslcert`, `sslkey` were unknown options; `channel_binding=require`
+//! was dropped and the relay streamed.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use harness::app;
+use harness::pki::{self, Ca, Request, path_str};
+use harness::{ClusterOptions, PgCluster};
+
+/// How long a relay may take to stream or to give up.
+const DECIDE: Duration = Duration::from_secs(30);
+
+/// What one try gave.
+#[derive(Debug)]
+enum Outcome {
+    /// Connected (`psql`), or streaming (the relay); `ssl` whether the
+    /// session is encrypted (`psql` only).
+    Accepted { ssl: Option<bool> },
+    /// Refused, with the exit code and what was printed.
+    Refused { code: Option<i32>, output: String },
+}
+
+impl Outcome {
+    fn accepted(&self) -> bool {
+        matches!(self, Outcome::Accepted { .. })
+    }
+}
+
+/// One row of the matrix.
+struct Case {
+    /// What is being tried.
+    what: &'static str,
+    /// The URL's host: `127.0.0.1` or `localhost`.
+    host: &'static str,
+    /// The URL's TLS parameters (`sslmode=…&sslrootcert=…`).
+    params: String,
+    /// Whether libpq (and so the relay) must accept.
+    accept: bool,
+    /// For a refusal: a word the relay's message must carry (the
+    /// parameter to fix).
+    names: &'static str,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<()> {
+    let dir = pki::dir()?;
+    let ca = Ca::new(dir.path(), "ca")?;
+    let unknown = Ca::new(dir.path(), "unknown-ca")?;
+    let right_names = ["DNS:localhost", "IP:127.0.0.1"];
+    let server = |ca: &Ca, name: &'static str, sans: &[&str], expired: bool| {
+        ca.issue(&Request {
+            name,
+            sans,
+            client: false,
+            expired,
+        })
+    };
+    let good = server(&ca, "good", &right_names, false)?;
+    let wrong = server(&ca, "wrong", &["DNS:db.invalid", "IP:10.255.0.1"], false)?;
+    let expired = server(&ca, "expired", &right_names, true)?;
+    let stranger = server(&unknown, "stranger", &right_names, false)?;
+    let client = ca.issue(&Request {
+        name: "cdc_relay",
+        sans: &[],
+        client: true,
+        expired: false,
+    })?;
+
+    let cluster = PgCluster::start(ClusterOptions {
+        extra_settings: vec![
+            ("ssl".into(), "on".into()),
+            ("ssl_cert_file".into(), path_str(&good.cert)?.into()),
+            (
+                "ssl_key_file".into(),
+                path_str(&pki::server_key(&good.key)?)?.into(),
+            ),
+            ("ssl_ca_file".into(), path_str(&ca.cert)?.into()),
+        ],
+        ..ClusterOptions::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let home = tempfile::tempdir()?;
+    let t = Tries {
+        cluster: &cluster,
+        stack: &stack,
+        home: home.path().to_owned(),
+    };
+    let ca_pem = path_str(&ca.cert)?;
+    let unknown_pem = path_str(&unknown.cert)?;
+    let case = |what, host, params: String, accept, names| Case {
+        what,
+        host,
+        params,
+        accept,
+        names,
+    };
+
+    // The right certificate.
+    t.run(&[
+        case(
+            "verify-full by IP (IP SAN)",
+            "127.0.0.1",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "verify-full by name",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "verify-ca",
+            "127.0.0.1",
+            format!("sslmode=verify-ca&sslrootcert={ca_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "require, no root",
+            "127.0.0.1",
+            "sslmode=require".into(),
+            true,
+            "",
+        ),
+        case(
+            "require with another CA's root is verify-ca",
+            "127.0.0.1",
+            format!("sslmode=require&sslrootcert={unknown_pem}"),
+            false,
+            "sslrootcert",
+        ),
+        case("prefer", "127.0.0.1", "sslmode=prefer".into(), true, ""),
+        case(
+            "allow (plain first)",
+            "127.0.0.1",
+            "sslmode=allow".into(),
+            true,
+            "",
+        ),
+        case("disable", "127.0.0.1", "sslmode=disable".into(), true, ""),
+        case(
+            "verify-full, another CA",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={unknown_pem}"),
+            false,
+            "sslrootcert",
+        ),
+    ])
+    .await?;
+    // libpq's default root, ~/.postgresql/root.crt.
+    let dot = home.path().join(".postgresql");
+    std::fs::create_dir_all(&dot)?;
+    std::fs::copy(&ca.cert, dot.join("root.crt"))?;
+    t.run(&[case(
+        "verify-full with ~/.postgresql/root.crt",
+        "127.0.0.1",
+        "sslmode=verify-full".into(),
+        true,
+        "",
+    )])
+    .await?;
+    std::fs::remove_file(dot.join("root.crt"))?;
+
+    t.serve(&wrong)?;
+    t.run(&[
+        case(
+            "verify-full, certificate for another name",
+            "127.0.0.1",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            false,
+            "verify-ca",
+        ),
+        case(
+            "verify-full by name, certificate for another name",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            false,
+            "verify-ca",
+        ),
+        case(
+            "verify-ca checks only the chain",
+            "127.0.0.1",
+            format!("sslmode=verify-ca&sslrootcert={ca_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "require, certificate for another name",
+            "127.0.0.1",
+            "sslmode=require".into(),
+            true,
+            "",
+        ),
+    ])
+    .await?;
+
+    t.serve(&expired)?;
+    t.run(&[
+        case(
+            "verify-ca, expired",
+            "127.0.0.1",
+            format!("sslmode=verify-ca&sslrootcert={ca_pem}"),
+            false,
+            "expired",
+        ),
+        case(
+            "verify-full, expired",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            false,
+            "expired",
+        ),
+        case(
+            "require, no root, expired",
+            "127.0.0.1",
+            "sslmode=require".into(),
+            true,
+            "",
+        ),
+    ])
+    .await?;
+
+    t.serve(&stranger)?;
+    t.run(&[
+        case(
+            "verify-ca, unknown CA",
+            "127.0.0.1",
+            format!("sslmode=verify-ca&sslrootcert={ca_pem}"),
+            false,
+            "sslrootcert",
+        ),
+        case(
+            "verify-full, unknown CA",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            false,
+            "sslrootcert",
+        ),
+        case(
+            "require, no root, unknown CA",
+            "127.0.0.1",
+            "sslmode=require".into(),
+            true,
+            "",
+        ),
+        case(
+            "require with the root, unknown CA",
+            "127.0.0.1",
+            format!("sslmode=require&sslrootcert={ca_pem}"),
+            false,
+            "sslrootcert",
+        ),
+    ])
+    .await?;
+
+    // Client certificates: the relay's role only over TLS, with a
+    // certificate whose CN is the role.
+    t.serve(&good)?;
+    let hba = cluster.data_dir().join("pg_hba.conf");
+    let before = std::fs::read_to_string(&hba)?;
+    std::fs::write(
+        &hba,
+        format!(
+            "hostssl all cdc_relay 127.0.0.1/32 cert\nhost all cdc_relay 127.0.0.1/32 reject\n{before}"
+        ),
+    )?;
+    cluster.psql("postgres", "SELECT pg_reload_conf()")?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let certs = format!(
+        "sslcert={}&sslkey={}",
+        path_str(&client.cert)?,
+        path_str(&client.key)?
+    );
+    t.run(&[
+        case(
+            "client certificate, verify-full",
+            "127.0.0.1",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}&{certs}"),
+            true,
+            "",
+        ),
+        case(
+            "no client certificate",
+            "127.0.0.1",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            false,
+            "sslcert",
+        ),
+        case(
+            "client certificate, allow (plain refused, then TLS)",
+            "127.0.0.1",
+            format!("sslmode=allow&{certs}"),
+            true,
+            "",
+        ),
+        case(
+            "client certificate, disable",
+            "127.0.0.1",
+            format!("sslmode=disable&{certs}"),
+            false,
+            "sslmode=require",
+        ),
+    ])
+    .await?;
+    // libpq's default client certificate, ~/.postgresql/postgresql.crt.
+    std::fs::copy(&client.cert, dot.join("postgresql.crt"))?;
+    std::fs::copy(&client.key, dot.join("postgresql.key"))?;
+    t.run(&[case(
+        "client certificate from ~/.postgresql",
+        "127.0.0.1",
+        "sslmode=require".into(),
+        true,
+        "",
+    )])
+    .await?;
+    std::fs::write(&hba, before)?;
+    cluster.psql("postgres", "SELECT pg_reload_conf()")?;
+    Ok(())
+}
+
+/// What the relay cannot do on both of its connections is refused before
+/// it connects: exit 2, the parameter named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_cannot_be_honoured_on_both_connections_exits_2_naming_it() -> anyhow::Result<()> {
+    let cluster = PgCluster::shared();
+    let stack = cluster.create_stack().await?;
+    let home = tempfile::tempdir()?;
+    let t = Tries {
+        cluster,
+        stack: &stack,
+        home: home.path().to_owned(),
+    };
+    for (params, names) in [
+        (
+            "sslmode=require&channel_binding=require",
+            "channel_binding=require",
+        ),
+        (
+            "sslmode=require&sslnegotiation=direct",
+            "sslnegotiation=direct",
+        ),
+        ("sslrootcert=system&sslmode=require", "sslrootcert=system"),
+        ("sslmode=verify-full", "sslrootcert"),
+        ("sslmode=require&sslpassword=x", "sslpassword"),
+        ("sslmode=require&sslcrl=/crl.pem", "sslcrl"),
+    ] {
+        match t.relay("127.0.0.1", params).await? {
+            Outcome::Refused {
+                code: Some(2),
+                output,
+            } if output.contains(names) => {}
+            other => anyhow::bail!("{params}: expected exit 2 naming {names}, got {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+/// Tries against one server, with `HOME` (libpq's `~/.postgresql`) at
+/// `home` for both `psql` and the relay.
+struct Tries<'a> {
+    cluster: &'a PgCluster,
+    stack: &'a harness::stack::Stack,
+    home: PathBuf,
+}
+
+impl Tries<'_> {
+    /// Serves `cert` from now on (the server reloads its TLS files on
+    /// SIGHUP).
+    fn serve(&self, cert: &pki::Issued) -> anyhow::Result<()> {
+        let key = pki::server_key(&cert.key)?;
+        for (setting, file) in [("ssl_cert_file", &cert.cert), ("ssl_key_file", &key)] {
+            self.cluster.psql(
+                "postgres",
+                &format!("ALTER SYSTEM SET {setting} = '{}'", path_str(file)?),
+            )?;
+        }
+        self.cluster.psql("postgres", "SELECT pg_reload_conf()")?;
+        // New backends see the reloaded files once the postmaster has them.
+        let want = path_str(&cert.cert)?.to_owned();
+        for _ in 0..100 {
+            if self.cluster.psql("postgres", "SHOW ssl_cert_file")?.trim() == want {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        anyhow::bail!("the server did not reload ssl_cert_file = {want}")
+    }
+
+    /// Runs `cases`: psql and the relay agree with each other and with the
+    /// case; a refusal by the relay names what to fix.
+    async fn run(&self, cases: &[Case]) -> anyhow::Result<()> {
+        let mut wrong = Vec::new();
+        for c in cases {
+            let oracle = self.psql(c.host, &c.params)?;
+            let relay = self.relay(c.host, &c.params).await?;
+            let named = match &relay {
+                Outcome::Refused { output, .. } => output.contains(c.names),
+                Outcome::Accepted { .. } => true,
+            };
+            // disable, and allow where the server takes plain, stay plain.
+            let plain = c.params.contains("sslmode=disable")
+                || (c.params.contains("sslmode=allow") && !c.what.contains("plain refused"));
+            let encrypted_as_libpq = match oracle {
+                Outcome::Accepted { ssl } => ssl == Some(!plain),
+                Outcome::Refused { .. } => true,
+            };
+            if oracle.accepted() != c.accept
+                || relay.accepted() != c.accept
+                || !named
+                || !encrypted_as_libpq
+            {
+                wrong.push(format!(
+                    "{} ({}, {}): expected {}, psql {oracle:?}, relay {relay:?}{}",
+                    c.what,
+                    c.host,
+                    c.params,
+                    if c.accept { "accepted" } else { "refused" },
+                    if named {
+                        String::new()
+                    } else {
+                        format!(" (the message should name {})", c.names)
+                    }
+                ));
+            }
+        }
+        anyhow::ensure!(wrong.is_empty(), "{}", wrong.join("\n"));
+        Ok(())
+    }
+
+    fn url(&self, host: &str, params: &str) -> String {
+        let url = self
+            .stack
+            .relay_url
+            .replacen("@127.0.0.1:", &format!("@{host}:"), 1);
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}{params}")
+    }
+
+    /// libpq's answer: `psql` connects and says whether the session is
+    /// encrypted.
+    fn psql(&self, host: &str, params: &str) -> anyhow::Result<Outcome> {
+        let out = self
+            .cluster
+            .command("psql")
+            .args([
+                &self.url(host, params),
+                "-XAtc",
+                "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            ])
+            .env("HOME", &self.home)
+            .env("PGCONNECT_TIMEOUT", "10")
+            .output()
+            .context("running psql")?;
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        Ok(if out.status.success() {
+            Outcome::Accepted {
+                ssl: Some(text == "t"),
+            }
+        } else {
+            Outcome::Refused {
+                code: out.status.code(),
+                output: String::from_utf8_lossy(&out.stderr).into_owned(),
+            }
+        })
+    }
+
+    /// The relay's answer: `cdc-relay run` streams (then it is stopped) or
+    /// exits.
+    async fn relay(&self, host: &str, params: &str) -> anyhow::Result<Outcome> {
+        let log = tempfile::NamedTempFile::new()?;
+        let mut argv = app::relay_globals(self.stack);
+        argv.extend(
+            [
+                "run",
+                "--sink-url",
+                "http://127.0.0.1:9/inbox",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ]
+            .map(String::from),
+        );
+        let mut child = tokio::process::Command::new(harness::bins::path("cdc-relay"))
+            .args(&argv)
+            .env("CDC_RELAY_DATABASE_URL", self.url(host, params))
+            .env("CDC_RELAY_LOG", "info")
+            .env("EVENT_SECRET", app::TEST_SECRET)
+            .env("HOME", &self.home)
+            .stdout(log.reopen()?)
+            .stderr(log.reopen()?)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting cdc-relay")?;
+        let read = || std::fs::read_to_string(log.path()).unwrap_or_default();
+        let deadline = tokio::time::Instant::now() + DECIDE;
+        loop {
+            if read().lines().any(app::is_session_start) {
+                if let Some(pid) = child.id() {
+                    nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid as i32),
+                        nix::sys::signal::Signal::SIGTERM,
+                    )?;
+                }
+                tokio::time::timeout(DECIDE, child.wait()).await??;
+                return Ok(Outcome::Accepted { ssl: None });
+            }
+            if let Some(status) = child.try_wait()? {
+                return Ok(Outcome::Refused {
+                    code: status.code(),
+                    output: read(),
+                });
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the relay neither streamed nor exited within {DECIDE:?} ({params}):\n{}",
+                read()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
