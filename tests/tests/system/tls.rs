@@ -4,11 +4,12 @@
 //! HTTP/2 sink that sends GOAWAY with streams in flight (issue 14, HTTP
 //! manners 3).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
 use harness::app::{self, TEST_SECRET};
+use harness::pki::path_str;
 use harness::sink::sign;
 use harness::{ClusterOptions, PgCluster, wait_until};
 
@@ -33,8 +34,7 @@ async fn tls_to_postgres_and_to_the_sink_with_a_private_ca() -> anyhow::Result<(
     let stack = cluster.create_stack().await?;
     app::relay_setup(&stack).await?;
     let sink = TlsSink::start(&pki).await?;
-    // By name: the replication transport (pgwire-replication 0.5) refuses
-    // verify-full with an IP address for a host, even with an IP SAN.
+    // By name here; by IP address in pg_tls::.
     let db_url = format!(
         "{}?sslmode=verify-full&sslrootcert={}",
         stack.relay_url.replacen("@127.0.0.1:", "@localhost:", 1),
@@ -391,105 +391,22 @@ struct Pki {
 
 impl Pki {
     fn generate() -> anyhow::Result<Pki> {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir()?;
-        // The server may run as `postgres`: it must reach the files.
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
-        let p = |name: &str| dir.path().join(name);
-        let ec = [
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-        ];
-        openssl(
-            &[
-                &[
-                    "req",
-                    "-x509",
-                    "-days",
-                    "2",
-                    "-subj",
-                    "/CN=cdc-relay test CA",
-                ][..],
-                &ec,
-                &[
-                    "-keyout",
-                    path_str(&p("ca.key"))?,
-                    "-out",
-                    path_str(&p("ca.pem"))?,
-                ],
-                &["-addext", "basicConstraints=critical,CA:TRUE"],
-                &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-            ]
-            .concat(),
-        )?;
-        openssl(
-            &[
-                &["req", "-subj", "/CN=localhost"][..],
-                &ec,
-                &[
-                    "-keyout",
-                    path_str(&p("server.key"))?,
-                    "-out",
-                    path_str(&p("server.csr"))?,
-                ],
-            ]
-            .concat(),
-        )?;
-        std::fs::write(
-            p("server.ext"),
-            "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n\
-             keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
-        )?;
-        openssl(&[
-            "x509",
-            "-req",
-            "-days",
-            "2",
-            "-in",
-            path_str(&p("server.csr"))?,
-            "-CA",
-            path_str(&p("ca.pem"))?,
-            "-CAkey",
-            path_str(&p("ca.key"))?,
-            "-CAcreateserial",
-            "-extfile",
-            path_str(&p("server.ext"))?,
-            "-out",
-            path_str(&p("server.pem"))?,
-        ])?;
-        let pg_key = p("pg.key");
-        std::fs::copy(p("server.key"), &pg_key)?;
-        std::fs::set_permissions(&pg_key, std::fs::Permissions::from_mode(0o600))?;
-        std::fs::set_permissions(p("server.pem"), std::fs::Permissions::from_mode(0o644))?;
-        if nix::unistd::Uid::effective().is_root() {
-            let pg = nix::unistd::User::from_name(harness::pg::SUPERUSER)?
-                .context("the postgres user the harness runs the server as")?;
-            nix::unistd::chown(&pg_key, Some(pg.uid), Some(pg.gid))?;
-        }
+        let dir = harness::pki::dir()?;
+        let ca = harness::pki::Ca::new(dir.path(), "cdc-relay-test-ca")?;
+        let server = ca.issue(&harness::pki::Request {
+            name: "localhost",
+            sans: &["DNS:localhost", "IP:127.0.0.1"],
+            client: false,
+            expired: false,
+        })?;
         Ok(Pki {
-            ca: p("ca.pem"),
-            cert: p("server.pem"),
-            key: p("server.key"),
-            pg_key,
+            ca: ca.cert.clone(),
+            pg_key: harness::pki::server_key(&server.key)?,
+            cert: server.cert,
+            key: server.key,
             _dir: dir,
         })
     }
-}
-
-fn openssl(args: &[&str]) -> anyhow::Result<()> {
-    let out = std::process::Command::new("openssl")
-        .args(args)
-        .output()
-        .context("running openssl (the TLS test needs the openssl command)")?;
-    anyhow::ensure!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
 }
 
 type Received = std::sync::Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
@@ -577,8 +494,4 @@ impl axum::serve::Listener for TlsListener {
     fn local_addr(&self) -> std::io::Result<Self::Addr> {
         self.tcp.local_addr()
     }
-}
-
-fn path_str(p: &Path) -> anyhow::Result<&str> {
-    p.to_str().context("a UTF-8 path")
 }
