@@ -16,6 +16,8 @@ pub struct Health {
     streaming: AtomicBool,
     /// The outbox is in a streamed publication (as last read).
     publication_ok: AtomicBool,
+    /// The server withholds the stream (as last read).
+    withheld: AtomicBool,
     /// Milliseconds since `started` when the server last sent anything (or
     /// the watchdog found the walsender reading our replies).
     last_heard_ms: AtomicU64,
@@ -39,6 +41,7 @@ impl Health {
             started: Instant::now(),
             streaming: AtomicBool::new(false),
             publication_ok: AtomicBool::new(true),
+            withheld: AtomicBool::new(false),
             last_heard_ms: AtomicU64::new(0),
             silence_bound_ms: AtomicU64::new(0),
             last_progress_ms: AtomicU64::new(0),
@@ -103,6 +106,12 @@ impl Health {
         self.publication_ok.store(ok, Ordering::Relaxed);
     }
 
+    /// The slot monitor found the server withholding the stream (or no
+    /// longer).
+    pub fn set_withheld(&self, withheld: bool) {
+        self.withheld.store(withheld, Ordering::Relaxed);
+    }
+
     fn now_ms(&self) -> u64 {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
@@ -121,6 +130,11 @@ impl Health {
         if !self.publication_ok.load(Ordering::Relaxed) {
             return Err(
                 "the outbox table is not in the streamed publication: its inserts are not streamed (see the log)",
+            );
+        }
+        if self.withheld.load(Ordering::Relaxed) {
+            return Err(
+                "the server withholds the stream: its walsender sends nothing new while the WAL goes on (see the log and `cdc-relay status`)",
             );
         }
         let bound = self.silence_bound_ms.load(Ordering::Relaxed);

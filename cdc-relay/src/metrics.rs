@@ -126,6 +126,9 @@ pub struct Metrics {
     /// 1 while the outbox is in a streamed publication (as the slot monitor
     /// last read), else 0.
     pub publication_includes_outbox: IntGauge,
+    /// 1 while the server withholds the stream (its walsender stays behind
+    /// the flushed WAL: `source::withheld`), else 0.
+    pub stream_withheld: IntGauge,
     /// Times the outbox was found out of its publication, or out and back
     /// between two readings: each is a span whose inserts were not streamed.
     pub publication_gaps: IntCounter,
@@ -412,6 +415,11 @@ impl Metrics {
                 &r,
                 "cdc_relay_publication_includes_outbox",
                 "1 while the outbox table is in a streamed publication, else 0",
+            ),
+            stream_withheld: gauge(
+                &r,
+                "cdc_relay_stream_withheld",
+                "1 while the server withholds the stream: the walsender sends nothing new while the WAL goes on (see the log)",
             ),
             publication_gaps: counter(
                 &r,

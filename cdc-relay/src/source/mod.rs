@@ -25,6 +25,7 @@
 //! - [`watchdog`]: the slot monitor and the stream watchdog.
 //! - [`shards`]: the bucket expression, row filters, the coverage proof.
 //! - [`skew`]: the server's clock against ours, from every message.
+//! - [`withheld`]: a walsender that sends nothing new while the WAL goes on.
 //!
 //! A logical replication connection matches `pg_hba.conf` by database name,
 //! not by the keyword `replication` (PostgreSQL docs, "The pg_hba.conf
@@ -44,6 +45,7 @@ pub mod stream;
 pub mod tls;
 pub mod transport;
 pub mod watchdog;
+pub mod withheld;
 
 pub use conn::{BadUrl, ConnParams, SslMode};
 pub use error::SourceError;

@@ -227,6 +227,9 @@ mod tests {
             wait_event_type: None,
             local: true,
             invalidation_reason: None,
+            wait_event: None,
+            sent_lsn: None,
+            flushed_lsn: None,
         }
     }
 

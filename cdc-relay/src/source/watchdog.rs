@@ -24,6 +24,7 @@ use super::catalog::{self, SlotInfo};
 use super::error::SourceError;
 use super::membership::{Change, MembershipWatch};
 use super::progress;
+use super::withheld::{self, Verdict, WithheldWatch};
 use crate::health::Health;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
@@ -113,6 +114,7 @@ pub async fn monitor_slot(
     };
     let mut persisted = recorded.as_ref().map(|m| (m.carriers.clone(), m.table_oid));
     let mut membership = MembershipWatch::new(start, recorded);
+    let mut withheld = Withheld::default();
     let mut tick = tokio::time::interval(interval.min(MEMBERSHIP_CHECK_MAX));
     loop {
         tick.tick().await;
@@ -152,6 +154,9 @@ pub async fn monitor_slot(
         match info {
             Some(info) => {
                 export_slot(&out.metrics, &info);
+                if withheld.observe(&side, &slot, &info, &out).await {
+                    tick.reset_after(super::withheld::RECHECK);
+                }
                 out.readings.send_replace(Some((Instant::now(), info)));
             }
             None => tracing::warn!(slot = %slot, "slot disappeared"),
@@ -176,6 +181,54 @@ pub async fn monitor_slot(
             let new = membership.ceiling();
             std::mem::replace(c, new) != new
         });
+    }
+}
+
+/// The monitor's side of [`super::withheld`]: the watch, and when the
+/// cause was last logged.
+#[derive(Default)]
+struct Withheld {
+    watch: WithheldWatch,
+    logged: Option<Instant>,
+}
+
+/// A withheld stream is logged again this often while it lasts.
+const WITHHELD_LOG_EVERY: Duration = Duration::from_secs(300);
+
+impl Withheld {
+    /// Judges one reading, reports a change to readiness, the metric and
+    /// the log; returns whether the monitor should read again soon.
+    async fn observe(
+        &mut self,
+        side: &tokio_postgres::Client,
+        slot: &str,
+        info: &SlotInfo,
+        out: &MonitorOutputs,
+    ) -> bool {
+        let verdict = self.watch.observe(Instant::now(), info);
+        let is_withheld = matches!(verdict, Verdict::Withheld { .. });
+        out.health.set_withheld(is_withheld);
+        out.metrics.stream_withheld.set(i64::from(is_withheld));
+        match (&verdict, info.active_pid) {
+            (Verdict::Withheld { .. }, Some(pid))
+                if self
+                    .logged
+                    .is_none_or(|t| t.elapsed() >= WITHHELD_LOG_EVERY) =>
+            {
+                self.logged = Some(Instant::now());
+                match withheld::cause(side, slot, pid, &verdict).await {
+                    Ok(why) => tracing::error!("{why}"),
+                    Err(e) => {
+                        tracing::error!(error = %e, "the server withholds the stream (its walsender sends nothing new); its cause could not be read")
+                    }
+                }
+            }
+            (Verdict::Flowing, _) if self.logged.take().is_some() => {
+                tracing::info!(slot = %slot, "the server streams again: its walsender sends on");
+            }
+            _ => {}
+        }
+        verdict != Verdict::Flowing
     }
 }
 

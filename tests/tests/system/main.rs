@@ -83,3 +83,4 @@ mod standby;
 mod stream;
 mod tls;
 mod upgrade;
+mod withheld;

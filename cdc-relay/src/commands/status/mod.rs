@@ -47,6 +47,13 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
         s.standbys.push(copy);
     }
     s.dead_letters_waiting = dead_letters_waiting(&client).await?;
+    if let Some(message) = withheld(&client, &g.slot).await? {
+        s.problems.push(Problem {
+            code: STREAM_WITHHELD,
+            message,
+        });
+        s.healthy = false;
+    }
     relay_checks(&mut s, &a).await;
     if let Some(p) = slot_at_risk(&s) {
         s.problems.push(p);
@@ -78,6 +85,37 @@ fn check_admin_urls(a: &StatusArgs) -> anyhow::Result<()> {
 }
 
 /// The exit-9 problem of a slot whose `wal_status` is unreserved.
+/// `status`'s exit code when the server withholds the stream (the relay
+/// keeps running: no exit code of `run` says it).
+pub const STREAM_WITHHELD: u8 = 1;
+
+/// Whether the server withholds the stream from the slot's walsender, and
+/// why: two readings [`source::withheld::RECHECK`] apart when the first
+/// finds it behind (one otherwise), judged as the relay's monitor judges.
+async fn withheld(client: &Client, slot: &str) -> anyhow::Result<Option<String>> {
+    use source::withheld::{self, Verdict};
+    let Some(first) = catalog::slot_info(client, slot).await? else {
+        return Ok(None);
+    };
+    let (Some(sent), Some(flushed), Some(pid)) =
+        (first.sent_lsn, first.flushed_lsn, first.active_pid)
+    else {
+        return Ok(None);
+    };
+    if sent >= flushed {
+        return Ok(None);
+    }
+    tokio::time::sleep(withheld::RECHECK).await;
+    let Some(second) = catalog::slot_info(client, slot).await? else {
+        return Ok(None);
+    };
+    let verdict = withheld::judge_pair(&first, &second);
+    if !matches!(verdict, Verdict::Withheld { .. }) {
+        return Ok(None);
+    }
+    Ok(Some(withheld::cause(client, slot, pid, &verdict).await?))
+}
+
 fn slot_at_risk(s: &Status) -> Option<Problem> {
     (s.wal_status.as_deref() == Some("unreserved")).then(|| Problem {
         code: SLOT_AT_RISK,

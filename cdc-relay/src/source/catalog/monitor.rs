@@ -6,7 +6,7 @@ use tokio_postgres::Client;
 
 use super::super::error::SourceError;
 use super::membership::{MEMBERSHIP_SQL, Membership, membership_from_row};
-use super::slots::{INVALIDATION_REASON, REPLY_AGE, SlotInfo, slot_from_row};
+use super::slots::{INVALIDATION_REASON, REPLY_AGE, SlotInfo, WALSENDER, slot_from_row};
 use crate::outbox::TableName;
 
 /// The slot and the outbox's publication membership in ONE statement (the
@@ -37,7 +37,7 @@ pub async fn monitor_reading(
                 s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
                 (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
                 a.wait_event_type::text, s.database = current_database(), {INVALIDATION_REASON}, \
-                (pg_current_wal_lsn() - s.restart_lsn)::bigint, \
+                (pg_current_wal_lsn() - s.restart_lsn)::bigint, {WALSENDER}, \
                 s.slot_name IS NOT NULL, \
                 ARRAY(SELECT o.slot_name::text FROM pg_replication_slots o \
                       WHERE o.slot_type = 'logical' AND o.database = current_database() \
@@ -62,9 +62,9 @@ pub async fn monitor_reading(
         )
         .await
         .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;
-    let slot = row.get::<_, bool>(18).then(|| slot_from_row(&row, 5));
-    let others: Vec<String> = row.get(19);
-    Ok((slot, membership_from_row(&row), others, row.get(20)))
+    let slot = row.get::<_, bool>(21).then(|| slot_from_row(&row, 5));
+    let others: Vec<String> = row.get(22);
+    Ok((slot, membership_from_row(&row), others, row.get(23)))
 }
 
 /// Whether `cdc_relay_dead_letter` exists (as the relay's role resolves

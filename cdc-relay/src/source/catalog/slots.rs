@@ -50,6 +50,15 @@ pub struct SlotInfo {
     /// Why the server invalidated the slot (see [`INVALIDATION_REASON`]);
     /// `None` while it is valid or when the server does not say.
     pub invalidation_reason: Option<String>,
+    /// The walsender's `pg_stat_activity.wait_event` (e.g.
+    /// `WalSenderWaitForWAL`, `WaitForStandbyConfirmation`).
+    pub wait_event: Option<String>,
+    /// How far the walsender has read and sent the WAL
+    /// (`pg_stat_replication.sent_lsn`).
+    pub sent_lsn: Option<Lsn>,
+    /// The server's flushed WAL end (`pg_current_wal_flush_lsn()`) when
+    /// the row was read.
+    pub flushed_lsn: Option<Lsn>,
 }
 
 impl SlotInfo {
@@ -109,7 +118,7 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
                 s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size, \
                 (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, {REPLY_AGE}, \
                 a.wait_event_type::text, s.database = current_database(), {INVALIDATION_REASON}, \
-                (pg_current_wal_lsn() - s.restart_lsn)::bigint \
+                (pg_current_wal_lsn() - s.restart_lsn)::bigint, {WALSENDER} \
          FROM pg_replication_slots s \
          LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
          LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid \
@@ -122,7 +131,12 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
     Ok(row.map(|r| slot_from_row(&r, 0)))
 }
 
-/// The thirteen slot columns of [`slot_info`]'s query (and of
+/// The walsender's wait event, how far it sent, and the server's flushed
+/// WAL end: the three last slot columns.
+pub(super) const WALSENDER: &str =
+    "a.wait_event::text, r.sent_lsn::text, pg_current_wal_flush_lsn()::text";
+
+/// The sixteen slot columns of [`slot_info`]'s query (and of
 /// [`super::monitor_reading`]'s), starting at column `at`.
 pub(super) fn slot_from_row(r: &tokio_postgres::Row, at: usize) -> SlotInfo {
     SlotInfo {
@@ -130,9 +144,7 @@ pub(super) fn slot_from_row(r: &tokio_postgres::Row, at: usize) -> SlotInfo {
         database: r.get(at + 1),
         active: r.get(at + 2),
         active_pid: r.get(at + 3),
-        confirmed_flush_lsn: r
-            .get::<_, Option<String>>(at + 4)
-            .and_then(|s| s.parse().ok()),
+        confirmed_flush_lsn: lsn(r, at + 4),
         wal_status: r.get(at + 5),
         safe_wal_size: r.get(at + 6),
         lag_bytes: r.get(at + 7),
@@ -141,7 +153,14 @@ pub(super) fn slot_from_row(r: &tokio_postgres::Row, at: usize) -> SlotInfo {
         local: r.get::<_, Option<bool>>(at + 10).unwrap_or(false),
         invalidation_reason: r.get(at + 11),
         retained_wal_bytes: r.get(at + 12),
+        wait_event: r.get(at + 13),
+        sent_lsn: lsn(r, at + 14),
+        flushed_lsn: lsn(r, at + 15),
     }
+}
+
+fn lsn(r: &tokio_postgres::Row, at: usize) -> Option<Lsn> {
+    r.get::<_, Option<String>>(at).and_then(|s| s.parse().ok())
 }
 
 /// Why the slot was invalidated, on any server: `invalidation_reason`
