@@ -93,6 +93,7 @@ pub mod lsn;
 pub mod metrics;
 pub mod pace;
 pub mod redact;
+pub mod reread;
 
 /// An optional value for a log field: the value's `Display`, or `none`
 /// (never Rust's `Some(…)`). `event_id = %shown(&row.event_id)`.

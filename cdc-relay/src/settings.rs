@@ -36,6 +36,7 @@ impl GlobalArgs {
             (Some(p), None) => conn.password = p.clone(),
             (None, Some(path)) => {
                 conn.password = read_secret_file(path, "--database-password-file")?;
+                conn.password_file = Some(path.clone());
             }
             (None, None) => {}
         }
@@ -95,6 +96,28 @@ impl SecretArgs {
 }
 
 impl SinkArgs {
+    /// The sinks' TLS files, each loaded once to check it (the error names
+    /// the flag and the file).
+    pub fn sink_tls(&self) -> Result<crate::sink::SinkTls, String> {
+        let client_cert = match (&self.sink_client_cert, &self.sink_client_key) {
+            (Some(c), Some(k)) => Some((c.clone(), k.clone())),
+            (None, None) => None,
+            _ => {
+                return Err(
+                    "--sink-client-cert (CDC_RELAY_SINK_CLIENT_CERT) and --sink-client-key \
+                     (CDC_RELAY_SINK_CLIENT_KEY) go together: set both, or neither"
+                        .into(),
+                );
+            }
+        };
+        let tls = crate::sink::SinkTls {
+            ca_file: self.sink_ca_file.clone(),
+            client_cert,
+        };
+        tls.check()?;
+        Ok(tls)
+    }
+
     /// Builds the HTTP sink; the error names the setting.
     pub fn build(&self) -> Result<HttpSink, String> {
         if self.request_timeout.is_zero() || self.sink_connect_timeout.is_zero() {
@@ -120,12 +143,7 @@ impl SinkArgs {
             ));
         }
         let signer = self.secrets.signer()?;
-        let ca_cert_pem = match &self.sink_ca_file {
-            Some(p) => {
-                Some(std::fs::read(p).map_err(|e| format!("--sink-ca-file {}: {e}", p.display()))?)
-            }
-            None => None,
-        };
+        let tls = self.sink_tls()?;
         HttpSink::new(SinkConfig {
             url: url.clone(),
             signing: Signing::new(signer),
@@ -133,7 +151,7 @@ impl SinkArgs {
             request_timeout: self.request_timeout,
             connection_max_age: self.sink_connection_max_age,
             idle_timeout: self.sink_idle_timeout,
-            ca_cert_pem,
+            tls,
         })
         .map_err(|e| e.to_string())
     }
@@ -186,12 +204,7 @@ impl SinkArgs {
                 "{request_timeout:?} must be shorter than --shutdown-timeout ({s:?}) so in-flight requests can finish on shutdown"
             )));
         }
-        let ca_cert_pem = match &self.sink_ca_file {
-            Some(p) => {
-                Some(std::fs::read(p).map_err(|e| format!("--sink-ca-file {}: {e}", p.display()))?)
-            }
-            None => None,
-        };
+        let tls = self.sink_tls()?;
         HttpSink::new(SinkConfig {
             url: e.url.clone(),
             signing: Signing::new(Signer::new(self.secrets.signature_scheme, &keys)),
@@ -199,7 +212,7 @@ impl SinkArgs {
             request_timeout,
             connection_max_age: self.sink_connection_max_age,
             idle_timeout: self.sink_idle_timeout,
-            ca_cert_pem,
+            tls,
         })
         .map_err(|err| file.key_error(e, "url", err.to_string()))
     }
@@ -418,16 +431,10 @@ impl PruneArgs {
 }
 
 fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("{setting} {}: {e}", path.display()))?;
-    let first = text.lines().next().unwrap_or("").trim_end_matches('\r');
-    if first.is_empty() {
-        return Err(format!(
-            "{setting} {}: the file is empty (its first line is the password)",
-            path.display()
-        ));
-    }
-    Ok(first.to_owned())
+    let loaded = crate::reread::load(setting, path, |b| crate::reread::first_line(b).map(drop))
+        .map_err(|reason| format!("{setting} {}: {reason}", path.display()))?;
+    crate::reread::first_line(&loaded.bytes)
+        .map_err(|reason| format!("{setting} {}: {reason}", path.display()))
 }
 
 #[cfg(test)]

@@ -223,7 +223,7 @@ fn lane(url: &str, metrics: &Metrics) -> Lane<HttpSink> {
         request_timeout: Duration::from_secs(30),
         connection_max_age: Duration::from_secs(3600),
         idle_timeout: Duration::from_secs(60),
-        ca_cert_pem: None,
+        tls: Default::default(),
     })
     .expect("an HTTP sink");
     let cfg = DispatchConfig {

@@ -58,6 +58,7 @@ pub mod stack;
 pub mod standby;
 pub mod stats;
 mod tcp;
+pub mod tls_sink;
 pub mod wait;
 
 pub use pg::{ClusterOptions, PgCluster, StopMode};

@@ -11,9 +11,19 @@ pub struct SinkArgs {
     /// Required to send anything (not by `--dry-run`).
     #[arg(long, env = "CDC_RELAY_SINK_URL", value_parser = SinkUrlParser)]
     pub sink_url: Option<url::Url>,
-    /// Extra CA certificate (PEM) to trust for an https sink.
+    /// Extra CA certificate(s) (PEM) to trust for an https sink, besides
+    /// the public roots. Read again for each new connection: a rotated
+    /// file needs no restart.
     #[arg(long, env = "CDC_RELAY_SINK_CA_FILE")]
     pub sink_ca_file: Option<PathBuf>,
+    /// Client certificate (PEM, with its chain) to present to https sinks
+    /// that ask for one (mutual TLS); with --sink-client-key. Read again
+    /// for each new connection.
+    #[arg(long, env = "CDC_RELAY_SINK_CLIENT_CERT")]
+    pub sink_client_cert: Option<PathBuf>,
+    /// The private key (unencrypted PEM) of --sink-client-cert.
+    #[arg(long, env = "CDC_RELAY_SINK_CLIENT_KEY")]
+    pub sink_client_key: Option<PathBuf>,
     /// Sink TCP connect timeout (a TLS handshake counts against
     /// --request-timeout, which bounds the whole attempt).
     #[arg(long, env = "CDC_RELAY_SINK_CONNECT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]

@@ -13,6 +13,7 @@ pub mod connection;
 pub mod encoder;
 pub mod service;
 pub mod signature;
+pub mod tls;
 
 use std::future::Future;
 
@@ -23,6 +24,7 @@ pub use classify::{
 pub use encoder::Prepared;
 pub use service::{Attempt, HttpSink, SinkConfig, SinkError};
 pub use signature::{SignatureScheme, Signer, Signing};
+pub use tls::SinkTls;
 
 use crate::outbox::OutboxEvent;
 

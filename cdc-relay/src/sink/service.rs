@@ -46,9 +46,6 @@ use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use rustls::RootCertStore;
-use rustls::pki_types::CertificateDer;
-use rustls::pki_types::pem::PemObject;
 
 use crate::outbox::OutboxEvent;
 use crate::sink::Sink;
@@ -74,9 +71,9 @@ pub struct SinkConfig {
     pub connection_max_age: Duration,
     /// Idle time after which a pooled connection is closed.
     pub idle_timeout: Duration,
-    /// Extra PEM CA certificate(s) to trust for an `https` sink, besides
-    /// the webpki roots.
-    pub ca_cert_pem: Option<Vec<u8>>,
+    /// The TLS files for an `https` sink (extra CA, client certificate),
+    /// read again for each new connection.
+    pub tls: super::tls::SinkTls,
 }
 
 /// The sink client could not be built (bad CA file, bad URL).
@@ -85,6 +82,9 @@ pub enum SinkError {
     /// The configured CA certificate is not valid PEM.
     #[error("sink CA certificate (--sink-ca-file) is not a valid PEM certificate: {0}")]
     BadCaCert(String),
+    /// The client certificate or its key does not load.
+    #[error("sink client certificate: {0}")]
+    BadClientCert(String),
     /// The client cannot be built for this URL.
     #[error("cannot build the HTTP client: {0}")]
     Client(String),
@@ -227,25 +227,7 @@ impl HttpSink {
     /// Builds the pooled client. Errors: a CA file without a usable
     /// certificate, a URL that is not a valid request target.
     pub fn new(cfg: SinkConfig) -> Result<Self, SinkError> {
-        let mut roots = RootCertStore::empty();
-        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-        if let Some(pem) = &cfg.ca_cert_pem {
-            let certs = CertificateDer::pem_slice_iter(pem)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| SinkError::BadCaCert(e.to_string()))?;
-            let (added, _) = roots.add_parsable_certificates(certs);
-            if added == 0 {
-                return Err(SinkError::BadCaCert(
-                    "no usable certificate in the file".into(),
-                ));
-            }
-        }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let tls = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| SinkError::Client(e.to_string()))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+        let tls = cfg.tls.client_config()?;
         let mut tcp = HttpConnector::new();
         tcp.set_connect_timeout(Some(cfg.connect_timeout));
         tcp.set_nodelay(true);

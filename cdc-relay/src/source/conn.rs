@@ -138,8 +138,12 @@ pub struct ConnParams {
     pub hosts: Vec<(String, u16)>,
     /// Role name.
     pub user: String,
-    /// Password ("" for none).
+    /// Password ("" for none); see [`ConnParams::password`].
     pub password: String,
+    /// `--database-password-file`: read again for each new connection
+    /// (the password above is its content at startup, kept while the file
+    /// does not load).
+    pub password_file: Option<PathBuf>,
     /// Database name.
     pub dbname: String,
     /// TLS mode.
@@ -218,6 +222,7 @@ impl ConnParams {
             hosts,
             user,
             password,
+            password_file: None,
             dbname,
             sslmode: tls.sslmode,
             ssl_root_cert: tls.root,
@@ -235,6 +240,29 @@ impl ConnParams {
     pub fn display(&self) -> String {
         let hosts: Vec<String> = self.hosts.iter().map(|(h, p)| format!("{h}:{p}")).collect();
         format!("{}@{}/{}", self.user, hosts.join(","), self.dbname)
+    }
+
+    /// The password to connect with now: the first line of
+    /// `--database-password-file` as it is now (a rotated password is used
+    /// by the next connection), or the copy that last loaded while the
+    /// file does not load (an ERROR says so); without a file, the flag's
+    /// or the URL's.
+    pub fn password(&self) -> String {
+        let Some(path) = &self.password_file else {
+            return self.password.clone();
+        };
+        match crate::reread::load("--database-password-file", path, |b| {
+            crate::reread::first_line(b).map(drop)
+        }) {
+            Ok(loaded) => crate::reread::first_line(&loaded.bytes).unwrap_or_default(),
+            Err(reason) => {
+                tracing::error!(
+                    "--database-password-file {}: {reason}; connecting with the password read at startup",
+                    path.display()
+                );
+                self.password.clone()
+            }
+        }
     }
 
     /// These parameters for candidate `i` alone.
@@ -258,8 +286,9 @@ impl ConnParams {
             .dbname(&self.dbname)
             .application_name(application_name)
             .connect_timeout(self.connect_timeout);
-        if !self.password.is_empty() {
-            c.password(&self.password);
+        let password = self.password();
+        if !password.is_empty() {
+            c.password(&password);
         }
         c
     }

@@ -30,9 +30,8 @@
 //! that certificate carries: the chain is checked twice, the name never
 //! against the URL's host.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -41,6 +40,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
 use super::conn::{ClientCert, ConnParams, RootCert, SslMode};
+use crate::reread::Loaded;
 
 /// A TLS file could not be used: `param` names the URL parameter
 /// (`sslrootcert`, `sslcert`, `sslkey`).
@@ -85,54 +85,18 @@ fn root_file(root: &RootCert) -> Result<PathBuf, TlsSetupError> {
     }
 }
 
-/// A TLS file's contents as loaded: from the file now, or, when the file
-/// no longer loads, the copy that last did.
-struct Loaded {
-    bytes: Vec<u8>,
-    /// `Some(reason)` when `bytes` is the kept copy.
-    kept: Option<String>,
-}
-
-/// The last good contents of each TLS file, by path.
-static LAST_GOOD: LazyLock<Mutex<HashMap<PathBuf, Vec<u8>>>> = LazyLock::new(Default::default);
-
-/// Reads `path` and checks it with `check`; on failure falls back to the
-/// copy that last passed (logged at ERROR), else fails naming `param`.
+/// [`crate::reread::load`], failing with a [`TlsSetupError`] naming
+/// `param`.
 fn load(
     param: &'static str,
     path: &Path,
     check: impl Fn(&[u8]) -> Result<(), String>,
 ) -> Result<Loaded, TlsSetupError> {
-    let fresh = std::fs::read(path)
-        .map_err(|e| e.to_string())
-        .and_then(|b| check(&b).map(|()| b));
-    let mut last = LAST_GOOD
-        .lock()
-        .expect("the TLS file cache is never poisoned");
-    match fresh {
-        Ok(bytes) => {
-            last.insert(path.to_owned(), bytes.clone());
-            Ok(Loaded { bytes, kept: None })
-        }
-        Err(reason) => match last.get(path) {
-            Some(bytes) => {
-                tracing::error!(
-                    "{param}={}: {reason}; new connections keep using the copy that last loaded \
-                     until the file is fixed",
-                    path.display()
-                );
-                Ok(Loaded {
-                    bytes: bytes.clone(),
-                    kept: Some(reason),
-                })
-            }
-            None => Err(TlsSetupError {
-                param,
-                path: path.display().to_string(),
-                reason,
-            }),
-        },
-    }
+    crate::reread::load(param, path, check).map_err(|reason| TlsSetupError {
+        param,
+        path: path.display().to_string(),
+        reason,
+    })
 }
 
 fn parse_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {

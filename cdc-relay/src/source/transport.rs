@@ -59,7 +59,7 @@ pub async fn open(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationCl
         let mut cfg = ReplicationConfig::new(
             conn.host.clone(),
             conn.user.clone(),
-            conn.password.clone(),
+            conn.password(),
             conn.dbname.clone(),
             s.slot.clone(),
             s.publications.clone(),
@@ -139,7 +139,7 @@ pub async fn replication_command(
         let cfg = ReplicationConfig::new(
             conn.host.clone(),
             conn.user.clone(),
-            conn.password.clone(),
+            conn.password(),
             conn.dbname.clone(),
             slot.to_owned(),
             Vec::<String>::new(),

@@ -71,6 +71,7 @@ mod pooler;
 mod prune;
 mod redaction;
 mod relay;
+mod rotation;
 mod routes;
 mod row_shape;
 mod services;

@@ -33,7 +33,7 @@ async fn tls_to_postgres_and_to_the_sink_with_a_private_ca() -> anyhow::Result<(
     })?;
     let stack = cluster.create_stack().await?;
     app::relay_setup(&stack).await?;
-    let sink = TlsSink::start(&pki).await?;
+    let sink = harness::tls_sink::TlsSink::start(&pki.cert, &pki.key, None).await?;
     // By name here; by IP address in pg_tls::.
     let db_url = format!(
         "{}?sslmode=verify-full&sslrootcert={}",
@@ -406,92 +406,5 @@ impl Pki {
             key: server.key,
             _dir: dir,
         })
-    }
-}
-
-type Received = std::sync::Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
-
-/// An https inbox (axum over tokio-rustls) that answers 204 and records each
-/// body with its `X-Event-Signature`.
-struct TlsSink {
-    url: String,
-    received: Received,
-    _stop: tokio::sync::oneshot::Sender<()>,
-}
-
-impl TlsSink {
-    async fn start(pki: &Pki) -> anyhow::Result<TlsSink> {
-        use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-        let certs = CertificateDer::pem_file_iter(&pki.cert)?.collect::<Result<Vec<_>, _>>()?;
-        let key = PrivateKeyDer::from_pem_file(&pki.key)?;
-        let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)?;
-        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let port = tcp.local_addr()?.port();
-        let listener = TlsListener {
-            tcp,
-            acceptor: tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)),
-        };
-        let received = Received::default();
-        let app = axum::Router::new()
-            .route("/inbox", axum::routing::post(record))
-            .with_state(received.clone());
-        let stop = harness::sink::serve(listener, app);
-        Ok(TlsSink {
-            url: format!("https://localhost:{port}/inbox"),
-            received,
-            _stop: stop,
-        })
-    }
-
-    fn bodies(&self) -> Vec<(String, Option<String>)> {
-        self.received.lock().expect("sink lock").clone()
-    }
-}
-
-async fn record(
-    axum::extract::State(received): axum::extract::State<Received>,
-    headers: axum::http::HeaderMap,
-    body: String,
-) -> axum::http::StatusCode {
-    let signature = headers
-        .get("x-event-signature")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    received.lock().expect("sink lock").push((body, signature));
-    axum::http::StatusCode::NO_CONTENT
-}
-
-/// TCP accept plus the TLS handshake; a failed handshake (an untrusting
-/// client) is dropped and the next connection accepted.
-struct TlsListener {
-    tcp: tokio::net::TcpListener,
-    acceptor: tokio_rustls::TlsAcceptor,
-}
-
-impl axum::serve::Listener for TlsListener {
-    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
-    type Addr = std::net::SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        loop {
-            let Ok((tcp, addr)) = self.tcp.accept().await else {
-                continue;
-            };
-            if let Ok(Ok(tls)) =
-                tokio::time::timeout(Duration::from_secs(5), self.acceptor.accept(tcp)).await
-            {
-                return (tls, addr);
-            }
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        self.tcp.local_addr()
     }
 }

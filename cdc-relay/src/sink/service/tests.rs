@@ -38,7 +38,7 @@ fn sink_signing(url: &str, request_timeout: Duration, signer: Signer) -> HttpSin
         request_timeout,
         connection_max_age: Duration::from_secs(60),
         idle_timeout: Duration::from_secs(30),
-        ca_cert_pem: None,
+        tls: Default::default(),
     })
     .unwrap()
 }
@@ -289,6 +289,12 @@ async fn an_attempt_after_a_reload_signs_with_the_new_keys() {
     );
 }
 
+fn not_a_certificate() -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("cdc-relay-not-a-cert-{}", std::process::id()));
+    std::fs::write(&p, b"not a certificate").unwrap();
+    p
+}
+
 #[test]
 fn a_ca_file_without_certificates_is_refused() {
     let err = HttpSink::new(SinkConfig {
@@ -298,7 +304,10 @@ fn a_ca_file_without_certificates_is_refused() {
         request_timeout: Duration::from_secs(1),
         connection_max_age: Duration::from_secs(60),
         idle_timeout: Duration::from_secs(30),
-        ca_cert_pem: Some(b"not a certificate".to_vec()),
+        tls: crate::sink::SinkTls {
+            ca_file: Some(not_a_certificate()),
+            client_cert: None,
+        },
     })
     .unwrap_err();
     assert!(matches!(err, SinkError::BadCaCert(_)), "{err}");

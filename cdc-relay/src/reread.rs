@@ -1,0 +1,100 @@
+//! Credential and trust files read again for each new connection: the
+//! database password file, the database's `sslrootcert`/`sslcert`/`sslkey`,
+//! the sinks' CA file and client certificate. A rotated file is used by the
+//! next connection without a restart or a signal (SIGHUP, which re-reads
+//! the event secrets, needs nothing more for these). A file that no longer
+//! loads (missing, empty, not PEM) keeps the copy that last loaded, logged
+//! at ERROR each time it is read, so a rotation that goes wrong does not
+//! take the relay down; connections already open keep what they used.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{LazyLock, Mutex};
+
+/// A file's contents as loaded.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    /// The bytes: from the file now, or the copy that last loaded.
+    pub bytes: Vec<u8>,
+    /// Why the file itself did not load, when `bytes` is the kept copy.
+    pub kept: Option<String>,
+}
+
+/// The last good contents of each file, by path.
+static LAST_GOOD: LazyLock<Mutex<HashMap<PathBuf, Vec<u8>>>> = LazyLock::new(Default::default);
+
+/// Reads `path` and checks it with `check`; when either fails, falls back
+/// to the copy that last passed (logging the failure at ERROR, naming
+/// `setting`), or, when none did, returns the reason.
+pub fn load(
+    setting: &str,
+    path: &Path,
+    check: impl Fn(&[u8]) -> Result<(), String>,
+) -> Result<Loaded, String> {
+    let fresh = std::fs::read(path)
+        .map_err(|e| e.to_string())
+        .and_then(|b| check(&b).map(|()| b));
+    let mut last = LAST_GOOD.lock().expect("the file cache is never poisoned");
+    match fresh {
+        Ok(bytes) => {
+            last.insert(path.to_owned(), bytes.clone());
+            Ok(Loaded { bytes, kept: None })
+        }
+        Err(reason) => match last.get(path) {
+            Some(bytes) => {
+                tracing::error!(
+                    "{setting} {}: {reason}; new connections keep using the copy that last \
+                     loaded until the file is fixed",
+                    path.display()
+                );
+                Ok(Loaded {
+                    bytes: bytes.clone(),
+                    kept: Some(reason),
+                })
+            }
+            None => Err(reason),
+        },
+    }
+}
+
+/// The first line of a secret file (a password), without its line end;
+/// an empty one is an error.
+pub fn first_line(bytes: &[u8]) -> Result<String, String> {
+    let text = std::str::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_owned())?;
+    let first = text.lines().next().unwrap_or("").trim_end_matches('\r');
+    if first.is_empty() {
+        return Err("the file is empty (its first line is the password)".into());
+    }
+    Ok(first.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_that_stops_loading_keeps_its_last_good_copy() {
+        let dir = std::env::temp_dir().join(format!("cdc-relay-reread-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("secret");
+        let check = |b: &[u8]| first_line(b).map(drop);
+        // Never loaded: the error.
+        assert!(load("--x", &path, check).is_err());
+        std::fs::write(&path, "one\n").unwrap();
+        let l = load("--x", &path, check).unwrap();
+        assert_eq!((l.bytes.as_slice(), l.kept), (&b"one\n"[..], None));
+        // Rotated: the new one.
+        std::fs::write(&path, "two\n").unwrap();
+        assert_eq!(load("--x", &path, check).unwrap().bytes, b"two\n");
+        // Broken, then gone: the last good copy, and why.
+        std::fs::write(&path, "\n").unwrap();
+        let l = load("--x", &path, check).unwrap();
+        assert_eq!(l.bytes, b"two\n");
+        assert!(l.kept.unwrap().contains("empty"));
+        std::fs::remove_file(&path).unwrap();
+        let l = load("--x", &path, check).unwrap();
+        assert_eq!(l.bytes, b"two\n");
+        assert!(l.kept.is_some());
+        assert_eq!(first_line(b"pw\r\nrest").unwrap(), "pw");
+    }
+}
