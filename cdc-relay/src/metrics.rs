@@ -132,6 +132,9 @@ pub struct Metrics {
     /// Times the outbox was found out of its publication, or out and back
     /// between two readings: each is a span whose inserts were not streamed.
     pub publication_gaps: IntCounter,
+    /// Publication gaps whose window was re-sent from the table
+    /// (`--on-gap backfill`).
+    pub gaps_healed: IntCounter,
     /// Changes the stream carried that are not outbox inserts, by
     /// `relation` (`schema.table`; at most [`IGNORED_RELATIONS`] values,
     /// then `other`).
@@ -425,6 +428,11 @@ impl Metrics {
                 &r,
                 "cdc_relay_publication_gaps_total",
                 "Spans in which the outbox was out of its publication (inserts not streamed: backfill them)",
+            ),
+            gaps_healed: counter(
+                &r,
+                "cdc_relay_gaps_healed_total",
+                "Publication gaps whose window was re-sent from the table (--on-gap backfill)",
             ),
             ignored_changes: counter_vec(
                 &r,

@@ -315,6 +315,9 @@ impl RunArgs {
                 Unrouted::DeadLetter,
             ),
             Some(path) => {
+                if self.on_gap == crate::relay::OnGap::Backfill {
+                    return Err("--on-gap backfill is not supported with --routes yet (the backfill has one sink): use --on-gap tell and `cdc-relay backfill` per endpoint".into());
+                }
                 if self.on_slot_loss != OnSlotLoss::Stop {
                     return Err("--on-slot-loss recreate-and-backfill is not supported with --routes yet (the recovery backfill has one sink): use --on-slot-loss stop and `cdc-relay backfill` per endpoint".into());
                 }
@@ -343,6 +346,7 @@ impl RunArgs {
             slot_create_timeout: g.slot_create_timeout,
             allow_non_utf8: self.allow_non_utf8,
             on_slot_loss: self.on_slot_loss,
+            on_gap: self.on_gap,
             backfill_margin: self.backfill_margin,
             time_column: self.time_column.clone(),
             failover: self.failover,
@@ -372,6 +376,9 @@ impl RunArgs {
                 "--shards takes one --publication (CDC_RELAY_PUBLICATION), the base of the shards' publication names; got {}",
                 g.publication.join(",")
             ));
+        }
+        if self.on_gap == crate::relay::OnGap::Backfill {
+            return Err("--on-gap backfill is not supported with --shards: its backfill would re-send every shard's rows. Use --on-gap tell (docs/operations.md#the-outbox-left-its-publication)".into());
         }
         if self.on_slot_loss == crate::relay::OnSlotLoss::RecreateAndBackfill {
             return Err("--on-slot-loss=recreate-and-backfill is not supported with --shards: its backfill would re-send every shard's rows. Use --on-slot-loss=stop and recover the shard by hand (docs/operations.md#sharding)".into());

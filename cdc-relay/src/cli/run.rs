@@ -174,6 +174,14 @@ pub struct RunArgs {
         default_value = "stop"
     )]
     pub on_slot_loss: crate::relay::OnSlotLoss,
+    /// What to do when the outbox was out of its publication for a while
+    /// (rows inserted meanwhile were never decoded): tell (fail /readyz and
+    /// log the exact `cdc-relay backfill` command), or, once the table is
+    /// back, backfill (re-send the rows of the gap's window from the table
+    /// through the pipeline, the window starting --backfill-margin early,
+    /// then stream on; the receiver deduplicates).
+    #[arg(long, env = "CDC_RELAY_ON_GAP", value_enum, default_value = "tell")]
+    pub on_gap: crate::relay::OnGap,
     /// How far before the last delivered commit a recovery backfill starts
     /// (transactions that were long commit after their rows' insert time).
     #[arg(long, env = "CDC_RELAY_BACKFILL_MARGIN", default_value = "5m", value_parser = parse_duration)]

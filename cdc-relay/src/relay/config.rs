@@ -49,6 +49,8 @@ pub struct RelayConfig {
     pub allow_non_utf8: bool,
     /// What to do when the slot is missing.
     pub on_slot_loss: OnSlotLoss,
+    /// What to do about a publication gap.
+    pub on_gap: super::OnGap,
     /// How far before the progress record's last delivered commit a
     /// recovery backfill starts (long transactions commit after their rows'
     /// insert time).

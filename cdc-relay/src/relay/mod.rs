@@ -35,7 +35,7 @@ mod session;
 mod standby;
 
 pub use config::{RelayConfig, ShardOf};
-pub use recovery::{LeftAt, OnSlotLoss};
+pub use recovery::{GapWindow, LeftAt, OnGap, OnSlotLoss};
 use session::Session;
 use standby::wait_while_blocked;
 
@@ -65,9 +65,27 @@ pub async fn run(
     let mut left: Option<LeftAt> = None;
     // A hot standby's connection for its polls.
     let mut poller: Option<tokio_postgres::Client> = None;
+    // A publication gap to heal before the next session (--on-gap backfill).
+    let gap: GapWindow = GapWindow::default();
     loop {
         if shutdown.is_cancelled() {
             return Ok(());
+        }
+        let window = gap.lock().expect("never poisoned").clone();
+        if let Some((since, until)) = window {
+            match heal(&cfg, &lanes[0].sink, &since, &until, &metrics, &shutdown).await {
+                Some(Ok(())) => *gap.lock().expect("never poisoned") = None,
+                None => return Ok(()),
+                Some(Err(e)) => {
+                    let d = reconnect.next_delay(None, &mut rand::rng());
+                    tracing::error!(error = %e, retry_in_ms = d.as_millis() as u64, "healing the publication gap failed; trying again before streaming");
+                    tokio::select! {
+                        _ = tokio::time::sleep(d) => {}
+                        _ = shutdown.cancelled() => return Ok(()),
+                    }
+                    continue;
+                }
+            }
         }
         let mut streamed = false;
         // A shard relay may claim its slot only while the process streams
@@ -93,6 +111,7 @@ pub async fn run(
             health: &health,
             watchdog_scale,
             holder: &holder,
+            gap: (cfg.on_gap == OnGap::Backfill).then(|| Arc::clone(&gap)),
         };
         let outcome = session
             .run(&lanes, &shutdown, &mut streamed, &mut left)
@@ -118,6 +137,8 @@ pub async fn run(
             reconnect.reset();
         }
         let source_err = match outcome {
+            // The monitor ended the session to heal a gap: at once.
+            Ok(()) if gap.lock().expect("never poisoned").is_some() => continue,
             Ok(()) => return Ok(()),
             Err(StreamError::Source(e)) if !e.is_definite() => e,
             Err(other) => return Err(other),
@@ -159,4 +180,28 @@ pub async fn run(
             _ = shutdown.cancelled() => return Ok(()),
         }
     }
+}
+
+/// Heals one publication gap (`--on-gap backfill`); `None` when shutdown
+/// interrupted it (the log then says what is left to do).
+async fn heal(
+    cfg: &RelayConfig,
+    sink: &HttpSink,
+    since: &str,
+    until: &str,
+    metrics: &Metrics,
+    shutdown: &CancellationToken,
+) -> Option<Result<(), SourceError>> {
+    tracing::warn!(slot = %cfg.slot, since = %since, until = %until, "healing a publication gap (--on-gap backfill): re-sending the outbox rows of its window from the table before streaming on");
+    let healed = tokio::select! {
+        r = recovery::heal_gap(cfg, sink, since, until) => r,
+        _ = shutdown.cancelled() => {
+            tracing::error!(since = %since, until = %until, "shutdown before the publication gap was healed: run cdc-relay backfill --since '{since}' --until '{until}'");
+            return None;
+        }
+    };
+    Some(healed.map(|rows| {
+        metrics.gaps_healed.inc();
+        tracing::info!(slot = %cfg.slot, rows, since = %since, until = %until, "publication gap healed: its window's rows were re-sent (the receiver deduplicates); streaming on");
+    }))
 }

@@ -51,6 +51,35 @@ pub enum OnSlotLoss {
     RecreateAndBackfill,
 }
 
+/// What to do when the outbox was out of its publication for a while.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnGap {
+    /// Fail `/readyz` and log the exact `cdc-relay backfill` command.
+    #[default]
+    Tell,
+    /// Once the table is back, re-send the gap's rows from the table, then
+    /// stream on.
+    Backfill,
+}
+
+/// The window of a publication gap the slot monitor found, to heal before
+/// the next session (`--on-gap backfill`): `(since, until)`, server time
+/// text, shared between the monitor and the supervisor.
+pub type GapWindow = Arc<std::sync::Mutex<Option<(String, String)>>>;
+
+/// `--on-gap backfill`: re-sends the outbox rows whose time column falls in
+/// `[since - --backfill-margin, until)` through the pipeline, on
+/// connections of its own. Returns the rows sent.
+pub async fn heal_gap(
+    cfg: &RelayConfig,
+    sink: &HttpSink,
+    since: &str,
+    until: &str,
+) -> Result<u64, SourceError> {
+    let side = Arc::new(source::connect_sql(&cfg.conn, &cfg.application_name).await?);
+    backfill_since(&side, &cfg.conn, cfg, sink, since, Some(until)).await
+}
+
 /// Seconds since the Unix epoch, now.
 pub fn now_unix() -> f64 {
     SystemTime::now()
@@ -128,7 +157,7 @@ pub async fn recreate_and_backfill(
         "the slot was missing (--on-slot-loss=recreate-and-backfill): recreated it; re-sending outbox rows committed since the last delivered transaction minus the margin before streaming"
     );
     let backfilled = tokio::select! {
-        r = backfill_since(side, server, cfg, sink, &since) => Some(r),
+        r = backfill_since(side, server, cfg, sink, &since, None) => Some(r),
         _ = shutdown.cancelled() => None,
     };
     match backfilled {
@@ -156,6 +185,7 @@ async fn backfill_since(
     cfg: &RelayConfig,
     sink: &HttpSink,
     since: &str,
+    until: Option<&str>,
 ) -> Result<u64, SourceError> {
     let margin = Duration::from_secs(cfg.backfill_margin.as_secs());
     let since: String = side
@@ -172,7 +202,7 @@ async fn backfill_since(
         columns: cfg.columns.clone(),
         time_column: cfg.time_column.clone(),
         since,
-        until: None,
+        until: until.map(str::to_owned),
         window_events: cfg.window_events,
         window_bytes: cfg.window_bytes,
     };
@@ -185,6 +215,6 @@ async fn backfill_since(
         backfill::BackfillControl::default(),
     )
     .await
-    .map_err(|e| SourceError::Transient(format!("backfill after slot loss: {e}")))?;
+    .map_err(|e| SourceError::Transient(format!("backfill from the outbox table: {e}")))?;
     Ok(report.rows)
 }

@@ -33,6 +33,9 @@ pub(super) struct Session<'a> {
     pub(super) watchdog_scale: u32,
     /// Who this relay is, in the progress record.
     pub(super) holder: &'a str,
+    /// Where the monitor leaves a publication gap to heal
+    /// (`--on-gap backfill`; `None`: tell only).
+    pub(super) gap: Option<super::GapWindow>,
 }
 
 /// What start-up learned on the side connection.
@@ -89,6 +92,9 @@ impl Session<'_> {
 
         let (readings_tx, readings) = watch::channel(None);
         let (ceiling_tx, ceiling) = watch::channel(None);
+        // A graceful stop of this session: the process's shutdown,
+        // --stop-at-lsn reached, or a publication gap to heal.
+        let stop = shutdown.child_token();
         let monitor = AbortOnDropHandle::new(tokio::spawn(watchdog::monitor_slot(
             Arc::clone(&p.side),
             MonitorSettings {
@@ -106,6 +112,10 @@ impl Session<'_> {
                 health: Arc::clone(self.health),
                 readings: readings_tx,
                 ceiling: ceiling_tx,
+                heal: self.gap.clone().map(|window| watchdog::GapHeal {
+                    window,
+                    stop: stop.clone(),
+                }),
             },
             start,
         )));
@@ -130,9 +140,6 @@ impl Session<'_> {
             position: start,
             last_done: None,
         });
-        // A graceful stop of this session: the process's shutdown, or
-        // --stop-at-lsn reached.
-        let stop = shutdown.child_token();
         let _stop_at = cfg.stop_at.map(|at| {
             AbortOnDropHandle::new(tokio::spawn(stop_when_confirmed(
                 confirmed_rx.clone(),

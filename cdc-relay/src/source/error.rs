@@ -268,8 +268,35 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
         }
     }
     match code {
+        Some("42501") => SourceError::Definite(match privilege_hint(&lower) {
+            Some(hint) => format!("{msg}. {hint}"),
+            None => msg,
+        }),
         Some(c) if !sqlstate_is_transient(c) => SourceError::Definite(msg),
         _ => SourceError::Transient(msg),
+    }
+}
+
+/// What to grant for a privilege error (42501), by its words (`lower`, in
+/// lower case); `None` when they say nothing the relay knows.
+fn privilege_hint(lower: &str) -> Option<&'static str> {
+    if lower.contains("replication") || lower.contains("walsender") {
+        Some(
+            "The relay's role needs the REPLICATION attribute: ALTER ROLE cdc_relay REPLICATION \
+             (sql/roles.sql does it), and a pg_hba.conf line that admits it",
+        )
+    } else if lower.contains("must be owner") {
+        Some(
+            "Only the table's owner (or a superuser) may do this: run `cdc-relay setup` as the \
+             owner, or ALTER TABLE … OWNER TO the role that runs it",
+        )
+    } else if lower.contains("permission denied for") {
+        Some(
+            "Grant what the relay's role lacks: apply sql/roles.sql again (GRANT SELECT ON \
+             outbox TO cdc_relay, and the dead-letter and progress tables' grants)",
+        )
+    } else {
+        None
     }
 }
 
@@ -422,6 +449,23 @@ mod tests {
 
     fn server(msg: &str) -> SourceError {
         SourceError::transport(&PgWireError::Server(msg.into()), "s")
+    }
+
+    #[test]
+    fn privilege_errors_say_what_to_grant() {
+        let e = server("must be superuser or replication role to start walsender (SQLSTATE 42501)");
+        assert!(
+            e.is_definite() && e.to_string().contains("ALTER ROLE cdc_relay REPLICATION"),
+            "{e}"
+        );
+        let e = classify(
+            Some("42501"),
+            "permission denied for table outbox".into(),
+            None,
+        );
+        assert!(e.to_string().contains("sql/roles.sql"), "{e}");
+        let e = classify(Some("42501"), "must be owner of table outbox".into(), None);
+        assert!(e.to_string().contains("owner"), "{e}");
     }
 
     #[test]

@@ -70,6 +70,17 @@ pub struct MonitorOutputs {
     /// The position the confirmed LSN must not pass (`None`: no limit),
     /// for the stream.
     pub ceiling: watch::Sender<Option<Lsn>>,
+    /// `--on-gap backfill`: where to leave a gap's window, and the session
+    /// to stop so the relay heals it before streaming on.
+    pub heal: Option<GapHeal>,
+}
+
+/// A gap to heal: the window to fill in, the session to stop.
+pub struct GapHeal {
+    /// `(since, until)` of the gap, server time text.
+    pub window: std::sync::Arc<std::sync::Mutex<Option<(String, String)>>>,
+    /// The session's graceful stop.
+    pub stop: tokio_util::sync::CancellationToken,
 }
 
 /// Reads the slot's figures and the outbox's publication membership every
@@ -173,6 +184,14 @@ pub async fn monitor_slot(
                 }
             }
         }
+        // After the membership is recorded: the next session must not find
+        // the same gap again.
+        if let (Change::Back { since, until } | Change::Gap { since, until }, Some(heal)) =
+            (&change, &out.heal)
+        {
+            *heal.window.lock().expect("never poisoned") = Some((since.clone(), until.clone()));
+            heal.stop.cancel();
+        }
         out.health.set_publication_ok(membership.is_in());
         out.metrics
             .publication_includes_outbox
@@ -263,14 +282,27 @@ fn report_membership(
         Change::Left { since } => {
             out.metrics.publication_gaps.inc();
             let why = catalog::membership_problem(member, publications, table);
+            let then = if out.heal.is_some() {
+                format!(
+                    "The relay re-sends what was inserted since membership was last verified ({since}) from the table by itself once it is back (--on-gap backfill)"
+                )
+            } else {
+                format!(
+                    "Then re-send what was inserted since membership was last verified: cdc-relay backfill --since '{since}'"
+                )
+            };
             tracing::error!(
                 table = %table, publications = %pubs,
                 "the outbox {table}'s inserts are not (all) streamed by publication {pubs}: {why}. \
                  Rows inserted meanwhile cannot be delivered from the slot; from now on the relay \
-                 confirms nothing further until that is fixed. Then re-send what was inserted since \
-                 membership was last verified: cdc-relay backfill --since '{since}'"
+                 confirms nothing further until that is fixed. {then}"
             );
         }
+        Change::Back { since, until } if out.heal.is_some() => tracing::warn!(
+            table = %table, publications = %pubs,
+            "the outbox {table} is in publication {pubs} again. Inserts between {since} and \
+             {until} were not streamed: re-sending them from the table (--on-gap backfill)"
+        ),
         Change::Back { since, until } => tracing::warn!(
             table = %table, publications = %pubs,
             "the outbox {table} is in publication {pubs} again; acknowledging resumes. Inserts \
@@ -283,8 +315,12 @@ fn report_membership(
                 "the outbox {table}'s publication membership changed between {since} and {until} \
                  (it left and rejoined, the table was recreated, or the publication carrying it was \
                  replaced), possibly while no relay watched: inserts in between may not have been \
-                 streamed. Re-send them: \
-                 cdc-relay backfill --since '{since}' --until '{until}'"
+                 streamed. {}",
+                if out.heal.is_some() {
+                    "The relay re-sends them from the table now (--on-gap backfill)".to_owned()
+                } else {
+                    format!("Re-send them: cdc-relay backfill --since '{since}' --until '{until}'")
+                }
             );
         }
     }

@@ -44,7 +44,7 @@ const DOCUMENTED_PER_ENDPOINT: [(&str, &str); 8] = [
     ("cdc_relay_endpoint_retired", "gauge"),
 ];
 
-const DOCUMENTED: [(&str, &str); 29] = [
+const DOCUMENTED: [(&str, &str); 30] = [
     ("cdc_relay_events_received_total", "counter"),
     ("cdc_relay_events_delivered_total", "counter"),
     ("cdc_relay_events_dead_lettered_total", "counter"),
@@ -80,6 +80,8 @@ const DOCUMENTED: [(&str, &str); 29] = [
     ("cdc_relay_clock_skew_seconds", "gauge"),
     // Issue 30: a server that withholds the stream.
     ("cdc_relay_stream_withheld", "gauge"),
+    // Issue 30: publication gaps healed (--on-gap backfill).
+    ("cdc_relay_gaps_healed_total", "counter"),
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -76,12 +76,16 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
                    coalesce((SELECT string_agg(pn.oid::text, ',' ORDER BY pn.oid) FROM pg_publication_namespace pn \
                              WHERE pn.pnpubid = c.oid), '') \
                  FROM carriers c ORDER BY 1), \
+           coalesce((SELECT format('%I.%I is UNLOGGED: its rows are never written to the WAL, so no \
+                                   slot can decode them (a FOR ALL TABLES or TABLES IN SCHEMA publication \
+                                   skips it): ALTER TABLE %I.%I SET LOGGED', $3::text, $4::text, $3::text, $4::text) \
+                     FROM pg_class c, t WHERE c.oid = t.oid AND c.relpersistence = 'u'), \
            (SELECT string_agg(DISTINCT l.pubname || ' ' || CASE \
                      WHEN NOT l.pubinsert THEN 'does not publish inserts: ALTER PUBLICATION ' || quote_ident(l.pubname) || ' SET (publish = ''insert'')' \
                      WHEN $6::text IS NULL AND l.rowfilter IS NOT NULL THEN 'has a row filter (WHERE ' || l.rowfilter || '): drop it, the relay needs every row' \
                      WHEN l.rowfilter IS DISTINCT FROM $6::text THEN 'has ' || coalesce('the row filter (WHERE ' || l.rowfilter || ')', 'no row filter') || ', not this shard''s (WHERE ' || $6::text || '): run `cdc-relay setup --shards`' \
                      ELSE 'has a column list leaving out a column the relay reads: drop the list' END, '; ') \
-            FROM listed l WHERE l.oid NOT IN (SELECT oid FROM carriers))";
+            FROM listed l WHERE l.oid NOT IN (SELECT oid FROM carriers)))";
 
 /// Why the outbox is not carried, for messages: the reading's problem, or
 /// "not in any of them" with the command that adds it.

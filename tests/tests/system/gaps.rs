@@ -1,0 +1,116 @@
+//! Issue 30, item 9: a publication gap the relay detects can heal itself.
+//! With `--on-gap backfill`, once the outbox is back in its publication the
+//! relay re-sends the rows of the gap's window from the table through the
+//! pipeline (Billing's inbox deduplicates) and streams on: every event,
+//! including the ones inserted while the table was out, is invoiced exactly
+//! once with no operator step, `cdc_relay_gaps_healed_total` counts the
+//! gap, and the log says so. Two ways out and back: the table dropped from
+//! the publication and re-added after the relay noticed, and the table
+//! restored as `pg_dump -c` does (dropped and recreated, then put back in
+//! the publication) faster than one reading.
+//!
+//! Failed on `cb3ea2e`: `--on-gap` did not exist; the event inserted while
+//! out stayed missing until an operator ran `cdc-relay backfill`.
+
+use std::time::Duration;
+
+use harness::app;
+use harness::oracle;
+use harness::{Inbox, Scenario, wait_until};
+
+const NOTICE: Duration = Duration::from_secs(30);
+const DRAIN: Duration = Duration::from_secs(60);
+const HEALED: &str = "cdc_relay_gaps_healed_total";
+
+async fn healed(s: &Scenario) -> anyhow::Result<f64> {
+    Ok(s.relay.metrics().await?.sum(HEALED))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_noticed_while_out_heals_once_the_table_is_back() -> anyhow::Result<()> {
+    let s = Scenario::plan(Inbox::Billing)
+        .relay_args(&["--on-gap", "backfill"])
+        .start()
+        .await?;
+    let (stack, db, relay) = (&s.stack, &s.db, &s.relay);
+    app::insert_order_event(db).await?;
+    oracle::wait_ledger_clean(stack, 1, DRAIN).await?;
+
+    db.batch_execute(&format!(
+        "ALTER PUBLICATION {} DROP TABLE outbox",
+        stack.publication
+    ))
+    .await?;
+    let while_out = app::insert_order_event(db).await?;
+    relay
+        .process
+        .wait_for_line_where(
+            "the ERROR saying the outbox is out, and that the relay will re-send",
+            |l| l.contains("ERROR") && l.contains("publication") && l.contains("--on-gap backfill"),
+            NOTICE,
+        )
+        .await?;
+    assert_eq!(healed(&s).await?, 0.0);
+    db.batch_execute(&format!(
+        "ALTER PUBLICATION {} ADD TABLE outbox",
+        stack.publication
+    ))
+    .await?;
+    app::insert_order_event(db).await?;
+    oracle::wait_ledger_clean(stack, 3, DRAIN).await?;
+    wait_until(&format!("{HEALED} 1"), NOTICE, || async {
+        anyhow::Ok(healed(&s).await? == 1.0)
+    })
+    .await?;
+    assert!(
+        relay.process.logs().contains("publication gap healed"),
+        "{}",
+        relay.process.logs()
+    );
+    let accounting = s.accounting(&["outbox"]).await?;
+    assert!(accounting.delivered.contains(&while_out.to_string()));
+    accounting.assert_balanced();
+    wait_until("/readyz 200 after healing", NOTICE, || async {
+        relay.get("/readyz").await.map(|(status, _)| status == 200)
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_restored_like_pg_dump_clean_heals_its_gap() -> anyhow::Result<()> {
+    let s = Scenario::plan(Inbox::Billing)
+        .relay_args(&["--on-gap", "backfill"])
+        .start()
+        .await?;
+    let (stack, db) = (&s.stack, &s.db);
+    app::insert_order_event(db).await?;
+    oracle::wait_ledger_clean(stack, 1, DRAIN).await?;
+
+    // What `pg_dump -c -t outbox` then psql does, with the publication
+    // membership put back at the end, and an order committed in between
+    // by the application.
+    db.batch_execute(
+        "BEGIN; CREATE TEMP TABLE kept AS SELECT * FROM outbox; \
+         CREATE TEMP TABLE kept_layout (LIKE outbox INCLUDING ALL); \
+         DROP TABLE outbox; CREATE TABLE outbox (LIKE kept_layout INCLUDING ALL); \
+         INSERT INTO outbox SELECT * FROM kept; GRANT SELECT ON outbox TO cdc_relay; COMMIT",
+    )
+    .await?;
+    let while_out = app::insert_order_event(db).await?;
+    db.batch_execute(&format!(
+        "ALTER PUBLICATION {} ADD TABLE outbox",
+        stack.publication
+    ))
+    .await?;
+    app::insert_order_event(db).await?;
+    oracle::wait_ledger_clean(stack, 3, DRAIN).await?;
+    wait_until(&format!("{HEALED} >= 1"), NOTICE, || async {
+        anyhow::Ok(healed(&s).await? >= 1.0)
+    })
+    .await?;
+    let accounting = s.accounting(&["outbox"]).await?;
+    assert!(accounting.delivered.contains(&while_out.to_string()));
+    accounting.assert_balanced();
+    Ok(())
+}

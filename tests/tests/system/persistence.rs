@@ -1,0 +1,59 @@
+//! Issue 30, item 6: a server-side state is named for what it is. An
+//! UNLOGGED outbox writes nothing to the WAL, so no slot ever decodes its
+//! rows; a `FOR ALL TABLES` publication skips it without a word. `status`
+//! and `run` must name the table's persistence and the command that fixes
+//! it, not "the table is in none of the publications".
+//!
+//! Failed on `cb3ea2e`: both said the outbox is in none of the
+//! publications and suggested `ALTER PUBLICATION … ADD TABLE`, which the
+//! server refuses for an unlogged table.
+
+use harness::PgCluster;
+use harness::app::{self, TEST_SECRET};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unlogged_outbox_is_named_with_the_command_that_fixes_it() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let db = stack.orders_admin().await?;
+    let p = &stack.publication;
+    db.batch_execute(&format!(
+        "DROP PUBLICATION {p}; CREATE PUBLICATION {p} FOR ALL TABLES WITH (publish = 'insert'); \
+         ALTER TABLE outbox SET UNLOGGED"
+    ))
+    .await?;
+    let named = |text: &str| {
+        text.contains("UNLOGGED")
+            && text.contains("SET LOGGED")
+            && !text.contains("in none of the publications")
+    };
+    let status = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
+    assert!(
+        !status.success() && named(&status.stdout),
+        "{}",
+        status.text()
+    );
+    let run = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &[
+            "run",
+            "--sink-url",
+            "http://127.0.0.1:9/inbox",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ],
+        &[("EVENT_SECRET", TEST_SECRET)],
+    )
+    .await?;
+    assert_eq!(run.code(), Some(3), "{}", run.text());
+    assert!(named(&run.stderr), "{}", run.text());
+
+    // The fix the message gives works: what is left is only that no relay
+    // streams yet (exit 8), not the table.
+    db.batch_execute("ALTER TABLE outbox SET LOGGED").await?;
+    let status = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
+    assert_eq!(status.code(), Some(8), "{}", status.text());
+    assert!(!status.stdout.contains("UNLOGGED"), "{}", status.text());
+    Ok(())
+}
