@@ -59,6 +59,7 @@ mod dead_letters;
 mod failover;
 mod gaps;
 mod harness;
+mod http2;
 mod http_manners;
 mod identity;
 mod infra_faults;
