@@ -152,7 +152,6 @@ impl SinkArgs {
             connection_max_age: self.sink_connection_max_age,
             idle_timeout: self.sink_idle_timeout,
             tls,
-            http2: self.sink_http_version == crate::cli::HttpVersion::Two,
         })
         .map_err(|e| e.to_string())
     }
@@ -214,7 +213,6 @@ impl SinkArgs {
             connection_max_age: self.sink_connection_max_age,
             idle_timeout: self.sink_idle_timeout,
             tls,
-            http2: self.sink_http_version == crate::cli::HttpVersion::Two,
         })
         .map_err(|err| file.key_error(e, "url", err.to_string()))
     }

@@ -224,7 +224,6 @@ fn lane(url: &str, metrics: &Metrics) -> Lane<HttpSink> {
         connection_max_age: Duration::from_secs(3600),
         idle_timeout: Duration::from_secs(60),
         tls: Default::default(),
-        http2: false,
     })
     .expect("an HTTP sink");
     let cfg = DispatchConfig {

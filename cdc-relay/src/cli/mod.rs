@@ -192,18 +192,6 @@ pub enum OnFatal {
     Linger,
 }
 
-/// The HTTP version spoken to sinks (`--sink-http-version`).
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
-pub enum HttpVersion {
-    /// HTTP/1.1 (HTTP/2 where an https sink negotiates it).
-    #[default]
-    #[value(name = "1.1")]
-    One,
-    /// HTTP/2 only: h2c prior knowledge for http, ALPN h2 for https.
-    #[value(name = "2")]
-    Two,
-}
-
 /// Log output format.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {

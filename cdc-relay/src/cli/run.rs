@@ -21,18 +21,6 @@ pub struct SinkArgs {
     /// for each new connection.
     #[arg(long, env = "CDC_RELAY_SINK_CLIENT_CERT")]
     pub sink_client_cert: Option<PathBuf>,
-    /// HTTP version to sinks: 1.1 (one request per connection at a time,
-    /// HTTP/2 where an https sink negotiates it), or 2 (HTTP/2 only: prior
-    /// knowledge, h2c, for an http URL, ALPN h2 for https; the requests in
-    /// flight share one connection). Use 2 only with sinks that speak it
-    /// (Billing speaks HTTP/1.1).
-    #[arg(
-        long,
-        env = "CDC_RELAY_SINK_HTTP_VERSION",
-        value_enum,
-        default_value = "1.1"
-    )]
-    pub sink_http_version: super::HttpVersion,
     /// The private key (unencrypted PEM) of --sink-client-cert.
     #[arg(long, env = "CDC_RELAY_SINK_CLIENT_KEY")]
     pub sink_client_key: Option<PathBuf>,

@@ -74,11 +74,6 @@ pub struct SinkConfig {
     /// The TLS files for an `https` sink (extra CA, client certificate),
     /// read again for each new connection.
     pub tls: super::tls::SinkTls,
-    /// HTTP/2 only (`--sink-http-version 2`): prior knowledge (h2c) for an
-    /// `http` URL, ALPN `h2` alone for `https`; in-flight requests share
-    /// one connection. `false`: HTTP/1.1 (and HTTP/2 where TLS negotiates
-    /// it).
-    pub http2: bool,
 }
 
 /// The sink client could not be built (bad CA file, bad URL).
@@ -163,7 +158,6 @@ struct Clients {
     connector: Connector,
     idle_timeout: Duration,
     max_age: Duration,
-    http2: bool,
     /// The client in use and when it was made.
     current: RwLock<(Pool, Instant)>,
 }
@@ -178,13 +172,12 @@ impl std::fmt::Debug for Clients {
 }
 
 impl Clients {
-    fn new(connector: Connector, idle_timeout: Duration, max_age: Duration, http2: bool) -> Self {
-        let client = build_client(connector.clone(), idle_timeout, http2);
+    fn new(connector: Connector, idle_timeout: Duration, max_age: Duration) -> Self {
+        let client = build_client(connector.clone(), idle_timeout);
         Clients {
             connector,
             idle_timeout,
             max_age,
-            http2,
             current: RwLock::new((client, Instant::now())),
         }
     }
@@ -202,7 +195,7 @@ impl Clients {
         let mut current = self.current.write().expect("client lock is never poisoned");
         if current.1.elapsed() >= self.max_age {
             *current = (
-                build_client(self.connector.clone(), self.idle_timeout, self.http2),
+                build_client(self.connector.clone(), self.idle_timeout),
                 Instant::now(),
             );
         }
@@ -210,9 +203,8 @@ impl Clients {
     }
 }
 
-fn build_client(connector: Connector, idle_timeout: Duration, http2: bool) -> Pool {
+fn build_client(connector: Connector, idle_timeout: Duration) -> Pool {
     Client::builder(TokioExecutor::new())
-        .http2_only(http2)
         .pool_idle_timeout(idle_timeout)
         .pool_timer(TokioTimer::new())
         .timer(TokioTimer::new())
@@ -242,18 +234,10 @@ impl HttpSink {
         tcp.enforce_http(false);
         let connector = HttpsConnectorBuilder::new()
             .with_tls_config(tls)
-            .https_or_http();
-        let connector = if cfg.http2 {
-            connector.enable_http2().wrap_connector(tcp)
-        } else {
-            connector.enable_all_versions().wrap_connector(tcp)
-        };
-        let clients = Clients::new(
-            Tagging(connector),
-            cfg.idle_timeout,
-            cfg.connection_max_age,
-            cfg.http2,
-        );
+            .https_or_http()
+            .enable_all_versions()
+            .wrap_connector(tcp);
+        let clients = Clients::new(Tagging(connector), cfg.idle_timeout, cfg.connection_max_age);
 
         let mut bare = cfg.url.clone();
         let authorization = if cfg.url.username().is_empty() && cfg.url.password().is_none() {

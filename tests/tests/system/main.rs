@@ -59,7 +59,6 @@ mod dead_letters;
 mod failover;
 mod gaps;
 mod harness;
-mod http2;
 mod http_manners;
 mod identity;
 mod infra_faults;

@@ -39,7 +39,6 @@ fn sink_signing(url: &str, request_timeout: Duration, signer: Signer) -> HttpSin
         connection_max_age: Duration::from_secs(60),
         idle_timeout: Duration::from_secs(30),
         tls: Default::default(),
-        http2: false,
     })
     .unwrap()
 }
@@ -309,7 +308,6 @@ fn a_ca_file_without_certificates_is_refused() {
             ca_file: Some(not_a_certificate()),
             client_cert: None,
         },
-        http2: false,
     })
     .unwrap_err();
     assert!(matches!(err, SinkError::BadCaCert(_)), "{err}");
