@@ -115,7 +115,7 @@ impl Default for BackfillControl {
 #[derive(Debug, thiserror::Error)]
 pub enum BackfillError {
     /// Reading the table failed.
-    #[error("reading {table}: {source}")]
+    #[error("reading {table}: {}", crate::db_message(.source))]
     Read {
         /// The table.
         table: String,

@@ -26,6 +26,7 @@ use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::sink::HttpSink;
 use crate::source::stream::StreamError;
+use crate::source::watchdog::GapToHeal;
 use crate::source::{SourceError, progress};
 
 mod config;
@@ -72,8 +73,8 @@ pub async fn run(
             return Ok(());
         }
         let window = gap.lock().expect("never poisoned").clone();
-        if let Some((since, until)) = window {
-            match heal(&cfg, &lanes[0].sink, &since, &until, &metrics, &shutdown).await {
+        if let Some(window) = window {
+            match heal(&cfg, &lanes[0].sink, &window, &holder, &metrics, &shutdown).await {
                 Some(Ok(())) => *gap.lock().expect("never poisoned") = None,
                 None => return Ok(()),
                 Some(Err(e)) => {
@@ -183,20 +184,22 @@ pub async fn run(
 }
 
 /// Heals one publication gap (`--on-gap backfill`); `None` when shutdown
-/// interrupted it (the log then says what is left to do).
+/// interrupted it (the progress record still holds the old membership, so
+/// the next start finds and heals the gap again).
 async fn heal(
     cfg: &RelayConfig,
     sink: &HttpSink,
-    since: &str,
-    until: &str,
+    gap: &GapToHeal,
+    holder: &str,
     metrics: &Metrics,
     shutdown: &CancellationToken,
 ) -> Option<Result<(), SourceError>> {
+    let (since, until) = (&gap.since, &gap.until);
     tracing::warn!(slot = %cfg.slot, since = %since, until = %until, "healing a publication gap (--on-gap backfill): re-sending the outbox rows of its window from the table before streaming on");
     let healed = tokio::select! {
-        r = recovery::heal_gap(cfg, sink, since, until) => r,
+        r = recovery::heal_gap(cfg, sink, gap, holder) => r,
         _ = shutdown.cancelled() => {
-            tracing::error!(since = %since, until = %until, "shutdown before the publication gap was healed: run cdc-relay backfill --since '{since}' --until '{until}'");
+            tracing::warn!(since = %since, until = %until, "stopping before the publication gap was healed: the next start with --on-gap backfill heals it (without it: cdc-relay backfill --since the time {since} minus --backfill-margin, --until '{until}')");
             return None;
         }
     };

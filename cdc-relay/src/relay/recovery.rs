@@ -25,6 +25,7 @@ use crate::backfill::{self, BackfillPlan};
 use crate::lsn::Lsn;
 use crate::sink::HttpSink;
 use crate::source::catalog::{self, SlotInfo};
+use crate::source::watchdog::GapToHeal;
 use crate::source::{self, ConnParams, SourceError, progress, slot_creation};
 
 /// Where this process left the slot when a session ended.
@@ -62,22 +63,30 @@ pub enum OnGap {
     Backfill,
 }
 
-/// The window of a publication gap the slot monitor found, to heal before
-/// the next session (`--on-gap backfill`): `(since, until)`, server time
-/// text, shared between the monitor and the supervisor.
-pub type GapWindow = Arc<std::sync::Mutex<Option<(String, String)>>>;
+/// A publication gap the slot monitor found, to heal before the next
+/// session (`--on-gap backfill`), shared between the monitor and the
+/// supervisor.
+pub type GapWindow = Arc<std::sync::Mutex<Option<GapToHeal>>>;
 
 /// `--on-gap backfill`: re-sends the outbox rows whose time column falls in
 /// `[since - --backfill-margin, until)` through the pipeline, on
-/// connections of its own. Returns the rows sent.
+/// connections of its own, then records the membership that ended the gap
+/// (until then the progress record keeps the old one, so a relay stopped
+/// meanwhile finds the gap again at its next start). Returns the rows sent.
 pub async fn heal_gap(
     cfg: &RelayConfig,
     sink: &HttpSink,
-    since: &str,
-    until: &str,
+    gap: &GapToHeal,
+    holder: &str,
 ) -> Result<u64, SourceError> {
     let side = Arc::new(source::connect_sql(&cfg.conn, &cfg.application_name).await?);
-    backfill_since(&side, &cfg.conn, cfg, sink, since, Some(until)).await
+    let rows = backfill_since(&side, &cfg.conn, cfg, sink, &gap.since, Some(&gap.until)).await?;
+    if let Err(e) =
+        progress::record_membership(&side, &cfg.slot, holder, gap.start, &gap.membership).await
+    {
+        tracing::warn!(error = %crate::db_message(&e), "cannot record the publication membership after healing: the next start heals the same window again (harmless)");
+    }
+    Ok(rows)
 }
 
 /// Seconds since the Unix epoch, now.

@@ -70,13 +70,21 @@ impl SinkTls {
                     }))
             }
         };
-        Ok(match &self.client_cert {
+        let mut config = match &self.client_cert {
             None => builder.with_no_client_auth(),
             Some((cert, key)) => builder.with_client_cert_resolver(Arc::new(
                 ClientCert::new(&provider, cert.clone(), key.clone())
                     .map_err(SinkError::BadClientCert)?,
             )),
-        })
+        };
+        if self.ca_file.is_some() || self.client_cert.is_some() {
+            // A resumed TLS session skips both the server's certificate
+            // check and the client certificate: a rotated (or removed) CA
+            // or client certificate would not apply to new connections
+            // while the receiver accepts the old session tickets.
+            config.resumption = rustls::client::Resumption::disabled();
+        }
+        Ok(config)
     }
 }
 

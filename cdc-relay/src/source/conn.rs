@@ -176,8 +176,19 @@ impl ConnParams {
     /// Parses a libpq connection string or URL; `connect_timeout` applies
     /// unless the string sets its own.
     pub fn parse(url: &str, connect_timeout: Duration) -> Result<Self, BadUrl> {
-        let cfg = tokio_postgres::Config::from_str(&strip_own_params(url))
-            .map_err(|e| BadUrl(e.to_string()))?;
+        let cfg = tokio_postgres::Config::from_str(&strip_own_params(url)).map_err(|e| {
+            let why = std::error::Error::source(&e)
+                .map(|s| format!(": {s}"))
+                .unwrap_or_default();
+            BadUrl(format!("{e}{why}"))
+        })?;
+        if query_param(url, "hostaddr").is_some() {
+            return Err(BadUrl(
+                "hostaddr is not supported: put the address in host (with sslmode=verify-full \
+                 the server's certificate must then carry that IP address)"
+                    .into(),
+            ));
+        }
         let names: Vec<String> = cfg
             .get_hosts()
             .iter()
@@ -327,7 +338,13 @@ struct TlsParams {
 
 impl TlsParams {
     fn parse(url: &str, home: Option<PathBuf>) -> Result<TlsParams, BadUrl> {
-        let param = |k: &str| query_param(url, k).map(|v| percent_decode(&v));
+        let param = |k: &str| {
+            query_param(url, k).or_else(|| {
+                env_name(k)
+                    .and_then(std::env::var_os)
+                    .map(|v| v.to_string_lossy().into_owned())
+            })
+        };
         let dot_pg = |name: &str| home.as_ref().map(|h| h.join(".postgresql").join(name));
         let root = match param("sslrootcert").as_deref() {
             Some("system") => Some(RootCert::System),
@@ -359,7 +376,17 @@ impl TlsParams {
         let client = match (param("sslcert"), param("sslkey")) {
             (Some(cert), key) => {
                 let cert = PathBuf::from(cert);
-                let key = key.map_or_else(|| cert.with_extension("key"), PathBuf::from);
+                // libpq: without sslkey, ~/.postgresql/postgresql.key.
+                let key = match key {
+                    Some(k) => PathBuf::from(k),
+                    None => dot_pg("postgresql.key").ok_or_else(|| {
+                        BadUrl(format!(
+                            "sslcert={} without sslkey, and no home directory for \
+                             ~/.postgresql/postgresql.key: set sslkey",
+                            cert.display()
+                        ))
+                    })?,
+                };
                 if !cert.exists() {
                     return Err(BadUrl(format!(
                         "sslcert={}: no such file (the client certificate to present)",
@@ -482,39 +509,145 @@ fn check_key_file(key: &std::path::Path) -> Result<(), BadUrl> {
     Ok(())
 }
 
-/// `%XX` escapes of a URL query value decoded (a key/value string's
-/// values come through unchanged).
+/// `%XX` escapes of a URL query key or value decoded.
 fn percent_decode(v: &str) -> String {
     percent_encoding::percent_decode_str(v)
         .decode_utf8_lossy()
         .into_owned()
 }
 
-/// The string without [`OWN_PARAMS`].
+/// The string without [`OWN_PARAMS`] (a key/value string is rebuilt with
+/// libpq's quoting).
 fn strip_own_params(url: &str) -> String {
-    let keep = |kv: &&str| !OWN_PARAMS.iter().any(|k| kv.starts_with(&format!("{k}=")));
-    match url.split_once('?') {
-        Some((base, q)) => {
-            let rest: Vec<&str> = q.split('&').filter(keep).collect();
-            if rest.is_empty() {
-                base.to_owned()
-            } else {
-                format!("{base}?{}", rest.join("&"))
+    let own = |k: &str| OWN_PARAMS.contains(&k);
+    if url.contains("://") {
+        return match url.split_once('?') {
+            Some((base, q)) => {
+                let rest: Vec<&str> = q
+                    .split('&')
+                    .filter(|kv| !own(&percent_decode(kv.split('=').next().unwrap_or(""))))
+                    .collect();
+                if rest.is_empty() {
+                    base.to_owned()
+                } else {
+                    format!("{base}?{}", rest.join("&"))
+                }
             }
-        }
-        None if url.contains("://") => url.to_owned(),
-        None => url.split(' ').filter(keep).collect::<Vec<_>>().join(" "),
+            None => url.to_owned(),
+        };
+    }
+    match key_values(url) {
+        Some(pairs) => pairs
+            .iter()
+            .filter(|(k, _)| !own(k))
+            .map(|(k, v)| format!("{k}='{}'", v.replace('\\', "\\\\").replace('\'', "\\'")))
+            .collect::<Vec<_>>()
+            .join(" "),
+        // Not parseable: tokio-postgres says why.
+        None => url.to_owned(),
     }
 }
 
+/// A key/value connection string's pairs as libpq reads them (PostgreSQL
+/// docs, "libpq — Connection Strings"): `key = value`, spaces around `=`
+/// allowed, a value single-quoted with `\'` and `\\` escapes inside, or
+/// unquoted up to the next space (backslash escapes too). `None` when it
+/// does not parse.
+fn key_values(s: &str) -> Option<Vec<(String, String)>> {
+    let mut pairs = Vec::new();
+    let mut chars = s.chars().peekable();
+    loop {
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        if chars.peek().is_none() {
+            return Some(pairs);
+        }
+        let mut key = String::new();
+        while let Some(&c) = chars.peek() {
+            if c == '=' || c.is_whitespace() {
+                break;
+            }
+            key.push(c);
+            chars.next();
+        }
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        if chars.next() != Some('=') || key.is_empty() {
+            return None;
+        }
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        let mut value = String::new();
+        if chars.peek() == Some(&'\'') {
+            chars.next();
+            loop {
+                match chars.next()? {
+                    '\'' => break,
+                    '\\' => value.push(chars.next()?),
+                    c => value.push(c),
+                }
+            }
+        } else {
+            while let Some(&c) = chars.peek() {
+                if c.is_whitespace() {
+                    break;
+                }
+                chars.next();
+                if c == '\\' {
+                    value.push(chars.next()?);
+                } else {
+                    value.push(c);
+                }
+            }
+        }
+        pairs.push((key, value));
+    }
+}
+
+/// The connection string's parameters: a URL's query (percent-decoded) or
+/// a key/value string's pairs.
+fn params(url: &str) -> Vec<(String, String)> {
+    if url.contains("://") {
+        let Some((_, q)) = url.split_once('?') else {
+            return Vec::new();
+        };
+        return q
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (percent_decode(k), percent_decode(v)))
+            .collect();
+    }
+    key_values(url).unwrap_or_default()
+}
+
 /// A parameter of the URL's query (`?a=b&c=d`) or of a key/value string
-/// (`a=b c=d`).
+/// (`a=b c='d e'`), decoded.
 fn query_param(url: &str, key: &str) -> Option<String> {
-    let tail = url.split_once('?').map_or(url, |(_, q)| q);
-    tail.split(['&', ' '])
-        .filter_map(|kv| kv.split_once('='))
-        .find(|(k, _)| *k == key)
-        .map(|(_, v)| v.to_owned())
+    params(url)
+        .into_iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v)
+}
+
+/// The environment variable libpq reads for a TLS parameter the URL does
+/// not set (PostgreSQL docs, "libpq — Environment Variables").
+fn env_name(param: &str) -> Option<&'static str> {
+    Some(match param {
+        "sslmode" => "PGSSLMODE",
+        "sslrootcert" => "PGSSLROOTCERT",
+        "sslcert" => "PGSSLCERT",
+        "sslkey" => "PGSSLKEY",
+        "sslcrl" => "PGSSLCRL",
+        "sslcrldir" => "PGSSLCRLDIR",
+        "sslsni" => "PGSSLSNI",
+        "channel_binding" => "PGCHANNELBINDING",
+        "sslnegotiation" => "PGSSLNEGOTIATION",
+        "requiressl" => "PGREQUIRESSL",
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -713,5 +846,54 @@ mod tests {
                 "{ok}"
             );
         }
+    }
+
+    #[test]
+    fn key_value_strings_are_read_with_libpq_quoting() {
+        let kv = r"host=h user=u dbname = d sslrootcert='/tmp/sp ace/ca%.crt' sslcert=/a\ b/c.pem";
+        assert_eq!(
+            query_param(kv, "sslrootcert").as_deref(),
+            Some("/tmp/sp ace/ca%.crt")
+        );
+        assert_eq!(query_param(kv, "sslcert").as_deref(), Some("/a b/c.pem"));
+        assert_eq!(query_param(kv, "dbname").as_deref(), Some("d"));
+        assert!(key_values("host='unterminated").is_none());
+        let q = r"host=h user=u sslmode=verify-ca sslrootcert='/tmp/x y/ca.pem' application_name='a \'b\''";
+        assert_eq!(query_param(q, "application_name").as_deref(), Some("a 'b'"));
+        let stripped = strip_own_params(q);
+        assert!(
+            !stripped.contains("sslrootcert") && !stripped.contains("sslmode"),
+            "{stripped}"
+        );
+        let c = ConnParams::parse(q, Duration::from_secs(1)).unwrap();
+        assert_eq!(
+            c.ssl_root_cert,
+            Some(RootCert::File("/tmp/x y/ca.pem".into()))
+        );
+        assert_eq!(c.sslmode, SslMode::VerifyCa);
+        // A URL's values are percent-decoded.
+        assert_eq!(
+            query_param(
+                "postgres://u@h/d?sslrootcert=%2Fa%20b%25.pem",
+                "sslrootcert"
+            )
+            .as_deref(),
+            Some("/a b%.pem")
+        );
+    }
+
+    #[test]
+    fn unsupported_parameters_are_named() {
+        let err = ConnParams::parse(
+            "postgres://u@h/d?hostaddr=127.0.0.1",
+            Duration::from_secs(1),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("hostaddr"), "{err}");
+        let err = ConnParams::parse("postgres://u@h/d?service=foo", Duration::from_secs(1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("service"), "{err}");
     }
 }

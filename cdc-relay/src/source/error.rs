@@ -375,6 +375,10 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
     } else if has("notvalidyet") || has("not valid yet") || has("not valid before") {
         "The server's certificate is not valid yet: check this machine's clock and the \
          certificate's notBefore"
+    } else if has("unsupportedcertversion") {
+        "A certificate is X.509 version 1 (openssl x509 -req without -extfile makes one), which \
+         the relay's TLS library refuses even where nothing is verified: reissue it as version \
+         3, with a subjectAltName"
     } else if has("badsignature") || has("invalid peer certificate") {
         "The server's certificate could not be verified: check sslrootcert and sslmode in the \
          URL"

@@ -132,14 +132,75 @@ fn root_store(root: &RootCert) -> Result<(RootCertStore, Loaded, PathBuf), TlsSe
 
 type ClientAuth = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
 
+/// The last certificate and key that loaded and matched, by their paths:
+/// a rotation replaces the two files one after the other, and a connection
+/// made in between keeps the pair that matched.
+static LAST_PAIR: std::sync::LazyLock<Mutex<std::collections::HashMap<PairPaths, PairBytes>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// A certificate's and its key's paths, and their contents.
+type PairPaths = (PathBuf, PathBuf);
+type PairBytes = (Vec<u8>, Vec<u8>);
+
 fn client_auth(c: &ClientCert) -> Result<(ClientAuth, Loaded, Loaded), TlsSetupError> {
-    let cert = load("sslcert", &c.cert, |b| parse_certs(b).map(drop))?;
-    let key = load("sslkey", &c.key, |b| parse_key(b).map(drop))?;
+    let mut cert = load("sslcert", &c.cert, |b| parse_certs(b).map(drop))?;
+    let mut key = load("sslkey", &c.key, |b| parse_key(b).map(drop))?;
+    let pair_key = (c.cert.clone(), c.key.clone());
+    let mut pairs = LAST_PAIR.lock().expect("never poisoned");
+    match keys_match(&cert.bytes, &key.bytes) {
+        Ok(()) => {
+            pairs.insert(pair_key, (cert.bytes.clone(), key.bytes.clone()));
+        }
+        Err(reason) => match pairs.get(&pair_key) {
+            Some((good_cert, good_key)) => {
+                tracing::error!(
+                    "sslkey={} does not match sslcert={} ({reason}); new connections keep using \
+                     the copy that last loaded until both files match",
+                    c.key.display(),
+                    c.cert.display()
+                );
+                cert = Loaded {
+                    bytes: good_cert.clone(),
+                    kept: Some(reason.clone()),
+                };
+                key = Loaded {
+                    bytes: good_key.clone(),
+                    kept: Some(reason),
+                };
+            }
+            None => {
+                return Err(TlsSetupError {
+                    param: "sslkey",
+                    path: c.key.display().to_string(),
+                    reason: format!("does not match sslcert={}: {reason}", c.cert.display()),
+                });
+            }
+        },
+    }
     let auth = (
         parse_certs(&cert.bytes).expect("checked when loaded"),
         parse_key(&key.bytes).expect("checked when loaded"),
     );
     Ok((auth, cert, key))
+}
+
+/// Whether the private key in `key` belongs to the certificate in `cert`.
+fn keys_match(cert: &[u8], key: &[u8]) -> Result<(), String> {
+    let chain = parse_certs(cert)?;
+    let key = parse_key(key)?;
+    let provider = rustls::crypto::ring::default_provider();
+    let signing = provider
+        .key_provider
+        .load_private_key(key)
+        .map_err(|e| e.to_string())?;
+    rustls::sign::CertifiedKey::new(chain, signing)
+        .keys_match()
+        .map_err(|e| match e.to_string() {
+            v1 if v1.contains("UnsupportedCertVersion") => "the certificate is X.509 version 1, \
+                which the relay's TLS library refuses: reissue it as version 3"
+                .to_owned(),
+            other => other,
+        })
 }
 
 /// Whether `conn` is a Unix socket connection (TLS never applies there, as

@@ -77,10 +77,23 @@ pub struct MonitorOutputs {
 
 /// A gap to heal: the window to fill in, the session to stop.
 pub struct GapHeal {
-    /// `(since, until)` of the gap, server time text.
-    pub window: std::sync::Arc<std::sync::Mutex<Option<(String, String)>>>,
+    /// Where the monitor leaves the gap for the supervisor.
+    pub window: std::sync::Arc<std::sync::Mutex<Option<GapToHeal>>>,
     /// The session's graceful stop.
     pub stop: tokio_util::sync::CancellationToken,
+}
+
+/// A publication gap found by the monitor, to heal before streaming on.
+#[derive(Clone, Debug)]
+pub struct GapToHeal {
+    /// The last time the old membership was verified (server time text).
+    pub since: String,
+    /// The reading that found the table carried again.
+    pub until: String,
+    /// That reading's membership: recorded once the gap is healed.
+    pub membership: catalog::Membership,
+    /// Where the session started (for a first progress record).
+    pub start: Lsn,
 }
 
 /// Reads the slot's figures and the outbox's publication membership every
@@ -174,6 +187,36 @@ pub async fn monitor_slot(
         }
         let change = membership.observe(&member);
         report_membership(&change, &member, &table, &publications, &out);
+        if let (Change::Back { since, until } | Change::Gap { since, until }, Some(heal)) =
+            (&change, &out.heal)
+        {
+            // The new membership is recorded only once the gap is healed;
+            // until then the record keeps the old one, verified as late as
+            // `since`, so a relay stopped or killed before the heal finds
+            // the gap again at its next start.
+            if let Some((carriers, table_oid)) = &persisted {
+                let old = catalog::Membership {
+                    carriers: carriers.clone(),
+                    table_oid: *table_oid,
+                    at: since.clone(),
+                    problem: None,
+                    wal_lsn: member.wal_lsn,
+                };
+                if let Err(e) =
+                    progress::record_membership(&side, &slot, &holder, start, &old).await
+                {
+                    tracing::warn!(error = %crate::db_message(&e), "cannot record the gap to heal in cdc_relay_progress: a relay stopped before it is healed will not find it again");
+                }
+            }
+            *heal.window.lock().expect("never poisoned") = Some(GapToHeal {
+                since: since.clone(),
+                until: until.clone(),
+                membership: member.clone(),
+                start,
+            });
+            heal.stop.cancel();
+            return;
+        }
         let identity = (member.carriers.clone(), member.table_oid);
         if member.included() && persisted.as_ref() != Some(&identity) {
             // Only on a change: an idle relay writes nothing.
@@ -183,14 +226,6 @@ pub async fn monitor_slot(
                     tracing::warn!(error = %crate::db_message(&e), "cannot record the publication membership in cdc_relay_progress (apply sql/orders.sql); retried at the next reading")
                 }
             }
-        }
-        // After the membership is recorded: the next session must not find
-        // the same gap again.
-        if let (Change::Back { since, until } | Change::Gap { since, until }, Some(heal)) =
-            (&change, &out.heal)
-        {
-            *heal.window.lock().expect("never poisoned") = Some((since.clone(), until.clone()));
-            heal.stop.cancel();
         }
         out.health.set_publication_ok(membership.is_in());
         out.metrics

@@ -114,3 +114,75 @@ async fn a_table_restored_like_pg_dump_clean_heals_its_gap() -> anyhow::Result<(
     accounting.assert_balanced();
     Ok(())
 }
+
+/// `publish` switched away from inserts and back faster than one reading:
+/// the publication's row changed (its `xmin` is part of the carrier's
+/// identity), so the flap is a gap, and it heals. Lost on the first version
+/// of `--on-gap` (the identity held only OIDs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_flap_faster_than_a_reading_heals() -> anyhow::Result<()> {
+    let s = Scenario::plan(Inbox::Billing)
+        .relay_args(&["--on-gap", "backfill"])
+        .start()
+        .await?;
+    let (stack, db) = (&s.stack, &s.db);
+    app::insert_order_event(db).await?;
+    oracle::wait_ledger_clean(stack, 1, DRAIN).await?;
+    let p = &stack.publication;
+    db.batch_execute(&format!("ALTER PUBLICATION {p} SET (publish = 'update')"))
+        .await?;
+    let while_out = app::insert_order_event(db).await?;
+    db.batch_execute(&format!("ALTER PUBLICATION {p} SET (publish = 'insert')"))
+        .await?;
+    oracle::wait_ledger_clean(stack, 2, DRAIN).await?;
+    assert!(healed(&s).await? >= 1.0);
+    assert!(
+        s.accounting(&["outbox"])
+            .await?
+            .delivered
+            .contains(&while_out.to_string())
+    );
+    Ok(())
+}
+
+/// A relay killed while it heals a gap heals it at its next start: the
+/// progress record keeps the old membership until the heal is done. Lost
+/// on the first version of `--on-gap` (the new membership was recorded
+/// before the heal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_while_healing_heals_at_its_next_start() -> anyhow::Result<()> {
+    let stack = harness::PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = harness::sink::ScriptedSink::start().await?;
+    let args = ["--on-gap", "backfill"];
+    let mut relay = app::start_relay_with_url(&stack, &stack.relay_url, &sink.url, &args).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let p = &stack.publication;
+    // The sink refuses everything: the heal cannot finish.
+    sink.set_status(503);
+    db.batch_execute(&format!("ALTER PUBLICATION {p} DROP TABLE outbox"))
+        .await?;
+    let while_out = app::insert_order_event(&db).await?;
+    db.batch_execute(&format!("ALTER PUBLICATION {p} ADD TABLE outbox"))
+        .await?;
+    relay
+        .process
+        .wait_for_line("healing a publication gap", NOTICE)
+        .await?;
+    relay.process.sigkill();
+
+    sink.set_status(204);
+    let relay = app::start_relay_with_url(&stack, &stack.relay_url, &sink.url, &args).await?;
+    wait_until("the event committed while out delivered", DRAIN, || async {
+        sink.delivered()
+            .iter()
+            .any(|r| String::from_utf8_lossy(&r.body).contains(&while_out.to_string()))
+    })
+    .await?;
+    wait_until("the heal counted", NOTICE, || async {
+        anyhow::Ok(relay.metrics().await?.sum(HEALED) >= 1.0)
+    })
+    .await?;
+    Ok(())
+}

@@ -14,8 +14,9 @@ pub struct Membership {
     /// The publications that carry the outbox's inserts completely
     /// (inserts published, no row filter, no column list leaving out a
     /// configured column), each as a token of its identity: name, OID,
-    /// `publish_via_partition_root`, `FOR ALL TABLES`, and the OIDs of its
-    /// `pg_publication_rel` / `pg_publication_namespace` rows for the table.
+    /// `publish_via_partition_root`, `FOR ALL TABLES`, the OIDs of its
+    /// `pg_publication_rel` / `pg_publication_namespace` rows for the table,
+    /// and its row's `xmin` (changed by any `ALTER PUBLICATION`).
     /// Empty: the outbox's inserts are not (all) streamed.
     pub carriers: Vec<String>,
     /// The relation OID `--table` names now.
@@ -41,8 +42,25 @@ impl Membership {
     /// several publications while another carries it throughout is no gap.)
     pub fn gap_since(&self, earlier: &Membership) -> bool {
         self.table_oid != earlier.table_oid
-            || !self.carriers.iter().any(|c| earlier.carriers.contains(c))
+            || !self
+                .carriers
+                .iter()
+                .any(|c| earlier.carriers.iter().any(|e| same_carrier(c, e)))
     }
+}
+
+/// Whether two carrier tokens name the same publication state. The last
+/// field is the publication row's `xmin`: any `ALTER PUBLICATION` of a
+/// carrier (`SET (publish = …)` out and back faster than one reading, say)
+/// changes it. A token recorded by an earlier version has no such field:
+/// the fields both have are compared.
+fn same_carrier(a: &str, b: &str) -> bool {
+    let (na, nb) = (a.split(':').count(), b.split(':').count());
+    if na == nb {
+        return a == b;
+    }
+    let n = na.min(nb);
+    a.split(':').take(n).eq(b.split(':').take(n))
 }
 
 /// The membership part of the monitor's statement: `$2` publications, `$3`
@@ -55,15 +73,16 @@ impl Membership {
 /// and `pg_toast` then fails with a permission error for a plain role.
 pub(super) const MEMBERSHIP_SQL: &str = "\
     WITH t AS (SELECT to_regclass(format('%I.%I', $3::text, $4::text))::oid AS oid), \
-         p AS (SELECT oid, pubname, puballtables, pubinsert, pubviaroot FROM pg_publication \
+         p AS (SELECT oid, xmin::text AS pxmin, pubname, puballtables, pubinsert, pubviaroot \
+               FROM pg_publication \
                WHERE pubname = ANY($2)), \
-         listed AS (SELECT p.oid, p.pubname, p.pubinsert, p.pubviaroot, p.puballtables, \
+         listed AS (SELECT p.oid, p.pxmin, p.pubname, p.pubinsert, p.pubviaroot, p.puballtables, \
                            pt.rowfilter, pt.attnames \
                     FROM p JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
                     JOIN pg_namespace pn ON pn.nspname = pt.schemaname \
                     JOIN pg_class pc ON pc.relnamespace = pn.oid AND pc.relname = pt.tablename, t \
                     WHERE coalesce(pg_partition_root(pc.oid), pc.oid)::oid = t.oid), \
-         carriers AS (SELECT DISTINCT oid, pubname, pubviaroot, puballtables FROM listed \
+         carriers AS (SELECT DISTINCT oid, pxmin, pubname, pubviaroot, puballtables FROM listed \
                       WHERE pubinsert AND rowfilter IS NOT DISTINCT FROM $6::text \
                         AND (attnames IS NULL OR $5::text[]::name[] <@ attnames)) \
     SELECT pg_current_wal_lsn()::text, \
@@ -74,7 +93,7 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
                              WHERE pr.prpubid = c.oid \
                                AND coalesce(pg_partition_root(pr.prrelid), pr.prrelid)::oid = t.oid), '') || ':' || \
                    coalesce((SELECT string_agg(pn.oid::text, ',' ORDER BY pn.oid) FROM pg_publication_namespace pn \
-                             WHERE pn.pnpubid = c.oid), '') \
+                             WHERE pn.pnpubid = c.oid), '') || ':' || c.pxmin \
                  FROM carriers c ORDER BY 1), \
            coalesce((SELECT format('%I.%I is UNLOGGED: its rows are never written to the WAL, so no \
                                    slot can decode them (a FOR ALL TABLES or TABLES IN SCHEMA publication \
@@ -139,5 +158,18 @@ pub(super) fn membership_from_row(row: &tokio_postgres::Row) -> Membership {
         table_oid: row.get(2),
         carriers: row.get(3),
         problem: row.get(4),
+    }
+}
+
+#[cfg(test)]
+mod carrier_tests {
+    use super::same_carrier;
+
+    #[test]
+    fn carriers_compare_with_and_without_the_publication_xmin() {
+        assert!(same_carrier("p:1:f:f:5:", "p:1:f:f:5::700"));
+        assert!(same_carrier("p:1:f:f:5::700", "p:1:f:f:5::700"));
+        assert!(!same_carrier("p:1:f:f:5::700", "p:1:f:f:5::701"));
+        assert!(!same_carrier("p:1:f:f:5:", "p:1:f:f:6::700"));
     }
 }
