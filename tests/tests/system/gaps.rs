@@ -159,6 +159,14 @@ async fn a_relay_killed_while_healing_heals_at_its_next_start() -> anyhow::Resul
     app::wait_streaming(&relay).await?;
     let db = stack.orders_admin().await?;
     let p = &stack.publication;
+    // One event delivered: the monitor has read the membership by then.
+    let first = app::insert_order_event(&db).await?;
+    wait_until("the first event delivered", DRAIN, || async {
+        sink.delivered()
+            .iter()
+            .any(|r| String::from_utf8_lossy(&r.body).contains(&first.to_string()))
+    })
+    .await?;
     // The sink refuses everything: the heal cannot finish.
     sink.set_status(503);
     db.batch_execute(&format!("ALTER PUBLICATION {p} DROP TABLE outbox"))
@@ -168,7 +176,7 @@ async fn a_relay_killed_while_healing_heals_at_its_next_start() -> anyhow::Resul
         .await?;
     relay
         .process
-        .wait_for_line("healing a publication gap", NOTICE)
+        .wait_for_line("healing a publication gap", DRAIN)
         .await?;
     relay.process.sigkill();
 
