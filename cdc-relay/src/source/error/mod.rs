@@ -10,6 +10,10 @@
 //! without one (I/O, a closed socket) is transient: infrastructure errors
 //! are retried until proven permanent.
 
+mod hints;
+
+use hints::privilege_hint;
+pub(crate) use hints::tls_hint;
 use pgwire_replication::PgWireError;
 
 use crate::db_message;
@@ -277,29 +281,6 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
     }
 }
 
-/// What to grant for a privilege error (42501), by its words (`lower`, in
-/// lower case); `None` when they say nothing the relay knows.
-fn privilege_hint(lower: &str) -> Option<&'static str> {
-    if lower.contains("replication") || lower.contains("walsender") {
-        Some(
-            "The relay's role needs the REPLICATION attribute: ALTER ROLE cdc_relay REPLICATION \
-             (sql/roles.sql does it), and a pg_hba.conf line that admits it",
-        )
-    } else if lower.contains("must be owner") {
-        Some(
-            "Only the table's owner (or a superuser) may do this: run `cdc-relay setup` as the \
-             owner, or ALTER TABLE … OWNER TO the role that runs it",
-        )
-    } else if lower.contains("permission denied for") {
-        Some(
-            "Grant what the relay's role lacks: apply sql/roles.sql again (GRANT SELECT ON \
-             outbox TO cdc_relay, and the dead-letter and progress tables' grants)",
-        )
-    } else {
-        None
-    }
-}
-
 /// Whether an error on the replication path says the connection is not a
 /// replication connection: a pooler refusing a startup parameter
 /// (PgBouncer: "unsupported startup parameter: replication", or `options`,
@@ -354,49 +335,6 @@ fn connect_hint(code: Option<&str>, msg: &str) -> Option<&'static str> {
         }
         None => None,
     }
-}
-
-/// What to change in the database URL for a TLS failure or a refusal
-/// that depends on TLS, by the words of the error (rustls's certificate
-/// errors, PostgreSQL's `pg_hba.conf` refusals); `None` for any other.
-pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
-    let lower = msg.to_ascii_lowercase();
-    let has = |s: &str| lower.contains(s);
-    Some(if has("unknownissuer") || has("unknown issuer") {
-        "The server's certificate is not signed by a CA in sslrootcert: set sslrootcert in \
-         the URL to the CA certificate that issued it"
-    } else if has("not valid for name") || has("notvalidforname") {
-        "The server's certificate does not carry the URL's host name: connect by a name in \
-         its subjectAltName, reissue it for this host, or use sslmode=verify-ca to check the \
-         chain only"
-    } else if has("expired") {
-        "The server's certificate has expired: renew it on the server (ssl_cert_file) and \
-         reload the server's configuration; if it is not expired, check this machine's clock"
-    } else if has("notvalidyet") || has("not valid yet") || has("not valid before") {
-        "The server's certificate is not valid yet: check this machine's clock and the \
-         certificate's notBefore"
-    } else if has("unsupportedcertversion") {
-        "A certificate is X.509 version 1 (openssl x509 -req without -extfile makes one), which \
-         the relay's TLS library refuses even where nothing is verified: reissue it as version \
-         3, with a subjectAltName"
-    } else if has("badsignature") || has("invalid peer certificate") {
-        "The server's certificate could not be verified: check sslrootcert and sslmode in the \
-         URL"
-    } else if has("server does not support tls") || has("sslrequest refused") {
-        "The server has ssl = off: connect with sslmode=disable (or allow, prefer), or enable \
-         TLS on the server"
-    } else if has("no encryption") {
-        "The server's pg_hba.conf admits this role from here only over TLS (hostssl): set \
-         sslmode=require (or stronger) in the URL"
-    } else if has("valid client certificate") || has("certificate authentication failed") {
-        "The server's pg_hba.conf asks this role for a client certificate: set sslcert and \
-         sslkey in the URL to a certificate whose common name is the role, signed by a CA \
-         in the server's ssl_ca_file"
-    } else if has("sslcert=") || has("sslkey=") || has("sslrootcert=") {
-        "Fix the named file or the URL parameter that names it"
-    } else {
-        return None;
-    })
 }
 
 /// The backfill step of a recovery: with the time the progress record

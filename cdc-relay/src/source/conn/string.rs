@@ -1,0 +1,185 @@
+//! Reading a libpq connection string: a URL's query or a key/value
+//! string's pairs, and the string without the parameters the relay reads
+//! itself (PostgreSQL docs, "libpq — Connection Strings").
+
+/// `%XX` escapes of a URL query key or value decoded.
+pub(super) fn percent_decode(v: &str) -> String {
+    percent_encoding::percent_decode_str(v)
+        .decode_utf8_lossy()
+        .into_owned()
+}
+
+/// Parameters read here that tokio-postgres would reject (or read
+/// differently).
+const OWN_PARAMS: [&str; 12] = [
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "sslpassword",
+    "sslcrl",
+    "sslcrldir",
+    "sslsni",
+    "channel_binding",
+    "sslnegotiation",
+    "target_session_attrs",
+    "requiressl",
+];
+
+/// The string without [`OWN_PARAMS`] (a key/value string is rebuilt with
+/// libpq's quoting).
+pub(super) fn strip_own_params(url: &str) -> String {
+    let own = |k: &str| OWN_PARAMS.contains(&k);
+    if url.contains("://") {
+        return match url.split_once('?') {
+            Some((base, q)) => {
+                let rest: Vec<&str> = q
+                    .split('&')
+                    .filter(|kv| !own(&percent_decode(kv.split('=').next().unwrap_or(""))))
+                    .collect();
+                if rest.is_empty() {
+                    base.to_owned()
+                } else {
+                    format!("{base}?{}", rest.join("&"))
+                }
+            }
+            None => url.to_owned(),
+        };
+    }
+    match key_values(url) {
+        Some(pairs) => pairs
+            .iter()
+            .filter(|(k, _)| !own(k))
+            .map(|(k, v)| format!("{k}='{}'", v.replace('\\', "\\\\").replace('\'', "\\'")))
+            .collect::<Vec<_>>()
+            .join(" "),
+        // Not parseable: tokio-postgres says why.
+        None => url.to_owned(),
+    }
+}
+
+/// A key/value connection string's pairs as libpq reads them (PostgreSQL
+/// docs, "libpq — Connection Strings"): `key = value`, spaces around `=`
+/// allowed, a value single-quoted with `\'` and `\\` escapes inside, or
+/// unquoted up to the next space (backslash escapes too). `None` when it
+/// does not parse.
+pub(super) fn key_values(s: &str) -> Option<Vec<(String, String)>> {
+    let mut pairs = Vec::new();
+    let mut chars = s.chars().peekable();
+    loop {
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        if chars.peek().is_none() {
+            return Some(pairs);
+        }
+        let mut key = String::new();
+        while let Some(&c) = chars.peek() {
+            if c == '=' || c.is_whitespace() {
+                break;
+            }
+            key.push(c);
+            chars.next();
+        }
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        if chars.next() != Some('=') || key.is_empty() {
+            return None;
+        }
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        let mut value = String::new();
+        if chars.peek() == Some(&'\'') {
+            chars.next();
+            loop {
+                match chars.next()? {
+                    '\'' => break,
+                    '\\' => value.push(chars.next()?),
+                    c => value.push(c),
+                }
+            }
+        } else {
+            while let Some(&c) = chars.peek() {
+                if c.is_whitespace() {
+                    break;
+                }
+                chars.next();
+                if c == '\\' {
+                    value.push(chars.next()?);
+                } else {
+                    value.push(c);
+                }
+            }
+        }
+        pairs.push((key, value));
+    }
+}
+
+/// The connection string's parameters: a URL's query (percent-decoded) or
+/// a key/value string's pairs.
+fn params(url: &str) -> Vec<(String, String)> {
+    if url.contains("://") {
+        let Some((_, q)) = url.split_once('?') else {
+            return Vec::new();
+        };
+        return q
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (percent_decode(k), percent_decode(v)))
+            .collect();
+    }
+    key_values(url).unwrap_or_default()
+}
+
+/// A parameter of the URL's query (`?a=b&c=d`) or of a key/value string
+/// (`a=b c='d e'`), decoded.
+pub(super) fn query_param(url: &str, key: &str) -> Option<String> {
+    params(url)
+        .into_iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::super::{ConnParams, RootCert, SslMode};
+    use super::*;
+
+    #[test]
+    fn key_value_strings_are_read_with_libpq_quoting() {
+        let kv = r"host=h user=u dbname = d sslrootcert='/tmp/sp ace/ca%.crt' sslcert=/a\ b/c.pem";
+        assert_eq!(
+            query_param(kv, "sslrootcert").as_deref(),
+            Some("/tmp/sp ace/ca%.crt")
+        );
+        assert_eq!(query_param(kv, "sslcert").as_deref(), Some("/a b/c.pem"));
+        assert_eq!(query_param(kv, "dbname").as_deref(), Some("d"));
+        assert!(key_values("host='unterminated").is_none());
+        let q = r"host=h user=u sslmode=verify-ca sslrootcert='/tmp/x y/ca.pem' application_name='a \'b\''";
+        assert_eq!(query_param(q, "application_name").as_deref(), Some("a 'b'"));
+        let stripped = strip_own_params(q);
+        assert!(
+            !stripped.contains("sslrootcert") && !stripped.contains("sslmode"),
+            "{stripped}"
+        );
+        let c = ConnParams::parse(q, Duration::from_secs(1)).unwrap();
+        assert_eq!(
+            c.ssl_root_cert,
+            Some(RootCert::File("/tmp/x y/ca.pem".into()))
+        );
+        assert_eq!(c.sslmode, SslMode::VerifyCa);
+        // A URL's values are percent-decoded.
+        assert_eq!(
+            query_param(
+                "postgres://u@h/d?sslrootcert=%2Fa%20b%25.pem",
+                "sslrootcert"
+            )
+            .as_deref(),
+            Some("/a b%.pem")
+        );
+    }
+}
