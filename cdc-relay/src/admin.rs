@@ -94,30 +94,21 @@ impl Relays {
             streaming += 1;
             let circuit_open = metrics.circuit_state.get() != 0;
             let retired = metrics.endpoints.retired();
+            let sink = if !retired.is_empty() {
+                Some(format!(
+                    "endpoint {} retired: the sink answered 410 Gone (events kept; point the endpoint's URL at its replacement)",
+                    retired.join(", ")
+                ))
+            } else {
+                circuit_open.then(|| "the circuit breaker is open: the sink is failing".to_owned())
+            };
             // A failing sink explains a stalled stream too: with the window
             // full the relay stops reading, so the server's silence and the
             // lack of progress are its consequences, not the stream's fault.
-            let stalled = |why: &str| {
-                why.starts_with("no message from the server")
-                    || why.starts_with("events are pending")
-            };
             let verdict = match health.ready() {
-                Ok(()) if !retired.is_empty() => Err(format!(
-                    "endpoint {} retired: the sink answered 410 Gone (events kept; point the endpoint's URL at its replacement)",
-                    retired.join(", ")
-                )),
-                Err(why) if stalled(why) && !retired.is_empty() => Err(format!(
-                    "endpoint {} retired: the sink answered 410 Gone (events kept; point the endpoint's URL at its replacement)",
-                    retired.join(", ")
-                )),
-                Ok(()) if circuit_open => {
-                    Err("the circuit breaker is open: the sink is failing".to_owned())
-                }
-                Err(why) if stalled(why) && circuit_open => Err(
-                    "the circuit breaker is open: the sink is failing (the relay waits for it and reads no further from the stream)"
-                        .to_owned(),
-                ),
-                other => other.map_err(str::to_owned),
+                Ok(()) => sink.map_or(Ok(()), Err),
+                Err(why) if Health::is_stall(why) => Err(sink.unwrap_or_else(|| why.to_owned())),
+                Err(why) => Err(why.to_owned()),
             };
             verdict.map_err(|why| match relays.len() {
                 1 => why,

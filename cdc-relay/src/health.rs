@@ -9,6 +9,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+/// Not ready: no word from the server within the silence bound.
+const SILENT: &str = "no message from the server within the silence bound (wal_sender_timeout): the stream may be dead";
+
+/// Not ready: events wait and the confirmed LSN does not move.
+const NO_PROGRESS: &str =
+    "events are pending and the confirmed LSN has not advanced within the ready window";
+
 /// Liveness and progress, shared between the relay and the admin endpoint.
 #[derive(Debug)]
 pub struct Health {
@@ -122,6 +129,12 @@ impl Health {
             .store(self.now_ms(), Ordering::Relaxed);
     }
 
+    /// Whether a reason of [`Health::ready`] is a stall (the server's
+    /// silence, no progress) that a failing sink also explains.
+    pub fn is_stall(why: &str) -> bool {
+        why == SILENT || why == NO_PROGRESS
+    }
+
     /// Whether `/readyz` should answer 200, and why not.
     pub fn ready(&self) -> Result<(), &'static str> {
         if !self.streaming.load(Ordering::Relaxed) {
@@ -139,15 +152,11 @@ impl Health {
         }
         let bound = self.silence_bound_ms.load(Ordering::Relaxed);
         if bound > 0 && self.since_heard() > Duration::from_millis(bound) {
-            return Err(
-                "no message from the server within the silence bound (wal_sender_timeout): the stream may be dead",
-            );
+            return Err(SILENT);
         }
         let last = Duration::from_millis(self.last_progress_ms.load(Ordering::Relaxed));
         if self.started.elapsed().saturating_sub(last) > self.ready_window {
-            return Err(
-                "events are pending and the confirmed LSN has not advanced within the ready window",
-            );
+            return Err(NO_PROGRESS);
         }
         Ok(())
     }
