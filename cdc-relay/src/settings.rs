@@ -40,6 +40,11 @@ impl GlobalArgs {
             }
             (None, None) => {}
         }
+        // The TLS files must load once at startup (later, a file that stops
+        // loading keeps its last good copy).
+        crate::source::tls::client_config(&conn, true).map_err(|e| {
+            format!("invalid --database-url (CDC_RELAY_DATABASE_URL): {e}")
+        })?;
         Ok(conn)
     }
 
