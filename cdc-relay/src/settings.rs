@@ -42,9 +42,8 @@ impl GlobalArgs {
         }
         // The TLS files must load once at startup (later, a file that stops
         // loading keeps its last good copy).
-        crate::source::tls::client_config(&conn, true).map_err(|e| {
-            format!("invalid --database-url (CDC_RELAY_DATABASE_URL): {e}")
-        })?;
+        crate::source::tls::client_config(&conn, true)
+            .map_err(|e| format!("invalid --database-url (CDC_RELAY_DATABASE_URL): {e}"))?;
         Ok(conn)
     }
 
