@@ -40,6 +40,14 @@ CREATE TABLE IF NOT EXISTS outbox (
     published_at timestamptz
 );
 
+-- The W3C trace context of the request that wrote the row: its
+-- `traceparent`, then one space and its `tracestate` when it has one. The
+-- relay carries it to the endpoint on every attempt (and makes each
+-- attempt a span of that trace), so one trace follows the order from the
+-- Orders request to Billing's inbox. NULL: delivered untraced. Added after
+-- 0.2.0; re-runnable.
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS trace_context text;
+
 -- What a polling relay scans: unpublished rows that are due, oldest first.
 CREATE INDEX IF NOT EXISTS outbox_ready_idx
     ON outbox (available_at, occurred_at)
@@ -91,6 +99,10 @@ ALTER TABLE cdc_relay_dead_letter ADD COLUMN IF NOT EXISTS payload_bytes bytea;
 -- one-endpoint mode (`--sink-url`), for an unrouted event and for an
 -- unreadable row. Added after 0.1.0; re-runnable.
 ALTER TABLE cdc_relay_dead_letter ADD COLUMN IF NOT EXISTS endpoint text;
+
+-- The event's trace context (as outbox.trace_context), so that a replay
+-- continues the event's trace. Added after 0.2.0; re-runnable.
+ALTER TABLE cdc_relay_dead_letter ADD COLUMN IF NOT EXISTS trace_context text;
 
 CREATE INDEX IF NOT EXISTS cdc_relay_dead_letter_event_id_idx
     ON cdc_relay_dead_letter (event_id);

@@ -342,11 +342,17 @@ pub async fn run(
         || "NULL".to_owned(),
         |a| format!("{}::text", quote_ident(a)),
     );
+    let trace = match &c.trace {
+        Some(col) if col.required || has_column(&*reader, &plan.table, &col.name).await? => {
+            format!("{}::text", quote_ident(&col.name))
+        }
+        _ => "NULL".to_owned(),
+    };
     let t = quote_ident(&plan.time_column);
     let sql = format!(
         "SELECT {}::text, {}::text, {}::text, {agg}, \
                 (EXTRACT(EPOCH FROM {t} - '2000-01-01 00:00:00+00'::timestamptz) * 1000000)::int8, \
-                to_char({t} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00') \
+                to_char({t} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00'), {trace} \
          FROM {} WHERE {t} >= $1::text::timestamptz AND ($2::text IS NULL OR {t} < $2::text::timestamptz) \
          ORDER BY {t}, {}",
         quote_ident(&c.id),
@@ -476,6 +482,10 @@ async fn to_item(row: &tokio_postgres::Row, window: &Window) -> Item<BackfillRow
                 commit_lsn: None,
                 commit_time_micros,
                 dead_letter_id: None,
+                trace: row
+                    .get::<_, Option<String>>(6)
+                    .as_deref()
+                    .and_then(trace_context::stored::parse),
             };
             let permit = window.admit(event.size_bytes()).await;
             Item::Event(event, permit)
@@ -494,6 +504,28 @@ async fn to_item(row: &tokio_postgres::Row, window: &Window) -> Item<BackfillRow
             Item::Unreadable(Box::new(row), permit)
         }
     }
+}
+
+/// Whether `table` has a column `name` (the default trace column is read
+/// only where it exists).
+async fn has_column(
+    client: &tokio_postgres::Client,
+    table: &TableName,
+    name: &str,
+) -> Result<bool, BackfillError> {
+    client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid \
+               JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = $2 AND a.attname = $3 AND a.attnum > 0 AND NOT a.attisdropped)",
+            &[&table.schema, &table.name, &name],
+        )
+        .await
+        .map(|r| r.get(0))
+        .map_err(|source| BackfillError::Read {
+            table: table.to_string(),
+            source,
+        })
 }
 
 fn read_error(plan: &BackfillPlan, source: tokio_postgres::Error) -> BackfillError {

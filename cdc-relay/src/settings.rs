@@ -11,7 +11,7 @@ use event_secret::{EventKeys, Source};
 use crate::cli::{DeliveryArgs, GlobalArgs, PruneArgs, RunArgs, SecretArgs, SinkArgs};
 use crate::dispatch::{DispatchConfig, Lane, Unrouted};
 use crate::metrics::Metrics;
-use crate::outbox::OutboxColumns;
+use crate::outbox::{OutboxColumns, TraceColumn};
 use crate::prune::{PrunePlan, Schedule};
 use crate::relay::{OnSlotLoss, RelayConfig};
 use crate::routes::{EndpointSpec, RoutesError, RoutesFile};
@@ -73,6 +73,17 @@ impl GlobalArgs {
             event_type: self.type_column.clone(),
             payload: self.payload_column.clone(),
             aggregate_key: Some(self.aggregate_column.clone()).filter(|c| !c.is_empty()),
+            trace: match self.trace_column.as_deref() {
+                None => Some(TraceColumn {
+                    name: TraceColumn::DEFAULT.to_owned(),
+                    required: false,
+                }),
+                Some("") => None,
+                Some(name) => Some(TraceColumn {
+                    name: name.to_owned(),
+                    required: true,
+                }),
+            },
         }
     }
 }

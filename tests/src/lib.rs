@@ -35,6 +35,7 @@
 //!   setup, inbox, relay streaming); [`oracle`] is what a test judges the
 //!   outcome by: the ledger, the slot's confirmed position (`settle`, the
 //!   one way to prove nothing else happened), the exact expected events.
+//! - [`otlp`] is a real OTLP/HTTP receiver (protobuf), collecting spans.
 //! - [`prom`] parses the Prometheus text format strictly, for tests, demo
 //!   and benchmark alike; [`stats`] holds the one percentile definition.
 
@@ -44,6 +45,7 @@ pub mod chaos;
 pub mod debian;
 mod guardian;
 pub mod oracle;
+pub mod otlp;
 pub mod pg;
 pub mod pgbin;
 mod pgfiles;

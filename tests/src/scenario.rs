@@ -60,10 +60,20 @@ pub struct Plan {
     inbox: Inbox,
     orders: bool,
     relay_args: Vec<String>,
+    service_env: Vec<(String, String)>,
     stack: Option<Stack>,
 }
 
 impl Plan {
+    /// Environment for Orders and Billing (e.g. their OTLP endpoint).
+    pub fn service_env(mut self, env: &[(&str, &str)]) -> Plan {
+        self.service_env = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        self
+    }
+
     /// Also start the Orders service.
     pub fn orders(mut self) -> Plan {
         self.orders = true;
@@ -90,10 +100,17 @@ impl Plan {
             None => PgCluster::shared().create_stack().await?,
         };
         let setup = app::relay_setup(&stack).await?;
+        let env: Vec<(&str, &str)> = self
+            .service_env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
         let billing = match self.inbox {
             Inbox::Scripted => None,
             Inbox::Billing | Inbox::ScriptedBilling => {
-                Some(app::start_billing(&stack, TEST_SECRET).await?)
+                let mut billing_env = vec![("EVENT_SECRET", TEST_SECRET)];
+                billing_env.extend(env.iter().copied());
+                Some(app::start_billing_with(&stack, &[], &billing_env).await?)
             }
         };
         let sink = match (&self.inbox, &billing) {
@@ -107,7 +124,7 @@ impl Plan {
             (None, None) => anyhow::bail!("no inbox for {:?}", self.inbox),
         };
         let orders = match self.orders {
-            true => Some(app::start_orders(&stack).await?),
+            true => Some(app::start_orders_with(&stack, &[], &env).await?),
             false => None,
         };
         let args: Vec<&str> = self.relay_args.iter().map(String::as_str).collect();
@@ -151,6 +168,7 @@ impl Scenario {
             inbox,
             orders: false,
             relay_args: Vec::new(),
+            service_env: Vec::new(),
             stack: None,
         }
     }

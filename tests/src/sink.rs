@@ -35,6 +35,10 @@ pub struct Received {
     pub content_type: Option<String>,
     /// `Authorization` (a sink URL's userinfo arrives as `Basic`).
     pub authorization: Option<String>,
+    /// `traceparent` (the attempt's W3C trace context).
+    pub traceparent: Option<String>,
+    /// `tracestate`.
+    pub tracestate: Option<String>,
     /// The request target's path and query, e.g. `/inbox?token=t`.
     pub target: String,
     /// The status the sink answered.
@@ -192,8 +196,8 @@ impl ScriptedSink {
     }
 
     /// Starts a delaying proxy in front of `upstream` (e.g. Billing's inbox):
-    /// each request waits the scripted delay, is forwarded with its body and
-    /// signature headers, and gets the upstream's status.
+    /// each request waits the scripted delay, is forwarded with its body,
+    /// signature and trace headers, and gets the upstream's status.
     pub async fn proxy(upstream: &str) -> anyhow::Result<ScriptedSink> {
         Self::serve(Script {
             upstream: Some((reqwest::Client::new(), upstream.to_owned())),
@@ -360,6 +364,8 @@ async fn handle(
         webhook,
         content_type: header("content-type"),
         authorization: header("authorization"),
+        traceparent: header("traceparent"),
+        tracestate: header("tracestate"),
         target: uri
             .path_and_query()
             .map_or_else(String::new, |p| p.to_string()),
@@ -415,6 +421,8 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> (u16, Byt
         "webhook-id",
         "webhook-timestamp",
         "webhook-signature",
+        "traceparent",
+        "tracestate",
     ] {
         if let Some(v) = headers.get(name) {
             req = req.header(name, v.clone());

@@ -87,6 +87,7 @@ const OUTBOX_FLAGS: &[&str] = &[
     "type_column",
     "payload_column",
     "aggregate_column",
+    "trace_column",
 ];
 const LOG_FLAGS: &[&str] = &["log_format", "log"];
 
@@ -341,6 +342,19 @@ pub struct GlobalArgs {
         global = true
     )]
     pub aggregate_column: String,
+    /// Column with each row's W3C trace context (`traceparent`, then a
+    /// space and `tracestate` when there is one): every delivery attempt
+    /// carries it to the endpoint, and is a span of that trace with
+    /// --otlp-endpoint. Default: `trace_context` when the table has it,
+    /// else none. Named here, the column must exist; empty disables it.
+    #[arg(
+        help_heading = "Slot and outbox",
+        long,
+        env = "CDC_RELAY_TRACE_COLUMN",
+        value_name = "COLUMN",
+        global = true
+    )]
+    pub trace_column: Option<String>,
     /// Connect timeout for database connections.
     #[arg(help_heading = "Database", long, env = "CDC_RELAY_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration, global = true)]
     pub connect_timeout: Duration,

@@ -87,6 +87,10 @@ pub struct SecretArgs {
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Relay")]
 pub struct RunArgs {
+    /// Traces: each delivery attempt of an event with a stored trace
+    /// context as a span, exported over OTLP/HTTP.
+    #[command(flatten)]
+    pub trace: trace_context::TraceArgs,
     /// After SIGTERM: time to finish the attempts on the wire (no new
     /// attempt starts once shutdown begins) and flush the confirmed LSN.
     /// Must exceed --request-timeout; 5s keeps the stop under a container

@@ -69,6 +69,19 @@ async fn serve_and_run(
     log_format: LogFormat,
 ) -> u8 {
     let metrics = Metrics::new();
+    let counters = trace_context::Counters::register(metrics.registry(), "cdc_relay");
+    let export = match trace_context::Export::start(&a.trace, "cdc-relay", counters) {
+        Ok(export) => export,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let tracer = export.as_ref().map(|e| e.tracer().clone());
+    let lanes: Vec<_> = lanes
+        .into_iter()
+        .map(|l| l.traced(tracer.clone()))
+        .collect();
     let health = Health::new(a.ready_window);
     let shutdown = CancellationToken::new();
     let units = units(&cfg, sharding, &metrics, &health, a);
@@ -158,9 +171,15 @@ async fn serve_and_run(
         }
     };
     shutdown.cancel();
+    if let Some(export) = export {
+        export.shutdown(EXPORT_FLUSH).await;
+    }
     let _ = admin.await;
     code
 }
+
+/// How long a stopping relay waits for its last spans to be exported.
+const EXPORT_FLUSH: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// One relay's configuration, metrics and health.
 type Unit = (RelayConfig, Metrics, Arc<Health>);

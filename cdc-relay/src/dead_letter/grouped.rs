@@ -162,7 +162,11 @@ impl DeadLetterStore for GroupedStore {
 /// preparation), so a batch is one round trip. A failed statement is tried
 /// again, after a pause, before anything behind it.
 async fn write(client: Arc<Client>, mut queue: mpsc::UnboundedReceiver<Row>) {
-    let sql = insert_statement();
+    // With the trace_context column until the table turns out not to have
+    // it (sql/orders.sql not applied since the upgrade): then without, and
+    // the dead letters keep no trace context.
+    let mut trace = true;
+    let mut sql = insert_statement(trace);
     let mut prepared: Option<Statement> = None;
     let mut next = None;
     loop {
@@ -185,12 +189,23 @@ async fn write(client: Arc<Client>, mut queue: mpsc::UnboundedReceiver<Row>) {
             }
             let rows: Vec<&Stored> = batch.iter().map(|r| &r.row).collect();
             let ids = match &prepared {
-                Some(statement) => insert_rows(&client, statement, &rows).await,
+                Some(statement) => insert_rows(&client, statement, trace, &rows).await,
                 None => match client.prepare(&sql).await {
                     Ok(statement) => {
-                        let ids = insert_rows(&client, &statement, &rows).await;
+                        let ids = insert_rows(&client, &statement, trace, &rows).await;
                         prepared = Some(statement);
                         ids
+                    }
+                    Err(e)
+                        if trace
+                            && e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_COLUMN) =>
+                    {
+                        tracing::warn!(
+                            "cdc_relay_dead_letter has no trace_context column: dead letters are written without their trace context until sql/orders.sql is applied (it adds the column) and the relay restarts"
+                        );
+                        trace = false;
+                        sql = insert_statement(trace);
+                        continue;
                     }
                     Err(e) => Err(e),
                 },

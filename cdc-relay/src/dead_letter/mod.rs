@@ -142,6 +142,9 @@ pub struct NewDeadLetter {
     /// The routes file's endpoint that refused it; `None` in one-endpoint
     /// mode (`--sink-url`), for an unrouted event and for an unreadable row.
     pub endpoint: Option<String>,
+    /// The event's stored trace context, kept so that its replay continues
+    /// the same trace.
+    pub trace: Option<trace_context::SpanContext>,
 }
 
 impl NewDeadLetter {
@@ -173,6 +176,7 @@ impl NewDeadLetter {
             attempts,
             first_attempt_unix_micros: Some(first_attempt_unix_micros),
             endpoint: None,
+            trace: event.trace.clone(),
         }
     }
 
@@ -190,6 +194,7 @@ impl NewDeadLetter {
             attempts: 0,
             first_attempt_unix_micros: None,
             endpoint: None,
+            trace: None,
         }
     }
 
@@ -222,6 +227,7 @@ impl NewDeadLetter {
             attempts: 0,
             first_attempt_unix_micros: None,
             endpoint,
+            trace: event.trace.clone(),
         }
     }
 }

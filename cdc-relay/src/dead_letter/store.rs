@@ -24,8 +24,9 @@ pub(super) async fn parked(
 ) -> Result<Vec<ParkedRow>, StoreError> {
     let rows = client
         .query(
-            "SELECT id, event_id, event_type, aggregate_key, payload, payload_bytes, commit_lsn::text \
-             FROM cdc_relay_dead_letter \
+            "SELECT id, event_id, event_type, aggregate_key, payload, payload_bytes, commit_lsn::text, \
+                    to_jsonb(d) ->> 'trace_context' \
+             FROM cdc_relay_dead_letter d \
              WHERE endpoint = $1 AND error LIKE 'parked:%' AND id > $2 ORDER BY id LIMIT $3",
             &[&endpoint, &after, &limit],
         )
@@ -47,6 +48,10 @@ pub(super) async fn parked(
                     commit_lsn: lsn.and_then(|l| l.parse().ok()),
                     commit_time_micros: 0,
                     dead_letter_id: Some(r.get(0)),
+                    trace: r
+                        .get::<_, Option<String>>(7)
+                        .as_deref()
+                        .and_then(trace_context::stored::parse),
                 },
             }
         })
@@ -124,6 +129,7 @@ pub(super) struct Stored {
     pub(super) attempts: i32,
     pub(super) first_attempt_at: Option<f64>,
     pub(super) endpoint: Option<String>,
+    pub(super) trace_context: Option<String>,
 }
 
 impl Stored {
@@ -152,6 +158,7 @@ impl Stored {
             attempts: i32::try_from(d.attempts).unwrap_or(i32::MAX),
             first_attempt_at: d.first_attempt_unix_micros.map(|m| m as f64 / 1e6),
             endpoint: name(&d.endpoint),
+            trace_context: d.trace.as_ref().and_then(trace_context::stored::format),
         }
     }
 }
@@ -163,50 +170,80 @@ fn column<'a, T>(rows: &[&'a Stored], value: impl Fn(&'a Stored) -> T) -> Vec<T>
 
 /// The statement [`insert_rows`] runs: every row of a batch in one
 /// `INSERT … SELECT FROM unnest(…) WITH ORDINALITY ORDER BY` position.
-pub(super) fn insert_statement() -> String {
-    "INSERT INTO cdc_relay_dead_letter \
+/// `trace`: with the `trace_context` column (added after 0.2.0), or
+/// without it for a table `sql/orders.sql` has not upgraded yet (the
+/// writer falls back to that, [`super::grouped`]).
+pub(super) fn insert_statement(trace: bool) -> String {
+    let (column, param) = if trace {
+        (", trace_context", ", $13::text[]")
+    } else {
+        ("", "")
+    };
+    format!(
+        "INSERT INTO cdc_relay_dead_letter \
            (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
-            error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint) \
+            error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint{column}) \
          SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
-                http_status, error, response_excerpt, attempts, to_timestamp(first_attempt_at), now(), endpoint \
+                http_status, error, response_excerpt, attempts, to_timestamp(first_attempt_at), now(), endpoint{column} \
          FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
-                     $7::int4[], $8::text[], $9::text[], $10::int4[], $11::float8[], $12::text[]) \
+                     $7::int4[], $8::text[], $9::text[], $10::int4[], $11::float8[], $12::text[]{param}) \
               WITH ORDINALITY AS r(event_id, aggregate_key, event_type, payload, payload_bytes, \
-                commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint, n) \
+                commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint{column}, n) \
          ORDER BY n \
          RETURNING id"
-        .to_owned()
+    )
 }
 
 /// Inserts `rows` in one statement (`statement`: [`insert_statement`]'s
-/// text, or that text prepared), in their order; returns their ids in that
+/// text for `trace`, or that text prepared), in their order; returns their ids in that
 /// order. Ids are taken in that order: the rows are inserted `ORDER BY`
 /// their position, and the `id` default (`nextval`) is evaluated once per
 /// row as they arrive (`dead_letter::grouped`'s module doc).
 pub(super) async fn insert_rows<T: ToStatement + ?Sized>(
     client: &Client,
     statement: &T,
+    trace: bool,
     rows: &[&Stored],
 ) -> Result<Vec<i64>, tokio_postgres::Error> {
-    let inserted = client
-        .query(
-            statement,
-            &[
-                &column(rows, |r| r.event_id.as_deref()),
-                &column(rows, |r| r.aggregate_key.as_deref()),
-                &column(rows, |r| r.event_type.as_deref()),
-                &column(rows, |r| r.payload.as_deref()),
-                &column(rows, |r| r.payload_bytes.as_deref()),
-                &column(rows, |r| r.commit_lsn.as_deref()),
-                &column(rows, |r| r.http_status),
-                &column(rows, |r| r.error.as_str()),
-                &column(rows, |r| r.response_excerpt.as_deref()),
-                &column(rows, |r| r.attempts),
-                &column(rows, |r| r.first_attempt_at),
-                &column(rows, |r| r.endpoint.as_deref()),
-            ],
-        )
-        .await?;
+    let (event_id, aggregate_key, event_type) = (
+        column(rows, |r| r.event_id.as_deref()),
+        column(rows, |r| r.aggregate_key.as_deref()),
+        column(rows, |r| r.event_type.as_deref()),
+    );
+    let (payload, payload_bytes, commit_lsn) = (
+        column(rows, |r| r.payload.as_deref()),
+        column(rows, |r| r.payload_bytes.as_deref()),
+        column(rows, |r| r.commit_lsn.as_deref()),
+    );
+    let (http_status, error, response_excerpt) = (
+        column(rows, |r| r.http_status),
+        column(rows, |r| r.error.as_str()),
+        column(rows, |r| r.response_excerpt.as_deref()),
+    );
+    let (attempts, first_attempt_at, endpoint) = (
+        column(rows, |r| r.attempts),
+        column(rows, |r| r.first_attempt_at),
+        column(rows, |r| r.endpoint.as_deref()),
+    );
+    let trace_context = column(rows, |r| r.trace_context.as_deref());
+    let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![
+        &event_id,
+        &aggregate_key,
+        &event_type,
+        &payload,
+        &payload_bytes,
+        &commit_lsn,
+        &http_status,
+        &error,
+        &response_excerpt,
+        &attempts,
+        &first_attempt_at,
+        &endpoint,
+    ];
+    if trace {
+        params.push(&trace_context);
+    }
+    let inserted = client.query(statement, &params).await?;
     // Ids were taken in row order, so ascending ids are the rows in order,
     // whatever order RETURNING lists them in.
     let mut ids: Vec<i64> = inserted.iter().map(|r| r.get(0)).collect();

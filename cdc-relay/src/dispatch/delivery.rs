@@ -29,9 +29,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use opentelemetry::trace::TraceId;
 use tokio_util::sync::CancellationToken;
 
 use super::lane::Lane;
+use super::span::AttemptSpan;
 use super::{DispatchError, Persist};
 use crate::backoff::Backoff;
 use crate::breaker::{Admission, Signal};
@@ -170,7 +172,7 @@ pub(super) async fn deliver<S: Sink, D: DeadLetterStore>(
         let tried = tokio::select! {
             biased;
             _ = lane.park.parked() => None,
-            tried = attempt(lane, ctx, admission, event, &request) => Some(tried),
+            tried = attempt(lane, ctx, admission, event, &request, attempts) => Some(tried),
         };
         let Some(tried) = tried else {
             lane.breaker.release(admission);
@@ -178,7 +180,7 @@ pub(super) async fn deliver<S: Sink, D: DeadLetterStore>(
         };
         let (reason, retry_after, attempt) = match tried {
             Tried::Delivered(status) => {
-                tracing::debug!(event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts, "delivered");
+                tracing::debug!(event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), trace_id = trace_id(event), attempts, "delivered");
                 return Ok(Finished::Delivered(status));
             }
             Tried::Poison(_, attempt) if ctx.persist == Persist::OneAttempt => {
@@ -202,7 +204,7 @@ pub(super) async fn deliver<S: Sink, D: DeadLetterStore>(
         if attempts == 1 || attempts.is_multiple_of(20) {
             tracing::warn!(
                 endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts,
-                reason = %reason, detail = %attempt.detail(),
+                trace_id = trace_id(event), reason = %reason, detail = %attempt.detail(),
                 retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
             );
         }
@@ -251,7 +253,7 @@ async fn dead_letter<S, D: DeadLetterStore>(
                 ctx.metrics.events_dead_lettered.inc();
             }
             lane.metrics.dead_lettered.inc();
-            tracing::warn!(dead_letter_id = id.or(event.dead_letter_id).unwrap_or_default(), event_id = %event.id, error = %row.error, "dead-lettered");
+            tracing::warn!(dead_letter_id = id.or(event.dead_letter_id).unwrap_or_default(), event_id = %event.id, trace_id = trace_id(event), error = %row.error, "dead-lettered");
             Ok(Finished::DeadLettered)
         }
         Err(StoreError::Lost(e)) => Err(DispatchError::StoreLost(e)),
@@ -295,17 +297,37 @@ async fn attempt<S: Sink, D>(
     admission: Admission,
     event: &OutboxEvent,
     request: &Prepared,
+    number: u32,
 ) -> Tried {
     let metrics = &ctx.metrics;
+    let span = AttemptSpan::start(
+        lane.tracer.as_ref(),
+        &lane.name,
+        event,
+        number,
+        metrics.clock_skew.get(),
+    );
     let started = Instant::now();
     let attempt = {
         let _in_flight = InFlight::start(metrics, &lane.metrics);
-        lane.sink.post(&event.id, request).await
+        let trace = span.as_ref().and_then(AttemptSpan::headers);
+        lane.sink.post(&event.id, request, trace).await
     };
     metrics
         .request_duration
         .observe(started.elapsed().as_secs_f64());
-    let (outcome, signal, reason) = match classify(&attempt, &lane.cfg.policy) {
+    let disposition = classify(&attempt, &lane.cfg.policy);
+    if let Some(span) = span {
+        let failure = match &disposition {
+            Disposition::Delivered => None,
+            Disposition::DeadLetter(r)
+            | Disposition::Retry(r)
+            | Disposition::ConfigFault(r)
+            | Disposition::Retired(r) => Some(r.label.as_str()),
+        };
+        span.end(&attempt, failure);
+    }
+    let (outcome, signal, reason) = match disposition {
         Disposition::Delivered => {
             lane.breaker.record(admission, Signal::Success, "");
             count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
@@ -331,7 +353,7 @@ async fn attempt<S: Sink, D>(
             count_attempt(metrics, AttemptOutcome::DeadLetter, &attempt);
             tracing::warn!(
                 endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
-                detail = %attempt.detail(), "poison event: the endpoint refuses it"
+                trace_id = trace_id(event), detail = %attempt.detail(), "poison event: the endpoint refuses it"
             );
             return Tried::Poison(r, attempt);
         }
@@ -363,7 +385,7 @@ async fn attempt<S: Sink, D>(
         lane.breaker
             .pause_until(tokio::time::Instant::now() + pause);
         tracing::warn!(
-            endpoint = %lane.name, event_id = %event.id, reason = %reason, retry_after_s = asked.as_secs_f64(),
+            endpoint = %lane.name, event_id = %event.id, trace_id = trace_id(event), reason = %reason, retry_after_s = asked.as_secs_f64(),
             pause_s = pause.as_secs_f64(), "the sink asked for quiet (Retry-After): every delivery pauses"
         );
     }
@@ -372,6 +394,15 @@ async fn attempt<S: Sink, D>(
         retry_after,
         attempt,
     }
+}
+
+/// The `trace_id` field of an attempt's log lines: the stored trace's id,
+/// absent for an event without one.
+fn trace_id(event: &OutboxEvent) -> Option<tracing::field::DisplayValue<TraceId>> {
+    event
+        .trace
+        .as_ref()
+        .map(|cx| tracing::field::display(cx.trace_id()))
 }
 
 fn count_attempt(metrics: &Metrics, outcome: AttemptOutcome, attempt: &Attempt) {

@@ -14,6 +14,7 @@
 
 use std::sync::Arc;
 
+use opentelemetry_sdk::trace::SdkTracer;
 use tokio::sync::watch;
 
 use super::DispatchConfig;
@@ -46,6 +47,9 @@ pub struct Lane<S> {
     pub park: Park,
     /// Its labelled series.
     pub metrics: EndpointMetrics,
+    /// Where its attempts' spans are made (`--otlp-endpoint`); `None`:
+    /// none are (a stored trace context is forwarded as it is).
+    pub tracer: Option<SdkTracer>,
 }
 
 impl<S> Lane<S> {
@@ -90,14 +94,21 @@ impl<S> Lane<S> {
             takes,
             cfg,
             sink,
+            tracer: None,
         }
+    }
+
+    /// The same endpoint, its attempts spans of `tracer`.
+    pub fn traced(mut self, tracer: Option<SdkTracer>) -> Self {
+        self.tracer = tracer;
+        self
     }
 
     /// The same endpoint with its series and a fresh breaker in another
     /// registry (each relay of a sharded process has its own), and the
     /// sink `sink` (the same sink, counting there too).
     pub fn in_registry<T>(self, metrics: &Metrics, sink: T) -> Lane<T> {
-        Lane::new(self.name, self.takes, self.cfg, sink, metrics)
+        Lane::new(self.name, self.takes, self.cfg, sink, metrics).traced(self.tracer)
     }
 
     /// The `endpoint` column of this endpoint's dead letters: its name for

@@ -24,6 +24,7 @@
 //! - [`replay`]: dead-letter rows as a source of this pipeline.
 //! - [`resume`]: replaying a parked endpoint's rows and handing it back
 //!   to live delivery.
+//! - [`span`]: an attempt as a span of the event's stored trace.
 //! - [`confirmed`]: what [`run`] publishes as confirmed.
 //! - [`pipeline`]: what [`run`] takes and gives: the source's items, a
 //!   lane's settings, what the lanes share, how a job and the run ended.
@@ -50,6 +51,7 @@ pub mod replay;
 pub mod resume;
 pub mod route;
 pub mod scheduler;
+pub mod span;
 pub mod window;
 
 #[cfg(test)]

@@ -72,7 +72,12 @@ impl Sink for Arc<ScriptedSink> {
         Prepared::unsigned(crate::sink::encoder::body(event))
     }
 
-    async fn post(&self, event_id: &str, _request: &Prepared) -> Attempt {
+    async fn post(
+        &self,
+        event_id: &str,
+        _request: &Prepared,
+        _trace: Option<&crate::sink::TraceHeaders>,
+    ) -> Attempt {
         let start = Instant::now();
         let (latency, status) = (self.script)(event_id, start);
         tokio::time::sleep(latency).await;
@@ -188,6 +193,7 @@ impl DeadLetterStore for MemoryStore {
                         commit_lsn: r.commit_lsn,
                         commit_time_micros: 0,
                         dead_letter_id: Some(id),
+                        trace: None,
                     },
                 }
             })
@@ -237,6 +243,7 @@ fn event(id: &str, key: Option<&str>) -> OutboxEvent {
         commit_lsn: None,
         commit_time_micros: 0,
         dead_letter_id: None,
+        trace: None,
     }
 }
 

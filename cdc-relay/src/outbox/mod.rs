@@ -44,6 +44,10 @@ pub struct OutboxEvent {
     /// sends it again (`dispatch::replay`); `None` for an event of the
     /// stream or of a backfill.
     pub dead_letter_id: Option<i64>,
+    /// The trace context stored with the row (`--trace-column`): each
+    /// delivery attempt is a span in that trace. `None` without the
+    /// column, for NULL, or for a value that is not a valid `traceparent`.
+    pub trace: Option<trace_context::SpanContext>,
 }
 
 impl OutboxEvent {
@@ -103,6 +107,26 @@ pub struct OutboxColumns {
     /// Aggregate key column (default `aggregate_id`); `None` disables
     /// per-aggregate ordering.
     pub aggregate_key: Option<String>,
+    /// Trace context column (default `trace_context` when the table has
+    /// it); `None` disables reading one.
+    pub trace: Option<TraceColumn>,
+}
+
+/// The column holding each row's W3C trace context
+/// (`trace_context::stored`'s text form).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceColumn {
+    /// Its name.
+    pub name: String,
+    /// Named by `--trace-column`: a table without it is a configuration
+    /// error. Otherwise (the default name) a table without it has no trace
+    /// context, and its events are delivered untraced.
+    pub required: bool,
+}
+
+impl TraceColumn {
+    /// The default column, read when the table has it.
+    pub const DEFAULT: &str = "trace_context";
 }
 
 impl OutboxColumns {
@@ -114,6 +138,12 @@ impl OutboxColumns {
             self.payload.clone(),
         ];
         names.extend(self.aggregate_key.clone());
+        names.extend(
+            self.trace
+                .iter()
+                .filter(|t| t.required)
+                .map(|t| t.name.clone()),
+        );
         names
     }
 }
@@ -125,6 +155,10 @@ impl Default for OutboxColumns {
             event_type: "event_type".into(),
             payload: "payload".into(),
             aggregate_key: Some("aggregate_id".into()),
+            trace: Some(TraceColumn {
+                name: TraceColumn::DEFAULT.into(),
+                required: false,
+            }),
         }
     }
 }

@@ -101,6 +101,7 @@ mod tests {
             commit_lsn: Some(Lsn::new(1)),
             commit_time_micros: 0,
             dead_letter_id: None,
+            trace: None,
         }
     }
 

@@ -35,8 +35,24 @@ pub trait Sink: Clone + Send + Sync + 'static {
     fn prepare(&self, event: &OutboxEvent) -> Prepared;
 
     /// Makes one attempt to deliver `request` for event `event_id` (the
-    /// idempotency key) and reports what happened, within the sink's
+    /// idempotency key), carrying `trace` (the attempt's W3C trace
+    /// context) when given, and reports what happened, within the sink's
     /// request timeout. Never fails: every failure is an [`Attempt`] for
     /// [`classify`](mod@classify) to judge.
-    fn post(&self, event_id: &str, request: &Prepared) -> impl Future<Output = Attempt> + Send;
+    fn post(
+        &self,
+        event_id: &str,
+        request: &Prepared,
+        trace: Option<&TraceHeaders>,
+    ) -> impl Future<Output = Attempt> + Send;
+}
+
+/// An attempt's W3C trace context headers
+/// (`docs/architecture.md#trace-context`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceHeaders {
+    /// `traceparent`: version, trace id, the attempt's span id, flags.
+    pub traceparent: http::HeaderValue,
+    /// `tracestate`, when the trace carries vendor state.
+    pub tracestate: Option<http::HeaderValue>,
 }

@@ -26,6 +26,8 @@
 //! webhook-id: <the same as Idempotency-Key>
 //! webhook-timestamp: <unix seconds of this attempt>
 //! webhook-signature: v1,<base64 HMAC-SHA256(key, "id.timestamp.body")> [one per key]
+//! traceparent: <the attempt's W3C trace context>  [when the row stored one]
+//! tracestate: <the trace's vendor state>           [when it has one]
 //! ```
 //!
 //! and reports an [`Attempt`]; deciding what it means is
@@ -48,10 +50,10 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::outbox::OutboxEvent;
-use crate::sink::Sink;
 use crate::sink::connection::{ConnectionTag, Tagging};
 use crate::sink::encoder::{self, Prepared};
 use crate::sink::signature::Signing;
+use crate::sink::{Sink, TraceHeaders};
 
 /// How to reach the sink.
 #[derive(Clone, Debug)]
@@ -296,7 +298,12 @@ impl HttpSink {
         crate::redact::url(self.target.url.as_str())
     }
 
-    async fn attempt(&self, event_id: &str, request: &Prepared) -> Attempt {
+    async fn attempt(
+        &self,
+        event_id: &str,
+        request: &Prepared,
+        trace: Option<&TraceHeaders>,
+    ) -> Attempt {
         let id = encoder::header_safe(event_id);
         // One read per attempt: a reload during it changes the next one.
         let signer = self.signing.current();
@@ -323,6 +330,12 @@ impl HttpSink {
             headers.insert(USER_AGENT, HeaderValue::from_static(USER_AGENT_VALUE));
             if let Some(auth) = &self.target.authorization {
                 headers.insert(AUTHORIZATION, auth.clone());
+            }
+            if let Some(trace) = trace {
+                headers.insert(TRACEPARENT, trace.traceparent.clone());
+                if let Some(state) = &trace.tracestate {
+                    headers.insert(TRACESTATE, state.clone());
+                }
             }
             req
         };
@@ -394,9 +407,14 @@ impl Sink for HttpSink {
     }
 
     /// POSTs the prepared body once, within the request timeout.
-    async fn post(&self, event_id: &str, request: &Prepared) -> Attempt {
+    async fn post(
+        &self,
+        event_id: &str,
+        request: &Prepared,
+        trace: Option<&TraceHeaders>,
+    ) -> Attempt {
         let timeout = self.target.request_timeout;
-        let attempt = self.attempt(event_id, request);
+        let attempt = self.attempt(event_id, request, trace);
         match tokio::time::timeout(timeout, attempt).await {
             Ok(attempt) => attempt,
             Err(_) => Attempt::Timeout,
@@ -411,6 +429,8 @@ const WEBHOOK_ID: HeaderName = HeaderName::from_static("webhook-id");
 const WEBHOOK_TIMESTAMP: HeaderName = HeaderName::from_static("webhook-timestamp");
 const WEBHOOK_SIGNATURE: HeaderName = HeaderName::from_static("webhook-signature");
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 const USER_AGENT_VALUE: &str = concat!("cdc-relay/", env!("CARGO_PKG_VERSION"));
 

@@ -14,7 +14,7 @@ async fn main() -> ExitCode {
         (Ok(verifier), Ok(hangup)) => {
             let shared = SharedVerifier::new(verifier);
             let service = args.service.clone();
-            service_common::service::run("billing", service, move |pool, metrics| {
+            service_common::service::run("billing", service, move |pool, metrics, spans| {
                 let current = shared.current();
                 tracing::info!(keys = %current.keys(), scheme = %current.scheme(), "event secrets loaded");
                 let reloads = IntCounterVec::new(
@@ -35,7 +35,7 @@ async fn main() -> ExitCode {
                     shared.clone(),
                     reloads,
                 ));
-                billing::router(pool, &metrics, shared, charge)
+                billing::router(pool, &metrics, spans, shared, charge)
             })
             .await
         }

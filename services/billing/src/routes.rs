@@ -14,6 +14,7 @@ use service_common::ServiceError;
 use service_common::body::{RawJsonBody, parse_json};
 use service_common::metrics::HttpMetrics;
 use service_common::server::Routes;
+use service_common::telemetry::{RequestSpan, Spans};
 
 use crate::charge::ChargeWorker;
 use crate::event::{OrderCreated, parse_uuid};
@@ -25,6 +26,7 @@ use crate::store::{InboxStore, Invoice, Recorded};
 pub const EVENT_ID_HEADERS: [&str; 2] = ["idempotency-key", "webhook-id"];
 
 struct AppState {
+    spans: Spans,
     verifier: SharedVerifier,
     store: InboxStore,
     charge: Option<ChargeWorker>,
@@ -38,10 +40,12 @@ struct AppState {
 /// registers `billing_signatures_verified_total{scheme}`,
 /// `billing_invoices_created_total` and `billing_duplicates_absorbed_total`
 /// in `metrics`. With a `charge` worker, each new invoice starts `pending`
-/// and wakes it.
+/// and wakes it. Each `POST /inbox` is a span `billing.inbox` of `spans`,
+/// a child of the request's `traceparent` (the relay's attempt).
 pub fn router(
     pool: Pool,
     metrics: &HttpMetrics,
+    spans: Spans,
     verifier: SharedVerifier,
     charge: Option<ChargeWorker>,
 ) -> anyhow::Result<Routes> {
@@ -57,6 +61,7 @@ pub fn router(
         verified.with_label_values(&[scheme]);
     }
     let state = Arc::new(AppState {
+        spans,
         verifier,
         verified,
         store: InboxStore::new(pool, charge.is_some()),
@@ -94,7 +99,21 @@ async fn inbox(
     headers: HeaderMap,
     RawJsonBody(body): RawJsonBody,
 ) -> Result<StatusCode, ServiceError> {
-    match state.verifier.current().verify(&headers, &body, unix_now()) {
+    let mut span = state.spans.server("billing.inbox", &headers);
+    let result = record(&state, &headers, &body, &mut span).await;
+    if let Err(e) = &result {
+        span.fail(e);
+    }
+    result
+}
+
+async fn record(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &[u8],
+    span: &mut RequestSpan,
+) -> Result<StatusCode, ServiceError> {
+    match state.verifier.current().verify(headers, body, unix_now()) {
         Ok(scheme) => state.verified.with_label_values(&[scheme]).inc(),
         Err(refusal) => {
             tracing::warn!(code = refusal.code, detail = %refusal.detail, "rejected event");
@@ -105,9 +124,19 @@ async fn inbox(
             ));
         }
     }
-    let event = OrderCreated::from_json(&parse_json(&body)?)?;
-    check_event_id_headers(&headers, &event)?;
-    match state.store.record(&event).await? {
+    let event = OrderCreated::from_json(&parse_json(body)?)?;
+    check_event_id_headers(headers, &event)?;
+    span.set("outbox.event_id", event.id.to_string());
+    let recorded = state.store.record(&event).await?;
+    span.set(
+        "billing.inbox",
+        match recorded {
+            Recorded::Invoiced => "new",
+            Recorded::Duplicate => "duplicate",
+        },
+    );
+    span.set("billing.invoice_created", recorded == Recorded::Invoiced);
+    match recorded {
         Recorded::Invoiced => {
             state.invoiced.inc();
             if let Some(worker) = &state.charge {

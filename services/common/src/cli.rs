@@ -39,6 +39,9 @@ pub struct ServiceArgs {
     /// Log output.
     #[command(flatten)]
     pub log: LogArgs,
+    /// Traces: the request's span, exported over OTLP/HTTP.
+    #[command(flatten)]
+    pub trace: trace_context::TraceArgs,
 }
 
 /// Parses `std::env::args_os()` into `T`, giving every long flag without an

@@ -15,7 +15,7 @@ use crate::cli::ServiceArgs;
 use crate::db::describe_target;
 use crate::metrics::HttpMetrics;
 use crate::server::{Routes, admin_router, serve, service_router, shutdown_signal};
-use crate::telemetry::init_tracing;
+use crate::telemetry::{Spans, init_tracing};
 
 /// Connections the admin listener serves at once: its own small budget, as
 /// the relay's, so a flood there takes no descriptors from the service.
@@ -25,11 +25,12 @@ pub const ADMIN_MAX_CONNECTIONS: usize = 16;
 pub const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs a service: logs, pool (named `name` in `pg_stat_activity`), the
-/// routes from `build`, bind, serve until SIGTERM/SIGINT. `name` is also the
-/// metrics namespace.
+/// routes from `build` (given the pool, the metrics and the request spans
+/// of `--otlp-endpoint`), bind, serve until SIGTERM/SIGINT. `name` is also
+/// the metrics namespace and the default `service.name` of its spans.
 pub async fn run<B>(name: &'static str, args: ServiceArgs, build: B) -> anyhow::Result<()>
 where
-    B: FnOnce(Pool, Arc<HttpMetrics>) -> anyhow::Result<Routes>,
+    B: FnOnce(Pool, Arc<HttpMetrics>, Spans) -> anyhow::Result<Routes>,
 {
     init_tracing(args.log.log_format)?;
     let target = describe_target(&args.db.pg_config(name)?);
@@ -46,7 +47,10 @@ where
         }
     }
     let metrics = Arc::new(HttpMetrics::new(name)?);
-    let routes = build(pool, Arc::clone(&metrics))?;
+    let counters = trace_context::Counters::register(metrics.registry(), name);
+    let export = trace_context::Export::start(&args.trace, name, counters)?;
+    let spans = Spans::new(export.as_ref().map(|e| e.tracer().clone()));
+    let routes = build(pool, Arc::clone(&metrics), spans)?;
     let admin = admin_router(routes.admin, Arc::clone(&metrics), &args.http);
     let router = service_router(routes.public, metrics, &args.http);
     let admin_listener = TcpListener::bind(args.admin_listen)
@@ -90,6 +94,9 @@ where
     })
     .await;
     let _ = admin_task.await;
+    if let Some(export) = export {
+        export.shutdown(Duration::from_secs(2)).await;
+    }
     served?;
     tracing::info!("stopped");
     Ok(())

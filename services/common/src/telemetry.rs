@@ -69,3 +69,79 @@ pub fn init_tracing(format: LogFormat) -> anyhow::Result<()> {
     }
     .map_err(|e| anyhow::anyhow!("cannot install the log subscriber: {e}"))
 }
+
+/// The spans a service makes: a tracer when an OTLP endpoint is configured
+/// (`--otlp-endpoint`), else nothing. Cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct Spans(Option<opentelemetry_sdk::trace::SdkTracer>);
+
+impl Spans {
+    /// Spans of `tracer` (`None`: none are made).
+    pub fn new(tracer: Option<opentelemetry_sdk::trace::SdkTracer>) -> Self {
+        Spans(tracer)
+    }
+
+    /// Starts the server span `name` of a request: a child of its
+    /// `traceparent` header when it has a valid one, else a new trace.
+    /// Without a tracer it records nothing, and its
+    /// [`context`](RequestSpan::context) is the incoming one.
+    pub fn server(&self, name: &'static str, headers: &http::HeaderMap) -> RequestSpan {
+        use opentelemetry::trace::{SpanKind, TraceContextExt, Tracer};
+        let incoming = trace_context::stored::from_headers(headers);
+        let Some(tracer) = &self.0 else {
+            return RequestSpan {
+                span: None,
+                incoming,
+            };
+        };
+        let parent = match &incoming {
+            Some(cx) => opentelemetry::Context::new().with_remote_span_context(cx.clone()),
+            None => opentelemetry::Context::new(),
+        };
+        let span = tracer
+            .span_builder(name)
+            .with_kind(SpanKind::Server)
+            .start_with_context(tracer, &parent);
+        RequestSpan {
+            span: Some(span),
+            incoming,
+        }
+    }
+}
+
+/// A request's span ([`Spans::server`]); ends when dropped, or with
+/// [`RequestSpan::fail`].
+#[derive(Debug)]
+pub struct RequestSpan {
+    span: Option<opentelemetry_sdk::trace::Span>,
+    incoming: Option<opentelemetry::trace::SpanContext>,
+}
+
+impl RequestSpan {
+    /// The context work done for this request continues: this span's, or,
+    /// when no span is recorded, the incoming `traceparent`'s. `None`
+    /// without either.
+    pub fn context(&self) -> Option<opentelemetry::trace::SpanContext> {
+        use opentelemetry::trace::Span;
+        match &self.span {
+            Some(span) => Some(span.span_context().clone()),
+            None => self.incoming.clone(),
+        }
+    }
+
+    /// Sets attribute `key` (a no-op without a span).
+    pub fn set(&mut self, key: &'static str, value: impl Into<opentelemetry::Value>) {
+        use opentelemetry::trace::Span;
+        if let Some(span) = &mut self.span {
+            span.set_attribute(opentelemetry::KeyValue::new(key, value));
+        }
+    }
+
+    /// Marks the span failed with `error` (a no-op without a span).
+    pub fn fail(&mut self, error: &impl std::fmt::Display) {
+        use opentelemetry::trace::Span;
+        if let Some(span) = &mut self.span {
+            span.set_status(opentelemetry::trace::Status::error(error.to_string()));
+        }
+    }
+}

@@ -12,6 +12,7 @@ use prometheus::IntCounter;
 use service_common::ServiceError;
 use service_common::body::JsonBody;
 use service_common::metrics::HttpMetrics;
+use service_common::telemetry::{RequestSpan, Spans};
 use uuid::Uuid;
 
 use crate::idempotency::{self, IdempotencyKey};
@@ -21,17 +22,21 @@ use crate::store::{CreatedOrder, OrderStore, Outcome};
 #[derive(Clone)]
 struct AppState {
     store: OrderStore,
+    spans: Spans,
     created: IntCounter,
     replayed: IntCounter,
 }
 
 /// The service's own routes (`POST /orders`, `GET /orders/{id}`); registers
 /// `orders_created_total` and `orders_idempotent_replays_total` in
-/// `metrics`. `fault_after_order_insert` is the test hook of
-/// [`crate::OrdersArgs`]; `key_ttl` how long an `Idempotency-Key` is kept.
+/// `metrics`. Each `POST /orders` is a span `orders.create` of `spans`,
+/// whose context the outbox row stores. `fault_after_order_insert` is the
+/// test hook of [`crate::OrdersArgs`]; `key_ttl` how long an
+/// `Idempotency-Key` is kept.
 pub fn router(
     pool: Pool,
     metrics: &HttpMetrics,
+    spans: Spans,
     fault_after_order_insert: bool,
     key_ttl: std::time::Duration,
 ) -> anyhow::Result<Router> {
@@ -50,6 +55,7 @@ pub fn router(
     }
     let state = Arc::new(AppState {
         store: OrderStore::new(pool, fault_after_order_insert, key_ttl),
+        spans,
         created,
         replayed,
     });
@@ -64,9 +70,28 @@ async fn create_order(
     headers: HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ServiceError> {
-    let key = IdempotencyKey::from_request(&headers, &body)?;
-    let order = NewOrder::from_json(&body)?;
-    let (created, status, replayed) = match state.store.create(&order, key.as_ref()).await? {
+    let mut span = state.spans.server("orders.create", &headers);
+    let result = create(&state, &headers, &body, &mut span).await;
+    if let Err(e) = &result {
+        span.fail(e);
+    }
+    result
+}
+
+async fn create(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &serde_json::Value,
+    span: &mut RequestSpan,
+) -> Result<Response, ServiceError> {
+    let key = IdempotencyKey::from_request(headers, body)?;
+    let order = NewOrder::from_json(body)?;
+    let trace = span.context();
+    let outcome = state
+        .store
+        .create(&order, key.as_ref(), trace.as_ref())
+        .await?;
+    let (created, status, replayed) = match outcome {
         Outcome::Created(created) => {
             state.created.inc();
             (created, StatusCode::CREATED, false)
@@ -77,6 +102,9 @@ async fn create_order(
             (order, status, true)
         }
     };
+    span.set("order.id", created.order_id.to_string());
+    span.set("outbox.event_id", created.event_id.to_string());
+    span.set("orders.replayed", replayed);
     created_response(created, status, replayed)
 }
 

@@ -23,10 +23,13 @@ use uuid::Uuid;
 
 use crate::idempotency::{self, IdempotencyKey};
 use crate::order::NewOrder;
+use trace_context::SpanContext;
 
 const INSERT_ORDER: &str = "INSERT INTO orders (id, amount_cents, currency) VALUES ($1, $2, $3)";
-const INSERT_EVENT: &str = "INSERT INTO outbox (id, aggregate_id, event_type, payload) \
-                            VALUES ($1, $2, 'OrderCreated', $3)";
+/// The row's `trace_context` (sql/orders.sql) is the request span's W3C
+/// context, or NULL.
+const INSERT_EVENT: &str = "INSERT INTO outbox (id, aggregate_id, event_type, payload, trace_context) \
+                            VALUES ($1, $2, 'OrderCreated', $3, $4)";
 /// Claims the key for this order; no row when an unexpired claim exists
 /// (after waiting for a concurrent one to commit or roll back). An expired
 /// claim is taken over.
@@ -104,11 +107,13 @@ impl OrderStore {
 
     /// Commits the order and its outbox row together, or neither; with a
     /// `key`, also the key, unless it is stored already: then the stored
-    /// answer (or 422 when it was stored with another body).
+    /// answer (or 422 when it was stored with another body). `trace` goes
+    /// into the outbox row's `trace_context`.
     pub async fn create(
         &self,
         order: &NewOrder,
         key: Option<&IdempotencyKey>,
+        trace: Option<&SpanContext>,
     ) -> Result<Outcome, ServiceError> {
         let created = CreatedOrder {
             order_id: Uuid::new_v4(),
@@ -127,8 +132,13 @@ impl OrderStore {
         let tx = client.transaction().await?;
         let order_params: [&(dyn ToSql + Sync); 3] =
             [&created.order_id, &order.amount_cents, &order.currency];
-        let event_params: [&(dyn ToSql + Sync); 3] =
-            [&created.event_id, &created.order_id, &payload];
+        let trace_context = trace.and_then(trace_context::stored::format);
+        let event_params: [&(dyn ToSql + Sync); 4] = [
+            &created.event_id,
+            &created.order_id,
+            &payload,
+            &trace_context,
+        ];
         let order_row = tx.execute(&insert_order, &order_params);
         if self.fault_after_order_insert {
             order_row.await?;

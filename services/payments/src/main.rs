@@ -8,12 +8,13 @@ use payments::PaymentsArgs;
 async fn main() -> ExitCode {
     let args = PaymentsArgs::parse_env();
     let settings = args.settings();
-    let result = service_common::service::run("payments", args.service, move |pool, metrics| {
-        Ok(service_common::server::Routes {
-            public: payments::router(pool, &metrics, settings)?,
-            admin: axum::Router::new(),
+    let result =
+        service_common::service::run("payments", args.service, move |pool, metrics, _spans| {
+            Ok(service_common::server::Routes {
+                public: payments::router(pool, &metrics, settings)?,
+                admin: axum::Router::new(),
+            })
         })
-    })
-    .await;
+        .await;
     service_common::service::exit_code("payments", result)
 }

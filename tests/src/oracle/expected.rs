@@ -239,6 +239,8 @@ mod tests {
             }),
             content_type: Some("application/json".into()),
             authorization: None,
+            traceparent: None,
+            tracestate: None,
             target: "/inbox".into(),
             status: 204,
             at: std::time::Instant::now(),

@@ -63,6 +63,7 @@ fn any_response_body_error_text_and_payload_is_written() {
                 commit_lsn: None,
                 commit_time_micros: 0,
                 dead_letter_id: None,
+                trace: None,
             };
             let attempt = Attempt::Response {
                 status,
@@ -306,6 +307,7 @@ fn grouped_row(w: usize, n: usize) -> NewDeadLetter {
         first_attempt_unix_micros: (!n.is_multiple_of(5))
             .then_some(1_700_000_000_000_000 + n as i64),
         endpoint: w.is_multiple_of(2).then(|| "e".to_owned()),
+        trace: None,
     }
 }
 

@@ -36,6 +36,7 @@
 //! | `pooler.rs` | PgBouncer (Debian's package, session and transaction mode) in front of the database: `run`, `setup`, `status` name it and exit 2 |
 //! | `slot_creation.rs` | a slot creation held by an open transaction: what `setup`/`run --create-slot` wait for, `--slot-create-timeout`, no orphan, "being created by pid N" in `setup` and `status` |
 //! | `slot_persistence.rs` | where a slot resumes after a clean PostgreSQL restart, with and without a CHECKPOINT first (measured per version) |
+//! | `trace_context.rs` | one order followed through every hop (issue 32): W3C trace context from the Orders request through the outbox row and the relay's attempts into Billing, exported over OTLP to a real receiver; retries, a redelivery after SIGKILL, a dead collector |
 //! | `chaos.rs` | the compressed chaos schedule (CI's variant of `--bin chaos`) |
 //!
 //! # How a test reads
@@ -85,5 +86,6 @@ mod slot_persistence;
 mod standby;
 mod stream;
 mod tls;
+mod trace_context;
 mod upgrade;
 mod withheld;

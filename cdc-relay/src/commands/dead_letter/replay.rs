@@ -212,6 +212,10 @@ impl Source<'_> {
             commit_lsn: row.commit_lsn.as_deref().and_then(|l| l.parse().ok()),
             commit_time_micros: 0,
             dead_letter_id: Some(row.id),
+            trace: row
+                .trace_context
+                .as_deref()
+                .and_then(trace_context::stored::parse),
         })
     }
 

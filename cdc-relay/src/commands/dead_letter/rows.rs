@@ -41,11 +41,16 @@ pub struct DeadLetter {
     /// The routes file's endpoint that refused it (`null`: one-endpoint
     /// mode, unrouted, or unreadable).
     pub endpoint: Option<String>,
+    /// The event's stored W3C trace context (`traceparent`, then a space
+    /// and `tracestate` when it has one); a replay continues that trace.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_context: Option<String>,
 }
 
 const COLUMNS: &str = "id, event_id, aggregate_key, event_type, commit_lsn::text, http_status, error, \
      response_excerpt, attempts, to_char(quarantined_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
-     EXTRACT(EPOCH FROM now() - quarantined_at)::bigint, endpoint";
+     EXTRACT(EPOCH FROM now() - quarantined_at)::bigint, endpoint, \
+     to_jsonb(cdc_relay_dead_letter) ->> 'trace_context'";
 
 fn from_row(
     r: &tokio_postgres::Row,
@@ -67,6 +72,7 @@ fn from_row(
         dead_lettered_at: r.get(9),
         age_secs: r.get(10),
         endpoint: r.get(11),
+        trace_context: r.get(12),
     }
 }
 
@@ -131,7 +137,7 @@ pub async fn page(
         .await?;
     Ok(rows
         .iter()
-        .map(|r| from_row(r, r.get(12), r.get(13)))
+        .map(|r| from_row(r, r.get(13), r.get(14)))
         .collect())
 }
 
@@ -157,6 +163,6 @@ pub async fn get_many(
         .await?;
     Ok(rows
         .iter()
-        .map(|r| from_row(r, r.get(12), r.get(13)))
+        .map(|r| from_row(r, r.get(13), r.get(14)))
         .collect())
 }

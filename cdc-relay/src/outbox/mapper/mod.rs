@@ -24,6 +24,8 @@ struct Positions {
     /// The payload column's type (json/jsonb text needs no check).
     payload_type: u32,
     aggregate_key: Option<usize>,
+    /// The trace context column, when configured and present.
+    trace: Option<usize>,
 }
 
 /// What a Relation message means for the relay.
@@ -226,6 +228,15 @@ impl OutboxMapper {
                 )?),
                 None => None,
             },
+            trace: match &self.columns.trace {
+                Some(t) if t.required => Some(find(
+                    &t.name,
+                    "--trace-column",
+                    before.and_then(|b| b.trace),
+                )?),
+                Some(t) => rel.columns.iter().position(|c| c.name == t.name),
+                None => None,
+            },
             followed: followed.take(),
         })
     }
@@ -302,6 +313,14 @@ impl OutboxMapper {
             commit_lsn: tx.commit_lsn,
             commit_time_micros: tx.commit_time_micros,
             dead_letter_id: None,
+            // A value that is not a trace context is no context: the event
+            // is delivered as if the column were NULL.
+            trace: pos.trace.and_then(|i| match &values[i] {
+                ColumnValue::Text(b) => std::str::from_utf8(b)
+                    .ok()
+                    .and_then(trace_context::stored::parse),
+                _ => None,
+            }),
         })
     }
 }

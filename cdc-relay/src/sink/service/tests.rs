@@ -89,7 +89,7 @@ async fn posts_the_wire_headers_and_url_credentials_as_basic_auth() {
     let s = sink(&url, Duration::from_secs(5));
     let before = unix_seconds();
     for _ in 0..3 {
-        let got = s.post("e 1", &prepared(&s)).await;
+        let got = s.post("e 1", &prepared(&s), None).await;
         assert!(
             matches!(got, Attempt::Response { status: 204, .. }),
             "{got:?}"
@@ -123,6 +123,7 @@ async fn status_retry_after_and_excerpt_are_reported() {
         .post(
             "e",
             &prepared(&sink(&format!("{base}/inbox"), Duration::from_secs(5))),
+            None,
         )
         .await;
     match got {
@@ -147,7 +148,7 @@ async fn refused_is_connect_and_silence_is_timeout() {
         &format!("http://127.0.0.1:{port}/inbox"),
         Duration::from_secs(5),
     );
-    let got = refused.post("e", &prepared(&refused)).await;
+    let got = refused.post("e", &prepared(&refused), None).await;
     assert!(matches!(got, Attempt::Connect(_)), "{got:?}");
 
     // A server that accepts and never answers.
@@ -161,7 +162,7 @@ async fn refused_is_connect_and_silence_is_timeout() {
     });
     let started = std::time::Instant::now();
     let silent = sink(&format!("http://{addr}/inbox"), Duration::from_millis(300));
-    let got = silent.post("e", &prepared(&silent)).await;
+    let got = silent.post("e", &prepared(&silent), None).await;
     assert_eq!(got, Attempt::Timeout);
     assert!(started.elapsed() < Duration::from_secs(3));
 }
@@ -187,7 +188,7 @@ async fn a_front_resetting_every_new_connection_gets_one_per_attempt() {
     });
     let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(5));
     for n in 1..=40 {
-        let got = s.post("e", &prepared(&s)).await;
+        let got = s.post("e", &prepared(&s), None).await;
         assert!(
             matches!(got, Attempt::Transport(_) | Attempt::Connect(_)),
             "{got:?}"
@@ -211,13 +212,13 @@ async fn each_scheme_sends_its_headers_and_a_rotation_signs_with_both_keys() {
         Duration::from_secs(5),
         signer(SignatureScheme::Legacy, KEY, None),
     );
-    legacy.post("e1", &prepared(&legacy)).await;
+    legacy.post("e1", &prepared(&legacy), None).await;
     let standard = sink_signing(
         &url,
         Duration::from_secs(5),
         signer(SignatureScheme::Standard, NEW_KEY, Some(KEY)),
     );
-    standard.post("e2", &prepared(&standard)).await;
+    standard.post("e2", &prepared(&standard), None).await;
     let seen = seen.lock().unwrap();
     let names = |i: usize| -> Vec<&str> {
         let mut n: Vec<&str> = seen[i].headers.keys().map(|k| k.as_str()).collect();
@@ -267,10 +268,10 @@ async fn an_attempt_after_a_reload_signs_with_the_new_keys() {
     let (base, seen) = recording_server(204, "").await;
     let s = sink(&format!("{base}/inbox"), Duration::from_secs(5));
     let request = prepared(&s);
-    s.post("e", &request).await;
+    s.post("e", &request, None).await;
     s.signing()
         .replace(signer(SignatureScheme::Both, NEW_KEY, Some(KEY)));
-    s.post("e", &request).await;
+    s.post("e", &request, None).await;
     let seen = seen.lock().unwrap();
     let h = |i: usize, n: &str| seen[i].headers.get(n).unwrap().to_str().unwrap().to_owned();
     assert_eq!(h(0, "x-event-signature"), hex::encode(hmac(KEY, &[b"{}"])));

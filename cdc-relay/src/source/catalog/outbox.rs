@@ -98,6 +98,9 @@ pub async fn check_outbox_table(
     if let Some(a) = &c.aggregate_key {
         wanted.push((a.as_str(), "--aggregate-column"));
     }
+    if let Some(t) = c.trace.as_ref().filter(|t| t.required) {
+        wanted.push((t.name.as_str(), "--trace-column"));
+    }
     for (col, flag) in wanted {
         if !cols.iter().any(|have| have == col) {
             return Err(SourceError::NeedsSetup(format!(

@@ -729,6 +729,8 @@ fn the_order_oracle_flags_a_late_first_arrival_and_allows_repeats() {
         webhook: None,
         content_type: None,
         authorization: None,
+        traceparent: None,
+        tracestate: None,
         target: "/inbox".into(),
         status: 204,
         at,

@@ -1,0 +1,382 @@
+//! One order followed through every hop (issue 32): the W3C trace context
+//! from the Orders request, stored in the outbox row, carried by each of
+//! the relay's attempts, continued by Billing, every span exported over
+//! OTLP/HTTP to a real receiver (`harness::otlp`, decoding with the
+//! OpenTelemetry project's protobuf types).
+
+use std::time::Duration;
+
+use harness::app;
+use harness::oracle;
+use harness::otlp::{Collector, ReceivedSpan};
+use harness::scenario::{Inbox, Scenario};
+
+/// Bound for spans to reach the receiver (the exporters batch for 1 s).
+const EXPORTED: Duration = Duration::from_secs(30);
+const DRAIN: Duration = Duration::from_secs(60);
+
+/// A client's `traceparent` for trace number `i`: its own trace id, span
+/// id `00f067aa0ba902b7`, sampled.
+fn client_traceparent(i: usize) -> (String, String) {
+    let trace_id = format!("4bf92f3577b34da6a3ce929d{i:08x}");
+    (format!("00-{trace_id}-00f067aa0ba902b7-01"), trace_id)
+}
+
+/// POSTs an order with `traceparent`; returns the event id.
+async fn post_traced_order(
+    http: &reqwest::Client,
+    orders: &str,
+    traceparent: Option<&str>,
+) -> anyhow::Result<String> {
+    let mut request = http
+        .post(format!("{orders}/orders"))
+        .json(&serde_json::json!({"amount_cents": 1250, "currency": "EUR"}));
+    if let Some(tp) = traceparent {
+        request = request.header("traceparent", tp);
+    }
+    let response = request.send().await?;
+    anyhow::ensure!(
+        response.status() == 201,
+        "POST /orders: {}",
+        response.status()
+    );
+    let body: serde_json::Value = response.json().await?;
+    Ok(body["event_id"].as_str().unwrap_or_default().to_owned())
+}
+
+fn one<'a>(spans: &'a [ReceivedSpan], name: &str) -> &'a ReceivedSpan {
+    let found: Vec<_> = spans.iter().filter(|s| s.name == name).collect();
+    assert_eq!(found.len(), 1, "one {name} span expected: {spans:#?}");
+    found[0]
+}
+
+fn traced_scenario(collector: &Collector, inbox: Inbox) -> harness::scenario::Plan {
+    let endpoint = collector.endpoint();
+    Scenario::plan(inbox)
+        .orders()
+        .relay_args(&["--otlp-endpoint", &endpoint])
+        .service_env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_order_is_one_trace_from_orders_through_the_relay_into_billing() -> anyhow::Result<()>
+{
+    let collector = Collector::start().await?;
+    let s = traced_scenario(&collector, Inbox::Billing).start().await?;
+    let http = reqwest::Client::new();
+    const N: usize = 5;
+    let mut orders = Vec::new();
+    for i in 0..N {
+        let (tp, trace_id) = client_traceparent(i);
+        let event_id = post_traced_order(&http, &s.orders().url, Some(&tp)).await?;
+        orders.push((trace_id, event_id));
+    }
+    // An order without a traceparent starts its own trace.
+    let untraced_event = post_traced_order(&http, &s.orders().url, None).await?;
+    oracle::wait_ledger_clean(&s.stack, N + 1, DRAIN).await?;
+
+    collector
+        .wait_for("3 spans in each of the 5 traces", EXPORTED, |spans| {
+            orders
+                .iter()
+                .all(|(trace, _)| spans.iter().filter(|s| &s.trace_id == trace).count() >= 3)
+        })
+        .await?;
+    for (trace_id, event_id) in &orders {
+        let spans = collector.trace(trace_id);
+        assert_eq!(spans.len(), 3, "{spans:#?}");
+        let created = one(&spans, "orders.create");
+        let deliver = one(&spans, "outbox.deliver");
+        let inbox = one(&spans, "billing.inbox");
+        assert_eq!(created.service, "orders");
+        assert_eq!(deliver.service, "cdc-relay");
+        assert_eq!(inbox.service, "billing");
+        // Parent ids: client → Orders → the relay's attempt → Billing.
+        assert_eq!(created.parent_span_id, "00f067aa0ba902b7");
+        assert_eq!(deliver.parent_span_id, created.span_id);
+        assert_eq!(inbox.parent_span_id, deliver.span_id);
+        assert_eq!(created.attr("outbox.event_id"), Some(event_id.as_str()));
+        assert_eq!(deliver.attr("outbox.event_id"), Some(event_id.as_str()));
+        assert_eq!(deliver.attr("outbox.event_type"), Some("OrderCreated"));
+        assert_eq!(deliver.attr("outbox.endpoint"), Some("default"));
+        assert_eq!(deliver.attr("outbox.attempt"), Some("1"));
+        assert_eq!(deliver.attr("http.response.status_code"), Some("204"));
+        assert!(
+            deliver
+                .attr("outbox.commit_lsn")
+                .is_some_and(|l| l.contains('/'))
+        );
+        let since_commit: f64 = deliver
+            .attr("outbox.commit_to_attempt_ms")
+            .unwrap_or_default()
+            .parse()?;
+        assert!(since_commit >= 0.0, "{since_commit}");
+        assert_eq!(inbox.attr("outbox.event_id"), Some(event_id.as_str()));
+        assert_eq!(inbox.attr("billing.inbox"), Some("new"));
+        assert_eq!(inbox.attr("billing.invoice_created"), Some("true"));
+        // The hops in time order: the attempt starts after the order's
+        // span began and contains Billing's.
+        assert!(deliver.start_unix_nanos >= created.start_unix_nanos);
+        assert!(inbox.start_unix_nanos >= deliver.start_unix_nanos);
+        assert!(inbox.end_unix_nanos <= deliver.end_unix_nanos);
+    }
+    let untraced = collector
+        .wait_for("the untraced order's trace", EXPORTED, |spans| {
+            spans.iter().any(|s| {
+                s.name == "billing.inbox" && s.attr("outbox.event_id") == Some(&untraced_event)
+            })
+        })
+        .await?;
+    let inbox = untraced
+        .iter()
+        .find(|s| s.name == "billing.inbox" && s.attr("outbox.event_id") == Some(&untraced_event))
+        .expect("found above");
+    let trace = collector.trace(&inbox.trace_id);
+    let created = one(&trace, "orders.create");
+    assert_eq!(created.parent_span_id, "", "Orders started the trace");
+    assert_eq!(
+        one(&trace, "outbox.deliver").parent_span_id,
+        created.span_id
+    );
+    s.assert_balanced().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_503_then_a_204_are_two_attempts_in_the_same_trace() -> anyhow::Result<()> {
+    let collector = Collector::start().await?;
+    let s = traced_scenario(&collector, Inbox::ScriptedBilling)
+        .relay_args(&[
+            "--otlp-endpoint",
+            &collector.endpoint(),
+            "--backoff-base",
+            "200ms",
+        ])
+        .start()
+        .await?;
+    s.sink().set_status(503);
+    let http = reqwest::Client::new();
+    let (tp, trace_id) = client_traceparent(0xa1);
+    post_traced_order(&http, &s.orders().url, Some(&tp)).await?;
+    harness::wait_until("the first attempt", Duration::from_secs(30), || async {
+        s.sink().arrivals() >= 1
+    })
+    .await?;
+    s.sink().set_status(204);
+    oracle::wait_ledger_clean(&s.stack, 1, DRAIN).await?;
+
+    let spans = collector
+        .wait_for("two attempts and Billing's span", EXPORTED, |spans| {
+            let t: Vec<_> = spans.iter().filter(|s| s.trace_id == trace_id).collect();
+            t.iter().any(|s| s.name == "billing.inbox")
+                && t.iter().any(|s| {
+                    s.name == "outbox.deliver" && s.attr("http.response.status_code") == Some("204")
+                })
+        })
+        .await?;
+    let trace: Vec<_> = spans
+        .into_iter()
+        .filter(|s| s.trace_id == trace_id)
+        .collect();
+    let created = one(&trace, "orders.create");
+    let attempts: Vec<_> = trace
+        .iter()
+        .filter(|s| s.name == "outbox.deliver")
+        .collect();
+    assert!(attempts.len() >= 2, "{trace:#?}");
+    for a in &attempts {
+        assert_eq!(
+            a.parent_span_id, created.span_id,
+            "every attempt is the order's child"
+        );
+    }
+    let failed = attempts
+        .iter()
+        .find(|a| a.attr("outbox.attempt") == Some("1"))
+        .expect("attempt 1");
+    assert_eq!(failed.attr("http.response.status_code"), Some("503"));
+    assert_eq!(failed.status_code, 2, "a failed attempt's status is error");
+    assert!(failed.attr("error.type").is_some());
+    let delivered = attempts
+        .iter()
+        .find(|a| a.attr("http.response.status_code") == Some("204"))
+        .expect("the 204");
+    assert!(
+        delivered
+            .attr("outbox.attempt")
+            .unwrap_or_default()
+            .parse::<u32>()?
+            >= 2
+    );
+    assert_eq!(
+        one(&trace, "billing.inbox").parent_span_id,
+        delivered.span_id
+    );
+    // Each request named its own attempt's span, in the same trace.
+    let sent: Vec<String> = s
+        .sink()
+        .received()
+        .iter()
+        .filter_map(|r| r.traceparent.clone())
+        .collect();
+    assert!(
+        sent.len() >= 2 && sent.iter().all(|tp| tp.contains(&trace_id)),
+        "{sent:?}"
+    );
+    // The retry's log line names the trace.
+    let logs = s.relay.process.logs();
+    assert!(
+        logs.lines()
+            .any(|l| l.contains("will retry") && l.contains(&format!("trace_id={trace_id}"))),
+        "{logs}"
+    );
+    s.assert_balanced().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_after_sigkill_continues_the_original_trace() -> anyhow::Result<()> {
+    let collector = Collector::start().await?;
+    let endpoint = collector.endpoint();
+    let mut s = traced_scenario(&collector, Inbox::ScriptedBilling)
+        .start()
+        .await?;
+    s.sink().set_delay(Duration::from_secs(30));
+    let http = reqwest::Client::new();
+    let (tp, trace_id) = client_traceparent(0xb2);
+    post_traced_order(&http, &s.orders().url, Some(&tp)).await?;
+    harness::wait_until(
+        "the attempt on the wire",
+        Duration::from_secs(30),
+        || async { s.sink().in_progress() == 1 },
+    )
+    .await?;
+    s.relay.process.sigkill();
+    s.relay.process.wait_exit(Duration::from_secs(10)).await?;
+    s.sink().set_delay(Duration::ZERO);
+    s.relay = app::start_relay(&s.stack, s.inbox_url(), &["--otlp-endpoint", &endpoint]).await?;
+    oracle::wait_ledger_clean(&s.stack, 1, DRAIN).await?;
+
+    let spans = collector
+        .wait_for("the redelivery's span and Billing's", EXPORTED, |spans| {
+            let t: Vec<_> = spans.iter().filter(|s| s.trace_id == trace_id).collect();
+            t.iter().any(|s| s.name == "outbox.deliver")
+                && t.iter()
+                    .any(|s| s.name == "billing.inbox" && s.attr("billing.inbox") == Some("new"))
+        })
+        .await?;
+    let trace: Vec<_> = spans
+        .into_iter()
+        .filter(|s| s.trace_id == trace_id)
+        .collect();
+    let created = one(&trace, "orders.create");
+    let redelivery = trace
+        .iter()
+        .find(|s| s.name == "outbox.deliver" && s.attr("http.response.status_code") == Some("204"))
+        .expect("the redelivered attempt");
+    assert_eq!(redelivery.parent_span_id, created.span_id);
+    // Both requests, the killed one and the redelivery, carried the trace.
+    let sent: Vec<String> = s
+        .sink()
+        .received()
+        .iter()
+        .filter_map(|r| r.traceparent.clone())
+        .collect();
+    assert!(
+        !sent.is_empty() && sent.iter().all(|tp| tp.contains(&trace_id)),
+        "{sent:?}"
+    );
+    assert!(
+        s.sink().arrivals() >= 2,
+        "the killed attempt and the redelivery"
+    );
+    s.assert_balanced().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_collector_changes_nothing_for_delivery_and_is_counted() -> anyhow::Result<()> {
+    // A port nothing listens on.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        format!("http://{}", l.local_addr()?)
+    };
+    let s = Scenario::plan(Inbox::ScriptedBilling)
+        .orders()
+        .relay_args(&["--otlp-endpoint", &dead])
+        .start()
+        .await?;
+    let http = reqwest::Client::new();
+    const N: usize = 20;
+    for i in 0..N {
+        let (tp, _) = client_traceparent(0xc00 + i);
+        post_traced_order(&http, &s.orders().url, Some(&tp)).await?;
+    }
+    let ledger = oracle::wait_ledger_clean(&s.stack, N, DRAIN).await?;
+    assert!(ledger.is_clean(), "{ledger:?}");
+    harness::wait_until("the failed exports counted", EXPORTED, || async {
+        s.relay.metrics().await.is_ok_and(|m| {
+            m.value(
+                "cdc_relay_trace_spans_dropped_total",
+                &[("reason", "export_failed")],
+            )
+            .unwrap_or(0.0)
+                >= 1.0
+        })
+    })
+    .await?;
+    let logs = s.relay.process.logs();
+    assert!(
+        logs.contains("cannot export spans to the OTLP collector"),
+        "{logs}"
+    );
+    // Each request still carried its attempt's span in the stored trace.
+    let received = s.sink().received();
+    assert!(received.len() >= N);
+    assert!(received.iter().all(|r| {
+        r.traceparent
+            .as_deref()
+            .is_some_and(|tp| tp.contains("4bf92f3577b34da6a3ce929d"))
+    }));
+    s.assert_balanced().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_an_exporter_the_stored_context_is_forwarded_and_bad_values_are_ignored()
+-> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let aggregate = s.insert_order().await?;
+    let stored = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01 congo=t61rcWkgMzE";
+    let values = [
+        Some(stored),
+        None,
+        Some("not a traceparent"),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331"),
+    ];
+    let mut ids = Vec::new();
+    for value in values {
+        let id = uuid::Uuid::new_v4();
+        s.db.execute(
+            "INSERT INTO outbox (id, aggregate_id, event_type, payload, trace_context) \
+             VALUES ($1, $2, 'OrderCreated', '{}', $3)",
+            &[&id, &aggregate, &value],
+        )
+        .await?;
+        ids.push(id.to_string());
+    }
+    harness::wait_until("4 deliveries", DRAIN, || async {
+        s.sink().delivered().len() >= 4
+    })
+    .await?;
+    let received = s.sink().delivered();
+    let by_id = |id: &str| received.iter().find(|r| r.id() == id).expect("delivered");
+    let first = by_id(&ids[0]);
+    assert_eq!(
+        first.traceparent.as_deref(),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    );
+    assert_eq!(first.tracestate.as_deref(), Some("congo=t61rcWkgMzE"));
+    for id in &ids[1..] {
+        let r = by_id(id);
+        assert_eq!(r.traceparent, None, "{id}: no context, no header");
+        assert_eq!(r.tracestate, None);
+    }
+    s.settle().await
+}
