@@ -100,6 +100,8 @@ pub struct BackfillControl {
     pub metrics: Metrics,
     /// Cancel to stop.
     pub stopping: CancellationToken,
+    /// Where the attempts' spans are made (`--otlp-endpoint`); `None`: none.
+    pub tracer: Option<opentelemetry_sdk::trace::SdkTracer>,
 }
 
 impl Default for BackfillControl {
@@ -107,6 +109,7 @@ impl Default for BackfillControl {
         Self {
             metrics: Metrics::new(),
             stopping: CancellationToken::new(),
+            tracer: None,
         }
     }
 }
@@ -318,14 +321,18 @@ pub async fn run(
     plan: &BackfillPlan,
     control: BackfillControl,
 ) -> Result<BackfillReport, BackfillError> {
-    let BackfillControl { metrics, stopping } = control;
+    let BackfillControl {
+        metrics,
+        stopping,
+        tracer,
+    } = control;
     let pipeline = Pipeline::new(
         Arc::new(GroupedStore::new(store)),
         metrics.clone(),
         Health::new(Duration::from_secs(3600)),
         stopping.clone(),
     );
-    let lane = Lane::single(cfg, sink, &metrics);
+    let lane = Lane::single(cfg, sink, &metrics).traced(tracer);
     let (items, items_rx) = mpsc::channel(1024);
     let (confirmed, confirmed_rx) = watch::channel(Confirmed::default());
     let dispatcher = tokio::spawn(dispatch::run(

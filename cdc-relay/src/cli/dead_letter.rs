@@ -64,6 +64,10 @@ pub enum DeadLetterCommand {
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Replay")]
 pub struct ReplayArgs {
+    /// Traces: each attempt of a row with a stored trace context as a span
+    /// of that trace, exported over OTLP/HTTP.
+    #[command(flatten)]
+    pub trace: trace_context::TraceArgs,
     /// Row id from `list`.
     #[arg(conflicts_with = "all")]
     pub id: Option<i64>,

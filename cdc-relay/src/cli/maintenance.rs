@@ -6,6 +6,10 @@ use super::*;
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Backfill")]
 pub struct BackfillArgs {
+    /// Traces: each attempt of a row with a stored trace context as a span
+    /// of that trace, exported over OTLP/HTTP.
+    #[command(flatten)]
+    pub trace: trace_context::TraceArgs,
     /// Re-send rows whose time column is at or after this: a PostgreSQL
     /// timestamptz with its UTC offset, e.g. '2026-11-30 10:00:00+00' (a
     /// time without one is refused: it would be read in the server's zone).

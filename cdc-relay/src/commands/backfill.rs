@@ -52,7 +52,9 @@ pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
         plan.since,
         plan.until.as_deref().unwrap_or("now")
     );
-    let control = BackfillControl::default();
+    let mut control = BackfillControl::default();
+    let export = super::start_export(&a.trace, &control.metrics)?;
+    control.tracer = export.as_ref().map(|e| e.tracer().clone());
     let stop_reason = Arc::new(std::sync::Mutex::new(None::<String>));
     let watcher = tokio::spawn(watch(
         control.clone(),
@@ -63,6 +65,9 @@ pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let result = backfill::run(&mut reader, store, sink, dispatch, &plan, control).await;
     watcher.abort();
+    if let Some(export) = export {
+        export.shutdown(super::EXPORT_FLUSH).await;
+    }
     if std::io::stderr().is_terminal() {
         eprintln!();
     }

@@ -45,6 +45,20 @@ pub async fn execute(global: GlobalArgs, command: Command) -> u8 {
 #[error("{0}")]
 pub struct ConfigError(pub String);
 
+/// The span export `--otlp-endpoint` asks for (`None`: tracing off), its
+/// counters in `metrics`. A bad setting is a [`ConfigError`].
+pub(crate) fn start_export(
+    args: &trace_context::TraceArgs,
+    metrics: &crate::metrics::Metrics,
+) -> Result<Option<trace_context::Export>, ConfigError> {
+    let counters = trace_context::Counters::register(metrics.registry(), "cdc_relay");
+    trace_context::Export::start(args, "cdc-relay", counters)
+        .map_err(|e| ConfigError(e.to_string()))
+}
+
+/// How long a stopping command waits for its last spans to be exported.
+pub(crate) const EXPORT_FLUSH: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn report(r: anyhow::Result<()>) -> u8 {
     match r {
         Ok(()) => 0,

@@ -69,8 +69,7 @@ async fn serve_and_run(
     log_format: LogFormat,
 ) -> u8 {
     let metrics = Metrics::new();
-    let counters = trace_context::Counters::register(metrics.registry(), "cdc_relay");
-    let export = match trace_context::Export::start(&a.trace, "cdc-relay", counters) {
+    let export = match super::start_export(&a.trace, &metrics) {
         Ok(export) => export,
         Err(e) => {
             eprintln!("error: {e}");
@@ -172,14 +171,11 @@ async fn serve_and_run(
     };
     shutdown.cancel();
     if let Some(export) = export {
-        export.shutdown(EXPORT_FLUSH).await;
+        export.shutdown(super::EXPORT_FLUSH).await;
     }
     let _ = admin.await;
     code
 }
-
-/// How long a stopping relay waits for its last spans to be exported.
-const EXPORT_FLUSH: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// One relay's configuration, metrics and health.
 type Unit = (RelayConfig, Metrics, Arc<Health>);

@@ -380,3 +380,125 @@ async fn without_an_exporter_the_stored_context_is_forwarded_and_bad_values_are_
     }
     s.settle().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_replay_and_a_backfill_continue_the_stored_trace() -> anyhow::Result<()> {
+    let collector = Collector::start().await?;
+    let endpoint = collector.endpoint();
+    let s = Scenario::plan(Inbox::ScriptedBilling)
+        .relay_args(&["--otlp-endpoint", &endpoint])
+        .start()
+        .await?;
+    let since: String = s.db.query_one("SELECT now()::text", &[]).await?.get(0);
+    let aggregate = s.insert_order().await?;
+    let id = uuid::Uuid::new_v4();
+    let trace_id = "5bf92f3577b34da6a3ce929d0e0e4736";
+    let stored = format!("00-{trace_id}-00f067aa0ba902b7-01");
+    s.sink().reject(&id.to_string(), 422);
+    s.db.execute(
+        "INSERT INTO outbox (id, aggregate_id, event_type, payload, trace_context) \
+         VALUES ($1, $2, 'OrderCreated', \
+                 jsonb_build_object('order_id', $2::uuid, 'amount_cents', 99, 'currency', 'EUR'), $3)",
+        &[&id, &aggregate, &stored],
+    )
+    .await?;
+    harness::wait_until("the refused event dead-lettered", DRAIN, || async {
+        s.db.query_one(
+            "SELECT count(*) FROM cdc_relay_dead_letter WHERE trace_context = $1",
+            &[&stored],
+        )
+        .await
+        .map(|r| r.get::<_, i64>(0) == 1)
+        .unwrap_or(false)
+    })
+    .await?;
+    s.settle().await?;
+
+    // The replay's attempt is a span of the stored trace.
+    s.sink().clear_rejections();
+    let env = [
+        ("CDC_RELAY_SINK_URL", s.inbox_url()),
+        ("EVENT_SECRET", app::TEST_SECRET),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+    ];
+    let out = app::relay_command(
+        &s.stack,
+        &s.stack.relay_url,
+        &["dead-letter", "replay", "--all"],
+        &env,
+    )
+    .await?;
+    assert!(out.success(), "{}", out.text());
+    let spans = collector
+        .wait_for("the replay's span", EXPORTED, |spans| {
+            spans.iter().any(|s| {
+                s.trace_id == trace_id
+                    && s.attr("outbox.dead_letter_id").is_some()
+                    && s.attr("http.response.status_code") == Some("204")
+            })
+        })
+        .await?;
+    let replayed = spans
+        .iter()
+        .find(|s| s.trace_id == trace_id && s.attr("outbox.dead_letter_id").is_some())
+        .expect("found above");
+    assert_eq!(replayed.parent_span_id, "00f067aa0ba902b7");
+    let last = s.sink().received().pop().expect("the replayed request");
+    assert_eq!(last.id(), id.to_string());
+    assert!(
+        last.traceparent
+            .as_deref()
+            .is_some_and(|tp| tp.contains(trace_id))
+    );
+
+    // A backfill of the same row: its attempt is in the trace too.
+    let before = collector.trace(trace_id).len();
+    let out = app::relay_command(
+        &s.stack,
+        &s.stack.relay_url,
+        &["backfill", "--since", &since],
+        &env,
+    )
+    .await?;
+    assert!(out.success(), "{}", out.text());
+    collector
+        .wait_for("the backfill's span", EXPORTED, |spans| {
+            spans.iter().filter(|s| s.trace_id == trace_id).count() > before
+        })
+        .await?;
+    let last = s.sink().received().pop().expect("the backfilled request");
+    assert_eq!(last.id(), id.to_string());
+    assert!(
+        last.traceparent
+            .as_deref()
+            .is_some_and(|tp| tp.contains(trace_id))
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_table_without_the_column_still_takes_rows() -> anyhow::Result<()> {
+    // A database whose sql/ was not applied since the upgrade.
+    let s = Scenario::start(Inbox::Scripted).await?;
+    s.db.batch_execute("ALTER TABLE cdc_relay_dead_letter DROP COLUMN trace_context")
+        .await?;
+    let aggregate = s.insert_order().await?;
+    let id = uuid::Uuid::new_v4();
+    s.sink().reject(&id.to_string(), 422);
+    s.db.execute(
+        "INSERT INTO outbox (id, aggregate_id, event_type, payload, trace_context) \
+         VALUES ($1, $2, 'OrderCreated', '{}', '00-6bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01')",
+        &[&id, &aggregate],
+    )
+    .await?;
+    harness::wait_until("the refused event dead-lettered", DRAIN, || async {
+        s.db.query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+            .await
+            .map(|r| r.get::<_, i64>(0) == 1)
+            .unwrap_or(false)
+    })
+    .await?;
+    let logs = s.relay.process.logs();
+    assert!(logs.contains("no trace_context column"), "{logs}");
+    s.settle().await
+}

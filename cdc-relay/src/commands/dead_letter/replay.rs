@@ -327,6 +327,11 @@ pub(super) async fn replay(client: Client, a: ReplayArgs) -> anyhow::Result<()> 
     } else {
         Some(replay_lane(&a).map_err(ConfigError)?)
     };
+    let export = match &lane {
+        Some(_) => crate::commands::start_export(&a.trace, &Metrics::new())?,
+        None => None,
+    };
+    let lane = lane.map(|l| l.traced(export.as_ref().map(|e| e.tracer().clone())));
     let endpoint = a.filter.endpoint.clone();
     if lane.is_some() {
         lock_parked(&client, endpoint.as_deref()).await?;
@@ -374,6 +379,9 @@ pub(super) async fn replay(client: Client, a: ReplayArgs) -> anyhow::Result<()> 
             done.push(r);
         })
         .await?;
+        if let Some(export) = export {
+            export.shutdown(crate::commands::EXPORT_FLUSH).await;
+        }
         let why = stopped
             .clone()
             .unwrap_or_else(|| "the replay stopped".into());
