@@ -125,6 +125,10 @@ registered=$(
     {
         grep -ohE '"cdc_relay_[a-z0-9_]+"' "$repo/cdc-relay/src/metrics.rs" "$repo/cdc-relay/src/endpoint_metrics.rs"
         grep -ohE '"(orders|billing)_[a-z0-9_]+"' "$repo"/services/*/src/*.rs
+        # The trace export's counters, registered under each process's prefix.
+        for prefix in cdc_relay orders billing; do
+            grep -ohE '"\{prefix\}_trace_[a-z0-9_]+"' "$repo/trace-context/src/export.rs" | sed "s/{prefix}/${prefix}/"
+        done
         for svc in orders billing; do
             grep -ohE '"http_[a-z0-9_]+"' "$repo/services/common/src/metrics.rs" | sed "s/^\"/\"${svc}_/"
         done
