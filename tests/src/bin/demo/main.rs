@@ -27,7 +27,10 @@
 //! 4. Waits (bounded by `--drain-timeout`) for the last invoices, then prints
 //!    the summary and the ledger verdict. Exit status 1 when any committed
 //!    event was lost, invoiced twice, or an invoice has no committed event,
-//!    or an order was charged twice or never.
+//!    or an order was charged twice or never. Then one order's trace: every
+//!    process exports its spans to an OTLP receiver in this process, and
+//!    the demo prints the order's span in Orders, the relay's attempt and
+//!    Billing's inbox span with their timings (`trace`).
 //! 5. Stops the relay with SIGTERM (a clean stop flushes the confirmed LSN),
 //!    kills Orders and Billing and removes the cluster: on a normal end, on
 //!    an error and on Ctrl-C (exit status 130). If this process is killed,
@@ -59,6 +62,7 @@ mod args;
 mod fmt;
 mod load;
 mod summary;
+mod trace;
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -239,14 +243,21 @@ async fn run(args: &Args) -> anyhow::Result<(Demo, Verdict)> {
     step(
         "starting Payments, Billing (charging each invoice there), Orders and cdc-relay run (as the cdc_relay role)",
     );
+    // Every process sends its spans to one OTLP receiver in this process.
+    let collector = harness::otlp::Collector::start().await?;
+    let otlp = collector.endpoint();
     let payments = app::start_payments(&payments_db, &[]).await?;
     let billing = app::start_billing_with(
         &stack,
         &["--payments-url", &payments.url],
-        &[("EVENT_SECRET", TEST_SECRET)],
+        &[
+            ("EVENT_SECRET", TEST_SECRET),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp),
+        ],
     )
     .await?;
-    let orders = app::start_orders(&stack).await?;
+    let orders =
+        app::start_orders_with(&stack, &[], &[("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)]).await?;
     let max_in_flight = args.max_in_flight.to_string();
     let relay = app::start_relay(
         &stack,
@@ -256,6 +267,8 @@ async fn run(args: &Args) -> anyhow::Result<(Demo, Verdict)> {
             &max_in_flight,
             "--slot-stats-interval",
             "1s",
+            "--otlp-endpoint",
+            &otlp,
         ],
     )
     .await?;
@@ -281,6 +294,8 @@ async fn run(args: &Args) -> anyhow::Result<(Demo, Verdict)> {
 
     let summary = summarize(&http, &stack, &payments_db, &relay, &billing, &load).await?;
     let clean = summary.print(&load);
+    step("one order's trace, Orders → cdc-relay → Billing (W3C trace context, spans over OTLP)");
+    trace::print_sample(&collector).await;
     let demo = Demo {
         relay,
         orders,
