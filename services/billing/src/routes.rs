@@ -101,10 +101,7 @@ async fn inbox(
 ) -> Result<StatusCode, ServiceError> {
     let mut span = state.spans.server("billing.inbox", &headers);
     let result = record(&state, &headers, &body, &mut span).await;
-    if let Err(e) = &result {
-        span.fail(e);
-    }
-    result
+    span.end(result)
 }
 
 async fn record(

@@ -109,8 +109,8 @@ impl Spans {
     }
 }
 
-/// A request's span ([`Spans::server`]); ends when dropped, or with
-/// [`RequestSpan::fail`].
+/// A request's span ([`Spans::server`]); ends with [`RequestSpan::end`]
+/// (or when dropped).
 #[derive(Debug)]
 pub struct RequestSpan {
     span: Option<opentelemetry_sdk::trace::Span>,
@@ -137,11 +137,13 @@ impl RequestSpan {
         }
     }
 
-    /// Marks the span failed with `error` (a no-op without a span).
-    pub fn fail(&mut self, error: &impl std::fmt::Display) {
+    /// Ends the span with the request's `result`: status error with the
+    /// error's text when it failed. Returns `result`.
+    pub fn end<T, E: std::fmt::Display>(mut self, result: Result<T, E>) -> Result<T, E> {
         use opentelemetry::trace::Span;
-        if let Some(span) = &mut self.span {
-            span.set_status(opentelemetry::trace::Status::error(error.to_string()));
+        if let (Some(span), Err(e)) = (&mut self.span, &result) {
+            span.set_status(opentelemetry::trace::Status::error(e.to_string()));
         }
+        result
     }
 }

@@ -72,10 +72,7 @@ async fn create_order(
 ) -> Result<Response, ServiceError> {
     let mut span = state.spans.server("orders.create", &headers);
     let result = create(&state, &headers, &body, &mut span).await;
-    if let Err(e) = &result {
-        span.fail(e);
-    }
-    result
+    span.end(result)
 }
 
 async fn create(

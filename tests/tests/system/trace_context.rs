@@ -44,6 +44,14 @@ async fn post_traced_order(
     Ok(body["event_id"].as_str().unwrap_or_default().to_owned())
 }
 
+/// The `traceparent` of every request `sink` received, in order.
+fn sent_traceparents(sink: &harness::sink::ScriptedSink) -> Vec<String> {
+    sink.received()
+        .iter()
+        .filter_map(|r| r.traceparent.clone())
+        .collect()
+}
+
 fn one<'a>(spans: &'a [ReceivedSpan], name: &str) -> &'a ReceivedSpan {
     let found: Vec<_> = spans.iter().filter(|s| s.name == name).collect();
     assert_eq!(found.len(), 1, "one {name} span expected: {spans:#?}");
@@ -212,12 +220,7 @@ async fn a_503_then_a_204_are_two_attempts_in_the_same_trace() -> anyhow::Result
         delivered.span_id
     );
     // Each request named its own attempt's span, in the same trace.
-    let sent: Vec<String> = s
-        .sink()
-        .received()
-        .iter()
-        .filter_map(|r| r.traceparent.clone())
-        .collect();
+    let sent = sent_traceparents(s.sink());
     assert!(
         sent.len() >= 2 && sent.iter().all(|tp| tp.contains(&trace_id)),
         "{sent:?}"
@@ -274,12 +277,7 @@ async fn a_redelivery_after_sigkill_continues_the_original_trace() -> anyhow::Re
         .expect("the redelivered attempt");
     assert_eq!(redelivery.parent_span_id, created.span_id);
     // Both requests, the killed one and the redelivery, carried the trace.
-    let sent: Vec<String> = s
-        .sink()
-        .received()
-        .iter()
-        .filter_map(|r| r.traceparent.clone())
-        .collect();
+    let sent = sent_traceparents(s.sink());
     assert!(
         !sent.is_empty() && sent.iter().all(|tp| tp.contains(&trace_id)),
         "{sent:?}"
