@@ -539,7 +539,7 @@ fn read_error(plan: &BackfillPlan, source: tokio_postgres::Error) -> BackfillErr
     // 42703 undefined_column: a column flag names no column of the table.
     if let Some(db) = source.as_db_error().filter(|d| d.code().code() == "42703") {
         return BackfillError::Bound(format!(
-            "{} in {} (check --time-column, CDC_RELAY_TIME_COLUMN, now {:?}, and the column flags --id-column, --type-column, --payload-column, --aggregate-column)",
+            "{} in {} (check --time-column, CDC_RELAY_TIME_COLUMN, now {:?}, and the column flags --id-column, --type-column, --payload-column, --aggregate-column, --trace-column)",
             db.message(),
             plan.table,
             plan.time_column

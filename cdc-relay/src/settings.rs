@@ -73,7 +73,7 @@ impl GlobalArgs {
             event_type: self.type_column.clone(),
             payload: self.payload_column.clone(),
             aggregate_key: Some(self.aggregate_column.clone()).filter(|c| !c.is_empty()),
-            trace: match self.trace_column.as_deref() {
+            trace: match self.trace_column.as_deref().map(str::trim) {
                 None => Some(TraceColumn {
                     name: TraceColumn::DEFAULT.to_owned(),
                     required: false,

@@ -64,33 +64,48 @@ pub struct TraceArgs {
     )]
     pub service_name: Option<String>,
 
-    /// Which traces are recorded. The parent-based samplers follow the
-    /// sampled flag of the incoming (or stored) traceparent.
+    /// Which traces are recorded: always_on, always_off, traceidratio,
+    /// parentbased_always_on (the default), parentbased_always_off,
+    /// parentbased_traceidratio (any case). The parent-based samplers follow
+    /// the sampled flag of the incoming (or stored) traceparent. As the
+    /// OpenTelemetry specification asks, a value this SDK does not know (a
+    /// sampler of another SDK, e.g. jaeger_remote) is logged and the default
+    /// used, never an error.
     #[arg(
         long = "otel-traces-sampler",
         env = "OTEL_TRACES_SAMPLER",
-        value_enum,
-        default_value_t = TracesSampler::ParentBasedAlwaysOn,
+        value_name = "SAMPLER",
         help_heading = "Traces (OpenTelemetry)"
     )]
-    pub sampler: TracesSampler,
+    pub sampler: Option<String>,
 
-    /// The ratio of the `*traceidratio` samplers, 0.0 to 1.0.
+    /// The ratio of the `*traceidratio` samplers, 0.0 to 1.0 (default 1.0;
+    /// another value is logged and 1.0 used).
     #[arg(
         long = "otel-traces-sampler-arg",
         env = "OTEL_TRACES_SAMPLER_ARG",
         value_name = "RATIO",
-        default_value_t = 1.0,
-        value_parser = ratio,
         help_heading = "Traces (OpenTelemetry)"
     )]
-    pub sampler_arg: f64,
+    pub sampler_arg: Option<String>,
 
-    /// Spans held for export at most; a span ending while the queue is full
-    /// (the collector slow or down) is dropped and counted, never waited
-    /// for. About 1 KiB each.
+    /// A PEM file of CA certificates trusted for an https collector,
+    /// besides the public roots (a private CA).
+    #[arg(
+        long = "otlp-certificate",
+        env = "OTEL_EXPORTER_OTLP_CERTIFICATE",
+        value_name = "FILE",
+        help_heading = "Traces (OpenTelemetry)"
+    )]
+    pub certificate: Option<std::path::PathBuf>,
+
+    /// Spans held for export at most: those queued, plus the batch (up to
+    /// 512) being sent. A span ending while the queue is full (the
+    /// collector slow or down) is dropped and counted, never waited for.
+    /// About 1 KiB each (a trace's tracestate is kept to 512 bytes).
     #[arg(
         long = "otlp-queue-spans",
+        env = "OTEL_BSP_MAX_QUEUE_SIZE",
         value_name = "N",
         default_value_t = 2048,
         value_parser = clap::value_parser!(u32).range(1..=1_000_000),
@@ -118,7 +133,17 @@ impl TraceArgs {
             }
             (_, Some(base)) if !base.trim().is_empty() => {
                 check_url(base, "--otlp-endpoint (OTEL_EXPORTER_OTLP_ENDPOINT)")?;
-                format!("{}/v1/traces", base.trim().trim_end_matches('/'))
+                // The signal's path goes after the base URL's path, before
+                // its query.
+                let (base, query) = match base.trim().split_once('?') {
+                    Some((b, q)) => (b, Some(q)),
+                    None => (base.trim(), None),
+                };
+                let path = format!("{}/v1/traces", base.trim_end_matches('/'));
+                match query {
+                    Some(q) => format!("{path}?{q}"),
+                    None => path,
+                }
             }
             _ => return Ok(None),
         };
@@ -138,10 +163,37 @@ impl TraceArgs {
         Ok(Some(url))
     }
 
-    /// The sampler the flags describe.
+    /// The sampler the flags describe; a value it does not know is logged
+    /// (WARN) and the default taken, as the OpenTelemetry specification
+    /// asks of its environment variables.
     pub fn sampler(&self) -> Sampler {
-        let ratio = self.sampler_arg;
-        match self.sampler {
+        let kind = match self.sampler.as_deref().map(str::trim) {
+            None | Some("") => TracesSampler::ParentBasedAlwaysOn,
+            Some(name) => {
+                <TracesSampler as clap::ValueEnum>::from_str(name, true).unwrap_or_else(|_| {
+                    tracing::warn!(
+                        sampler = name,
+                        "--otel-traces-sampler (OTEL_TRACES_SAMPLER) names a sampler this relay does not have; using parentbased_always_on"
+                    );
+                    TracesSampler::ParentBasedAlwaysOn
+                })
+            }
+        };
+        let ratio = match self.sampler_arg.as_deref().map(str::trim) {
+            None | Some("") => 1.0,
+            Some(arg) => ratio(arg).unwrap_or_else(|e| {
+                if matches!(
+                    kind,
+                    TracesSampler::TraceIdRatio | TracesSampler::ParentBasedTraceIdRatio
+                ) {
+                    tracing::warn!(
+                        "--otel-traces-sampler-arg (OTEL_TRACES_SAMPLER_ARG): {e}; using 1.0"
+                    );
+                }
+                1.0
+            }),
+        };
+        match kind {
             TracesSampler::AlwaysOn => Sampler::AlwaysOn,
             TracesSampler::AlwaysOff => Sampler::AlwaysOff,
             TracesSampler::TraceIdRatio => Sampler::TraceIdRatioBased(ratio),
@@ -153,6 +205,21 @@ impl TraceArgs {
                 Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio)))
             }
         }
+    }
+}
+
+/// `url` as logs may show it: scheme, host, port and path; no userinfo,
+/// and no query or fragment (either may hold a key).
+pub fn shown(url: &str) -> String {
+    match url.parse::<http::Uri>() {
+        Ok(uri) => format!(
+            "{}://{}{}{}",
+            uri.scheme_str().unwrap_or("http"),
+            uri.host().unwrap_or("?"),
+            uri.port().map(|p| format!(":{p}")).unwrap_or_default(),
+            uri.path()
+        ),
+        Err(_) => "(an unreadable URL)".to_owned(),
     }
 }
 
@@ -216,7 +283,37 @@ mod tests {
             e.contains("--otlp-endpoint (OTEL_EXPORTER_OTLP_ENDPOINT)"),
             "{e}"
         );
-        assert!(parse(&["--otel-traces-sampler-arg", "1.5"]).is_err());
-        assert!(parse(&["--otel-traces-sampler", "sometimes"]).is_err());
+    }
+
+    #[test]
+    fn a_query_stays_after_the_path_and_is_never_shown() {
+        let a = parse(&["--otlp-endpoint", "http://u:p@c:4318/base/?api_key=k"]).unwrap();
+        let url = a.traces_url().unwrap().unwrap();
+        assert_eq!(url, "http://u:p@c:4318/base/v1/traces?api_key=k");
+        assert_eq!(shown(&url), "http://c:4318/base/v1/traces");
+    }
+
+    #[test]
+    fn unknown_samplers_are_the_default_not_an_error() {
+        for (sampler, arg) in [
+            (
+                "parentbased_jaeger_remote",
+                "endpoint=http://x,pollingIntervalMs=5000",
+            ),
+            ("xray", ""),
+            ("ALWAYS_OFF", "abc"),
+            ("traceidratio", "NaN"),
+        ] {
+            let a = parse(&[
+                "--otel-traces-sampler",
+                sampler,
+                "--otel-traces-sampler-arg",
+                arg,
+            ])
+            .unwrap();
+            let _ = a.sampler();
+        }
+        let a = parse(&["--otel-traces-sampler", "ALWAYS_OFF"]).unwrap();
+        assert!(matches!(a.sampler(), Sampler::AlwaysOff));
     }
 }

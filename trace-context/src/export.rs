@@ -30,7 +30,9 @@ use opentelemetry_sdk::trace::{
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 use tokio::sync::{Notify, mpsc};
 
-use crate::args::TraceArgs;
+use crate::args::{TraceArgs, shown};
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
 
 /// Spans per export request at most.
 pub const MAX_BATCH: usize = 512;
@@ -95,6 +97,8 @@ pub struct Export {
     tracer: SdkTracer,
     stop: Arc<Stop>,
     task: tokio::task::JoinHandle<()>,
+    /// Where spans go, safe to log.
+    shown: String,
 }
 
 #[derive(Debug, Default)]
@@ -116,14 +120,26 @@ impl Export {
         let Some(url) = args.traces_url().map_err(ExportError)? else {
             return Ok(None);
         };
+        let mut roots =
+            rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        if let Some(file) = &args.certificate {
+            let setting = "--otlp-certificate (OTEL_EXPORTER_OTLP_CERTIFICATE)";
+            let certs: Vec<_> = CertificateDer::pem_file_iter(file)
+                .and_then(Iterator::collect)
+                .map_err(|e| ExportError(format!("{setting} {}: {e}", file.display())))?;
+            if roots.add_parsable_certificates(certs).0 == 0 {
+                return Err(ExportError(format!(
+                    "{setting} {}: no CA certificate in the file",
+                    file.display()
+                )));
+            }
+        }
         let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
         .with_safe_default_protocol_versions()
         .map_err(|e| ExportError(format!("TLS for the OTLP endpoint: {e}")))?
-        .with_root_certificates(rustls::RootCertStore::from_iter(
-            webpki_roots::TLS_SERVER_ROOTS.iter().cloned(),
-        ))
+        .with_root_certificates(roots)
         .with_no_client_auth();
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
@@ -143,13 +159,19 @@ impl Export {
             .with_endpoint(url.clone())
             .with_timeout(EXPORT_TIMEOUT)
             .build()
-            .map_err(|e| ExportError(format!("OTLP exporter for {url}: {e}")))?;
+            .map_err(|e| ExportError(format!("OTLP exporter for {}: {e}", shown(&url))))?;
         // The queue owns the exporter, so the provider cannot hand it the
         // resource (`service.name`): it is given here.
         exporter.set_resource(&resource);
         let (tx, rx) = mpsc::channel(args.queue_spans as usize);
         let stop = Arc::new(Stop::default());
-        let task = tokio::spawn(send(rx, exporter, counters.clone(), stop.clone(), url));
+        let task = tokio::spawn(send(
+            rx,
+            exporter,
+            counters.clone(),
+            stop.clone(),
+            shown(&url),
+        ));
         let provider = SdkTracerProvider::builder()
             .with_span_processor(Queue { tx, counters })
             .with_sampler(args.sampler())
@@ -161,12 +183,19 @@ impl Export {
             tracer,
             stop,
             task,
+            shown: shown(&url),
         }))
     }
 
     /// The tracer spans are made with.
     pub fn tracer(&self) -> &SdkTracer {
         &self.tracer
+    }
+
+    /// Where spans go (scheme, host, port, path: no credentials), for the
+    /// startup line.
+    pub fn destination(&self) -> &str {
+        &self.shown
     }
 
     /// Exports what is queued (within `timeout`) and stops. Spans ended

@@ -11,9 +11,19 @@
 //! ```
 //!
 //! Parsing follows the W3C rules as the OpenTelemetry propagator applies
-//! them (version `00` exactly, no all-zero ids, lowercase hex); a value
-//! that breaks them is no context at all, never an error: the event is
-//! delivered as if the column were NULL.
+//! them (the field widths in lowercase hex, no all-zero ids; version `00`
+//! has exactly four fields, a later version may append fields and is read
+//! as `00`), plus the ones it leaves out: one `traceparent` header only,
+//! several `tracestate` headers combined. A value that breaks them is no
+//! context at all, never an error: the event is delivered as if the column
+//! were NULL.
+//!
+//! `tracestate` is bounded where it enters (W3C Trace Context, "tracestate
+//! Limits"): members that are not `key=value` in printable ASCII are
+//! dropped, at most 32 are kept, and beyond [`MAX_STATE`] bytes members
+//! longer than 128 bytes go first, then members from the end. A producer
+//! cannot make an outbox row's context, or a request's header, larger
+//! than that.
 
 use std::collections::HashMap;
 
@@ -27,6 +37,15 @@ pub const TRACEPARENT: &str = "traceparent";
 /// `tracestate`, the header name.
 pub const TRACESTATE: &str = "tracestate";
 
+/// Bytes of `tracestate` kept at most (the W3C floor every vendor must
+/// propagate).
+pub const MAX_STATE: usize = 512;
+
+/// Bytes a parsed context may hold in memory at most (ids, flags and a
+/// [`MAX_STATE`] state with its bookkeeping): what a queue bounded in
+/// bytes counts for it.
+pub const MAX_HELD: usize = 2 * MAX_STATE + 128;
+
 /// The span context in a stored value, remote and valid; `None` for a value
 /// that is not a valid `traceparent` (optionally followed by a space and a
 /// `tracestate`).
@@ -36,15 +55,45 @@ pub fn parse(text: &str) -> Option<SpanContext> {
         Some((p, s)) => (p, s.trim()),
         None => (text, ""),
     };
+    extract(parent, Some(state))
+}
+
+/// The context of `traceparent` and `tracestate` values, checked and
+/// bounded as the module doc says.
+fn extract(parent: &str, state: Option<&str>) -> Option<SpanContext> {
     if !well_formed(parent) {
         return None;
     }
     let mut carrier = HashMap::with_capacity(2);
     carrier.insert(TRACEPARENT.to_owned(), parent.to_owned());
-    if !state.is_empty() {
-        carrier.insert(TRACESTATE.to_owned(), state.to_owned());
+    if let Some(state) = state.map(bounded).filter(|s| !s.is_empty()) {
+        carrier.insert(TRACESTATE.to_owned(), state);
     }
     valid(TraceContextPropagator::new().extract(&carrier))
+}
+
+/// `state` within the limits of the module doc.
+fn bounded(state: &str) -> String {
+    let printable = |s: &str| s.bytes().all(|b| (0x20..=0x7e).contains(&b));
+    let mut members: Vec<&str> = state
+        .split(',')
+        .map(|m| m.trim_matches([' ', '\t']))
+        .filter(|m| !m.is_empty() && printable(m) && m.contains('='))
+        .take(32)
+        .collect();
+    let len = |m: &[&str]| {
+        m.iter()
+            .map(|s| s.len() + 1)
+            .sum::<usize>()
+            .saturating_sub(1)
+    };
+    if len(&members) > MAX_STATE {
+        members.retain(|m| m.len() <= 128);
+    }
+    while len(&members) > MAX_STATE {
+        members.pop();
+    }
+    members.join(",")
 }
 
 /// The stored form of `cx`; `None` when it is not a valid context.
@@ -73,22 +122,31 @@ pub fn headers(cx: &SpanContext) -> Option<(String, Option<String>)> {
 /// The remote span context of an incoming request's `traceparent` (and
 /// `tracestate`) headers; `None` when absent or invalid.
 pub fn from_headers(headers: &http::HeaderMap) -> Option<SpanContext> {
-    let parent = headers.get(TRACEPARENT)?.to_str().ok()?;
-    if !well_formed(parent.trim()) {
+    let mut parents = headers.get_all(TRACEPARENT).iter();
+    let parent = parents.next()?.to_str().ok()?;
+    if parents.next().is_some() {
         return None;
     }
-    valid(TraceContextPropagator::new().extract(&opentelemetry_http::HeaderExtractor(headers)))
+    let states: Vec<&str> = headers
+        .get_all(TRACESTATE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    let state = (!states.is_empty()).then(|| states.join(","));
+    extract(parent.trim(), state.as_deref())
 }
 
 /// The field widths the propagator leaves unchecked: 2, 32, 16 and 2
-/// lowercase hex digits (a later version may append fields after a `-`).
+/// lowercase hex digits; version `00` has nothing after them, a later
+/// version may append fields after a `-`.
 fn well_formed(parent: &str) -> bool {
     let mut fields = parent.split('-');
-    [2, 32, 16, 2].iter().all(|&width| {
+    let widths = [2, 32, 16, 2].iter().all(|&width| {
         fields.next().is_some_and(|f| {
             f.len() == width && f.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
         })
-    })
+    });
+    widths && (parent.len() == 55 || (!parent.starts_with("00") && parent.as_bytes()[55] == b'-'))
 }
 
 fn valid(context: Context) -> Option<SpanContext> {
@@ -141,9 +199,47 @@ mod tests {
             "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-00",
         ] {
             assert!(parse(bad).is_none(), "{bad:?} must not parse");
         }
+    }
+
+    #[test]
+    fn a_later_version_is_read_as_00() {
+        let cx = parse("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-beef").unwrap();
+        assert_eq!(format(&cx).as_deref(), Some(PARENT));
+    }
+
+    #[test]
+    fn tracestate_is_bounded() {
+        let long = format!("big={}", "x".repeat(300));
+        let many: Vec<String> = (0..40).map(|i| format!("k{i}=v{i}")).collect();
+        let state = format!("{long},{},bad=\u{e9},tab=a\tb,noequals", many.join(","));
+        let cx = parse(&format!("{PARENT} {state}")).expect("valid");
+        let kept = cx.trace_state().header();
+        assert!(kept.len() <= MAX_STATE, "{kept}");
+        assert!(!kept.contains("big="), "the long member goes first: {kept}");
+        assert!(!kept.contains("bad=") && !kept.contains("tab="), "{kept}");
+        assert!(kept.starts_with("k0=v0,k1=v1"), "{kept}");
+        assert_eq!(kept.split(',').count(), 31, "32 members at most: {kept}");
+        let huge = format!("{PARENT} a={}", "y".repeat(100_000));
+        assert_eq!(parse(&huge).unwrap().trace_state().header(), "");
+    }
+
+    #[test]
+    fn several_traceparents_are_no_context_and_tracestates_combine() {
+        let mut map = http::HeaderMap::new();
+        map.append(TRACEPARENT, PARENT.parse().unwrap());
+        map.append(TRACESTATE, "a=1".parse().unwrap());
+        map.append(TRACESTATE, "b=2".parse().unwrap());
+        assert_eq!(
+            from_headers(&map).unwrap().trace_state().header(),
+            "a=1,b=2"
+        );
+        map.append(TRACEPARENT, PARENT.parse().unwrap());
+        assert!(from_headers(&map).is_none());
     }
 
     #[test]

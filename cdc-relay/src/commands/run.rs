@@ -135,7 +135,8 @@ async fn serve_and_run(
             source = %cfg.conn.display(), slot = %cfg.slot, endpoint = %l.name, sink = %l.sink.display_url(), admin = %addr,
             max_in_flight = l.cfg.max_in_flight, signature_scheme = %signer.scheme(),
             keys = %signer.keys(), shards = sharding.map_or(0, |(count, _)| count),
-            max_shards = sharding.map_or(0, |(_, max)| max), "cdc-relay starting"
+            max_shards = sharding.map_or(0, |(_, max)| max),
+            traces = export.as_ref().map_or("off", |e| e.destination()), "cdc-relay starting"
         );
     }
     if let Some(schedule) = prune {

@@ -57,6 +57,10 @@ impl OutboxEvent {
             + self.event_type.len()
             + self.payload.as_ref().map_or(0, Bytes::len)
             + self.aggregate_key.as_ref().map_or(0, String::len)
+            + self
+                .trace
+                .as_ref()
+                .map_or(0, |_| trace_context::stored::MAX_HELD)
             + 64
     }
 }

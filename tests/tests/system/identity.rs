@@ -144,7 +144,7 @@ const OUTBOX_AGAIN: &str = "CREATE TABLE outbox (
     id uuid PRIMARY KEY, aggregate_id uuid NOT NULL, event_type text NOT NULL,
     payload jsonb NOT NULL, occurred_at timestamptz NOT NULL DEFAULT now(),
     available_at timestamptz NOT NULL DEFAULT now(), attempts integer NOT NULL DEFAULT 0,
-    claimed_by text, lease_until timestamptz, published_at timestamptz);
+    claimed_by text, lease_until timestamptz, published_at timestamptz, trace_context text);
     GRANT SELECT ON outbox TO cdc_relay";
 
 /// How the outbox leaves its `FOR TABLE` publication.

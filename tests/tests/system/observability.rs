@@ -504,6 +504,15 @@ fn deploy_files_reference_only_registered_metrics() -> anyhow::Result<()> {
         "billing_invoices_created_total".into(),
     ]);
     registered.insert("billing_duplicates_absorbed_total".into());
+    // The trace export's counters, registered under each process's prefix.
+    let export = fs_read(&repo().join("trace-context/src/export.rs"))?;
+    for token in export.split('"') {
+        if let Some(rest) = token.strip_prefix("{prefix}_trace_") {
+            for prefix in ["cdc_relay", "orders", "billing"] {
+                registered.insert(format!("{prefix}_trace_{rest}"));
+            }
+        }
+    }
     let refs = deploy_metric_references()?;
     assert!(
         refs.iter().any(|(f, _)| f.ends_with(".json")),

@@ -500,3 +500,44 @@ async fn a_dead_letter_table_without_the_column_still_takes_rows() -> anyhow::Re
     assert!(logs.contains("no trace_context column"), "{logs}");
     s.settle().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_tracestate_is_cut_to_512_bytes_where_it_enters() -> anyhow::Result<()> {
+    let s = Scenario::plan(Inbox::Scripted).orders().start().await?;
+    let (tp, trace_id) = client_traceparent(0xd4);
+    // 32 members of 256-byte keys and values: the largest W3C parsing takes.
+    let state: Vec<String> = (0..32)
+        .map(|i| format!("{}{i:02}={}", "k".repeat(254), "v".repeat(256)))
+        .chain(["short=1".to_owned()])
+        .collect();
+    let response = reqwest::Client::new()
+        .post(format!("{}/orders", s.orders().url))
+        .header("traceparent", &tp)
+        .header("tracestate", state.join(","))
+        .json(&serde_json::json!({"amount_cents": 1250, "currency": "EUR"}))
+        .send()
+        .await?;
+    assert_eq!(response.status(), 201);
+    let stored: String =
+        s.db.query_one("SELECT trace_context FROM outbox", &[])
+            .await?
+            .get(0);
+    assert!(stored.contains(&trace_id), "{stored}");
+    assert!(
+        stored.len() <= 55 + 1 + 512,
+        "{} bytes stored",
+        stored.len()
+    );
+    harness::wait_until("the delivery", DRAIN, || async {
+        s.sink().delivered().len() == 1
+    })
+    .await?;
+    let sent = s.sink().delivered().pop().expect("delivered");
+    assert!(
+        sent.traceparent
+            .as_deref()
+            .is_some_and(|t| t.contains(&trace_id))
+    );
+    assert!(sent.tracestate.as_deref().map_or(0, str::len) <= 512);
+    s.settle().await
+}
