@@ -541,3 +541,31 @@ async fn a_hostile_tracestate_is_cut_to_512_bytes_where_it_enters() -> anyhow::R
     assert!(sent.tracestate.as_deref().map_or(0, str::len) <= 512);
     s.settle().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_column_that_is_missing_or_not_text_is_refused_at_start() -> anyhow::Result<()> {
+    let stack = harness::PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let env = [
+        ("CDC_RELAY_SINK_URL", "http://127.0.0.1:9/inbox"),
+        ("EVENT_SECRET", app::TEST_SECRET),
+    ];
+    for (column, says) in [
+        ("payload", "has type jsonb; it must be text or varchar"),
+        (
+            "no_such_column",
+            "no column \"no_such_column\" (--trace-column)",
+        ),
+    ] {
+        let out = app::relay_command(
+            &stack,
+            &stack.relay_url,
+            &["run", "--trace-column", column],
+            &env,
+        )
+        .await?;
+        assert_eq!(out.code(), Some(3), "{column}: {}", out.text());
+        assert!(out.text().contains(says), "{column}: {}", out.text());
+    }
+    Ok(())
+}

@@ -22,6 +22,10 @@ pub struct OutboxTable {
     pub columns: Vec<(String, u32)>,
 }
 
+/// Type OIDs a trace context column may have (`pg_type.dat`): `text`,
+/// `varchar`, `bpchar`.
+const TEXT_TYPES: [u32; 3] = [25, 1043, 1042];
+
 /// Checks that `table` exists, has every configured column, and that the
 /// payload column is `json` or `jsonb` (or a domain over one); returns what the relay needs to
 /// know about it. Errors name the flag to fix; a missing table or column is
@@ -81,6 +85,19 @@ pub async fn check_outbox_table(
     {
         return Err(SourceError::PayloadType(payload_type_message(
             t, &c.payload, type_name,
+        )));
+    }
+    // The trace context is text (a traceparent, a space, a tracestate); a
+    // value of another type would arrive quoted and never parse.
+    if let Some(trace) = c.trace.as_ref().filter(|trace| trace.required)
+        && let Some((_, _, type_name)) = cols
+            .iter()
+            .find(|(name, oid, _)| *name == trace.name && !TEXT_TYPES.contains(oid))
+    {
+        return Err(SourceError::NeedsSetup(format!(
+            "the trace context column {t}.{} (--trace-column) has type {type_name}; it must be text or varchar \
+             (a traceparent, then a space and a tracestate): point --trace-column at such a column",
+            trace.name
         )));
     }
     let mut table = table;
