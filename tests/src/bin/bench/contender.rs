@@ -107,6 +107,17 @@ pub(crate) async fn start_contender(
     who: Contender,
     sink_url: &str,
 ) -> anyhow::Result<Proc> {
+    start_contender_with(stack, who, sink_url, &[]).await
+}
+
+/// [`start_contender`] with `extra` arguments for ours (e.g.
+/// `--otlp-endpoint URL`); the baseline ignores them.
+pub(crate) async fn start_contender_with(
+    stack: &Stack,
+    who: Contender,
+    sink_url: &str,
+    extra: &[String],
+) -> anyhow::Result<Proc> {
     match who {
         Contender::Ours {
             max_in_flight,
@@ -126,6 +137,7 @@ pub(crate) async fn start_contender(
             if let Some(s) = signature {
                 args.extend(["--signature-scheme".to_owned(), s.to_owned()]);
             }
+            args.extend(extra.iter().cloned());
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let relay = app::start_relay(stack, sink_url, &args).await?;
             app::wait_streaming(&relay).await?;

@@ -8,6 +8,7 @@
 //!     [--sinks billing,null] [--mif 16,64] [--rates 10 --latency-s 60]
 //!     [--no-baselines] [--relay-threads N]                # focused runs
 //!     [--signature-schemes legacy,both]                   # A/B of the signing cost (b)
+//!     [--traced]                                          # b with trace contexts and an OTLP collector
 //!     [--iso-window-s 600 --iso-runs healthy,frozen,frozen-no-lag]   # scenario j
 //!     [--iso-raw target/bench-j]                          # j's raw latencies and readings
 //! ```
@@ -90,6 +91,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
+use harness::otlp::Collector;
 use harness::{ClusterOptions, PgCluster};
 
 use crate::baseline::BaselineArgs;
@@ -158,6 +160,14 @@ struct Cli {
     /// --runs N`).
     #[arg(long, value_delimiter = ',', value_parser = ["standard", "legacy", "both"])]
     signature_schemes: Vec<String>,
+    /// Scenario b with tracing on: every backlog row gets a distinct,
+    /// sampled `trace_context`, and ours exports a span per delivery to an
+    /// OTLP/HTTP collector in this process (`--otlp-endpoint`); the
+    /// figures' names end in `, traced` and the collector's span count is
+    /// a figure of its own (the A/B of the tracing cost: `--only b --sinks
+    /// null --mif 64 --no-baselines --traced`).
+    #[arg(long)]
+    traced: bool,
     /// Scenario g: the sink's service time, milliseconds.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=1000))]
     shard_sink_ms: u64,
@@ -245,6 +255,7 @@ struct Config {
     sinks: Vec<String>,
     baselines: bool,
     signature_schemes: Vec<&'static str>,
+    traced: bool,
 }
 
 impl Config {
@@ -284,6 +295,7 @@ impl Config {
             sinks: vec!["billing".to_owned(), "null".to_owned()],
             baselines: true,
             signature_schemes: Vec::new(),
+            traced: false,
         }
     }
 }
@@ -311,6 +323,8 @@ struct Ctx {
     http: reqwest::Client,
     clk_tck: f64,
     results: Results,
+    /// With `--traced`: the OTLP receiver scenario b's relays export to.
+    collector: Option<Collector>,
 }
 
 async fn bench(cli: Cli) -> anyhow::Result<()> {
@@ -327,6 +341,7 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
             _ => "both",
         })
         .collect();
+    cfg.traced = cli.traced;
     if let Some(rates) = &cli.rates {
         cfg.latency_rates = rates.clone();
     }
@@ -391,12 +406,18 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
         .timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(512)
         .build()?;
+    let collector = if cli.traced {
+        Some(Collector::start().await?)
+    } else {
+        None
+    };
     let mut ctx = Ctx {
         cluster,
         cfg: cfg.clone(),
         http,
         clk_tck: clk_tck(),
         results: Results::default(),
+        collector,
     };
     let want = |s: &str| cli.only.iter().any(|o| o == s);
     for run in 0..cli.runs {

@@ -7,15 +7,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use harness::app::{self, TEST_SECRET};
+use harness::otlp::Collector;
+use harness::prom;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use crate::Ctx;
-use crate::contender::{Contender, proc_cpu_s, proc_kb, start_contender};
+use crate::contender::{Contender, Proc, proc_cpu_s, proc_kb, start_contender_with};
 use crate::results::Results;
-use crate::workload::{billing_invoiced, drop_stack, fresh_stack, insert_backlog, null_sink};
+use crate::workload::{
+    billing_invoiced, drop_stack, fresh_stack, insert_backlog, insert_traced_backlog, null_sink,
+};
 
 pub(crate) async fn throughput(
     ctx: &mut Ctx,
@@ -77,8 +81,23 @@ pub(crate) async fn drain_one(
     n: u64,
     big: bool,
 ) -> anyhow::Result<()> {
+    // --traced: ours drains rows with trace contexts and exports a span per
+    // delivery to the in-process collector (scenario b only, not d's big drain).
+    let collector = ctx
+        .collector
+        .clone()
+        .filter(|_| ctx.cfg.traced && !big && who.is_ours());
     let stack = fresh_stack(ctx, who.is_ours()).await?;
-    insert_backlog(&stack, n).await?;
+    let mut extra = Vec::new();
+    if let Some(c) = &collector {
+        insert_traced_backlog(&stack, n).await?;
+        extra.extend(["--otlp-endpoint".to_owned(), c.endpoint()]);
+    } else {
+        insert_backlog(&stack, n).await?;
+    }
+    let before = collector
+        .as_ref()
+        .map_or((0, 0), |c| (c.spans().len(), c.requests()));
     let null = null_sink().await?;
     let billing = if to_billing {
         Some(app::start_billing(&stack, TEST_SECRET).await?)
@@ -89,7 +108,7 @@ pub(crate) async fn drain_one(
         Some(b) => format!("{}/inbox", b.url),
         None => null.url.clone(),
     };
-    let proc = start_contender(&stack, who, &sink_url).await?;
+    let proc = start_contender_with(&stack, who, &sink_url, &extra).await?;
     let pid = proc.pid();
     eprintln!("    draining (pid {pid})");
     let cap = Duration::from_secs(if who.is_ours() {
@@ -140,6 +159,12 @@ pub(crate) async fn drain_one(
     };
     let sink = if to_billing { "Billing" } else { "null sink" };
     let col = who.column();
+    // What a figure's name adds: the signature scheme, `, traced`.
+    let tag = format!(
+        "{}{}",
+        who.signing(),
+        if collector.is_some() { ", traced" } else { "" }
+    );
     if big {
         let scen = "d. memory";
         ctx.results.add(
@@ -172,7 +197,7 @@ pub(crate) async fn drain_one(
         let scen = format!("b. throughput → {sink}");
         let metric = match who {
             Contender::Ours { max_in_flight, .. } => {
-                format!("max-in-flight {max_in_flight}{}", who.signing())
+                format!("max-in-flight {max_in_flight}{tag}")
             }
             Contender::Baseline { .. } => "baseline (fixed)".to_owned(),
         };
@@ -189,7 +214,7 @@ pub(crate) async fn drain_one(
             let us = (b - a) * 1e6 / (last.1 - f_c) as f64;
             let cmetric = match who {
                 Contender::Ours { max_in_flight, .. } => {
-                    format!("CPU per event, mif {max_in_flight}{}", who.signing())
+                    format!("CPU per event, mif {max_in_flight}{tag}")
                 }
                 Contender::Baseline { .. } => "CPU per event (baseline)".to_owned(),
             };
@@ -202,7 +227,7 @@ pub(crate) async fn drain_one(
         let mscen = "d. memory";
         let mmetric = match who {
             Contender::Ours { max_in_flight, .. } => {
-                format!("peak RSS → {sink}, mif {max_in_flight}{}", who.signing())
+                format!("peak RSS → {sink}, mif {max_in_flight}{tag}")
             }
             Contender::Baseline { .. } => format!("peak RSS → {sink} (baseline)"),
         };
@@ -212,6 +237,41 @@ pub(crate) async fn drain_one(
                 mscen,
                 &format!("peak RSS → {sink} (baseline)"),
             ));
+        }
+        if let (Some(c), Contender::Ours { max_in_flight, .. }) = (&collector, who) {
+            // After the last observation, so the CPU figure does not include it.
+            let spans = traced_spans(ctx, c, &proc, before, last.1).await;
+            let what = format!("mif {max_in_flight}{tag}");
+            ctx.results.add(
+                &scen,
+                &format!("OTLP spans received, {what}"),
+                "spans",
+                col,
+                spans.received as f64,
+            );
+            ctx.results.add(
+                &scen,
+                &format!("OTLP spans dropped, {what}"),
+                "spans",
+                col,
+                spans.dropped,
+            );
+            ctx.results.note(format!(
+                "{scen} {what}: the collector received {} spans ({} traces, {} with a parent) for {} events in {} export requests; the relay counted {} exported, {} dropped (queue_full {}, export_failed {})",
+                spans.received,
+                spans.traces,
+                spans.with_parent,
+                last.1,
+                spans.requests,
+                spans.exported,
+                spans.dropped,
+                spans.queue_full,
+                spans.dropped - spans.queue_full,
+            ));
+            eprintln!(
+                "    OTLP: {} spans received in {} requests, {} dropped by the relay",
+                spans.received, spans.requests, spans.dropped
+            );
         }
         if who.is_ours() && last.1 < n {
             ctx.results.note(format!(
@@ -302,4 +362,77 @@ pub(crate) async fn drive_billing(
     }
     while set.join_next().await.is_some() {}
     Ok(errors.load(Ordering::Relaxed))
+}
+
+/// What the collector and the relay's counters say about one traced drain.
+struct TracedSpans {
+    /// Spans the collector received during this drain.
+    received: usize,
+    /// Its export requests during this drain.
+    requests: u64,
+    /// Distinct trace ids among them, and spans with a parent (the row's
+    /// stored context).
+    traces: usize,
+    with_parent: usize,
+    exported: f64,
+    dropped: f64,
+    queue_full: f64,
+}
+
+/// Waits until the collector holds a span per delivered event, or no export
+/// request came for 3 s (a batch waits at most 1 s for company), at most
+/// 20 s; then reads the relay's span counters.
+async fn traced_spans(
+    ctx: &Ctx,
+    collector: &Collector,
+    proc: &Proc,
+    (spans_before, requests_before): (usize, u64),
+    delivered: u64,
+) -> TracedSpans {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut requests = collector.requests();
+    let mut received = collector.spans().len() - spans_before;
+    let mut quiet_since = Instant::now();
+    while (received as u64) < delivered
+        && quiet_since.elapsed() < Duration::from_secs(3)
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let r = collector.requests();
+        if r != requests {
+            requests = r;
+            received = collector.spans().len() - spans_before;
+            quiet_since = Instant::now();
+        }
+    }
+    let spans = collector.spans();
+    let mine = spans.get(spans_before..).unwrap_or_default();
+    let traces = mine
+        .iter()
+        .map(|s| s.trace_id.as_str())
+        .collect::<std::collections::HashSet<_>>()
+        .len();
+    let with_parent = mine.iter().filter(|s| !s.parent_span_id.is_empty()).count();
+    let (mut exported, mut dropped, mut queue_full) = (f64::NAN, f64::NAN, f64::NAN);
+    if let Some(url) = proc.admin_url()
+        && let Ok(m) = prom::scrape(&ctx.http, url).await
+    {
+        exported = m.sum("cdc_relay_trace_spans_exported_total");
+        dropped = m.sum("cdc_relay_trace_spans_dropped_total");
+        queue_full = m
+            .value(
+                "cdc_relay_trace_spans_dropped_total",
+                &[("reason", "queue_full")],
+            )
+            .unwrap_or(0.0);
+    }
+    TracedSpans {
+        received,
+        requests: requests - requests_before,
+        traces,
+        with_parent,
+        exported,
+        dropped,
+        queue_full,
+    }
 }

@@ -89,7 +89,15 @@ pub(crate) async fn drop_stack(ctx: &Ctx, stack: &Stack) {
 /// Inserts `n` outbox rows, each with its order in its own transaction
 /// (synchronous_commit off for the loader only), in chunks.
 pub(crate) async fn insert_backlog(stack: &Stack, n: u64) -> anyhow::Result<()> {
-    insert_backlog_at(stack, n, "now()", "backlog").await
+    insert_rows(stack, n, "now()", "backlog", false).await
+}
+
+/// [`insert_backlog`] with a distinct, sampled W3C trace context in each
+/// row's `trace_context` (`00-<trace id>-<span id>-01`, both ids md5
+/// digests of the row's order id), as Orders stores it for a traced
+/// request.
+pub(crate) async fn insert_traced_backlog(stack: &Stack, n: u64) -> anyhow::Result<()> {
+    insert_rows(stack, n, "now()", "traced backlog", true).await
 }
 
 /// [`insert_backlog`] with each row's `occurred_at` set to `occurred_at`
@@ -101,6 +109,24 @@ pub(crate) async fn insert_backlog_at(
     occurred_at: &str,
     what: &str,
 ) -> anyhow::Result<()> {
+    insert_rows(stack, n, occurred_at, what, false).await
+}
+
+async fn insert_rows(
+    stack: &Stack,
+    n: u64,
+    occurred_at: &str,
+    what: &str,
+    traced: bool,
+) -> anyhow::Result<()> {
+    let (trace_column, trace_value) = if traced {
+        (
+            ", trace_context",
+            ", '00-' || md5(o::text) || '-' || left(md5(o::text || 'span'), 16) || '-01'",
+        )
+    } else {
+        ("", "")
+    };
     let db = stack.orders_admin().await?;
     db.batch_execute("SET synchronous_commit = off").await?;
     let t = Instant::now();
@@ -113,10 +139,10 @@ pub(crate) async fn insert_backlog_at(
                FOR i IN 1..{k} LOOP
                  o := gen_random_uuid();
                  INSERT INTO orders (id, amount_cents, currency) VALUES (o, 1000 + i % 5000, 'EUR');
-                 INSERT INTO outbox (id, aggregate_id, event_type, payload, occurred_at)
+                 INSERT INTO outbox (id, aggregate_id, event_type, payload, occurred_at{trace_column})
                    VALUES (gen_random_uuid(), o, 'OrderCreated',
                            jsonb_build_object('order_id', o, 'amount_cents', 1000 + i % 5000, 'currency', 'EUR'),
-                           {occurred_at});
+                           {occurred_at}{trace_value});
                  COMMIT;
                END LOOP; END $$"
         ))
