@@ -29,7 +29,7 @@ use std::collections::HashMap;
 
 use opentelemetry::Context;
 use opentelemetry::propagation::TextMapPropagator;
-use opentelemetry::trace::{SpanContext, TraceContextExt};
+use opentelemetry::trace::{SpanContext, TraceContextExt, TraceFlags};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 
 /// `traceparent`, the header name.
@@ -111,12 +111,17 @@ pub fn headers(cx: &SpanContext) -> Option<(String, Option<String>)> {
     if !cx.is_valid() {
         return None;
     }
-    let mut carrier: HashMap<String, String> = HashMap::with_capacity(2);
-    let context = Context::new().with_remote_span_context(cx.clone());
-    TraceContextPropagator::new().inject_context(&context, &mut carrier);
-    let parent = carrier.remove(TRACEPARENT)?;
-    let state = carrier.remove(TRACESTATE).filter(|s| !s.is_empty());
-    Some((parent, state))
+    // What the propagator's inject writes, without its map (this runs once
+    // per attempt): version 00, the ids in lowercase hex, the sampled bit.
+    let flags = cx.trace_flags() & TraceFlags::SAMPLED;
+    let parent = format!(
+        "00-{}-{}-{:02x}",
+        cx.trace_id(),
+        cx.span_id(),
+        flags.to_u8()
+    );
+    let state = cx.trace_state().header();
+    Some((parent, (!state.is_empty()).then_some(state)))
 }
 
 /// The remote span context of an incoming request's `traceparent` (and

@@ -172,7 +172,7 @@ async fn a_503_then_a_204_are_two_attempts_in_the_same_trace() -> anyhow::Result
     s.sink().set_status(204);
     oracle::wait_ledger_clean(&s.stack, 1, DRAIN).await?;
 
-    let spans = collector
+    collector
         .wait_for("two attempts and Billing's span", EXPORTED, |spans| {
             let t: Vec<_> = spans.iter().filter(|s| s.trace_id == trace_id).collect();
             t.iter().any(|s| s.name == "billing.inbox")
@@ -181,10 +181,7 @@ async fn a_503_then_a_204_are_two_attempts_in_the_same_trace() -> anyhow::Result
                 })
         })
         .await?;
-    let trace: Vec<_> = spans
-        .into_iter()
-        .filter(|s| s.trace_id == trace_id)
-        .collect();
+    let trace = collector.trace(&trace_id);
     let created = one(&trace, "orders.create");
     let attempts: Vec<_> = trace
         .iter()
@@ -258,7 +255,7 @@ async fn a_redelivery_after_sigkill_continues_the_original_trace() -> anyhow::Re
     s.relay = app::start_relay(&s.stack, s.inbox_url(), &["--otlp-endpoint", &endpoint]).await?;
     oracle::wait_ledger_clean(&s.stack, 1, DRAIN).await?;
 
-    let spans = collector
+    collector
         .wait_for("the redelivery's span and Billing's", EXPORTED, |spans| {
             let t: Vec<_> = spans.iter().filter(|s| s.trace_id == trace_id).collect();
             t.iter().any(|s| s.name == "outbox.deliver")
@@ -266,10 +263,7 @@ async fn a_redelivery_after_sigkill_continues_the_original_trace() -> anyhow::Re
                     .any(|s| s.name == "billing.inbox" && s.attr("billing.inbox") == Some("new"))
         })
         .await?;
-    let trace: Vec<_> = spans
-        .into_iter()
-        .filter(|s| s.trace_id == trace_id)
-        .collect();
+    let trace = collector.trace(&trace_id);
     let created = one(&trace, "orders.create");
     let redelivery = trace
         .iter()
