@@ -563,3 +563,38 @@ async fn a_trace_column_that_is_missing_or_not_text_is_refused_at_start() -> any
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_trace_column_dropped_while_streaming_stops_the_relay_naming_it()
+-> anyhow::Result<()> {
+    let stack = harness::PgCluster::shared().create_stack().await?;
+    stack
+        .orders_admin()
+        .await?
+        .batch_execute("ALTER TABLE outbox ADD COLUMN tc text")
+        .await?;
+    let mut s = Scenario::plan(Inbox::Scripted)
+        .on(stack)
+        .relay_args(&["--trace-column", "tc"])
+        .start()
+        .await?;
+    s.db.batch_execute("ALTER TABLE outbox DROP COLUMN tc")
+        .await?;
+    let aggregate = s.insert_order().await?;
+    s.insert_event(aggregate, "OrderCreated", Some("{}"))
+        .await?;
+    let after = oracle::wal_position(&s.db).await?;
+    let status = s.wait_refusal(after).await?;
+    let logs = s.relay.process.logs();
+    assert_eq!(status.code(), Some(5), "{logs}");
+    assert!(
+        logs.contains("no column \"tc\" (set by --trace-column)"),
+        "{logs}"
+    );
+    assert!(
+        !logs.contains("column list"),
+        "no column list is involved: {logs}"
+    );
+    s.assert_held(&["outbox"]).await?;
+    Ok(())
+}

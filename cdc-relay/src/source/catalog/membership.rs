@@ -103,8 +103,13 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
                      WHEN NOT l.pubinsert THEN 'does not publish inserts: ALTER PUBLICATION ' || quote_ident(l.pubname) || ' SET (publish = ''insert'')' \
                      WHEN $6::text IS NULL AND l.rowfilter IS NOT NULL THEN 'has a row filter (WHERE ' || l.rowfilter || '): drop it, the relay needs every row' \
                      WHEN l.rowfilter IS DISTINCT FROM $6::text THEN 'has ' || coalesce('the row filter (WHERE ' || l.rowfilter || ')', 'no row filter') || ', not this shard''s (WHERE ' || $6::text || '): run `cdc-relay setup --shards`' \
+                     WHEN missing.names IS NOT NULL THEN 'cannot carry ' || missing.names || ': ' || format('%I.%I', $3::text, $4::text) || ' has no such column any more (fix the table, or the column flag that names it)' \
                      ELSE 'has a column list leaving out a column the relay reads: drop the list' END, '; ') \
-            FROM listed l WHERE l.oid NOT IN (SELECT oid FROM carriers)))";
+            FROM listed l, \
+                 (SELECT string_agg(quote_ident(c), ', ') AS names FROM unnest($5::text[]) c \
+                  WHERE NOT EXISTS (SELECT 1 FROM pg_attribute a, t \
+                                    WHERE a.attrelid = t.oid AND a.attname = c AND a.attnum > 0 AND NOT a.attisdropped)) missing \
+            WHERE l.oid NOT IN (SELECT oid FROM carriers)))";
 
 /// Why the outbox is not carried, for messages: the reading's problem, or
 /// "not in any of them" with the command that adds it.
