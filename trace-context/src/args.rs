@@ -173,7 +173,7 @@ impl TraceArgs {
                 <TracesSampler as clap::ValueEnum>::from_str(name, true).unwrap_or_else(|_| {
                     tracing::warn!(
                         sampler = name,
-                        "--otel-traces-sampler (OTEL_TRACES_SAMPLER) names a sampler this relay does not have; using parentbased_always_on"
+                        "--otel-traces-sampler (OTEL_TRACES_SAMPLER) names a sampler this process does not have; using parentbased_always_on"
                     );
                     TracesSampler::ParentBasedAlwaysOn
                 })
