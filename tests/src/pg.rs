@@ -52,6 +52,20 @@ const PORT_ATTEMPTS: usize = 3;
 /// Lines of server log quoted in errors.
 const ERROR_LOG_LINES: usize = 40;
 
+/// Server log lines that tell why a server went into crash recovery.
+const CRASH_MARKS: &[&str] = &[
+    "PANIC:",
+    "terminated by signal",
+    "exited with exit code",
+    "No space left",
+    "was interrupted",
+    "not properly shut down",
+    "all server processes terminated",
+];
+
+/// How many of those [`PgCluster::health_report`] quotes.
+const CRASH_LINES: usize = 12;
+
 /// Settings of a cluster to start.
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
@@ -204,7 +218,8 @@ impl PgCluster {
             root: root.path(),
             data_dir: &data_dir,
             run_as,
-        })?;
+        })
+        .with_context(|| free_space(root.path()))?;
 
         let mut cluster = PgCluster {
             data_dir,
@@ -222,14 +237,16 @@ impl PgCluster {
             stacks: StackState::default(),
             root,
         };
-        match port {
-            None => cluster.start_on_free_port()?,
+        let started = match port {
+            None => cluster.start_on_free_port(),
             Some(port) => {
                 cluster.port = port;
-                cluster.write_settings()?;
-                cluster.start_again()?;
+                cluster
+                    .write_settings()
+                    .and_then(|()| cluster.start_again())
             }
-        }
+        };
+        started.with_context(|| free_space(cluster.root.path()))?;
         Ok(cluster)
     }
 
@@ -330,8 +347,9 @@ impl PgCluster {
             .await
             .with_context(|| {
                 format!(
-                    "connecting as {SUPERUSER} to database {db} via {}",
-                    self.socket_dir().display()
+                    "connecting as {SUPERUSER} to database {db} via {}\n{}",
+                    self.socket_dir().display(),
+                    self.health_report()
                 )
             })?;
         tokio::spawn(async move {
@@ -465,6 +483,32 @@ impl PgCluster {
             tail.push('\n');
         }
         tail
+    }
+
+    /// Why the server may be refusing connections, for an error message:
+    /// the free space where its files are, the log lines that tell of a
+    /// crash or a full disk (the last [`CRASH_LINES`]), then the log's last
+    /// lines.
+    pub fn health_report(&self) -> String {
+        let contents = self.log_contents();
+        let crashes: Vec<&str> = contents
+            .lines()
+            .filter(|line| CRASH_MARKS.iter().any(|mark| line.contains(mark)))
+            .collect();
+        let from = crashes.len().saturating_sub(CRASH_LINES);
+        let mut report = format!("{}\n", free_space(self.root.path()));
+        report.push_str(&format!(
+            "--- {} crash lines in {} (the last {}) ---\n",
+            crashes.len(),
+            self.log_path.display(),
+            crashes.len() - from
+        ));
+        for line in &crashes[from..] {
+            report.push_str(line);
+            report.push('\n');
+        }
+        report.push_str(&self.log_tail(ERROR_LOG_LINES / 4));
+        report
     }
 
     /// The whole server log (stderr of the postmaster and its children).
@@ -726,6 +770,23 @@ fn percent_encode(text: &str) -> String {
         }
     }
     out
+}
+
+/// `free space on <filesystem of path>: N MiB of M MiB`, or why it is unknown.
+pub fn free_space(path: &Path) -> String {
+    match nix::sys::statvfs::statvfs(path) {
+        Ok(fs) => {
+            let block = fs.fragment_size();
+            let mib = |blocks: u64| blocks * block / (1024 * 1024);
+            format!(
+                "free space where {} is: {} MiB of {} MiB",
+                path.display(),
+                mib(fs.blocks_available()),
+                mib(fs.blocks())
+            )
+        }
+        Err(err) => format!("free space where {} is: unknown ({err})", path.display()),
+    }
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@
 //! then applies `roles.sql` in its own two databases for the grants.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -34,6 +34,26 @@ pub fn sql_dir() -> PathBuf {
 pub(crate) struct StackState {
     next: Arc<AtomicU32>,
     roles: Arc<OnceCell<RolePasswords>>,
+    /// Suffixes of stacks whose last handle is gone: the next
+    /// [`PgCluster::create_stack`] drops their databases and the slots in
+    /// them, so a long suite's shared cluster does not keep every test's
+    /// WAL (an abandoned logical slot pins all WAL after it) and files.
+    retired: Arc<Mutex<Vec<String>>>,
+}
+
+/// Held by every clone of a [`Stack`]; the last one to go retires it.
+#[derive(Debug)]
+struct Lease {
+    suffix: String,
+    retired: Arc<Mutex<Vec<String>>>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Ok(mut retired) = self.retired.lock() {
+            retired.push(std::mem::take(&mut self.suffix));
+        }
+    }
 }
 
 /// Passwords the harness gave the cluster-wide roles.
@@ -45,8 +65,10 @@ struct RolePasswords {
     cdc_relay: String,
 }
 
-/// One test's databases and the credentials to reach them. Nothing is
-/// dropped when the value goes away; the cluster is throwaway.
+/// One test's databases and the credentials to reach them. When the last
+/// clone goes away, the stack is retired: the next `create_stack` on the
+/// same cluster drops its databases and their slots (after ending the
+/// sessions and walsenders still in them).
 #[derive(Debug, Clone)]
 pub struct Stack {
     /// Name of the orders database (`orders_<pid>_<n>`).
@@ -69,6 +91,7 @@ pub struct Stack {
     /// database. Passed verbatim as `--publication`, so a test may make it
     /// a comma-separated list of several (see [`Stack::publications`]).
     pub publication: String,
+    _lease: Arc<Lease>,
 }
 
 /// How [`PgCluster::create_stack_with`] makes a stack.
@@ -96,6 +119,7 @@ impl PgCluster {
         let billing_db = format!("billing_{suffix}");
 
         let admin = self.connect_superuser("postgres").await?;
+        self.reap_retired(&admin).await;
         let orders_encoding = match &options.orders_encoding {
             Some(encoding) => {
                 format!(" ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
@@ -119,9 +143,43 @@ impl PgCluster {
             publication: format!("{FILE_PUBLICATION}_{suffix}"),
             orders_db,
             billing_db,
+            _lease: Arc::new(Lease {
+                suffix,
+                retired: Arc::clone(&self.stacks.retired),
+            }),
         };
         stack.apply_schema().await?;
         Ok(stack)
+    }
+
+    /// Drops the databases of retired stacks (orders, billing, payments)
+    /// and the logical slots in them, ending their walsenders first. Best
+    /// effort: a stack that cannot be reaped now (a standby, a prepared
+    /// transaction) is reported on stderr and left alone.
+    async fn reap_retired(&self, admin: &Client) {
+        let suffixes = std::mem::take(&mut *self.stacks.retired.lock().expect("retired stacks"));
+        if suffixes.is_empty() {
+            return;
+        }
+        match admin.query_one("SELECT pg_is_in_recovery()", &[]).await {
+            Ok(row) if !row.get::<_, bool>(0) => {}
+            _ => {
+                // A standby (or a server that cannot say): reap after a promotion.
+                self.stacks
+                    .retired
+                    .lock()
+                    .expect("retired stacks")
+                    .extend(suffixes);
+                return;
+            }
+        }
+        for suffix in suffixes {
+            for db in ["orders", "billing", "payments"].map(|kind| format!("{kind}_{suffix}")) {
+                if let Err(err) = reap_database(admin, &db).await {
+                    eprintln!("harness: could not drop the retired database {db}: {err:#}");
+                }
+            }
+        }
     }
 
     /// Creates the roles once per cluster and sets their passwords. Running
@@ -247,6 +305,32 @@ impl Stack {
         }
         Ok(())
     }
+}
+
+/// Ends the walsenders on `db`'s logical slots (waiting up to 5 s each),
+/// drops the slots, then the database and its sessions.
+async fn reap_database(admin: &Client, db: &str) -> anyhow::Result<()> {
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(active_pid, 5000) FROM pg_replication_slots \
+             WHERE database = $1 AND active_pid IS NOT NULL",
+            &[&db],
+        )
+        .await
+        .context("ending the walsenders of its slots")?;
+    admin
+        .execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+             WHERE database = $1",
+            &[&db],
+        )
+        .await
+        .context("dropping its slots")?;
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .context("DROP DATABASE")?;
+    Ok(())
 }
 
 /// Connects with a `postgres://` URL (10 s connect timeout, no TLS) and

@@ -636,7 +636,7 @@ async fn parked_rows_are_gathered_and_stored_in_the_order_they_were_queued() -> 
 /// statement failed`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_statement_is_retried_before_anything_behind_it() -> anyhow::Result<()> {
-    let (admin, store) = refusing("event_id NOT LIKE 'refused%'").await?;
+    let (_stack, admin, store) = refusing("event_id NOT LIKE 'refused%'").await?;
     let rollbacks = || async {
         let row = admin
             .query_one(
@@ -720,8 +720,11 @@ const REFUSE_NO_MORE: &str = "ALTER TABLE cdc_relay_dead_letter DROP CONSTRAINT 
 
 /// A fresh stack whose dead-letter table refuses rows failing `check` (a
 /// CHECK constraint the operator might add), its admin connection, and
-/// the relay's store over the relay role's connection.
-async fn refusing(check: &str) -> anyhow::Result<(tokio_postgres::Client, Arc<GroupedStore>)> {
+/// the relay's store over the relay role's connection (the stack is
+/// returned to keep its databases while the test runs).
+async fn refusing(
+    check: &str,
+) -> anyhow::Result<(harness::Stack, tokio_postgres::Client, Arc<GroupedStore>)> {
     let stack = PgCluster::shared().create_stack().await?;
     let admin = stack.orders_admin().await?;
     admin
@@ -730,7 +733,7 @@ async fn refusing(check: &str) -> anyhow::Result<(tokio_postgres::Client, Arc<Gr
         ))
         .await?;
     let relay = Arc::new(connect(&stack.relay_url).await?);
-    Ok((admin, Arc::new(GroupedStore::new(relay))))
+    Ok((stack, admin, Arc::new(GroupedStore::new(relay))))
 }
 
 /// A small parked row of `endpoint` with event id `id`.

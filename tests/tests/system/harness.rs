@@ -236,6 +236,59 @@ async fn create_stack_twice_gives_distinct_databases_slots_and_publications() {
     assert_eq!(pubs, 1);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_stack_is_reaped_by_the_next_one_and_a_held_one_is_not() {
+    let cluster = PgCluster::start(ClusterOptions::default()).unwrap();
+    let held = cluster.create_stack().await.unwrap();
+    let gone = cluster.create_stack().await.unwrap();
+    cluster.create_payments(&gone).await.unwrap();
+    let admin = cluster.connect_superuser("postgres").await.unwrap();
+    for stack in [&held, &gone] {
+        stack
+            .orders_admin()
+            .await
+            .unwrap()
+            .execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&stack.slot],
+            )
+            .await
+            .unwrap();
+    }
+    let clone = gone.clone();
+    let gone_db = gone.orders_db.clone();
+    let count = |sql: &'static str, arg: String| {
+        let admin = &admin;
+        async move {
+            let n: i64 = admin.query_one(sql, &[&arg]).await.unwrap().get(0);
+            n
+        }
+    };
+    let databases = "SELECT count(*) FROM pg_database WHERE datname LIKE '%' || $1";
+    let slots = "SELECT count(*) FROM pg_replication_slots WHERE database = $1";
+    drop(gone);
+    let _third = cluster.create_stack().await.unwrap();
+    let suffix = gone_db.trim_start_matches("orders_").to_owned();
+    assert_eq!(
+        count(databases, suffix.clone()).await,
+        3,
+        "a clone still holds it"
+    );
+    drop(clone);
+    let _fourth = cluster.create_stack().await.unwrap();
+    assert_eq!(
+        count(databases, suffix).await,
+        0,
+        "orders, billing and payments dropped"
+    );
+    assert_eq!(count(slots, gone_db).await, 0, "its slot dropped");
+    assert_eq!(
+        count(slots, held.orders_db.clone()).await,
+        1,
+        "the held stack's slot kept"
+    );
+}
+
 #[tokio::test]
 async fn roles_log_in_over_tcp_with_scram_and_a_wrong_password_fails() {
     let stack = stack().await;
