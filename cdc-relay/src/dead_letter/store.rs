@@ -7,7 +7,7 @@ use tokio_postgres::{Client, ToStatement};
 
 use super::{
     ERROR_BYTES, EXCERPT_BYTES, NAME_BYTES, NewDeadLetter, ParkedRow, Removal, StoreError,
-    remove_many, storable,
+    TRACE_COLUMN, query_traced, remove_many, storable,
 };
 use crate::outbox::OutboxEvent;
 
@@ -22,14 +22,13 @@ pub(super) async fn parked(
     after: i64,
     limit: i64,
 ) -> Result<Vec<ParkedRow>, StoreError> {
-    let rows = client
-        .query(
-            "SELECT id, event_id, event_type, aggregate_key, payload, payload_bytes, commit_lsn::text, \
-                    to_jsonb(d) ->> 'trace_context' \
-             FROM cdc_relay_dead_letter d \
-             WHERE endpoint = $1 AND error LIKE 'parked:%' AND id > $2 ORDER BY id LIMIT $3",
-            &[&endpoint, &after, &limit],
-        )
+    let sql = format!(
+        "SELECT id, event_id, event_type, aggregate_key, payload, payload_bytes, commit_lsn::text, \
+                {TRACE_COLUMN} \
+         FROM cdc_relay_dead_letter \
+         WHERE endpoint = $1 AND error LIKE 'parked:%' AND id > $2 ORDER BY id LIMIT $3"
+    );
+    let rows = query_traced(client, &sql, &[&endpoint, &after, &limit])
         .await
         .map_err(|e| StoreError::of(client, &e))?;
     Ok(rows

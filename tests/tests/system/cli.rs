@@ -880,3 +880,54 @@ async fn a_relay_with_a_closed_stderr_still_stops_on_sigterm() -> anyhow::Result
     assert_eq!(status.code(), Some(0), "a clean stop");
     Ok(())
 }
+
+/// A role without the REPLICATION attribute, then without a grant: `run`
+/// and `status` name the missing privilege with the command that fixes
+/// it, rather than the server's bare error. On a cluster of its own: the
+/// roles are cluster-wide.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_privilege_is_named_with_the_command_that_fixes_it() -> anyhow::Result<()> {
+    let cluster = PgCluster::start(harness::ClusterOptions::default())?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let admin = stack.orders_admin().await?;
+    let args = [
+        "run",
+        "--sink-url",
+        &sink.url,
+        "--admin-listen",
+        "127.0.0.1:0",
+    ];
+    let env = [("EVENT_SECRET", TEST_SECRET)];
+    let run = || app::relay_command(&stack, &stack.relay_url, &args, &env);
+    let status = || app::relay_command(&stack, &stack.relay_url, &["status"], &[]);
+
+    admin
+        .batch_execute("ALTER ROLE cdc_relay NOREPLICATION")
+        .await?;
+    for out in [run().await?, status().await?] {
+        assert!(!out.success(), "{}", out.text());
+        assert!(
+            out.text().contains("ALTER ROLE cdc_relay REPLICATION"),
+            "{}",
+            out.text()
+        );
+    }
+    admin
+        .batch_execute("ALTER ROLE cdc_relay REPLICATION")
+        .await?;
+
+    admin
+        .batch_execute("REVOKE SELECT ON outbox FROM cdc_relay")
+        .await?;
+    let out = status().await?;
+    assert!(!out.success(), "{}", out.text());
+    assert!(
+        out.text().contains("SELECT on public.outbox")
+            && out.text().contains("Apply sql/roles.sql again"),
+        "{}",
+        out.text()
+    );
+    Ok(())
+}

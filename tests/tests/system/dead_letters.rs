@@ -518,6 +518,23 @@ async fn concurrent_inserts_share_commits_and_keep_each_writers_order() -> anyho
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_commits_with_the_servers_synchronous_commit() -> anyhow::Result<()> {
     let stack = PgCluster::shared().create_stack().await?;
+    let admin = stack.orders_admin().await?;
+    // The last check needs the end of the write's own transaction: a
+    // pgoutput peek at a slot made for this test gives it (other sessions
+    // keep writing WAL, so the server's insert position would not do).
+    let slot = format!("{}_flush", stack.slot);
+    let publication = format!("{}_dl", stack.publication);
+    admin
+        .batch_execute(&format!(
+            "CREATE PUBLICATION {publication} FOR TABLE cdc_relay_dead_letter"
+        ))
+        .await?;
+    admin
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await?;
     let client = Arc::new(connect(&stack.relay_url).await?);
     let setting = || async {
         let row = client.query_one("SHOW synchronous_commit", &[]).await?;
@@ -534,14 +551,36 @@ async fn the_store_commits_with_the_servers_synchronous_commit() -> anyhow::Resu
     );
     client.batch_execute("ROLLBACK").await?;
     store.write(&grouped_row(0, 3), Urgency::Gather).await?;
-    let flushed: bool = client
-        .query_one(
-            "SELECT pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()",
-            &[],
+    let flushed: Lsn = client
+        .query_one("SELECT pg_current_wal_flush_lsn()::text", &[])
+        .await?
+        .get::<_, String>(0)
+        .parse()?;
+    // Commit (PostgreSQL docs, "Logical Replication Message Formats"):
+    // Byte1('C'), Int8 flags, Int64 commit LSN, Int64 end LSN, Int64 time.
+    let commits: Vec<Vec<u8>> = admin
+        .query(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, NULL, \
+             'proto_version', '1', 'publication_names', $2)",
+            &[&slot, &publication],
         )
         .await?
-        .get(0);
-    assert!(flushed, "the answered write's commit is flushed");
+        .iter()
+        .map(|r| r.get::<_, Vec<u8>>(0))
+        .filter(|data| data.first() == Some(&b'C'))
+        .collect();
+    let end = commits
+        .last()
+        .and_then(|c| c.get(10..18))
+        .map(|b| Lsn::new(u64::from_be_bytes(b.try_into().expect("8 bytes"))))
+        .expect("the write's commit decoded");
+    admin
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await?;
+    assert!(
+        flushed >= end,
+        "the answered write's commit is flushed: flushed to {flushed}, the commit ends at {end}"
+    );
     Ok(())
 }
 

@@ -31,7 +31,8 @@ const DECIDE: Duration = Duration::from_secs(30);
 #[derive(Debug)]
 enum Outcome {
     /// Connected (`psql`), or streaming (the relay); `ssl` whether the
-    /// session is encrypted (`psql` only).
+    /// session is encrypted (for the relay: both of its connections, the
+    /// walsender and the side connection, as `pg_stat_ssl` shows them).
     Accepted { ssl: Option<bool> },
     /// Refused, with the exit code and what was printed.
     Refused { code: Option<i32>, output: String },
@@ -421,10 +422,10 @@ impl Tries<'_> {
             // disable, and allow where the server takes plain, stay plain.
             let plain = c.params.contains("sslmode=disable")
                 || (c.params.contains("sslmode=allow") && !c.what.contains("plain refused"));
-            let encrypted_as_libpq = match oracle {
-                Outcome::Accepted { ssl } => ssl == Some(!plain),
+            let encrypted_as_libpq = [&oracle, &relay].iter().all(|outcome| match outcome {
+                Outcome::Accepted { ssl } => *ssl == Some(!plain),
                 Outcome::Refused { .. } => true,
-            };
+            });
             if oracle.accepted() != c.accept
                 || relay.accepted() != c.accept
                 || !named
@@ -489,6 +490,8 @@ impl Tries<'_> {
     /// exits.
     async fn relay(&self, host: &str, params: &str) -> anyhow::Result<Outcome> {
         let log = tempfile::NamedTempFile::new()?;
+        let admin = self.cluster.connect_superuser("postgres").await?;
+        let since: std::time::SystemTime = admin.query_one("SELECT now()", &[]).await?.get(0);
         let mut argv = app::relay_globals(self.stack);
         argv.extend(
             [
@@ -515,6 +518,7 @@ impl Tries<'_> {
         let deadline = tokio::time::Instant::now() + DECIDE;
         loop {
             if read().lines().any(app::is_session_start) {
+                let ssl = relay_sessions_encrypted(&admin, since).await?;
                 if let Some(pid) = child.id() {
                     nix::sys::signal::kill(
                         nix::unistd::Pid::from_raw(pid as i32),
@@ -522,7 +526,7 @@ impl Tries<'_> {
                     )?;
                 }
                 tokio::time::timeout(DECIDE, child.wait()).await??;
-                return Ok(Outcome::Accepted { ssl: None });
+                return Ok(Outcome::Accepted { ssl: Some(ssl) });
             }
             if let Some(status) = child.try_wait()? {
                 return Ok(Outcome::Refused {
@@ -538,4 +542,33 @@ impl Tries<'_> {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// Whether the relay's sessions that started since `since` (its walsender
+/// and its side connection, both of the `cdc_relay` role) are encrypted;
+/// an error unless there are both and they agree.
+async fn relay_sessions_encrypted(
+    admin: &tokio_postgres::Client,
+    since: std::time::SystemTime,
+) -> anyhow::Result<bool> {
+    let rows = admin
+        .query(
+            "SELECT a.backend_type, s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.usename = 'cdc_relay' AND a.backend_start >= $1 ORDER BY 1",
+            &[&since],
+        )
+        .await?;
+    let sessions: Vec<(String, bool)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let kinds: std::collections::BTreeSet<&str> =
+        sessions.iter().map(|(kind, _)| kind.as_str()).collect();
+    anyhow::ensure!(
+        kinds.contains("walsender") && kinds.contains("client backend"),
+        "the streaming relay's two connections are not both on the server: {sessions:?}"
+    );
+    let encrypted = sessions[0].1;
+    anyhow::ensure!(
+        sessions.iter().all(|(_, ssl)| *ssl == encrypted),
+        "the relay's connections disagree on TLS: {sessions:?}"
+    );
+    Ok(encrypted)
 }

@@ -492,6 +492,38 @@ async fn a_dead_letter_table_without_the_column_still_takes_rows() -> anyhow::Re
     .await?;
     let logs = s.relay.process.logs();
     assert!(logs.contains("no trace_context column"), "{logs}");
+
+    // The operator's reads and the replay work on the old table too.
+    let list = app::relay_command(
+        &s.stack,
+        &s.stack.relay_url,
+        &["dead-letter", "list", "--json"],
+        &[],
+    )
+    .await?;
+    assert!(list.success(), "{}", list.text());
+    assert!(list.stdout.contains(&id.to_string()), "{}", list.text());
+    assert!(!list.stdout.contains("trace_context"), "{}", list.text());
+    s.sink().clear_rejections();
+    let env = [
+        ("CDC_RELAY_SINK_URL", s.inbox_url()),
+        ("EVENT_SECRET", app::TEST_SECRET),
+    ];
+    let replay = app::relay_command(
+        &s.stack,
+        &s.stack.relay_url,
+        &["dead-letter", "replay", "--all"],
+        &env,
+    )
+    .await?;
+    assert!(replay.success(), "{}", replay.text());
+    assert!(
+        s.sink()
+            .delivered()
+            .iter()
+            .any(|r| r.id() == id.to_string()),
+        "the replayed event reached the sink"
+    );
     s.settle().await
 }
 

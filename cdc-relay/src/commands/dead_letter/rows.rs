@@ -4,7 +4,7 @@
 use serde::Serialize;
 use tokio_postgres::Client;
 
-use crate::dead_letter::{FILTERED, Filter};
+use crate::dead_letter::{FILTERED, Filter, query_traced};
 
 /// A row of the dead-letter table, as listed.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -50,7 +50,7 @@ pub struct DeadLetter {
 const COLUMNS: &str = "id, event_id, aggregate_key, event_type, commit_lsn::text, http_status, error, \
      response_excerpt, attempts, to_char(quarantined_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
      EXTRACT(EPOCH FROM now() - quarantined_at)::bigint, endpoint, \
-     to_jsonb(cdc_relay_dead_letter) ->> 'trace_context'";
+     trace_context_or_null"; // dead_letter::TRACE_COLUMN, the column or NULL
 
 fn from_row(
     r: &tokio_postgres::Row,
@@ -88,22 +88,22 @@ pub async fn list(
     filter: &Filter,
     limit: Option<i64>,
 ) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    let rows = client
-        .query(
-            &format!(
-                "SELECT {COLUMNS} FROM cdc_relay_dead_letter WHERE {FILTERED} ORDER BY id LIMIT $7"
-            ),
-            &[
-                &filter.type_pattern(),
-                &filter.reason,
-                &filter.since,
-                &filter.until,
-                &filter.aggregate,
-                &filter.endpoint,
-                &limit,
-            ],
-        )
-        .await?;
+    let rows = query_traced(
+        client,
+        &format!(
+            "SELECT {COLUMNS} FROM cdc_relay_dead_letter WHERE {FILTERED} ORDER BY id LIMIT $7"
+        ),
+        &[
+            &filter.type_pattern(),
+            &filter.reason,
+            &filter.since,
+            &filter.until,
+            &filter.aggregate,
+            &filter.endpoint,
+            &limit,
+        ],
+    )
+    .await?;
     Ok(rows.iter().map(|r| from_row(r, None, None)).collect())
 }
 
@@ -117,24 +117,24 @@ pub async fn page(
     after: i64,
     limit: i64,
 ) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    let rows = client
-        .query(
-            &format!(
-                "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
+    let rows = query_traced(
+        client,
+        &format!(
+            "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
                  WHERE {FILTERED} AND id > $7 ORDER BY id LIMIT $8"
-            ),
-            &[
-                &filter.type_pattern(),
-                &filter.reason,
-                &filter.since,
-                &filter.until,
-                &filter.aggregate,
-                &filter.endpoint,
-                &after,
-                &limit,
-            ],
-        )
-        .await?;
+        ),
+        &[
+            &filter.type_pattern(),
+            &filter.reason,
+            &filter.since,
+            &filter.until,
+            &filter.aggregate,
+            &filter.endpoint,
+            &after,
+            &limit,
+        ],
+    )
+    .await?;
     Ok(rows
         .iter()
         .map(|r| from_row(r, r.get(13), r.get(14)))
@@ -152,15 +152,15 @@ pub async fn get_many(
     client: &Client,
     ids: &[i64],
 ) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    let rows = client
-        .query(
-            &format!(
-                "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
+    let rows = query_traced(
+        client,
+        &format!(
+            "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
                  WHERE id = ANY($1) ORDER BY id"
-            ),
-            &[&ids],
-        )
-        .await?;
+        ),
+        &[&ids],
+    )
+    .await?;
     Ok(rows
         .iter()
         .map(|r| from_row(r, r.get(13), r.get(14)))

@@ -186,6 +186,41 @@ async fn relay_checks(s: &mut Status, a: &StatusArgs) {
     s.healthy = s.problems.is_empty();
 }
 
+/// The connecting role's name when it may not open a replication
+/// connection (neither `REPLICATION` nor superuser, `pg_roles`).
+async fn lacks_replication(client: &Client) -> Result<Option<String>, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT current_user::text, rolreplication OR rolsuper FROM pg_roles \
+             WHERE rolname = current_user",
+            &[],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the role's attributes", &e))?;
+    Ok((!row.get::<_, bool>(1)).then(|| row.get(0)))
+}
+
+/// The table privileges `sql/roles.sql` grants the relay's role that the
+/// connecting role lacks, as `INSERT on cdc_relay_dead_letter`; tables
+/// that do not exist are left out (their own checks name them).
+async fn missing_grants(client: &Client, table: &TableName) -> Result<Vec<String>, SourceError> {
+    let rows = client
+        .query(
+            "SELECT v.p || ' on ' || coalesce(v.shown, v.t) FROM (VALUES \
+               ($1, $2, 'SELECT'), \
+               ('cdc_relay_dead_letter', NULL, 'SELECT'), ('cdc_relay_dead_letter', NULL, 'INSERT'), \
+               ('cdc_relay_dead_letter', NULL, 'DELETE'), \
+               ('cdc_relay_dead_letter_audit', NULL, 'INSERT'), \
+               ('cdc_relay_progress', NULL, 'SELECT'), ('cdc_relay_progress', NULL, 'INSERT'), \
+               ('cdc_relay_progress', NULL, 'UPDATE')) v(t, shown, p) \
+             WHERE to_regclass(v.t) IS NOT NULL AND NOT has_table_privilege(to_regclass(v.t), v.p)",
+            &[&catalog::quote_table(table), &table.to_string()],
+        )
+        .await
+        .map_err(|e| SourceError::sql("reading the role's table privileges", &e))?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
 /// The exit-8 problem of a usable slot no relay streams from.
 fn unheld(s: &Status) -> Option<Problem> {
     let slot_usable = s.exists && s.problems.is_empty();
@@ -410,6 +445,27 @@ pub async fn status(
             .to_string(),
         ),
         Some(_) => {}
+    }
+    if let Some(role) = lacks_replication(client).await? {
+        // What `run` exits 1 for at its replication connection.
+        problem(
+            1,
+            format!(
+                "role {role} lacks the REPLICATION attribute, so a relay connecting as it cannot \
+                 stream: ALTER ROLE {role} REPLICATION (sql/roles.sql does it)"
+            ),
+        );
+    }
+    let missing = missing_grants(client, table).await?;
+    if !missing.is_empty() {
+        problem(
+            1,
+            format!(
+                "the role lacks privileges the relay uses: {}. Apply sql/roles.sql again (a \
+                 recreated table loses its grants)",
+                missing.join(", ")
+            ),
+        );
     }
     if let Err(e) =
         catalog::check_stream_config(client, table, columns, publications, row_filter).await
