@@ -72,6 +72,11 @@ pub struct MembershipWatch {
     /// Where the session started (the slot's position): what to hold at
     /// when the very first reading already finds the table out.
     start: Lsn,
+    /// The server's time when the session's monitor started (UTC,
+    /// `YYYY-MM-DD HH:MM:SS+00`): the `since` of a gap found at the first
+    /// reading when nothing was recorded before (the start-up check found
+    /// the table in; `--backfill-margin` covers the moments in between).
+    started_at: String,
     out: bool,
 }
 
@@ -81,7 +86,8 @@ impl MembershipWatch {
     /// membership last verified before this session (its `at` the latest
     /// time it is known to have held): the first reading is compared with
     /// it.
-    pub fn new(start: Lsn, recorded: Option<Membership>) -> Self {
+    /// `started_at` is the server's time as the watch starts.
+    pub fn new(start: Lsn, started_at: String, recorded: Option<Membership>) -> Self {
         MembershipWatch {
             last_in: recorded.map(|m| Verified {
                 wal_lsn: start,
@@ -89,6 +95,7 @@ impl MembershipWatch {
                 membership: m,
             }),
             start,
+            started_at,
             out: false,
         }
     }
@@ -98,7 +105,7 @@ impl MembershipWatch {
         let since = || {
             self.last_in
                 .as_ref()
-                .map_or_else(|| "the relay's start".to_owned(), |v| v.at.clone())
+                .map_or_else(|| self.started_at.clone(), |v| v.at.clone())
         };
         let change = match (m.included(), self.out) {
             (false, false) => {
@@ -162,7 +169,7 @@ mod tests {
 
     #[test]
     fn leaving_holds_the_ceiling_at_the_last_verified_position_until_back() {
-        let mut w = MembershipWatch::new(Lsn::new(10), None);
+        let mut w = MembershipWatch::new(Lsn::new(10), "t-start".into(), None);
         assert_eq!(w.observe(&reading(true, "a", 100, "t1")), Change::Steady);
         assert_eq!(w.ceiling(), None);
         assert_eq!(w.observe(&reading(true, "a", 200, "t2")), Change::Steady);
@@ -187,7 +194,7 @@ mod tests {
 
     #[test]
     fn a_flap_between_readings_is_a_gap() {
-        let mut w = MembershipWatch::new(Lsn::new(10), None);
+        let mut w = MembershipWatch::new(Lsn::new(10), "t-start".into(), None);
         w.observe(&reading(true, "p1:r5", 100, "t1"));
         assert_eq!(
             w.observe(&reading(true, "p1:r9", 200, "t2")),
@@ -201,7 +208,7 @@ mod tests {
 
     #[test]
     fn a_change_in_one_of_two_carriers_is_no_gap() {
-        let mut w = MembershipWatch::new(Lsn::new(10), None);
+        let mut w = MembershipWatch::new(Lsn::new(10), "t-start".into(), None);
         w.observe(&reading(true, "a:r1,b:r2", 100, "t1"));
         assert_eq!(w.observe(&reading(true, "a:r1", 200, "t2")), Change::Steady);
         assert_eq!(
@@ -218,18 +225,31 @@ mod tests {
 
     #[test]
     fn out_at_the_first_reading_holds_at_the_session_start() {
-        let mut w = MembershipWatch::new(Lsn::new(42), None);
-        assert!(matches!(
+        let mut w = MembershipWatch::new(Lsn::new(42), "t-start".into(), None);
+        assert_eq!(
             w.observe(&reading(false, "", 100, "t1")),
-            Change::Left { .. }
-        ));
+            Change::Left {
+                since: "t-start".into()
+            },
+            "since the watch's start, a time a backfill can start from"
+        );
         assert_eq!(w.ceiling(), Some(Lsn::new(42)));
+        assert_eq!(
+            w.observe(&reading(true, "a", 200, "t2")),
+            Change::Back {
+                since: "t-start".into(),
+                until: "t2".into()
+            }
+        );
     }
 
+    /// What the monitor records for a gap found at a first reading, when
+    /// nothing was recorded before: no carriers. The next session's first
+    /// reading that finds the table in is then a gap from that time.
     #[test]
-    fn a_change_while_no_relay_watched_is_a_gap_at_the_first_reading() {
-        let recorded = reading(true, "p1:r5", 0, "t0");
-        let mut w = MembershipWatch::new(Lsn::new(10), Some(recorded.clone()));
+    fn a_recorded_membership_of_no_carriers_makes_the_next_reading_a_gap() {
+        let recorded = reading(false, "", 0, "t0");
+        let mut w = MembershipWatch::new(Lsn::new(10), "t-start".into(), Some(recorded));
         assert_eq!(
             w.observe(&reading(true, "p1:r9", 100, "t1")),
             Change::Gap {
@@ -237,12 +257,25 @@ mod tests {
                 until: "t1".into()
             }
         );
-        let mut same = MembershipWatch::new(Lsn::new(10), Some(recorded.clone()));
+    }
+
+    #[test]
+    fn a_change_while_no_relay_watched_is_a_gap_at_the_first_reading() {
+        let recorded = reading(true, "p1:r5", 0, "t0");
+        let mut w = MembershipWatch::new(Lsn::new(10), "t-start".into(), Some(recorded.clone()));
+        assert_eq!(
+            w.observe(&reading(true, "p1:r9", 100, "t1")),
+            Change::Gap {
+                since: "t0".into(),
+                until: "t1".into()
+            }
+        );
+        let mut same = MembershipWatch::new(Lsn::new(10), "t-start".into(), Some(recorded.clone()));
         assert_eq!(
             same.observe(&reading(true, "p1:r5", 100, "t1")),
             Change::Steady
         );
-        let mut out = MembershipWatch::new(Lsn::new(10), Some(recorded));
+        let mut out = MembershipWatch::new(Lsn::new(10), "t-start".into(), Some(recorded));
         assert_eq!(
             out.observe(&reading(false, "", 100, "t1")),
             Change::Left { since: "t0".into() }

@@ -136,8 +136,21 @@ pub async fn monitor_slot(
             false
         }
     };
+    let started_at = match side
+        .query_one(
+            "SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00')",
+            &[],
+        )
+        .await
+    {
+        Ok(row) => row.get(0),
+        Err(e) => {
+            tracing::debug!(error = %e, "slot monitor not started; side connection lost");
+            return;
+        }
+    };
     let mut persisted = recorded.as_ref().map(|m| (m.carriers.clone(), m.table_oid));
-    let mut membership = MembershipWatch::new(start, recorded);
+    let mut membership = MembershipWatch::new(start, started_at, recorded);
     let mut withheld = Withheld::default();
     let mut tick = tokio::time::interval(interval.min(MEMBERSHIP_CHECK_MAX));
     loop {
@@ -193,20 +206,19 @@ pub async fn monitor_slot(
             // The new membership is recorded only once the gap is healed;
             // until then the record keeps the old one, verified as late as
             // `since`, so a relay stopped or killed before the heal finds
-            // the gap again at its next start.
-            if let Some((carriers, table_oid)) = &persisted {
-                let old = catalog::Membership {
-                    carriers: carriers.clone(),
-                    table_oid: *table_oid,
-                    at: since.clone(),
-                    problem: None,
-                    wal_lsn: member.wal_lsn,
-                };
-                if let Err(e) =
-                    progress::record_membership(&side, &slot, &holder, start, &old).await
-                {
-                    tracing::warn!(error = %crate::db_message(&e), "cannot record the gap to heal in cdc_relay_progress: a relay stopped before it is healed will not find it again");
-                }
+            // the gap again at its next start. With none recorded yet (the
+            // first reading found the table out), a membership of no
+            // carriers: any later reading that finds it in is a gap.
+            let (carriers, table_oid) = persisted.clone().unwrap_or((Vec::new(), member.table_oid));
+            let old = catalog::Membership {
+                carriers,
+                table_oid,
+                at: since.clone(),
+                problem: None,
+                wal_lsn: member.wal_lsn,
+            };
+            if let Err(e) = progress::record_membership(&side, &slot, &holder, start, &old).await {
+                tracing::warn!(error = %crate::db_message(&e), "cannot record the gap to heal in cdc_relay_progress: a relay stopped before it is healed will not find it again");
             }
             *heal.window.lock().expect("never poisoned") = Some(GapToHeal {
                 since: since.clone(),

@@ -277,6 +277,23 @@ async fn sink_ca_and_client_certificate_rotate_without_a_restart() -> anyhow::Re
             "no ERROR keeping {flag}:\n{log}"
         );
     }
+    // The key mended, the certificate broken: the same, naming it.
+    put(&client2.key, &key)?;
+    std::fs::write(&cert, "-----BEGIN CERTIFICATE-----\ntruncated")?;
+    sink.restart(&server2.cert, &server2.key, Some(&ca2.cert))
+        .await?;
+    let event = app::insert_order_event(&db).await?;
+    wait_until("delivery with the kept certificate", WAIT, || async {
+        sink.got(&event.to_string())
+    })
+    .await?;
+    let log = relay.process.logs();
+    assert!(
+        log.lines().any(|l| l.contains("ERROR")
+            && l.contains("--sink-client-cert")
+            && l.contains("copy that last loaded")),
+        "no ERROR keeping --sink-client-cert:\n{log}"
+    );
     assert!(relay.process.try_status().is_none(), "the relay exited");
     Ok(())
 }

@@ -102,6 +102,49 @@ fn signed_by(r: &Received, keys: &[&[u8]]) -> Vec<Vec<usize>> {
     keys.iter().map(|k| r.standard_matches(k)).collect()
 }
 
+/// A routes file's per-endpoint `secret_file` and `previous_secret_file`
+/// are read again on SIGHUP, as `EVENT_SECRET_FILE` is: an event before the
+/// rotation is signed with the old key, one after it with the new key and
+/// the old one. Same process, same session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_rereads_a_routes_files_secret_files() -> anyhow::Result<()> {
+    let (stack, sink) = stack_and_sink().await?;
+    app::relay_setup(&stack).await?;
+    let dir = tempfile::tempdir()?;
+    let (old, new) = (new_whsec(), new_whsec());
+    let (old_key, new_key) = (whsec_key(&old), whsec_key(&new));
+    let current = write(dir.path(), "current", &format!("{old}\n"))?;
+    let previous = write(dir.path(), "previous", "")?;
+    let routes = write(
+        dir.path(),
+        "routes.toml",
+        &format!(
+            "[[endpoint]]\nname = \"billing\"\nurl = {:?}\nevent_types = [\"*\"]\n\
+             secret_file = {:?}\nprevious_secret_file = {:?}\n",
+            sink.url,
+            path_str(&current)?,
+            path_str(&previous)?
+        ),
+    )?;
+    let relay = app::start_relay_with_routes(&stack, &routes, &[], &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let before = wait_delivered(&sink, app::insert_order_event(&db).await?).await?;
+    assert_eq!(signed_by(&before, &[&old_key, &new_key]), [vec![0], vec![]]);
+
+    write(dir.path(), "current", &new)?;
+    write(dir.path(), "previous", &old)?;
+    relay.process.sighup();
+    wait_reloads(&relay, "ok", 1.0).await?;
+    let after = wait_delivered(&sink, app::insert_order_event(&db).await?).await?;
+    assert_eq!(
+        signed_by(&after, &[&new_key, &old_key]),
+        [vec![0], vec![1]],
+        "the new key first, then the previous one"
+    );
+    Ok(())
+}
+
 /// With the current secret in the Standard Webhooks form and the previous
 /// one plain, every request carries X-Event-Signature under the current key
 /// and webhook-id (= the body's id = Idempotency-Key), webhook-timestamp

@@ -123,6 +123,51 @@ async fn a_slot_creation_that_waits_says_for_what_and_gives_up_leaving_nothing()
     let status = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
     assert_reports_being_created("status", &status, &being_created, pid);
     assert_eq!(status.code(), Some(3), "{}", status.text());
+    // `run` without --create-slot finds it too: a WARN, and it retries.
+    let sink = ScriptedSink::start().await?;
+    let mut argv = app::relay_globals(&stack);
+    argv.extend(
+        [
+            "run",
+            "--sink-url",
+            &sink.url,
+            "--admin-listen",
+            "127.0.0.1:0",
+        ]
+        .map(String::from),
+    );
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let mut early = ServiceProcess::spawn(
+        bins::path("cdc-relay"),
+        &argv,
+        &[
+            ("CDC_RELAY_DATABASE_URL", stack.relay_url.as_str()),
+            ("EVENT_SECRET", app::TEST_SECRET),
+        ],
+    )?;
+    early
+        .wait_for_line_where(
+            "run's WARN that the slot is being created",
+            |l| l.contains("WARN") && l.contains(&being_created),
+            WAIT,
+        )
+        .await?;
+    assert!(
+        early.try_status().is_none(),
+        "run retries: {}",
+        early.logs()
+    );
+    early.sigkill();
+    // The waiting setup repeats its report while the wait lasts.
+    wait_until("the waiting setup's second report", WAIT, || async {
+        waiting
+            .logs()
+            .matches("creating the slot waits for")
+            .count()
+            >= 2
+    })
+    .await?;
+    assert_names_the_blocker("the repeated report", &waiting.logs(), pid);
     waiting.sigkill();
     waiting.wait_exit(WAIT).await?;
     wait_until(
@@ -137,7 +182,6 @@ async fn a_slot_creation_that_waits_says_for_what_and_gives_up_leaving_nothing()
     .await?;
 
     // `run --create-slot` waits alike, and says so.
-    let sink = ScriptedSink::start().await?;
     let mut run = app::start_relay(
         &stack,
         &sink.url,
