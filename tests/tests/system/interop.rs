@@ -223,13 +223,17 @@ async fn run_and_drill(verifier: Verifier) -> anyhow::Result<()> {
     );
 
     // The drill.
-    let switch_at = Duration::from_millis(rand::rng().random_range(1500..=2500));
+    // The relay reloads at 0.5 s; the receiver switches at least 1.5 s
+    // later, once every request signed before the reload (with the old key
+    // only) has been verified, even on a loaded host where the receiver's
+    // queue holds them for a while; the old key goes at 3.2 s.
+    let switch_at = Duration::from_millis(rand::rng().random_range(2000..=2800));
     let started = Instant::now();
     let load = tokio::spawn({
         let stack = stack.clone();
         async move { stream(&stack).await }
     });
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     std::fs::write(&current, &new)?;
     std::fs::write(&previous, &old)?;
     relay.process.sighup();
@@ -242,7 +246,7 @@ async fn run_and_drill(verifier: Verifier) -> anyhow::Result<()> {
     tokio::time::sleep(switch_at - started.elapsed()).await;
     receiver.switch().await?;
     let switched = started.elapsed();
-    tokio::time::sleep(Duration::from_secs(3).saturating_sub(started.elapsed())).await;
+    tokio::time::sleep(Duration::from_millis(3200).saturating_sub(started.elapsed())).await;
     std::fs::write(&previous, "")?;
     relay.process.sighup();
     reloaded(&relay, 2.0).await?;

@@ -44,8 +44,9 @@ const FD_SLACK: usize = 8;
 /// Scheduling margin on a shared, loaded host.
 const MARGIN: Duration = Duration::from_secs(4);
 
-/// What a flood left behind: for each socket, how long after the flood
-/// started the server closed it.
+/// What a flood left behind: for each socket, how long after it connected
+/// the server closed it (from its own connect, not the flood's start:
+/// opening a thousand sockets on a loaded host takes seconds).
 struct Flood {
     closed: Vec<tokio::task::JoinHandle<Duration>>,
 }
@@ -53,10 +54,10 @@ struct Flood {
 /// Opens `n` connections to `addr` (`host:port`): even ones send nothing,
 /// odd ones half a request head. Each is watched until the server closes it.
 async fn flood(addr: &str, n: usize) -> Flood {
-    let started = Instant::now();
     let mut closed = Vec::with_capacity(n);
     for i in 0..n {
         let mut socket = TcpStream::connect(addr).await.expect("connect");
+        let started = Instant::now();
         if i % 2 == 1 {
             socket
                 .write_all(b"POST /inbox HTTP/1.1\r\nHost: x\r\n")
