@@ -198,6 +198,52 @@ async fn parked_rows(db: &Client) -> Vec<String> {
     .collect()
 }
 
+/// One endpoint of a routes file answers 410 Gone: it is marked retired
+/// (its metric, `/readyz` naming it), never dead-lettered as poison, and,
+/// holding the slot back past its `max_lag`, parked like any endpoint that
+/// holds the slot back, while the other endpoint gets every event.
+#[tokio::test]
+async fn a_routes_endpoint_answering_410_is_retired_and_parked_past_its_max_lag() {
+    let (stack, sinks, dir) = two_sinks().await;
+    let path = routes_file(dir.path(), &sinks, "manual");
+    let relay = start(&stack, &path).await;
+    let db = stack.orders_admin().await.unwrap();
+    let aggregates = vec![oracle::expected::insert_order(&db).await.unwrap()];
+    sinks[0].set_status(410);
+    let events = commit(&db, &aggregates, 3, 0).await;
+    oracle::settle(&db, &stack.slot).await.unwrap();
+    let want: BTreeSet<String> = events.iter().map(|e| e.id.clone()).collect();
+    let parked: BTreeSet<String> = parked_rows(&db).await.into_iter().collect();
+    assert_eq!(parked, want, "billing's events parked, not refused");
+    let shipped: BTreeSet<String> = in_order("shipping", &sinks[1], &events)
+        .into_iter()
+        .collect();
+    assert_eq!(shipped, want, "shipping got every event");
+    let m = relay.metrics().await.unwrap();
+    assert_eq!(
+        m.value("cdc_relay_endpoint_retired", &[("endpoint", "billing")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        m.value("cdc_relay_endpoint_retired", &[("endpoint", "shipping")]),
+        Some(0.0)
+    );
+    assert_eq!(
+        m.value(
+            "cdc_relay_endpoint_events_dead_lettered_total",
+            &[("endpoint", "billing")]
+        ),
+        Some(0.0),
+        "parked, never refused as poison"
+    );
+    let (status, body) = relay.get("/readyz").await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("billing") && body.contains("retired"),
+        "{body}"
+    );
+}
+
 /// `resume = "manual"`: the way back is the operator's.
 #[tokio::test]
 async fn a_dead_endpoint_is_parked_the_slot_moves_and_it_comes_back_in_order() {

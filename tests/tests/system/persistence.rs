@@ -1,8 +1,8 @@
 //! Issue 30, item 6: a server-side state is named for what it is. An
 //! UNLOGGED outbox writes nothing to the WAL, so no slot ever decodes its
-//! rows; a `FOR ALL TABLES` publication skips it without a word. `status`
-//! and `run` must name the table's persistence and the command that fixes
-//! it, not "the table is in none of the publications".
+//! rows; a `FOR ALL TABLES` publication skips it without a word. `status`,
+//! `run` and the running check must name the table's persistence and the
+//! command that fixes it, not "the table is in none of the publications".
 //!
 //! Failed on `cb3ea2e`: both said the outbox is in none of the
 //! publications and suggested `ALTER PUBLICATION … ADD TABLE`, which the
@@ -55,5 +55,42 @@ async fn an_unlogged_outbox_is_named_with_the_command_that_fixes_it() -> anyhow:
     let status = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
     assert_eq!(status.code(), Some(8), "{}", status.text());
     assert!(!status.stdout.contains("UNLOGGED"), "{}", status.text());
+    Ok(())
+}
+
+/// The running check: an outbox turned UNLOGGED under a streaming relay
+/// (possible with a `FOR ALL TABLES` publication, which skips it silently)
+/// is named the same way at the slot monitor's next reading, and
+/// `/readyz` fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_turned_unlogged_while_streaming_is_named_by_the_running_check()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let db = stack.orders_admin().await?;
+    let p = &stack.publication;
+    db.batch_execute(&format!(
+        "DROP PUBLICATION {p}; CREATE PUBLICATION {p} FOR ALL TABLES WITH (publish = 'insert')"
+    ))
+    .await?;
+    let sink = harness::sink::ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    db.batch_execute("ALTER TABLE outbox SET UNLOGGED").await?;
+    relay
+        .process
+        .wait_for_line_where(
+            "the running check's ERROR naming the table's persistence",
+            |l| l.contains("ERROR") && l.contains("UNLOGGED") && l.contains("SET LOGGED"),
+            std::time::Duration::from_secs(60),
+        )
+        .await?;
+    harness::wait_until(
+        "/readyz 503",
+        std::time::Duration::from_secs(30),
+        || async { relay.get("/readyz").await.map(|(status, _)| status == 503) },
+    )
+    .await?;
+    db.batch_execute("ALTER TABLE outbox SET LOGGED").await?;
     Ok(())
 }

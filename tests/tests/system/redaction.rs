@@ -3,6 +3,10 @@
 //! `/metrics`, `/healthz`, `/readyz`, `status` in both formats, `routes
 //! check`, `dead-letter list`, error messages, dead-letter and progress
 //! rows, and the relay's `application_name`.
+//!
+//! Fails on `cb3ea2e` (before issue 30): `routes check` printed the
+//! endpoint's URL with its `user:password@`, and the startup log line (text
+//! and JSON) carried the query token (the two leaks issue 30 reported).
 
 use std::time::Duration;
 
