@@ -39,7 +39,7 @@ async fn main() -> ExitCode {
             })
             .await
         }
-        (Err(e), _) => Err(e.into()),
+        (Err(e), _) => Err(service_common::service::BadSetting(e.into()).into()),
         (_, Err(e)) => Err(anyhow::Error::new(e).context("installing the SIGHUP handler")),
     };
     service_common::service::exit_code("billing", result)

@@ -33,8 +33,14 @@ where
     B: FnOnce(Pool, Arc<HttpMetrics>, Spans) -> anyhow::Result<Routes>,
 {
     init_tracing(args.log.log_format)?;
-    let target = describe_target(&args.db.pg_config(name)?);
-    let pool = args.db.build_pool(name)?;
+    // Every setting is checked before the database is tried, so a bad one
+    // is the first thing said, and exits 2.
+    let target = describe_target(&args.db.pg_config(name).map_err(|e| BadSetting(e.into()))?);
+    let pool = args.db.build_pool(name).map_err(|e| BadSetting(e.into()))?;
+    let metrics = Arc::new(HttpMetrics::new(name)?);
+    let counters = trace_context::Counters::register(metrics.registry(), name);
+    let export = trace_context::Export::start(&args.trace, name, counters)
+        .map_err(|e| BadSetting(e.into()))?;
     match pool.get().await {
         Ok(_) => tracing::info!(database = %target, "database reachable"),
         Err(e) => {
@@ -46,9 +52,6 @@ where
             )
         }
     }
-    let metrics = Arc::new(HttpMetrics::new(name)?);
-    let counters = trace_context::Counters::register(metrics.registry(), name);
-    let export = trace_context::Export::start(&args.trace, name, counters)?;
     let spans = Spans::new(export.as_ref().map(|e| e.tracer().clone()));
     let routes = build(pool, Arc::clone(&metrics), spans)?;
     let admin = admin_router(routes.admin, Arc::clone(&metrics), &args.http);
@@ -102,14 +105,32 @@ where
     Ok(())
 }
 
+/// A setting the service cannot use (the database URL, an event secret,
+/// the OTLP exporter's): the process exits 2, as for a flag the command
+/// line refuses; the message names the setting.
+#[derive(Debug)]
+pub struct BadSetting(pub anyhow::Error);
+
+impl std::fmt::Display for BadSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for BadSetting {}
+
 /// The process exit status for `result`: on error, prints `name: error: <cause chain>`
-/// to stderr (no backtrace noise) and exits 1.
+/// to stderr (no backtrace noise) and exits 2 for a [`BadSetting`], else 1.
 pub fn exit_code(name: &str, result: anyhow::Result<()>) -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("{name}: error: {e:#}");
-            std::process::ExitCode::FAILURE
+            if e.chain().any(|cause| cause.is::<BadSetting>()) {
+                std::process::ExitCode::from(2)
+            } else {
+                std::process::ExitCode::FAILURE
+            }
         }
     }
 }

@@ -525,7 +525,7 @@ async fn relay_and_billing_refuse_the_same_bad_secrets_naming_the_setting() -> a
         let status = billing.wait_exit(WAIT).await?;
         assert_eq!(
             status.code(),
-            Some(1),
+            Some(2),
             "billing, {env:?}: {}",
             billing.logs()
         );

@@ -626,3 +626,46 @@ async fn a_named_trace_column_dropped_while_streaming_stops_the_relay_naming_it(
     s.assert_held(&["outbox"]).await?;
     Ok(())
 }
+
+/// A trace setting Orders or Billing cannot use (gRPC asked for, an
+/// endpoint that is no URL) exits 2 naming it, as the relay does, and
+/// before the database is tried: the database below is unreachable, and
+/// its warning must not come first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_trace_setting_stops_orders_and_billing_with_exit_2_naming_it() -> anyhow::Result<()>
+{
+    let unreachable = "postgres://nobody:secret@127.0.0.1:9/none";
+    let cases: [(&[(&str, &str)], &str); 2] = [
+        (
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ],
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ),
+        (
+            &[("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318")],
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+        ),
+    ];
+    for service in ["orders", "billing"] {
+        for (env, named) in cases {
+            let mut command = std::process::Command::new(harness::bins::path(service));
+            command
+                .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+                .args(["--database-url", unreachable])
+                .env("EVENT_SECRET", app::TEST_SECRET)
+                .envs(env.iter().copied());
+            let mut process = harness::ServiceProcess::from_command(command)?;
+            let status = process.wait_exit(Duration::from_secs(30)).await?;
+            let logs = process.logs();
+            assert_eq!(status.code(), Some(2), "{service}, {env:?}:\n{logs}");
+            assert!(logs.contains(named), "{service}, {env:?}:\n{logs}");
+            assert!(
+                !logs.contains("not reachable"),
+                "{service}, {env:?}: the setting first:\n{logs}"
+            );
+        }
+    }
+    Ok(())
+}
