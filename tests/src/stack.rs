@@ -173,17 +173,12 @@ impl PgCluster {
                 return;
             }
         }
-        let started = std::time::Instant::now();
-        let count = suffixes.len();
         for suffix in suffixes {
             for db in ["orders", "billing", "payments"].map(|kind| format!("{kind}_{suffix}")) {
                 if let Err(err) = reap_database(admin, &db).await {
                     eprintln!("harness: could not drop the retired database {db}: {err:#}");
                 }
             }
-        }
-        if std::env::var_os("HARNESS_REAP_TIMING").is_some() {
-            eprintln!("harness: reaped {count} stacks in {:?}", started.elapsed());
         }
     }
 

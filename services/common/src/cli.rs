@@ -83,6 +83,9 @@ fn command_with_env_prefix<T: Parser>(
 ) -> Command {
     T::command()
         .mut_args(|arg| {
+            // `--help` names each variable but never shows its value (a
+            // database URL may carry a password), as the relay's does.
+            let arg = arg.hide_env_values(true);
             if arg.get_long().is_none() || arg.get_env().is_some() {
                 return arg;
             }
@@ -112,6 +115,18 @@ mod tests {
         /// A flag with its own variable.
         #[arg(long, env = "EXPLICIT_VAR_FOR_TEST")]
         explicit: Option<String>,
+    }
+
+    /// `--help` would print `[env: ORDERS_DATABASE_URL=postgres://…:password@…]`.
+    #[test]
+    fn help_never_shows_an_environment_value() {
+        let cmd = command_with_env_prefix::<TestCli>("SVC", "127.0.0.1:8080", "127.0.0.1:9180");
+        let shown: Vec<&str> = cmd
+            .get_arguments()
+            .filter(|a| a.get_env().is_some() && !a.is_hide_env_values_set())
+            .map(|a| a.get_id().as_str())
+            .collect();
+        assert!(shown.is_empty(), "values shown in --help: {shown:?}");
     }
 
     #[test]
