@@ -47,7 +47,10 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
 /// What to grant for a privilege error (42501), by its words (`lower`, in
 /// lower case); `None` when they say nothing the relay knows.
 pub(super) fn privilege_hint(lower: &str) -> Option<&'static str> {
-    if lower.contains("replication") || lower.contains("walsender") {
+    // PostgreSQL 15: "must be superuser or replication role to start
+    // walsender"; 16 and later: "permission denied to start WAL sender".
+    if lower.contains("replication") || lower.contains("walsender") || lower.contains("wal sender")
+    {
         Some(
             "The relay's role needs the REPLICATION attribute: ALTER ROLE cdc_relay REPLICATION \
              (sql/roles.sql does it), and a pg_hba.conf line that admits it",

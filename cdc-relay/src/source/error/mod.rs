@@ -395,11 +395,16 @@ mod tests {
 
     #[test]
     fn privilege_errors_say_what_to_grant() {
-        let e = server("must be superuser or replication role to start walsender (SQLSTATE 42501)");
-        assert!(
-            e.is_definite() && e.to_string().contains("ALTER ROLE cdc_relay REPLICATION"),
-            "{e}"
-        );
+        for refusal in [
+            "must be superuser or replication role to start walsender (SQLSTATE 42501)",
+            "permission denied to start WAL sender (SQLSTATE 42501)",
+        ] {
+            let e = server(refusal);
+            assert!(
+                e.is_definite() && e.to_string().contains("ALTER ROLE cdc_relay REPLICATION"),
+                "{e}"
+            );
+        }
         let e = classify(
             Some("42501"),
             "permission denied for table outbox".into(),
