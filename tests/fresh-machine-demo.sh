@@ -30,7 +30,10 @@ command -v unshare >/dev/null || die "unshare (util-linux) is missing"
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--rate 40 --duration 5s)
 
-cargo build --locked -p cdc-relay-tests --bin demo
+# The workspace's build, as CI's earlier steps made it: compiles nothing
+# after them (building the demo package alone would resolve other features
+# and compile its crates again).
+cargo build --locked --workspace --all-targets
 demo=$PWD/target/debug/demo
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
