@@ -924,7 +924,8 @@ async fn a_missing_privilege_is_named_with_the_command_that_fixes_it() -> anyhow
     let out = status().await?;
     assert!(!out.success(), "{}", out.text());
     assert!(
-        out.text().contains("SELECT on public.outbox")
+        out.text().contains("role cdc_relay lacks")
+            && out.text().contains("SELECT on public.outbox")
             && out.text().contains("Apply sql/roles.sql again"),
         "{}",
         out.text()

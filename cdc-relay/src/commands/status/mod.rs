@@ -200,13 +200,17 @@ async fn lacks_replication(client: &Client) -> Result<Option<String>, SourceErro
     Ok((!row.get::<_, bool>(1)).then(|| row.get(0)))
 }
 
-/// The table privileges `sql/roles.sql` grants the relay's role that the
-/// connecting role lacks, as `INSERT on cdc_relay_dead_letter`; tables
-/// that do not exist are left out (their own checks name them).
-async fn missing_grants(client: &Client, table: &TableName) -> Result<Vec<String>, SourceError> {
+/// The connecting role and the table privileges `sql/roles.sql` grants the
+/// relay's role that it lacks, as `INSERT on cdc_relay_dead_letter`;
+/// `None` when it lacks none. Tables that do not exist are left out (their
+/// own checks name them).
+async fn missing_grants(
+    client: &Client,
+    table: &TableName,
+) -> Result<Option<(String, Vec<String>)>, SourceError> {
     let rows = client
         .query(
-            "SELECT v.p || ' on ' || coalesce(v.shown, v.t) FROM (VALUES \
+            "SELECT v.p || ' on ' || coalesce(v.shown, v.t), current_user::text FROM (VALUES \
                ($1, $2, 'SELECT'), \
                ('cdc_relay_dead_letter', NULL, 'SELECT'), ('cdc_relay_dead_letter', NULL, 'INSERT'), \
                ('cdc_relay_dead_letter', NULL, 'DELETE'), \
@@ -218,7 +222,9 @@ async fn missing_grants(client: &Client, table: &TableName) -> Result<Vec<String
         )
         .await
         .map_err(|e| SourceError::sql("reading the role's table privileges", &e))?;
-    Ok(rows.iter().map(|r| r.get(0)).collect())
+    Ok(rows
+        .first()
+        .map(|r| (r.get(1), rows.iter().map(|r| r.get(0)).collect())))
 }
 
 /// The exit-8 problem of a usable slot no relay streams from.
@@ -456,13 +462,12 @@ pub async fn status(
             ),
         );
     }
-    let missing = missing_grants(client, table).await?;
-    if !missing.is_empty() {
+    if let Some((role, missing)) = missing_grants(client, table).await? {
         problem(
             1,
             format!(
-                "the role lacks privileges the relay uses: {}. Apply sql/roles.sql again (a \
-                 recreated table loses its grants)",
+                "role {role} lacks privileges the relay uses: {}. Apply sql/roles.sql again (a \
+                 recreated table loses its grants), or run status as the relay's role",
                 missing.join(", ")
             ),
         );
