@@ -76,6 +76,27 @@ fn from_row(
     }
 }
 
+/// Runs `sql`, whose `$1`–`$6` are [`FILTERED`]'s, with `filter`'s values
+/// and then `extra` as `$7`, `$8`, … (through [`query_traced`]).
+async fn query_filtered(
+    client: &Client,
+    filter: &Filter,
+    sql: &str,
+    extra: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+    let pattern = filter.type_pattern();
+    let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![
+        &pattern,
+        &filter.reason,
+        &filter.since,
+        &filter.until,
+        &filter.aggregate,
+        &filter.endpoint,
+    ];
+    params.extend_from_slice(extra);
+    query_traced(client, sql, &params).await
+}
+
 /// The payload columns, after [`COLUMNS`], for the reads that need them
 /// ([`page`], [`get_many`]).
 const WITH_PAYLOAD: &str = "payload, payload_bytes";
@@ -88,20 +109,13 @@ pub async fn list(
     filter: &Filter,
     limit: Option<i64>,
 ) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    let rows = query_traced(
+    let rows = query_filtered(
         client,
+        filter,
         &format!(
             "SELECT {COLUMNS} FROM cdc_relay_dead_letter WHERE {FILTERED} ORDER BY id LIMIT $7"
         ),
-        &[
-            &filter.type_pattern(),
-            &filter.reason,
-            &filter.since,
-            &filter.until,
-            &filter.aggregate,
-            &filter.endpoint,
-            &limit,
-        ],
+        &[&limit],
     )
     .await?;
     Ok(rows.iter().map(|r| from_row(r, None, None)).collect())
@@ -117,22 +131,14 @@ pub async fn page(
     after: i64,
     limit: i64,
 ) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    let rows = query_traced(
+    let rows = query_filtered(
         client,
+        filter,
         &format!(
             "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
-                 WHERE {FILTERED} AND id > $7 ORDER BY id LIMIT $8"
+             WHERE {FILTERED} AND id > $7 ORDER BY id LIMIT $8"
         ),
-        &[
-            &filter.type_pattern(),
-            &filter.reason,
-            &filter.since,
-            &filter.until,
-            &filter.aggregate,
-            &filter.endpoint,
-            &after,
-            &limit,
-        ],
+        &[&after, &limit],
     )
     .await?;
     Ok(rows
