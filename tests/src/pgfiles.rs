@@ -78,11 +78,10 @@ pub(crate) fn write_settings(
         ("port", port.to_string()),
         ("unix_socket_directories", socket_dir.display().to_string()),
         ("wal_level", "logical".to_owned()),
-        // The shared cluster keeps the slot of every stack a test made
-        // (a test that ends without `Scenario::finish` leaves it): the
-        // whole suite needs well over 100.
-        ("max_replication_slots", "300".to_owned()),
-        ("max_wal_senders", "300".to_owned()),
+        // Slots of finished tests are dropped when the next stack is
+        // made (`stack::Lease`): only running tests hold any.
+        ("max_replication_slots", "100".to_owned()),
+        ("max_wal_senders", "100".to_owned()),
         ("wal_sender_timeout", opts.wal_sender_timeout.clone()),
         ("max_connections", "200".to_owned()),
         ("max_prepared_transactions", "10".to_owned()),

@@ -84,8 +84,8 @@ async fn cluster_runs_with_logical_replication_settings() {
     let cluster = PgCluster::shared();
     let client = cluster.connect_superuser("postgres").await.unwrap();
     assert_eq!(show(&client, "wal_level").await, "logical");
-    assert_eq!(show(&client, "max_replication_slots").await, "300");
-    assert_eq!(show(&client, "max_wal_senders").await, "300");
+    assert_eq!(show(&client, "max_replication_slots").await, "100");
+    assert_eq!(show(&client, "max_wal_senders").await, "100");
     assert_eq!(show(&client, "wal_sender_timeout").await, "1min");
     assert_eq!(show(&client, "max_connections").await, "200");
     assert_eq!(show(&client, "max_prepared_transactions").await, "10");

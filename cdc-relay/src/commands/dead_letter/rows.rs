@@ -50,7 +50,7 @@ pub struct DeadLetter {
 const COLUMNS: &str = "id, event_id, aggregate_key, event_type, commit_lsn::text, http_status, error, \
      response_excerpt, attempts, to_char(quarantined_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
      EXTRACT(EPOCH FROM now() - quarantined_at)::bigint, endpoint, \
-     trace_context_or_null"; // dead_letter::TRACE_COLUMN, the column or NULL
+     trace_context_or_null"; // dead_letter::TRACE_COLUMN (a test checks it)
 
 fn from_row(
     r: &tokio_postgres::Row,
@@ -171,4 +171,15 @@ pub async fn get_many(
         .iter()
         .map(|r| from_row(r, r.get(13), r.get(14)))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `query_traced` finds the trace column only by its token.
+    #[test]
+    fn the_columns_end_with_the_trace_token() {
+        assert!(COLUMNS.ends_with(crate::dead_letter::TRACE_COLUMN));
+    }
 }
