@@ -44,7 +44,10 @@ impl<P: Position> DoneLog<P> {
 
     /// An event (with its id, if readable) of the open transaction.
     pub fn event(&mut self, id: Option<&str>) {
-        self.open_last_event = Some(id.unwrap_or_default().to_owned());
+        // One buffer per transaction, overwritten by each of its events.
+        let last = self.open_last_event.get_or_insert_with(String::new);
+        last.clear();
+        last.push_str(id.unwrap_or_default());
     }
 
     /// The open transaction committed at `end`.

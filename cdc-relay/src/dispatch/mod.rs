@@ -216,34 +216,37 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
             return Ok(scheduler.confirmed());
         }
         tokio::select! {
+            // A round takes what else is already queued (bounded), so the
+            // bookkeeping above — starting jobs, publishing the confirmed
+            // position, which wakes the source — runs once per batch, not
+            // once per item or per answer.
             item = items.recv(), if items_open => match item {
-                Some(item) => handle(&mut scheduler, &mut done, &mut router, &mut skipped, dead_letter_lane, item, &pipeline),
+                Some(item) => {
+                    handle(&mut scheduler, &mut done, &mut router, &mut skipped, dead_letter_lane, item, &pipeline);
+                    for _ in 1..PER_ROUND {
+                        match items.try_recv() {
+                            Ok(item) => handle(&mut scheduler, &mut done, &mut router, &mut skipped, dead_letter_lane, item, &pipeline),
+                            Err(mpsc::error::TryRecvError::Empty) => break,
+                            Err(mpsc::error::TryRecvError::Disconnected) => {
+                                items_open = false;
+                                break;
+                            }
+                        }
+                    }
+                }
                 None => items_open = false,
             },
             Some(joined) = running.join_next() => {
-                let (mut ticket, job, finished) = joined.expect("delivery tasks do not panic");
-                match finished? {
-                    Finished::Delivered(status) => {
-                        report(&pipeline, &job.0, ticket.lane, Outcome::Delivered(status));
-                        scheduler.complete(ticket);
-                    }
-                    Finished::DeadLettered => {
-                        report(&pipeline, &job.0, ticket.lane, Outcome::DeadLettered);
-                        scheduler.complete(ticket);
-                    }
-                    Finished::Parked => {
-                        scheduler.hand_off_running(&mut ticket);
+                let mut joined = Some(joined);
+                let mut taken = 0;
+                while let Some(j) = joined.take() {
+                    let (ticket, job, finished) = j.expect("delivery tasks do not panic");
+                    if let Some((ticket, job)) = delivered(&mut scheduler, &pipeline, ticket, job, finished?) {
                         writes.push(write(&lanes, &pipeline, ticket, job));
                     }
-                    Finished::Stopped => scheduler.abandon(ticket),
-                    Finished::Kept(detail) => {
-                        report(&pipeline, &job.0, ticket.lane, Outcome::Kept(detail));
-                        scheduler.abandon(ticket);
-                    }
-                    Finished::Failing(detail) => {
-                        report(&pipeline, &job.0, ticket.lane, Outcome::Failing(detail));
-                        scheduler.abandon(ticket);
-                        stopping.cancel();
+                    taken += 1;
+                    if taken < PER_ROUND {
+                        joined = running.try_join_next();
                     }
                 }
             }
@@ -278,6 +281,48 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
             }
         }
     }
+}
+
+/// Items, or finished deliveries, taken in one round of [`run`]'s loop at
+/// most: enough to share the round's bookkeeping, few enough that the
+/// other side (answers, or new items) waits a bounded time.
+const PER_ROUND: usize = 64;
+
+/// Books a delivery task's end: its job done, handed to the dead-letter
+/// writer (its lane parked meanwhile: the job is returned, to be written),
+/// or abandoned; `Failing` stops the pipeline.
+fn delivered<P: Position, D>(
+    scheduler: &mut Scheduler<P, Job>,
+    pipeline: &Pipeline<D>,
+    mut ticket: Ticket,
+    job: Job,
+    finished: Finished,
+) -> Option<(Ticket, Job)> {
+    match finished {
+        Finished::Delivered(status) => {
+            report(pipeline, &job.0, ticket.lane, Outcome::Delivered(status));
+            scheduler.complete(ticket);
+        }
+        Finished::DeadLettered => {
+            report(pipeline, &job.0, ticket.lane, Outcome::DeadLettered);
+            scheduler.complete(ticket);
+        }
+        Finished::Parked => {
+            scheduler.hand_off_running(&mut ticket);
+            return Some((ticket, job));
+        }
+        Finished::Stopped => scheduler.abandon(ticket),
+        Finished::Kept(detail) => {
+            report(pipeline, &job.0, ticket.lane, Outcome::Kept(detail));
+            scheduler.abandon(ticket);
+        }
+        Finished::Failing(detail) => {
+            report(pipeline, &job.0, ticket.lane, Outcome::Failing(detail));
+            scheduler.abandon(ticket);
+            pipeline.stopping.cancel();
+        }
+    }
+    None
 }
 
 /// Queues a handed-off job's dead-letter row now (the writer's order is
@@ -361,7 +406,7 @@ fn handle<P: Position, D>(
                 metrics.events_received.inc();
             }
             done.event(Some(&event.id));
-            let key = event.aggregate_key.clone();
+            let key = event.aggregate_key.as_deref().map(scheduler::Key::from);
             let to = router.route(&event.event_type);
             let event = Arc::new(event);
             let permit = Arc::new(permit);

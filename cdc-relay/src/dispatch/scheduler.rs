@@ -29,11 +29,21 @@
 //!   whose jobs — at every lane — are all complete. An abandoned job is
 //!   never complete.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 use tokio::time::Instant;
 
 use crate::ack::{AckTracker, Position, TxSeq};
+
+/// The maps of the hot path hash with aHash (a few times faster than the
+/// standard SipHash on short keys, and still seeded per process).
+type FastMap<K, V> = std::collections::HashMap<K, V, ahash::RandomState>;
+type FastSet<K> = std::collections::HashSet<K, ahash::RandomState>;
+
+/// An aggregate key, shared by an event's jobs and the claims on it
+/// (cloned by reference count, never copied).
+pub type Key = Arc<str>;
 
 /// What a started (or handed-off) job must hand back to
 /// [`Scheduler::complete`].
@@ -44,7 +54,7 @@ pub struct Ticket {
     /// The job's lane (endpoint index).
     pub lane: usize,
     tx: TxSeq,
-    key: Option<String>,
+    key: Option<Key>,
     /// The event the job is part of (its jobs at every lane share it).
     event: u64,
     /// Handed off: its claim is released already and it is not running.
@@ -62,11 +72,11 @@ struct Queues<W> {
     /// Jobs free to start, by stream order.
     ready: BTreeMap<u64, Job<W>>,
     /// Jobs whose key is claimed by an earlier job, per key, in order.
-    waiting: HashMap<String, VecDeque<Job<W>>>,
+    waiting: FastMap<Key, VecDeque<Job<W>>>,
     /// Keys with a job ready or running.
-    claimed: HashSet<String>,
+    claimed: FastSet<Key>,
     /// Keys of abandoned jobs: claimed for good.
-    given_up: HashSet<String>,
+    given_up: FastSet<Key>,
     /// Each job not yet complete, by stream order: when it was added and
     /// its event.
     added: BTreeMap<u64, (Instant, u64)>,
@@ -84,9 +94,9 @@ impl<W> Queues<W> {
         Queues {
             max_in_flight: max_in_flight.max(1),
             ready: BTreeMap::new(),
-            waiting: HashMap::new(),
-            claimed: HashSet::new(),
-            given_up: HashSet::new(),
+            waiting: FastMap::default(),
+            claimed: FastSet::default(),
+            given_up: FastSet::default(),
             added: BTreeMap::new(),
             running: 0,
             handed_off: 0,
@@ -104,7 +114,7 @@ impl<W> Queues<W> {
     }
 
     /// `key`'s claim passes to its next waiting job (made ready), or ends.
-    fn release(&mut self, key: String) {
+    fn release(&mut self, key: Key) {
         let next = self.waiting.get_mut(&key).and_then(VecDeque::pop_front);
         match next {
             Some(next) => {
@@ -129,7 +139,7 @@ pub struct Scheduler<P: Position, W> {
     next_seq: u64,
     next_event: u64,
     /// Jobs not yet complete of each event that has any.
-    remaining: HashMap<u64, u32>,
+    remaining: FastMap<u64, u32>,
     lanes: Vec<Queues<W>>,
     /// Jobs given back unstarted behind an abandoned one, with their lane.
     abandoned: Vec<(usize, W)>,
@@ -154,7 +164,7 @@ impl<P: Position, W> Scheduler<P, W> {
             open: None,
             next_seq: 0,
             next_event: 0,
-            remaining: HashMap::new(),
+            remaining: FastMap::default(),
             lanes,
             abandoned: Vec::new(),
         }
@@ -167,12 +177,12 @@ impl<P: Position, W> Scheduler<P, W> {
     }
 
     /// A job of the open transaction on lane 0; see [`Self::add_event`].
-    pub fn add(&mut self, key: Option<String>, work: W, now: Instant) {
+    pub fn add(&mut self, key: Option<Key>, work: W, now: Instant) {
         self.add_event(key, [(0, work)], now);
     }
 
     /// A job of the open transaction on `lane`; see [`Self::add_event`].
-    pub fn add_to(&mut self, lane: usize, key: Option<String>, work: W, now: Instant) {
+    pub fn add_to(&mut self, lane: usize, key: Option<Key>, work: W, now: Instant) {
         self.add_event(key, [(lane, work)], now);
     }
 
@@ -184,7 +194,7 @@ impl<P: Position, W> Scheduler<P, W> {
     /// lane the scheduler does not have.
     pub fn add_event(
         &mut self,
-        key: Option<String>,
+        key: Option<Key>,
         jobs: impl IntoIterator<Item = (usize, W)>,
         now: Instant,
     ) {

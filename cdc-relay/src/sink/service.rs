@@ -41,7 +41,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use bytes::Bytes;
-use http::header::{AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER, USER_AGENT};
+use http::header::{AUTHORIZATION, CONTENT_TYPE, HOST, RETRY_AFTER, USER_AGENT};
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
@@ -151,6 +151,8 @@ type Pool = Client<Connector, Full<Bytes>>;
 struct Target {
     url: url::Url,
     uri: Uri,
+    /// `Host`, made once (the client would format it for every request).
+    host: HeaderValue,
     authorization: Option<HeaderValue>,
     request_timeout: Duration,
 }
@@ -262,12 +264,14 @@ impl HttpSink {
             .as_str()
             .parse()
             .map_err(|e: http::uri::InvalidUri| SinkError::Client(format!("sink URL: {e}")))?;
+        let host = host_header(&uri)?;
         Ok(HttpSink {
             clients: Arc::new(clients),
             metrics: None,
             target: Arc::new(Target {
                 url: cfg.url,
                 uri,
+                host,
                 authorization,
                 request_timeout: cfg.request_timeout,
             }),
@@ -317,6 +321,7 @@ impl HttpSink {
             *req.uri_mut() = self.target.uri.clone();
             let headers = req.headers_mut();
             headers.reserve(8);
+            headers.insert(HOST, self.target.host.clone());
             headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
             if let Some(signature) = &legacy {
                 headers.insert(X_EVENT_SIGNATURE, signature.clone());
@@ -433,6 +438,24 @@ const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 const USER_AGENT_VALUE: &str = concat!("cdc-relay/", env!("CARGO_PKG_VERSION"));
+
+/// The `Host` header of requests to `uri`: its host, and its port when
+/// that is not the scheme's default (RFC 9110 §7.2), as the HTTP client
+/// would write it.
+fn host_header(uri: &Uri) -> Result<HeaderValue, SinkError> {
+    let host = uri
+        .host()
+        .ok_or_else(|| SinkError::Client("sink URL: no host".into()))?;
+    let default = match uri.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    };
+    let value = match uri.port_u16() {
+        Some(port) if port != default => format!("{host}:{port}"),
+        _ => host.to_owned(),
+    };
+    HeaderValue::from_str(&value).map_err(|e| SinkError::Client(format!("sink URL's host: {e}")))
+}
 
 /// `webhook-timestamp`: seconds since the Unix epoch, now.
 fn unix_seconds() -> u64 {

@@ -3,6 +3,7 @@
 use super::*;
 use crate::lsn::Lsn;
 use proptest::prelude::*;
+use std::collections::HashMap;
 
 fn lsn(n: u64) -> Lsn {
     Lsn::new(n)
@@ -307,7 +308,7 @@ proptest! {
                             job_of.insert(seq, (lane, event));
                             seq += 1;
                         }
-                        s.add_event(key.map(|k| k.to_string()), jobs, now);
+                        s.add_event(key.map(|k| k.to_string().into()), jobs, now);
                         event += 1;
                     }
                     s.commit(lsn(wal));

@@ -110,9 +110,23 @@ async fn posts_the_wire_headers_and_url_credentials_as_basic_auth() {
     assert!((before..=unix_seconds()).contains(&secs), "{ts}");
     assert_eq!(h("webhook-signature"), v1(KEY, "e%201", &ts, b"{}"));
     assert!(h("user-agent").starts_with("cdc-relay/"));
+    // The URL's host and port, without the credentials.
+    assert_eq!(h("host"), base.trim_start_matches("http://"));
+    assert_eq!(p.headers.get_all("host").iter().count(), 1);
     // base64("relay:p@ss")
     assert_eq!(h("authorization"), "Basic cmVsYXk6cEBzcw==");
     assert!(!s.display_url().contains("p%40ss"), "{}", s.display_url());
+}
+
+#[test]
+fn the_host_header_names_the_port_only_when_it_is_not_the_schemes_default() {
+    let host = |url: &str| host_header(&url.parse().unwrap()).unwrap();
+    assert_eq!(host("http://billing/inbox"), "billing");
+    assert_eq!(host("http://billing:80/inbox"), "billing");
+    assert_eq!(host("http://127.0.0.1:8080/inbox"), "127.0.0.1:8080");
+    assert_eq!(host("https://billing:443/inbox"), "billing");
+    assert_eq!(host("https://billing:80/inbox"), "billing:80");
+    assert_eq!(host("http://[::1]:9000/inbox"), "[::1]:9000");
 }
 
 #[tokio::test]
