@@ -151,8 +151,11 @@ type Pool = Client<Connector, Full<Bytes>>;
 struct Target {
     url: url::Url,
     uri: Uri,
-    /// `Host`, made once (the client would format it for every request).
-    host: HeaderValue,
+    /// `Host` for a plain-HTTP sink, made once (the client would format it
+    /// for every request). `None` for HTTPS: a connection may speak HTTP/2
+    /// there (ALPN), which carries `:authority` instead, and some front
+    /// ends reset a stream that has both; the client adds it for HTTP/1.1.
+    host: Option<HeaderValue>,
     authorization: Option<HeaderValue>,
     request_timeout: Duration,
 }
@@ -321,7 +324,9 @@ impl HttpSink {
             *req.uri_mut() = self.target.uri.clone();
             let headers = req.headers_mut();
             headers.reserve(8);
-            headers.insert(HOST, self.target.host.clone());
+            if let Some(host) = &self.target.host {
+                headers.insert(HOST, host.clone());
+            }
             headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
             if let Some(signature) = &legacy {
                 headers.insert(X_EVENT_SIGNATURE, signature.clone());
@@ -439,22 +444,24 @@ const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 const USER_AGENT_VALUE: &str = concat!("cdc-relay/", env!("CARGO_PKG_VERSION"));
 
-/// The `Host` header of requests to `uri`: its host, and its port when
-/// that is not the scheme's default (RFC 9110 §7.2), as the HTTP client
-/// would write it.
-fn host_header(uri: &Uri) -> Result<HeaderValue, SinkError> {
+/// The `Host` header of requests to a plain-HTTP `uri` (always HTTP/1.1:
+/// the client is not made HTTP/2-only): its host, and its port when that
+/// is not 80 (RFC 9110 §7.2), as the client would write it. `None` for any
+/// other scheme (see `Target::host`).
+fn host_header(uri: &Uri) -> Result<Option<HeaderValue>, SinkError> {
+    if uri.scheme_str() != Some("http") {
+        return Ok(None);
+    }
     let host = uri
         .host()
         .ok_or_else(|| SinkError::Client("sink URL: no host".into()))?;
-    let default = match uri.scheme_str() {
-        Some("https") => 443,
-        _ => 80,
-    };
     let value = match uri.port_u16() {
-        Some(port) if port != default => format!("{host}:{port}"),
+        Some(port) if port != 80 => format!("{host}:{port}"),
         _ => host.to_owned(),
     };
-    HeaderValue::from_str(&value).map_err(|e| SinkError::Client(format!("sink URL's host: {e}")))
+    HeaderValue::from_str(&value)
+        .map(Some)
+        .map_err(|e| SinkError::Client(format!("sink URL's host: {e}")))
 }
 
 /// `webhook-timestamp`: seconds since the Unix epoch, now.
