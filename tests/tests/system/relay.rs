@@ -438,10 +438,25 @@ async fn frozen_walsender_is_detected_by_the_watchdog() -> anyhow::Result<()> {
     let pid = nix::unistd::Pid::from_raw(frozen);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP)?;
     let event = app::insert_order_event(db).await?;
-    // Time is the subject: the walsender stays frozen for 3 x
-    // wal_sender_timeout, longer than the watchdog may wait.
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    // The walsender stays frozen until the watchdog has ended the session:
+    // after one silence bound (wal_sender_timeout, 2 s) when it was caught
+    // waiting, after ten when it was caught busy (its wait_event empty), as
+    // happens on a loaded host. A fixed freeze of 6 s failed that way once.
+    let watchdog_fired = || async {
+        let n = relay
+            .metrics()
+            .await?
+            .value("cdc_relay_reconnects_total", &[("cause", "watchdog")]);
+        anyhow::Ok(n.is_some_and(|n| n >= 1.0))
+    };
+    let fired = harness::wait_until(
+        "the watchdog ends the session on the frozen walsender",
+        Duration::from_secs(40),
+        watchdog_fired,
+    )
+    .await;
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT)?;
+    fired.map_err(|e| anyhow::anyhow!("{e}\n{}", relay.process.logs()))?;
     harness::wait_until(
         "the event delivered by a new session",
         Duration::from_secs(30),
