@@ -222,15 +222,20 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
             // once per item or per answer.
             item = items.recv(), if items_open => match item {
                 Some(item) => {
-                    handle(&mut scheduler, &mut done, &mut router, &mut skipped, dead_letter_lane, item, &pipeline);
-                    for _ in 1..PER_ROUND {
-                        match items.try_recv() {
-                            Ok(item) => handle(&mut scheduler, &mut done, &mut router, &mut skipped, dead_letter_lane, item, &pipeline),
-                            Err(mpsc::error::TryRecvError::Empty) => break,
-                            Err(mpsc::error::TryRecvError::Disconnected) => {
-                                items_open = false;
-                                break;
-                            }
+                    let mut next = Some(item);
+                    let mut taken = 0;
+                    while let Some(item) = next.take() {
+                        handle(&mut scheduler, &mut done, &mut router, &mut skipped, dead_letter_lane, item, &pipeline);
+                        taken += 1;
+                        if taken < PER_ROUND {
+                            next = match items.try_recv() {
+                                Ok(item) => Some(item),
+                                Err(mpsc::error::TryRecvError::Empty) => None,
+                                Err(mpsc::error::TryRecvError::Disconnected) => {
+                                    items_open = false;
+                                    None
+                                }
+                            };
                         }
                     }
                 }
