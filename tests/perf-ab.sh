@@ -1,51 +1,41 @@
 #!/usr/bin/env bash
-# Relay CPU per event, REF against the working tree, alternating: builds
-# REF's relay in a side target directory (once), then runs the null-sink
-# drain of the bench (scenario b, --max-in-flight 64, both signature
-# schemes) N times per build, REF then HEAD then REF ..., the two relay
-# binaries copied in turn to target/release/cdc-relay (the same bench,
-# Orders and database for both). Prints each run's figure, each build's
-# median and the ratio HEAD/REF per pair and of the medians.
+# Relay CPU per event, one or more references against the working tree,
+# alternating: builds each REF's relay once (a side target directory shared
+# by all references, so their dependencies compile once), then runs the
+# null-sink drain of the bench (scenario b, --max-in-flight 64, both
+# signature schemes) N rounds. A round runs every build once, the first REF
+# ... the last REF, HEAD; the next round runs them in the reverse order
+# (ABBA), so a load that drifts during the sitting weighs on every build
+# alike. The relay binaries are copied in turn to target/release/cdc-relay
+# (the same bench, Orders and database for all). Prints each run's figure,
+# and for each build its median and its ratio to the FIRST REF: per round,
+# and of the medians.
 #
 # Run it against the previous release before a change to the pipeline
-# lands, and write its result in docs/benchmarks.md. CPU per event is the
-# figure because it is steadier than events/s on a shared box; compare
-# ratios from one run, never milliseconds across runs.
+# lands, and write its result in docs/benchmarks.md. With several REFs it
+# is a bisect in one sitting: `tests/perf-ab.sh OLD,MID1,MID2 3` says how
+# much of the gap between OLD and HEAD each stretch of history added. CPU
+# per event is the figure because it is steadier than events/s on a shared
+# box; compare ratios from one run, never microseconds across runs.
 #
-# Usage: tests/perf-ab.sh REF [N] [extra bench arguments]   (N defaults to 3)
+# Usage: tests/perf-ab.sh REF[,REF...] [N] [extra bench arguments]   (N defaults to 3)
 #
-# Extra bench arguments for one side only: PERF_AB_REF_ARGS and
-# PERF_AB_HEAD_ARGS (split on spaces). REF "." is the working tree's relay
-# on both sides, for an A/B of a relay option on one build, e.g. tracing:
+# Extra bench arguments for one side only: PERF_AB_REF_ARGS (every REF) and
+# PERF_AB_HEAD_ARGS (split on spaces). REF "." is the working tree's relay,
+# for an A/B of a relay option on one build, e.g. tracing:
 #   PERF_AB_HEAD_ARGS=--traced tests/perf-ab.sh . 3
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ref=${1:?"usage: tests/perf-ab.sh REF [N] [extra bench arguments]"}
+refs_arg=${1:?"usage: tests/perf-ab.sh REF[,REF...] [N] [extra bench arguments]"}
 n=${2:-3}
 shift $(( $# >= 2 ? 2 : 1 ))
 extra=("$@")
 read -r -a ref_args <<<"${PERF_AB_REF_ARGS:-}"
 read -r -a head_args <<<"${PERF_AB_HEAD_ARGS:-}"
 dir=target/perf-ab
+side="$PWD/$dir/target-refs"
 mkdir -p "$dir"
-if [ "$ref" = . ]; then
-    short=HEAD
-    side=
-else
-    commit=$(git rev-parse --verify "$ref^{commit}")
-    short=${commit:0:12}
-    side="$PWD/$dir/target-$short"
-fi
-ref_label="$short${PERF_AB_REF_ARGS:+ $PERF_AB_REF_ARGS}"
-head_label="HEAD${PERF_AB_HEAD_ARGS:+ $PERF_AB_HEAD_ARGS}"
 
-if [ -n "$side" ] && [ ! -x "$side/release/cdc-relay" ]; then
-    echo "perf-ab: building cdc-relay at $short in $side" >&2
-    tree=$(mktemp -d)
-    git worktree add --detach "$tree" "$commit" >/dev/null
-    (cd "$tree" && CDC_RELAY_GIT_COMMIT="$short" cargo build --release --locked -p cdc-relay --target-dir "$side") >&2
-    git worktree remove --force "$tree"
-fi
 echo "perf-ab: building the working tree (release)" >&2
 # Two builds: `--bin` would restrict the other packages to that binary too.
 cargo build --release --locked -p cdc-relay-tests --bin bench >&2
@@ -55,15 +45,44 @@ cp target/release/cdc-relay "$head"
 restore() { cp "$head" target/release/cdc-relay; }
 trap restore EXIT
 
-ref_bin="${side:+$side/release/cdc-relay}"
-ref_bin=${ref_bin:-$head}
+# The builds, in run order: labels, binaries, bench arguments (one string).
+labels=(); bins=(); args=()
+IFS=, read -r -a refs <<<"$refs_arg"
+for ref in "${refs[@]}"; do
+    if [ "$ref" = . ]; then
+        labels+=("HEAD${PERF_AB_REF_ARGS:+ $PERF_AB_REF_ARGS}")
+        bins+=("$head")
+    else
+        commit=$(git rev-parse --verify "$ref^{commit}")
+        short=${commit:0:12}
+        bin="$dir/cdc-relay-$short"
+        if [ ! -x "$bin" ]; then
+            echo "perf-ab: building cdc-relay at $short in $side" >&2
+            tree=$(mktemp -d)
+            git worktree add --detach "$tree" "$commit" >/dev/null
+            (cd "$tree" && CDC_RELAY_GIT_COMMIT="$short" cargo build --release --locked -p cdc-relay --target-dir "$side") >&2
+            cp "$side/release/cdc-relay" "$bin"
+            git worktree remove --force "$tree"
+        fi
+        labels+=("$short${PERF_AB_REF_ARGS:+ $PERF_AB_REF_ARGS}")
+        bins+=("$bin")
+    fi
+    args+=("${ref_args[*]}")
+done
+labels+=("HEAD${PERF_AB_HEAD_ARGS:+ $PERF_AB_HEAD_ARGS}")
+bins+=("$head")
+args+=("${head_args[*]}")
+builds=${#bins[@]}
 
-run() { # run BUILD INDEX BINARY [bench arguments of this side]
-    cp "$3" target/release/cdc-relay
-    local out="$dir/$1-$2.json" load
+run() { # run INDEX ROUND: one drain with build INDEX; prints "µs/event ev/s load [spans]"
+    local b=$1 round=$2 out load side_args
+    cp "${bins[$b]}" target/release/cdc-relay
+    out="$dir/build$b-$round.json"
+    read -r -a side_args <<<"${args[$b]}"
     load=$(cut -d' ' -f1 /proc/loadavg)
     CDC_RELAY_SKIP_BUILD=1 target/release/bench --only b --sinks null --mif 64 --no-baselines \
-        --out "$out" "${extra[@]}" "${@:4}" >/dev/null 2>"$dir/$1-$2.log" || { tail -20 "$dir/$1-$2.log" >&2; exit 1; }
+        --out "$out" "${extra[@]}" "${side_args[@]}" >/dev/null 2>"$dir/build$b-$round.log" \
+        || { tail -20 "$dir/build$b-$round.log" >&2; exit 1; }
     python3 - "$out" "$load" <<'EOF'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
@@ -75,21 +94,31 @@ print("%.2f %.0f load %s%s" % (cpu[0]["contenders"]["ours"]["median"], rate[0]["
 EOF
 }
 
-refs=(); heads=()
-for i in $(seq 1 "$n"); do
-    got=$(run ref "$i" "$ref_bin" "${ref_args[@]}")
-    read -r r rr rinfo <<<"$got"
-    got=$(run head "$i" "$head" "${head_args[@]}")
-    read -r h hr hinfo <<<"$got"
-    refs+=("$r"); heads+=("$h")
-    printf 'pair %d: %s %s µs/event (%s ev/s, %s), %s %s µs/event (%s ev/s, %s): %s\n' "$i" \
-        "$ref_label" "$r" "$rr" "$rinfo" "$head_label" "$h" "$hr" "$hinfo" \
-        "$(python3 -c "print('%.2fx' % ($h / $r))")"
+figures="$dir/figures.tsv"
+: >"$figures"
+for round in $(seq 1 "$n"); do
+    if (( round % 2 )); then order=$(seq 0 $((builds - 1))); else order=$(seq $((builds - 1)) -1 0); fi
+    for b in $order; do
+        got=$(run "$b" "$round")
+        read -r us rate info <<<"$got"
+        printf 'round %d: %s %s µs/event (%s ev/s, %s)\n' "$round" "${labels[$b]}" "$us" "$rate" "$info"
+        printf '%d\t%d\t%s\n' "$round" "$b" "$us" >>"$figures"
+    done
 done
-python3 - "$ref_label" "$head_label" "${refs[*]}" "${heads[*]}" <<'EOF'
-import statistics, sys
-rl, hl = sys.argv[1], sys.argv[2]
-refs, heads = [float(x) for x in sys.argv[3].split()], [float(x) for x in sys.argv[4].split()]
-r, h = statistics.median(refs), statistics.median(heads)
-print(f"median: {rl} {r:.2f} µs/event, {hl} {h:.2f} µs/event: ({hl})/({rl}) = {h / r:.2f}x (n = {len(refs)} pairs)")
+python3 - "$figures" "${labels[@]}" <<'EOF'
+import collections, statistics, sys
+labels = sys.argv[2:]
+by = collections.defaultdict(dict)
+for line in open(sys.argv[1]):
+    r, b, us = line.split()
+    by[int(b)][int(r)] = float(us)
+base = by[0]
+rounds = sorted(base)
+print(f"ratios to {labels[0]} (per round: that round's run of {labels[0]}):")
+for b, label in enumerate(labels):
+    runs = by[b]
+    med = statistics.median(runs.values())
+    per = [runs[r] / base[r] for r in rounds]
+    print(f"  {label}: median {med:.2f} µs/event, {med / statistics.median(base.values()):.2f}x of the medians; "
+          f"per round {' '.join('%.2f' % p for p in per)} (median {statistics.median(per):.2f}x, n = {len(rounds)})")
 EOF
