@@ -43,6 +43,15 @@ pub struct DbArgs {
     /// Maximum pooled connections.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     pub pool_size: u16,
+    /// Connections opened at start, before the first request needs one
+    /// (default: all of `--pool-size`, a pool of fixed size; 0: each is
+    /// opened when a request first finds no free one). A pool opened on
+    /// demand grows during the first burst of traffic, and each new
+    /// connection (a server process started and authenticated: milliseconds)
+    /// delays the request that waits for it. Connections stay open until
+    /// they fail; those are opened again on demand.
+    #[arg(long)]
+    pub pool_prefill: Option<u16>,
     /// How long a request waits for a free pooled connection before 503, in ms.
     #[arg(long, default_value_t = 1000)]
     pub pool_wait_timeout_ms: u64,
@@ -65,6 +74,7 @@ impl std::fmt::Debug for DbArgs {
         f.debug_struct("DbArgs")
             .field("database_url", &"<redacted>")
             .field("pool_size", &self.pool_size)
+            .field("pool_prefill", &self.pool_prefill)
             .field("pool_wait_timeout_ms", &self.pool_wait_timeout_ms)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("statement_timeout_ms", &self.statement_timeout_ms)
@@ -80,6 +90,16 @@ impl std::fmt::Debug for DbArgs {
 /// The pool could not be built from the flags.
 #[derive(Debug, thiserror::Error)]
 pub enum DbSetupError {
+    /// `--pool-prefill` above `--pool-size`.
+    #[error(
+        "--pool-prefill {prefill} is above --pool-size {size}: at most --pool-size connections are open"
+    )]
+    Prefill {
+        /// The `--pool-prefill` given.
+        prefill: u16,
+        /// The `--pool-size` given.
+        size: u16,
+    },
     /// `--database-url` did not parse. The URL itself is not echoed.
     #[error("invalid --database-url: {0}")]
     InvalidUrl(String),
@@ -120,8 +140,22 @@ impl DbArgs {
         Ok(config)
     }
 
-    /// Builds the pool; no connection is opened until first use.
+    /// How many connections [`crate::db::prefill`] opens at start: `--pool-prefill`,
+    /// or the whole pool.
+    pub fn prefill(&self) -> u16 {
+        self.pool_prefill.unwrap_or(self.pool_size)
+    }
+
+    /// Builds the pool; no connection is opened until first use (see
+    /// [`crate::db::prefill`]). Errors: a bad URL, `--pool-prefill` above
+    /// `--pool-size`.
     pub fn build_pool(&self, app_name: &str) -> Result<Pool, DbSetupError> {
+        if let Some(prefill) = self.pool_prefill.filter(|p| *p > self.pool_size) {
+            return Err(DbSetupError::Prefill {
+                prefill,
+                size: self.pool_size,
+            });
+        }
         let config = self.pg_config(app_name)?;
         let manager = Manager::from_config(
             config,
@@ -142,6 +176,18 @@ impl DbArgs {
             .runtime(Runtime::Tokio1)
             .build()?)
     }
+}
+
+/// Opens up to `n` connections at once (at least one) and returns them to
+/// `pool`: the number opened, or the first error (the database is not
+/// reachable yet; the pool then opens connections on demand, as without
+/// a prefill).
+pub async fn prefill(pool: &Pool, n: u16) -> Result<usize, deadpool_postgres::PoolError> {
+    // All held at once, so each `get` opens a connection of its own; they
+    // go back to the pool when dropped here.
+    let held = futures::future::join_all((0..n.max(1)).map(|_| pool.get())).await;
+    let held = held.into_iter().collect::<Result<Vec<_>, _>>()?;
+    Ok(held.len())
 }
 
 /// `host=... port=... dbname=...` for logs: never the user's password (nor
@@ -256,12 +302,29 @@ mod tests {
         DbArgs {
             database_url: url.to_owned(),
             pool_size: 4,
+            pool_prefill: None,
             pool_wait_timeout_ms: 100,
             connect_timeout_ms: 3000,
             statement_timeout_ms: 3000,
             lock_timeout_ms: 1000,
             idle_in_transaction_timeout_ms: 10_000,
         }
+    }
+
+    #[test]
+    fn a_prefill_above_the_pool_size_is_refused_naming_both_flags() {
+        let mut a = args("postgresql://u@127.0.0.1:1/db");
+        assert_eq!(a.prefill(), 4, "the whole pool by default");
+        a.pool_prefill = Some(4);
+        assert!(a.build_pool("svc").is_ok());
+        a.pool_prefill = Some(0);
+        assert_eq!(a.prefill(), 0);
+        a.pool_prefill = Some(5);
+        let e = a.build_pool("svc").expect_err("5 > 4").to_string();
+        assert!(
+            e.contains("--pool-prefill 5") && e.contains("--pool-size 4"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -41,8 +41,8 @@ where
     let counters = trace_context::Counters::register(metrics.registry(), name);
     let export = trace_context::Export::start(&args.trace, name, counters)
         .map_err(|e| BadSetting(e.into()))?;
-    match pool.get().await {
-        Ok(_) => tracing::info!(database = %target, "database reachable"),
+    match crate::db::prefill(&pool, args.db.prefill()).await {
+        Ok(open) => tracing::info!(database = %target, open, "database reachable"),
         Err(e) => {
             tracing::warn!(
                 database = %target,

@@ -624,3 +624,32 @@ async fn compressed_bodies_are_415_and_repeated_keys_400_in_both_services() {
     let orders_db = stack.orders_admin().await.unwrap();
     assert_eq!(count(&orders_db, "orders").await, 0);
 }
+
+/// The pool is opened whole at start by default (`--pool-prefill`, all of
+/// `--pool-size`), before the service says it is listening, so a first burst
+/// of requests does not wait for the pool to grow; `--pool-prefill 0` opens
+/// only the connection that checks the database. (Both services share the
+/// pool code: Orders runs on demand, Billing with the default.)
+#[tokio::test]
+async fn the_pool_is_open_before_the_first_request() {
+    let stack = stack().await;
+    let orders = Service::orders(&stack, &["--pool-size", "8", "--pool-prefill", "0"], &[]).await;
+    let billing = Service::billing(&stack, &["--pool-size", "6"], &[]).await;
+    let open = |app: &'static str, url: String| async move {
+        let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(conn);
+        db.query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND datname = current_database()",
+            &[&app],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .get::<_, i64>(0)
+    };
+    // No request has been sent to either.
+    assert_eq!(open("orders", stack.orders_admin_url.clone()).await, 1);
+    assert_eq!(open("billing", stack.billing_admin_url.clone()).await, 6);
+    drop((orders, billing));
+}
