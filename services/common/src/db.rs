@@ -178,16 +178,41 @@ impl DbArgs {
     }
 }
 
+/// What [`prefill`] opened.
+#[derive(Debug)]
+pub struct Prefilled {
+    /// Connections opened (they are back in the pool, idle).
+    pub opened: usize,
+    /// Connections asked for.
+    pub wanted: usize,
+    /// Why the others were not opened (the first failure), if any.
+    pub failed: Option<deadpool_postgres::PoolError>,
+}
+
 /// Opens up to `n` connections at once (at least one) and returns them to
-/// `pool`: the number opened, or the first error (the database is not
-/// reachable yet; the pool then opens connections on demand, as without
-/// a prefill).
-pub async fn prefill(pool: &Pool, n: u16) -> Result<usize, deadpool_postgres::PoolError> {
+/// the pool. Those that fail to open (the database is not reachable yet, or
+/// its `max_connections` is reached) are opened on demand later, as
+/// without a prefill.
+pub async fn prefill(pool: &Pool, n: u16) -> Prefilled {
     // All held at once, so each `get` opens a connection of its own; they
     // go back to the pool when dropped here.
     let held = futures::future::join_all((0..n.max(1)).map(|_| pool.get())).await;
-    let held = held.into_iter().collect::<Result<Vec<_>, _>>()?;
-    Ok(held.len())
+    let wanted = held.len();
+    let mut opened = 0;
+    let mut failed = None;
+    for got in held {
+        match got {
+            Ok(_) => opened += 1,
+            Err(e) => {
+                failed.get_or_insert(e);
+            }
+        }
+    }
+    Prefilled {
+        opened,
+        wanted,
+        failed,
+    }
 }
 
 /// `host=... port=... dbname=...` for logs: never the user's password (nor

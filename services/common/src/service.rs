@@ -42,15 +42,31 @@ where
     let export = trace_context::Export::start(&args.trace, name, counters)
         .map_err(|e| BadSetting(e.into()))?;
     match crate::db::prefill(&pool, args.db.prefill()).await {
-        Ok(open) => tracing::info!(database = %target, open, "database reachable"),
-        Err(e) => {
-            tracing::warn!(
-                database = %target,
-                error = %crate::db::PoolErrorReport(&e),
-                sqlstate = crate::db::pool_sqlstate(&e),
-                "database not reachable yet; requests get 503 until it is"
-            )
-        }
+        crate::db::Prefilled {
+            opened,
+            failed: None,
+            ..
+        } => tracing::info!(database = %target, open = opened, "database reachable"),
+        crate::db::Prefilled {
+            opened: 0,
+            failed: Some(e),
+            ..
+        } => tracing::warn!(
+            database = %target,
+            error = %crate::db::PoolErrorReport(&e),
+            sqlstate = crate::db::pool_sqlstate(&e),
+            "database not reachable yet; requests get 503 until it is"
+        ),
+        crate::db::Prefilled {
+            opened,
+            wanted,
+            failed: Some(e),
+        } => tracing::warn!(
+            database = %target,
+            error = %crate::db::PoolErrorReport(&e),
+            sqlstate = crate::db::pool_sqlstate(&e),
+            "database reachable, but only {opened} of the {wanted} pooled connections of --pool-prefill opened at start (the server's connection limits?); the rest open when requests need them"
+        ),
     }
     let spans = Spans::new(export.as_ref().map(|e| e.tracer().clone()));
     let routes = build(pool, Arc::clone(&metrics), spans)?;

@@ -653,3 +653,40 @@ async fn the_pool_is_open_before_the_first_request() {
     assert_eq!(open("billing", stack.billing_admin_url.clone()).await, 6);
     drop((orders, billing));
 }
+
+/// A prefill the server cannot give whole (its connection limit is
+/// reached) opens what it can, says how many at WARN with the server's
+/// reason, and the service runs: a request is served on the pool it got.
+#[tokio::test]
+async fn a_prefill_cut_short_by_the_servers_limit_says_so_and_serves() {
+    let stack = stack().await;
+    let admin = stack.billing_admin().await.unwrap();
+    // Superusers (the test's own connections) are exempt from the limit.
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} CONNECTION LIMIT 3",
+            stack.billing_db
+        ))
+        .await
+        .unwrap();
+    let billing = Service::billing(&stack, &["--pool-size", "6"], &[]).await;
+    let line = billing
+        .process
+        .wait_for_line(
+            "pooled connections of --pool-prefill",
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    // At most 3 (the limit; the stack may hold one of them itself).
+    let opened = ["1", "2", "3"]
+        .iter()
+        .find(|n| line.contains(&format!("only {n} of the 6")));
+    assert!(
+        opened.is_some() && line.contains("53300"),
+        "the count and the server's reason (too many connections): {line}"
+    );
+    let body = event(Uuid::new_v4(), Uuid::new_v4(), 100).to_string();
+    let response = deliver_signed(&http(), &billing, &body).await;
+    assert_eq!(response.status(), StatusCode::NO_CONTENT);
+}
