@@ -43,13 +43,16 @@ pub struct DbArgs {
     /// Maximum pooled connections.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     pub pool_size: u16,
-    /// Connections opened at start, before the first request needs one
-    /// (default: all of `--pool-size`, a pool of fixed size; 0: each is
-    /// opened when a request first finds no free one). A pool opened on
-    /// demand grows during the first burst of traffic, and each new
-    /// connection (a server process started and authenticated: milliseconds)
-    /// delays the request that waits for it. Connections stay open until
-    /// they fail; those are opened again on demand.
+    /// Connections opened at start, before the service says it is
+    /// listening [default: 4, at most `--pool-size`]. A pool that grows
+    /// during a burst delays each request that waits for a new connection (a
+    /// server process started and authenticated: milliseconds); the prefilled
+    /// ones carry the first requests of a burst at once. The rest of the
+    /// pool, and any connection that fails later, open when requests need
+    /// them. 0: only the one connection that checks the database. Each
+    /// prefilled connection is held for the service's life: count them
+    /// against the server's `max_connections` (every instance of every
+    /// service). Above `--pool-size`: exit 2.
     #[arg(long)]
     pub pool_prefill: Option<u16>,
     /// How long a request waits for a free pooled connection before 503, in ms.
@@ -140,10 +143,11 @@ impl DbArgs {
         Ok(config)
     }
 
-    /// How many connections [`crate::db::prefill`] opens at start: `--pool-prefill`,
-    /// or the whole pool.
+    /// How many connections [`crate::db::prefill`] opens at start:
+    /// `--pool-prefill`, or [`DEFAULT_PREFILL`] within the pool.
     pub fn prefill(&self) -> u16 {
-        self.pool_prefill.unwrap_or(self.pool_size)
+        self.pool_prefill
+            .unwrap_or(DEFAULT_PREFILL.min(self.pool_size))
     }
 
     /// Builds the pool; no connection is opened until first use (see
@@ -178,6 +182,12 @@ impl DbArgs {
     }
 }
 
+/// Connections opened at start by default: enough for a burst's first
+/// requests at a few thousand per second (each holds one for about a
+/// millisecond), few enough that several instances of each service fit in
+/// PostgreSQL's default `max_connections` (100) beside the relay.
+pub const DEFAULT_PREFILL: u16 = 4;
+
 /// What [`prefill`] opened.
 #[derive(Debug)]
 pub struct Prefilled {
@@ -189,18 +199,29 @@ pub struct Prefilled {
     pub failed: Option<deadpool_postgres::PoolError>,
 }
 
-/// Opens up to `n` connections at once (at least one) and returns them to
-/// the pool. Those that fail to open (the database is not reachable yet, or
-/// its `max_connections` is reached) are opened on demand later, as
-/// without a prefill.
+/// Opens one connection, then, if it opened, up to `n - 1` more at once,
+/// and returns them to the pool. The first one alone: a database that is
+/// down, or refuses the password, is tried once, not `n` times. Those that
+/// fail to open are opened on demand later, as without a prefill.
 pub async fn prefill(pool: &Pool, n: u16) -> Prefilled {
+    let wanted = usize::from(n.max(1));
+    let first = match pool.get().await {
+        Ok(first) => first,
+        Err(e) => {
+            return Prefilled {
+                opened: 0,
+                wanted,
+                failed: Some(e),
+            };
+        }
+    };
     // All held at once, so each `get` opens a connection of its own; they
     // go back to the pool when dropped here.
-    let held = futures::future::join_all((0..n.max(1)).map(|_| pool.get())).await;
-    let wanted = held.len();
-    let mut opened = 0;
+    let rest = futures::future::join_all((1..wanted).map(|_| pool.get())).await;
+    drop(first);
+    let mut opened = 1;
     let mut failed = None;
-    for got in held {
+    for got in rest {
         match got {
             Ok(_) => opened += 1,
             Err(e) => {
@@ -339,7 +360,10 @@ mod tests {
     #[test]
     fn a_prefill_above_the_pool_size_is_refused_naming_both_flags() {
         let mut a = args("postgresql://u@127.0.0.1:1/db");
-        assert_eq!(a.prefill(), 4, "the whole pool by default");
+        a.pool_size = 2;
+        assert_eq!(a.prefill(), 2, "the default, within the pool");
+        a.pool_size = 4;
+        assert_eq!(a.prefill(), DEFAULT_PREFILL);
         a.pool_prefill = Some(4);
         assert!(a.build_pool("svc").is_ok());
         a.pool_prefill = Some(0);

@@ -65,7 +65,7 @@ where
             database = %target,
             error = %crate::db::PoolErrorReport(&e),
             sqlstate = crate::db::pool_sqlstate(&e),
-            "database reachable, but only {opened} of the {wanted} pooled connections of --pool-prefill opened at start (the server's connection limits?); the rest open when requests need them"
+            "database reachable, but only {opened} of the {wanted} connections of --pool-prefill opened at start; the server refused the others (its connection limits?), and a request that needs more than it allows gets 503 database_unavailable: lower --pool-size or raise the server's limit"
         ),
     }
     let spans = Spans::new(export.as_ref().map(|e| e.tracer().clone()));

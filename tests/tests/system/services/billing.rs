@@ -625,16 +625,16 @@ async fn compressed_bodies_are_415_and_repeated_keys_400_in_both_services() {
     assert_eq!(count(&orders_db, "orders").await, 0);
 }
 
-/// The pool is opened whole at start by default (`--pool-prefill`, all of
-/// `--pool-size`), before the service says it is listening, so a first burst
-/// of requests does not wait for the pool to grow; `--pool-prefill 0` opens
-/// only the connection that checks the database. (Both services share the
-/// pool code: Orders runs on demand, Billing with the default.)
+/// Part of the pool is opened at start (`--pool-prefill`, default 4 within
+/// `--pool-size`), before the service says it is listening, so the first
+/// requests of a burst do not wait for new connections; `--pool-prefill 0`
+/// opens only the connection that checks the database. (The services
+/// share the pool code: Orders with 0, Billing with the default.)
 #[tokio::test]
 async fn the_pool_is_open_before_the_first_request() {
     let stack = stack().await;
     let orders = Service::orders(&stack, &["--pool-size", "8", "--pool-prefill", "0"], &[]).await;
-    let billing = Service::billing(&stack, &["--pool-size", "6"], &[]).await;
+    let billing = Service::billing(&stack, &["--pool-size", "8"], &[]).await;
     let open = |app: &'static str, url: String| async move {
         let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
             .await
@@ -650,7 +650,7 @@ async fn the_pool_is_open_before_the_first_request() {
     };
     // No request has been sent to either.
     assert_eq!(open("orders", stack.orders_admin_url.clone()).await, 1);
-    assert_eq!(open("billing", stack.billing_admin_url.clone()).await, 6);
+    assert_eq!(open("billing", stack.billing_admin_url.clone()).await, 4);
     drop((orders, billing));
 }
 
@@ -669,13 +669,10 @@ async fn a_prefill_cut_short_by_the_servers_limit_says_so_and_serves() {
         ))
         .await
         .unwrap();
-    let billing = Service::billing(&stack, &["--pool-size", "6"], &[]).await;
+    let billing = Service::billing(&stack, &["--pool-size", "6", "--pool-prefill", "6"], &[]).await;
     let line = billing
         .process
-        .wait_for_line(
-            "pooled connections of --pool-prefill",
-            Duration::from_secs(10),
-        )
+        .wait_for_line("connections of --pool-prefill", Duration::from_secs(10))
         .await
         .unwrap();
     // At most 3 (the limit; the stack may hold one of them itself).
