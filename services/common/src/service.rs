@@ -41,32 +41,25 @@ where
     let counters = trace_context::Counters::register(metrics.registry(), name);
     let export = trace_context::Export::start(&args.trace, name, counters)
         .map_err(|e| BadSetting(e.into()))?;
-    match crate::db::prefill(&pool, args.db.prefill()).await {
-        crate::db::Prefilled {
-            opened,
-            failed: None,
-            ..
-        } => tracing::info!(database = %target, open = opened, "database reachable"),
-        crate::db::Prefilled {
-            opened: 0,
-            failed: Some(e),
-            ..
-        } => tracing::warn!(
-            database = %target,
-            error = %crate::db::PoolErrorReport(&e),
-            sqlstate = crate::db::pool_sqlstate(&e),
-            "database not reachable yet; requests get 503 until it is"
-        ),
-        crate::db::Prefilled {
-            opened,
-            wanted,
-            failed: Some(e),
-        } => tracing::warn!(
-            database = %target,
-            error = %crate::db::PoolErrorReport(&e),
-            sqlstate = crate::db::pool_sqlstate(&e),
-            "database reachable, but only {opened} of the {wanted} connections of --pool-prefill opened at start; the server refused the others (its connection limits?), and a request that needs more than it allows gets 503 database_unavailable: lower --pool-size or raise the server's limit"
-        ),
+    let prefilled = crate::db::prefill(&pool, args.db.prefill()).await;
+    match &prefilled.failed {
+        None => tracing::info!(database = %target, open = prefilled.opened, "database reachable"),
+        Some(e) => {
+            let what = if prefilled.opened == 0 {
+                "database not reachable yet; requests get 503 until it is".to_owned()
+            } else {
+                format!(
+                    "database reachable, but only {} of the {} connections of --pool-prefill opened at start; the server refused the others (its connection limits?), and a request that needs more than it allows gets 503 database_unavailable: lower --pool-size or raise the server's limit",
+                    prefilled.opened, prefilled.wanted
+                )
+            };
+            tracing::warn!(
+                database = %target,
+                error = %crate::db::PoolErrorReport(e),
+                sqlstate = crate::db::pool_sqlstate(e),
+                "{what}"
+            );
+        }
     }
     let spans = Spans::new(export.as_ref().map(|e| e.tracer().clone()));
     let routes = build(pool, Arc::clone(&metrics), spans)?;
