@@ -19,6 +19,7 @@ mod billing;
 mod charges;
 mod orders;
 mod payments;
+mod pool;
 
 use std::str::FromStr;
 use std::time::Duration;
