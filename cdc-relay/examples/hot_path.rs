@@ -24,6 +24,9 @@ fn main() {
             }
         },
     };
-    hot_path::run(500, events, || 0);
-    println!("{events} events delivered");
+    let counted = hot_path::run(500, events, || 0);
+    println!(
+        "{events} events delivered, {} tasks spawned meanwhile",
+        counted.tasks_spawned
+    );
 }

@@ -24,17 +24,23 @@
 //! delivery waiting for the breaker or sleeping in backoff gives up at once
 //! and its event stays pending (unconfirmed, so it is sent again after a
 //! restart); an attempt already on the wire finishes.
+//!
+//! Deliveries run on [`Workers`]: per lane, tasks that live as long as the
+//! pipeline and deliver one job at a time.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use opentelemetry::trace::TraceId;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::lane::Lane;
+use super::scheduler::Ticket;
 use super::span::AttemptSpan;
-use super::{DispatchError, Persist};
+use super::{DispatchError, Job, Persist, Work};
 use crate::backoff::Backoff;
 use crate::breaker::{Admission, Signal};
 use crate::dead_letter::{DeadLetterStore, NewDeadLetter, StoreError, Urgency};
@@ -55,6 +61,117 @@ pub(super) struct Ctx<D> {
     pub(super) stopping: CancellationToken,
     /// Retry until done, or one attempt.
     pub(super) persist: Persist,
+}
+
+/// A job handed back by a worker, with how its delivery finished.
+pub(super) type Delivered = (Ticket, Job, Result<Finished, DispatchError>);
+
+/// What a worker hands back: its lane and index, and the job.
+type Answer = (usize, usize, Delivered);
+
+/// The delivery workers of one pipeline run. Each lane gets tasks as its
+/// jobs need them, at most its `max_in_flight` (the scheduler starts no
+/// more jobs than that), and they live as long as the run: a job costs a
+/// message to an idle worker and one back, not a task of its own (its
+/// allocation, scheduling and join). Dropping `Workers` aborts them, and
+/// with them the attempts on the wire.
+pub(super) struct Workers<S, D> {
+    lanes: Vec<Arc<Lane<S>>>,
+    ctx: Arc<Ctx<D>>,
+    /// Per lane, each worker's inbox (a worker's index is its place here).
+    inboxes: Vec<Vec<mpsc::Sender<(Ticket, Job)>>>,
+    /// Per lane, the workers with no job.
+    idle: Vec<Vec<usize>>,
+    /// Jobs started and not yet handed back.
+    busy: usize,
+    answers_tx: mpsc::UnboundedSender<Answer>,
+    answers: mpsc::UnboundedReceiver<Answer>,
+    tasks: JoinSet<()>,
+}
+
+impl<S: Sink, D: DeadLetterStore> Workers<S, D> {
+    /// No worker yet, for `lanes` (lane `i` is `lanes[i]`).
+    pub(super) fn new(lanes: &[Arc<Lane<S>>], ctx: Ctx<D>) -> Self {
+        let (answers_tx, answers) = mpsc::unbounded_channel();
+        Self {
+            lanes: lanes.to_vec(),
+            ctx: Arc::new(ctx),
+            inboxes: vec![Vec::new(); lanes.len()],
+            idle: vec![Vec::new(); lanes.len()],
+            busy: 0,
+            answers_tx,
+            answers,
+            tasks: JoinSet::new(),
+        }
+    }
+
+    /// Starts delivering `job` (a [`Work::Deliver`]) at its lane, on an
+    /// idle worker or a new one.
+    pub(super) fn start(&mut self, ticket: Ticket, job: Job) {
+        let lane = ticket.lane;
+        let worker = match self.idle[lane].pop() {
+            Some(w) => w,
+            None => self.spawn(lane),
+        };
+        self.busy += 1;
+        self.inboxes[lane][worker]
+            .try_send((ticket, job))
+            .expect("an idle worker's inbox is empty");
+    }
+
+    fn spawn(&mut self, lane: usize) -> usize {
+        let (inbox, mut jobs) = mpsc::channel::<(Ticket, Job)>(1);
+        let worker = self.inboxes[lane].len();
+        self.inboxes[lane].push(inbox);
+        let at = Arc::clone(&self.lanes[lane]);
+        let ctx = Arc::clone(&self.ctx);
+        let answers = self.answers_tx.clone();
+        self.tasks.spawn(async move {
+            while let Some((ticket, job)) = jobs.recv().await {
+                let Work::Deliver(event) = &job.0 else {
+                    unreachable!("only deliveries are started")
+                };
+                let finished = deliver(&at, &ctx, ticket.seq, event).await;
+                if answers
+                    .send((lane, worker, (ticket, job, finished)))
+                    .is_err()
+                {
+                    break;
+                }
+            }
+        });
+        worker
+    }
+
+    /// Whether no job is being delivered.
+    pub(super) fn is_idle(&self) -> bool {
+        self.busy == 0
+    }
+
+    /// The next job handed back (waits for one).
+    ///
+    /// # Panics
+    /// When a worker panicked.
+    pub(super) async fn next(&mut self) -> Delivered {
+        tokio::select! {
+            Some(answer) = self.answers.recv() => self.back(answer),
+            Some(ended) = self.tasks.join_next() => {
+                panic!("delivery workers do not end while the run lasts: {ended:?}")
+            }
+        }
+    }
+
+    /// A job already handed back, if any.
+    pub(super) fn try_next(&mut self) -> Option<Delivered> {
+        let answer = self.answers.try_recv().ok()?;
+        Some(self.back(answer))
+    }
+
+    fn back(&mut self, (lane, worker, delivered): Answer) -> Delivered {
+        self.busy -= 1;
+        self.idle[lane].push(worker);
+        delivered
+    }
 }
 
 /// How a delivery ended.

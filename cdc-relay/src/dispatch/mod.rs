@@ -6,7 +6,7 @@
 //!  source ──Item──▶ run ──▶ Scheduler (pure: keys, max_in_flight, hand-offs, AckTracker)
 //!    ▲  (stream        │        │ next_job                          │ hand_off (parked lanes, dead-letter lane)
 //!    │   order)        │        ▼                                   ▼
-//!    │                 │   delivery task ─Sink::post─▶ classify   dead-letter writer (group commit)
+//!    │                 │   delivery worker ─Sink::post─▶ classify dead-letter writer (group commit)
 //!    │                 ◀── complete(ticket) ────────────────────────┘
 //!    └── confirmed position (watch) ◀── Scheduler::confirmed
 //! ```
@@ -17,7 +17,7 @@
 //! - [`scheduler`]: the state machine, free of I/O (unit- and
 //!   property-tested).
 //! - [`delivery`]: one event's attempts at one lane: the breaker, backoff,
-//!   the poison event's dead letter.
+//!   the poison event's dead letter; and the lanes' delivery workers.
 //! - [`route`]: which lanes an event goes to.
 //! - [`park`]: parking an endpoint that holds the slot back (its events
 //!   dead-lettered with reason `parked`).
@@ -32,8 +32,8 @@
 //! Each event is one job per lane it is routed to, and its transaction is
 //! done when all of them are (`docs/architecture.md#acknowledgement`).
 //! Jobs that only write a dead-letter row — a parked lane's events, and
-//! the *dead-letter lane* of unrouted events and unreadable rows — run no
-//! task: the dispatcher hands them to the store's single writer in stream
+//! the *dead-letter lane* of unrouted events and unreadable rows — go to no
+//! worker: the dispatcher hands them to the store's single writer in stream
 //! order, and completes each once its row is committed.
 //!
 //! The two I/O seams are traits: [`Sink`] (the HTTP client) and
@@ -66,7 +66,6 @@ use std::time::Duration;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::ack::Position;
@@ -76,7 +75,7 @@ use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::Sink;
 use confirmed::DoneLog;
 pub use confirmed::{Confirmed, DoneTx};
-use delivery::{Ctx, Finished};
+use delivery::{Ctx, Finished, Workers};
 pub use lane::Lane;
 use park::Parking;
 pub use pipeline::{
@@ -102,9 +101,6 @@ enum Work {
 /// A job: its work, and its room in the window, shared by the event's jobs
 /// at every lane (released when the last is done).
 type Job = (Work, Arc<WindowPermit>);
-
-/// A delivery task's end: its job handed back with how it finished.
-type Delivered = (Ticket, Job, Result<Finished, DispatchError>);
 
 /// A dead-letter write of a handed-off job, and its result.
 type Written = Pin<Box<dyn Future<Output = (Ticket, Job, Result<i64, StoreError>)> + Send>>;
@@ -142,17 +138,19 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
     }
     let metrics = pipeline.metrics.clone();
     let stopping = pipeline.stopping.clone();
-    let ctx = Arc::new(Ctx {
-        store: Arc::clone(&pipeline.store),
-        metrics: metrics.clone(),
-        stopping: stopping.clone(),
-        persist: pipeline.persist,
-    });
+    let mut workers = Workers::new(
+        &lanes,
+        Ctx {
+            store: Arc::clone(&pipeline.store),
+            metrics: metrics.clone(),
+            stopping: stopping.clone(),
+            persist: pipeline.persist,
+        },
+    );
     let mut parking = Parking::new(pipeline.wal_budget.clone(), pipeline.window.clone());
     let mut scheduler: Scheduler<P, Job> = Scheduler::with_lanes(start, &limits);
     let mut done = DoneLog::new();
     let mut skipped = Skipped::default();
-    let mut running: JoinSet<Delivered> = JoinSet::new();
     let mut writes: FuturesUnordered<Written> = FuturesUnordered::new();
     let mut items_open = true;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -183,20 +181,14 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
                 }
             }
             while let Some((mut ticket, job)) = scheduler.next_job() {
-                let Work::Deliver(event) = &job.0 else {
+                if !matches!(job.0, Work::Deliver(_)) {
                     // Only a draining lane's jobs write rows, and those
                     // are never started.
                     scheduler.hand_off_running(&mut ticket);
                     writes.push(write(&lanes, &pipeline, ticket, job));
                     continue;
-                };
-                let event = Arc::clone(event);
-                let lane = Arc::clone(&lanes[ticket.lane]);
-                let ctx = Arc::clone(&ctx);
-                running.spawn(async move {
-                    let finished = delivery::deliver(&lane, &ctx, ticket.seq, &event).await;
-                    (ticket, job, finished)
-                });
+                }
+                workers.start(ticket, job);
             }
         }
         for (lane, (work, _)) in scheduler.take_abandoned() {
@@ -212,7 +204,7 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
         } else {
             scheduler.is_idle()
         };
-        if !items_open && running.is_empty() && writes.is_empty() && ended {
+        if !items_open && workers.is_idle() && writes.is_empty() && ended {
             return Ok(scheduler.confirmed());
         }
         tokio::select! {
@@ -241,17 +233,16 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
                 }
                 None => items_open = false,
             },
-            Some(joined) = running.join_next() => {
+            joined = workers.next(), if !workers.is_idle() => {
                 let mut joined = Some(joined);
                 let mut taken = 0;
-                while let Some(j) = joined.take() {
-                    let (ticket, job, finished) = j.expect("delivery tasks do not panic");
+                while let Some((ticket, job, finished)) = joined.take() {
                     if let Some((ticket, job)) = delivered(&mut scheduler, &pipeline, ticket, job, finished?) {
                         writes.push(write(&lanes, &pipeline, ticket, job));
                     }
                     taken += 1;
                     if taken < PER_ROUND {
-                        joined = running.try_join_next();
+                        joined = workers.try_next();
                     }
                 }
             }
@@ -293,7 +284,7 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
 /// other side (answers, or new items) waits a bounded time.
 const PER_ROUND: usize = 64;
 
-/// Books a delivery task's end: its job done, handed to the dead-letter
+/// Books a delivery's end: its job done, handed to the dead-letter
 /// writer (its lane parked meanwhile: the job is returned, to be written),
 /// or abandoned; `Failing` stops the pipeline.
 fn delivered<P: Position, D>(

@@ -1,4 +1,4 @@
-//! The whole dispatcher — scheduler, delivery tasks, breaker, dead letters —
+//! The whole dispatcher — scheduler, delivery workers, breaker, dead letters —
 //! against a scripted in-memory sink and store, in paused time: every
 //! schedule below is exact and the tests never sleep on the wall clock.
 //!

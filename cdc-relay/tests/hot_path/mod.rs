@@ -237,14 +237,22 @@ async fn confirmed_at(confirmed: &mut watch::Receiver<Confirmed<Lsn>>, end: Lsn)
 }
 
 /// Runs `warm_up` events through the pipeline, then `events` more, and
-/// returns `measure()` after them minus `measure()` before them (e.g. the
-/// heap allocations made meanwhile). Both counts should be multiples of
-/// [`PER_TX`].
+/// returns what was counted while the latter went through: `measure()`
+/// after them minus `measure()` before them (e.g. the heap allocations
+/// made meanwhile), and the Tokio tasks spawned meanwhile. Both counts of
+/// events should be multiples of [`PER_TX`].
+///
+/// Tasks are counted by their ids: Tokio takes a task's id from one
+/// process-wide counter, in spawn order, so the ids of two probe tasks
+/// spawned before and after differ by the tasks spawned in between, plus
+/// one (this is how Tokio 1.x makes ids, not a documented promise; were it
+/// to change, the count would be nonsense and the budget test fail, not
+/// pass). The probes are spawned outside `measure()`'s window.
 ///
 /// # Panics
 /// When the pipeline fails or does not deliver everything within 2
 /// minutes.
-pub fn run(warm_up: u64, events: u64, measure: impl Fn() -> u64) -> u64 {
+pub fn run(warm_up: u64, events: u64, measure: impl Fn() -> u64) -> Counted {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -284,6 +292,7 @@ pub fn run(warm_up: u64, events: u64, measure: impl Fn() -> u64) -> u64 {
         feed(stream(0, warm_up), &mut mapper, &window, &items).await;
         confirmed_at(&mut confirmed, Lsn::new(1_000 + 100 * (warm_up - PER_TX))).await;
         let counted = stream(warm_up, warm_up + events);
+        let first_probe = probe_task_id();
         let before = measure();
         feed(counted, &mut mapper, &window, &items).await;
         confirmed_at(
@@ -292,11 +301,30 @@ pub fn run(warm_up: u64, events: u64, measure: impl Fn() -> u64) -> u64 {
         )
         .await;
         let after = measure();
+        let last_probe = probe_task_id();
         drop(items);
         dispatcher
             .await
             .expect("the dispatcher does not panic")
             .expect("the dispatcher ends cleanly");
-        after - before
+        Counted {
+            measured: after - before,
+            tasks_spawned: last_probe - first_probe - 1,
+        }
     })
+}
+
+/// What [`run`] counted while its counted events went through.
+pub struct Counted {
+    /// `measure()` after minus before.
+    #[allow(dead_code, reason = "the instruction count's example measures nothing")]
+    pub measured: u64,
+    /// Tokio tasks spawned (see [`run`]).
+    pub tasks_spawned: u64,
+}
+
+/// The id of a task spawned now, as a number (see [`run`]).
+fn probe_task_id() -> u64 {
+    let id = tokio::spawn(async {}).id().to_string();
+    id.parse().expect("a Tokio task id prints as a number")
 }
