@@ -172,13 +172,21 @@ impl Stream {
         budget: Duration,
     ) -> Result<Instant, StreamError> {
         let mut deadline: Option<Instant> = None;
+        // One timer for the watchdog's check, moved as its due time moves
+        // (later: an atomic store, not a timer registered and dropped per
+        // message).
+        let check = tokio::time::sleep_until(self.watchdog.deadline());
+        tokio::pin!(check);
         loop {
             if let Some(d) = deadline
                 && (self.tx.is_none() || Instant::now() >= d)
             {
                 return Ok(d);
             }
-            let far = Instant::now() + Duration::from_secs(3600);
+            let due = self.watchdog.deadline();
+            if check.deadline() != due {
+                check.as_mut().reset(due);
+            }
             tokio::select! {
                 biased;
                 r = self.confirmed.changed() => self.forward_ack(r)?,
@@ -187,8 +195,8 @@ impl Stream {
                     tracing::info!(in_transaction = self.tx.is_some(), "shutdown requested: stop reading at the next transaction boundary");
                     deadline = Some(Instant::now() + budget);
                 }
-                _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {}
-                _ = tokio::time::sleep_until(self.watchdog.deadline()) => self.watchdog.check().await?,
+                () = until(deadline) => {}
+                () = &mut check => self.watchdog.check().await?,
                 _ = &mut self.side_closed => return Err(side_lost().into()),
                 ev = self.transport.recv() => {
                     self.watchdog.heard();
@@ -393,7 +401,6 @@ impl Stream {
         size: usize,
         deadline: Option<Instant>,
     ) -> Result<WindowPermit, SourceError> {
-        let far = Instant::now() + Duration::from_secs(3600);
         let window = self.window.clone();
         let admitted = window.admit(size);
         tokio::pin!(admitted);
@@ -404,7 +411,7 @@ impl Stream {
                 c = self.ceiling.changed() => self.transport.hold_at(c),
                 p = &mut admitted => return Ok(p),
                 _ = &mut self.side_closed => return Err(side_lost()),
-                _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() => {
+                () = until(deadline) => {
                     return Err(SourceError::Transient("shutdown budget spent inside a transaction".into()));
                 }
             }
@@ -516,6 +523,16 @@ impl IgnoredChanges {
                 tracing::info!(relation = %name, kind, "the publication streams {kind}s of {name}, which is not the outbox; they are counted in cdc_relay_ignored_changes_total and not delivered");
             }
         }
+    }
+}
+
+/// Sleeps until `deadline`, or forever without one. Nothing is made
+/// until it is first polled: a `select!` branch that makes it every round
+/// costs nothing when there is no deadline.
+async fn until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
     }
 }
 
