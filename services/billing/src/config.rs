@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::Parser;
 use clap::builder::BoolishValueParser;
 use event_secret::{EventKeys, SecretError, Source};
-use service_common::cli::ServiceArgs;
+use service_common::cli::{ServiceArgs, positive_duration};
 
 use crate::charge::ChargeSettings;
 use crate::charge::store::Backoff;
@@ -124,14 +124,6 @@ fn http_url(text: &str) -> Result<reqwest::Url, String> {
     match url.scheme() {
         "http" | "https" if url.host().is_some() => Ok(url),
         _ => Err(format!("{text:?} is not an http:// or https:// URL")),
-    }
-}
-
-fn positive_duration(text: &str) -> Result<Duration, String> {
-    match humantime::parse_duration(text) {
-        Ok(d) if !d.is_zero() => Ok(d),
-        Ok(_) => Err("must be above zero".to_owned()),
-        Err(e) => Err(format!("{text:?}: {e}")),
     }
 }
 

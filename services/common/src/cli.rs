@@ -15,6 +15,7 @@ use clap::{Command, Parser};
 use crate::db::DbArgs;
 use crate::server::HttpArgs;
 use crate::telemetry::LogArgs;
+pub use service_listener::{positive_count, positive_duration};
 
 /// Flags every service has: where to listen, the database, HTTP limits, logs.
 #[derive(Debug, Clone, clap::Args)]
@@ -54,7 +55,9 @@ pub fn parse_with_env_prefix<T: Parser>(
     default_admin_listen: &str,
 ) -> T {
     let mut cmd = command_with_env_prefix::<T>(env_prefix, default_listen, default_admin_listen);
-    let matches = cmd.get_matches_mut();
+    let matches = cmd
+        .try_get_matches_from_mut(std::env::args_os())
+        .unwrap_or_else(|e| with_env_tips(e, &cmd).exit());
     T::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut cmd).exit())
 }
 
@@ -72,8 +75,38 @@ where
     A: Into<OsString> + Clone,
 {
     let mut cmd = command_with_env_prefix::<T>(env_prefix, default_listen, default_admin_listen);
-    let matches = cmd.try_get_matches_from_mut(args)?;
+    let matches = cmd
+        .try_get_matches_from_mut(args)
+        .map_err(|e| with_env_tips(e, &cmd))?;
     T::from_arg_matches(&matches).map_err(|e| e.format(&mut cmd))
+}
+
+/// A missing required flag's error, with a tip per flag naming the
+/// environment variable that also sets it (clap names only the flag).
+fn with_env_tips(mut err: clap::Error, cmd: &Command) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if err.kind() != ErrorKind::MissingRequiredArgument {
+        return err;
+    }
+    let Some(ContextValue::Strings(missing)) = err.get(ContextKind::InvalidArg) else {
+        return err;
+    };
+    let tips: Vec<clap::builder::StyledStr> = cmd
+        .get_arguments()
+        .filter_map(|arg| {
+            let long = arg.get_long()?;
+            let var = arg.get_env()?.to_string_lossy();
+            let flag = format!("--{long}");
+            missing
+                .iter()
+                .any(|m| m.split_whitespace().next() == Some(flag.as_str()))
+                .then(|| format!("set {flag} or the environment variable {var}").into())
+        })
+        .collect();
+    if !tips.is_empty() {
+        err.insert(ContextKind::Suggested, ContextValue::StyledStrs(tips));
+    }
+    err
 }
 
 fn command_with_env_prefix<T: Parser>(
@@ -160,6 +193,48 @@ mod tests {
         assert_eq!(parsed.common.http.body_limit_bytes, 64 * 1024);
     }
 
+    /// A zero that would time out, expire or refuse everything at once is
+    /// refused at start (exit 2), naming the flag; the server-side
+    /// timeouts keep PostgreSQL's 0 (none).
+    #[test]
+    fn a_zero_limit_is_refused_naming_its_flag() {
+        let parse = |flag: &str, value: &str| {
+            try_parse_with_env_prefix::<TestCli, _, _>(
+                "SVC_UNSET_IN_TESTS",
+                "127.0.0.1:0",
+                "127.0.0.1:0",
+                ["svc", "--database-url", "postgresql://u@h/db", flag, value],
+            )
+        };
+        for (flag, value) in [
+            ("--pool-wait-timeout-ms", "0"),
+            ("--connect-timeout-ms", "0"),
+            ("--request-timeout-ms", "0"),
+            ("--body-limit-bytes", "0"),
+            ("--max-connections", "0"),
+            ("--header-read-timeout", "0s"),
+        ] {
+            let err = parse(flag, value).expect_err(flag);
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{flag}"
+            );
+            assert_eq!(err.exit_code(), 2, "{flag}");
+            let shown = err.render().to_string();
+            assert!(shown.contains(flag), "{flag}: {shown}");
+        }
+        for flag in [
+            "--statement-timeout-ms",
+            "--lock-timeout-ms",
+            "--idle-in-transaction-timeout-ms",
+        ] {
+            parse(flag, "0").unwrap_or_else(|e| panic!("{flag} 0 (none): {e}"));
+        }
+        let ok = parse("--max-connections", "1").expect("1 is a limit");
+        assert_eq!(ok.common.http.listen.max_connections, 1);
+    }
+
     #[test]
     fn database_url_is_required() {
         let err = try_parse_with_env_prefix::<TestCli, _, _>(
@@ -170,5 +245,10 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+        let shown = err.render().to_string();
+        assert!(
+            shown.contains("tip: set --database-url or the environment variable SVC_UNSET_IN_TESTS_DATABASE_URL"),
+            "{shown}"
+        );
     }
 }

@@ -56,18 +56,19 @@ pub struct DbArgs {
     #[arg(long)]
     pub pool_prefill: Option<u16>,
     /// How long a request waits for a free pooled connection before 503, in ms.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     pub pool_wait_timeout_ms: u64,
     /// Timeout to open and authenticate a new connection, in ms.
-    #[arg(long, default_value_t = 3000)]
+    #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..))]
     pub connect_timeout_ms: u64,
-    /// Server-side `statement_timeout`, in ms.
+    /// Server-side `statement_timeout`, in ms; 0: none (PostgreSQL's meaning).
     #[arg(long, default_value_t = 3000)]
     pub statement_timeout_ms: u64,
-    /// Server-side `lock_timeout`, in ms.
+    /// Server-side `lock_timeout`, in ms; 0: none (PostgreSQL's meaning).
     #[arg(long, default_value_t = 1000)]
     pub lock_timeout_ms: u64,
-    /// Server-side `idle_in_transaction_session_timeout`, in ms.
+    /// Server-side `idle_in_transaction_session_timeout`, in ms; 0: none
+    /// (PostgreSQL's meaning).
     #[arg(long, default_value_t = 10_000)]
     pub idle_in_transaction_timeout_ms: u64,
 }

@@ -27,11 +27,11 @@ use crate::metrics::{HttpMetrics, metrics_endpoint, track_requests};
 #[derive(Debug, Clone, clap::Args)]
 pub struct HttpArgs {
     /// Largest accepted request body, in bytes; larger gets 413.
-    #[arg(long, default_value_t = DEFAULT_BODY_LIMIT_BYTES)]
+    #[arg(long, default_value_t = DEFAULT_BODY_LIMIT_BYTES, value_parser = service_listener::positive_count)]
     pub body_limit_bytes: usize,
     /// Longest a request may take end to end, in ms; longer gets 503
     /// `request_timeout` (an open transaction is rolled back).
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub request_timeout_ms: u64,
     /// Connection limits of the listener (header-read/idle timeout,
     /// connection cap).

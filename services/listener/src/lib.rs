@@ -362,13 +362,40 @@ pub struct LimitArgs {
     /// A request head must arrive within this (the first one and every
     /// later one on a kept-alive connection: also the idle keep-alive
     /// timeout).
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = positive_duration)]
     pub header_read_timeout: Duration,
     /// Connections served at once; twice as many more may wait for their
     /// first byte, and further ones wait in the backlog. Keep three times
     /// it well below the descriptor limit (LimitNOFILE).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = positive_count)]
     pub max_connections: usize,
+}
+
+/// Parses a duration in humantime's form (`10s`, `500ms`, `24h`) that is
+/// above zero: a flag's value parser, so that a zero (which would time out
+/// or expire everything at once) exits 2 naming the flag.
+///
+/// # Errors
+/// Not a duration, or zero.
+pub fn positive_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))?;
+    if d.is_zero() {
+        return Err("must be above zero".into());
+    }
+    Ok(d)
+}
+
+/// Parses a count that is at least 1: a flag's value parser, so that a
+/// zero (a limit nothing fits in) exits 2 naming the flag.
+///
+/// # Errors
+/// Not a whole number, or zero.
+pub fn positive_count(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 impl LimitArgs {
@@ -376,7 +403,7 @@ impl LimitArgs {
     pub fn limits(&self, drain_timeout: Duration) -> Limits {
         Limits {
             header_read_timeout: self.header_read_timeout,
-            max_connections: self.max_connections.max(1),
+            max_connections: self.max_connections,
             drain_timeout,
         }
     }

@@ -27,7 +27,7 @@ pub struct PaymentsArgs {
     /// How long an `Idempotency-Key` answers repeats with the first
     /// result. After it the same key charges again: a client must not
     /// retry with a key older than this (Billing stops well before).
-    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "24h", value_parser = service_common::cli::positive_duration)]
     pub idempotency_key_ttl: Duration,
     /// Charges above this amount (in cents) are declined with 402
     /// `charge_declined`, as a card over its limit would be.
@@ -86,6 +86,13 @@ mod tests {
         assert_eq!(args.idempotency_key_ttl, Duration::from_secs(86_400));
         assert!(Faults::new(&args.faults).is_off());
         assert!(args.service.admin_listen.ip().is_loopback());
+    }
+
+    #[test]
+    fn a_zero_key_lifetime_is_refused_naming_the_flag() {
+        let err = parse(&["--idempotency-key-ttl", "0s"]).unwrap_err();
+        assert!(err.to_string().contains("--idempotency-key-ttl"), "{err}");
+        assert_eq!(err.exit_code(), 2);
     }
 
     #[test]
