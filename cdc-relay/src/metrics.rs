@@ -206,35 +206,34 @@ impl Default for Metrics {
     }
 }
 
+/// `metric`, registered in `r`.
+fn register<M: prometheus::core::Collector + Clone + 'static>(r: &Registry, metric: M) -> M {
+    r.register(Box::new(metric.clone())).expect("unique metric");
+    metric
+}
+
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
-    let c = IntCounter::new(name, help).expect("valid metric");
-    r.register(Box::new(c.clone())).expect("unique metric");
-    c
+    register(r, IntCounter::new(name, help).expect("valid metric"))
 }
 
 fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
-    let g = IntGauge::new(name, help).expect("valid metric");
-    r.register(Box::new(g.clone())).expect("unique metric");
-    g
+    register(r, IntGauge::new(name, help).expect("valid metric"))
 }
 
 fn float_gauge(r: &Registry, name: &str, help: &str) -> prometheus::Gauge {
-    let g = prometheus::Gauge::new(name, help).expect("valid metric");
-    r.register(Box::new(g.clone())).expect("unique metric");
-    g
+    register(r, prometheus::Gauge::new(name, help).expect("valid metric"))
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-    r.register(Box::new(c.clone())).expect("unique metric");
-    c
+    register(
+        r,
+        IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+    )
 }
 
 fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
-    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
-        .expect("valid metric");
-    r.register(Box::new(h.clone())).expect("unique metric");
-    h
+    let opts = HistogramOpts::new(name, help).buckets(buckets);
+    register(r, Histogram::with_opts(opts).expect("valid metric"))
 }
 
 /// `cdc_relay_status_updates_total{cause}`, both causes present from the
@@ -267,22 +266,22 @@ impl Metrics {
     }
 
     fn registered(r: Registry) -> Self {
-        let oldest = prometheus::Gauge::new(
+        let oldest = float_gauge(
+            &r,
             "cdc_relay_oldest_unconfirmed_event_age_seconds",
             "Age of the oldest event received and not yet delivered or dead-lettered, seconds",
-        )
-        .expect("valid metric");
-        r.register(Box::new(oldest.clone())).expect("unique metric");
-        let wal_status = IntGaugeVec::new(
-            Opts::new(
-                "cdc_relay_slot_wal_status",
-                "Slot wal_status (1 for the current status)",
-            ),
-            &["status"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(wal_status.clone()))
-            .expect("unique metric");
+        );
+        let wal_status = register(
+            &r,
+            IntGaugeVec::new(
+                Opts::new(
+                    "cdc_relay_slot_wal_status",
+                    "Slot wal_status (1 for the current status)",
+                ),
+                &["status"],
+            )
+            .expect("valid metric"),
+        );
         let build_info = IntGaugeVec::new(
             Opts::new(
                 "cdc_relay_build_info",
@@ -294,7 +293,7 @@ impl Metrics {
         build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION"), crate::GIT_COMMIT])
             .set(1);
-        r.register(Box::new(build_info)).expect("unique metric");
+        register(&r, build_info);
         Metrics {
             events_received: counter(
                 &r,
@@ -340,15 +339,14 @@ impl Metrics {
                 "cdc_relay_window_events",
                 "Events the memory window holds (at most --max-pending-events)",
             ),
-            window_wait_seconds: {
-                let c = prometheus::Counter::new(
+            window_wait_seconds: register(
+                &r,
+                prometheus::Counter::new(
                     "cdc_relay_window_wait_seconds_total",
                     "Time the stream waited for room in the memory window, seconds",
                 )
-                .expect("valid metric");
-                r.register(Box::new(c.clone())).expect("unique metric");
-                c
-            },
+                .expect("valid metric"),
+            ),
             received_lsn: gauge(
                 &r,
                 "cdc_relay_received_lsn",
@@ -471,27 +469,22 @@ impl Metrics {
                 "Event secret reloads on SIGHUP by result (ok, error: the previous keys stay in use)",
                 &["result"],
             ),
-            halted: {
-                let g = IntGaugeVec::new(
+            halted: register(
+                &r,
+                IntGaugeVec::new(
                     Opts::new(
                         "cdc_relay_halted",
                         "1 while the relay has stopped for good and lingers (--on-fatal linger); code = the exit code it exits with",
                     ),
                     &["code"],
                 )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("unique metric");
-                g
-            },
-            dead_letters_waiting: {
-                let g = prometheus::IntGauge::new(
-                    "cdc_relay_dead_letters_waiting",
-                    "Rows in cdc_relay_dead_letter: events neither replayed nor discarded yet (counted by the slot monitor)",
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("unique metric");
-                g
-            },
+                .expect("valid metric"),
+            ),
+            dead_letters_waiting: gauge(
+                &r,
+                "cdc_relay_dead_letters_waiting",
+                "Rows in cdc_relay_dead_letter: events neither replayed nor discarded yet (counted by the slot monitor)",
+            ),
             sink_pauses: counter(
                 &r,
                 "cdc_relay_sink_pauses_total",
@@ -542,11 +535,7 @@ impl Metrics {
 
     /// The registry's content in the Prometheus text exposition format.
     pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .expect("text encoding into a Vec cannot fail");
-        String::from_utf8(buf).expect("the text format is UTF-8")
+        encode(&self.registry.gather())
     }
 
     /// The underlying registry (to add process metrics or test).
@@ -591,10 +580,14 @@ pub fn render_merged(process: &Metrics, shards: &[Metrics]) -> String {
             }
         }
     }
-    let families: Vec<_> = families.into_values().collect();
+    encode(&families.into_values().collect::<Vec<_>>())
+}
+
+/// `families` in the Prometheus text exposition format.
+fn encode(families: &[prometheus::proto::MetricFamily]) -> String {
     let mut buf = Vec::new();
     TextEncoder::new()
-        .encode(&families, &mut buf)
+        .encode(families, &mut buf)
         .expect("text encoding into a Vec cannot fail");
     String::from_utf8(buf).expect("the text format is UTF-8")
 }
