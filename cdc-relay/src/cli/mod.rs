@@ -356,7 +356,7 @@ pub struct GlobalArgs {
     )]
     pub trace_column: Option<String>,
     /// Connect timeout for database connections.
-    #[arg(help_heading = "Database", long, env = "CDC_RELAY_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_duration, global = true)]
+    #[arg(help_heading = "Database", long, env = "CDC_RELAY_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_timeout, global = true)]
     pub connect_timeout: Duration,
     /// Log format.
     #[arg(
@@ -396,6 +396,15 @@ fn parse_lsn(s: &str) -> Result<crate::lsn::Lsn, String> {
 /// Parses `500ms`, `2s`, `1m 30s` (humantime syntax).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 500ms, 2s, 1m)"))
+}
+
+/// Parses a duration as [`parse_duration`] does, above zero: a timeout of
+/// 0 would give up on every attempt at once.
+pub fn parse_timeout(s: &str) -> Result<Duration, String> {
+    match parse_duration(s)? {
+        d if d.is_zero() => Err("must be above 0 (a timeout of 0 gives up at once)".into()),
+        d => Ok(d),
+    }
 }
 
 /// Parses a byte size: `1048576`, `64KiB`, `64MiB`, `1GiB` (also kB/MB/GB as powers of 1024).

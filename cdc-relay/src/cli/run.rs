@@ -26,12 +26,12 @@ pub struct SinkArgs {
     pub sink_client_key: Option<PathBuf>,
     /// Sink TCP connect timeout (a TLS handshake counts against
     /// --request-timeout, which bounds the whole attempt).
-    #[arg(long, env = "CDC_RELAY_SINK_CONNECT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    #[arg(long, env = "CDC_RELAY_SINK_CONNECT_TIMEOUT", default_value = "2s", value_parser = parse_timeout)]
     pub sink_connect_timeout: Duration,
     /// Whole-request timeout for one delivery attempt. Must be shorter
     /// than --shutdown-timeout, so an attempt on the wire when SIGTERM
     /// arrives can finish.
-    #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "4s", value_parser = parse_duration)]
+    #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "4s", value_parser = parse_timeout)]
     pub request_timeout: Duration,
     /// Maximum age of a pooled sink connection: once a connection is this
     /// old it takes no new request, and the next one opens a new connection

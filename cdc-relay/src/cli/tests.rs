@@ -165,6 +165,15 @@ fn syntax_errors_name_the_flag() {
     assert!(run_args(&[]).is_ok());
     let err = run_args(&["--max-in-flight", "0"]).unwrap_err().to_string();
     assert!(err.contains("--max-in-flight"), "{err}");
+    for flag in [
+        "--connect-timeout",
+        "--sink-connect-timeout",
+        "--request-timeout",
+    ] {
+        let err = run_args(&[flag, "0s"]).unwrap_err();
+        assert_eq!(err.exit_code(), 2, "{flag}");
+        assert!(err.to_string().contains(flag), "{flag}: {err}");
+    }
     let err = run_args(&["--backoff-cap", "soon"])
         .unwrap_err()
         .to_string();
