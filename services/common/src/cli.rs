@@ -17,6 +17,24 @@ use crate::server::HttpArgs;
 use crate::telemetry::LogArgs;
 pub use service_listener::{positive_count, positive_duration};
 
+/// The longest `--idempotency-key-ttl` taken: 100 years (of 365.25 days,
+/// as humantime counts them). A key's expiry is
+/// a PostgreSQL timestamp, and one past its range (about 294,000 AD) would
+/// make every request that carries a key fail with 500.
+pub const MAX_KEY_TTL: std::time::Duration = std::time::Duration::from_secs(100 * 31_557_600);
+
+/// Parses `--idempotency-key-ttl`: above zero, at most [`MAX_KEY_TTL`].
+///
+/// # Errors
+/// Not a duration, zero, or above 100 years.
+pub fn key_ttl(s: &str) -> Result<std::time::Duration, String> {
+    let ttl = positive_duration(s)?;
+    if ttl > MAX_KEY_TTL {
+        return Err("must be at most 100 years".into());
+    }
+    Ok(ttl)
+}
+
 /// Flags every service has: where to listen, the database, HTTP limits, logs.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServiceArgs {

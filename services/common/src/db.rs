@@ -127,6 +127,12 @@ impl DbArgs {
         );
         let mut config =
             Config::from_str(&url).map_err(|e| DbSetupError::InvalidUrl(e.to_string()))?;
+        if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
+            // An empty URL parses, and would then look like an outage.
+            return Err(DbSetupError::InvalidUrl(
+                "no host given (e.g. postgresql://user@127.0.0.1:5432/db, or host=/run/postgresql for a unix socket)".into(),
+            ));
+        }
         config.connect_timeout(Duration::from_millis(self.connect_timeout_ms));
         if config.get_application_name().is_none() {
             config.application_name(app_name);
@@ -374,6 +380,22 @@ mod tests {
         assert!(
             e.contains("--pool-prefill 5") && e.contains("--pool-size 4"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn a_url_without_a_host_is_refused() {
+        for url in ["", "dbname=orders user=app", "postgresql:///orders"] {
+            let e = args(url).build_pool("svc").expect_err(url).to_string();
+            assert!(
+                e.contains("--database-url") && e.contains("no host"),
+                "{url:?}: {e}"
+            );
+        }
+        assert!(
+            args("host=/run/postgresql dbname=orders")
+                .build_pool("svc")
+                .is_ok()
         );
     }
 

@@ -27,7 +27,7 @@ pub struct OrdersArgs {
     pub fault_after_order_insert: bool,
     /// How long an `Idempotency-Key` of `POST /orders` is kept: a repeat
     /// within it gets the original answer, a later one makes a new order.
-    #[arg(long, default_value = "24h", value_parser = service_common::cli::positive_duration)]
+    #[arg(long, default_value = "24h", value_parser = service_common::cli::key_ttl)]
     pub idempotency_key_ttl: std::time::Duration,
 }
 

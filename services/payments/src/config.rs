@@ -27,7 +27,7 @@ pub struct PaymentsArgs {
     /// How long an `Idempotency-Key` answers repeats with the first
     /// result. After it the same key charges again: a client must not
     /// retry with a key older than this (Billing stops well before).
-    #[arg(long, default_value = "24h", value_parser = service_common::cli::positive_duration)]
+    #[arg(long, default_value = "24h", value_parser = service_common::cli::key_ttl)]
     pub idempotency_key_ttl: Duration,
     /// Charges above this amount (in cents) are declined with 402
     /// `charge_declined`, as a card over its limit would be.
@@ -89,10 +89,16 @@ mod tests {
     }
 
     #[test]
-    fn a_zero_key_lifetime_is_refused_naming_the_flag() {
-        let err = parse(&["--idempotency-key-ttl", "0s"]).unwrap_err();
-        assert!(err.to_string().contains("--idempotency-key-ttl"), "{err}");
-        assert_eq!(err.exit_code(), 2);
+    fn a_key_lifetime_of_zero_or_past_a_century_is_refused_naming_the_flag() {
+        for bad in ["0s", "101years", "300000y"] {
+            let err = parse(&["--idempotency-key-ttl", bad]).unwrap_err();
+            assert!(
+                err.to_string().contains("--idempotency-key-ttl"),
+                "{bad}: {err}"
+            );
+            assert_eq!(err.exit_code(), 2, "{bad}");
+        }
+        assert!(parse(&["--idempotency-key-ttl", "100years"]).is_ok());
     }
 
     #[test]
