@@ -135,9 +135,6 @@ impl SinkArgs {
 
     /// Builds the HTTP sink; the error names the setting.
     pub fn build(&self) -> Result<HttpSink, String> {
-        if self.request_timeout.is_zero() || self.sink_connect_timeout.is_zero() {
-            return Err("--request-timeout and --sink-connect-timeout must be above 0".into());
-        }
         if self.sink_connection_max_age < Duration::from_secs(1)
             || self.sink_idle_timeout < Duration::from_secs(1)
         {

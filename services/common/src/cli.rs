@@ -72,11 +72,13 @@ pub fn parse_with_env_prefix<T: Parser>(
     default_listen: &str,
     default_admin_listen: &str,
 ) -> T {
-    let mut cmd = command_with_env_prefix::<T>(env_prefix, default_listen, default_admin_listen);
-    let matches = cmd
-        .try_get_matches_from_mut(std::env::args_os())
-        .unwrap_or_else(|e| with_env_tips(e, &cmd).exit());
-    T::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut cmd).exit())
+    try_parse_with_env_prefix(
+        env_prefix,
+        default_listen,
+        default_admin_listen,
+        std::env::args_os(),
+    )
+    .unwrap_or_else(|e| e.exit())
 }
 
 /// As [`parse_with_env_prefix`], over explicit `args` (first is the program
