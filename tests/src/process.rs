@@ -263,34 +263,40 @@ impl ServiceProcess {
         Ok(url.trim_end_matches('/').to_owned())
     }
 
-    /// Sends SIGTERM (graceful shutdown) unless the process already exited.
-    pub fn sigterm(&mut self) {
+    /// Sends `sig` unless the process already exited.
+    fn send(&self, sig: Signal) {
         if self.status.is_none()
             && !has_exited(self.pid())
             && let Ok(raw) = i32::try_from(self.pid())
         {
-            let _ = kill(Pid::from_raw(raw), Signal::SIGTERM);
+            let _ = kill(Pid::from_raw(raw), sig);
         }
+    }
+
+    /// Sends SIGTERM (graceful shutdown) unless the process already exited.
+    pub fn sigterm(&mut self) {
+        self.send(Signal::SIGTERM);
     }
 
     /// Sends SIGINT (Ctrl-C) unless the process already exited.
     pub fn sigint(&self) {
-        if self.status.is_none()
-            && !has_exited(self.pid())
-            && let Ok(raw) = i32::try_from(self.pid())
-        {
-            let _ = kill(Pid::from_raw(raw), Signal::SIGINT);
-        }
+        self.send(Signal::SIGINT);
     }
 
     /// Sends SIGHUP (reload its secrets) unless the process already exited.
     pub fn sighup(&self) {
-        if self.status.is_none()
-            && !has_exited(self.pid())
-            && let Ok(raw) = i32::try_from(self.pid())
-        {
-            let _ = kill(Pid::from_raw(raw), Signal::SIGHUP);
-        }
+        self.send(Signal::SIGHUP);
+    }
+
+    /// Pauses the process (SIGSTOP) until [`Self::resume`]: it runs no
+    /// code, its sockets stay open and its timers run late.
+    pub fn pause(&self) {
+        self.send(Signal::SIGSTOP);
+    }
+
+    /// Resumes a [paused](Self::pause) process (SIGCONT).
+    pub fn resume(&self) {
+        self.send(Signal::SIGCONT);
     }
 
     /// Sends SIGKILL and reaps the process (blocks until it is gone, which
