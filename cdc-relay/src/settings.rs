@@ -47,6 +47,32 @@ impl GlobalArgs {
         Ok(conn)
     }
 
+    /// The replication connection's own server (`--replication-url`), if
+    /// set: one host, with the password from the flag, env or file when
+    /// its URL has none (a file stays the one re-read on rotation).
+    pub fn replication_conn(&self) -> Result<Option<ConnParams>, String> {
+        const FLAG: &str = "--replication-url (CDC_RELAY_REPLICATION_URL)";
+        let Some(url) = self.replication_url.as_deref() else {
+            return Ok(None);
+        };
+        let mut c =
+            ConnParams::parse(url, self.connect_timeout).map_err(|e| format!("{FLAG}: {e}"))?;
+        if c.hosts.len() != 1 {
+            return Err(format!(
+                "{FLAG} names {} hosts: give it the one server the slot is on (several hosts, \
+                 to find the primary among them, belong in --database-url)",
+                c.hosts.len()
+            ));
+        }
+        if c.password.is_empty() {
+            let side = self.conn()?;
+            c.password = side.password;
+            c.password_file = side.password_file;
+        }
+        crate::source::tls::client_config(&c, true).map_err(|e| format!("invalid {FLAG}: {e}"))?;
+        Ok(Some(c))
+    }
+
     /// The standbys of `--standby-url`, with the password from the flag,
     /// env or file when their URL has none.
     pub fn standbys(&self) -> Result<Vec<ConnParams>, String> {
@@ -317,6 +343,7 @@ impl RunArgs {
         }
         let dispatch = self.delivery.dispatch()?;
         let conn = g.conn()?;
+        let replication = g.replication_conn()?;
         let (lanes, unrouted) = match &self.routes.routes {
             None => (
                 vec![Lane::single(
@@ -342,6 +369,7 @@ impl RunArgs {
         };
         let cfg = RelayConfig {
             conn,
+            replication,
             slot: g.slot.clone(),
             publications: g.publication.clone(),
             table: g.table.clone(),

@@ -81,6 +81,7 @@ const DATABASE_FLAGS: &[&str] = &[
 const SLOT_FLAGS: &[&str] = &["slot", "publication", "shards"];
 const SLOT_CREATE_FLAGS: &[&str] = &["slot_create_timeout"];
 const STANDBY_FLAGS: &[&str] = &["standby_url"];
+const REPLICATION_FLAGS: &[&str] = &["replication_url"];
 const OUTBOX_FLAGS: &[&str] = &[
     "table",
     "id_column",
@@ -96,6 +97,7 @@ fn globals_read_by(subcommand: &str) -> Option<&'static [&'static [&'static str]
     match subcommand {
         "setup" => Some(&[
             DATABASE_FLAGS,
+            REPLICATION_FLAGS,
             SLOT_FLAGS,
             SLOT_CREATE_FLAGS,
             OUTBOX_FLAGS,
@@ -121,6 +123,7 @@ fn hide_unused_globals(cmd: clap::Command) -> clap::Command {
         SLOT_FLAGS,
         SLOT_CREATE_FLAGS,
         STANDBY_FLAGS,
+        REPLICATION_FLAGS,
         OUTBOX_FLAGS,
         LOG_FLAGS,
     ];
@@ -216,6 +219,20 @@ pub struct GlobalArgs {
         hide_env_values = true
     )]
     pub database_url: Option<String>,
+    /// The replication connection's own URL, when it must reach the
+    /// server by another route than --database-url: e.g. the side
+    /// connection through a session-mode pooler (PgBouncer) while the
+    /// stream goes straight to PostgreSQL, which a pooler cannot carry.
+    /// One host, the server the slot is on; without a password it uses
+    /// --database-password or its file. Default: --database-url's server.
+    #[arg(
+        help_heading = "Database",
+        long,
+        env = "CDC_RELAY_REPLICATION_URL",
+        global = true,
+        hide_env_values = true
+    )]
+    pub replication_url: Option<String>,
     /// Database password (overrides one in the URL).
     #[arg(
         help_heading = "Database",

@@ -105,11 +105,15 @@ impl StopSignals {
     }
 }
 
-/// Refuses (exit 2) a `--database-url` that reaches a pooler or proxy not
-/// carrying replication connections: `setup` and `status` say what `run`
-/// would stop with.
+/// Refuses (exit 2) a replication connection's URL (`--replication-url`,
+/// else `--database-url`) that reaches a pooler or proxy not carrying
+/// replication connections: `setup` and `status` say what `run` would stop
+/// with.
 async fn refuse_pooler(g: &GlobalArgs) -> anyhow::Result<()> {
-    let conn = g.conn().map_err(ConfigError)?;
+    let conn = match g.replication_conn().map_err(ConfigError)? {
+        Some(replication) => replication,
+        None => g.conn().map_err(ConfigError)?,
+    };
     source::transport::check_not_pooled(&conn)
         .await
         .map_err(|e| ConfigError(e.to_string()).into())

@@ -14,9 +14,9 @@ use crate::metrics::Metrics;
 use crate::prune::{self, Schedule};
 use crate::relay::{self, RelayConfig, ShardOf};
 use crate::sink::{HttpSink, Signer, Signing};
-use crate::source::SourceError;
 use crate::source::shards::Shard;
 use crate::source::stream::StreamError;
+use crate::source::{ConnParams, SourceError};
 
 /// `cdc-relay run`; returns the exit code (documented in `--help` and
 /// `docs/operations.md`).
@@ -48,7 +48,9 @@ pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
 /// left it (events skipped upstream); 1 anything else.
 pub fn exit_code(e: &StreamError) -> u8 {
     match e {
-        StreamError::Source(SourceError::ThroughPooler { .. }) => 2,
+        StreamError::Source(
+            SourceError::ThroughPooler { .. } | SourceError::ServersDiffer { .. },
+        ) => 2,
         StreamError::Source(SourceError::SlotMissing { .. } | SourceError::NeedsSetup(_)) => 3,
         StreamError::Source(SourceError::SlotInvalidated { .. }) => 4,
         StreamError::Decode(_)
@@ -132,7 +134,9 @@ async fn serve_and_run(
     for l in &lanes {
         let signer = l.sink.signing().current();
         tracing::info!(
-            source = %cfg.conn.display(), slot = %cfg.slot, endpoint = %l.name, sink = %l.sink.display_url(), admin = %addr,
+            source = %cfg.conn.display(),
+            replication = %cfg.replication.as_ref().map_or_else(|| "the source's server".to_owned(), ConnParams::display),
+            slot = %cfg.slot, endpoint = %l.name, sink = %l.sink.display_url(), admin = %addr,
             max_in_flight = l.cfg.max_in_flight, signature_scheme = %signer.scheme(),
             keys = %signer.keys(), shards = sharding.map_or(0, |(count, _)| count),
             max_shards = sharding.map_or(0, |(_, max)| max),

@@ -15,6 +15,9 @@ use crate::source::shards::Shard;
 pub struct RelayConfig {
     /// Connection to the source database (the relay role).
     pub conn: ConnParams,
+    /// The replication connection's own server (`--replication-url`);
+    /// `None`: the server `conn` chose.
+    pub replication: Option<ConnParams>,
     /// Logical replication slot name.
     pub slot: String,
     /// Publication names.

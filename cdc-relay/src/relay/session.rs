@@ -82,7 +82,17 @@ impl Session<'_> {
             status_interval: transport::status_interval_for(p.wal_sender_timeout),
             raw_encoding: p.sql_ascii,
         };
-        let client = transport::open(&p.server, &settings).await?;
+        let client =
+            transport::open(cfg.replication.as_ref().unwrap_or(&p.server), &settings).await?;
+        if cfg.replication.is_some()
+            && !catalog::slot_held_by(&p.side, &cfg.slot, &cfg.application_name).await?
+        {
+            return Err(SourceError::ServersDiffer {
+                slot: cfg.slot.clone(),
+                application_name: cfg.application_name.clone(),
+            }
+            .into());
+        }
         let silence = watchdog::silence_bound(p.wal_sender_timeout, settings.status_interval)
             * self.watchdog_scale;
         self.metrics.standby.set(0);

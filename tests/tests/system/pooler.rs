@@ -4,10 +4,12 @@
 
 use std::time::Duration;
 
+use anyhow::Context;
+
 use harness::app::{self, CommandOutput};
 use harness::pooler::{PoolMode, Pooler};
 use harness::sink::ScriptedSink;
-use harness::{PgCluster, Stack, wait_until};
+use harness::{ClusterOptions, PgCluster, Stack, wait_until};
 
 /// Bound for `run` to give up on a pooler: its first replication connect.
 const EXIT: Duration = Duration::from_secs(30);
@@ -111,4 +113,124 @@ async fn delivers_direct(stack: &Stack, sink: &ScriptedSink) -> anyhow::Result<(
         || async { sink.delivered().iter().any(|r| r.id() == event) },
     )
     .await
+}
+
+/// The side connection through PgBouncer in session mode while the stream
+/// goes straight to PostgreSQL (`--replication-url`): `status` does not
+/// refuse the pooler, `run` streams and delivers with its SQL session
+/// logged in at PgBouncer, and a `--replication-url` that itself reaches
+/// the pooler exits 2 naming that flag.
+///
+/// Fails without the fix: there was no `--replication-url` (exit 2,
+/// "unexpected argument"), so a side connection through a pooler could not
+/// be paired with a direct stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_side_connection_through_a_session_pooler_and_the_stream_direct_deliver()
+-> anyhow::Result<()> {
+    let cluster = PgCluster::shared();
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let (user, password) = credentials(&stack.relay_url)?;
+    let pooler = Pooler::start(cluster, PoolMode::Session, &[(&user, &password)], &[]).await?;
+    let side = pooler.url(&stack.relay_url)?;
+    let direct = ["--replication-url", stack.relay_url.as_str()];
+    let sink = ScriptedSink::start().await?;
+
+    let status =
+        app::relay_command(&stack, &side, &[&["status"][..], &direct].concat(), &[]).await?;
+    assert!(
+        status.code() != Some(2) && !status.text().contains("pooler or proxy"),
+        "status with the stream direct: {}",
+        status.text()
+    );
+
+    let mut pooled = app::start_relay_with_url(
+        &stack,
+        &side,
+        &sink.url,
+        &["--replication-url", side.as_str()],
+    )
+    .await?;
+    let exit = pooled.process.wait_exit(EXIT).await?;
+    let logs = pooled.process.logs();
+    assert_eq!(
+        exit.code(),
+        Some(2),
+        "the stream through the pooler: {logs}"
+    );
+    assert!(
+        logs.contains("pooler or proxy that does not carry replication connections")
+            && logs.contains("--replication-url"),
+        "{logs}"
+    );
+
+    let relay = app::start_relay_with_url(&stack, &side, &sink.url, &direct).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let event = app::insert_order_event(&db).await?.to_string();
+    wait_until(
+        "the event delivered with the side connection pooled",
+        EXIT,
+        || async { sink.delivered().iter().any(|r| r.id() == event) },
+    )
+    .await?;
+    let seen = pooler.logs();
+    assert!(
+        seen.contains("login attempt") && seen.contains(&stack.orders_db),
+        "PgBouncer did not carry the side connection:\n{seen}"
+    );
+    Ok(())
+}
+
+/// A `--replication-url` that reaches another server than `--database-url`
+/// (one with a slot and publication of the same names) is a configuration
+/// error: the stream starts there, the side connection's server shows no
+/// walsender of this relay holding the slot, and `run` exits 2 naming both
+/// flags, before delivering anything.
+///
+/// Fails without the check: the relay streamed from the other server while
+/// it read the slot, wrote its progress and its dead letters on the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replication_url_reaching_another_server_exits_2() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let other = PgCluster::start(ClusterOptions::default())?;
+    let elsewhere = other.create_stack().await?;
+    // The other server gets a slot and publication named as this stack's.
+    let admin = other.connect_superuser(&elsewhere.orders_db).await?;
+    admin
+        .batch_execute(&format!(
+            "DROP PUBLICATION IF EXISTS {0}; CREATE PUBLICATION {0} FOR TABLE outbox",
+            stack.publication
+        ))
+        .await
+        .context("a publication named as the stack's on the other server")?;
+    admin
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&stack.slot],
+        )
+        .await
+        .context("a slot named as the stack's on the other server")?;
+    let sink = ScriptedSink::start().await?;
+    let mut relay = app::start_relay(
+        &stack,
+        &sink.url,
+        &["--replication-url", elsewhere.relay_url.as_str()],
+    )
+    .await?;
+    let exit = relay.process.wait_exit(EXIT).await?;
+    let logs = relay.process.logs();
+    assert_eq!(exit.code(), Some(2), "{logs}");
+    assert!(
+        logs.contains("reach different servers")
+            && logs.contains("--replication-url")
+            && logs.contains("--database-url"),
+        "{logs}"
+    );
+    assert!(
+        sink.received().is_empty(),
+        "delivered from the other server"
+    );
+    Ok(())
 }

@@ -37,7 +37,7 @@ pub use settings::{
 };
 pub use slots::{
     OtherSlot, SlotInfo, SlotReading, check_slot_name, other_logical_slots, record_slot_birth,
-    slot_elsewhere, slot_info, slot_predates_publication,
+    slot_elsewhere, slot_held_by, slot_info, slot_predates_publication,
 };
 
 /// Quotes an SQL identifier (`outbox` → `"outbox"`, `a"b` → `"a""b"`).

@@ -111,6 +111,27 @@ pub async fn other_logical_slots(
         .collect())
 }
 
+/// Whether `slot`, on the server `client` reaches, is held by a walsender
+/// whose `application_name` is `application_name`: with
+/// `--replication-url`, the proof that the side connection and the stream
+/// reach the same server. One statement.
+pub async fn slot_held_by(
+    client: &Client,
+    slot: &str,
+    application_name: &str,
+) -> Result<bool, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots s \
+                            JOIN pg_stat_replication r ON r.pid = s.active_pid \
+                            WHERE s.slot_name = $1 AND r.application_name = $2)",
+            &[&slot, &application_name],
+        )
+        .await
+        .map_err(|e| SourceError::sql("checking that the slot's walsender is this relay's", &e))?;
+    Ok(row.get(0))
+}
+
 /// Reads the slot's row; `None` when it does not exist. One statement.
 pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, SourceError> {
     let sql = format!(

@@ -123,11 +123,25 @@ pub enum SourceError {
     /// (the server then refuses the replication commands as SQL). A
     /// configuration error: the URL must reach PostgreSQL itself.
     #[error(
-        "the database URL reaches a connection pooler or proxy that does not carry replication connections (it answered: {answer}). The relay's connections must go to PostgreSQL itself: point --database-url (CDC_RELAY_DATABASE_URL) at the server's own host and port (5432 by default), not at PgBouncer or another pooler (docs/operations.md#troubleshooting)"
+        "the database URL reaches a connection pooler or proxy that does not carry replication connections (it answered: {answer}). The relay's connections must go to PostgreSQL itself: point --database-url (CDC_RELAY_DATABASE_URL) at the server's own host and port (5432 by default), not at PgBouncer or another pooler; or, to keep the side connection on a session-mode pooler, set --replication-url (CDC_RELAY_REPLICATION_URL) to the server itself (docs/operations.md#troubleshooting)"
     )]
     ThroughPooler {
         /// What the pooler (or the server behind it) answered.
         answer: String,
+    },
+    /// `--replication-url` and `--database-url` reach different servers:
+    /// the stream started, but the side connection's server does not show
+    /// this relay's walsender holding the slot. A configuration error: the
+    /// slot readings, the progress record and the dead letters would be
+    /// written beside a stream they do not describe.
+    #[error(
+        "--replication-url (CDC_RELAY_REPLICATION_URL) and --database-url (CDC_RELAY_DATABASE_URL) reach different servers: the stream started on slot {slot}, but on the server behind --database-url no walsender of application_name {application_name} holds it. Point both at the server the slot is on (the side connection may go through a session-mode pooler in front of that server)"
+    )]
+    ServersDiffer {
+        /// The slot the stream holds.
+        slot: String,
+        /// This relay's `application_name`.
+        application_name: String,
     },
     /// The server refused us for a reason retrying will not fix (auth,
     /// missing publication or database, privileges, protocol), or the
@@ -156,6 +170,7 @@ impl SourceError {
                 | SourceError::PayloadType(_)
                 | SourceError::Unconvertible(_)
                 | SourceError::ThroughPooler { .. }
+                | SourceError::ServersDiffer { .. }
                 | SourceError::Definite(_)
         )
     }
@@ -173,6 +188,7 @@ impl SourceError {
             SourceError::PayloadType(_) => "payload_type",
             SourceError::Unconvertible(_) => "unconvertible",
             SourceError::ThroughPooler { .. } => "pooler",
+            SourceError::ServersDiffer { .. } => "servers_differ",
             SourceError::Definite(_) => "definite",
             SourceError::Transient(_) => "transient",
             SourceError::Stalled(_) => "watchdog",
