@@ -62,7 +62,14 @@ async fn a_password_and_token_in_a_sink_url_appear_on_no_output_surface() -> any
     let mut outputs: Vec<(String, String)> = Vec::new();
 
     // A relay logging text at debug: one event delivered, one dead-lettered.
-    let relay = app::start_relay(&stack, &secret_url, &["--log", "debug"]).await?;
+    // Its stream goes by --replication-url, which carries the relay role's
+    // database password.
+    let relay = app::start_relay(
+        &stack,
+        &secret_url,
+        &["--log", "debug", "--replication-url", &stack.relay_url],
+    )
+    .await?;
     app::wait_streaming(&relay).await?;
     let db = stack.orders_admin().await?;
     let poison = uuid::Uuid::new_v4();
@@ -152,8 +159,20 @@ async fn a_password_and_token_in_a_sink_url_appear_on_no_output_surface() -> any
     outputs.extend(routes_check(&stack, &planted, &sink.url).await?);
     outputs.extend(refused_values(&stack, &planted).await?);
 
+    let db_password = reqwest::Url::parse(&stack.relay_url)?
+        .password()
+        .unwrap_or_default()
+        .to_owned();
+    anyhow::ensure!(
+        !db_password.is_empty(),
+        "the relay role's URL has a password"
+    );
     for (surface, text) in &outputs {
         planted.assert_absent(surface, text);
+        assert!(
+            !text.contains(&db_password),
+            "{surface} shows the database password of --replication-url:\n{text}"
+        );
     }
     // The surfaces were read: each names what it is about.
     let all: String = outputs.iter().map(|(_, t)| t.as_str()).collect();
