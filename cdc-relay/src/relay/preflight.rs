@@ -12,7 +12,19 @@ use super::session::{Prepared, Session};
 use super::standby::blocked;
 use crate::dead_letter;
 use crate::sink::HttpSink;
-use crate::source::{self, SourceError, catalog, failover, progress, shards, slot_creation};
+use crate::source::catalog::SlotInfo;
+use crate::source::{
+    self, ConnParams, SourceError, catalog, failover, lock_wait, progress, shards, slot_creation,
+};
+
+/// What [`Session::prepare`] read within its connect bound.
+struct Early {
+    side_closed: tokio::sync::oneshot::Receiver<()>,
+    server: ConnParams,
+    wal_sender_timeout: std::time::Duration,
+    slot: Option<SlotInfo>,
+    parked: Vec<String>,
+}
 
 impl Session<'_> {
     /// Connects the side connection and checks the slot, the table and the
@@ -29,6 +41,7 @@ impl Session<'_> {
         let startup = async {
             let (side, side_closed, server) =
                 source::connect_primary(&cfg.conn, &cfg.application_name).await?;
+            lock_wait::bound(&side).await?;
             let wal_sender_timeout = catalog::wal_sender_timeout(&side).await?;
             let slot = catalog::slot_info(&side, &cfg.slot).await?;
             let parked = dead_letter::parked_endpoints(&side)
@@ -46,6 +59,42 @@ impl Session<'_> {
                 ))
             })??;
         let side = Arc::new(side);
+        let early = Early {
+            side_closed,
+            server,
+            wal_sender_timeout,
+            slot,
+            parked,
+        };
+        // A check that waited past lock_timeout names who holds the lock.
+        match self
+            .checks(Arc::clone(&side), early, left, sink, shutdown)
+            .await
+        {
+            Err(e) => Err(lock_wait::named(&side, e).await),
+            checked => checked,
+        }
+    }
+
+    /// The checks after [`Self::prepare`] connected: the slot (created,
+    /// recreated or refused), the table, the publications, the shard
+    /// coverage and the encoding.
+    async fn checks(
+        &self,
+        side: Arc<tokio_postgres::Client>,
+        early: Early,
+        left: Option<&LeftAt>,
+        sink: &HttpSink,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Prepared>, SourceError> {
+        let cfg = self.cfg;
+        let Early {
+            side_closed,
+            server,
+            wal_sender_timeout,
+            slot,
+            parked,
+        } = early;
         // The slot was recreated and the gap since the progress record
         // re-sent: the new slot is ahead of where this process left the old
         // one by design, and nothing in between is skipped.

@@ -26,6 +26,7 @@
 //! - [`shards`]: the bucket expression, row filters, the coverage proof.
 //! - [`skew`]: the server's clock against ours, from every message.
 //! - [`withheld`]: a walsender that sends nothing new while the WAL goes on.
+//! - [`lock_wait`]: the side connection's lock waits, bounded and named.
 //!
 //! A logical replication connection matches `pg_hba.conf` by database name,
 //! not by the keyword `replication` (PostgreSQL docs, "The pg_hba.conf
@@ -35,6 +36,7 @@ pub mod catalog;
 pub mod conn;
 pub mod error;
 pub mod failover;
+pub mod lock_wait;
 pub mod membership;
 pub mod progress;
 pub mod shards;

@@ -152,6 +152,8 @@ pub async fn monitor_slot(
     let mut persisted = recorded.as_ref().map(|m| (m.carriers.clone(), m.table_oid));
     let mut membership = MembershipWatch::new(start, started_at, recorded);
     let mut withheld = Withheld::default();
+    // When a lock wait of the monitor's reading was last logged.
+    let mut lock_logged: Option<Instant> = None;
     let mut tick = tokio::time::interval(interval.min(MEMBERSHIP_CHECK_MAX));
     loop {
         tick.tick().await;
@@ -164,18 +166,33 @@ pub async fn monitor_slot(
             row_filter.as_deref(),
             count_dead_letters,
         );
-        let (info, member, mut others, dead_letters) =
-            match tokio::time::timeout(Duration::from_secs(5), reading).await {
-                Ok(Ok(r)) => r,
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "slot figures unavailable; side connection lost");
-                    return;
+        let (info, member, mut others, dead_letters) = match tokio::time::timeout(
+            Duration::from_secs(5),
+            reading,
+        )
+        .await
+        {
+            Ok(Ok(r)) => r,
+            Ok(Err(e @ SourceError::LockWait { .. })) => {
+                // The connection is fine: a lock held elsewhere stops
+                // this reading (and likely the walsender). Named at
+                // once, then every WITHHELD_LOG_EVERY while it lasts.
+                if lock_logged.is_none_or(|t: Instant| t.elapsed() >= WITHHELD_LOG_EVERY) {
+                    let e = super::lock_wait::named(&side, e).await;
+                    tracing::warn!(slot = %slot, error = %e, "the slot monitor cannot read the catalog: a lock held by another session blocks it");
+                    lock_logged = Some(Instant::now());
                 }
-                Err(_) => {
-                    tracing::warn!("the slot monitor's query got no answer within 5 s");
-                    continue;
-                }
-            };
+                continue;
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "slot figures unavailable; side connection lost");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!("the slot monitor's query got no answer within 5 s");
+                continue;
+            }
+        };
         others.retain(|o| !siblings.contains(o));
         let n = i64::try_from(others.len()).unwrap_or(i64::MAX);
         if n > out.metrics.other_logical_slots.get() {

@@ -7,6 +7,10 @@
 //! down, the command that ends it), and `status` must say the same; once
 //! the setting no longer names the slot, everything is delivered.
 //!
+//! A walsender can also wait on a lock; the relay's own reads of the
+//! catalog take the same locks, so they are bounded and name the holder
+//! (the second test).
+//!
 //! Failed on `cb3ea2e`: five committed orders waited with no delivery
 //! while `/readyz` answered 200, `status` said "healthy: nothing stops
 //! delivery", and nothing was logged.
@@ -112,5 +116,93 @@ async fn a_server_withholding_the_stream_fails_readiness_and_says_why() -> anyho
     let m = relay.metrics().await?;
     assert_eq!(m.value("cdc_relay_stream_withheld", &[]), Some(0.0));
     assert!(relay.process.logs().contains("streams again"));
+    Ok(())
+}
+
+/// Issue 30, item 6, a lock: an open transaction holds `ACCESS EXCLUSIVE`
+/// on `pg_publication_namespace`, a catalog both the walsender (building
+/// its publication cache) and the relay's checks read. The relay's session
+/// restarts (its walsender ended) and cannot pass its checks: within
+/// seconds it logs the lock's holder by pid with its query and the command
+/// that ends it, and tries again; `status` answers within seconds, naming
+/// the same, instead of hanging; once the transaction ends, everything
+/// committed meanwhile is delivered.
+///
+/// Fails without the bound: the relay logged nothing for 25 s (`/readyz`
+/// "not streaming from the slot"), its check waited on the server with no
+/// end, and `status` hung (more than 20 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyhow::Result<()> {
+    let stack = harness::PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let first = app::insert_order_event(&db).await?.to_string();
+    wait_until("the first event delivered", WAIT, || async {
+        sink.delivered().iter().any(|r| r.id() == first)
+    })
+    .await?;
+
+    let locker = stack.orders_admin().await?;
+    let holder: i32 = locker
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .get(0);
+    locker
+        .batch_execute(
+            "BEGIN; LOCK TABLE pg_catalog.pg_publication_namespace IN ACCESS EXCLUSIVE MODE",
+        )
+        .await?;
+    db.execute(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1",
+        &[&stack.slot],
+    )
+    .await?;
+    let mut events = Vec::new();
+    for _ in 0..3 {
+        events.push(app::insert_order_event(&db).await?.to_string());
+    }
+    let named = format!("pid {holder} (");
+    wait_until("the relay's log naming the lock's holder", WAIT, || async {
+        let log = relay.process.logs();
+        log.contains(&named)
+            && log.contains("holds AccessExclusiveLock on pg_publication_namespace")
+            && log.contains("LOCK TABLE pg_catalog.pg_publication_namespace")
+            && log.contains("pg_terminate_backend")
+    })
+    .await?;
+    let status = tokio::time::timeout(
+        Duration::from_secs(20),
+        app::relay_command(&stack, &stack.relay_url, &["status"], &[]),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("status hung behind the lock for 20 s"))??;
+    assert_ne!(status.code(), Some(0), "{}", status.text());
+    assert!(
+        status.text().contains(&named)
+            && status
+                .text()
+                .contains("holds AccessExclusiveLock on pg_publication_namespace"),
+        "{}",
+        status.text()
+    );
+    assert!(
+        !relay.process.logs().contains("stopping"),
+        "the relay stopped instead of trying again:\n{}",
+        relay.process.logs()
+    );
+
+    locker.batch_execute("ROLLBACK").await?;
+    wait_until(
+        "the events committed during the lock delivered",
+        WAIT,
+        || async {
+            let got: Vec<String> = sink.delivered().iter().map(|r| r.id()).collect();
+            events.iter().all(|e| got.contains(e))
+        },
+    )
+    .await?;
     Ok(())
 }

@@ -18,14 +18,28 @@ mod shards;
 /// code (0 when no problem was found).
 pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
     let client = connect(g).await?;
+    // A lock held elsewhere on a catalog it reads ends a read after
+    // lock_timeout, named, instead of hanging the command.
+    source::lock_wait::bound(&client).await?;
+    match report(g, a, &client).await {
+        Err(e) => Err(match e.downcast::<source::SourceError>() {
+            Ok(e) => source::lock_wait::named(&client, e).await.into(),
+            Err(e) => e,
+        }),
+        reported => reported,
+    }
+}
+
+/// [`command`] on its connection.
+async fn report(g: &GlobalArgs, a: StatusArgs, client: &Client) -> anyhow::Result<u8> {
     check_admin_urls(&a)?;
     super::refuse_pooler(g).await?;
     if let Some(count) = g.shards {
-        return shards::command(g, &a, &client, count).await;
+        return shards::command(g, &a, client, count).await;
     }
     let conn = g.conn().map_err(super::ConfigError)?;
     let mut s = status(
-        &client,
+        client,
         &conn,
         &g.slot,
         &g.publication,
@@ -34,7 +48,7 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
         None,
     )
     .await?;
-    s.failover = failover::slot_failover(&client, &g.slot).await?;
+    s.failover = failover::slot_failover(client, &g.slot).await?;
     let primary = s
         .confirmed_flush_lsn
         .as_deref()
@@ -46,8 +60,8 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
         };
         s.standbys.push(copy);
     }
-    s.dead_letters_waiting = dead_letters_waiting(&client).await?;
-    if let Some(message) = withheld(&client, &g.slot).await? {
+    s.dead_letters_waiting = dead_letters_waiting(client).await?;
+    if let Some(message) = withheld(client, &g.slot).await? {
         s.problems.push(Problem {
             code: STREAM_WITHHELD,
             message,

@@ -143,6 +143,21 @@ pub enum SourceError {
         /// This relay's `application_name`.
         application_name: String,
     },
+    /// A statement waited past the side connection's `lock_timeout` for a
+    /// lock another session holds (SQLSTATE 55P03; see
+    /// [`super::lock_wait`]). Transient: the relay tries again.
+    #[error(
+        "{context}: the server ended a wait of {}s for a lock another session holds (lock_timeout){}",
+        super::lock_wait::LOCK_TIMEOUT.as_secs(),
+        if holders.is_empty() { String::new() } else { format!(": {holders}") }
+    )]
+    LockWait {
+        /// What the relay was doing.
+        context: String,
+        /// Who holds strong table locks, in words (empty until
+        /// [`super::lock_wait::named`] read it).
+        holders: String,
+    },
     /// The server refused us for a reason retrying will not fix (auth,
     /// missing publication or database, privileges, protocol), or the
     /// database is not prepared as the relay needs. The message says what
@@ -189,6 +204,7 @@ impl SourceError {
             SourceError::Unconvertible(_) => "unconvertible",
             SourceError::ThroughPooler { .. } => "pooler",
             SourceError::ServersDiffer { .. } => "servers_differ",
+            SourceError::LockWait { .. } => "lock_wait",
             SourceError::Definite(_) => "definite",
             SourceError::Transient(_) => "transient",
             SourceError::Stalled(_) => "watchdog",
@@ -205,6 +221,12 @@ impl SourceError {
     /// says which setting to change.
     pub fn sql(context: &str, e: &tokio_postgres::Error) -> Self {
         let code = e.code().map(|c| c.code());
+        if code == Some("55P03") {
+            return SourceError::LockWait {
+                context: context.to_owned(),
+                holders: String::new(),
+            };
+        }
         let msg = format!("{context}: {}", db_message(e));
         if let Some(hint) = connect_hint(code, &msg) {
             return SourceError::Definite(format!("{msg}. {hint}"));
@@ -449,6 +471,30 @@ mod tests {
             assert!(classify(Some(c), "x".into(), None).is_definite(), "{c}");
         }
         assert!(!classify(None, "connection reset".into(), None).is_definite());
+    }
+
+    #[test]
+    fn a_lock_wait_is_transient_and_names_its_holders_once_read() {
+        let unnamed = SourceError::LockWait {
+            context: "reading the publications".into(),
+            holders: String::new(),
+        };
+        assert!(!unnamed.is_definite());
+        assert_eq!(unnamed.cause(), "lock_wait");
+        assert_eq!(
+            unnamed.to_string(),
+            "reading the publications: the server ended a wait of 4s for a lock another session holds (lock_timeout)"
+        );
+        let named = SourceError::LockWait {
+            context: "reading the publications".into(),
+            holders: "pid 7 (psql, …) holds AccessExclusiveLock on pg_class".into(),
+        };
+        assert!(
+            named
+                .to_string()
+                .ends_with("(lock_timeout): pid 7 (psql, …) holds AccessExclusiveLock on pg_class"),
+            "{named}"
+        );
     }
 
     #[test]
