@@ -40,7 +40,7 @@
 //!    what a response means is [`sink::classify`](mod@sink::classify)
 //! 4. shared types: [`lsn`], [`clock`] (the server's time and ours),
 //!    [`metrics`], [`endpoint_metrics`], [`health`],
-//!    [`backoff`], [`pace`] (rate caps), [`redact`] (how a URL is shown),
+//!    [`backoff`], [`pace`] (rate caps), [`redact`] (how a URL is shown; trace-context's),
 //!    and the
 //!    error-text helpers below
 
@@ -92,7 +92,7 @@ pub mod health;
 pub mod lsn;
 pub mod metrics;
 pub mod pace;
-pub mod redact;
+pub use trace_context::redact;
 pub mod reread;
 
 /// An optional value for a log field: the value's `Display`, or `none`

@@ -208,30 +208,16 @@ impl TraceArgs {
     }
 }
 
-/// `url` as logs may show it: scheme, host, port and path; no userinfo,
-/// and no query or fragment (either may hold a key).
-pub fn shown(url: &str) -> String {
-    match url.parse::<http::Uri>() {
-        Ok(uri) => format!(
-            "{}://{}{}{}",
-            uri.scheme_str().unwrap_or("http"),
-            uri.host().unwrap_or("?"),
-            uri.port().map(|p| format!(":{p}")).unwrap_or_default(),
-            uri.path()
-        ),
-        Err(_) => "(an unreadable URL)".to_owned(),
-    }
-}
-
 fn check_url(url: &str, setting: &str) -> Result<(), String> {
     let parsed: http::Uri = url
         .trim()
         .parse()
-        .map_err(|e| format!("invalid {setting} {url:?}: {e}"))?;
+        .map_err(|e| format!("invalid {setting} {:?}: {e}", crate::redact::url(url)))?;
     match (parsed.scheme_str(), parsed.host()) {
         (Some("http" | "https"), Some(_)) => Ok(()),
         _ => Err(format!(
-            "invalid {setting} {url:?}: expected http://host:port or https://host:port"
+            "invalid {setting} {:?}: expected http://host:port or https://host:port",
+            crate::redact::url(url)
         )),
     }
 }
@@ -286,11 +272,14 @@ mod tests {
     }
 
     #[test]
-    fn a_query_stays_after_the_path_and_is_never_shown() {
+    fn a_query_stays_after_the_path_and_its_values_are_never_shown() {
         let a = parse(&["--otlp-endpoint", "http://u:p@c:4318/base/?api_key=k"]).unwrap();
         let url = a.traces_url().unwrap().unwrap();
         assert_eq!(url, "http://u:p@c:4318/base/v1/traces?api_key=k");
-        assert_eq!(shown(&url), "http://c:4318/base/v1/traces");
+        assert_eq!(
+            crate::redact::url(&url),
+            "http://***@c:4318/base/v1/traces?api_key=***"
+        );
     }
 
     #[test]

@@ -30,7 +30,7 @@ use opentelemetry_sdk::trace::{
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 use tokio::sync::{Notify, mpsc};
 
-use crate::args::{TraceArgs, shown};
+use crate::args::TraceArgs;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
@@ -159,7 +159,12 @@ impl Export {
             .with_endpoint(url.clone())
             .with_timeout(EXPORT_TIMEOUT)
             .build()
-            .map_err(|e| ExportError(format!("OTLP exporter for {}: {e}", shown(&url))))?;
+            .map_err(|e| {
+                ExportError(format!(
+                    "OTLP exporter for {}: {e}",
+                    crate::redact::url(&url)
+                ))
+            })?;
         // The queue owns the exporter, so the provider cannot hand it the
         // resource (`service.name`): it is given here.
         exporter.set_resource(&resource);
@@ -170,7 +175,7 @@ impl Export {
             exporter,
             counters.clone(),
             stop.clone(),
-            shown(&url),
+            crate::redact::url(&url),
         ));
         let provider = SdkTracerProvider::builder()
             .with_span_processor(Queue { tx, counters })
@@ -183,7 +188,7 @@ impl Export {
             tracer,
             stop,
             task,
-            shown: shown(&url),
+            shown: crate::redact::url(&url),
         }))
     }
 

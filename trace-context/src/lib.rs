@@ -21,6 +21,7 @@
 
 pub mod args;
 pub mod export;
+pub mod redact;
 pub mod stored;
 
 pub use args::{TraceArgs, TracesSampler};

@@ -276,6 +276,16 @@ async fn refused_values(stack: &Stack, planted: &Planted) -> anyhow::Result<Vec<
         (vec!["run", "--sink-url", empty_host.as_str()], vec![]),
         (vec!["run"], vec![("CDC_RELAY_SINK_URL", bad_port.as_str())]),
         (vec!["status", "--admin-url", not_http.as_str()], vec![]),
+        (
+            vec![
+                "run",
+                "--sink-url",
+                "http://127.0.0.1:9/inbox",
+                "--otlp-endpoint",
+                not_http.as_str(),
+            ],
+            vec![],
+        ),
     ] {
         let refused = command(stack, &args, &env).await?;
         assert_eq!(refused.code(), Some(2), "{args:?}: {}", refused.text());
