@@ -10,8 +10,14 @@
 //! measures the difference on every message ([`skew_seconds`]: local now
 //! minus the message's send time; the network delay, milliseconds on a
 //! LAN, is part of it) and corrects by it wherever it compares a server
-//! time with now ([`seconds_since`]): a step is corrected at the next
-//! message, never read as a commit 10 minutes old or in the future.
+//! time with now ([`seconds_since`]). The samples are taken on a steady
+//! timeline ([`steady_micros`]: the wall clock read once, advanced by the
+//! monotonic clock), which a step of the wall clock does not move, so the
+//! estimate (the least sample of the last minute, `source::skew`) holds
+//! across a step; the step itself ([`stepped_seconds`]) is added back for
+//! the wall clock's skew at every message. A step is thus corrected at the
+//! next message either way, never read as a commit 10 minutes old or in
+//! the future.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -32,17 +38,36 @@ pub fn unix_micros() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
-/// This machine's clock minus the server's, in seconds, for a message the
-/// server sent at `server_micros` (microseconds since PostgreSQL's epoch,
-/// its clock) and that arrives now. Positive: this clock is ahead.
+/// This machine's time on a steady timeline, microseconds since the Unix
+/// epoch: the wall clock as it read at the first call, advanced by the
+/// monotonic clock since. A step of the wall clock does not move it.
+pub fn steady_micros() -> i64 {
+    static ANCHOR: std::sync::OnceLock<(i64, std::time::Instant)> = std::sync::OnceLock::new();
+    let (wall, mono) = ANCHOR.get_or_init(|| (unix_micros(), std::time::Instant::now()));
+    wall.saturating_add(i64::try_from(mono.elapsed().as_micros()).unwrap_or(i64::MAX))
+}
+
+/// How far the wall clock has been stepped since the steady timeline
+/// began, in seconds (wall minus [`steady_micros`]; 0 without a step, up to
+/// the monotonic clock's slewing).
+pub fn stepped_seconds() -> f64 {
+    let steady = steady_micros();
+    unix_micros().saturating_sub(steady) as f64 / 1e6
+}
+
+/// The steady timeline minus the server's clock, in seconds, for a message
+/// the server sent at `server_micros` (microseconds since PostgreSQL's
+/// epoch, its clock) and that arrives now; the wall clock's skew is this
+/// plus [`stepped_seconds`]. Positive: ahead of the server.
 pub fn skew_seconds(server_micros: i64) -> f64 {
     let sent = server_micros.saturating_add(PG_EPOCH_UNIX_MICROS);
-    unix_micros().saturating_sub(sent) as f64 / 1e6
+    steady_micros().saturating_sub(sent) as f64 / 1e6
 }
 
 /// Seconds from a commit at `commit_micros` (microseconds since
 /// PostgreSQL's epoch, the server's clock) to now, with this machine's
-/// clock corrected by `skew` seconds ([`skew_seconds`]); never negative.
+/// wall clock corrected by `skew` seconds (the wall clock's skew,
+/// `cdc_relay_clock_skew_seconds`); never negative.
 pub fn seconds_since(commit_micros: i64, skew: f64) -> f64 {
     let committed = commit_micros.saturating_add(PG_EPOCH_UNIX_MICROS);
     let now_on_server = unix_micros() as f64 - skew * 1e6;

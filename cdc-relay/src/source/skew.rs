@@ -88,7 +88,10 @@ impl SkewWatch {
         if server_micros <= 0 {
             return;
         }
-        let (skew, span) = self.take(Instant::now(), clock::skew_seconds(server_micros));
+        // The estimate is on the steady timeline; the wall clock's skew
+        // adds how far it was stepped, read now.
+        let (steady, span) = self.take(Instant::now(), clock::skew_seconds(server_micros));
+        let skew = steady + clock::stepped_seconds();
         self.gauge.set(skew);
         if skew.abs() < SKEW_WARN.as_secs_f64() {
             if self.warned.take().is_some() {

@@ -157,3 +157,80 @@ async fn billing_refusing_a_stepped_clock_gets_the_clock_hint_and_loses_nothing(
     );
     Ok(())
 }
+
+/// The relay's clock stepped while it runs, as an NTP step does: started
+/// on the true time, stepped ten minutes ahead, then back. After each step
+/// the 20 events delivered have their true latency (a mean under 5 s),
+/// never 600 s or 0, and the gauge follows the step within seconds.
+///
+/// Fails without the steady timeline: after the forward step the 20
+/// events' mean commit-to-delivery latency was about 600 s (the skew
+/// estimate, the least sample of the last minute, kept the value from
+/// before the step for up to a minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_stepped_while_the_relay_runs_does_not_skew_delivery_latency() -> anyhow::Result<()>
+{
+    let lib = faketime()?;
+    let dir = tempfile::tempdir()?;
+    let spec = dir.path().join("faketime");
+    std::fs::write(&spec, "+0\n")?;
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let spec_path = spec.display().to_string();
+    let env = [
+        ("EVENT_SECRET", TEST_SECRET),
+        ("LD_PRELOAD", lib.as_str()),
+        // libfaketime reads the offset from the file at most a second old.
+        ("FAKETIME_TIMESTAMP_FILE", spec_path.as_str()),
+        ("FAKETIME_CACHE_DURATION", "1"),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+    ];
+    let relay = app::start_relay_with_env(&stack, &stack.relay_url, &sink.url, &[], &env).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    for (offset, sign) in [("+10m", 1.0), ("+0", 0.0)] {
+        let before = relay.metrics().await?;
+        let (count0, sum0) = (
+            before.sum("cdc_relay_commit_to_delivery_seconds_count"),
+            before.sum("cdc_relay_commit_to_delivery_seconds_sum"),
+        );
+        std::fs::write(&spec, format!("{offset}\n"))?;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        for _ in 0..20 {
+            app::insert_order_event(&db).await?;
+        }
+        // Counted by the relay once it read each 2xx (the sink counts a
+        // request before it answers).
+        wait_until("20 more deliveries measured", WAIT, || async {
+            anyhow::Ok(
+                relay
+                    .metrics()
+                    .await?
+                    .sum("cdc_relay_commit_to_delivery_seconds_count")
+                    >= count0 + 20.0,
+            )
+        })
+        .await?;
+        let m = relay.metrics().await?;
+        let count = m.sum("cdc_relay_commit_to_delivery_seconds_count") - count0;
+        let sum = m.sum("cdc_relay_commit_to_delivery_seconds_sum") - sum0;
+        let skew = m
+            .value("cdc_relay_clock_skew_seconds", &[])
+            .unwrap_or(f64::NAN);
+        eprintln!(
+            "stepped to {offset}: skew {skew:.1} s; {count} deliveries, latency sum {sum:.3} s"
+        );
+        assert!(count >= 20.0, "{count}");
+        assert!(
+            sum > 0.0 && sum / count < 5.0,
+            "stepped to {offset}: the mean commit-to-delivery latency is {:.3} s over {count} events: the step shows",
+            sum / count
+        );
+        assert!(
+            (skew - sign * 600.0).abs() < 30.0,
+            "stepped to {offset}: the skew gauge reads {skew:.1} s"
+        );
+    }
+    Ok(())
+}

@@ -298,7 +298,8 @@ async fn floods_beyond_the_cap_leave_requests_and_deliveries_working_and_are_rea
 
 /// Issue 30, item 10: Billing with its defaults (cap 512, 10 s header-read
 /// timeout), flooded with twice the cap of silent and half-sent sockets,
-/// answers a signed delivery within 2 s, a fifth of the timeout: the
+/// answers a signed delivery within 1 s (the issue's bound; 11-17 ms
+/// measured), a tenth of the timeout: the
 /// flood's oldest sockets give way instead of holding every slot until
 /// they time out.
 ///
@@ -316,8 +317,9 @@ async fn billing_with_its_defaults_answers_at_once_behind_a_flood_of_twice_its_c
         "data": {"order_id": uuid::Uuid::new_v4().to_string(), "amount_cents": 1, "currency": "EUR"}
     })
     .to_string();
+    let asked = std::time::Instant::now();
     let answer = tokio::time::timeout(
-        Duration::from_secs(2),
+        Duration::from_secs(1),
         reqwest::Client::new()
             .post(billing.inbox())
             .header("content-type", "application/json")
@@ -329,8 +331,10 @@ async fn billing_with_its_defaults_answers_at_once_behind_a_flood_of_twice_its_c
             .send(),
     )
     .await
-    .expect("Billing answered within 2 s behind the flood, not after its 10 s timeouts")
+    .expect("Billing answered within 1 s behind the flood, not after its 10 s timeouts")
     .expect("POST /inbox");
+    // 11-17 ms measured while another suite loaded the machine.
+    eprintln!("answered behind the flood in {:?}", asked.elapsed());
     assert!(answer.status().as_u16() < 500, "{}", answer.status());
     let times = flood.all_closed(Duration::from_secs(60)).await;
     assert_reaped(
