@@ -153,6 +153,20 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
         ),
         case("prefer", "127.0.0.1", "sslmode=prefer".into(), true, ""),
         case(
+            "channel_binding=prefer (SCRAM over TLS)",
+            "127.0.0.1",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}&channel_binding=prefer"),
+            true,
+            "",
+        ),
+        case(
+            "channel_binding=disable",
+            "127.0.0.1",
+            "sslmode=require&channel_binding=disable".into(),
+            true,
+            "",
+        ),
+        case(
             "allow (plain first)",
             "127.0.0.1",
             "sslmode=allow".into(),
