@@ -4,10 +4,12 @@
 //! pipeline (Billing's inbox deduplicates) and streams on: every event,
 //! including the ones inserted while the table was out, is invoiced exactly
 //! once with no operator step, `cdc_relay_gaps_healed_total` counts the
-//! gap, and the log says so. Two ways out and back: the table dropped from
-//! the publication and re-added after the relay noticed, and the table
-//! restored as `pg_dump -c` does (dropped and recreated, then put back in
-//! the publication) faster than one reading.
+//! gap, and the log says so. Three ways out and back: the table dropped
+//! from the publication and re-added after the relay noticed, a schema
+//! publication (`FOR TABLES IN SCHEMA`) that stops and starts covering the
+//! outbox's schema, and the table restored as `pg_dump -c` does (dropped
+//! and recreated, then put back in the publication) faster than one
+//! reading.
 //!
 //! Failed on `cb3ea2e`: `--on-gap` did not exist; the event inserted while
 //! out stayed missing until an operator ran `cdc-relay backfill`.
@@ -29,19 +31,40 @@ async fn healed(s: &Scenario) -> anyhow::Result<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_noticed_while_out_heals_once_the_table_is_back() -> anyhow::Result<()> {
+    out_and_back(None, "DROP TABLE outbox", "ADD TABLE outbox").await
+}
+
+/// The same through a schema publication (`FOR TABLES IN SCHEMA`) that
+/// stops covering the outbox's schema, then covers it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_publication_that_stops_covering_the_outbox_heals_too() -> anyhow::Result<()> {
+    out_and_back(
+        Some("SET TABLES IN SCHEMA public"),
+        "DROP TABLES IN SCHEMA public",
+        "ADD TABLES IN SCHEMA public",
+    )
+    .await
+}
+
+/// With `--on-gap backfill`: the publication changed by `ALTER PUBLICATION
+/// … {before}` (in one statement, the outbox never out), then `{out}`
+/// while an event is inserted and `{back}` after the relay noticed; every
+/// event is invoiced once and the gap counted as healed.
+async fn out_and_back(before: Option<&str>, out: &str, back: &str) -> anyhow::Result<()> {
     let s = Scenario::plan(Inbox::Billing)
         .relay_args(&["--on-gap", "backfill"])
         .start()
         .await?;
     let (stack, db, relay) = (&s.stack, &s.db, &s.relay);
+    if let Some(before) = before {
+        db.batch_execute(&format!("ALTER PUBLICATION {} {before}", stack.publication))
+            .await?;
+    }
     app::insert_order_event(db).await?;
     oracle::wait_ledger_clean(stack, 1, DRAIN).await?;
 
-    db.batch_execute(&format!(
-        "ALTER PUBLICATION {} DROP TABLE outbox",
-        stack.publication
-    ))
-    .await?;
+    db.batch_execute(&format!("ALTER PUBLICATION {} {out}", stack.publication))
+        .await?;
     let while_out = app::insert_order_event(db).await?;
     relay
         .process
@@ -63,11 +86,8 @@ async fn a_gap_noticed_while_out_heals_once_the_table_is_back() -> anyhow::Resul
         },
     )
     .await?;
-    db.batch_execute(&format!(
-        "ALTER PUBLICATION {} ADD TABLE outbox",
-        stack.publication
-    ))
-    .await?;
+    db.batch_execute(&format!("ALTER PUBLICATION {} {back}", stack.publication))
+        .await?;
     app::insert_order_event(db).await?;
     oracle::wait_ledger_clean(stack, 3, DRAIN).await?;
     wait_until(&format!("{HEALED} 1"), NOTICE, || async {
