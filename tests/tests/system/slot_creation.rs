@@ -188,6 +188,12 @@ async fn a_slot_creation_that_waits_says_for_what_and_gives_up_leaving_nothing()
         &["--create-slot", "--slot-create-timeout", "4s"],
     )
     .await?;
+    run.process
+        .wait_for_line("creating the slot waits for", WAIT)
+        .await?;
+    // Alive (/healthz) but not ready while the slot is being created.
+    let (ready, why) = run.get("/readyz").await?;
+    assert_eq!(ready, 503, "/readyz while creating the slot: {why}");
     let exit = run.process.wait_exit(WAIT).await?;
     let logs = run.process.logs();
     assert!(!exit.success(), "{logs}");
