@@ -1,7 +1,8 @@
 //! Credential and trust files read again for each new connection: the
 //! database password file, the database's `sslrootcert`/`sslcert`/`sslkey`,
-//! the sinks' CA file and client certificate. A rotated file is used by the
-//! next connection without a restart or a signal (SIGHUP, which re-reads
+//! the sinks' CA file and client certificate, the OTLP collector's CA. A
+//! rotated file is used by the next connection without a restart or a
+//! signal (SIGHUP, which re-reads
 //! the event secrets, needs nothing more for these). A file that no longer
 //! loads (missing, empty, not PEM) keeps the copy that last loaded, logged
 //! at ERROR each time it is read, so a rotation that goes wrong does not

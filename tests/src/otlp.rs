@@ -67,13 +67,19 @@ impl Collector {
             spans: Arc::default(),
             requests: Arc::default(),
         };
-        let app = Router::new()
-            .route("/v1/traces", post(receive))
-            .with_state(collector.clone());
+        let app = collector.router();
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
         Ok(collector)
+    }
+
+    /// The receiver's routes, to serve elsewhere too (e.g. over TLS with
+    /// [`crate::tls_sink::serve_tls`]); spans land in this collector.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/v1/traces", post(receive))
+            .with_state(self.clone())
     }
 
     /// The base URL (`--otlp-endpoint`).

@@ -53,40 +53,13 @@ impl TlsSink {
             let _ = stop.send(());
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let certs = CertificateDer::pem_file_iter(cert)?.collect::<Result<Vec<_>, _>>()?;
-        let key = PrivateKeyDer::from_pem_file(key)?;
-        let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
-            .with_safe_default_protocol_versions()?;
-        let builder = match client_ca {
-            None => builder.with_no_client_auth(),
-            Some(ca) => {
-                let mut roots = rustls::RootCertStore::empty();
-                for c in CertificateDer::pem_file_iter(ca)? {
-                    roots.add(c?)?;
-                }
-                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                    Arc::new(roots),
-                    provider,
-                )
-                .build()?;
-                builder.with_client_cert_verifier(verifier)
-            }
-        };
-        let config = builder.with_single_cert(certs, key)?;
-        let tcp = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
-            .await
-            .with_context(|| format!("binding 127.0.0.1:{}", self.port))?;
-        self.port = tcp.local_addr()?.port();
-        self.url = format!("https://localhost:{}/inbox", self.port);
-        let listener = TlsListener {
-            tcp,
-            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
-        };
         let app = axum::Router::new()
             .route("/inbox", axum::routing::post(record))
             .with_state(self.received.clone());
-        self.stop = Some(crate::sink::serve(listener, app));
+        let (port, stop) = serve_tls(cert, key, client_ca, self.port, app).await?;
+        self.port = port;
+        self.url = format!("https://localhost:{}/inbox", self.port);
+        self.stop = Some(stop);
         Ok(())
     }
 
@@ -99,6 +72,48 @@ impl TlsSink {
     pub fn got(&self, needle: &str) -> bool {
         self.bodies().iter().any(|(b, _)| b.contains(needle))
     }
+}
+
+/// Serves `app` over TLS with `cert`/`key` on 127.0.0.1:`port` (0: a free
+/// one); with `client_ca`, only to clients presenting a certificate that
+/// CA signed. Returns the port and the sender that stops it.
+pub async fn serve_tls(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+    port: u16,
+    app: axum::Router,
+) -> anyhow::Result<(u16, tokio::sync::oneshot::Sender<()>)> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let certs = CertificateDer::pem_file_iter(cert)?.collect::<Result<Vec<_>, _>>()?;
+    let key = PrivateKeyDer::from_pem_file(key)?;
+    let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in CertificateDer::pem_file_iter(ca)? {
+                roots.add(c?)?;
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider,
+            )
+            .build()?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let config = builder.with_single_cert(certs, key)?;
+    let tcp = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .with_context(|| format!("binding 127.0.0.1:{port}"))?;
+    let port = tcp.local_addr()?.port();
+    let listener = TlsListener {
+        tcp,
+        acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+    };
+    Ok((port, crate::sink::serve(listener, app)))
 }
 
 async fn record(

@@ -117,30 +117,26 @@ impl Export {
         default_service: &str,
         counters: Counters,
     ) -> Result<Option<Export>, ExportError> {
+        Self::start_with_tls(args, default_service, counters, None)
+    }
+
+    /// [`Export::start`] with the caller's TLS config for the collector
+    /// (e.g. one that reads `--otlp-certificate` again for each
+    /// connection); `None`: the webpki roots plus `--otlp-certificate` as
+    /// it reads now.
+    pub fn start_with_tls(
+        args: &TraceArgs,
+        default_service: &str,
+        counters: Counters,
+        tls: Option<rustls::ClientConfig>,
+    ) -> Result<Option<Export>, ExportError> {
         let Some(url) = args.traces_url().map_err(ExportError)? else {
             return Ok(None);
         };
-        let mut roots =
-            rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-        if let Some(file) = &args.certificate {
-            let setting = "--otlp-certificate (OTEL_EXPORTER_OTLP_CERTIFICATE)";
-            let certs: Vec<_> = CertificateDer::pem_file_iter(file)
-                .and_then(Iterator::collect)
-                .map_err(|e| ExportError(format!("{setting} {}: {e}", file.display())))?;
-            if roots.add_parsable_certificates(certs).0 == 0 {
-                return Err(ExportError(format!(
-                    "{setting} {}: no CA certificate in the file",
-                    file.display()
-                )));
-            }
-        }
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| ExportError(format!("TLS for the OTLP endpoint: {e}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        let tls = match tls {
+            Some(tls) => tls,
+            None => Self::tls(args)?,
+        };
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
@@ -190,6 +186,31 @@ impl Export {
             task,
             shown: crate::redact::url(&url),
         }))
+    }
+
+    /// The webpki roots plus `--otlp-certificate`, read once.
+    fn tls(args: &TraceArgs) -> Result<rustls::ClientConfig, ExportError> {
+        let mut roots =
+            rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        if let Some(file) = &args.certificate {
+            let setting = "--otlp-certificate (OTEL_EXPORTER_OTLP_CERTIFICATE)";
+            let certs: Vec<_> = CertificateDer::pem_file_iter(file)
+                .and_then(Iterator::collect)
+                .map_err(|e| ExportError(format!("{setting} {}: {e}", file.display())))?;
+            if roots.add_parsable_certificates(certs).0 == 0 {
+                return Err(ExportError(format!(
+                    "{setting} {}: no CA certificate in the file",
+                    file.display()
+                )));
+            }
+        }
+        Ok(rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ExportError(format!("TLS for the OTLP endpoint: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
     }
 
     /// The tracer spans are made with.

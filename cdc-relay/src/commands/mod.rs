@@ -52,7 +52,19 @@ pub(crate) fn start_export(
     metrics: &crate::metrics::Metrics,
 ) -> Result<Option<trace_context::Export>, ConfigError> {
     let counters = trace_context::Counters::register(metrics.registry(), "cdc_relay");
-    trace_context::Export::start(args, "cdc-relay", counters)
+    // The collector's CA is read again for each new connection, as the
+    // sinks' and the database's trust files are.
+    let tls = match &args.certificate {
+        Some(path) => Some(
+            crate::sink::tls::roots_config(
+                "--otlp-certificate (OTEL_EXPORTER_OTLP_CERTIFICATE)",
+                path,
+            )
+            .map_err(ConfigError)?,
+        ),
+        None => None,
+    };
+    trace_context::Export::start_with_tls(args, "cdc-relay", counters, tls)
         .map_err(|e| ConfigError(e.to_string()))
 }
 

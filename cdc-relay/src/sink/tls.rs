@@ -3,7 +3,9 @@
 //! for receivers that ask for one (mutual TLS). Both files are read again
 //! for each new connection ([`crate::reread`]): a rotated CA or client
 //! certificate is used without a restart, and a file that no longer loads
-//! keeps the copy that last loaded (ERROR in the log).
+//! keeps the copy that last loaded (ERROR in the log). The OTLP
+//! collector's CA (`--otlp-certificate`) is trusted the same way
+//! ([`roots_config`]).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -57,18 +59,11 @@ impl SinkTls {
             .map_err(|e| SinkError::Client(e.to_string()))?;
         let builder = match &self.ca_file {
             None => builder.with_root_certificates(webpki_roots_store()),
-            Some(path) => {
-                let loaded =
-                    reread::load(CA_FLAG, path, check_roots).map_err(SinkError::BadCaCert)?;
-                let current = verifier(&provider, &loaded.bytes).map_err(SinkError::BadCaCert)?;
-                builder
-                    .dangerous()
-                    .with_custom_certificate_verifier(Arc::new(ReloadingRoots {
-                        path: path.clone(),
-                        provider: Arc::clone(&provider),
-                        current: Mutex::new((loaded.bytes, current)),
-                    }))
-            }
+            Some(path) => builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(
+                    ReloadingRoots::new(CA_FLAG, path, &provider).map_err(SinkError::BadCaCert)?,
+                )),
         };
         let mut config = match &self.client_cert {
             None => builder.with_no_client_auth(),
@@ -86,6 +81,25 @@ impl SinkTls {
         }
         Ok(config)
     }
+}
+
+/// A rustls config trusting the webpki roots plus the CA certificate(s) in
+/// `path`, read again for each new connection (TLS session resumption off,
+/// so a rotated file applies); `setting` names the file in messages.
+///
+/// # Errors
+/// The file does not load now (the message names `setting` and the file).
+pub fn roots_config(setting: &'static str, path: &std::path::Path) -> Result<ClientConfig, String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let roots = ReloadingRoots::new(setting, path, &provider)?;
+    let mut config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(roots))
+        .with_no_client_auth();
+    config.resumption = rustls::client::Resumption::disabled();
+    Ok(config)
 }
 
 fn webpki_roots_store() -> RootCertStore {
@@ -128,6 +142,8 @@ fn verifier(
 /// handshake is a new connection: pooled ones are reused).
 #[derive(Debug)]
 struct ReloadingRoots {
+    /// The flag naming the file, for messages.
+    setting: &'static str,
     path: PathBuf,
     provider: Arc<CryptoProvider>,
     /// The file's bytes and the verifier built from them.
@@ -135,15 +151,34 @@ struct ReloadingRoots {
 }
 
 impl ReloadingRoots {
+    /// Loads `path` once (an error names `setting` and the file).
+    fn new(
+        setting: &'static str,
+        path: &std::path::Path,
+        provider: &Arc<CryptoProvider>,
+    ) -> Result<Self, String> {
+        let loaded = reread::load(setting, path, check_roots)
+            .map_err(|r| format!("{setting} {}: {r}", path.display()))?;
+        let current = verifier(provider, &loaded.bytes)
+            .map_err(|r| format!("{setting} {}: {r}", path.display()))?;
+        Ok(ReloadingRoots {
+            setting,
+            path: path.to_owned(),
+            provider: Arc::clone(provider),
+            current: Mutex::new((loaded.bytes, current)),
+        })
+    }
+
     fn verifier(&self) -> Arc<WebPkiServerVerifier> {
         let mut current = self.current.lock().expect("never poisoned");
-        if let Ok(loaded) = reread::load(CA_FLAG, &self.path, check_roots)
+        if let Ok(loaded) = reread::load(self.setting, &self.path, check_roots)
             && loaded.bytes != current.0
         {
             match verifier(&self.provider, &loaded.bytes) {
                 Ok(v) => *current = (loaded.bytes, v),
                 Err(reason) => tracing::error!(
-                    "{CA_FLAG} {}: {reason}; new connections keep the certificates that last loaded",
+                    "{} {}: {reason}; new connections keep the certificates that last loaded",
+                    self.setting,
                     self.path.display()
                 ),
             }

@@ -19,8 +19,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use harness::app;
+use harness::otlp::Collector;
 use harness::pki::{self, Ca, Request, path_str};
-use harness::tls_sink::TlsSink;
+use harness::sink::ScriptedSink;
+use harness::tls_sink::{TlsSink, serve_tls};
 use harness::{ClusterOptions, PgCluster, wait_until};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -295,5 +297,78 @@ async fn sink_ca_and_client_certificate_rotate_without_a_restart() -> anyhow::Re
         "no ERROR keeping --sink-client-cert:\n{log}"
     );
     assert!(relay.process.try_status().is_none(), "the relay exited");
+    Ok(())
+}
+
+/// The OTLP collector's CA (`--otlp-certificate`) rotates as the sinks'
+/// does: the relay's spans reach a collector serving a certificate of the
+/// first CA; the collector moves to a certificate of a second CA and the
+/// file is replaced; the next event's spans arrive without a restart.
+///
+/// Fails without the fix: the file was read once at start, so after the
+/// rotation every export failed its handshake and no span came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_otlp_collectors_ca_rotates_without_a_restart() -> anyhow::Result<()> {
+    let dir = pki::dir()?;
+    let ca1 = Ca::new(dir.path(), "otlp-ca1")?;
+    let ca2 = Ca::new(dir.path(), "otlp-ca2")?;
+    let server1 = issue(&ca1, "collector1", false)?;
+    let server2 = issue(&ca2, "collector2", false)?;
+    let collector = Collector::start().await?;
+    let (port, stop) = serve_tls(&server1.cert, &server1.key, None, 0, collector.router()).await?;
+    let files = tempfile::tempdir()?;
+    let ca = files.path().join("otlp-ca.pem");
+    put(&ca1.cert, &ca)?;
+
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let endpoint = format!("https://localhost:{port}");
+    let mut relay = app::start_relay(
+        &stack,
+        &sink.url,
+        &[
+            "--otlp-endpoint",
+            &endpoint,
+            "--otlp-certificate",
+            path_str(&ca)?,
+        ],
+    )
+    .await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    traced_event(&db).await?;
+    collector
+        .wait_for("spans through the first CA", WAIT, |s| !s.is_empty())
+        .await?;
+
+    // The collector's certificate comes from a new CA; the file follows.
+    put(&ca2.cert, &ca)?;
+    let _ = stop.send(());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (_, _stop) = serve_tls(&server2.cert, &server2.key, None, port, collector.router()).await?;
+    let before = collector.spans().len();
+    traced_event(&db).await?;
+    collector
+        .wait_for("spans across the rotation", WAIT, |s| s.len() > before)
+        .await?;
+    assert!(relay.process.try_status().is_none(), "the relay exited");
+    Ok(())
+}
+
+/// Inserts an outbox row carrying a sampled W3C trace context (the relay
+/// makes its delivery span in the event's stored trace).
+async fn traced_event(db: &tokio_postgres::Client) -> anyhow::Result<()> {
+    let (event, order) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    let trace = uuid::Uuid::new_v4().simple().to_string();
+    db.batch_execute(&format!(
+        "BEGIN; \
+         INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 250, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload, trace_context) \
+           VALUES ('{event}', '{order}', 'OrderCreated', '{{}}', '00-{trace}-b7ad6b7169203331-01'); \
+         COMMIT"
+    ))
+    .await
+    .context("a traced outbox row")?;
     Ok(())
 }
