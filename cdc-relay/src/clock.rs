@@ -14,7 +14,7 @@
 //! timeline ([`steady_micros`]: the wall clock read once, advanced by the
 //! monotonic clock), which a step of the wall clock does not move, so the
 //! estimate (the least sample of the last minute, `source::skew`) holds
-//! across a step; the step itself ([`stepped_seconds`]) is added back for
+//! across a step; the step itself (the second half of [`skew_seconds`]) is added back for
 //! the wall clock's skew at every message. A step is thus corrected at the
 //! next message either way, never read as a commit 10 minutes old or in
 //! the future.
@@ -47,21 +47,19 @@ pub fn steady_micros() -> i64 {
     wall.saturating_add(i64::try_from(mono.elapsed().as_micros()).unwrap_or(i64::MAX))
 }
 
-/// How far the wall clock has been stepped since the steady timeline
-/// began, in seconds (wall minus [`steady_micros`]; 0 without a step, up to
-/// the monotonic clock's slewing).
-pub fn stepped_seconds() -> f64 {
-    let steady = steady_micros();
-    unix_micros().saturating_sub(steady) as f64 / 1e6
-}
-
-/// The steady timeline minus the server's clock, in seconds, for a message
-/// the server sent at `server_micros` (microseconds since PostgreSQL's
-/// epoch, its clock) and that arrives now; the wall clock's skew is this
-/// plus [`stepped_seconds`]. Positive: ahead of the server.
-pub fn skew_seconds(server_micros: i64) -> f64 {
+/// One message's sample, for a message the server sent at `server_micros`
+/// (microseconds since PostgreSQL's epoch, its clock) and that arrives
+/// now, in seconds: the steady timeline minus the server's clock, and how
+/// far the wall clock has been stepped since the steady timeline began
+/// (wall minus [`steady_micros`]; 0 without a step). The wall clock's skew
+/// is their sum. Positive: ahead of the server. One read of each clock.
+pub fn skew_seconds(server_micros: i64) -> (f64, f64) {
     let sent = server_micros.saturating_add(PG_EPOCH_UNIX_MICROS);
-    steady_micros().saturating_sub(sent) as f64 / 1e6
+    let steady = steady_micros();
+    (
+        steady.saturating_sub(sent) as f64 / 1e6,
+        unix_micros().saturating_sub(steady) as f64 / 1e6,
+    )
 }
 
 /// Seconds from a commit at `commit_micros` (microseconds since
@@ -86,7 +84,8 @@ mod tests {
     #[test]
     fn a_clock_ten_minutes_ahead_or_behind_is_measured() {
         for ahead in [600.0, -600.0, 0.0] {
-            let skew = skew_seconds(server_now(ahead));
+            let (steady, stepped) = skew_seconds(server_now(ahead));
+            let skew = steady + stepped;
             assert!((skew - ahead).abs() < 1.0, "{skew} for {ahead}");
         }
     }

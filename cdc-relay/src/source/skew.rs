@@ -90,8 +90,9 @@ impl SkewWatch {
         }
         // The estimate is on the steady timeline; the wall clock's skew
         // adds how far it was stepped, read now.
-        let (steady, span) = self.take(Instant::now(), clock::skew_seconds(server_micros));
-        let skew = steady + clock::stepped_seconds();
+        let (sample, stepped) = clock::skew_seconds(server_micros);
+        let (steady, span) = self.take(Instant::now(), sample);
+        let skew = steady + stepped;
         self.gauge.set(skew);
         if skew.abs() < SKEW_WARN.as_secs_f64() {
             if self.warned.take().is_some() {
