@@ -123,7 +123,7 @@ pub enum SourceError {
     /// (the server then refuses the replication commands as SQL). A
     /// configuration error: the URL must reach PostgreSQL itself.
     #[error(
-        "the database URL reaches a connection pooler or proxy that does not carry replication connections (it answered: {answer}). The relay's connections must go to PostgreSQL itself: point --database-url (CDC_RELAY_DATABASE_URL) at the server's own host and port (5432 by default), not at PgBouncer or another pooler; or, to keep the side connection on a session-mode pooler, set --replication-url (CDC_RELAY_REPLICATION_URL) to the server itself (docs/operations.md#troubleshooting)"
+        "the replication connection's URL (--replication-url (CDC_RELAY_REPLICATION_URL) when set, else --database-url (CDC_RELAY_DATABASE_URL)) reaches a connection pooler or proxy that does not carry replication connections (it answered: {answer}). The stream must go to PostgreSQL itself: point that URL at the server's own host and port (5432 by default), not at PgBouncer or another pooler; --database-url alone may stay on a session-mode pooler when --replication-url names the server itself (docs/operations.md#troubleshooting)"
     )]
     ThroughPooler {
         /// What the pooler (or the server behind it) answered.
