@@ -173,12 +173,45 @@ async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyho
             && log.contains("pg_terminate_backend")
     })
     .await?;
-    let status = tokio::time::timeout(
-        Duration::from_secs(20),
-        app::relay_command(&stack, &stack.relay_url, &["status"], &[]),
-    )
-    .await
-    .map_err(|_| anyhow::anyhow!("status hung behind the lock for 20 s"))??;
+    // What every session of the cluster waits on while status runs, for
+    // the failure message (a status that hangs names the wait).
+    let watcher = stack.orders_admin().await?;
+    let status_run = app::relay_command(&stack, &stack.relay_url, &["status"], &[]);
+    tokio::pin!(status_run);
+    let mut waits = Vec::new();
+    let started = std::time::Instant::now();
+    let status = loop {
+        tokio::select! {
+            out = &mut status_run => break out?,
+            () = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+        let rows = watcher
+            .query(
+                "SELECT format('%s %s %s db=%s app=%s state=%s wait=%s/%s: %s', \
+                        round(extract(epoch FROM clock_timestamp() - query_start)::numeric, 1), \
+                        pid, backend_type, datname, application_name, state, \
+                        wait_event_type, wait_event, left(query, 70)) \
+                 FROM pg_stat_activity WHERE pid <> pg_backend_pid() \
+                   AND (datname = current_database() OR backend_type = 'walsender')",
+                &[],
+            )
+            .await?;
+        waits.push(format!(
+            "after {:?}:\n  {}",
+            started.elapsed(),
+            rows.iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+                .join("\n  ")
+        ));
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(60),
+            "status hung behind the lock for 60 s (it should answer in seconds); the sessions:\n{}\nthe relay's log:\n{}",
+            waits.join("\n"),
+            relay.process.logs()
+        );
+    };
+    eprintln!("status answered after {:?}", started.elapsed());
     assert_ne!(status.code(), Some(0), "{}", status.text());
     assert!(
         status.text().contains(&named)
