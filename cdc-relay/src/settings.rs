@@ -25,7 +25,8 @@ impl GlobalArgs {
             .database_url
             .as_deref()
             .ok_or("--database-url (CDC_RELAY_DATABASE_URL) is required")?;
-        let mut conn = ConnParams::parse(url, self.connect_timeout).map_err(|e| e.to_string())?;
+        let mut conn = ConnParams::parse(url, self.connect_timeout)
+            .map_err(|e| format!("invalid --database-url (CDC_RELAY_DATABASE_URL): {e}"))?;
         match (&self.database_password, &self.database_password_file) {
             (Some(_), Some(_)) => {
                 return Err("--database-password (CDC_RELAY_DATABASE_PASSWORD) and \
@@ -55,8 +56,8 @@ impl GlobalArgs {
         let Some(url) = self.replication_url.as_deref() else {
             return Ok(None);
         };
-        let mut c =
-            ConnParams::parse(url, self.connect_timeout).map_err(|e| format!("{FLAG}: {e}"))?;
+        let mut c = ConnParams::parse(url, self.connect_timeout)
+            .map_err(|e| format!("invalid {FLAG}: {e}"))?;
         if c.hosts.len() != 1 {
             return Err(format!(
                 "{FLAG} names {} hosts: give it the one server the slot is on (several hosts, \
@@ -81,7 +82,7 @@ impl GlobalArgs {
             .iter()
             .map(|url| {
                 let mut c = ConnParams::parse(url, self.connect_timeout)
-                    .map_err(|e| format!("--standby-url: {e}"))?;
+                    .map_err(|e| format!("invalid --standby-url (CDC_RELAY_STANDBY_URLS): {e}"))?;
                 if c.password.is_empty()
                     && let Some(p) = &password
                 {

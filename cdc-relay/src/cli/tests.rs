@@ -203,3 +203,34 @@ fn sizes_and_durations_parse() {
     assert!(parse_bytes("12 parsecs").is_err());
     assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
 }
+
+#[test]
+fn a_bad_url_names_the_flag_it_came_from() {
+    let good = "postgres://relay:pw@127.0.0.1:5432/orders";
+    let bad = "postgres://relay:pw@127.0.0.1:5432/orders?sslmode=require&sslcrl=/crl.pem";
+    for (flag, own, other) in [
+        ("--database-url", "--database-url", "--replication-url"),
+        ("--replication-url", "--replication-url", "--database-url"),
+        ("--standby-url", "--standby-url", "--database-url"),
+    ] {
+        let mut argv = vec!["cdc-relay", "--database-url", good, "status"];
+        if flag == "--database-url" {
+            argv[2] = bad;
+        } else {
+            argv.extend([flag, bad]);
+        }
+        let cli = Cli::try_parse_from(argv).expect("parses");
+        let err = match flag {
+            "--database-url" => cli.global.conn().map(drop),
+            "--replication-url" => cli.global.replication_conn().map(drop),
+            _ => cli.global.standbys().map(drop),
+        }
+        .unwrap_err();
+        assert!(
+            err.contains(&format!("invalid {own}"))
+                && err.contains("sslcrl")
+                && !err.contains(other),
+            "{flag}: {err}"
+        );
+    }
+}

@@ -117,18 +117,37 @@ impl StopSignals {
     }
 }
 
-/// Refuses (exit 2) a replication connection's URL (`--replication-url`,
-/// else `--database-url`) that reaches a pooler or proxy not carrying
-/// replication connections: `setup` and `status` say what `run` would stop
-/// with.
-async fn refuse_pooler(g: &GlobalArgs) -> anyhow::Result<()> {
-    let conn = match g.replication_conn().map_err(ConfigError)? {
-        Some(replication) => replication,
+/// Refuses (exit 2) what `run` would stop with for its connections, so
+/// `setup` and `status` say the same: a replication connection's URL
+/// (`--replication-url`, else `--database-url`) that reaches a pooler or
+/// proxy not carrying replication connections, a side connection through a
+/// transaction-mode pool, and a `--replication-url` reaching another
+/// database or server than `--database-url` ([`source::pairing`]). A
+/// `--replication-url` that cannot log in fails with its own error.
+async fn check_connections(g: &GlobalArgs, side: &tokio_postgres::Client) -> anyhow::Result<()> {
+    let replication = g.replication_conn().map_err(ConfigError)?;
+    let conn = match &replication {
+        Some(replication) => replication.clone(),
         None => g.conn().map_err(ConfigError)?,
     };
+    let config = |e: source::SourceError| -> anyhow::Error { ConfigError(e.to_string()).into() };
     source::transport::check_not_pooled(&conn)
         .await
-        .map_err(|e| ConfigError(e.to_string()).into())
+        .map_err(config)?;
+    match source::pairing::check(
+        side,
+        &g.conn().map_err(ConfigError)?,
+        replication.as_ref(),
+        "cdc-relay",
+    )
+    .await
+    {
+        Err(
+            e
+            @ (source::SourceError::ServersDiffer { .. } | source::SourceError::SidePooled { .. }),
+        ) => Err(config(e)),
+        other => Ok(other?),
+    }
 }
 
 /// A side SQL connection for a command.

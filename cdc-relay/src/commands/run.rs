@@ -49,7 +49,9 @@ pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
 pub fn exit_code(e: &StreamError) -> u8 {
     match e {
         StreamError::Source(
-            SourceError::ThroughPooler { .. } | SourceError::ServersDiffer { .. },
+            SourceError::ThroughPooler { .. }
+            | SourceError::ServersDiffer { .. }
+            | SourceError::SidePooled { .. },
         ) => 2,
         StreamError::Source(SourceError::SlotMissing { .. } | SourceError::NeedsSetup(_)) => 3,
         StreamError::Source(SourceError::SlotInvalidated { .. }) => 4,

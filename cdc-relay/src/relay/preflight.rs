@@ -42,6 +42,13 @@ impl Session<'_> {
             let (side, side_closed, server) =
                 source::connect_primary(&cfg.conn, &cfg.application_name).await?;
             lock_wait::bound(&side).await?;
+            source::pairing::check(
+                &side,
+                &server,
+                cfg.replication.as_ref(),
+                &cfg.application_name,
+            )
+            .await?;
             let wal_sender_timeout = catalog::wal_sender_timeout(&side).await?;
             let slot = catalog::slot_info(&side, &cfg.slot).await?;
             let parked = dead_letter::parked_endpoints(&side)

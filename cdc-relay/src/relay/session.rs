@@ -88,8 +88,11 @@ impl Session<'_> {
             && !catalog::slot_held_by(&p.side, &cfg.slot, &cfg.application_name).await?
         {
             return Err(SourceError::ServersDiffer {
-                slot: cfg.slot.clone(),
-                application_name: cfg.application_name.clone(),
+                detail: format!(
+                    "the stream started on slot {}, but on the server behind --database-url no \
+                     walsender of application_name {} holds it",
+                    cfg.slot, cfg.application_name
+                ),
             }
             .into());
         }

@@ -38,6 +38,7 @@ pub mod error;
 pub mod failover;
 pub mod lock_wait;
 pub mod membership;
+pub mod pairing;
 pub mod progress;
 pub mod shards;
 pub mod skew;

@@ -128,13 +128,13 @@ where
 }
 
 /// Runs one replication command (e.g. `ALTER_REPLICATION_SLOT`) on a
-/// replication connection to `conn`, without starting replication. Bounded
-/// by twice the connect timeout.
+/// replication connection to `conn`, without starting replication, and
+/// returns its rows (text columns). Bounded by twice the connect timeout.
 pub async fn replication_command(
     conn: &ConnParams,
     slot: &str,
     sql: &str,
-) -> Result<(), SourceError> {
+) -> Result<Vec<pgwire_replication::QueryRow>, SourceError> {
     with_tls(conn, slot, |tls| async move {
         let cfg = ReplicationConfig::new(
             conn.host.clone(),
@@ -149,13 +149,13 @@ pub async fn replication_command(
         .with_application_name("cdc-relay-setup".to_owned());
         let run = async {
             let mut client = ReplicationClient::connect_gated(cfg).await?;
-            client.simple_query(sql).await?;
+            let rows = client.simple_query(sql).await?;
             client.abort();
-            Ok::<_, PgWireError>(())
+            Ok::<_, PgWireError>(rows)
         };
         let bound = conn.connect_timeout * 2;
         match tokio::time::timeout(bound, run).await {
-            Ok(Ok(())) => Ok(()),
+            Ok(Ok(rows)) => Ok(rows),
             Ok(Err(e)) => Err(SourceError::transport(&e, slot)),
             Err(_) => Err(SourceError::Transient(format!(
                 "{sql} on {} got no answer within {bound:?}",
@@ -175,6 +175,30 @@ pub async fn check_not_pooled(conn: &ConnParams) -> Result<(), SourceError> {
         Err(e @ SourceError::ThroughPooler { .. }) => Err(e),
         _ => Ok(()),
     }
+}
+
+/// What `IDENTIFY_SYSTEM` on a replication connection to `conn` says: the
+/// cluster's system identifier (decimal text) and the session's database
+/// (PostgreSQL docs, "Streaming Replication Protocol" → `IDENTIFY_SYSTEM`:
+/// columns systemid, timeline, xlogpos, dbname).
+///
+/// # Errors
+/// The connection's or the command's error, classified as for the stream.
+pub async fn identify(conn: &ConnParams) -> Result<(String, Option<String>), SourceError> {
+    let rows = replication_command(conn, "", "IDENTIFY_SYSTEM").await?;
+    let text = |i: usize| {
+        rows.first()
+            .and_then(|r| r.get(i))
+            .and_then(Option::as_ref)
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+    };
+    let system_id = text(0).ok_or_else(|| {
+        SourceError::Transient(format!(
+            "IDENTIFY_SYSTEM on {} returned no system identifier",
+            conn.display()
+        ))
+    })?;
+    Ok((system_id, text(3)))
 }
 
 /// The transport of one session. [`Transport::confirm`] and

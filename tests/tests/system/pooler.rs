@@ -234,3 +234,184 @@ async fn a_replication_url_reaching_another_server_exits_2() -> anyhow::Result<(
     );
     Ok(())
 }
+
+/// `url` with `database` as its path, or `password` as its password.
+fn with_database(url: &str, database: &str) -> anyhow::Result<String> {
+    let mut u = reqwest::Url::parse(url)?;
+    u.set_path(&format!("/{database}"));
+    Ok(u.into())
+}
+
+fn with_password(url: &str, password: &str) -> anyhow::Result<String> {
+    let mut u = reqwest::Url::parse(url)?;
+    u.set_password(Some(password))
+        .map_err(|()| anyhow::anyhow!("cannot set a password on {url:?}"))?;
+    Ok(u.into())
+}
+
+/// The side connection through PgBouncer in transaction mode, the stream
+/// direct: `setup`, `status` and `run` each exit 2 saying the pool is in
+/// transaction mode (two of the relay's connections were one server
+/// backend), `run` before streaming and without a reconnect. A wrong
+/// password through the pooler (PgBouncer answers 08P01, not 28P01) ends
+/// `run` with the hint about the password and the pooler's auth file,
+/// not a reconnect loop.
+///
+/// Fails without the fix: with no other clients `run` streamed silently
+/// through the transaction pool (and under load exited 1 at random with
+/// `prepared statement "s2" does not exist`), and the wrong password was
+/// retried at WARN as a "replication session failed" until killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_pool_and_a_password_it_refuses_are_named_not_retried() -> anyhow::Result<()>
+{
+    let cluster = PgCluster::shared();
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let (relay_user, relay_password) = credentials(&stack.relay_url)?;
+    let (admin_user, admin_password) = credentials(&stack.orders_admin_url)?;
+    let users = [
+        (relay_user.as_str(), relay_password.as_str()),
+        (admin_user.as_str(), admin_password.as_str()),
+    ];
+    let pooler = Pooler::start(cluster, PoolMode::Transaction, &users, &[]).await?;
+    let sink = ScriptedSink::start().await?;
+    let said = |what: &str, out: &str| {
+        assert!(
+            out.contains("transaction or statement mode")
+                && out.contains("one server backend")
+                && out.contains("pool_mode = session"),
+            "{what}: {out}"
+        );
+    };
+
+    let admin_direct = ["--replication-url", stack.orders_admin_url.as_str()];
+    let setup = app::relay_command(
+        &stack,
+        &pooler.url(&stack.orders_admin_url)?,
+        &[&["setup"][..], &admin_direct].concat(),
+        &[],
+    )
+    .await?;
+    assert_eq!(setup.code(), Some(2), "setup: {}", setup.text());
+    said("setup", &setup.text());
+
+    let side = pooler.url(&stack.relay_url)?;
+    let direct = ["--replication-url", stack.relay_url.as_str()];
+    let status =
+        app::relay_command(&stack, &side, &[&["status"][..], &direct].concat(), &[]).await?;
+    assert_eq!(status.code(), Some(2), "status: {}", status.text());
+    said("status", &status.text());
+
+    let mut run = app::start_relay_with_url(&stack, &side, &sink.url, &direct).await?;
+    let exit = run.process.wait_exit(EXIT).await?;
+    let logs = run.process.logs();
+    assert_eq!(exit.code(), Some(2), "run: {logs}");
+    said("run", &logs);
+    assert!(
+        !logs.contains("reconnecting") && !logs.lines().any(app::is_session_start),
+        "run: {logs}"
+    );
+
+    let wrong = with_password(&side, "not-the-password")?;
+    let mut run = app::start_relay_with_url(&stack, &wrong, &sink.url, &direct).await?;
+    let exit = run.process.wait_exit(EXIT).await?;
+    let logs = run.process.logs();
+    assert_eq!(exit.code(), Some(1), "run with a wrong password: {logs}");
+    assert!(
+        logs.contains("authentication failed")
+            && logs.contains("auth_file")
+            && !logs.contains("reconnecting"),
+        "run with a wrong password: {logs}"
+    );
+    assert!(sink.received().is_empty(), "delivered through the pool");
+    Ok(())
+}
+
+/// A `--replication-url` naming another database of the same server, or
+/// with a password the server refuses: `setup`, `status` and `run` say so
+/// naming the flag (exit 2 for the other database, read from the server's
+/// own answers), instead of a raw error, a misleading "slot does not
+/// exist" (exit 3), or a slot made in one database and streamed from
+/// another.
+///
+/// Fails without the check: `status` and `setup` never opened the
+/// replication URL (a wrong password passed; setup created the slot in
+/// the side connection's database), and `run` exited 1 or 3 with the
+/// server's raw words.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replication_url_to_another_database_or_with_a_bad_password_is_named()
+-> anyhow::Result<()> {
+    let cluster = PgCluster::shared();
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    // Another database on the same server that the relay's role may enter.
+    let other = format!("{}_other", stack.orders_db);
+    let (relay_user, _) = credentials(&stack.relay_url)?;
+    let superuser = cluster.connect_superuser("postgres").await?;
+    superuser
+        .batch_execute(&format!("CREATE DATABASE {other}"))
+        .await?;
+    superuser
+        .batch_execute(&format!(
+            "GRANT CONNECT ON DATABASE {other} TO {relay_user}"
+        ))
+        .await?;
+    let other_db = with_database(&stack.relay_url, &other)?;
+    let admin_other_db = with_database(&stack.orders_admin_url, &other)?;
+    let differ = |what: &str, out: &str| {
+        assert!(
+            out.contains("reach different servers or databases")
+                && out.contains(&format!("database {other} "))
+                && out.contains(&format!("database {}", stack.orders_db)),
+            "{what}: {out}"
+        );
+    };
+
+    let setup = app::relay_command(
+        &stack,
+        &stack.orders_admin_url,
+        &["setup", "--replication-url", admin_other_db.as_str()],
+        &[],
+    )
+    .await?;
+    assert_eq!(setup.code(), Some(2), "setup: {}", setup.text());
+    differ("setup", &setup.text());
+    let status = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--replication-url", other_db.as_str()],
+        &[],
+    )
+    .await?;
+    assert_eq!(status.code(), Some(2), "status: {}", status.text());
+    differ("status", &status.text());
+    let mut run =
+        app::start_relay(&stack, &sink.url, &["--replication-url", other_db.as_str()]).await?;
+    let exit = run.process.wait_exit(EXIT).await?;
+    let logs = run.process.logs();
+    assert_eq!(exit.code(), Some(2), "run: {logs}");
+    differ("run", &logs);
+
+    let refused = with_password(&stack.relay_url, "not-the-password")?;
+    let status = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--replication-url", refused.as_str()],
+        &[],
+    )
+    .await?;
+    let text = status.text();
+    assert!(
+        status.code() != Some(0)
+            && text.contains("--replication-url")
+            && text.contains("password authentication failed")
+            && !text.contains("not-the-password"),
+        "status: {text}"
+    );
+    assert!(
+        sink.received().is_empty(),
+        "delivered from the other database"
+    );
+    Ok(())
+}

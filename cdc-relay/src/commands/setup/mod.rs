@@ -19,7 +19,7 @@ use crate::source::{failover, slot_creation, transport};
 /// `cdc-relay setup`: runs [`setup`] and prints its report.
 pub async fn command(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
     let client = connect(g).await?;
-    super::refuse_pooler(g).await?;
+    super::check_connections(g, &client).await?;
     let plan = SetupPlan {
         table: g.table.clone(),
         columns: g.columns(),
@@ -27,7 +27,10 @@ pub async fn command(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
         slot: g.slot.clone(),
         recreate_slot: a.recreate_slot,
         failover: a.failover,
-        conn: g.conn().map_err(anyhow::Error::msg)?,
+        conn: match g.replication_conn().map_err(anyhow::Error::msg)? {
+            Some(replication) => replication,
+            None => g.conn().map_err(anyhow::Error::msg)?,
+        },
         shards: g.shards,
         slot_create_timeout: g.slot_create_timeout,
     };
@@ -52,7 +55,9 @@ pub struct SetupPlan {
     pub recreate_slot: bool,
     /// Make the slot a failover slot (17+).
     pub failover: bool,
-    /// The server (for the replication command that switches failover on).
+    /// The replication connection's server (`--replication-url`, else
+    /// `--database-url`), for the replication command that switches
+    /// failover on.
     pub conn: crate::source::ConnParams,
     /// `--shards N`: N publications and slots named after `publication`
     /// and `slot` with the shard's suffix, each with its row filter.

@@ -173,9 +173,11 @@ impl fmt::Debug for ConnParams {
     }
 }
 
-/// The database URL could not be understood.
+/// A connection URL could not be understood: the reason alone, which the
+/// caller prefixes with the setting it came from (`--database-url`,
+/// `--replication-url`, `--standby-url`).
 #[derive(Debug, thiserror::Error)]
-#[error("invalid --database-url (CDC_RELAY_DATABASE_URL): {0}")]
+#[error("{0}")]
 pub struct BadUrl(String);
 
 impl ConnParams {

@@ -129,19 +129,28 @@ pub enum SourceError {
         /// What the pooler (or the server behind it) answered.
         answer: String,
     },
-    /// `--replication-url` and `--database-url` reach different servers:
-    /// the stream started, but the side connection's server does not show
-    /// this relay's walsender holding the slot. A configuration error: the
-    /// slot readings, the progress record and the dead letters would be
-    /// written beside a stream they do not describe.
+    /// `--replication-url` and `--database-url` reach different servers or
+    /// databases ([`super::pairing`] at start; at each stream start, the
+    /// side connection's server not showing this relay's walsender holding
+    /// the slot). A configuration error: the slot readings, the progress
+    /// record and the dead letters would be written beside a stream they
+    /// do not describe.
     #[error(
-        "--replication-url (CDC_RELAY_REPLICATION_URL) and --database-url (CDC_RELAY_DATABASE_URL) reach different servers: the stream started on slot {slot}, but on the server behind --database-url no walsender of application_name {application_name} holds it. Point both at the server the slot is on (the side connection may go through a session-mode pooler in front of that server)"
+        "--replication-url (CDC_RELAY_REPLICATION_URL) and --database-url (CDC_RELAY_DATABASE_URL) reach different servers or databases: {detail}. Point both at the database the slot is in, on the server the slot is on (the side connection may go through a session-mode pooler in front of that server)"
     )]
     ServersDiffer {
-        /// The slot the stream holds.
-        slot: String,
-        /// This relay's `application_name`.
-        application_name: String,
+        /// What differs, in words.
+        detail: String,
+    },
+    /// The side connection goes through a pooler in transaction (or
+    /// statement) mode ([`super::pairing`]): its statements do not keep one
+    /// server session. A configuration error.
+    #[error(
+        "--database-url (CDC_RELAY_DATABASE_URL) reaches a connection pooler in transaction or statement mode: {evidence}. The relay's side connection keeps session state (lock_timeout, prepared statements), so it needs a session of its own: point --database-url at PostgreSQL itself or at a pool in session mode (PgBouncer pool_mode = session) (docs/operations.md#troubleshooting)"
+    )]
+    SidePooled {
+        /// What showed it.
+        evidence: String,
     },
     /// A statement waited past the side connection's `lock_timeout` for a
     /// lock another session holds (SQLSTATE 55P03; see
@@ -185,6 +194,7 @@ impl SourceError {
                 | SourceError::Unconvertible(_)
                 | SourceError::ThroughPooler { .. }
                 | SourceError::ServersDiffer { .. }
+                | SourceError::SidePooled { .. }
                 | SourceError::Definite(_)
         )
     }
@@ -203,6 +213,7 @@ impl SourceError {
             SourceError::Unconvertible(_) => "unconvertible",
             SourceError::ThroughPooler { .. } => "pooler",
             SourceError::ServersDiffer { .. } => "servers_differ",
+            SourceError::SidePooled { .. } => "pooler",
             SourceError::LockWait { .. } => "lock_wait",
             SourceError::Definite(_) => "definite",
             SourceError::Transient(_) => "transient",
@@ -227,6 +238,12 @@ impl SourceError {
             };
         }
         let msg = format!("{context}: {}", db_message(e));
+        // The relay never deallocates a statement it prepared: one missing
+        // or prepared twice means its statements ran on other sessions'
+        // backends (a transaction-mode pool).
+        if matches!(code, Some("26000" | "42P05")) {
+            return SourceError::SidePooled { evidence: msg };
+        }
         if let Some(hint) = connect_hint(code, &msg) {
             return SourceError::Definite(format!("{msg}. {hint}"));
         }
@@ -308,6 +325,9 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
             _ => {}
         }
     }
+    if pooler_refused_login(code, &lower) {
+        return SourceError::Definite(format!("{msg}. {AUTH_HINT}"));
+    }
     match code {
         Some("42501") => SourceError::Definite(match privilege_hint(&lower) {
             Some(hint) => format!("{msg}. {hint}"),
@@ -341,6 +361,20 @@ fn refused_as_not_replication(code: Option<&str>, lower: &str) -> bool {
     parameter_refused || command_refused
 }
 
+/// What to change when the server (or a pooler in front of it) refused the
+/// login.
+const AUTH_HINT: &str = "Check the role and password (CDC_RELAY_DATABASE_PASSWORD or \
+     CDC_RELAY_DATABASE_PASSWORD_FILE, or the URL) and that the server's pg_hba.conf (or \
+     the pooler's auth_file or auth_query) admits this role from this host";
+
+/// Whether a pooler refused the login: PgBouncer ends a failed password or
+/// SCRAM exchange with SQLSTATE 08P01 (protocol_violation, a class the
+/// classifier otherwise retries), saying "password authentication failed"
+/// or "SASL authentication failed"; retrying cannot fix it.
+fn pooler_refused_login(code: Option<&str>, lower: &str) -> bool {
+    code == Some("08P01") && lower.contains("authentication failed")
+}
+
 /// What to change for a connect error that retrying cannot fix; `None`
 /// for every other error. `msg` is the error chain (tokio-postgres says
 /// "invalid configuration: password missing", "error performing TLS
@@ -354,11 +388,8 @@ fn connect_hint(code: Option<&str>, msg: &str) -> Option<&'static str> {
         return Some(hint);
     }
     match code {
-        Some("28P01" | "28000") => Some(
-            "Check the role and password (CDC_RELAY_DATABASE_PASSWORD or \
-             CDC_RELAY_DATABASE_PASSWORD_FILE, or the URL) and that the server's pg_hba.conf \
-             admits this role from this host",
-        ),
+        Some("28P01" | "28000") => Some(AUTH_HINT),
+        _ if pooler_refused_login(code, &msg.to_ascii_lowercase()) => Some(AUTH_HINT),
         Some(_) => None,
         None if msg.contains("invalid configuration: password missing") => Some(PASSWORD),
         None if msg.contains("server does not support TLS") => Some(
@@ -423,203 +454,4 @@ pub fn sqlstate_is_transient(code: &str) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn server(msg: &str) -> SourceError {
-        SourceError::transport(&PgWireError::Server(msg.into()), "s")
-    }
-
-    #[test]
-    fn privilege_errors_say_what_to_grant() {
-        for refusal in [
-            "must be superuser or replication role to start walsender (SQLSTATE 42501)",
-            "permission denied to start WAL sender (SQLSTATE 42501)",
-        ] {
-            let e = server(refusal);
-            assert!(
-                e.is_definite() && e.to_string().contains("ALTER ROLE cdc_relay REPLICATION"),
-                "{e}"
-            );
-        }
-        let e = classify(
-            Some("42501"),
-            "permission denied for table outbox".into(),
-            None,
-        );
-        assert!(e.to_string().contains("sql/roles.sql"), "{e}");
-        let e = classify(Some("42501"), "must be owner of table outbox".into(), None);
-        assert!(e.to_string().contains("owner"), "{e}");
-    }
-
-    #[test]
-    fn sqlstates_are_classified() {
-        assert_eq!(
-            sqlstate("terminating connection (SQLSTATE 57P01)"),
-            Some("57P01")
-        );
-        assert_eq!(sqlstate("no code"), None);
-        for c in [
-            "57P01", "57P02", "57P03", "55006", "08006", "53300", "40001",
-        ] {
-            assert!(sqlstate_is_transient(c), "{c}");
-            assert!(!classify(Some(c), "x".into(), None).is_definite(), "{c}");
-        }
-        for c in ["28P01", "42704", "3D000", "42501", "55000"] {
-            assert!(!sqlstate_is_transient(c), "{c}");
-            assert!(classify(Some(c), "x".into(), None).is_definite(), "{c}");
-        }
-        assert!(!classify(None, "connection reset".into(), None).is_definite());
-    }
-
-    #[test]
-    fn a_lock_wait_is_transient_and_names_its_holders_once_read() {
-        let unnamed = SourceError::LockWait {
-            context: "reading the publications".into(),
-            holders: String::new(),
-        };
-        assert!(!unnamed.is_definite());
-        assert_eq!(unnamed.cause(), "lock_wait");
-        assert_eq!(
-            unnamed.to_string(),
-            "reading the publications: the server ended a wait for a lock another session holds (lock_timeout)"
-        );
-        let named = SourceError::LockWait {
-            context: "reading the publications".into(),
-            holders: "pid 7 (psql, …) holds AccessExclusiveLock on pg_class".into(),
-        };
-        assert!(
-            named
-                .to_string()
-                .ends_with("(lock_timeout): pid 7 (psql, …) holds AccessExclusiveLock on pg_class"),
-            "{named}"
-        );
-    }
-
-    #[test]
-    fn connect_errors_that_retrying_cannot_fix_say_what_to_change() {
-        for (code, msg, names) in [
-            (
-                None,
-                "c: invalid configuration: password missing",
-                "CDC_RELAY_DATABASE_PASSWORD_FILE",
-            ),
-            (
-                None,
-                "c: error performing TLS handshake: server does not support TLS",
-                "sslmode=disable",
-            ),
-            (
-                None,
-                "c: error performing TLS handshake: invalid peer certificate: UnknownIssuer",
-                "sslrootcert",
-            ),
-            (
-                Some("28P01"),
-                "c: password authentication failed for user \"x\" (SQLSTATE 28P01)",
-                "pg_hba.conf",
-            ),
-            (
-                Some("28000"),
-                "c: no pg_hba.conf entry (SQLSTATE 28000)",
-                "pg_hba.conf",
-            ),
-        ] {
-            let hint = connect_hint(code, msg).unwrap_or_else(|| panic!("a hint for {msg}"));
-            assert!(hint.contains(names), "{msg}: {hint}");
-        }
-        for (code, msg) in [
-            (
-                None,
-                "c: error connecting to server: Connection refused (os error 111)",
-            ),
-            (
-                None,
-                "c: error performing TLS handshake: connection reset by peer",
-            ),
-            (
-                Some("57P03"),
-                "c: the database system is starting up (SQLSTATE 57P03)",
-            ),
-        ] {
-            assert_eq!(connect_hint(code, msg), None, "{msg}");
-        }
-    }
-
-    #[test]
-    fn server_errors_map_to_slot_states() {
-        let e = server(r#"replication slot "s" does not exist (SQLSTATE 42704)"#);
-        assert!(matches!(e, SourceError::SlotMissing { .. }));
-        assert!(e.to_string().contains("cdc-relay setup"));
-        let e = server(r#"replication slot "s" is active for PID 4242 (SQLSTATE 55006)"#);
-        assert!(
-            matches!(
-                e,
-                SourceError::SlotActive {
-                    pid: Some(4242),
-                    ..
-                }
-            ),
-            "{e:?}"
-        );
-        let e = server(r#"can no longer get changes from replication slot "s" (SQLSTATE 55000)"#);
-        assert!(matches!(e, SourceError::SlotInvalidated { .. }));
-        // PostgreSQL 18's wording.
-        let e = server(r#"can no longer access replication slot "s" (SQLSTATE 55000)"#);
-        assert!(matches!(e, SourceError::SlotInvalidated { .. }), "{e:?}");
-        let idle = SourceError::SlotInvalidated {
-            slot: "s".into(),
-            reason: Some("idle_timeout".into()),
-            since: None,
-        };
-        assert!(idle.to_string().contains("idle_replication_slot_timeout"));
-        assert!(
-            idle.to_string()
-                .contains("<time of the last delivered event>")
-        );
-        let known = SourceError::SlotInvalidated {
-            slot: "s".into(),
-            reason: None,
-            since: Some("2026-12-01 02:22:57.905884+00".into()),
-        };
-        assert!(
-            known
-                .to_string()
-                .contains("cdc-relay backfill --since '2026-12-01 02:22:57.905884+00'"),
-            "{known}"
-        );
-        assert!(!idle.to_string().contains("max_slot_wal_keep_size"));
-        let e = server("publication \"p\" does not exist (SQLSTATE 42704)");
-        assert!(
-            matches!(&e, SourceError::SlotPredatesPublication { publication, .. } if publication == "p"),
-            "{e:?}"
-        );
-        assert!(e.to_string().contains("--recreate-slot") && e.to_string().contains("backfill"));
-        assert!(!server("the database system is starting up (SQLSTATE 57P03)").is_definite());
-        // A pooler in between: PgBouncer's refusal (08P01, a connection
-        // class), or a replication command run as SQL by a server that got
-        // a normal session. Named for what it is, and definite.
-        for msg in [
-            "unsupported startup parameter: replication (SQLSTATE 08P01)",
-            "unsupported startup parameter: options (SQLSTATE 08P01)",
-            "syntax error at or near \"IDENTIFY_SYSTEM\" (SQLSTATE 42601)",
-            "syntax error at or near \"START_REPLICATION\" (SQLSTATE 42601)",
-        ] {
-            let e = server(msg);
-            assert!(
-                matches!(e, SourceError::ThroughPooler { .. }),
-                "{msg}: {e:?}"
-            );
-            assert!(e.is_definite() && e.to_string().contains("pooler"), "{e}");
-        }
-        // A protocol violation that names no replication parameter stays transient.
-        assert!(!server("protocol violation (SQLSTATE 08P01)").is_definite());
-        // Outside the replication path, 42704 is an ordinary definite error.
-        let e = classify(
-            Some("42704"),
-            "replication slot \"s\" does not exist".into(),
-            None,
-        );
-        assert!(matches!(e, SourceError::Definite(_)), "{e:?}");
-    }
-}
+mod tests;

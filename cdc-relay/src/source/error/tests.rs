@@ -1,0 +1,221 @@
+//! The classifier's cases.
+
+use super::*;
+
+fn server(msg: &str) -> SourceError {
+    SourceError::transport(&PgWireError::Server(msg.into()), "s")
+}
+
+#[test]
+fn a_pooler_refusing_the_login_is_definite_and_says_what_to_check() {
+    // PgBouncer's words for a wrong password (md5/plain) and a failed
+    // SCRAM exchange, with its SQLSTATE.
+    for refusal in [
+        "password authentication failed (SQLSTATE 08P01)",
+        "SASL authentication failed (SQLSTATE 08P01)",
+    ] {
+        let e = server(refusal);
+        assert!(
+            e.is_definite() && e.to_string().contains("auth_file"),
+            "{e}"
+        );
+        let e = classify(Some("08P01"), refusal.into(), None);
+        assert!(e.is_definite() && e.to_string().contains("password"), "{e}");
+    }
+    // Any other protocol violation stays transient.
+    let e = classify(Some("08P01"), "server conn crashed?".into(), None);
+    assert!(!e.is_definite(), "{e}");
+}
+
+#[test]
+fn privilege_errors_say_what_to_grant() {
+    for refusal in [
+        "must be superuser or replication role to start walsender (SQLSTATE 42501)",
+        "permission denied to start WAL sender (SQLSTATE 42501)",
+    ] {
+        let e = server(refusal);
+        assert!(
+            e.is_definite() && e.to_string().contains("ALTER ROLE cdc_relay REPLICATION"),
+            "{e}"
+        );
+    }
+    let e = classify(
+        Some("42501"),
+        "permission denied for table outbox".into(),
+        None,
+    );
+    assert!(e.to_string().contains("sql/roles.sql"), "{e}");
+    let e = classify(Some("42501"), "must be owner of table outbox".into(), None);
+    assert!(e.to_string().contains("owner"), "{e}");
+}
+
+#[test]
+fn sqlstates_are_classified() {
+    assert_eq!(
+        sqlstate("terminating connection (SQLSTATE 57P01)"),
+        Some("57P01")
+    );
+    assert_eq!(sqlstate("no code"), None);
+    for c in [
+        "57P01", "57P02", "57P03", "55006", "08006", "53300", "40001",
+    ] {
+        assert!(sqlstate_is_transient(c), "{c}");
+        assert!(!classify(Some(c), "x".into(), None).is_definite(), "{c}");
+    }
+    for c in ["28P01", "42704", "3D000", "42501", "55000"] {
+        assert!(!sqlstate_is_transient(c), "{c}");
+        assert!(classify(Some(c), "x".into(), None).is_definite(), "{c}");
+    }
+    assert!(!classify(None, "connection reset".into(), None).is_definite());
+}
+
+#[test]
+fn a_lock_wait_is_transient_and_names_its_holders_once_read() {
+    let unnamed = SourceError::LockWait {
+        context: "reading the publications".into(),
+        holders: String::new(),
+    };
+    assert!(!unnamed.is_definite());
+    assert_eq!(unnamed.cause(), "lock_wait");
+    assert_eq!(
+        unnamed.to_string(),
+        "reading the publications: the server ended a wait for a lock another session holds (lock_timeout)"
+    );
+    let named = SourceError::LockWait {
+        context: "reading the publications".into(),
+        holders: "pid 7 (psql, …) holds AccessExclusiveLock on pg_class".into(),
+    };
+    assert!(
+        named
+            .to_string()
+            .ends_with("(lock_timeout): pid 7 (psql, …) holds AccessExclusiveLock on pg_class"),
+        "{named}"
+    );
+}
+
+#[test]
+fn connect_errors_that_retrying_cannot_fix_say_what_to_change() {
+    for (code, msg, names) in [
+        (
+            None,
+            "c: invalid configuration: password missing",
+            "CDC_RELAY_DATABASE_PASSWORD_FILE",
+        ),
+        (
+            None,
+            "c: error performing TLS handshake: server does not support TLS",
+            "sslmode=disable",
+        ),
+        (
+            None,
+            "c: error performing TLS handshake: invalid peer certificate: UnknownIssuer",
+            "sslrootcert",
+        ),
+        (
+            Some("28P01"),
+            "c: password authentication failed for user \"x\" (SQLSTATE 28P01)",
+            "pg_hba.conf",
+        ),
+        (
+            Some("28000"),
+            "c: no pg_hba.conf entry (SQLSTATE 28000)",
+            "pg_hba.conf",
+        ),
+    ] {
+        let hint = connect_hint(code, msg).unwrap_or_else(|| panic!("a hint for {msg}"));
+        assert!(hint.contains(names), "{msg}: {hint}");
+    }
+    for (code, msg) in [
+        (
+            None,
+            "c: error connecting to server: Connection refused (os error 111)",
+        ),
+        (
+            None,
+            "c: error performing TLS handshake: connection reset by peer",
+        ),
+        (
+            Some("57P03"),
+            "c: the database system is starting up (SQLSTATE 57P03)",
+        ),
+    ] {
+        assert_eq!(connect_hint(code, msg), None, "{msg}");
+    }
+}
+
+#[test]
+fn server_errors_map_to_slot_states() {
+    let e = server(r#"replication slot "s" does not exist (SQLSTATE 42704)"#);
+    assert!(matches!(e, SourceError::SlotMissing { .. }));
+    assert!(e.to_string().contains("cdc-relay setup"));
+    let e = server(r#"replication slot "s" is active for PID 4242 (SQLSTATE 55006)"#);
+    assert!(
+        matches!(
+            e,
+            SourceError::SlotActive {
+                pid: Some(4242),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = server(r#"can no longer get changes from replication slot "s" (SQLSTATE 55000)"#);
+    assert!(matches!(e, SourceError::SlotInvalidated { .. }));
+    // PostgreSQL 18's wording.
+    let e = server(r#"can no longer access replication slot "s" (SQLSTATE 55000)"#);
+    assert!(matches!(e, SourceError::SlotInvalidated { .. }), "{e:?}");
+    let idle = SourceError::SlotInvalidated {
+        slot: "s".into(),
+        reason: Some("idle_timeout".into()),
+        since: None,
+    };
+    assert!(idle.to_string().contains("idle_replication_slot_timeout"));
+    assert!(
+        idle.to_string()
+            .contains("<time of the last delivered event>")
+    );
+    let known = SourceError::SlotInvalidated {
+        slot: "s".into(),
+        reason: None,
+        since: Some("2026-12-01 02:22:57.905884+00".into()),
+    };
+    assert!(
+        known
+            .to_string()
+            .contains("cdc-relay backfill --since '2026-12-01 02:22:57.905884+00'"),
+        "{known}"
+    );
+    assert!(!idle.to_string().contains("max_slot_wal_keep_size"));
+    let e = server("publication \"p\" does not exist (SQLSTATE 42704)");
+    assert!(
+        matches!(&e, SourceError::SlotPredatesPublication { publication, .. } if publication == "p"),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("--recreate-slot") && e.to_string().contains("backfill"));
+    assert!(!server("the database system is starting up (SQLSTATE 57P03)").is_definite());
+    // A pooler in between: PgBouncer's refusal (08P01, a connection
+    // class), or a replication command run as SQL by a server that got
+    // a normal session. Named for what it is, and definite.
+    for msg in [
+        "unsupported startup parameter: replication (SQLSTATE 08P01)",
+        "unsupported startup parameter: options (SQLSTATE 08P01)",
+        "syntax error at or near \"IDENTIFY_SYSTEM\" (SQLSTATE 42601)",
+        "syntax error at or near \"START_REPLICATION\" (SQLSTATE 42601)",
+    ] {
+        let e = server(msg);
+        assert!(
+            matches!(e, SourceError::ThroughPooler { .. }),
+            "{msg}: {e:?}"
+        );
+        assert!(e.is_definite() && e.to_string().contains("pooler"), "{e}");
+    }
+    // A protocol violation that names no replication parameter stays transient.
+    assert!(!server("protocol violation (SQLSTATE 08P01)").is_definite());
+    // Outside the replication path, 42704 is an ordinary definite error.
+    let e = classify(
+        Some("42704"),
+        "replication slot \"s\" does not exist".into(),
+        None,
+    );
+    assert!(matches!(e, SourceError::Definite(_)), "{e:?}");
+}
