@@ -136,7 +136,12 @@ pub async fn keep_recording(
         match write(&side, &slot, &holder, &now).await {
             Ok(()) => written = Some(now),
             Err(e) => {
-                tracing::warn!(error = %crate::db_message(&e), "cannot write the progress record (cdc_relay_progress); delivery goes on");
+                let e = super::lock_wait::named(
+                    &side,
+                    SourceError::sql("writing cdc_relay_progress", &e),
+                )
+                .await;
+                tracing::warn!(error = %e, "cannot write the progress record (cdc_relay_progress); delivery goes on");
             }
         }
     }

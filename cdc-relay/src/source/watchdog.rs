@@ -23,8 +23,8 @@ use tokio::time::Instant;
 use super::catalog::{self, SlotInfo};
 use super::error::SourceError;
 use super::membership::{Change, MembershipWatch};
-use super::progress;
 use super::withheld::{self, Verdict, WithheldWatch};
+use super::{lock_wait, progress};
 use crate::health::Health;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
@@ -235,7 +235,9 @@ pub async fn monitor_slot(
                 wal_lsn: member.wal_lsn,
             };
             if let Err(e) = progress::record_membership(&side, &slot, &holder, start, &old).await {
-                tracing::warn!(error = %crate::db_message(&e), "cannot record the gap to heal in cdc_relay_progress: a relay stopped before it is healed will not find it again");
+                let e = lock_wait::named(&side, SourceError::sql("writing cdc_relay_progress", &e))
+                    .await;
+                tracing::warn!(error = %e, "cannot record the gap to heal in cdc_relay_progress: a relay stopped before it is healed will not find it again");
             }
             *heal.window.lock().expect("never poisoned") = Some(GapToHeal {
                 since: since.clone(),
@@ -251,9 +253,19 @@ pub async fn monitor_slot(
             // Only on a change: an idle relay writes nothing.
             match progress::record_membership(&side, &slot, &holder, start, &member).await {
                 Ok(()) => persisted = Some(identity),
-                Err(e) => {
-                    tracing::warn!(error = %crate::db_message(&e), "cannot record the publication membership in cdc_relay_progress (apply sql/orders.sql); retried at the next reading")
-                }
+                Err(e) => match lock_wait::named(
+                    &side,
+                    SourceError::sql("writing cdc_relay_progress", &e),
+                )
+                .await
+                {
+                    e @ SourceError::LockWait { .. } => {
+                        tracing::warn!(error = %e, "cannot record the publication membership in cdc_relay_progress; retried at the next reading")
+                    }
+                    e => {
+                        tracing::warn!(error = %e, "cannot record the publication membership in cdc_relay_progress (apply sql/orders.sql); retried at the next reading")
+                    }
+                },
             }
         }
         out.health.set_publication_ok(membership.is_in());

@@ -33,7 +33,7 @@ pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
 /// [`command`] on its connection.
 async fn report(g: &GlobalArgs, a: StatusArgs, client: &Client) -> anyhow::Result<u8> {
     check_admin_urls(&a)?;
-    super::refuse_pooler(g).await?;
+    super::check_connections(g, client).await?;
     if let Some(count) = g.shards {
         return shards::command(g, &a, client, count).await;
     }
@@ -141,13 +141,15 @@ fn slot_at_risk(s: &Status) -> Option<Problem> {
 }
 
 /// Rows in `cdc_relay_dead_letter`; `None` when the table does not exist.
-async fn dead_letters_waiting(client: &Client) -> anyhow::Result<Option<i64>> {
+async fn dead_letters_waiting(client: &Client) -> Result<Option<i64>, SourceError> {
+    let read = |e| SourceError::sql("counting the dead letters (cdc_relay_dead_letter)", &e);
     let exists: bool = client
         .query_one(
             "SELECT to_regclass('cdc_relay_dead_letter') IS NOT NULL",
             &[],
         )
-        .await?
+        .await
+        .map_err(read)?
         .get(0);
     if !exists {
         return Ok(None);
@@ -155,7 +157,8 @@ async fn dead_letters_waiting(client: &Client) -> anyhow::Result<Option<i64>> {
     Ok(Some(
         client
             .query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
-            .await?
+            .await
+            .map_err(read)?
             .get(0),
     ))
 }
