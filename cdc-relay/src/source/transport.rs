@@ -208,6 +208,8 @@ pub struct Transport {
     client: ReplicationClient,
     status_interval: Duration,
     flush: FlushPosition,
+    /// Where the stream started: the slot's `confirmed_flush_lsn` then.
+    start: Lsn,
 }
 
 /// The flush position: what the pipeline confirmed, under the slot
@@ -248,6 +250,7 @@ impl Transport {
                 ceiling: None,
                 sent: start,
             },
+            start,
         }
     }
 
@@ -298,14 +301,18 @@ impl Transport {
     pub async fn flush_and_close(mut self, lsn: Lsn) {
         self.confirm(lsn);
         let lsn = self.flush.sent;
-        let counters = self.client.metrics();
-        let bound = Instant::now() + self.status_interval + Duration::from_millis(500);
-        while Lsn::from(counters.last_applied_lsn()) < lsn && Instant::now() < bound {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let sent = Lsn::from(counters.last_applied_lsn());
-        if sent < lsn {
-            tracing::warn!(confirmed = %lsn, sent = %sent, "final status update not confirmed as sent");
+        // Nothing confirmed past where the slot stood at the start (an
+        // idle session): the server has that position already.
+        if lsn > self.start {
+            let counters = self.client.metrics();
+            let bound = Instant::now() + self.status_interval + Duration::from_millis(500);
+            while Lsn::from(counters.last_applied_lsn()) < lsn && Instant::now() < bound {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let sent = Lsn::from(counters.last_applied_lsn());
+            if sent < lsn {
+                tracing::warn!(confirmed = %lsn, sent = %sent, "final status update not confirmed as sent");
+            }
         }
         match tokio::time::timeout(Duration::from_secs(2), self.client.shutdown()).await {
             Ok(Ok(())) => tracing::info!(confirmed = %lsn, "stream closed cleanly"),

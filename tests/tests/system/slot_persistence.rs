@@ -171,3 +171,25 @@ async fn slot_position_after_a_clean_postgres_restart() {
         }
     }
 }
+
+/// A relay that delivered nothing stops cleanly without a warning: the
+/// slot already stands where it started, so there is no final position to
+/// wait for.
+///
+/// Failed before: every idle clean stop logged `WARN final status update
+/// not confirmed as sent confirmed=0/… sent=0/0` (a newcomer took it for a
+/// lost acknowledgement).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_relay_stops_without_a_warning() {
+    let stack = PgCluster::shared().create_stack().await.unwrap();
+    app::relay_setup(&stack).await.unwrap();
+    let sink = ScriptedSink::start().await.unwrap();
+    let mut relay = app::start_relay(&stack, &sink.url, &[]).await.unwrap();
+    app::wait_streaming(&relay).await.unwrap();
+    stop(&mut relay).await;
+    let logs = relay.process.logs();
+    assert!(
+        logs.contains("stream closed cleanly") && !logs.contains(" WARN "),
+        "{logs}"
+    );
+}
