@@ -239,3 +239,57 @@ async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyho
     .await?;
     Ok(())
 }
+
+/// A lock that blocks writes to `cdc_relay_progress` (an open transaction
+/// holding `EXCLUSIVE` on it; reads still pass): the relay streams and
+/// delivers (the record is advice, not a gate), and each write it cannot
+/// make names the holder, without the "apply sql/orders.sql" hint meant
+/// for a missing column.
+///
+/// Failed before: the membership write logged the server's bare
+/// "canceling statement due to lock timeout" with "(apply
+/// sql/orders.sql)", sending the operator to a schema that was fine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_on_the_progress_record_is_named_and_delivery_goes_on() -> anyhow::Result<()> {
+    let stack = harness::PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let locker = stack.orders_admin().await?;
+    let holder: i32 = locker
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .get(0);
+    locker
+        .batch_execute("BEGIN; LOCK TABLE cdc_relay_progress IN EXCLUSIVE MODE")
+        .await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let event = app::insert_order_event(&db).await?.to_string();
+    wait_until("the event delivered under the lock", WAIT, || async {
+        sink.delivered().iter().any(|r| r.id() == event)
+    })
+    .await?;
+    let named = format!("pid {holder} (");
+    wait_until(
+        "both progress writes warned naming the holder",
+        WAIT,
+        || async {
+            let log = relay.process.logs();
+            let warned = |what: &str| {
+                log.lines().any(|l| {
+                    l.contains(what)
+                        && l.contains(&named)
+                        && l.contains("holds ExclusiveLock on cdc_relay_progress")
+                })
+            };
+            warned("cannot record the publication membership")
+                && warned("cannot write the progress record")
+        },
+    )
+    .await?;
+    let log = relay.process.logs();
+    assert!(!log.contains("apply sql/orders.sql"), "{log}");
+    locker.batch_execute("ROLLBACK").await?;
+    Ok(())
+}
