@@ -89,6 +89,7 @@ pub mod backoff;
 pub mod clock;
 pub mod endpoint_metrics;
 pub mod health;
+pub mod locks;
 pub mod lsn;
 pub mod metrics;
 pub mod pace;

@@ -198,7 +198,8 @@ async fn write(client: Arc<Client>, mut queue: mpsc::UnboundedReceiver<Row>) {
                     }
                     Err(e)
                         if trace
-                            && e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_COLUMN) =>
+                            && e.code()
+                                == Some(&tokio_postgres::error::SqlState::UNDEFINED_COLUMN) =>
                     {
                         tracing::warn!(
                             "cdc_relay_dead_letter has no trace_context column: dead letters are written without their trace context until sql/orders.sql is applied (it adds the column) and the relay restarts"
@@ -209,8 +210,11 @@ async fn write(client: Arc<Client>, mut queue: mpsc::UnboundedReceiver<Row>) {
                     }
                     Err(e) => Err(e),
                 },
-            }
-            .map_err(|e| StoreError::of(&client, &e));
+            };
+            let ids = match ids {
+                Ok(ids) => Ok(ids),
+                Err(e) => Err(StoreError::of(&client, &e).await),
+            };
             match ids {
                 Ok(ids) => {
                     answer(batch, Ok(ids));

@@ -102,10 +102,14 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    fn of(client: &Client, e: &tokio_postgres::Error) -> Self {
+    /// `e` on `client`: lost when the connection closed; a lock wait past
+    /// `lock_timeout` names who holds the lock (read on `client`).
+    async fn of(client: &Client, e: &tokio_postgres::Error) -> Self {
         let text = crate::db_message(e);
         if client.is_closed() {
             StoreError::Lost(text)
+        } else if crate::locks::is_lock_wait(e) {
+            StoreError::Failed(format!("{text}: {}", crate::locks::holders(client).await))
         } else {
             StoreError::Failed(text)
         }

@@ -28,9 +28,10 @@ pub(super) async fn parked(
          FROM cdc_relay_dead_letter \
          WHERE endpoint = $1 AND error LIKE 'parked:%' AND id > $2 ORDER BY id LIMIT $3"
     );
-    let rows = query_traced(client, &sql, &[&endpoint, &after, &limit])
-        .await
-        .map_err(|e| StoreError::of(client, &e))?;
+    let rows = match query_traced(client, &sql, &[&endpoint, &after, &limit]).await {
+        Ok(rows) => rows,
+        Err(e) => return Err(StoreError::of(client, &e).await),
+    };
     Ok(rows
         .iter()
         .map(|r| {
@@ -60,7 +61,7 @@ pub(super) async fn parked(
 /// Removes parked rows the endpoint took with a 2xx when the relay
 /// replayed them, each with its audit row.
 pub(super) async fn replayed(client: &Client, ids: &[i64]) -> Result<(), StoreError> {
-    remove_many(
+    match remove_many(
         client,
         ids,
         Removal::Replay,
@@ -68,14 +69,16 @@ pub(super) async fn replayed(client: &Client, ids: &[i64]) -> Result<(), StoreEr
         Some("cdc-relay"),
     )
     .await
-    .map(drop)
-    .map_err(|e| StoreError::of(client, &e))
+    {
+        Ok(_) => Ok(()),
+        Err(e) => Err(StoreError::of(client, &e).await),
+    }
 }
 
 /// Parked row `id` was refused as poison when replayed: it stays, as `d`
 /// says (its error, status and response), no longer parked.
 pub(super) async fn refused(client: &Client, id: i64, d: &NewDeadLetter) -> Result<(), StoreError> {
-    client
+    let updated = client
         .execute(
             "UPDATE cdc_relay_dead_letter SET http_status = $2, error = $3, response_excerpt = $4, \
                attempts = $5, first_attempt_at = to_timestamp($6), last_attempt_at = now() WHERE id = $1",
@@ -88,9 +91,11 @@ pub(super) async fn refused(client: &Client, id: i64, d: &NewDeadLetter) -> Resu
                 &d.first_attempt_unix_micros.map(|m| m as f64 / 1e6),
             ],
         )
-        .await
-        .map(drop)
-        .map_err(|e| StoreError::of(client, &e))
+        .await;
+    match updated {
+        Ok(_) => Ok(()),
+        Err(e) => Err(StoreError::of(client, &e).await),
+    }
 }
 
 /// Takes (`take`) or releases the lock on replaying `endpoint`'s parked
@@ -102,11 +107,10 @@ pub async fn resume_lock(client: &Client, endpoint: &str, take: bool) -> Result<
     } else {
         format!("SELECT pg_advisory_unlock({RESUME_LOCK})")
     };
-    client
-        .query_one(&sql, &[&endpoint])
-        .await
-        .map(|r| r.get(0))
-        .map_err(|e| StoreError::of(client, &e))
+    match client.query_one(&sql, &[&endpoint]).await {
+        Ok(r) => Ok(r.get(0)),
+        Err(e) => Err(StoreError::of(client, &e).await),
+    }
 }
 
 /// A dead-letter row's column values as stored: text made [`storable`], a

@@ -42,32 +42,6 @@ pub async fn named(client: &Client, e: SourceError) -> SourceError {
     let SourceError::LockWait { context, .. } = e else {
         return e;
     };
-    let holders = match client
-        .query(
-            "SELECT format('pid %s (%s, %s since %s: %s) holds %s on %s', l.pid, \
-                    coalesce(nullif(a.application_name, ''), 'no application_name'), \
-                    coalesce(a.state, '?'), \
-                    coalesce(to_char(a.xact_start AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00'), '?'), \
-                    left(regexp_replace(coalesce(a.query, '?'), '\\s+', ' ', 'g'), 80), \
-                    l.mode, l.relation::regclass) \
-             FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
-             WHERE l.granted AND l.locktype = 'relation' AND l.pid <> pg_backend_pid() \
-               AND l.mode IN ('AccessExclusiveLock', 'ExclusiveLock', 'ShareRowExclusiveLock', 'ShareLock') \
-               AND l.database IN (0, (SELECT oid FROM pg_database WHERE datname = current_database())) \
-             ORDER BY a.xact_start NULLS LAST, l.pid LIMIT 5",
-            &[],
-        )
-        .await
-    {
-        Ok(rows) if rows.is_empty() => "no session holds a strong table lock now (it ended)".into(),
-        Ok(rows) => {
-            let held: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
-            format!(
-                "{}; end that transaction (SELECT pg_terminate_backend(pid)) or let it finish",
-                held.join("; ")
-            )
-        }
-        Err(e) => format!("who holds it could not be read: {}", crate::db_message(&e)),
-    };
+    let holders = crate::locks::holders(client).await;
     SourceError::LockWait { context, holders }
 }

@@ -293,3 +293,51 @@ async fn a_lock_on_the_progress_record_is_named_and_delivery_goes_on() -> anyhow
     locker.batch_execute("ROLLBACK").await?;
     Ok(())
 }
+
+/// A lock that blocks writes to `cdc_relay_dead_letter`: a poison event
+/// waits (its dead letter not written, nothing behind it acknowledged),
+/// the writer's error names the lock's holder, and once the transaction
+/// ends the dead letter is written.
+///
+/// Failed before: the writer logged only "canceling statement due to lock
+/// timeout", every few seconds, with nobody named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_on_the_dead_letter_table_is_named_and_the_row_written_after() -> anyhow::Result<()>
+{
+    let stack = harness::PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let locker = stack.orders_admin().await?;
+    let holder: i32 = locker
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .get(0);
+    locker
+        .batch_execute("BEGIN; LOCK TABLE cdc_relay_dead_letter IN EXCLUSIVE MODE")
+        .await?;
+    sink.set_status(422);
+    let db = stack.orders_admin().await?;
+    let poison = app::insert_order_event(&db).await?.to_string();
+    let named = format!("pid {holder} (");
+    wait_until("the dead-letter writer naming the holder", WAIT, || async {
+        relay.process.logs().lines().any(|l| {
+            l.contains("cannot write dead-letter rows")
+                && l.contains(&named)
+                && l.contains("holds ExclusiveLock on cdc_relay_dead_letter")
+        })
+    })
+    .await?;
+    locker.batch_execute("ROLLBACK").await?;
+    wait_until("the dead letter written after the lock", WAIT, || async {
+        db.query_one(
+            "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = $1",
+            &[&poison],
+        )
+        .await
+        .is_ok_and(|r| r.get::<_, i64>(0) == 1)
+    })
+    .await?;
+    Ok(())
+}
