@@ -103,6 +103,7 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
         cluster: &cluster,
         stack: &stack,
         home: home.path().to_owned(),
+        cert_file: None,
     };
     let ca_pem = path_str(&ca.cert)?;
     let unknown_pem = path_str(&unknown.cert)?;
@@ -289,9 +290,51 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
     ])
     .await?;
 
+    t.serve(&good)?;
+    // sslrootcert=system: the system's trusted roots, which libpq (through
+    // OpenSSL) and the relay both take from SSL_CERT_FILE when it is set.
+    // libpq has the value from 16 on (15's psql reads a file named
+    // "system"): there the relay alone is tried.
+    for (bundle, accept, what) in [
+        (
+            &ca.cert,
+            true,
+            "sslrootcert=system, the system roots hold the CA",
+        ),
+        (
+            &unknown.cert,
+            false,
+            "sslrootcert=system, the system roots lack the CA",
+        ),
+    ] {
+        let system = Tries {
+            cert_file: Some(bundle.clone()),
+            ..t.clone()
+        };
+        let c = case(
+            what,
+            "localhost",
+            "sslrootcert=system".into(),
+            accept,
+            "sslrootcert",
+        );
+        if cluster.major_version() >= 16 {
+            system.run(&[c]).await?;
+        } else {
+            let relay = system.relay(c.host, &c.params).await?;
+            let named = match &relay {
+                Outcome::Refused { output, .. } => output.contains(c.names),
+                Outcome::Accepted { ssl } => *ssl == Some(true),
+            };
+            anyhow::ensure!(
+                relay.accepted() == accept && named,
+                "{what}: relay {relay:?}"
+            );
+        }
+    }
+
     // Client certificates: the relay's role only over TLS, with a
     // certificate whose CN is the role.
-    t.serve(&good)?;
     let hba = cluster.data_dir().join("pg_hba.conf");
     let before = std::fs::read_to_string(&hba)?;
     std::fs::write(
@@ -365,6 +408,7 @@ async fn what_cannot_be_honoured_on_both_connections_exits_2_naming_it() -> anyh
         cluster,
         stack: &stack,
         home: home.path().to_owned(),
+        cert_file: None,
     };
     for (params, names) in [
         (
@@ -392,11 +436,14 @@ async fn what_cannot_be_honoured_on_both_connections_exits_2_naming_it() -> anyh
 }
 
 /// Tries against one server, with `HOME` (libpq's `~/.postgresql`) at
-/// `home` for both `psql` and the relay.
+/// `home` and `SSL_CERT_FILE` (the system roots) at `cert_file` when set,
+/// for both `psql` and the relay.
+#[derive(Clone)]
 struct Tries<'a> {
     cluster: &'a PgCluster,
     stack: &'a harness::stack::Stack,
     home: PathBuf,
+    cert_file: Option<PathBuf>,
 }
 
 impl Tries<'_> {
@@ -484,6 +531,7 @@ impl Tries<'_> {
                 "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
             ])
             .env("HOME", &self.home)
+            .envs(self.cert_file.iter().map(|f| ("SSL_CERT_FILE", f)))
             .env("PGCONNECT_TIMEOUT", "10")
             .output()
             .context("running psql")?;
@@ -523,6 +571,7 @@ impl Tries<'_> {
             .env("CDC_RELAY_LOG", "info")
             .env("EVENT_SECRET", app::TEST_SECRET)
             .env("HOME", &self.home)
+            .envs(self.cert_file.iter().map(|f| ("SSL_CERT_FILE", f)))
             .stdout(log.reopen()?)
             .stderr(log.reopen()?)
             .kill_on_drop(true)
