@@ -223,8 +223,10 @@ pub struct GlobalArgs {
     /// server by another route than --database-url: e.g. the side
     /// connection through a session-mode pooler (PgBouncer) while the
     /// stream goes straight to PostgreSQL, which a pooler cannot carry.
-    /// One host, the server the slot is on; without a password it uses
-    /// --database-password or its file. Default: --database-url's server.
+    /// One host, the server the slot is on, and the same database (checked
+    /// at start: exit 2 otherwise); without a password it uses the one
+    /// --database-url logs in with (its URL's, --database-password or its
+    /// file). Default: --database-url's server.
     #[arg(
         help_heading = "Database",
         long,
