@@ -145,16 +145,12 @@ async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyho
     })
     .await?;
 
-    let locker = stack.orders_admin().await?;
-    let holder: i32 = locker
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await?
-        .get(0);
-    locker
-        .batch_execute(
-            "BEGIN; LOCK TABLE pg_catalog.pg_publication_namespace IN ACCESS EXCLUSIVE MODE",
-        )
-        .await?;
+    let (locker, holder) = hold_lock(
+        &stack,
+        "pg_catalog.pg_publication_namespace",
+        "ACCESS EXCLUSIVE",
+    )
+    .await?;
     db.execute(
         "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1",
         &[&stack.slot],
@@ -254,14 +250,7 @@ async fn a_lock_on_the_progress_record_is_named_and_delivery_goes_on() -> anyhow
     let stack = harness::PgCluster::shared().create_stack().await?;
     app::relay_setup(&stack).await?;
     let sink = ScriptedSink::start().await?;
-    let locker = stack.orders_admin().await?;
-    let holder: i32 = locker
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await?
-        .get(0);
-    locker
-        .batch_execute("BEGIN; LOCK TABLE cdc_relay_progress IN EXCLUSIVE MODE")
-        .await?;
+    let (locker, holder) = hold_lock(&stack, "cdc_relay_progress", "EXCLUSIVE").await?;
     let relay = app::start_relay(&stack, &sink.url, &[]).await?;
     app::wait_streaming(&relay).await?;
     let db = stack.orders_admin().await?;
@@ -309,14 +298,7 @@ async fn a_lock_on_the_dead_letter_table_is_named_and_the_row_written_after() ->
     let sink = ScriptedSink::start().await?;
     let relay = app::start_relay(&stack, &sink.url, &[]).await?;
     app::wait_streaming(&relay).await?;
-    let locker = stack.orders_admin().await?;
-    let holder: i32 = locker
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await?
-        .get(0);
-    locker
-        .batch_execute("BEGIN; LOCK TABLE cdc_relay_dead_letter IN EXCLUSIVE MODE")
-        .await?;
+    let (locker, holder) = hold_lock(&stack, "cdc_relay_dead_letter", "EXCLUSIVE").await?;
     sink.set_status(422);
     let db = stack.orders_admin().await?;
     let poison = app::insert_order_event(&db).await?.to_string();
@@ -340,4 +322,22 @@ async fn a_lock_on_the_dead_letter_table_is_named_and_the_row_written_after() ->
     })
     .await?;
     Ok(())
+}
+
+/// An open transaction on the stack's orders database that took `mode` on
+/// `table`; returns its session (ROLLBACK ends it) and backend pid.
+async fn hold_lock(
+    stack: &harness::Stack,
+    table: &str,
+    mode: &str,
+) -> anyhow::Result<(tokio_postgres::Client, i32)> {
+    let locker = stack.orders_admin().await?;
+    let pid: i32 = locker
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .get(0);
+    locker
+        .batch_execute(&format!("BEGIN; LOCK TABLE {table} IN {mode} MODE"))
+        .await?;
+    Ok((locker, pid))
 }
