@@ -164,13 +164,45 @@ async fn connect(
     application_name: &str,
     notices: Option<NoticeLog>,
 ) -> Result<(tokio_postgres::Client, oneshot::Receiver<()>), SourceError> {
-    match connect_once(conn, application_name, notices.clone(), false).await {
-        // sslmode=allow: plain first, TLS when the server refuses plain.
-        Err(e) if conn.sslmode == SslMode::Allow && e.refuses_plain() => {
-            connect_once(conn, application_name, notices, true).await
+    let attempt = |fallback: bool| {
+        let notices = notices.clone();
+        async move {
+            // tokio-postgres bounds the TCP connect only; the login after it
+            // can wait without end on the server ([`login_stalled`]).
+            let bound = conn.connect_timeout * 2;
+            tokio::time::timeout(
+                bound,
+                connect_once(conn, application_name, notices, fallback),
+            )
+            .await
+            .unwrap_or_else(|_| Err(login_stalled(conn, bound)))
         }
+    };
+    match attempt(false).await {
+        // sslmode=allow: plain first, TLS when the server refuses plain.
+        Err(e) if conn.sslmode == SslMode::Allow && e.refuses_plain() => attempt(true).await,
         other => other,
     }
+}
+
+/// A connection whose login (or first statement) did not complete within
+/// `bound`: the server (or a pooler) accepted it and then kept it waiting.
+/// Transient. Two
+/// causes seen, named in the message: a pooler with no free server
+/// connection queues the client, and a new backend that must rebuild its
+/// catalog cache (after a catalog change in that database) waits, before
+/// any setting of the session applies, for a session that holds a strong
+/// lock on a system catalog.
+pub fn login_stalled(conn: &ConnParams, bound: std::time::Duration) -> SourceError {
+    SourceError::Transient(format!(
+        "connecting to {}: the server accepted the connection but the login (or the first \
+         statement) did not complete within {bound:?}. A pooler with no free server connection queues a client this way; so \
+         does PostgreSQL while a session holds a strong lock on a system catalog of that database \
+         (a new session waits for it while it loads the catalog): look for a long open \
+         transaction (pg_stat_activity, state 'idle in transaction') and for sessions in \
+         'startup waiting'",
+        conn.display()
+    ))
 }
 
 async fn connect_once(

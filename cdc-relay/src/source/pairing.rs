@@ -91,12 +91,22 @@ async fn own_session(
     Ok(())
 }
 
+/// `pg_backend_pid()` over the simple query protocol: no prepared
+/// statement is left behind on a pooled backend, where it would break the
+/// next client of that backend.
 async fn backend_pid(client: &Client) -> Result<i32, SourceError> {
-    Ok(client
-        .query_one("SELECT pg_backend_pid()", &[])
+    let context = "asking the server for this session's backend";
+    let messages = client
+        .simple_query("SELECT pg_backend_pid()")
         .await
-        .map_err(|e| SourceError::sql("asking the server for this session's backend", &e))?
-        .get(0))
+        .map_err(|e| SourceError::sql(context, &e))?;
+    messages
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0)?.parse().ok(),
+            _ => None,
+        })
+        .ok_or_else(|| SourceError::Transient(format!("{context}: no pid in the answer")))
 }
 
 /// The different-databases check of the module doc.

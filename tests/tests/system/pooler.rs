@@ -277,8 +277,11 @@ async fn a_transaction_pool_and_a_password_it_refuses_are_named_not_retried() ->
     let sink = ScriptedSink::start().await?;
     let said = |what: &str, out: &str| {
         assert!(
+            // The evidence is the probe's sighting, or a statement
+            // prepared by an earlier client gone missing on a shared
+            // backend: either names the mode and the fix.
             out.contains("transaction or statement mode")
-                && out.contains("one server backend")
+                && (out.contains("one server backend") || out.contains("prepared statement"))
                 && out.contains("pool_mode = session"),
             "{what}: {out}"
         );
@@ -413,5 +416,58 @@ async fn a_replication_url_to_another_database_or_with_a_bad_password_is_named()
         sink.received().is_empty(),
         "delivered from the other database"
     );
+    Ok(())
+}
+
+/// `status` through a session-mode pool whose server connections are all
+/// taken (PgBouncer queues the newcomer) answers within twice the connect
+/// timeout, saying the login did not complete and what makes a server or a
+/// pooler do that, instead of hanging with nothing printed.
+///
+/// Fails without the bound: `status` printed nothing for 40 s (until
+/// PgBouncer's `query_wait_timeout`, 120 s by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_through_a_full_pool_says_why_it_cannot_answer() -> anyhow::Result<()> {
+    let cluster = PgCluster::shared();
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let (user, password) = credentials(&stack.relay_url)?;
+    let pooler = Pooler::start(cluster, PoolMode::Session, &[(&user, &password)], &[]).await?;
+    let side = pooler.url(&stack.relay_url)?;
+    // The pool's four server connections, each held by a session.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let (client, connection) = tokio_postgres::connect(&side, tokio_postgres::NoTls).await?;
+        tokio::spawn(connection);
+        client.batch_execute("SELECT 1").await?;
+        held.push(client);
+    }
+    let started = std::time::Instant::now();
+    let status = app::relay_command(
+        &stack,
+        &side,
+        &[
+            "status",
+            "--replication-url",
+            stack.relay_url.as_str(),
+            "--connect-timeout",
+            "2s",
+        ],
+        &[],
+    )
+    .await?;
+    let took = started.elapsed();
+    let text = status.text();
+    assert!(
+        status.code() == Some(1)
+            && text.contains("did not complete within 4s")
+            && text.contains("pooler with no free server connection"),
+        "{text}"
+    );
+    assert!(
+        took < Duration::from_secs(30),
+        "status took {took:?}: {text}"
+    );
+    drop(held);
     Ok(())
 }

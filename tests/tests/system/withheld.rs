@@ -133,7 +133,17 @@ async fn a_server_withholding_the_stream_fails_readiness_and_says_why() -> anyho
 /// end, and `status` hung (more than 20 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyhow::Result<()> {
-    let stack = harness::PgCluster::shared().create_stack().await?;
+    // Its own server: the lock's transaction holds an xid (an ACCESS
+    // EXCLUSIVE lock is WAL-logged), which every slot creation on the
+    // server waits for. Autovacuum off: its catalog updates make new
+    // sessions of the database rebuild their catalog cache, which waits
+    // for the lock before any statement (a login that never completes,
+    // said as such; see the operations doc), not the path tried here.
+    let cluster = PgCluster::start(ClusterOptions {
+        extra_settings: vec![("autovacuum".into(), "off".into())],
+        ..ClusterOptions::default()
+    })?;
+    let stack = cluster.create_stack().await?;
     app::relay_setup(&stack).await?;
     let sink = ScriptedSink::start().await?;
     let relay = app::start_relay(&stack, &sink.url, &[]).await?;
@@ -144,6 +154,8 @@ async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyho
         sink.delivered().iter().any(|r| r.id() == first)
     })
     .await?;
+    // Connected before the lock: it watches what sessions wait on.
+    let watcher = stack.orders_admin().await?;
 
     let (locker, holder) = hold_lock(
         &stack,
@@ -171,7 +183,6 @@ async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyho
     .await?;
     // What every session of the cluster waits on while status runs, for
     // the failure message (a status that hangs names the wait).
-    let watcher = stack.orders_admin().await?;
     let status_run = app::relay_command(&stack, &stack.relay_url, &["status"], &[]);
     tokio::pin!(status_run);
     let mut waits = Vec::new();
@@ -187,8 +198,7 @@ async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyho
                         round(extract(epoch FROM clock_timestamp() - query_start)::numeric, 1), \
                         pid, backend_type, datname, application_name, state, \
                         wait_event_type, wait_event, left(query, 70)) \
-                 FROM pg_stat_activity WHERE pid <> pg_backend_pid() \
-                   AND (datname = current_database() OR backend_type = 'walsender')",
+                 FROM pg_stat_activity WHERE pid <> pg_backend_pid()",
                 &[],
             )
             .await?;
