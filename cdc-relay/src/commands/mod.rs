@@ -20,13 +20,17 @@ use crate::source;
 /// to stderr.
 pub async fn execute(global: GlobalArgs, command: Command) -> u8 {
     match command {
-        Command::Setup(a) => report(setup::command(&global, a).await),
+        Command::Setup(a) => report(lock_named(&global, setup::command(&global, a).await).await),
         Command::Status(a) => status::command(&global, a)
             .await
             .unwrap_or_else(|e| report(Err(e))),
         Command::Run(a) => run::command(&global, *a).await,
-        Command::DeadLetter(c) => report(dead_letter::command(&global, c).await),
-        Command::Backfill(a) => report(backfill::command(&global, *a).await),
+        Command::DeadLetter(c) => {
+            report(lock_named(&global, dead_letter::command(&global, c).await).await)
+        }
+        Command::Backfill(a) => {
+            report(lock_named(&global, backfill::command(&global, *a).await).await)
+        }
         Command::Prune(a) => prune::command(&global, *a).await,
         Command::Routes(c) => routes::command(&global, c).await,
         Command::Completions { shell } => {
@@ -150,10 +154,49 @@ async fn check_connections(g: &GlobalArgs, side: &tokio_postgres::Client) -> any
     }
 }
 
-/// A side SQL connection for a command.
+/// A side SQL connection for a command, its lock waits bounded
+/// (`lock_timeout`, [`source::lock_wait`]): a statement that waits for a
+/// lock another session holds fails after 4 s instead of hanging the
+/// command ([`lock_named`] then names the holders). The first statement is
+/// bounded like the login: a pooler may let the login through and queue
+/// the first statement for a server connection.
 async fn connect(g: &GlobalArgs) -> anyhow::Result<tokio_postgres::Client> {
     let conn = g.conn().map_err(ConfigError)?;
-    Ok(source::connect_sql(&conn, "cdc-relay").await?)
+    let client = source::connect_sql(&conn, "cdc-relay").await?;
+    let bound = conn.connect_timeout * 2;
+    tokio::time::timeout(bound, source::lock_wait::bound(&client))
+        .await
+        .map_err(|_| source::login_stalled(&conn, bound))??;
+    Ok(client)
+}
+
+/// `r`, with the sessions holding strong table locks now appended when its
+/// error is a lock wait that ended at `lock_timeout` (read on a new
+/// connection: the command's own may be gone with the error).
+async fn lock_named<T>(g: &GlobalArgs, r: anyhow::Result<T>) -> anyhow::Result<T> {
+    let Err(e) = r else { return r };
+    let waited = e.chain().any(|c| {
+        c.downcast_ref::<tokio_postgres::Error>()
+            .is_some_and(crate::locks::is_lock_wait)
+            || matches!(
+                c.downcast_ref::<source::SourceError>(),
+                Some(source::SourceError::LockWait { holders, .. }) if holders.is_empty()
+            )
+            // Transparent: the source error is not a link of its own.
+            || matches!(
+                c.downcast_ref::<crate::prune::PruneError>(),
+                Some(crate::prune::PruneError::Source(source::SourceError::LockWait { holders, .. }))
+                    if holders.is_empty()
+            )
+    });
+    if !waited {
+        return Err(e);
+    }
+    let holders = match connect(g).await {
+        Ok(client) => crate::locks::holders(&client).await,
+        Err(why) => format!("who holds it could not be read: {why:#}"),
+    };
+    Err(anyhow::anyhow!("{e:#}: {holders}"))
 }
 
 /// `println!` that ends the process quietly when stdout is a closed pipe

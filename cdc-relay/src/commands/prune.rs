@@ -51,7 +51,7 @@ struct Summary {
 /// Runs `prune`; returns the exit code (0; 1 not provable or an error; 2
 /// configuration; 3 setup missing; 4 slot invalidated).
 pub async fn command(g: &GlobalArgs, a: PruneArgs) -> u8 {
-    match prune_table(g, &a).await {
+    match super::lock_named(g, prune_table(g, &a).await).await {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -351,3 +351,57 @@ async fn hold_lock(
         .await?;
     Ok((locker, pid))
 }
+
+/// The operator's commands under a lock another session holds: each ends
+/// within seconds naming the holder, instead of hanging with nothing
+/// printed (`dead-letter list` on `cdc_relay_dead_letter`, `prune` on the
+/// outbox, `setup` on a publication catalog).
+///
+/// Failed before: each waited with no output until killed (their
+/// connection had no `lock_timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operators_commands_name_a_lock_instead_of_hanging() -> anyhow::Result<()> {
+    // Its own server: the ACCESS EXCLUSIVE locks hold an xid, which every
+    // slot creation on the server would wait for.
+    let cluster = PgCluster::start(ClusterOptions {
+        extra_settings: vec![("autovacuum".into(), "off".into())],
+        ..ClusterOptions::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    for (table, url, args) in [
+        (
+            "cdc_relay_dead_letter",
+            &stack.relay_url,
+            &["dead-letter", "list"][..],
+        ),
+        (
+            "outbox",
+            &stack.orders_admin_url,
+            &["prune", "--older-than", "1s", "--dry-run"][..],
+        ),
+        (
+            "pg_catalog.pg_publication_rel",
+            &stack.orders_admin_url,
+            &["setup"][..],
+        ),
+    ] {
+        let (locker, holder) = hold_lock(&stack, table, "ACCESS EXCLUSIVE").await?;
+        let out = tokio::time::timeout(
+            Duration::from_secs(60),
+            app::relay_command(&stack, url, args, &[]),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("{args:?} hung behind a lock on {table} for 60 s"))??;
+        let text = out.text();
+        let short = table.rsplit('.').next().unwrap_or(table);
+        assert!(
+            out.code() == Some(1)
+                && text.contains(&format!("pid {holder} ("))
+                && text.contains(&format!("holds AccessExclusiveLock on {short}")),
+            "{args:?} under a lock on {table}: {text}"
+        );
+        locker.batch_execute("ROLLBACK").await?;
+    }
+    Ok(())
+}

@@ -17,16 +17,9 @@ mod shards;
 /// `cdc-relay status`: prints [`status`] as text or JSON; returns the exit
 /// code (0 when no problem was found).
 pub async fn command(g: &GlobalArgs, a: StatusArgs) -> anyhow::Result<u8> {
-    let client = connect(g).await?;
     // A lock held elsewhere on a catalog it reads ends a read after
-    // lock_timeout, named, instead of hanging the command. The first
-    // statement is bounded like the login: a pooler may let the login
-    // through and queue the first statement for a server connection.
-    let conn = g.conn().map_err(super::ConfigError)?;
-    let bound = conn.connect_timeout * 2;
-    tokio::time::timeout(bound, source::lock_wait::bound(&client))
-        .await
-        .map_err(|_| source::login_stalled(&conn, bound))??;
+    // lock_timeout (set by `connect`), named, instead of hanging.
+    let client = connect(g).await?;
     match report(g, a, &client).await {
         Err(e) => Err(match e.downcast::<source::SourceError>() {
             Ok(e) => source::lock_wait::named(&client, e).await.into(),
