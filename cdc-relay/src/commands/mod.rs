@@ -80,7 +80,15 @@ fn report(r: anyhow::Result<()>) -> u8 {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");
-            if e.downcast_ref::<ConfigError>().is_some() {
+            let misconnected = matches!(
+                e.downcast_ref::<source::SourceError>(),
+                Some(
+                    source::SourceError::ServersDiffer { .. }
+                        | source::SourceError::SidePooled { .. }
+                        | source::SourceError::ThroughPooler { .. }
+                )
+            );
+            if e.downcast_ref::<ConfigError>().is_some() || misconnected {
                 2
             } else {
                 1

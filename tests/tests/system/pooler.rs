@@ -471,3 +471,47 @@ async fn status_through_a_full_pool_says_why_it_cannot_answer() -> anyhow::Resul
     drop(held);
     Ok(())
 }
+
+/// `setup` with `--replication-url` naming a copy of the server (a
+/// promoted standby: the same system identifier, the same database name,
+/// so the start-up identity check cannot tell them apart) creates the slot
+/// there; it then finds the slot missing on `--database-url`'s server and
+/// exits 2 saying the URLs reach different servers, with the slot to drop.
+///
+/// Failed before: setup answered 0 ("created: slot …") while the slot was
+/// only on the copy; `status` and `run` then said the slot did not exist
+/// and a second setup failed with "already exists".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_through_a_replication_url_to_a_copy_of_the_server_exits_2() -> anyhow::Result<()> {
+    let primary = PgCluster::start(ClusterOptions::default())?;
+    let stack = primary.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let copy = primary.start_standby(harness::standby::StandbyOptions::default())?;
+    copy.promote()?;
+    let mut to_copy = reqwest::Url::parse(&stack.orders_admin_url)?;
+    to_copy
+        .set_port(Some(copy.port()))
+        .map_err(|()| anyhow::anyhow!("a port"))?;
+    let slot = "made_on_the_copy";
+    let setup = app::relay_command(
+        &stack,
+        &stack.orders_admin_url,
+        &[
+            "setup",
+            "--slot",
+            slot,
+            "--replication-url",
+            to_copy.as_str(),
+        ],
+        &[],
+    )
+    .await?;
+    let text = setup.text();
+    assert!(
+        setup.code() == Some(2)
+            && text.contains("reach different servers")
+            && text.contains("pg_drop_replication_slot('made_on_the_copy')"),
+        "{text}"
+    );
+    Ok(())
+}

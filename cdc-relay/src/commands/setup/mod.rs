@@ -407,6 +407,22 @@ async fn create_slot(
         plan.slot_create_timeout,
     )
     .await?;
+    // Created through the replication connection's URL: it must be the
+    // side connection's server too (a copy of that server answers the
+    // start-up identity check alike; only the slot tells them apart).
+    if catalog::slot_info(client, &plan.slot).await?.is_none() {
+        return Err(SourceError::ServersDiffer {
+            detail: format!(
+                "setup created slot {:?} through --replication-url ({}), but the server behind \
+                 --database-url does not show it: the two URLs reach different servers (a copy \
+                 of the same cluster?). Drop the slot made there (SELECT \
+                 pg_drop_replication_slot('{}') on that server), fix the URL, then run setup again",
+                plan.slot,
+                plan.conn.display(),
+                plan.slot
+            ),
+        });
+    }
     report.push(format!(
         "created: slot {:?} (pgoutput) at {lsn}; events committed from now on will be delivered",
         plan.slot
