@@ -226,7 +226,9 @@ pub struct GlobalArgs {
     /// One host, the server the slot is on, and the same database (checked
     /// at start: exit 2 otherwise); without a password it uses the one
     /// --database-url logs in with (its URL's, --database-password or its
-    /// file). Default: --database-url's server.
+    /// file). Its TLS parameters are its own, as in libpq: repeat sslmode,
+    /// sslrootcert, sslcert and sslkey here (nothing is taken from
+    /// --database-url). Default: --database-url's server.
     #[arg(
         help_heading = "Database",
         long,
