@@ -49,11 +49,19 @@ impl Session<'_> {
                 &cfg.application_name,
             )
             .await?;
-            let wal_sender_timeout = catalog::wal_sender_timeout(&side).await?;
-            let slot = catalog::slot_info(&side, &cfg.slot).await?;
-            let parked = dead_letter::parked_endpoints(&side)
-                .await
-                .map_err(|e| SourceError::sql("looking for parked dead letters", &e))?;
+            let reads = async {
+                let wal_sender_timeout = catalog::wal_sender_timeout(&side).await?;
+                let slot = catalog::slot_info(&side, &cfg.slot).await?;
+                let parked = dead_letter::parked_endpoints(&side)
+                    .await
+                    .map_err(|e| SourceError::sql("looking for parked dead letters", &e))?;
+                Ok::<_, SourceError>((wal_sender_timeout, slot, parked))
+            };
+            // A read that waited past lock_timeout names who holds the lock.
+            let (wal_sender_timeout, slot, parked) = match reads.await {
+                Ok(read) => read,
+                Err(e) => return Err(lock_wait::named(&side, e).await),
+            };
             Ok::<_, SourceError>((side, side_closed, server, wal_sender_timeout, slot, parked))
         };
         let tries = u32::try_from(cfg.conn.hosts.len()).unwrap_or(u32::MAX);

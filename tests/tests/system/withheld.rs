@@ -296,14 +296,21 @@ async fn a_lock_on_the_progress_record_is_named_and_delivery_goes_on() -> anyhow
 /// A lock that blocks writes to `cdc_relay_dead_letter`: a poison event
 /// waits (its dead letter not written, nothing behind it acknowledged),
 /// the writer's error names the lock's holder, and once the transaction
-/// ends the dead letter is written.
+/// ends the dead letter is written. A relay starting under a lock that
+/// blocks reads of it names the holder from its start-up read too.
 ///
 /// Failed before: the writer logged only "canceling statement due to lock
 /// timeout", every few seconds, with nobody named.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_on_the_dead_letter_table_is_named_and_the_row_written_after() -> anyhow::Result<()>
 {
-    let stack = harness::PgCluster::shared().create_stack().await?;
+    // Its own server: the ACCESS EXCLUSIVE lock below holds an xid, which
+    // every slot creation on the server would wait for.
+    let cluster = PgCluster::start(ClusterOptions {
+        extra_settings: vec![("autovacuum".into(), "off".into())],
+        ..ClusterOptions::default()
+    })?;
+    let stack = cluster.create_stack().await?;
     app::relay_setup(&stack).await?;
     let sink = ScriptedSink::start().await?;
     let relay = app::start_relay(&stack, &sink.url, &[]).await?;
@@ -331,6 +338,23 @@ async fn a_lock_on_the_dead_letter_table_is_named_and_the_row_written_after() ->
         .is_ok_and(|r| r.get::<_, i64>(0) == 1)
     })
     .await?;
+
+    // A relay starting under the same lock: its start-up read of the
+    // parked dead letters waits, is cancelled, and names the holder too.
+    drop(relay);
+    let (locker, holder) = hold_lock(&stack, "cdc_relay_dead_letter", "ACCESS EXCLUSIVE").await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    let named = format!("pid {holder} (");
+    wait_until("the start-up naming the holder", WAIT, || async {
+        relay.process.logs().lines().any(|l| {
+            l.contains("looking for parked dead letters")
+                && l.contains(&named)
+                && l.contains("holds AccessExclusiveLock on cdc_relay_dead_letter")
+        })
+    })
+    .await?;
+    locker.batch_execute("ROLLBACK").await?;
+    app::wait_streaming(&relay).await?;
     Ok(())
 }
 
