@@ -80,14 +80,9 @@ fn report(r: anyhow::Result<()>) -> u8 {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");
-            let misconnected = matches!(
-                e.downcast_ref::<source::SourceError>(),
-                Some(
-                    source::SourceError::ServersDiffer { .. }
-                        | source::SourceError::SidePooled { .. }
-                        | source::SourceError::ThroughPooler { .. }
-                )
-            );
+            let misconnected = e
+                .downcast_ref::<source::SourceError>()
+                .is_some_and(source::SourceError::is_misconnection);
             if e.downcast_ref::<ConfigError>().is_some() || misconnected {
                 2
             } else {
@@ -137,27 +132,15 @@ impl StopSignals {
 /// database or server than `--database-url` ([`source::pairing`]). A
 /// `--replication-url` that cannot log in fails with its own error.
 async fn check_connections(g: &GlobalArgs, side: &tokio_postgres::Client) -> anyhow::Result<()> {
+    let side_conn = g.conn().map_err(ConfigError)?;
     let replication = g.replication_conn().map_err(ConfigError)?;
-    let conn = match &replication {
-        Some(replication) => replication.clone(),
-        None => g.conn().map_err(ConfigError)?,
+    let stream_conn = replication.as_ref().unwrap_or(&side_conn);
+    let checked = match source::transport::check_not_pooled(stream_conn).await {
+        Ok(()) => source::pairing::check(side, &side_conn, replication.as_ref(), "cdc-relay").await,
+        refused => refused,
     };
-    let config = |e: source::SourceError| -> anyhow::Error { ConfigError(e.to_string()).into() };
-    source::transport::check_not_pooled(&conn)
-        .await
-        .map_err(config)?;
-    match source::pairing::check(
-        side,
-        &g.conn().map_err(ConfigError)?,
-        replication.as_ref(),
-        "cdc-relay",
-    )
-    .await
-    {
-        Err(
-            e
-            @ (source::SourceError::ServersDiffer { .. } | source::SourceError::SidePooled { .. }),
-        ) => Err(config(e)),
+    match checked {
+        Err(e) if e.is_misconnection() => Err(ConfigError(e.to_string()).into()),
         other => Ok(other?),
     }
 }

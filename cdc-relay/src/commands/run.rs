@@ -48,11 +48,7 @@ pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
 /// left it (events skipped upstream); 1 anything else.
 pub fn exit_code(e: &StreamError) -> u8 {
     match e {
-        StreamError::Source(
-            SourceError::ThroughPooler { .. }
-            | SourceError::ServersDiffer { .. }
-            | SourceError::SidePooled { .. },
-        ) => 2,
+        StreamError::Source(e) if e.is_misconnection() => 2,
         StreamError::Source(SourceError::SlotMissing { .. } | SourceError::NeedsSetup(_)) => 3,
         StreamError::Source(SourceError::SlotInvalidated { .. }) => 4,
         StreamError::Decode(_)

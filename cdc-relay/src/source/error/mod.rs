@@ -199,6 +199,20 @@ impl SourceError {
         )
     }
 
+    /// Whether the relay's connections reach the wrong thing: the stream's
+    /// URL a pooler ([`Self::ThroughPooler`]), the side connection a
+    /// transaction pool ([`Self::SidePooled`]), the two URLs different
+    /// servers or databases ([`Self::ServersDiffer`]). A configuration
+    /// error: every command exits 2 for it.
+    pub fn is_misconnection(&self) -> bool {
+        matches!(
+            self,
+            SourceError::ThroughPooler { .. }
+                | SourceError::SidePooled { .. }
+                | SourceError::ServersDiffer { .. }
+        )
+    }
+
     /// Short metric label for the cause.
     pub fn cause(&self) -> &'static str {
         match self {
