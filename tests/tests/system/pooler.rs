@@ -235,6 +235,29 @@ async fn a_replication_url_reaching_another_server_exits_2() -> anyhow::Result<(
     Ok(())
 }
 
+/// `setup` (as `admin`: its URL and extra flags), then `status` and `run`
+/// (as `relay`) each exit 2, and `said(command, output)` checks what each
+/// printed; returns `run`'s log.
+async fn each_command_exits_2(
+    stack: &Stack,
+    admin: (&str, &[&str]),
+    relay: (&str, &[&str]),
+    sink_url: &str,
+    said: impl Fn(&str, &str),
+) -> anyhow::Result<String> {
+    for (command, (url, extra)) in [("setup", admin), ("status", relay)] {
+        let out = app::relay_command(stack, url, &[&[command][..], extra].concat(), &[]).await?;
+        assert_eq!(out.code(), Some(2), "{command}: {}", out.text());
+        said(command, &out.text());
+    }
+    let mut run = app::start_relay_with_url(stack, relay.0, sink_url, relay.1).await?;
+    let exit = run.process.wait_exit(EXIT).await?;
+    let logs = run.process.logs();
+    assert_eq!(exit.code(), Some(2), "run: {logs}");
+    said("run", &logs);
+    Ok(logs)
+}
+
 /// `url` with `database` as its path, or `password` as its password.
 fn with_database(url: &str, database: &str) -> anyhow::Result<String> {
     let mut u = reqwest::Url::parse(url)?;
@@ -287,29 +310,19 @@ async fn a_transaction_pool_and_a_password_it_refuses_are_named_not_retried() ->
         );
     };
 
-    let admin_direct = ["--replication-url", stack.orders_admin_url.as_str()];
-    let setup = app::relay_command(
-        &stack,
-        &pooler.url(&stack.orders_admin_url)?,
-        &[&["setup"][..], &admin_direct].concat(),
-        &[],
-    )
-    .await?;
-    assert_eq!(setup.code(), Some(2), "setup: {}", setup.text());
-    said("setup", &setup.text());
-
     let side = pooler.url(&stack.relay_url)?;
     let direct = ["--replication-url", stack.relay_url.as_str()];
-    let status =
-        app::relay_command(&stack, &side, &[&["status"][..], &direct].concat(), &[]).await?;
-    assert_eq!(status.code(), Some(2), "status: {}", status.text());
-    said("status", &status.text());
-
-    let mut run = app::start_relay_with_url(&stack, &side, &sink.url, &direct).await?;
-    let exit = run.process.wait_exit(EXIT).await?;
-    let logs = run.process.logs();
-    assert_eq!(exit.code(), Some(2), "run: {logs}");
-    said("run", &logs);
+    let logs = each_command_exits_2(
+        &stack,
+        (
+            &pooler.url(&stack.orders_admin_url)?,
+            &["--replication-url", stack.orders_admin_url.as_str()],
+        ),
+        (&side, &direct),
+        &sink.url,
+        said,
+    )
+    .await?;
     assert!(
         !logs.contains("reconnecting") && !logs.lines().any(app::is_session_start),
         "run: {logs}"
@@ -371,30 +384,17 @@ async fn a_replication_url_to_another_database_or_with_a_bad_password_is_named()
         );
     };
 
-    let setup = app::relay_command(
+    each_command_exits_2(
         &stack,
-        &stack.orders_admin_url,
-        &["setup", "--replication-url", admin_other_db.as_str()],
-        &[],
+        (
+            &stack.orders_admin_url,
+            &["--replication-url", admin_other_db.as_str()],
+        ),
+        (&stack.relay_url, &["--replication-url", other_db.as_str()]),
+        &sink.url,
+        differ,
     )
     .await?;
-    assert_eq!(setup.code(), Some(2), "setup: {}", setup.text());
-    differ("setup", &setup.text());
-    let status = app::relay_command(
-        &stack,
-        &stack.relay_url,
-        &["status", "--replication-url", other_db.as_str()],
-        &[],
-    )
-    .await?;
-    assert_eq!(status.code(), Some(2), "status: {}", status.text());
-    differ("status", &status.text());
-    let mut run =
-        app::start_relay(&stack, &sink.url, &["--replication-url", other_db.as_str()]).await?;
-    let exit = run.process.wait_exit(EXIT).await?;
-    let logs = run.process.logs();
-    assert_eq!(exit.code(), Some(2), "run: {logs}");
-    differ("run", &logs);
 
     let refused = with_password(&stack.relay_url, "not-the-password")?;
     let status = app::relay_command(

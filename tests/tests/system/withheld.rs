@@ -133,17 +133,7 @@ async fn a_server_withholding_the_stream_fails_readiness_and_says_why() -> anyho
 /// end, and `status` hung (more than 20 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyhow::Result<()> {
-    // Its own server: the lock's transaction holds an xid (an ACCESS
-    // EXCLUSIVE lock is WAL-logged), which every slot creation on the
-    // server waits for. Autovacuum off: its catalog updates make new
-    // sessions of the database rebuild their catalog cache, which waits
-    // for the lock before any statement (a login that never completes,
-    // said as such; see the operations doc), not the path tried here.
-    let cluster = PgCluster::start(ClusterOptions {
-        extra_settings: vec![("autovacuum".into(), "off".into())],
-        ..ClusterOptions::default()
-    })?;
-    let stack = cluster.create_stack().await?;
+    let (_cluster, stack) = own_server().await?;
     app::relay_setup(&stack).await?;
     let sink = ScriptedSink::start().await?;
     let relay = app::start_relay(&stack, &sink.url, &[]).await?;
@@ -304,13 +294,7 @@ async fn a_lock_on_the_progress_record_is_named_and_delivery_goes_on() -> anyhow
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_on_the_dead_letter_table_is_named_and_the_row_written_after() -> anyhow::Result<()>
 {
-    // Its own server: the ACCESS EXCLUSIVE lock below holds an xid, which
-    // every slot creation on the server would wait for.
-    let cluster = PgCluster::start(ClusterOptions {
-        extra_settings: vec![("autovacuum".into(), "off".into())],
-        ..ClusterOptions::default()
-    })?;
-    let stack = cluster.create_stack().await?;
+    let (_cluster, stack) = own_server().await?;
     app::relay_setup(&stack).await?;
     let sink = ScriptedSink::start().await?;
     let relay = app::start_relay(&stack, &sink.url, &[]).await?;
@@ -385,13 +369,7 @@ async fn hold_lock(
 /// connection had no `lock_timeout`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operators_commands_name_a_lock_instead_of_hanging() -> anyhow::Result<()> {
-    // Its own server: the ACCESS EXCLUSIVE locks hold an xid, which every
-    // slot creation on the server would wait for.
-    let cluster = PgCluster::start(ClusterOptions {
-        extra_settings: vec![("autovacuum".into(), "off".into())],
-        ..ClusterOptions::default()
-    })?;
-    let stack = cluster.create_stack().await?;
+    let (_cluster, stack) = own_server().await?;
     app::relay_setup(&stack).await?;
     for (table, url, args) in [
         (
@@ -428,4 +406,21 @@ async fn the_operators_commands_name_a_lock_instead_of_hanging() -> anyhow::Resu
         locker.batch_execute("ROLLBACK").await?;
     }
     Ok(())
+}
+
+/// A server of the test's own and a stack on it, for the tests that take
+/// ACCESS EXCLUSIVE locks: such a lock's transaction holds an xid (the lock
+/// is WAL-logged), which every slot creation on the server waits for, so
+/// on the shared server it would hold up other tests' setup. Autovacuum
+/// off: its catalog updates make new sessions of the database rebuild
+/// their catalog cache, which waits for a catalog lock before any
+/// statement (a login that never completes, said as such; see the
+/// operations doc), not the path these tests try.
+async fn own_server() -> anyhow::Result<(PgCluster, harness::Stack)> {
+    let cluster = PgCluster::start(ClusterOptions {
+        extra_settings: vec![("autovacuum".into(), "off".into())],
+        ..ClusterOptions::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    Ok((cluster, stack))
 }
