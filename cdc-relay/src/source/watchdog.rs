@@ -151,6 +151,9 @@ pub async fn monitor_slot(
     };
     let mut persisted = recorded.as_ref().map(|m| (m.carriers.clone(), m.table_oid));
     let mut membership = MembershipWatch::new(start, started_at, recorded);
+    // Why the outbox is out, as last logged: a later reading that
+    // explains it otherwise is logged again.
+    let mut told: Option<String> = None;
     let mut withheld = Withheld::default();
     // When a lock wait of the monitor's reading was last logged.
     let mut lock_logged: Option<Instant> = None;
@@ -216,7 +219,7 @@ pub async fn monitor_slot(
             None => tracing::warn!(slot = %slot, "slot disappeared"),
         }
         let change = membership.observe(&member);
-        report_membership(&change, &member, &table, &publications, &out);
+        report_membership(&change, &member, &table, &publications, &out, &mut told);
         if let (Change::Back { since, until } | Change::Gap { since, until }, Some(heal)) =
             (&change, &out.heal)
         {
@@ -351,13 +354,34 @@ fn report_membership(
     table: &TableName,
     publications: &[String],
     out: &MonitorOutputs,
+    told: &mut Option<String>,
 ) {
     let pubs = publications.join(", ");
+    if member.included() {
+        *told = None;
+    }
     match change {
-        Change::Steady | Change::StillOut => {}
+        Change::Steady => {}
+        Change::StillOut => {
+            // One reading's explanation may be stale: the publication
+            // view reads the catalog as of its own scan, the statement's
+            // other columns as of the statement's snapshot, so a change
+            // committed in between (an ALTER TABLE … SET UNLOGGED, say)
+            // shows as "in none of the publications" once. The reason
+            // follows the latest reading.
+            let why = catalog::membership_problem(member, publications, table);
+            if told.as_ref() != Some(&why) {
+                tracing::error!(
+                    table = %table, publications = %pubs,
+                    "the outbox {table}'s inserts are still not (all) streamed by publication {pubs}: {why}"
+                );
+                *told = Some(why);
+            }
+        }
         Change::Left { since } => {
             out.metrics.publication_gaps.inc();
             let why = catalog::membership_problem(member, publications, table);
+            *told = Some(why.clone());
             let then = if out.heal.is_some() {
                 format!(
                     "The relay re-sends what was inserted since membership was last verified ({since}) from the table by itself once it is back (--on-gap backfill)"
