@@ -104,7 +104,7 @@ pub enum StoreError {
 impl StoreError {
     /// `e` on `client`: lost when the connection closed; a lock wait past
     /// `lock_timeout` names who holds the lock (read on `client`).
-    async fn of(client: &Client, e: &tokio_postgres::Error) -> Self {
+    pub async fn of(client: &Client, e: &tokio_postgres::Error) -> Self {
         let text = crate::db_message(e);
         if client.is_closed() {
             StoreError::Lost(text)

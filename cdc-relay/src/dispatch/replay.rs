@@ -245,7 +245,19 @@ async fn flush<R: Rows>(rows: &mut R, removals: &mut Vec<i64>) -> Result<(), Sto
     if removals.is_empty() {
         return Ok(());
     }
-    rows.remove(removals).await?;
+    let ids: Vec<String> = removals.iter().take(10).map(ToString::to_string).collect();
+    let more = if removals.len() > 10 { ", …" } else { "" };
+    let said = |e: String| {
+        format!(
+            "removing {} delivered row(s) (ids {}{more}): {e}. They were delivered and stay in the table: replaying them again is harmless (the inbox deduplicates)",
+            removals.len(),
+            ids.join(", ")
+        )
+    };
+    rows.remove(removals).await.map_err(|e| match e {
+        StoreError::Lost(e) => StoreError::Lost(said(e)),
+        StoreError::Failed(e) => StoreError::Failed(said(e)),
+    })?;
     removals.clear();
     Ok(())
 }

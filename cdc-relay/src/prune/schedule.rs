@@ -1,5 +1,7 @@
 //! The relay's opt-in pruning (`run --prune-older-than`): a tick every
 //! interval on a connection of its own, one statement when nothing may go.
+//! Its lock waits are bounded like the side connection's
+//! ([`source::lock_wait`]).
 
 use std::time::Duration;
 
@@ -45,20 +47,17 @@ pub async fn keep_pruning(
     let first = tokio::time::Instant::now() + schedule.interval.min(schedule.first_tick);
     let mut tick = tokio::time::interval_at(first, schedule.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut client: Option<Client> = None;
+    // Opened at once (a connection problem shows at start) and after a
+    // failure at the next tick; its one setting is made when it opens, so
+    // an idle tick stays one statement.
+    let mut client = open(&conn).await;
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
         if client.as_ref().is_none_or(Client::is_closed) {
-            match source::connect_sql(&conn, "cdc-relay-prune").await {
-                Ok(c) => client = Some(c),
-                Err(error) => {
-                    tracing::warn!(%error, "prune: cannot connect; trying again at the next tick");
-                    continue;
-                }
-            }
+            client = open(&conn).await;
         }
         let Some(c) = &client else { continue };
         match tick_once(c, &schedule.plan, &metrics, &shutdown).await {
@@ -66,11 +65,31 @@ pub async fn keep_pruning(
             Ok(rows) => {
                 tracing::info!(rows, table = %schedule.plan.table, "prune: deleted delivered outbox rows older than the window")
             }
+            Err(PruneError::Source(e)) => {
+                let error = source::lock_wait::named(c, e).await;
+                tracing::warn!(%error, "prune: tick failed; trying again at the next tick")
+            }
             Err(error) => {
                 tracing::warn!(%error, "prune: tick failed; trying again at the next tick")
             }
         }
     }
+}
+
+/// The prune connection, its lock waits bounded: a lock held on the
+/// outbox (or a catalog) ends a tick's statement after lock_timeout, with
+/// the holders named, instead of a tick waiting without a word. `None`
+/// (logged): tried again at the next tick.
+async fn open(conn: &ConnParams) -> Option<Client> {
+    let opened = match source::connect_sql(conn, "cdc-relay-prune").await {
+        Ok(c) => source::lock_wait::bound(&c).await.map(|()| c),
+        Err(e) => Err(e),
+    };
+    opened
+        .inspect_err(|error| {
+            tracing::warn!(%error, "prune: cannot connect; trying again at the next tick")
+        })
+        .ok()
 }
 
 /// One tick of [`keep_pruning`]; returns the rows deleted.

@@ -119,6 +119,7 @@ pub async fn monitor_slot(
     let recorded = match progress::read_membership(&side, &slot).await {
         Ok(r) => r,
         Err(e) => {
+            let e = lock_wait::named(&side, e).await;
             tracing::warn!(error = %e, "cannot read the recorded publication membership; a change made while no relay watched goes unnoticed this session");
             None
         }
@@ -192,7 +193,19 @@ pub async fn monitor_slot(
                 return;
             }
             Err(_) => {
-                tracing::warn!("the slot monitor's query got no answer within 5 s");
+                // The side connection is shared: a statement queued ahead
+                // of the reading (the progress record's write, say) may
+                // have waited out its own lock_timeout first. Who holds
+                // strong locks is read on it once it answers again.
+                let holders = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    crate::locks::holders(&side),
+                )
+                .await
+                .unwrap_or_else(|_| {
+                    "the side connection has not answered for 15 s: the server or the network is stalled".into()
+                });
+                tracing::warn!(slot = %slot, "the slot monitor's query got no answer within 5 s; {holders}");
                 continue;
             }
         };

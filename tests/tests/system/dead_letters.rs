@@ -284,6 +284,60 @@ async fn a_payload_that_is_not_utf8_is_never_replayed_as_null() -> anyhow::Resul
     Ok(())
 }
 
+/// A replay whose removal cannot commit (a lock held on the dead-letter
+/// table) says so: the row's line says "delivered", never "removed", the
+/// command fails naming the lock's holder and the rows that stay, and
+/// they do stay; a later replay removes them. (The row line said
+/// "delivered (204); removed" before the DELETE had committed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_says_removed_only_once_the_removal_committed() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, sink) = (&s.stack, s.sink());
+    let admin = stack.orders_admin().await?;
+    admin
+        .execute(
+            "INSERT INTO cdc_relay_dead_letter (event_id, event_type, payload, error, attempts) \
+             VALUES ('e-locked', 'OrderPaid', '{\"n\":1}', 'refused', 1)",
+            &[],
+        )
+        .await?;
+    let mut locker = stack.orders_admin().await?;
+    let tx = locker.transaction().await?;
+    tx.batch_execute(
+        "SET application_name = 'removal-blocker'; LOCK TABLE cdc_relay_dead_letter IN SHARE MODE",
+    )
+    .await?;
+    let out =
+        crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
+    let text = out.text();
+    assert!(!out.success(), "{text}");
+    assert!(out.stdout.contains(": delivered (204)"), "{text}");
+    assert!(!out.stdout.contains("removed"), "{text}");
+    assert!(
+        text.contains("removal-blocker") && text.contains("stay in the table"),
+        "{text}"
+    );
+    let left = || async {
+        anyhow::Ok(
+            admin
+                .query_one(
+                    "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = 'e-locked'",
+                    &[],
+                )
+                .await?
+                .get::<_, i64>(0),
+        )
+    };
+    tx.rollback().await?;
+    assert_eq!(left().await?, 1, "the row stays");
+    let out =
+        crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
+    assert!(out.success(), "{}", out.text());
+    assert!(out.stdout.contains("1 delivered and removed"), "{}", out.text());
+    assert_eq!(left().await?, 0, "removed once the lock is gone");
+    Ok(())
+}
+
 /// Row `n` of writer `w` for the grouped-store test: every fourth payload
 /// is not UTF-8, every fourth holds a NUL (both go to `payload_bytes`),
 /// some have none; the error, excerpt and type hold NULs.

@@ -393,6 +393,35 @@ async fn the_relay_prunes_delivered_rows_at_a_low_rate_when_asked() -> anyhow::R
         outbox_rows(&s.db).await.map(|n| n == 0)
     })
     .await?;
+
+    // A lock held on the outbox ends a tick after lock_timeout, named with
+    // its holder, and pruning goes on after it. (It waited without a
+    // bound and without a line.)
+    let mut locker = s.stack.orders_admin().await?;
+    let tx = locker.transaction().await?;
+    tx.batch_execute(
+        "SET application_name = 'prune-blocker'; LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE",
+    )
+    .await?;
+    s.relay
+        .process
+        .wait_for_line_where(
+            "the prune tick's WARN naming the lock's holder",
+            |l| {
+                l.contains("prune: tick failed")
+                    && l.contains("prune-blocker")
+                    && l.contains("AccessExclusiveLock on outbox")
+            },
+            Duration::from_secs(30),
+        )
+        .await?;
+    tx.rollback().await?;
+    let after = insert_events(&s, 3, "AfterLock").await?;
+    wait_delivered(&s, &after).await?;
+    wait_until("the relay to prune again after the lock", DRAIN, || async {
+        outbox_rows(&s.db).await.map(|n| n == 0)
+    })
+    .await?;
     s.finish().await
 }
 

@@ -228,7 +228,10 @@ impl Source<'_> {
 impl Rows for Source<'_> {
     async fn next_page(&mut self) -> Result<Vec<OutboxEvent>, StoreError> {
         loop {
-            let rows = self.next_rows().await.map_err(failed)?;
+            let rows = match self.next_rows().await {
+                Ok(rows) => rows,
+                Err(e) => return Err(StoreError::of(self.client, &e).await),
+            };
             if rows.is_empty() {
                 return Ok(Vec::new());
             }
@@ -241,7 +244,7 @@ impl Rows for Source<'_> {
     }
 
     async fn remove(&mut self, ids: &[i64]) -> Result<(), StoreError> {
-        dead_letter::remove_many(
+        match dead_letter::remove_many(
             self.client,
             ids,
             Removal::Replay,
@@ -249,13 +252,11 @@ impl Rows for Source<'_> {
             self.args.actor.as_deref(),
         )
         .await
-        .map(drop)
-        .map_err(failed)
+        {
+            Ok(_) => Ok(()),
+            Err(e) => Err(StoreError::of(self.client, &e).await),
+        }
     }
-}
-
-fn failed(e: tokio_postgres::Error) -> StoreError {
-    StoreError::Failed(crate::db_message(&e))
 }
 
 fn print_row(a: &ReplayArgs, r: &Replayed) {
@@ -269,7 +270,9 @@ fn ended(e: &Ended) -> Replayed {
     let (outcome, detail) = match &e.outcome {
         Outcome::Delivered(status) => (
             RowOutcome::Delivered,
-            format!("delivered ({status}); removed"),
+            // Removed in batches after this line: the summary says so
+            // once every removal has committed.
+            format!("delivered ({status})"),
         ),
         Outcome::DeadLettered => (RowOutcome::Rejected, "refused again; kept".to_owned()),
         Outcome::Kept(detail) => (
@@ -431,7 +434,7 @@ fn report(a: &ReplayArgs, mut done: Vec<Replayed>, stopped: Option<String>) -> a
         );
     } else {
         outln!(
-            "replay{}: {} row(s): {delivered} delivered, {} rejected, {} not sent (sink failing), {} unsendable, {} not attempted{}",
+            "replay{}: {} row(s): {delivered} delivered and removed, {} rejected, {} not sent (sink failing), {} unsendable, {} not attempted{}",
             if a.dry_run { " (dry run)" } else { "" },
             done.len(),
             count(RowOutcome::Rejected),
