@@ -26,10 +26,14 @@
 //!   replication URL gives the cluster's system identifier and the
 //!   database; the side connection gives `pg_control_system()` and
 //!   `current_database()` (names through a pooler are aliases, so the
-//!   server's own answers are compared, not the URLs). A role without
-//!   `EXECUTE` on `pg_control_system()` skips the server comparison; each
-//!   stream start then still checks that this relay's walsender holds the
-//!   slot on the side connection's server.
+//!   server's own answers are compared, not the URLs), and the timeline
+//!   `IDENTIFY_SYSTEM` names against the side's (a promoted standby or a
+//!   point-in-time restore keeps the system identifier and the database
+//!   names, on a later timeline). A role without `EXECUTE` on
+//!   `pg_control_system()` skips the system identifier; each stream start
+//!   then still checks that this relay's walsender holds the slot on the
+//!   side connection's server, and `setup` that the slot it created shows
+//!   there (a file-level copy started on its own keeps even the timeline).
 
 use tokio_postgres::Client;
 
@@ -112,7 +116,11 @@ async fn backend_pid(client: &Client) -> Result<i32, SourceError> {
 /// The different-databases check of the module doc.
 async fn same_database(side: &Client, replication: &ConnParams) -> Result<(), SourceError> {
     const FLAG: &str = "--replication-url (CDC_RELAY_REPLICATION_URL)";
-    let (system_id, dbname) = match transport::identify(replication).await {
+    let transport::Identity {
+        system_id,
+        timeline,
+        dbname,
+    } = match transport::identify(replication).await {
         Ok(identity) => identity,
         Err(e @ SourceError::ThroughPooler { .. }) => return Err(e),
         Err(SourceError::Definite(why)) => {
@@ -123,11 +131,22 @@ async fn same_database(side: &Client, replication: &ConnParams) -> Result<(), So
         }
         Err(e) => return Err(e),
     };
+    // The side's timeline: the first 8 hex digits of its current WAL
+    // file's name (pg_walfile_name uses the timeline WAL is inserted on;
+    // it fails on a standby, which the side connection must not be).
     let row = side
-        .query_one("SELECT current_database()", &[])
+        .query_one(
+            "SELECT current_database(), \
+                    CASE WHEN pg_is_in_recovery() THEN NULL \
+                         ELSE left(pg_walfile_name(pg_current_wal_lsn()), 8) END",
+            &[],
+        )
         .await
         .map_err(|e| SourceError::sql("reading the side connection's database", &e))?;
     let side_db: String = row.get(0);
+    let side_timeline = row
+        .get::<_, Option<String>>(1)
+        .and_then(|t| u32::from_str_radix(&t, 16).ok());
     let side_system = match side
         .query_one(
             "SELECT system_identifier::text FROM pg_control_system()",
@@ -136,8 +155,8 @@ async fn same_database(side: &Client, replication: &ConnParams) -> Result<(), So
         .await
     {
         Ok(row) => Some(row.get::<_, String>(0)),
-        // EXECUTE revoked from the role: the database name is compared,
-        // and each stream start checks the slot's holder.
+        // EXECUTE revoked from the role: the database name and timeline
+        // are compared, and each stream start checks the slot's holder.
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
             None
         }
@@ -150,14 +169,25 @@ async fn same_database(side: &Client, replication: &ConnParams) -> Result<(), So
     };
     let other_server = side_system.as_ref().is_some_and(|s| *s != system_id);
     let other_db = dbname.as_ref().is_some_and(|d| *d != side_db);
-    if other_server || other_db {
+    // A promoted copy (or a point-in-time restore) keeps the system
+    // identifier and the database names, on a later timeline.
+    let other_timeline = matches!((timeline, side_timeline), (Some(a), Some(b)) if a != b);
+    if other_server || other_db || other_timeline {
         let system = |s: Option<&String>| s.map_or_else(|| "?".to_owned(), Clone::clone);
+        let tli = |t: Option<u32>| t.map_or_else(|| "?".to_owned(), |t| t.to_string());
         return Err(SourceError::ServersDiffer {
             detail: format!(
-                "--replication-url reaches database {} of the server with system identifier {system_id}, \
-                 --database-url database {side_db} of the server with system identifier {}",
+                "--replication-url reaches database {} of the server with system identifier {system_id} on timeline {}, \
+                 --database-url database {side_db} of the server with system identifier {} on timeline {}{}",
                 dbname.as_deref().unwrap_or("?"),
+                tli(timeline),
                 system(side_system.as_ref()),
+                tli(side_timeline),
+                if other_timeline && !other_server {
+                    " (one is a promoted or restored copy of the other)"
+                } else {
+                    ""
+                },
             ),
         });
     }

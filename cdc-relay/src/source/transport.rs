@@ -177,14 +177,25 @@ pub async fn check_not_pooled(conn: &ConnParams) -> Result<(), SourceError> {
     }
 }
 
-/// What `IDENTIFY_SYSTEM` on a replication connection to `conn` says: the
-/// cluster's system identifier (decimal text) and the session's database
-/// (PostgreSQL docs, "Streaming Replication Protocol" → `IDENTIFY_SYSTEM`:
-/// columns systemid, timeline, xlogpos, dbname).
+/// What `IDENTIFY_SYSTEM` on a replication connection says (PostgreSQL
+/// docs, "Streaming Replication Protocol" → `IDENTIFY_SYSTEM`: columns
+/// systemid, timeline, xlogpos, dbname).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// The cluster's system identifier, decimal text.
+    pub system_id: String,
+    /// The server's current timeline ID (a promoted copy of the cluster
+    /// has the same system identifier on a later timeline).
+    pub timeline: Option<u32>,
+    /// The session's database (`None` on a physical connection).
+    pub dbname: Option<String>,
+}
+
+/// [`Identity`] of the server and database `conn` reaches.
 ///
 /// # Errors
 /// The connection's or the command's error, classified as for the stream.
-pub async fn identify(conn: &ConnParams) -> Result<(String, Option<String>), SourceError> {
+pub async fn identify(conn: &ConnParams) -> Result<Identity, SourceError> {
     let rows = replication_command(conn, "", "IDENTIFY_SYSTEM").await?;
     let text = |i: usize| {
         rows.first()
@@ -198,7 +209,11 @@ pub async fn identify(conn: &ConnParams) -> Result<(String, Option<String>), Sou
             conn.display()
         ))
     })?;
-    Ok((system_id, text(3)))
+    Ok(Identity {
+        system_id,
+        timeline: text(1).and_then(|t| t.parse().ok()),
+        dbname: text(3),
+    })
 }
 
 /// The transport of one session. [`Transport::confirm`] and

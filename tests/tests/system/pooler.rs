@@ -472,37 +472,72 @@ async fn status_through_a_full_pool_says_why_it_cannot_answer() -> anyhow::Resul
     Ok(())
 }
 
-/// `setup` with `--replication-url` naming a copy of the server (a
-/// promoted standby: the same system identifier, the same database name,
-/// so the start-up identity check cannot tell them apart) creates the slot
-/// there; it then finds the slot missing on `--database-url`'s server and
-/// exits 2 saying the URLs reach different servers, with the slot to drop.
+/// `--replication-url` naming a copy of the server: the same system
+/// identifier and database names, so those cannot tell them apart.
 ///
-/// Failed before: setup answered 0 ("created: slot …") while the slot was
-/// only on the copy; `status` and `run` then said the slot did not exist
-/// and a second setup failed with "already exists".
+/// - A promoted standby is on a later timeline: `setup`, `status` and
+///   `run` each exit 2 at start saying the URLs reach different servers,
+///   one a promoted or restored copy of the other, and no slot is made on
+///   the copy. (`status` answered from the copy's slots, exit 0 or 8.)
+/// - A copy started on its own from a base backup (no promotion: the same
+///   timeline) passes that check; `setup` creates the slot there, then
+///   finds it missing on `--database-url`'s server and exits 2 with the
+///   slot to drop. (setup answered 0, "created: slot …", while the slot
+///   was only on the copy.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn setup_through_a_replication_url_to_a_copy_of_the_server_exits_2() -> anyhow::Result<()> {
+async fn a_replication_url_to_a_copy_of_the_server_exits_2() -> anyhow::Result<()> {
     let primary = PgCluster::start(ClusterOptions::default())?;
     let stack = primary.create_stack().await?;
     app::relay_setup(&stack).await?;
+    let on = |url: &str, port: u16| -> anyhow::Result<String> {
+        let mut u = reqwest::Url::parse(url)?;
+        u.set_port(Some(port))
+            .map_err(|()| anyhow::anyhow!("a port"))?;
+        Ok(u.into())
+    };
+
+    let promoted = primary.start_standby(harness::standby::StandbyOptions::default())?;
+    promoted.catch_up(&primary).await?;
+    promoted.promote()?;
+    let (admin_there, relay_there) = (
+        on(&stack.orders_admin_url, promoted.port())?,
+        on(&stack.relay_url, promoted.port())?,
+    );
+    let sink = ScriptedSink::start().await?;
+    each_command_exits_2(
+        &stack,
+        (
+            &stack.orders_admin_url,
+            &["--slot", "made_on_the_copy", "--replication-url", &admin_there],
+        ),
+        (&stack.relay_url, &["--replication-url", &relay_there]),
+        &sink.url,
+        |command, text| {
+            assert!(
+                text.contains("reach different servers")
+                    && text.contains("promoted or restored copy"),
+                "{command}: {text}"
+            );
+        },
+    )
+    .await?;
+    let made = promoted.psql(
+        &stack.orders_db,
+        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'made_on_the_copy'",
+    )?;
+    assert_eq!(made, "0", "no slot is made on the promoted copy");
+
     let copy = primary.start_standby(harness::standby::StandbyOptions::default())?;
-    copy.promote()?;
-    let mut to_copy = reqwest::Url::parse(&stack.orders_admin_url)?;
-    to_copy
-        .set_port(Some(copy.port()))
-        .map_err(|()| anyhow::anyhow!("a port"))?;
+    copy.catch_up(&primary).await?;
+    copy.stop(harness::StopMode::Fast)?;
+    std::fs::remove_file(copy.data_dir().join("standby.signal"))?;
+    copy.start_again()?;
+    let to_copy = on(&stack.orders_admin_url, copy.port())?;
     let slot = "made_on_the_copy";
     let setup = app::relay_command(
         &stack,
         &stack.orders_admin_url,
-        &[
-            "setup",
-            "--slot",
-            slot,
-            "--replication-url",
-            to_copy.as_str(),
-        ],
+        &["setup", "--slot", slot, "--replication-url", &to_copy],
         &[],
     )
     .await?;
