@@ -125,6 +125,7 @@ where
         Err(e) if conn.sslmode == super::SslMode::Allow && e.refuses_plain() => once(true).await,
         other => other,
     }
+    .map_err(|e| e.naming_role(&conn.user))
 }
 
 /// Runs one replication command (e.g. `ALTER_REPLICATION_SLOT`) on a

@@ -881,9 +881,10 @@ async fn a_relay_with_a_closed_stderr_still_stops_on_sigterm() -> anyhow::Result
     Ok(())
 }
 
-/// A role without the REPLICATION attribute, then without a grant: `run`
-/// and `status` name the missing privilege with the command that fixes
-/// it, rather than the server's bare error. On a cluster of its own: the
+/// A role without the REPLICATION attribute (cdc_relay, then another
+/// role), then without a grant: `run` and `status` name the missing
+/// privilege with the command that fixes it, for the URL's role, rather
+/// than the server's bare error. On a cluster of its own: the
 /// roles are cluster-wide.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_privilege_is_named_with_the_command_that_fixes_it() -> anyhow::Result<()> {
@@ -917,6 +918,30 @@ async fn a_missing_privilege_is_named_with_the_command_that_fixes_it() -> anyhow
     admin
         .batch_execute("ALTER ROLE cdc_relay REPLICATION")
         .await?;
+
+    // Another role (with cdc_relay's grants, not its attribute): the
+    // command names that role. (It named cdc_relay whatever the URL's.)
+    admin
+        .batch_execute(
+            "CREATE ROLE orders_reader LOGIN PASSWORD 'reader-pw' IN ROLE cdc_relay",
+        )
+        .await?;
+    let mut reader = reqwest::Url::parse(&stack.relay_url)?;
+    reader
+        .set_username("orders_reader")
+        .and_then(|()| reader.set_password(Some("reader-pw")))
+        .map_err(|()| anyhow::anyhow!("a user in {reader}"))?;
+    for out in [
+        app::relay_command(&stack, reader.as_str(), &args, &env).await?,
+        app::relay_command(&stack, reader.as_str(), &["status"], &[]).await?,
+    ] {
+        assert!(!out.success(), "{}", out.text());
+        assert!(
+            out.text().contains("ALTER ROLE orders_reader REPLICATION"),
+            "{}",
+            out.text()
+        );
+    }
 
     admin
         .batch_execute("REVOKE SELECT ON outbox FROM cdc_relay")

@@ -44,16 +44,22 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
     })
 }
 
+/// Where a hint names the role of the connection that failed; a
+/// replication connection's errors name it ([`super::SourceError::naming_role`]).
+pub(crate) const ROLE: &str = "<the URL's role>";
+
 /// What to grant for a privilege error (42501), by its words (`lower`, in
-/// lower case); `None` when they say nothing the relay knows.
+/// lower case); `None` when they say nothing the relay knows. The
+/// REPLICATION hint holds [`ROLE`].
 pub(super) fn privilege_hint(lower: &str) -> Option<&'static str> {
     // PostgreSQL 15: "must be superuser or replication role to start
     // walsender"; 16 and later: "permission denied to start WAL sender".
     if lower.contains("replication") || lower.contains("walsender") || lower.contains("wal sender")
     {
         Some(
-            "The relay's role needs the REPLICATION attribute: ALTER ROLE cdc_relay REPLICATION \
-             (sql/roles.sql does it), and a pg_hba.conf line that admits it",
+            "The relay's role needs the REPLICATION attribute: ALTER ROLE <the URL's role> \
+             REPLICATION (sql/roles.sql does it for cdc_relay), and a pg_hba.conf line that \
+             admits it",
         )
     } else if lower.contains("must be owner") {
         Some(
@@ -62,8 +68,9 @@ pub(super) fn privilege_hint(lower: &str) -> Option<&'static str> {
         )
     } else if lower.contains("permission denied for") {
         Some(
-            "Grant what the relay's role lacks: apply sql/roles.sql again (GRANT SELECT ON \
-             outbox TO cdc_relay, and the dead-letter and progress tables' grants)",
+            "Grant what the relay's role lacks: apply sql/roles.sql again (it grants cdc_relay \
+             SELECT on outbox and what the dead-letter and progress tables need), or the same \
+             grants to the role in --database-url",
         )
     } else {
         None

@@ -199,6 +199,28 @@ impl SourceError {
         )
     }
 
+    /// `self` with the hint's role placeholder replaced by `user` (quoted
+    /// as an identifier when it must be), for an error of a connection
+    /// made as `user`.
+    pub fn naming_role(self, user: &str) -> Self {
+        match self {
+            SourceError::Definite(m) if m.contains(hints::ROLE) => {
+                let plain = !user.is_empty()
+                    && user
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                    && !user.starts_with(|c: char| c.is_ascii_digit());
+                let role = if plain {
+                    user.to_owned()
+                } else {
+                    format!("\"{}\"", user.replace('"', "\"\""))
+                };
+                SourceError::Definite(m.replace(hints::ROLE, &role))
+            }
+            other => other,
+        }
+    }
+
     /// Whether the relay's connections reach the wrong thing: the stream's
     /// URL a pooler ([`Self::ThroughPooler`]), the side connection a
     /// transaction pool ([`Self::SidePooled`]), the two URLs different

@@ -34,9 +34,14 @@ fn privilege_errors_say_what_to_grant() {
         "permission denied to start WAL sender (SQLSTATE 42501)",
     ] {
         let e = server(refusal);
+        assert!(e.is_definite(), "{e}");
+        // The role is the connection's, not always cdc_relay.
+        let named = e.naming_role("orders_reader").to_string();
+        assert!(named.contains("ALTER ROLE orders_reader REPLICATION"), "{named}");
+        let quoted = server(refusal).naming_role("Relay \"2\"").to_string();
         assert!(
-            e.is_definite() && e.to_string().contains("ALTER ROLE cdc_relay REPLICATION"),
-            "{e}"
+            quoted.contains(r#"ALTER ROLE "Relay ""2""" REPLICATION"#),
+            "{quoted}"
         );
     }
     let e = classify(
