@@ -53,7 +53,8 @@ impl GlobalArgs {
     /// its URL has none (a file stays the one re-read on rotation).
     pub fn replication_conn(&self) -> Result<Option<ConnParams>, String> {
         const FLAG: &str = "--replication-url (CDC_RELAY_REPLICATION_URL)";
-        let Some(url) = self.replication_url.as_deref() else {
+        // Empty is unset (`CDC_RELAY_REPLICATION_URL=` in an env file).
+        let Some(url) = self.replication_url.as_deref().filter(|u| !u.trim().is_empty()) else {
             return Ok(None);
         };
         let mut c = ConnParams::parse(url, self.connect_timeout)
@@ -80,6 +81,9 @@ impl GlobalArgs {
         let password = self.conn().ok().map(|c| c.password);
         self.standby_url
             .iter()
+            // Empty is unset (`CDC_RELAY_STANDBY_URLS=`), as is an empty
+            // item of the list.
+            .filter(|url| !url.trim().is_empty())
             .map(|url| {
                 let mut c = ConnParams::parse(url, self.connect_timeout)
                     .map_err(|e| format!("invalid --standby-url (CDC_RELAY_STANDBY_URLS): {e}"))?;

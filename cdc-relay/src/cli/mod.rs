@@ -237,7 +237,9 @@ pub struct GlobalArgs {
         hide_env_values = true
     )]
     pub replication_url: Option<String>,
-    /// Database password (overrides one in the URL).
+    /// Database password (overrides one in --database-url; a
+    /// --replication-url with a password of its own keeps it, one without
+    /// uses this).
     #[arg(
         help_heading = "Database",
         long,

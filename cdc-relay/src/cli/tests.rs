@@ -234,3 +234,21 @@ fn a_bad_url_names_the_flag_it_came_from() {
         );
     }
 }
+
+#[test]
+fn an_empty_optional_url_is_unset() {
+    let good = "postgres://relay:pw@127.0.0.1:5432/orders";
+    let argv = [
+        "cdc-relay",
+        "--database-url",
+        good,
+        "status",
+        "--replication-url",
+        "",
+        "--standby-url",
+        " ",
+    ];
+    let cli = Cli::try_parse_from(argv).expect("parses");
+    assert_eq!(cli.global.replication_conn().map(|c| c.is_none()), Ok(true));
+    assert_eq!(cli.global.standbys().map(|s| s.len()), Ok(0));
+}

@@ -21,9 +21,22 @@ use crate::source;
 pub async fn execute(global: GlobalArgs, command: Command) -> u8 {
     match command {
         Command::Setup(a) => report(lock_named(&global, setup::command(&global, a).await).await),
-        Command::Status(a) => status::command(&global, a)
-            .await
-            .unwrap_or_else(|e| report(Err(e))),
+        Command::Status(a) => {
+            let json = a.json;
+            status::command(&global, a).await.unwrap_or_else(|e| {
+                let error = format!("{e:#}");
+                let code = report(Err(e));
+                // A script reading `status --json` gets an object either
+                // way: the error and the exit code, on stdout.
+                if json {
+                    outln!(
+                        "{}",
+                        serde_json::json!({ "healthy": false, "error": error, "exit_code": code })
+                    );
+                }
+                code
+            })
+        }
         Command::Run(a) => run::command(&global, *a).await,
         Command::DeadLetter(c) => {
             report(lock_named(&global, dead_letter::command(&global, c).await).await)

@@ -195,6 +195,34 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         bad_size.text()
     );
 
+    // `status --json` that cannot answer still prints an object for a
+    // script: the error and the exit code. (It printed nothing on stdout.)
+    let mut closed = reqwest::Url::parse(&stack.relay_url)?;
+    closed
+        .set_port(Some(1))
+        .map_err(|()| anyhow::anyhow!("a port"))?;
+    let unreachable = app::relay_command(
+        &stack,
+        closed.as_str(),
+        &["status", "--json", "--connect-timeout", "1s"],
+        &[],
+    )
+    .await?;
+    let object: serde_json::Value = serde_json::from_str(&unreachable.stdout)
+        .map_err(|e| anyhow::anyhow!("{e}: {}", unreachable.text()))?;
+    assert_eq!(object["healthy"], false, "{}", unreachable.text());
+    assert_eq!(
+        object["exit_code"].as_i64(),
+        unreachable.code().map(i64::from),
+        "{}",
+        unreachable.text()
+    );
+    assert!(
+        object["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "{}",
+        unreachable.text()
+    );
+
     let wrong_password = app::relay_command(
         &stack,
         &stack.relay_url,
