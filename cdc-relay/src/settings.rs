@@ -54,7 +54,11 @@ impl GlobalArgs {
     pub fn replication_conn(&self) -> Result<Option<ConnParams>, String> {
         const FLAG: &str = "--replication-url (CDC_RELAY_REPLICATION_URL)";
         // Empty is unset (`CDC_RELAY_REPLICATION_URL=` in an env file).
-        let Some(url) = self.replication_url.as_deref().filter(|u| !u.trim().is_empty()) else {
+        let Some(url) = self
+            .replication_url
+            .as_deref()
+            .filter(|u| !u.trim().is_empty())
+        else {
             return Ok(None);
         };
         let mut c = ConnParams::parse(url, self.connect_timeout)
@@ -66,8 +70,9 @@ impl GlobalArgs {
                 c.hosts.len()
             ));
         }
+        let side = self.conn()?;
+        weaker_tls(url, &c, &side)?;
         if c.password.is_empty() {
-            let side = self.conn()?;
             c.password = side.password;
             c.password_file = side.password_file;
         }
@@ -489,11 +494,62 @@ fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, Str
         .map_err(|reason| format!("{setting} {}: {reason}", path.display()))
 }
 
+/// Refuses a `--replication-url` that says nothing about TLS (so libpq's
+/// default, `prefer`: the server's certificate unchecked) while
+/// `--database-url` verifies the server: the stream carries every outbox
+/// row, and its TLS parameters are its own, as in libpq, so the weaker
+/// mode would be an oversight, not a choice. An explicit `sslmode` (or
+/// `PGSSLMODE`, which both URLs read) is taken as given, and a Unix
+/// socket needs no TLS.
+fn weaker_tls(url: &str, replication: &ConnParams, side: &ConnParams) -> Result<(), String> {
+    use crate::source::SslMode;
+    let verifies = |m: SslMode| matches!(m, SslMode::VerifyCa | SslMode::VerifyFull);
+    let silent = !url.contains("sslmode")
+        && !url.contains("requiressl")
+        && std::env::var_os("PGSSLMODE").is_none();
+    if silent
+        && !replication.host.starts_with('/')
+        && verifies(side.sslmode)
+        && !verifies(replication.sslmode)
+    {
+        return Err(format!(
+            "--replication-url (CDC_RELAY_REPLICATION_URL) sets no sslmode, so the stream would \
+             not check the server's certificate, while --database-url has sslmode={mode}: its TLS \
+             parameters are its own, as in libpq. Add sslmode={mode} and sslrootcert=… to \
+             --replication-url (or an explicit sslmode=prefer to leave the stream unverified on \
+             purpose)",
+            mode = side.sslmode.as_str()
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cli::{Cli, Command};
     use clap::Parser;
+
+    #[test]
+    fn a_replication_url_silent_about_tls_beside_a_verifying_side_is_refused() {
+        use crate::source::SslMode;
+        let parse = |u: &str| ConnParams::parse(u, Duration::from_secs(5)).expect("parses");
+        let mut side = parse("postgres://relay@db.internal:6432/orders");
+        side.sslmode = SslMode::VerifyFull;
+        let direct = "postgres://relay@db.internal:5432/orders";
+        let err = weaker_tls(direct, &parse(direct), &side).unwrap_err();
+        assert!(
+            err.contains("sslmode=verify-full") && err.contains("--replication-url"),
+            "{err}"
+        );
+        // Said on purpose, or no TLS to speak of, or the side verifies nothing.
+        let explicit = "postgres://relay@db.internal:5432/orders?sslmode=prefer";
+        assert_eq!(weaker_tls(explicit, &parse(explicit), &side), Ok(()));
+        let socket = "postgres:///orders?host=/var/run/postgresql&user=relay";
+        assert_eq!(weaker_tls(socket, &parse(socket), &side), Ok(()));
+        side.sslmode = SslMode::Require;
+        assert_eq!(weaker_tls(direct, &parse(direct), &side), Ok(()));
+    }
 
     fn run_args(extra: &[&str]) -> (GlobalArgs, RunArgs) {
         let mut argv = vec!["cdc-relay", "run", "--sink-url", "http://127.0.0.1:1/inbox"];

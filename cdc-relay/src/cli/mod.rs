@@ -228,7 +228,8 @@ pub struct GlobalArgs {
     /// --database-url logs in with (its URL's, --database-password or its
     /// file). Its TLS parameters are its own, as in libpq: repeat sslmode,
     /// sslrootcert, sslcert and sslkey here (nothing is taken from
-    /// --database-url). Default: --database-url's server.
+    /// --database-url; with no sslmode here while --database-url verifies
+    /// the server, it exits 2). Default: --database-url's server.
     #[arg(
         help_heading = "Database",
         long,

@@ -166,6 +166,10 @@ async fn check_connections(g: &GlobalArgs, side: &tokio_postgres::Client) -> any
 /// the first statement for a server connection.
 async fn connect(g: &GlobalArgs) -> anyhow::Result<tokio_postgres::Client> {
     let conn = g.conn().map_err(ConfigError)?;
+    // Both URLs' settings are checked before either connects: a mistake
+    // in --replication-url is said as such, not as what the first
+    // connection ran into.
+    g.replication_conn().map_err(ConfigError)?;
     let client = source::connect_sql(&conn, "cdc-relay").await?;
     let bound = conn.connect_timeout * 2;
     tokio::time::timeout(bound, source::lock_wait::bound(&client))

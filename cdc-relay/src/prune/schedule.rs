@@ -86,9 +86,9 @@ async fn open(conn: &ConnParams) -> Option<Client> {
         Err(e) => Err(e),
     };
     opened
-        .inspect_err(|error| {
-            tracing::warn!(%error, "prune: cannot connect; trying again at the next tick")
-        })
+        .inspect_err(
+            |error| tracing::warn!(%error, "prune: cannot connect; trying again at the next tick"),
+        )
         .ok()
 }
 

@@ -950,9 +950,7 @@ async fn a_missing_privilege_is_named_with_the_command_that_fixes_it() -> anyhow
     // Another role (with cdc_relay's grants, not its attribute): the
     // command names that role. (It named cdc_relay whatever the URL's.)
     admin
-        .batch_execute(
-            "CREATE ROLE orders_reader LOGIN PASSWORD 'reader-pw' IN ROLE cdc_relay",
-        )
+        .batch_execute("CREATE ROLE orders_reader LOGIN PASSWORD 'reader-pw' IN ROLE cdc_relay")
         .await?;
     let mut reader = reqwest::Url::parse(&stack.relay_url)?;
     reader

@@ -333,7 +333,11 @@ async fn a_replay_says_removed_only_once_the_removal_committed() -> anyhow::Resu
     let out =
         crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
     assert!(out.success(), "{}", out.text());
-    assert!(out.stdout.contains("1 delivered and removed"), "{}", out.text());
+    assert!(
+        out.stdout.contains("1 delivered and removed"),
+        "{}",
+        out.text()
+    );
     assert_eq!(left().await?, 0, "removed once the lock is gone");
     Ok(())
 }

@@ -432,6 +432,30 @@ async fn what_cannot_be_honoured_on_both_connections_exits_2_naming_it() -> anyh
             other => anyhow::bail!("{params}: expected exit 2 naming {names}, got {other:?}"),
         }
     }
+
+    // A --replication-url silent about TLS beside a --database-url that
+    // verifies the server: the stream would go unverified by oversight
+    // (each URL's TLS parameters are its own). Exit 2 naming the mode.
+    let dir = pki::dir()?;
+    let ca = Ca::new(dir.path(), "ca")?;
+    let verifying = t.url(
+        "127.0.0.1",
+        &format!("sslmode=verify-full&sslrootcert={}", path_str(&ca.cert)?),
+    );
+    let silent = app::relay_command(
+        &stack,
+        &verifying,
+        &["status", "--replication-url", &stack.relay_url],
+        &[],
+    )
+    .await?;
+    assert!(
+        silent.code() == Some(2)
+            && silent.text().contains("--replication-url")
+            && silent.text().contains("sslmode=verify-full"),
+        "{}",
+        silent.text()
+    );
     Ok(())
 }
 

@@ -508,7 +508,12 @@ async fn a_replication_url_to_a_copy_of_the_server_exits_2() -> anyhow::Result<(
         &stack,
         (
             &stack.orders_admin_url,
-            &["--slot", "made_on_the_copy", "--replication-url", &admin_there],
+            &[
+                "--slot",
+                "made_on_the_copy",
+                "--replication-url",
+                &admin_there,
+            ],
         ),
         (&stack.relay_url, &["--replication-url", &relay_there]),
         &sink.url,

@@ -37,7 +37,10 @@ fn privilege_errors_say_what_to_grant() {
         assert!(e.is_definite(), "{e}");
         // The role is the connection's, not always cdc_relay.
         let named = e.naming_role("orders_reader").to_string();
-        assert!(named.contains("ALTER ROLE orders_reader REPLICATION"), "{named}");
+        assert!(
+            named.contains("ALTER ROLE orders_reader REPLICATION"),
+            "{named}"
+        );
         let quoted = server(refusal).naming_role("Relay \"2\"").to_string();
         assert!(
             quoted.contains(r#"ALTER ROLE "Relay ""2""" REPLICATION"#),
