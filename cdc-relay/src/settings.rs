@@ -63,6 +63,7 @@ impl GlobalArgs {
         };
         let mut c = ConnParams::parse(url, self.connect_timeout)
             .map_err(|e| format!("invalid {FLAG}: {e}"))?;
+        c.flag = FLAG;
         if c.hosts.len() != 1 {
             return Err(format!(
                 "{FLAG} names {} hosts: give it the one server the slot is on (several hosts, \
@@ -92,6 +93,7 @@ impl GlobalArgs {
             .map(|url| {
                 let mut c = ConnParams::parse(url, self.connect_timeout)
                     .map_err(|e| format!("invalid --standby-url (CDC_RELAY_STANDBY_URLS): {e}"))?;
+                c.flag = "--standby-url (CDC_RELAY_STANDBY_URLS)";
                 if c.password.is_empty()
                     && let Some(p) = &password
                 {

@@ -195,13 +195,14 @@ async fn connect(
 /// lock on a system catalog.
 pub fn login_stalled(conn: &ConnParams, bound: std::time::Duration) -> SourceError {
     SourceError::Transient(format!(
-        "connecting to {}: the server accepted the connection but the login (or the first \
+        "connecting to {} ({}): the server accepted the connection but the login (or the first \
          statement) did not complete within {bound:?}. A pooler with no free server connection queues a client this way; so \
          does PostgreSQL while a session holds a strong lock on a system catalog of that database \
          (a new session waits for it while it loads the catalog): look for a long open \
          transaction (pg_stat_activity, state 'idle in transaction') and for sessions in \
          'startup waiting'",
-        conn.display()
+        conn.display(),
+        conn.flag
     ))
 }
 
@@ -211,7 +212,7 @@ async fn connect_once(
     notices: Option<NoticeLog>,
     fallback: bool,
 ) -> Result<(tokio_postgres::Client, oneshot::Receiver<()>), SourceError> {
-    let context = format!("connecting to {}", conn.display());
+    let context = format!("connecting to {} ({})", conn.display(), conn.flag);
     let sql_error = |e: tokio_postgres::Error| SourceError::sql(&context, &e);
     let mut config = conn.sql_config(application_name);
     let tls = tls::client_config(conn, fallback)

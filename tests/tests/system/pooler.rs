@@ -278,6 +278,8 @@ fn with_password(url: &str, password: &str) -> anyhow::Result<String> {
 /// backend), `run` before streaming and without a reconnect. A wrong
 /// password through the pooler (PgBouncer answers 08P01, not 28P01) ends
 /// `run` with the hint about the password and the pooler's auth file,
+/// naming the flag whose URL was refused (with `--replication-url` set,
+/// there are two),
 /// not a reconnect loop.
 ///
 /// Fails without the fix: with no other clients `run` streamed silently
@@ -336,6 +338,7 @@ async fn a_transaction_pool_and_a_password_it_refuses_are_named_not_retried() ->
     assert!(
         logs.contains("authentication failed")
             && logs.contains("auth_file")
+            && logs.contains("(--database-url (CDC_RELAY_DATABASE_URL))")
             && !logs.contains("reconnecting"),
         "run with a wrong password: {logs}"
     );

@@ -164,6 +164,9 @@ pub struct ConnParams {
     pub channel_binding: ChannelBinding,
     /// Connect timeout (the URL's `connect_timeout` wins over the flag).
     pub connect_timeout: Duration,
+    /// The setting the URL came from, for messages, e.g. `--database-url
+    /// (CDC_RELAY_DATABASE_URL)` (the default of [`ConnParams::parse`]).
+    pub flag: &'static str,
 }
 
 impl fmt::Debug for ConnParams {
@@ -251,6 +254,7 @@ impl ConnParams {
                 .get_connect_timeout()
                 .copied()
                 .unwrap_or(connect_timeout),
+            flag: "--database-url (CDC_RELAY_DATABASE_URL)",
         })
     }
 
