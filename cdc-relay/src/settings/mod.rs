@@ -16,94 +16,10 @@ use crate::prune::{PrunePlan, Schedule};
 use crate::relay::{OnSlotLoss, RelayConfig};
 use crate::routes::{EndpointSpec, RoutesError, RoutesFile};
 use crate::sink::{HttpSink, Signer, Signing, SinkConfig, StatusPolicy};
-use crate::source::ConnParams;
+
+mod database;
 
 impl GlobalArgs {
-    /// The database URL with the password from the flag, env or file applied.
-    pub fn conn(&self) -> Result<ConnParams, String> {
-        let url = self
-            .database_url
-            .as_deref()
-            .ok_or("--database-url (CDC_RELAY_DATABASE_URL) is required")?;
-        let mut conn = ConnParams::parse(url, self.connect_timeout)
-            .map_err(|e| format!("invalid --database-url (CDC_RELAY_DATABASE_URL): {e}"))?;
-        match (&self.database_password, &self.database_password_file) {
-            (Some(_), Some(_)) => {
-                return Err("--database-password (CDC_RELAY_DATABASE_PASSWORD) and \
-                     --database-password-file (CDC_RELAY_DATABASE_PASSWORD_FILE) are both set: \
-                     set one of them"
-                    .into());
-            }
-            (Some(p), None) => conn.password = p.clone(),
-            (None, Some(path)) => {
-                conn.password = read_secret_file(path, "--database-password-file")?;
-                conn.password_file = Some(path.clone());
-            }
-            (None, None) => {}
-        }
-        // The TLS files must load once at startup (later, a file that stops
-        // loading keeps its last good copy).
-        crate::source::tls::client_config(&conn, true)
-            .map_err(|e| format!("invalid --database-url (CDC_RELAY_DATABASE_URL): {e}"))?;
-        Ok(conn)
-    }
-
-    /// The replication connection's own server (`--replication-url`), if
-    /// set: one host, with the password from the flag, env or file when
-    /// its URL has none (a file stays the one re-read on rotation).
-    pub fn replication_conn(&self) -> Result<Option<ConnParams>, String> {
-        const FLAG: &str = "--replication-url (CDC_RELAY_REPLICATION_URL)";
-        // Empty is unset (`CDC_RELAY_REPLICATION_URL=` in an env file).
-        let Some(url) = self
-            .replication_url
-            .as_deref()
-            .filter(|u| !u.trim().is_empty())
-        else {
-            return Ok(None);
-        };
-        let mut c = ConnParams::parse(url, self.connect_timeout)
-            .map_err(|e| format!("invalid {FLAG}: {e}"))?;
-        c.flag = FLAG;
-        if c.hosts.len() != 1 {
-            return Err(format!(
-                "{FLAG} names {} hosts: give it the one server the slot is on (several hosts, \
-                 to find the primary among them, belong in --database-url)",
-                c.hosts.len()
-            ));
-        }
-        let side = self.conn()?;
-        weaker_tls(url, &c, &side)?;
-        if c.password.is_empty() {
-            c.password = side.password;
-            c.password_file = side.password_file;
-        }
-        crate::source::tls::client_config(&c, true).map_err(|e| format!("invalid {FLAG}: {e}"))?;
-        Ok(Some(c))
-    }
-
-    /// The standbys of `--standby-url`, with the password from the flag,
-    /// env or file when their URL has none.
-    pub fn standbys(&self) -> Result<Vec<ConnParams>, String> {
-        let password = self.conn().ok().map(|c| c.password);
-        self.standby_url
-            .iter()
-            // Empty is unset (`CDC_RELAY_STANDBY_URLS=`), as is an empty
-            // item of the list.
-            .filter(|url| !url.trim().is_empty())
-            .map(|url| {
-                let mut c = ConnParams::parse(url, self.connect_timeout)
-                    .map_err(|e| format!("invalid --standby-url (CDC_RELAY_STANDBY_URLS): {e}"))?;
-                c.flag = "--standby-url (CDC_RELAY_STANDBY_URLS)";
-                if c.password.is_empty()
-                    && let Some(p) = &password
-                {
-                    c.password = p.clone();
-                }
-                Ok(c)
-            })
-            .collect()
-    }
-
     /// Outbox column names.
     pub fn columns(&self) -> OutboxColumns {
         OutboxColumns {
@@ -489,69 +405,11 @@ impl PruneArgs {
     }
 }
 
-fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, String> {
-    let loaded = crate::reread::load(setting, path, |b| crate::reread::first_line(b).map(drop))
-        .map_err(|reason| format!("{setting} {}: {reason}", path.display()))?;
-    crate::reread::first_line(&loaded.bytes)
-        .map_err(|reason| format!("{setting} {}: {reason}", path.display()))
-}
-
-/// Refuses a `--replication-url` that says nothing about TLS (so libpq's
-/// default, `prefer`: the server's certificate unchecked) while
-/// `--database-url` verifies the server: the stream carries every outbox
-/// row, and its TLS parameters are its own, as in libpq, so the weaker
-/// mode would be an oversight, not a choice. An explicit `sslmode` (or
-/// `PGSSLMODE`, which both URLs read) is taken as given, and a Unix
-/// socket needs no TLS.
-fn weaker_tls(url: &str, replication: &ConnParams, side: &ConnParams) -> Result<(), String> {
-    use crate::source::SslMode;
-    let verifies = |m: SslMode| matches!(m, SslMode::VerifyCa | SslMode::VerifyFull);
-    let silent = !url.contains("sslmode")
-        && !url.contains("requiressl")
-        && std::env::var_os("PGSSLMODE").is_none();
-    if silent
-        && !replication.host.starts_with('/')
-        && verifies(side.sslmode)
-        && !verifies(replication.sslmode)
-    {
-        return Err(format!(
-            "--replication-url (CDC_RELAY_REPLICATION_URL) sets no sslmode, so the stream would \
-             not check the server's certificate, while --database-url has sslmode={mode}: its TLS \
-             parameters are its own, as in libpq. Add sslmode={mode} and sslrootcert=… to \
-             --replication-url (or an explicit sslmode=prefer to leave the stream unverified on \
-             purpose)",
-            mode = side.sslmode.as_str()
-        ));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cli::{Cli, Command};
     use clap::Parser;
-
-    #[test]
-    fn a_replication_url_silent_about_tls_beside_a_verifying_side_is_refused() {
-        use crate::source::SslMode;
-        let parse = |u: &str| ConnParams::parse(u, Duration::from_secs(5)).expect("parses");
-        let mut side = parse("postgres://relay@db.internal:6432/orders");
-        side.sslmode = SslMode::VerifyFull;
-        let direct = "postgres://relay@db.internal:5432/orders";
-        let err = weaker_tls(direct, &parse(direct), &side).unwrap_err();
-        assert!(
-            err.contains("sslmode=verify-full") && err.contains("--replication-url"),
-            "{err}"
-        );
-        // Said on purpose, or no TLS to speak of, or the side verifies nothing.
-        let explicit = "postgres://relay@db.internal:5432/orders?sslmode=prefer";
-        assert_eq!(weaker_tls(explicit, &parse(explicit), &side), Ok(()));
-        let socket = "postgres:///orders?host=/var/run/postgresql&user=relay";
-        assert_eq!(weaker_tls(socket, &parse(socket), &side), Ok(()));
-        side.sslmode = SslMode::Require;
-        assert_eq!(weaker_tls(direct, &parse(direct), &side), Ok(()));
-    }
 
     fn run_args(extra: &[&str]) -> (GlobalArgs, RunArgs) {
         let mut argv = vec!["cdc-relay", "run", "--sink-url", "http://127.0.0.1:1/inbox"];
