@@ -175,6 +175,16 @@ impl Session<'_> {
         // stays the lock), or another split streams: wait as a hot standby
         // without the checks below.
         if let Some(blocked) = blocked(&side, cfg).await? {
+            // A standby must be able to take over: its stream's route is
+            // checked now (a pooler, a role without REPLICATION, a refused
+            // login), not first at the failover it exists for. A separate
+            // --replication-url was checked by the pairing above.
+            if cfg.replication.is_none() {
+                match source::transport::identify(&server).await {
+                    Err(e) if e.is_definite() || e.is_misconnection() => return Err(e),
+                    _ => {}
+                }
+            }
             return Err(blocked);
         }
         if !recovered {

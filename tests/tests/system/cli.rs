@@ -968,6 +968,20 @@ async fn a_missing_privilege_is_named_with_the_command_that_fixes_it() -> anyhow
             out.text()
         );
     }
+    // The same role as a hot standby beside a streaming relay says so at
+    // start, not first at the takeover it stands by for. (It logged
+    // "waiting as hot standby" and failed only when the active one died.)
+    let active = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&active).await?;
+    let standby = app::relay_command(&stack, reader.as_str(), &args, &env).await?;
+    assert!(
+        !standby.success()
+            && standby.text().contains("ALTER ROLE orders_reader REPLICATION")
+            && !standby.text().contains("waiting as hot standby"),
+        "{}",
+        standby.text()
+    );
+    drop(active);
 
     admin
         .batch_execute("REVOKE SELECT ON outbox FROM cdc_relay")
