@@ -25,12 +25,10 @@ pub const HIDDEN: &str = "***";
 pub fn url(raw: &str) -> String {
     let (head, rest) = match raw.split_once("://") {
         Some((scheme, rest)) if is_scheme(scheme) => (format!("{scheme}://"), rest),
-        _ => (String::new(), raw),
+        _ => return malformed(raw),
     };
     let mut out = head;
-    let rest = if out.is_empty() {
-        rest
-    } else {
+    let rest = {
         let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
         let (authority, path) = rest.split_at(end);
         match authority.rsplit_once('@') {
@@ -43,6 +41,23 @@ pub fn url(raw: &str) -> String {
         }
         path
     };
+    hide_query_and_fragment(out, rest)
+}
+
+/// A string without `scheme://` (a typo such as `http:/user:pw@host` or
+/// `http//user:pw@host`): everything up to the last `@` before its query
+/// may be userinfo, so it is hidden; the query and fragment as in [`url`].
+fn malformed(raw: &str) -> String {
+    let end = raw.find(['?', '#']).unwrap_or(raw.len());
+    match raw[..end].rfind('@') {
+        Some(at) => hide_query_and_fragment(format!("{HIDDEN}@"), &raw[at + 1..]),
+        None => hide_query_and_fragment(String::new(), raw),
+    }
+}
+
+/// `out` followed by `rest` (a path, query and fragment) with every query
+/// value and the fragment hidden.
+fn hide_query_and_fragment(mut out: String, rest: &str) -> String {
     let (before_fragment, fragment) = match rest.split_once('#') {
         Some((b, f)) => (b, Some(f)),
         None => (rest, None),
@@ -124,6 +139,11 @@ mod tests {
         // hold an unescaped `@`); an `@` in the path is not userinfo.
         assert_eq!(url("http://u:p@w@h/a@b"), "http://***@h/a@b");
         assert_eq!(url("not a url ?token=t"), "not a url ?token=***");
+        // Typos in the scheme's separator: no `://`, the userinfo still
+        // hidden (everything before the last `@` ahead of the query).
+        assert_eq!(url("http:/u:pw@h:1/inbox"), "***@h:1/inbox");
+        assert_eq!(url("http//u:pw@h/x?token=t"), "***@h/x?token=***");
+        assert_eq!(url("http:u:pw@h"), "***@h");
     }
 
     proptest::proptest! {
@@ -133,9 +153,11 @@ mod tests {
             password in "[A-Za-z0-9@:%._~!$&'()*+,;=-]{1,24}",
             token in "[A-Za-z0-9%._~!$'()*+,;:@/?-]{1,24}",
         ) {
-            let shown = url(&format!("https://user:{password}@h/inbox?x=1&token={token}"));
-            proptest::prop_assert!(!shown.contains(&format!(":{password}")), "{}", shown);
-            proptest::prop_assert!(shown.ends_with(&format!("&token={HIDDEN}")), "{}", shown);
+            for sep in ["://", ":/", "//", ":"] {
+                let shown = url(&format!("https{sep}user:{password}@h/inbox?x=1&token={token}"));
+                proptest::prop_assert!(!shown.contains(&format!(":{password}")), "{}", shown);
+                proptest::prop_assert!(shown.ends_with(&format!("&token={HIDDEN}")), "{}", shown);
+            }
         }
     }
 }

@@ -149,11 +149,19 @@ impl RoutesFile {
             key: key.map(str::to_owned),
             problem,
         };
+        // The position and the parser's message, never its quote of the
+        // line: the line may hold a URL's password or token.
         let top: Table = text.parse().map_err(|e: toml::de::Error| {
+            let at = e.span().map_or_else(String::new, |span| {
+                let before = text.get(..span.start).unwrap_or(text);
+                let line = before.matches('\n').count() + 1;
+                let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+                format!(" at line {line}, column {column}")
+            });
             err(
                 None,
                 None,
-                format!("not valid TOML: {}", e.to_string().trim_end()),
+                format!("not valid TOML{at}: {}", e.message().trim_end()),
             )
         })?;
         if let Some(k) = top.keys().find(|k| !TOP_KEYS.contains(&k.as_str())) {

@@ -158,6 +158,45 @@ struct Target {
     host: Option<HeaderValue>,
     authorization: Option<HeaderValue>,
     request_timeout: Duration,
+    /// What the URL carries that must not be shown ([`url_secrets`]):
+    /// masked in every response excerpt, which goes to logs, dead-letter
+    /// rows and the replay command's output (a sink's error page may echo
+    /// the request's URL or `Authorization` header).
+    secrets: Vec<String>,
+}
+
+/// The sink URL's secrets as a response body could echo them: the
+/// password (as written and decoded), the `Authorization: Basic` token,
+/// and each query value (as written and decoded) of 4 characters or more
+/// (a shorter one would mask ordinary text).
+fn url_secrets(url: &url::Url, basic_token: Option<&str>) -> Vec<String> {
+    let mut secrets: Vec<String> = Vec::new();
+    if let Some(p) = url.password() {
+        secrets.extend([p.to_owned(), percent_decode(p)]);
+    }
+    secrets.extend(basic_token.map(str::to_owned));
+    if let Some(q) = url.query() {
+        for pair in q.split('&') {
+            if let Some((_, v)) = pair.split_once('=') {
+                secrets.extend([v.to_owned(), percent_decode(v)]);
+            }
+        }
+    }
+    secrets.retain(|s| s.chars().count() >= 4);
+    // Longest first: a secret that contains another is masked whole.
+    secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    secrets.dedup();
+    secrets
+}
+
+/// `text` with each of `secrets` replaced by `***`.
+fn masked(text: String, secrets: &[String]) -> String {
+    if !secrets.iter().any(|s| text.contains(s.as_str())) {
+        return text;
+    }
+    secrets
+        .iter()
+        .fold(text, |t, s| t.replace(s.as_str(), "***"))
 }
 
 /// The pooled client and what it takes to make a new one.
@@ -247,6 +286,7 @@ impl HttpSink {
         let clients = Clients::new(Tagging(connector), cfg.idle_timeout, cfg.connection_max_age);
 
         let mut bare = cfg.url.clone();
+        let mut basic_token = None;
         let authorization = if cfg.url.username().is_empty() && cfg.url.password().is_none() {
             None
         } else {
@@ -256,6 +296,7 @@ impl HttpSink {
                 base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
             let mut value = HeaderValue::from_str(&format!("Basic {token}"))
                 .map_err(|e| SinkError::Client(e.to_string()))?;
+            basic_token = Some(token);
             value.set_sensitive(true);
             let _ = bare.set_username("");
             let _ = bare.set_password(None);
@@ -272,6 +313,7 @@ impl HttpSink {
             clients: Arc::new(clients),
             metrics: None,
             target: Arc::new(Target {
+                secrets: url_secrets(&cfg.url, basic_token.as_deref()),
                 url: cfg.url,
                 uri,
                 host,
@@ -406,7 +448,10 @@ impl HttpSink {
         Attempt::Response {
             status,
             retry_after,
-            excerpt: String::from_utf8_lossy(&excerpt).into_owned(),
+            excerpt: masked(
+                String::from_utf8_lossy(&excerpt).into_owned(),
+                &self.target.secrets,
+            ),
         }
     }
 }

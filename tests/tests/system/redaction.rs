@@ -41,9 +41,12 @@ impl Planted {
         )
     }
 
-    /// The output of `surface` holds neither secret.
+    /// The output of `surface` holds neither secret, nor the Basic token
+/// made of the password.
     fn assert_absent(&self, surface: &str, text: &str) {
-        for needle in [&self.password, &self.token] {
+        let basic =
+            base64::engine::general_purpose::STANDARD.encode(format!("relay:{}", self.password));
+        for needle in [&self.password, &self.token, &basic] {
             assert!(
                 !text.contains(needle.as_str()),
                 "{surface} shows {needle:?}:\n{text}"
@@ -73,7 +76,19 @@ async fn a_password_and_token_in_a_sink_url_appear_on_no_output_surface() -> any
     app::wait_streaming(&relay).await?;
     let db = stack.orders_admin().await?;
     let poison = uuid::Uuid::new_v4();
-    sink.reject_with_body(&poison.to_string(), 422, "refused");
+    // A sink's error page may echo the request's URL and Authorization
+    // header: the excerpt the relay logs and stores must not carry them.
+    // (It did: the log line, the dead-letter row and replay's output.)
+    let basic =
+        base64::engine::general_purpose::STANDARD.encode(format!("relay:{}", planted.password));
+    sink.reject_with_body(
+        &poison.to_string(),
+        422,
+        format!(
+            "refused /inbox?v=2&token={} with auth Basic {basic} (password {})",
+            planted.token, planted.password
+        ),
+    );
     app::insert_order_event_with_id(&db, poison).await?;
     let delivered = app::insert_order_event(&db).await?;
     harness::wait_until(
@@ -101,8 +116,6 @@ async fn a_password_and_token_in_a_sink_url_appear_on_no_output_surface() -> any
     .await?;
     // The secrets are really in use: the sink got them.
     let request = sink.delivered().pop().expect("a delivered request");
-    let basic =
-        base64::engine::general_purpose::STANDARD.encode(format!("relay:{}", planted.password));
     assert_eq!(request.authorization, Some(format!("Basic {basic}")));
     assert!(
         request
@@ -248,9 +261,27 @@ async fn routes_check(
             planted.password, planted.token
         )),
     )?;
+    // A typo in the scheme (no `://`), and a string left open: the TOML
+    // parser's message quoted the whole line.
+    let typo = dir.path().join("typo.toml");
+    std::fs::write(
+        &typo,
+        endpoint(&format!(
+            "http//relay:{}@h/x?token={}",
+            planted.password, planted.token
+        )),
+    )?;
+    let open = dir.path().join("open.toml");
+    std::fs::write(
+        &open,
+        format!(
+            "[[endpoint]]\nname = \"billing\"\nurl = \"{}\nevent_types = [\"*\"]\n",
+            planted.url(sink)
+        ),
+    )?;
     let env = [("BILLING_SECRET", TEST_SECRET)];
     let mut out = Vec::new();
-    for (file, ok) in [(&good, true), (&bad, false)] {
+    for (file, ok) in [(&good, true), (&bad, false), (&typo, false), (&open, false)] {
         let file = file.to_str().expect("a UTF-8 path");
         let check = command(stack, &["routes", "check", file], &env).await?;
         assert_eq!(check.success(), ok, "routes check {file}: {}", check.text());
@@ -271,11 +302,18 @@ async fn refused_values(stack: &Stack, planted: &Planted) -> anyhow::Result<Vec<
         "ftp://relay:{}@h/?token={}",
         planted.password, planted.token
     );
+    // One slash missing: no `scheme://` for the display to find.
+    let one_slash = format!(
+        "http:/relay:{}@127.0.0.1:9/inbox?token={}",
+        planted.password, planted.token
+    );
     let mut out = Vec::new();
     for (args, env) in [
         (vec!["run", "--sink-url", empty_host.as_str()], vec![]),
         (vec!["run"], vec![("CDC_RELAY_SINK_URL", bad_port.as_str())]),
         (vec!["status", "--admin-url", not_http.as_str()], vec![]),
+        (vec!["run", "--sink-url", one_slash.as_str()], vec![]),
+        (vec!["status", "--admin-url", one_slash.as_str()], vec![]),
         (
             vec![
                 "run",
