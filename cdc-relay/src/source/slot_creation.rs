@@ -48,11 +48,16 @@ pub fn being_created_message(slot: &str, pid: i32, blockers: &[Blocker]) -> Stri
     )
 }
 
-/// A transaction the creation waits for (from `pg_stat_activity`).
+/// A transaction the creation waits for (from `pg_stat_activity`, or a
+/// prepared transaction from `pg_prepared_xacts`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Blocker {
-    /// Its backend.
-    pub pid: i32,
+    /// Its backend; `None` for a prepared transaction (no backend holds it).
+    pub pid: Option<i32>,
+    /// A prepared transaction's `gid` and database (two-phase commit left
+    /// it prepared: it holds its transaction id until `COMMIT PREPARED` or
+    /// `ROLLBACK PREPARED`).
+    pub prepared: Option<(String, String)>,
     /// `backend_xid`, when it has one.
     pub xid: Option<String>,
     /// `state`, e.g. `idle in transaction`.
@@ -67,15 +72,23 @@ pub struct Blocker {
 
 /// The transactions backend `pid` waits for (`pg_blocking_pids`), else the
 /// oldest transactions holding a transaction id (the snapshot waits for
-/// them one by one), at most five, oldest first.
+/// them one by one), with every prepared transaction (`pg_blocking_pids`
+/// shows one as pid 0, and no backend holds it), at most five, oldest
+/// first.
 pub async fn blockers(client: &Client, pid: i32) -> Result<Vec<Blocker>, SourceError> {
     let rows = client
         .query(
-            "SELECT pid, backend_xid::text, state, xact_start::text, application_name, left(query, 60) \
+            "SELECT pid, backend_xid::text, state, xact_start::text, application_name, \
+                    left(query, 60), NULL::text, NULL::text \
              FROM pg_stat_activity \
              WHERE pid <> $1 AND (pid = ANY (pg_blocking_pids($1)) \
-                OR (backend_xid IS NOT NULL AND cardinality(pg_blocking_pids($1)) = 0)) \
-             ORDER BY xact_start NULLS LAST LIMIT 5",
+                OR (backend_xid IS NOT NULL \
+                    AND cardinality(array_remove(pg_blocking_pids($1), 0)) = 0)) \
+             UNION ALL \
+             SELECT NULL, transaction::text, 'prepared', prepared::text, owner::text, NULL, \
+                    gid, database::text \
+             FROM pg_prepared_xacts \
+             ORDER BY 4 NULLS LAST LIMIT 5",
             &[&pid],
         )
         .await
@@ -84,6 +97,9 @@ pub async fn blockers(client: &Client, pid: i32) -> Result<Vec<Blocker>, SourceE
         .iter()
         .map(|r| Blocker {
             pid: r.get(0),
+            prepared: r
+                .get::<_, Option<String>>(6)
+                .zip(r.get::<_, Option<String>>(7)),
             xid: r.get(1),
             state: r.get(2),
             xact_start: r.get(3),
@@ -101,9 +117,18 @@ pub fn describe(blockers: &[Blocker]) -> String {
     let each: Vec<String> = blockers
         .iter()
         .map(|b| {
+            if let Some((gid, database)) = &b.prepared {
+                return format!(
+                    "prepared transaction {gid:?} (xid {}, owner {}, database {database}, prepared since {}: ROLLBACK PREPARED '{}' or COMMIT PREPARED in that database)",
+                    b.xid.as_deref().unwrap_or("-"),
+                    b.application_name.as_deref().unwrap_or("-"),
+                    b.xact_start.as_deref().unwrap_or("-"),
+                    gid.replace('\'', "''"),
+                );
+            }
             format!(
                 "pid {} (xid {}, {}, since {}, application_name {:?}, query {:?})",
-                b.pid,
+                crate::shown(&b.pid),
                 b.xid.as_deref().unwrap_or("-"),
                 b.state.as_deref().unwrap_or("-"),
                 b.xact_start.as_deref().unwrap_or("-"),
@@ -244,7 +269,8 @@ mod tests {
         );
         assert_eq!(being_created_by(&slot(false, None, lsn)), None, "idle");
         let b = Blocker {
-            pid: 7,
+            pid: Some(7),
+            prepared: None,
             xid: Some("740".into()),
             state: Some("idle in transaction".into()),
             xact_start: Some("2026-12-01 10:00:00+00".into()),
@@ -262,5 +288,21 @@ mod tests {
         ] {
             assert!(m.contains(part), "{part}: {m}");
         }
+        let forgotten = Blocker {
+            pid: None,
+            prepared: Some(("forgotten_2pc".into(), "orders".into())),
+            xid: Some("741".into()),
+            state: Some("prepared".into()),
+            xact_start: Some("2026-12-01 09:00:00+00".into()),
+            application_name: Some("app".into()),
+            query: None,
+        };
+        let m = describe(&[forgotten]);
+        assert!(
+            m.contains("prepared transaction \"forgotten_2pc\"")
+                && m.contains("ROLLBACK PREPARED 'forgotten_2pc'")
+                && m.contains("database orders"),
+            "{m}"
+        );
     }
 }

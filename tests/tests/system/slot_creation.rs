@@ -247,3 +247,37 @@ fn spawn_setup(stack: &Stack) -> anyhow::Result<ServiceProcess> {
         &[("CDC_RELAY_DATABASE_URL", stack.orders_admin_url.as_str())],
     )
 }
+
+/// A prepared transaction left behind (two-phase commit, never committed
+/// or rolled back) holds its transaction id, so slot creation waits for it;
+/// no backend holds it, and `pg_blocking_pids` shows it as pid 0. `setup`
+/// names it by its gid, with the command that ends it; once it is rolled
+/// back, `setup` creates the slot.
+///
+/// Failed before: "waits for transactions older than the slot to end
+/// (none visible to this role)", even as a superuser.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_prepared_transaction_is_named_by_its_gid() -> anyhow::Result<()> {
+    let cluster = PgCluster::start(ClusterOptions {
+        extra_settings: vec![("max_prepared_transactions".into(), "5".into())],
+        ..ClusterOptions::default()
+    })?;
+    let stack = cluster.create_stack().await?;
+    let admin = stack.orders_admin().await?;
+    admin
+        .batch_execute("BEGIN; SELECT txid_current(); PREPARE TRANSACTION 'forgotten_2pc'")
+        .await?;
+    let bounded = setup(&stack, &["--slot-create-timeout", "4s"]).await?;
+    let text = bounded.text();
+    assert!(
+        !bounded.success()
+            && text.contains("prepared transaction \"forgotten_2pc\"")
+            && text.contains("ROLLBACK PREPARED 'forgotten_2pc'")
+            && !text.contains("none visible"),
+        "{text}"
+    );
+    admin.batch_execute("ROLLBACK PREPARED 'forgotten_2pc'").await?;
+    let created = setup(&stack, &[]).await?;
+    assert!(created.success(), "{}", created.text());
+    Ok(())
+}
