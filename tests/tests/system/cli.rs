@@ -825,6 +825,23 @@ async fn status_names_the_relay_holding_the_slot_and_shows_readable_sizes() -> a
     .await?;
     assert_eq!(nobody.code(), Some(8), "{}", nobody.text());
     assert!(nobody.text().contains("no answer"), "{}", nobody.text());
+
+    // The readiness endpoint pasted in full is refused for what it is
+    // (status asked /readyz/readyz and reported the relay broken, with no
+    // reason).
+    let endpoint = format!("{}/readyz", relay.url.trim_end_matches('/'));
+    let pasted = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--admin-url", &endpoint],
+        &[],
+    )
+    .await?;
+    assert!(
+        pasted.code() == Some(2) && pasted.text().contains("base URL"),
+        "{}",
+        pasted.text()
+    );
     Ok(())
 }
 

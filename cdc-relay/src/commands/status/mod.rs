@@ -80,16 +80,27 @@ async fn report(g: &GlobalArgs, a: StatusArgs, client: &Client) -> anyhow::Resul
     Ok(s.problems.first().map_or(0, |p| p.code))
 }
 
-/// Each `--admin-url` must be an http:// URL with a host.
+/// Each `--admin-url` must be an http:// URL with a host: the admin
+/// listener's base URL, to which `status` adds `/readyz` and `/metrics`
+/// (one of those endpoints pasted in full, or a query, is refused).
 fn check_admin_urls(a: &StatusArgs) -> anyhow::Result<()> {
     for url in &a.admin_url {
-        let ok = url
-            .parse::<http::Uri>()
-            .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
-        if !ok {
+        let parsed = url.parse::<http::Uri>().ok();
+        let ok = parsed
+            .as_ref()
+            .is_some_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
+        let base = parsed
+            .as_ref()
+            .is_some_and(|u| matches!(u.path(), "" | "/") && u.query().is_none());
+        if !ok || !base {
             return Err(super::ConfigError(format!(
-                "--admin-url {:?} is not an http:// URL with a host, e.g. http://10.0.0.7:9187",
-                crate::redact::url(url)
+                "--admin-url {:?} is not {}, e.g. http://10.0.0.7:9187 (status adds /readyz and /metrics)",
+                crate::redact::url(url),
+                if ok {
+                    "the admin listener's base URL (no path, no query)"
+                } else {
+                    "an http:// URL with a host"
+                }
             ))
             .into());
         }
@@ -326,7 +337,10 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
     match get("/readyz").await {
         Ok((status, body)) => {
             e.ready = status == 200;
-            e.detail = body.trim().to_owned();
+            e.detail = match body.trim() {
+                "" if status != 200 => format!("/readyz answered {status} with no body"),
+                text => text.to_owned(),
+            };
         }
         Err(why) => {
             e.detail = format!("no answer ({why})");
