@@ -103,13 +103,21 @@ pub enum StoreError {
 
 impl StoreError {
     /// `e` on `client`: lost when the connection closed; a lock wait past
-    /// `lock_timeout` names who holds the lock (read on `client`).
+    /// `lock_timeout` names who holds the lock (read on `client`); a
+    /// missing privilege names the grants.
     pub async fn of(client: &Client, e: &tokio_postgres::Error) -> Self {
         let text = crate::db_message(e);
         if client.is_closed() {
             StoreError::Lost(text)
         } else if crate::locks::is_lock_wait(e) {
             StoreError::Failed(format!("{text}: {}", crate::locks::holders(client).await))
+        } else if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) {
+            StoreError::Failed(format!(
+                "{text}. Grant the relay's role what sql/roles.sql grants cdc_relay on the \
+                 dead-letter tables (SELECT, INSERT, DELETE on cdc_relay_dead_letter, INSERT on \
+                 cdc_relay_dead_letter_audit): apply it again, or the same grants to the role in \
+                 --database-url"
+            ))
         } else {
             StoreError::Failed(text)
         }

@@ -840,3 +840,34 @@ fn parked_row(id: String, endpoint: &str) -> NewDeadLetter {
     r.endpoint = Some(endpoint.into());
     r
 }
+
+/// A dead-letter write refused for a missing privilege says which grants
+/// the relay's role needs and where they come from (it gave the server's
+/// bare "permission denied", retried at ERROR).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_dead_letter_write_names_the_grants() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let admin = stack.orders_admin().await?;
+    admin
+        .batch_execute("REVOKE INSERT ON cdc_relay_dead_letter FROM cdc_relay")
+        .await?;
+    let relay = connect(&stack.relay_url).await?;
+    let e = relay
+        .execute(
+            "INSERT INTO cdc_relay_dead_letter (event_id, error, attempts) VALUES ('x', 'x', 0)",
+            &[],
+        )
+        .await
+        .expect_err("the role may not insert");
+    let said = cdc_relay::dead_letter::StoreError::of(&relay, &e)
+        .await
+        .to_string();
+    assert!(
+        said.contains("permission denied")
+            && said.contains("sql/roles.sql")
+            && said.contains("INSERT on cdc_relay_dead_letter")
+            && said.contains("--database-url"),
+        "{said}"
+    );
+    Ok(())
+}

@@ -70,7 +70,8 @@ pub(super) fn privilege_hint(lower: &str) -> Option<&'static str> {
         Some(
             "Grant what the relay's role lacks: apply sql/roles.sql again (it grants cdc_relay \
              SELECT on outbox and what the dead-letter and progress tables need), or the same \
-             grants to the role in --database-url",
+             grants to the role in --database-url. Pruning (`prune`, `run --prune-older-than`) \
+             also needs DELETE on the outbox, which sql/roles.sql does not grant",
         )
     } else {
         None
