@@ -218,7 +218,7 @@ async fn ensure_publication(
         }
         if !ins || !m.included() {
             return Err(SourceError::Definite(format!(
-                "publication {:?} exists but does not carry every insert into {t}: {}; fix it (ALTER PUBLICATION) or choose another --publication",
+                "publication {:?} exists but does not carry every insert into {t}: {}; fix that as it says, or choose another --publication",
                 plan.publication,
                 catalog::membership_problem(&m, publications, t)
             )));

@@ -101,7 +101,7 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
                      FROM pg_class c, t WHERE c.oid = t.oid AND c.relpersistence = 'u'), \
            (SELECT string_agg(DISTINCT l.pubname || ' ' || CASE \
                      WHEN NOT l.pubinsert THEN 'does not publish inserts: ALTER PUBLICATION ' || quote_ident(l.pubname) || ' SET (publish = ''insert'')' \
-                     WHEN $6::text IS NULL AND l.rowfilter IS NOT NULL THEN 'has a row filter (WHERE ' || l.rowfilter || '): drop it, the relay needs every row' \
+                     WHEN $6::text IS NULL AND l.rowfilter IS NOT NULL THEN 'has a row filter (WHERE ' || l.rowfilter || '): drop it, the relay needs every row (BEGIN; ALTER PUBLICATION ' || quote_ident(l.pubname) || ' DROP TABLE ' || format('%I.%I', $3::text, $4::text) || '; ALTER PUBLICATION ' || quote_ident(l.pubname) || ' ADD TABLE ' || format('%I.%I', $3::text, $4::text) || '; COMMIT)' \
                      WHEN l.rowfilter IS DISTINCT FROM $6::text THEN 'has ' || coalesce('the row filter (WHERE ' || l.rowfilter || ')', 'no row filter') || ', not this shard''s (WHERE ' || $6::text || '): run `cdc-relay setup --shards`' \
                      WHEN missing.names IS NOT NULL THEN 'cannot carry ' || missing.names || ': ' || format('%I.%I', $3::text, $4::text) || ' has no such column any more (fix the table, or the column flag that names it)' \
                      ELSE 'has a column list leaving out a column the relay reads: drop the list' END, '; ') \
