@@ -251,13 +251,31 @@ pub fn status_class(attempt: &Attempt) -> &'static str {
 /// What an operator should check for the configuration fault `reason`,
 /// answered by `attempt`, while this machine's clock is `clock_skew`
 /// seconds off the database server's (`cdc_relay_clock_skew_seconds`). A
-/// 401 or 403 whose body speaks of a timestamp, or that comes while the
+/// 401 or 403 whose body refuses a timestamp (outside a tolerance, too
+/// old, too new, expired: Standard Webhooks', Svix's and Stripe's words,
+/// and Billing's), or that comes while the
 /// clocks are [`SKEW_WARN`] or more apart, is the clock: receivers check the
 /// signature's `webhook-timestamp` against theirs, and a stepped clock
 /// fails every signature however right the secret is.
 pub fn config_fault_hint(reason: &Reason, attempt: &Attempt, clock_skew: f64) -> &'static str {
+    // The body must refuse the timestamp, not only name it: a wrong-secret
+    // answer may spell out what was signed ("webhook-id.webhook-timestamp.
+    // body"), and Billing's does.
+    const REFUSED: [&str; 8] = [
+        "tolerance",
+        "too old",
+        "too new",
+        "in the future",
+        "expired",
+        "stale",
+        "skew",
+        "outside",
+    ];
     let timestamp = match attempt {
-        Attempt::Response { excerpt, .. } => excerpt.to_ascii_lowercase().contains("timestamp"),
+        Attempt::Response { excerpt, .. } => {
+            let lower = excerpt.to_ascii_lowercase();
+            lower.contains("timestamp") && REFUSED.iter().any(|w| lower.contains(w))
+        }
         _ => false,
     };
     match reason.status {
@@ -307,6 +325,23 @@ mod tests {
             secret.contains("EVENT_SECRET") && !secret.contains("clock"),
             "{secret}"
         );
+        // Billing's wrong-secret answer names the timestamp it signed over;
+        // that is not a refused timestamp.
+        let named = config_fault_hint(
+            &r401,
+            &answered(
+                401,
+                r#"{"error":"invalid_signature","detail":"webhook-signature holds no v1 signature of webhook-id.webhook-timestamp.body made with an accepted secret"}"#,
+            ),
+            0.0,
+        );
+        assert!(named.contains("EVENT_SECRET") && !named.contains("clock"), "{named}");
+        for refused in ["Message timestamp too old", "Timestamp outside the tolerance zone"] {
+            assert!(
+                config_fault_hint(&r401, &answered(401, refused), 0.0).contains("clock"),
+                "{refused}"
+            );
+        }
         let url = Reason {
             label: ReasonLabel::Http404,
             status: Some(404),

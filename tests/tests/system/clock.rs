@@ -234,3 +234,43 @@ async fn a_clock_stepped_while_the_relay_runs_does_not_skew_delivery_latency() -
     }
     Ok(())
 }
+
+/// The other half of the rule: Billing refusing a wrong event secret on
+/// the true time (its answer names the `webhook-timestamp` it signed
+/// over, without refusing it) gets the secret hint, not the clock's.
+/// (The hint said "check this machine's clock …, not the event secret".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn billing_refusing_a_wrong_secret_gets_the_secret_hint() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let billing = app::start_billing(&stack, TEST_SECRET).await?;
+    let wrong = "another-secret-of-thirty-two-bytes-or-more";
+    let relay = app::start_relay_with_env(
+        &stack,
+        &stack.relay_url,
+        &billing.inbox(),
+        &[],
+        &[("EVENT_SECRET", wrong)],
+    )
+    .await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    app::insert_order_event(&db).await?;
+    wait_until("the circuit opened on the 401", WAIT, || async {
+        relay
+            .process
+            .logs()
+            .contains("circuit opened: the sink rejects the relay itself")
+    })
+    .await?;
+    let logs = relay.process.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("circuit opened: the sink rejects the relay itself"))
+        .expect("found above");
+    assert!(
+        line.contains("check the event secret") && !line.contains("clock"),
+        "the hint must name the secret: {line}"
+    );
+    Ok(())
+}
