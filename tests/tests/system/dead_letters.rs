@@ -871,3 +871,57 @@ async fn a_refused_dead_letter_write_names_the_grants() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Without `--routes`, `dead-letter replay` sends to `--sink-url` only the
+/// rows a `--sink-url` relay dead-lettered: a row a routes file's endpoint
+/// dead-lettered is kept and named (its receiver is another), unless the
+/// operator names that endpoint on purpose. (`replay --all --sink-url`
+/// sent shipping's row to Billing and removed it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_to_the_sink_url_leaves_a_routed_endpoints_rows_alone() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, sink) = (&s.stack, s.sink());
+    let admin = stack.orders_admin().await?;
+    admin
+        .batch_execute(
+            "INSERT INTO cdc_relay_dead_letter (event_id, event_type, payload, error, attempts, endpoint) \
+             VALUES ('e-shipping', 'OrderPaid', '{\"n\":1}', 'refused', 1, 'shipping'), \
+                    ('e-default', 'OrderPaid', '{\"n\":2}', 'refused', 1, NULL)",
+        )
+        .await?;
+    let before = sink.received().len();
+    let out =
+        crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
+    let text = out.text();
+    let sent: Vec<String> = sink.received_from(before).iter().map(|r| r.id()).collect();
+    assert_eq!(sent, vec!["e-default".to_owned()], "{text}");
+    assert!(
+        !out.success() && text.contains("dead-lettered by endpoint shipping"),
+        "{text}"
+    );
+    let left = |id: &'static str| {
+        let admin = &admin;
+        async move {
+            anyhow::Ok(
+                admin
+                    .query_one(
+                        "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = $1",
+                        &[&id],
+                    )
+                    .await?
+                    .get::<_, i64>(0),
+            )
+        }
+    };
+    assert_eq!(left("e-shipping").await?, 1, "shipping's row stays");
+    // Named on purpose, it goes to --sink-url.
+    let named = crate::sink_failures::cli(
+        stack,
+        &["dead-letter", "replay", "--all", "--endpoint", "shipping"],
+        &sink.url,
+    )
+    .await?;
+    assert!(named.success(), "{}", named.text());
+    assert_eq!(left("e-shipping").await?, 0, "replayed when named");
+    Ok(())
+}

@@ -185,6 +185,18 @@ impl Source<'_> {
             self.settle(settled(RowOutcome::NotAttempted, detail));
             return None;
         }
+        // Without --routes the rows go to --sink-url: a row a routes
+        // file's endpoint dead-lettered belongs to that endpoint's
+        // receiver, unless the operator names the endpoint on purpose.
+        if let (None, None, Some(owner)) =
+            (&self.args.routes.routes, &self.endpoint, &row.endpoint)
+        {
+            let detail = format!(
+                "not attempted: dead-lettered by endpoint {owner} of a routes file, whose receiver is not --sink-url's: replay it there (--routes FILE --endpoint {owner}), or name it (--endpoint {owner}) to send it to --sink-url"
+            );
+            self.settle(settled(RowOutcome::NotAttempted, detail));
+            return None;
+        }
         let (Some(event_id), Some(event_type)) = (row.event_id.clone(), row.event_type.clone())
         else {
             let detail =
