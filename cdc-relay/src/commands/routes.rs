@@ -23,6 +23,7 @@ async fn check(g: &GlobalArgs, a: &CheckArgs) -> anyhow::Result<()> {
     for e in &file.endpoints {
         file.keys(e).map_err(|e| ConfigError(e.to_string()))?;
     }
+    as_run_builds_it(&a.file, &file)?;
     outln!(
         "{}: valid, {} endpoint(s)",
         a.file.display(),
@@ -110,4 +111,39 @@ fn router(file: &RoutesFile) -> Router {
             .collect(),
         file.unrouted,
     )
+}
+
+/// Builds the file's endpoints as `run --routes FILE` would, with run's
+/// flags as the environment sets them (`CDC_RELAY_*`), else their
+/// defaults: a setting valid alone but not over them (a `backoff_base`
+/// above the flags' cap, a 5xx in `poison_statuses`, a `request_timeout`
+/// not below `--shutdown-timeout`) is refused here too, not first by
+/// `run`.
+fn as_run_builds_it(path: &std::path::Path, file: &RoutesFile) -> anyhow::Result<()> {
+    use clap::Parser as _;
+    let argv = [
+        std::ffi::OsStr::new("cdc-relay"),
+        std::ffi::OsStr::new("run"),
+        std::ffi::OsStr::new("--routes"),
+        path.as_os_str(),
+    ];
+    let run = match crate::cli::Cli::try_parse_from(argv) {
+        Ok(crate::cli::Cli {
+            command: crate::cli::Command::Run(run),
+            ..
+        }) => run,
+        Ok(_) => unreachable!("the argv names run"),
+        Err(e) => {
+            return Err(ConfigError(format!(
+                "run's settings from the environment: {}",
+                e.to_string().trim_end()
+            ))
+            .into());
+        }
+    };
+    let dispatch = run.delivery.dispatch().map_err(ConfigError)?;
+    run.sink
+        .routed_lanes(file, &dispatch, Some(run.shutdown_timeout))
+        .map_err(|e| ConfigError(format!("{e} (with run's flags as the environment sets them, else their defaults)")))?;
+    Ok(())
 }

@@ -437,4 +437,34 @@ async fn routes_check_prints_the_routing_and_refuses_a_bad_file() {
             out.text()
         );
     }
+
+    // Settings valid alone but not over run's flags: `routes check`
+    // refuses each as `run` does, naming the key. (check said "valid" and
+    // run exited 2.)
+    for (setting, key) in [
+        ("poison_statuses = [500]", "poison_statuses"),
+        ("backoff_base = \"5s\"\nbackoff_cap = \"1s\"", "backoff_base"),
+        ("request_timeout = \"10s\"", "request_timeout"),
+    ] {
+        let over = dir.path().join("over.toml");
+        std::fs::write(
+            &over,
+            format!(
+                "[[endpoint]]\nname = \"billing\"\nurl = \"http://127.0.0.1:1/\"\nevent_types = [\"*\"]\nsecret_env = \"ROUTE_SECRET_BILLING\"\n{setting}\n"
+            ),
+        )
+        .unwrap();
+        let over_s = over.to_str().unwrap();
+        for args in [
+            vec!["routes", "check", "--offline", over_s],
+            vec!["run", "--routes", over_s],
+        ] {
+            let out = app::relay_command(&stack, &url, &args, &SECRETS).await.unwrap();
+            assert!(
+                out.code() == Some(2) && out.stderr.contains(&format!("`{key}`")),
+                "{setting}: {args:?}: {}",
+                out.text()
+            );
+        }
+    }
 }
