@@ -144,6 +144,10 @@ fn as_run_builds_it(path: &std::path::Path, file: &RoutesFile) -> anyhow::Result
     let dispatch = run.delivery.dispatch().map_err(ConfigError)?;
     run.sink
         .routed_lanes(file, &dispatch, Some(run.shutdown_timeout))
-        .map_err(|e| ConfigError(format!("{e} (with run's flags as the environment sets them, else their defaults)")))?;
+        .map_err(|e| {
+            ConfigError(format!(
+                "{e} (with run's flags as the environment sets them, else their defaults)"
+            ))
+        })?;
     Ok(())
 }

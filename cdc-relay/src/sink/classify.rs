@@ -335,8 +335,14 @@ mod tests {
             ),
             0.0,
         );
-        assert!(named.contains("EVENT_SECRET") && !named.contains("clock"), "{named}");
-        for refused in ["Message timestamp too old", "Timestamp outside the tolerance zone"] {
+        assert!(
+            named.contains("EVENT_SECRET") && !named.contains("clock"),
+            "{named}"
+        );
+        for refused in [
+            "Message timestamp too old",
+            "Timestamp outside the tolerance zone",
+        ] {
             assert!(
                 config_fault_hint(&r401, &answered(401, refused), 0.0).contains("clock"),
                 "{refused}"

@@ -713,6 +713,25 @@ async fn status_names_the_relay_holding_the_slot_and_shows_readable_sizes() -> a
         text.contains(&format!("relay {}: ready, circuit closed", relay.url)),
         "status asks the relay: {text}"
     );
+    assert!(text.contains("healthy: nothing stops delivery"), "{text}");
+    // Asked at an address where no admin endpoint answers, the verdict
+    // says how far it goes (it said "healthy: nothing stops delivery").
+    let unread = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status"],
+        &[("CDC_RELAY_ADMIN_LISTEN", "127.0.0.1:9")],
+    )
+    .await?;
+    assert!(
+        unread.code() == Some(0)
+            && unread
+                .stdout
+                .contains("healthy as far as the database shows")
+            && unread.stdout.contains("--admin-url"),
+        "{}",
+        unread.text()
+    );
     let pid = relay.process.pid();
     for words in [
         "held by cdc-relay from 127.0.0.1 (walsender pid ".to_owned(),
@@ -993,7 +1012,9 @@ async fn a_missing_privilege_is_named_with_the_command_that_fixes_it() -> anyhow
     let standby = app::relay_command(&stack, reader.as_str(), &args, &env).await?;
     assert!(
         !standby.success()
-            && standby.text().contains("ALTER ROLE orders_reader REPLICATION")
+            && standby
+                .text()
+                .contains("ALTER ROLE orders_reader REPLICATION")
             && !standby.text().contains("waiting as hot standby"),
         "{}",
         standby.text()

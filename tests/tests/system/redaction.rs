@@ -42,7 +42,7 @@ impl Planted {
     }
 
     /// The output of `surface` holds neither secret, nor the Basic token
-/// made of the password.
+    /// made of the password.
     fn assert_absent(&self, surface: &str, text: &str) {
         let basic =
             base64::engine::general_purpose::STANDARD.encode(format!("relay:{}", self.password));

@@ -443,7 +443,10 @@ async fn routes_check_prints_the_routing_and_refuses_a_bad_file() {
     // run exited 2.)
     for (setting, key) in [
         ("poison_statuses = [500]", "poison_statuses"),
-        ("backoff_base = \"5s\"\nbackoff_cap = \"1s\"", "backoff_base"),
+        (
+            "backoff_base = \"5s\"\nbackoff_cap = \"1s\"",
+            "backoff_base",
+        ),
         ("request_timeout = \"10s\"", "request_timeout"),
     ] {
         let over = dir.path().join("over.toml");
@@ -459,7 +462,9 @@ async fn routes_check_prints_the_routing_and_refuses_a_bad_file() {
             vec!["routes", "check", "--offline", over_s],
             vec!["run", "--routes", over_s],
         ] {
-            let out = app::relay_command(&stack, &url, &args, &SECRETS).await.unwrap();
+            let out = app::relay_command(&stack, &url, &args, &SECRETS)
+                .await
+                .unwrap();
             assert!(
                 out.code() == Some(2) && out.stderr.contains(&format!("`{key}`")),
                 "{setting}: {args:?}: {}",

@@ -276,7 +276,9 @@ async fn a_forgotten_prepared_transaction_is_named_by_its_gid() -> anyhow::Resul
             && !text.contains("none visible"),
         "{text}"
     );
-    admin.batch_execute("ROLLBACK PREPARED 'forgotten_2pc'").await?;
+    admin
+        .batch_execute("ROLLBACK PREPARED 'forgotten_2pc'")
+        .await?;
     let created = setup(&stack, &[]).await?;
     assert!(created.success(), "{}", created.text());
     Ok(())

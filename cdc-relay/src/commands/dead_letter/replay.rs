@@ -188,8 +188,7 @@ impl Source<'_> {
         // Without --routes the rows go to --sink-url: a row a routes
         // file's endpoint dead-lettered belongs to that endpoint's
         // receiver, unless the operator names the endpoint on purpose.
-        if let (None, None, Some(owner)) =
-            (&self.args.routes.routes, &self.endpoint, &row.endpoint)
+        if let (None, None, Some(owner)) = (&self.args.routes.routes, &self.endpoint, &row.endpoint)
         {
             let detail = format!(
                 "not attempted: dead-lettered by endpoint {owner} of a routes file, whose receiver is not --sink-url's: replay it there (--routes FILE --endpoint {owner}), or name it (--endpoint {owner}) to send it to --sink-url"

@@ -119,7 +119,24 @@ impl std::fmt::Display for Status {
             )?;
         }
         if self.healthy {
-            writeln!(f, "healthy: nothing stops delivery")
+            // The database alone cannot show a relay's circuit or queue:
+            // when no admin endpoint answered, the verdict says how far it
+            // goes.
+            let unread: Vec<&str> = self
+                .relays
+                .iter()
+                .filter(|r| r.detail.starts_with("no answer"))
+                .map(|r| r.url.as_str())
+                .collect();
+            if unread.is_empty() {
+                writeln!(f, "healthy: nothing stops delivery")
+            } else {
+                writeln!(
+                    f,
+                    "healthy as far as the database shows: the relay's own state (circuit, queue, readiness) was not read, {} did not answer; give the admin listener's address with --admin-url (or CDC_RELAY_ADMIN_LISTEN)",
+                    unread.join(", ")
+                )
+            }
         } else {
             for p in &self.problems {
                 writeln!(f, "problem (exit {}): {}", p.code, p.message)?;
