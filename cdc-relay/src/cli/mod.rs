@@ -257,13 +257,15 @@ pub struct GlobalArgs {
         global = true
     )]
     pub database_password_file: Option<PathBuf>,
-    /// Logical replication slot.
+    /// Logical replication slot (lower-case letters, digits and
+    /// underscores, at most 63: PostgreSQL's rule for slot names).
     #[arg(
         help_heading = "Slot and outbox",
         long,
         env = "CDC_RELAY_SLOT",
         default_value = "cdc_relay",
-        global = true
+        global = true,
+        value_parser = parse_slot_name
     )]
     pub slot: String,
     /// Publication streamed from the slot (comma-separated for several).
@@ -415,6 +417,17 @@ fn parse_lsn(s: &str) -> Result<crate::lsn::Lsn, String> {
     s.parse().map_err(|e| {
         format!("{e}: an LSN looks like 16/B374D848 (as pg_current_wal_lsn() prints it)")
     })
+}
+
+/// `--slot`: a name PostgreSQL accepts for a replication slot, refused
+/// here (exit 2) rather than looked up and reported missing (exit 3).
+fn parse_slot_name(s: &str) -> Result<String, String> {
+    crate::source::catalog::check_slot_name(s)
+        .map(|()| s.to_owned())
+        .map_err(|_| {
+            "a slot name is lower-case letters, digits and underscores, at most 63 (e.g. cdc_relay)"
+                .into()
+        })
 }
 
 /// Parses `500ms`, `2s`, `1m 30s` (humantime syntax).

@@ -252,3 +252,14 @@ fn an_empty_optional_url_is_unset() {
     assert_eq!(cli.global.replication_conn().map(|c| c.is_none()), Ok(true));
     assert_eq!(cli.global.standbys().map(|s| s.len()), Ok(0));
 }
+
+#[test]
+fn an_impossible_slot_name_is_a_usage_error() {
+    for bad in ["", "Bad-Name", "slot!", &"s".repeat(64)] {
+        let err = Cli::try_parse_from(["cdc-relay", "status", "--slot", bad])
+            .expect_err("refused")
+            .to_string();
+        assert!(err.contains("--slot") && err.contains("lower-case"), "{bad:?}: {err}");
+    }
+    assert!(Cli::try_parse_from(["cdc-relay", "status", "--slot", "cdc_relay_2"]).is_ok());
+}
