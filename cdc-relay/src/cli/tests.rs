@@ -259,7 +259,10 @@ fn an_impossible_slot_name_is_a_usage_error() {
         let err = Cli::try_parse_from(["cdc-relay", "status", "--slot", bad])
             .expect_err("refused")
             .to_string();
-        assert!(err.contains("--slot") && err.contains("lower-case"), "{bad:?}: {err}");
+        assert!(
+            err.contains("--slot") && err.contains("lower-case"),
+            "{bad:?}: {err}"
+        );
     }
     assert!(Cli::try_parse_from(["cdc-relay", "status", "--slot", "cdc_relay_2"]).is_ok());
 }

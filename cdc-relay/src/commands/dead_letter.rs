@@ -182,17 +182,44 @@ async fn list(
         outln!(
             "{:>6}  {:<36}  {:<16}  {:<12}  {:>6}  {:>8}  {:>10}  {}",
             r.id,
-            r.event_id.as_deref().unwrap_or("(none)"),
-            r.event_type.as_deref().unwrap_or("(none)"),
-            r.endpoint.as_deref().unwrap_or("-"),
+            printable(r.event_id.as_deref().unwrap_or("(none)")),
+            printable(r.event_type.as_deref().unwrap_or("(none)")),
+            printable(r.endpoint.as_deref().unwrap_or("-")),
             r.http_status.map_or("-".into(), |s| s.to_string()),
             r.attempts,
             age(r.age_secs),
-            r.error.chars().take(80).collect::<String>()
+            printable(&r.error.chars().take(80).collect::<String>())
         );
     }
-    outln!("{} dead-lettered event(s)", rows.len());
+    match limit {
+        Some(l) if i64::try_from(rows.len()).unwrap_or(i64::MAX) >= l => outln!(
+            "{} dead-lettered event(s) shown, the first --limit {l}: there may be more (`cdc-relay status` counts them all)",
+            rows.len()
+        ),
+        _ => outln!("{} dead-lettered event(s)", rows.len()),
+    }
     Ok(())
+}
+
+/// `text` for one line of a terminal table: control characters (a line
+/// break, an escape sequence) written as escapes. The outbox's writers
+/// choose these fields; printed raw, a newline forges a row and an escape
+/// sequence reaches the operator's terminal.
+pub(super) fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    std::borrow::Cow::Owned(
+        text.chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_default().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
 }
 
 /// How `discard` goes about it.
@@ -288,5 +315,14 @@ mod tests {
         assert_eq!(age(61), "1 min");
         assert_eq!(age(7_500), "2 h 5 min");
         assert_eq!(age(3 * 86_400 + 4 * 3600 + 5), "3 d 4 h");
+    }
+
+    #[test]
+    fn control_characters_are_escaped_for_the_table() {
+        assert_eq!(printable("OrderPaid"), "OrderPaid");
+        assert_eq!(
+            printable("Evil\n    99  fake-row\u{1b}[31mRED"),
+            "Evil\\n    99  fake-row\\u{1b}[31mRED"
+        );
     }
 }

@@ -272,7 +272,7 @@ impl Rows for Source<'_> {
 
 fn print_row(a: &ReplayArgs, r: &Replayed) {
     if !a.json {
-        outln!("row {}: {}", r.id, r.detail);
+        outln!("row {}: {}", r.id, super::printable(&r.detail));
     }
 }
 
