@@ -925,3 +925,40 @@ async fn a_replay_to_the_sink_url_leaves_a_routed_endpoints_rows_alone() -> anyh
     assert_eq!(left("e-shipping").await?, 0, "replayed when named");
     Ok(())
 }
+
+/// A dead letter whose payload text is not JSON (an unreadable row kept as
+/// read) is not replayed: its text would go into the body as the event's
+/// `data` and make the body invalid. It stays, the replay says why (exit
+/// 1), and nothing is sent. (It was POSTed, and the receiver answered 400
+/// invalid_json.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_that_is_not_json_is_never_replayed() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, sink) = (&s.stack, s.sink());
+    let admin = stack.orders_admin().await?;
+    admin
+        .execute(
+            "INSERT INTO cdc_relay_dead_letter (event_id, event_type, payload, error, attempts) \
+             VALUES ('e-text', 'OrderPaid', '{not json at all', 'unreadable: holds text that is not JSON', 0)",
+            &[],
+        )
+        .await?;
+    let before = sink.received().len();
+    let out =
+        crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
+    assert!(
+        !out.success() && out.text().contains("not JSON"),
+        "{}",
+        out.text()
+    );
+    assert_eq!(sink.received().len(), before, "nothing sent");
+    let left: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = 'e-text'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(left, 1, "the row stays");
+    Ok(())
+}

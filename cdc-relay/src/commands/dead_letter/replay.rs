@@ -210,6 +210,20 @@ impl Source<'_> {
             self.settle(settled(RowOutcome::Unsendable, detail.into()));
             return None;
         }
+        // The payload goes into the body as the event's JSON `data`, byte
+        // for byte: text that is not JSON (a dead letter of an unreadable
+        // row, kept as read) would make the whole body invalid.
+        if let Some(Err(e)) = row
+            .payload
+            .as_deref()
+            .map(serde_json::from_str::<serde::de::IgnoredAny>)
+        {
+            let detail = format!(
+                "its payload is not JSON ({e}): it cannot be sent as the event's data; fix the source row and backfill it, then discard this row"
+            );
+            self.settle(settled(RowOutcome::Unsendable, detail));
+            return None;
+        }
         if self.args.dry_run {
             let detail = format!("would send {event_type} {event_id} (dry run)");
             self.settle(settled(RowOutcome::WouldSend, detail));
