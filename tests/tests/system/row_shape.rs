@@ -402,10 +402,14 @@ async fn deletes_published_without_replica_identity_are_warned_about() -> anyhow
 }
 
 /// Names the replica identity and recommends the insert-only publication
-/// (case aside: a sentence may start with either).
+/// with the statement that makes the publication so (case aside: a
+/// sentence may start with either). (It said CREATE PUBLICATION for a
+/// publication that exists.)
 fn mentions_replica_identity(text: &str) -> bool {
     let text = text.to_lowercase();
-    text.contains("replica identity") && text.contains("insert-only")
+    text.contains("replica identity")
+        && text.contains("insert-only")
+        && text.contains("set (publish = 'insert')")
 }
 
 /// A configured column renamed and renamed back, with events committed in

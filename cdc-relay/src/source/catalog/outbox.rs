@@ -150,14 +150,17 @@ pub async fn publication_warnings(
 ) -> Result<Vec<String>, SourceError> {
     let row = client
         .query_one(
-            "SELECT coalesce(bool_or(p.pubupdate), false), coalesce(bool_or(p.pubdelete), false) \
+            "SELECT coalesce(bool_or(p.pubupdate), false), coalesce(bool_or(p.pubdelete), false), \
+                    coalesce(string_agg(DISTINCT 'ALTER PUBLICATION ' || quote_ident(p.pubname) \
+                                        || ' SET (publish = ''insert'')', '; ') \
+                             FILTER (WHERE p.pubupdate OR p.pubdelete), '') \
              FROM pg_publication p JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
              WHERE p.pubname = ANY($1) AND pt.schemaname = $2 AND pt.tablename = $3",
             &[&publications, &t.schema, &t.name],
         )
         .await
         .map_err(|e| SourceError::sql("reading the publications", &e))?;
-    let (update, delete): (bool, bool) = (row.get(0), row.get(1));
+    let (update, delete, fix): (bool, bool, String) = (row.get(0), row.get(1), row.get(2));
     let identity = match table.replica_identity.as_str() {
         "n" => false,
         "d" => table.has_primary_key,
@@ -168,8 +171,9 @@ pub async fn publication_warnings(
         warnings.push(format!(
             "the publication publishes UPDATE/DELETE on {t}, which has no replica identity \
              (no primary key, or REPLICA IDENTITY NOTHING): every UPDATE or DELETE on it, cleanup \
-             included, fails with SQLSTATE 55000. Use an insert-only publication \
-             (CREATE PUBLICATION ... WITH (publish = 'insert'), what `cdc-relay setup` creates)"
+             included, fails with SQLSTATE 55000. Make it insert-only ({fix}; what `cdc-relay \
+             setup` creates), or give the table a replica identity (a primary key, or ALTER TABLE \
+             {t} REPLICA IDENTITY FULL)"
         ));
     }
     Ok(warnings)
