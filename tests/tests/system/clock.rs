@@ -114,18 +114,7 @@ async fn billing_refusing_a_stepped_clock_gets_the_clock_hint_and_loses_nothing(
     for _ in 0..5 {
         app::insert_order_event(&db).await?;
     }
-    wait_until("the circuit opened on the 401", WAIT, || async {
-        relay
-            .process
-            .logs()
-            .contains("circuit opened: the sink rejects the relay itself")
-    })
-    .await?;
-    let logs = relay.process.logs();
-    let line = logs
-        .lines()
-        .find(|l| l.contains("circuit opened: the sink rejects the relay itself"))
-        .expect("found above");
+    let line = circuit_opened(&relay).await?;
     assert!(
         line.contains("clock") && !line.contains("check the event secret"),
         "the hint must name the clock: {line}"
@@ -256,21 +245,26 @@ async fn billing_refusing_a_wrong_secret_gets_the_secret_hint() -> anyhow::Resul
     app::wait_streaming(&relay).await?;
     let db = stack.orders_admin().await?;
     app::insert_order_event(&db).await?;
-    wait_until("the circuit opened on the 401", WAIT, || async {
-        relay
-            .process
-            .logs()
-            .contains("circuit opened: the sink rejects the relay itself")
-    })
-    .await?;
-    let logs = relay.process.logs();
-    let line = logs
-        .lines()
-        .find(|l| l.contains("circuit opened: the sink rejects the relay itself"))
-        .expect("found above");
+    let line = circuit_opened(&relay).await?;
     assert!(
         line.contains("check the event secret") && !line.contains("clock"),
         "the hint must name the secret: {line}"
     );
     Ok(())
+}
+
+/// The relay's log line that says the circuit opened on a refusal of the
+/// relay itself (a 401), once it is there.
+async fn circuit_opened(relay: &app::Running) -> anyhow::Result<String> {
+    const OPENED: &str = "circuit opened: the sink rejects the relay itself";
+    wait_until("the circuit opened on the 401", WAIT, || async {
+        relay.process.logs().contains(OPENED)
+    })
+    .await?;
+    let logs = relay.process.logs();
+    Ok(logs
+        .lines()
+        .find(|l| l.contains(OPENED))
+        .expect("found above")
+        .to_owned())
 }

@@ -249,39 +249,64 @@ async fn concurrent_replay_keeps_each_aggregates_order_and_skips_one_refused_aga
     Ok(())
 }
 
-/// A dead letter whose payload is not UTF-8 (kept in `payload_bytes`) is
-/// not replayed: sent, its data would be null, and a 2xx would remove the
-/// event's only copy. It stays, and the replay says why (exit 1). Broken
-/// on purpose once: without the check, the sink got `"data":null` and the
-/// row was removed.
+/// A dead letter whose payload cannot be sent is not replayed; it stays,
+/// nothing is sent, and the replay says why (exit 1):
+/// - not UTF-8 (kept in `payload_bytes`): sent, its data would be null,
+///   and a 2xx would remove the event's only copy. Broken on purpose once:
+///   without the check, the sink got `"data":null` and the row was removed.
+/// - text that is not JSON (an unreadable row kept as read): it would go
+///   into the body as the event's `data` and make the body invalid. (It
+///   was POSTed, and the receiver answered 400 invalid_json.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_payload_that_is_not_utf8_is_never_replayed_as_null() -> anyhow::Result<()> {
+async fn a_payload_that_cannot_be_sent_is_never_replayed() -> anyhow::Result<()> {
     let s = Scenario::start(Inbox::Scripted).await?;
     let (stack, sink) = (&s.stack, s.sink());
     let admin = stack.orders_admin().await?;
-    admin
-        .execute(
-            "INSERT INTO cdc_relay_dead_letter \
-               (event_id, event_type, payload, payload_bytes, error, attempts) \
-             VALUES ('e-bytes', 'OrderPaid', NULL, '\\xff7b7d'::bytea, 'unreadable: not UTF-8', 0)",
-            &[],
-        )
-        .await?;
-    let before = sink.received().len();
-    let out =
-        crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
-    assert!(!out.success(), "{}", out.text());
-    assert!(out.text().contains("not UTF-8"), "{}", out.text());
-    assert_eq!(sink.received().len(), before, "nothing sent");
-    let left: i64 = admin
+    for (id, values, said) in [
+        (
+            "e-bytes",
+            "NULL, '\\xff7b7d'::bytea, 'unreadable: not UTF-8'",
+            "not UTF-8",
+        ),
+        (
+            "e-text",
+            "'{not json at all', NULL, 'unreadable: holds text that is not JSON'",
+            "not JSON",
+        ),
+    ] {
+        admin
+            .batch_execute(&format!(
+                "INSERT INTO cdc_relay_dead_letter \
+                   (event_id, event_type, payload, payload_bytes, error, attempts) \
+                 VALUES ('{id}', 'OrderPaid', {values}, 0)"
+            ))
+            .await?;
+        let before = sink.received().len();
+        let out = crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url)
+            .await?;
+        assert!(!out.success(), "{id}: {}", out.text());
+        assert!(out.text().contains(said), "{id}: {}", out.text());
+        assert_eq!(sink.received().len(), before, "{id}: nothing sent");
+        assert_eq!(rows_of(&admin, id).await?, 1, "{id}: the row stays");
+        admin
+            .execute(
+                "DELETE FROM cdc_relay_dead_letter WHERE event_id = $1",
+                &[&id],
+            )
+            .await?;
+    }
+    Ok(())
+}
+
+/// The dead-letter rows of `event_id`.
+async fn rows_of(admin: &tokio_postgres::Client, event_id: &str) -> anyhow::Result<i64> {
+    Ok(admin
         .query_one(
-            "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = 'e-bytes'",
-            &[],
+            "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = $1",
+            &[&event_id],
         )
         .await?
-        .get(0);
-    assert_eq!(left, 1, "the row stays");
-    Ok(())
+        .get(0))
 }
 
 /// A replay whose removal cannot commit (a lock held on the dead-letter
@@ -317,19 +342,8 @@ async fn a_replay_says_removed_only_once_the_removal_committed() -> anyhow::Resu
         text.contains("removal-blocker") && text.contains("stay in the table"),
         "{text}"
     );
-    let left = || async {
-        anyhow::Ok(
-            admin
-                .query_one(
-                    "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = 'e-locked'",
-                    &[],
-                )
-                .await?
-                .get::<_, i64>(0),
-        )
-    };
     tx.rollback().await?;
-    assert_eq!(left().await?, 1, "the row stays");
+    assert_eq!(rows_of(&admin, "e-locked").await?, 1, "the row stays");
     let out =
         crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
     assert!(out.success(), "{}", out.text());
@@ -338,7 +352,11 @@ async fn a_replay_says_removed_only_once_the_removal_committed() -> anyhow::Resu
         "{}",
         out.text()
     );
-    assert_eq!(left().await?, 0, "removed once the lock is gone");
+    assert_eq!(
+        rows_of(&admin, "e-locked").await?,
+        0,
+        "removed once the lock is gone"
+    );
     Ok(())
 }
 
@@ -899,21 +917,11 @@ async fn a_replay_to_the_sink_url_leaves_a_routed_endpoints_rows_alone() -> anyh
         !out.success() && text.contains("dead-lettered by endpoint shipping"),
         "{text}"
     );
-    let left = |id: &'static str| {
-        let admin = &admin;
-        async move {
-            anyhow::Ok(
-                admin
-                    .query_one(
-                        "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = $1",
-                        &[&id],
-                    )
-                    .await?
-                    .get::<_, i64>(0),
-            )
-        }
-    };
-    assert_eq!(left("e-shipping").await?, 1, "shipping's row stays");
+    assert_eq!(
+        rows_of(&admin, "e-shipping").await?,
+        1,
+        "shipping's row stays"
+    );
     // Named on purpose, it goes to --sink-url.
     let named = crate::sink_failures::cli(
         stack,
@@ -922,43 +930,10 @@ async fn a_replay_to_the_sink_url_leaves_a_routed_endpoints_rows_alone() -> anyh
     )
     .await?;
     assert!(named.success(), "{}", named.text());
-    assert_eq!(left("e-shipping").await?, 0, "replayed when named");
-    Ok(())
-}
-
-/// A dead letter whose payload text is not JSON (an unreadable row kept as
-/// read) is not replayed: its text would go into the body as the event's
-/// `data` and make the body invalid. It stays, the replay says why (exit
-/// 1), and nothing is sent. (It was POSTed, and the receiver answered 400
-/// invalid_json.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_payload_that_is_not_json_is_never_replayed() -> anyhow::Result<()> {
-    let s = Scenario::start(Inbox::Scripted).await?;
-    let (stack, sink) = (&s.stack, s.sink());
-    let admin = stack.orders_admin().await?;
-    admin
-        .execute(
-            "INSERT INTO cdc_relay_dead_letter (event_id, event_type, payload, error, attempts) \
-             VALUES ('e-text', 'OrderPaid', '{not json at all', 'unreadable: holds text that is not JSON', 0)",
-            &[],
-        )
-        .await?;
-    let before = sink.received().len();
-    let out =
-        crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url).await?;
-    assert!(
-        !out.success() && out.text().contains("not JSON"),
-        "{}",
-        out.text()
+    assert_eq!(
+        rows_of(&admin, "e-shipping").await?,
+        0,
+        "replayed when named"
     );
-    assert_eq!(sink.received().len(), before, "nothing sent");
-    let left: i64 = admin
-        .query_one(
-            "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = 'e-text'",
-            &[],
-        )
-        .await?
-        .get(0);
-    assert_eq!(left, 1, "the row stays");
     Ok(())
 }
