@@ -142,7 +142,7 @@ impl Health {
         }
         if !self.publication_ok.load(Ordering::Relaxed) {
             return Err(
-                "the outbox table is not in the streamed publication: its inserts are not streamed (see the log)",
+                "the publication does not carry all of the outbox's inserts (the table left it, is UNLOGGED, or the publication skips inserts or filters rows): they are not streamed (the log says which and the fix)",
             );
         }
         if self.withheld.load(Ordering::Relaxed) {

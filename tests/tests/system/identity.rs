@@ -678,6 +678,12 @@ async fn row_filter_on_the_publication_is_not_counted_as_carrying_the_outbox() -
     .await?;
     let (status, body) = relay.get("/readyz").await?;
     assert_eq!(status, 503, "{body}");
+    // The table is still in the publication: readiness does not say it
+    // left (it said "not in the streamed publication").
+    assert!(
+        body.contains("filters rows") && !body.contains("not in the streamed publication"),
+        "{body}"
+    );
 
     let mut s = s;
     s.stop_relay().await?;
