@@ -25,6 +25,9 @@ pub struct Health {
     publication_ok: AtomicBool,
     /// The server withholds the stream (as last read).
     withheld: AtomicBool,
+    /// The dead-letter writer's statement fails (and is retried): the
+    /// event it holds, and every event behind it, wait.
+    dead_letters_failing: AtomicBool,
     /// Milliseconds since `started` when the server last sent anything (or
     /// the watchdog found the walsender reading our replies).
     last_heard_ms: AtomicU64,
@@ -49,6 +52,7 @@ impl Health {
             streaming: AtomicBool::new(false),
             publication_ok: AtomicBool::new(true),
             withheld: AtomicBool::new(false),
+            dead_letters_failing: AtomicBool::new(false),
             last_heard_ms: AtomicU64::new(0),
             silence_bound_ms: AtomicU64::new(0),
             last_progress_ms: AtomicU64::new(0),
@@ -119,6 +123,12 @@ impl Health {
         self.withheld.store(withheld, Ordering::Relaxed);
     }
 
+    /// The dead-letter writer's statement failed (`true`, retried) or
+    /// committed (`false`).
+    pub fn set_dead_letters_failing(&self, failing: bool) {
+        self.dead_letters_failing.store(failing, Ordering::Relaxed);
+    }
+
     fn now_ms(&self) -> u64 {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
@@ -143,6 +153,11 @@ impl Health {
         if !self.publication_ok.load(Ordering::Relaxed) {
             return Err(
                 "the publication does not carry all of the outbox's inserts (the table left it, is UNLOGGED, or the publication skips inserts or filters rows): they are not streamed (the log says which and the fix)",
+            );
+        }
+        if self.dead_letters_failing.load(Ordering::Relaxed) {
+            return Err(
+                "dead-letter rows cannot be written (retried): the events they hold, and every event behind them, wait (see the log)",
             );
         }
         if self.withheld.load(Ordering::Relaxed) {
@@ -175,6 +190,10 @@ mod tests {
         h.set_publication_ok(false);
         assert!(h.ready().unwrap_err().contains("publication"));
         h.set_publication_ok(true);
+        h.set_dead_letters_failing(true);
+        assert!(h.ready().unwrap_err().contains("dead-letter rows"));
+        h.set_dead_letters_failing(false);
+        assert!(h.ready().is_ok());
         h.set_streaming(false, Duration::ZERO);
         assert!(h.ready().is_err());
 

@@ -102,8 +102,22 @@ impl GroupedStore {
     /// dropped (after the statement it has on its way, if any) or the
     /// connection closes.
     pub fn new(client: Arc<Client>) -> Self {
+        Self::spawn(client, None)
+    }
+
+    /// [`GroupedStore::new`], its failing statements reported to `health`
+    /// (readiness fails while they are retried).
+    pub fn reporting_to(client: Arc<Client>, health: Arc<crate::health::Health>) -> Self {
+        Self::spawn(client, Some(health))
+    }
+
+    fn spawn(client: Arc<Client>, health: Option<Arc<crate::health::Health>>) -> Self {
+        // A new writer (a new session) has failed nothing yet.
+        if let Some(h) = &health {
+            h.set_dead_letters_failing(false);
+        }
         let (queue, rows) = mpsc::unbounded_channel();
-        tokio::spawn(write(Arc::clone(&client), rows));
+        tokio::spawn(write(Arc::clone(&client), rows, health));
         GroupedStore { client, queue }
     }
 }
@@ -161,7 +175,16 @@ impl DeadLetterStore for GroupedStore {
 /// gone. The statement is prepared once (again after a failed
 /// preparation), so a batch is one round trip. A failed statement is tried
 /// again, after a pause, before anything behind it.
-async fn write(client: Arc<Client>, mut queue: mpsc::UnboundedReceiver<Row>) {
+async fn write(
+    client: Arc<Client>,
+    mut queue: mpsc::UnboundedReceiver<Row>,
+    health: Option<Arc<crate::health::Health>>,
+) {
+    let failing = |on: bool| {
+        if let Some(h) = &health {
+            h.set_dead_letters_failing(on);
+        }
+    };
     // With the trace_context column until the table turns out not to have
     // it (sql/orders.sql not applied since the upgrade): then without, and
     // the dead letters keep no trace context.
@@ -217,6 +240,7 @@ async fn write(client: Arc<Client>, mut queue: mpsc::UnboundedReceiver<Row>) {
             };
             match ids {
                 Ok(ids) => {
+                    failing(false);
                     answer(batch, Ok(ids));
                     break;
                 }
@@ -226,6 +250,7 @@ async fn write(client: Arc<Client>, mut queue: mpsc::UnboundedReceiver<Row>) {
                     return;
                 }
                 Err(e) => {
+                    failing(true);
                     tracing::error!(error = %e, rows = batch.len(), retry_in_ms = retry.as_millis() as u64,
                         "cannot write dead-letter rows; trying again before any row behind them (their events stay pending)");
                     tokio::time::sleep(retry).await;

@@ -175,7 +175,10 @@ impl Session<'_> {
             wal_budget,
             window: Some(window.clone()),
             ..Pipeline::new(
-                Arc::new(GroupedStore::new(Arc::clone(&p.side))),
+                Arc::new(GroupedStore::reporting_to(
+                    Arc::clone(&p.side),
+                    Arc::clone(self.health),
+                )),
                 self.metrics.clone(),
                 Arc::clone(self.health),
                 stop.clone(),

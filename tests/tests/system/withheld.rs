@@ -286,8 +286,9 @@ async fn a_lock_on_the_progress_record_is_named_and_delivery_goes_on() -> anyhow
 /// A lock that blocks writes to `cdc_relay_dead_letter`: a poison event
 /// waits (its dead letter not written, nothing behind it acknowledged),
 /// the writer's error names the lock's holder, and once the transaction
-/// ends the dead letter is written. A relay starting under a lock that
-/// blocks reads of it names the holder from its start-up read too.
+/// ends the dead letter is written; meanwhile `/readyz` fails saying so.
+/// A relay starting under a lock that blocks reads of it names the holder
+/// from its start-up read too.
 ///
 /// Failed before: the writer logged only "canceling statement due to lock
 /// timeout", every few seconds, with nobody named.
@@ -312,6 +313,13 @@ async fn a_lock_on_the_dead_letter_table_is_named_and_the_row_written_after() ->
         })
     })
     .await?;
+    // While the writer retries, the relay is not ready, and says why. (It
+    // answered ready until the no-progress window ran out.)
+    let (status, why) = relay.get("/readyz").await?;
+    assert!(
+        status == 503 && why.contains("dead-letter rows cannot be written"),
+        "{status} {why}"
+    );
     locker.batch_execute("ROLLBACK").await?;
     wait_until("the dead letter written after the lock", WAIT, || async {
         db.query_one(
@@ -320,6 +328,10 @@ async fn a_lock_on_the_dead_letter_table_is_named_and_the_row_written_after() ->
         )
         .await
         .is_ok_and(|r| r.get::<_, i64>(0) == 1)
+    })
+    .await?;
+    wait_until("/readyz 200 once the dead letter is written", WAIT, || async {
+        relay.get("/readyz").await.is_ok_and(|(status, _)| status == 200)
     })
     .await?;
 
