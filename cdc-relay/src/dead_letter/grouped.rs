@@ -208,6 +208,8 @@ async fn write(
             // statement goes on without its row.
             batch.retain(|r| !r.abandoned());
             if batch.is_empty() {
+                // Nothing waits on the failing statement any more.
+                failing(false);
                 break;
             }
             let rows: Vec<&Stored> = batch.iter().map(|r| &r.row).collect();
