@@ -330,9 +330,16 @@ async fn a_lock_on_the_dead_letter_table_is_named_and_the_row_written_after() ->
         .is_ok_and(|r| r.get::<_, i64>(0) == 1)
     })
     .await?;
-    wait_until("/readyz 200 once the dead letter is written", WAIT, || async {
-        relay.get("/readyz").await.is_ok_and(|(status, _)| status == 200)
-    })
+    wait_until(
+        "/readyz 200 once the dead letter is written",
+        WAIT,
+        || async {
+            relay
+                .get("/readyz")
+                .await
+                .is_ok_and(|(status, _)| status == 200)
+        },
+    )
     .await?;
 
     // A relay starting under the same lock: its start-up read of the
