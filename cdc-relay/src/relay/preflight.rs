@@ -180,8 +180,9 @@ impl Session<'_> {
             // login), not first at the failover it exists for. A separate
             // --replication-url was checked by the pairing above.
             if cfg.replication.is_none() {
+                // Definite includes the misconnections (a pooler).
                 match source::transport::identify(&server).await {
-                    Err(e) if e.is_definite() || e.is_misconnection() => return Err(e),
+                    Err(e) if e.is_definite() => return Err(e),
                     _ => {}
                 }
             }
