@@ -120,6 +120,19 @@ pub fn sign_standard(key: &[u8], id: &str, timestamp: &str, body: &[u8]) -> Stri
     )
 }
 
+/// The request id of a batch, computed here from the specification
+/// (`docs/architecture.md#batches`): `batch_` and the lowercase hex of the
+/// first 16 bytes of SHA-256 over each event id followed by a line feed.
+pub fn batch_id<'a>(ids: impl IntoIterator<Item = &'a str>) -> String {
+    use sha2::Digest;
+    let mut hash = Sha256::new();
+    for id in ids {
+        hash.update(id.as_bytes());
+        hash.update(b"\n");
+    }
+    format!("batch_{}", hex::encode(&hash.finalize()[..16]))
+}
+
 /// The key of a `whsec_` secret (its base64 part decoded).
 pub fn whsec_key(secret: &str) -> Vec<u8> {
     let encoded = secret.strip_prefix("whsec_").expect("a whsec_ secret");

@@ -9,12 +9,16 @@
 //!            ─▶ store::InboxStore::record: ONE statement, its own transaction:
 //!               processed_events row ON CONFLICT DO NOTHING, invoice only if that row is new
 //!            ─▶ 204 (new or replay)
+//!          a JSON array body (a batch) ─▶ batch::parse (422 naming [i].<field>)
+//!            ─▶ store::InboxStore::record_batch: ONE statement for every event
+//!            ─▶ 204 (each id new or seen before)
 //! GET /invoices?order_id= ─▶ store::InboxStore::invoices_for
 //! ```
 //!
 //! Delivery is at-least-once; the inbox makes the effect exactly-once, and
 //! `invoices.order_id UNIQUE` is a second invariant behind it.
 
+pub mod batch;
 pub mod charge;
 pub mod config;
 pub mod event;

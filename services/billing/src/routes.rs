@@ -16,6 +16,7 @@ use service_common::metrics::HttpMetrics;
 use service_common::server::Routes;
 use service_common::telemetry::{RequestSpan, Spans};
 
+use crate::batch;
 use crate::charge::ChargeWorker;
 use crate::event::{OrderCreated, parse_uuid};
 use crate::signature::SharedVerifier;
@@ -121,7 +122,11 @@ async fn record(
             ));
         }
     }
-    let event = OrderCreated::from_json(&parse_json(body)?)?;
+    let value = parse_json(body)?;
+    if let Some(items) = value.as_array() {
+        return record_batch(state, headers, items, span).await;
+    }
+    let event = OrderCreated::from_json(&value)?;
     check_event_id_headers(headers, &event)?;
     span.set("outbox.event_id", event.id.to_string());
     let recorded = state.store.record(&event).await?;
@@ -144,6 +149,36 @@ async fn record(
             tracing::debug!(event_id = %event.id, "duplicate delivery absorbed");
             state.duplicates.inc();
         }
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A verified batch body: every event recorded in one transaction, or
+/// none.
+async fn record_batch(
+    state: &AppState,
+    headers: &HeaderMap,
+    items: &[serde_json::Value],
+    span: &mut RequestSpan,
+) -> Result<StatusCode, ServiceError> {
+    let events = batch::parse(items, headers)?;
+    span.set("billing.batch_size", events.len() as i64);
+    let new = state.store.record_batch(&events).await?;
+    let seen = events.len() as u64 - new;
+    span.set("billing.invoices_created", new as i64);
+    state.invoiced.inc_by(new);
+    state.duplicates.inc_by(seen);
+    if seen > 0 {
+        tracing::debug!(
+            batch = events.len(),
+            duplicates = seen,
+            "events seen before absorbed"
+        );
+    }
+    if new > 0
+        && let Some(worker) = &state.charge
+    {
+        worker.wake();
     }
     Ok(StatusCode::NO_CONTENT)
 }

@@ -26,6 +26,23 @@ const RECORD_EVENT: &str = "\
     INSERT INTO invoices (id, order_id, amount_cents, currency, charge_status, charge_next_at) \
     SELECT $2::uuid, $3::uuid, $4::bigint, $5::bpchar, $6::text, now() FROM inbox";
 
+/// A batch's events in ONE statement: the inbox rows of the ids not seen
+/// before (in array order), then an invoice for each of those, in array
+/// order. An id seen before changes nothing.
+const RECORD_BATCH: &str = "\
+    WITH batch AS ( \
+        SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::bigint[], $5::text[]) \
+            WITH ORDINALITY AS b(event_id, invoice_id, order_id, amount_cents, currency, ord) \
+    ), inbox AS ( \
+        INSERT INTO processed_events (event_id) \
+        SELECT event_id FROM batch ORDER BY ord \
+        ON CONFLICT DO NOTHING \
+        RETURNING event_id \
+    ) \
+    INSERT INTO invoices (id, order_id, amount_cents, currency, charge_status, charge_next_at) \
+    SELECT b.invoice_id, b.order_id, b.amount_cents, b.currency::bpchar, $6::text, now() \
+    FROM batch b JOIN inbox USING (event_id) ORDER BY b.ord";
+
 const SELECT_INVOICES: &str = "SELECT id, order_id, amount_cents, currency, \
      to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
      charge_status, charge_id, charge_error, charge_attempts \
@@ -120,6 +137,57 @@ impl InboxStore {
         } else {
             Recorded::Duplicate
         })
+    }
+
+    /// Records a batch's `events` (distinct ids, [`crate::batch::parse`])
+    /// in one transaction: returns how many were new (inbox row and
+    /// invoice committed); the rest were seen before and changed nothing.
+    /// An event whose order another event already invoiced (before, or
+    /// earlier in this batch) is 422 `order_already_invoiced` naming it
+    /// (`[i].data.order_id`), and nothing of the batch is committed: the
+    /// sender splits the batch to isolate it.
+    pub async fn record_batch(&self, events: &[OrderCreated]) -> Result<u64, ServiceError> {
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(RECORD_BATCH).await?;
+        let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
+        let invoice_ids: Vec<Uuid> = events.iter().map(|_| Uuid::new_v4()).collect();
+        let orders: Vec<Uuid> = events.iter().map(|e| e.order_id).collect();
+        let amounts: Vec<i64> = events.iter().map(|e| e.amount_cents).collect();
+        let currencies: Vec<&str> = events.iter().map(|e| e.currency.as_str()).collect();
+        client
+            .execute(
+                &statement,
+                &[
+                    &ids,
+                    &invoice_ids,
+                    &orders,
+                    &amounts,
+                    &currencies,
+                    &self.charge_status,
+                ],
+            )
+            .await
+            .map_err(|e| {
+                if e.code() != Some(&SqlState::UNIQUE_VIOLATION) {
+                    return ServiceError::from(e);
+                }
+                // "Key (order_id)=(<uuid>) already exists.": the last event
+                // of that order is the one that could not be invoiced.
+                let detail = e.as_db_error().and_then(|d| d.detail()).unwrap_or_default();
+                let culprit = events
+                    .iter()
+                    .rposition(|ev| detail.contains(&ev.order_id.to_string()));
+                tracing::warn!(batch = events.len(), culprit = ?culprit, "an event of the batch names an order another event already invoiced");
+                let error = ServiceError::invalid_field(
+                    "order_already_invoiced",
+                    "data.order_id",
+                    "another event already invoiced this order; nothing of the batch was committed",
+                );
+                match culprit {
+                    Some(i) => error.at_index(i),
+                    None => error,
+                }
+            })
     }
 
     /// Invoices of `order_id` (zero or one, by the UNIQUE constraint).

@@ -100,6 +100,17 @@ impl ServiceError {
     pub fn field(&self) -> Option<&str> {
         self.field.as_deref()
     }
+
+    /// The same error about element `index` of a JSON array body: its
+    /// field becomes `[index].<field>` (`[index]` alone when it had none),
+    /// so a client of a batch knows which element to fix.
+    pub fn at_index(mut self, index: usize) -> Self {
+        self.field = Some(match self.field.take() {
+            Some(field) => format!("[{index}].{field}"),
+            None => format!("[{index}]"),
+        });
+        self
+    }
 }
 
 impl std::fmt::Display for ServiceError {

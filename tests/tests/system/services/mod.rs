@@ -6,6 +6,8 @@
 //!   writes the order and its outbox row, timeouts and the pool.
 //! - [`billing`]: `POST /inbox` (signature, validation, the inbox row and the
 //!   invoice in one transaction, replays), `GET /invoices`, secret rotation.
+//! - [`billing_batches`]: `POST /inbox` with a batch: every event in one
+//!   transaction, replays and overlaps, a bad batch refused whole.
 //! - [`payments`]: the payment provider's `POST /charges`: one charge per
 //!   `Idempotency-Key`, and its test hooks.
 //! - [`charges`]: Billing charging each invoice at the provider once,
@@ -16,6 +18,7 @@
 //! database afterwards: an error path must leave no row behind.
 
 mod billing;
+mod billing_batches;
 mod charges;
 mod orders;
 mod payments;

@@ -1,0 +1,217 @@
+//! Billing's batch inbox (`docs/architecture.md#batches`): a JSON array of
+//! events, signed as one body, recorded in ONE transaction; an id seen
+//! before changes nothing, and a bad batch is refused whole, naming the
+//! element to fix.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use ::harness::sink::{batch_id, sign, sign_standard};
+use reqwest::StatusCode;
+use reqwest::header::CONTENT_TYPE;
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::{SECRET, Service, count, deliver_signed, event, expect_error, http, stack};
+
+/// The body of a batch of `events`, as the relay writes it.
+fn batch(events: &[Value]) -> String {
+    Value::Array(events.to_vec()).to_string()
+}
+
+fn ids(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| e["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// POSTs `events` as a batch with the relay's headers: the marker, the
+/// batch's id as `Idempotency-Key` and `webhook-id`, both signatures.
+async fn post_batch(client: &reqwest::Client, billing: &Service, events: &[Value]) -> StatusCode {
+    let body = batch(events);
+    let ids = ids(events);
+    let id = batch_id(ids.iter().map(String::as_str));
+    let timestamp = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        .to_string();
+    let response = client
+        .post(billing.at("/inbox"))
+        .header(CONTENT_TYPE, "application/json")
+        .header("X-Event-Batch", events.len().to_string())
+        .header("Idempotency-Key", &id)
+        .header("webhook-id", &id)
+        .header("webhook-timestamp", &timestamp)
+        .header(
+            "webhook-signature",
+            sign_standard(SECRET.as_bytes(), &id, &timestamp, body.as_bytes()),
+        )
+        .header("X-Event-Signature", sign(SECRET, body.as_bytes()))
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status();
+    assert_eq!(
+        status,
+        StatusCode::NO_CONTENT,
+        "{}",
+        response.text().await.unwrap()
+    );
+    status
+}
+
+async fn invoiced_orders(db: &tokio_postgres::Client) -> Vec<Uuid> {
+    // The heap's order is the insert order of a table only ever appended to.
+    db.query("SELECT order_id FROM invoices ORDER BY ctid", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+fn order_of(event: &Value) -> Uuid {
+    event["data"]["order_id"].as_str().unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn billing_records_a_batch_once_in_array_order_and_only_the_new_ids_of_an_overlap() {
+    let stack = stack().await;
+    let billing = Service::billing(&stack, &[], &[]).await;
+    let client = http();
+    let events: Vec<Value> = (0..4)
+        .map(|i| event(Uuid::new_v4(), Uuid::new_v4(), 100 + i))
+        .collect();
+    let db = stack.billing_admin().await.unwrap();
+
+    // A batch, then the same batch again (a retry after a lost answer).
+    for _ in 0..2 {
+        post_batch(&client, &billing, &events[..3]).await;
+        assert_eq!(count(&db, "processed_events").await, 3);
+        assert_eq!(
+            invoiced_orders(&db).await,
+            events[..3].iter().map(order_of).collect::<Vec<_>>(),
+            "one invoice per event, in the batch's order"
+        );
+    }
+    // A batch overlapping the first: only its new id makes an invoice.
+    post_batch(&client, &billing, &events[2..]).await;
+    assert_eq!(count(&db, "processed_events").await, 4);
+    assert_eq!(
+        invoiced_orders(&db).await,
+        events.iter().map(order_of).collect::<Vec<_>>()
+    );
+
+    let text = billing.metrics(&client).await;
+    for line in [
+        "billing_invoices_created_total 4",
+        "billing_duplicates_absorbed_total 4",
+        r#"billing_signatures_verified_total{scheme="standard"} 3"#,
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in\n{text}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn billing_refuses_a_bad_batch_whole_naming_the_element_and_writes_nothing() {
+    let stack = stack().await;
+    let billing = Service::billing(&stack, &[], &[]).await;
+    let client = http();
+    let db = stack.billing_admin().await.unwrap();
+    let invoiced = event(Uuid::new_v4(), Uuid::new_v4(), 100);
+    assert_eq!(
+        deliver_signed(&client, &billing, &invoiced.to_string())
+            .await
+            .status(),
+        StatusCode::NO_CONTENT
+    );
+    let fresh = || event(Uuid::new_v4(), Uuid::new_v4(), 250);
+    let (a, b) = (fresh(), fresh());
+    let mut bad_amount = fresh();
+    bad_amount["data"]["amount_cents"] = Value::from(0);
+    // Another event for the order already invoiced.
+    let same_order = event(Uuid::new_v4(), order_of(&invoiced), 100);
+    // Two events of one order in the batch: the second cannot invoice it.
+    let twin = event(Uuid::new_v4(), order_of(&a), 100);
+
+    let cases: Vec<(String, &str, &str)> = vec![
+        (
+            batch(&[a.clone(), bad_amount]),
+            "invalid_event",
+            "[1].data.amount_cents",
+        ),
+        (batch(&[]), "invalid_batch", "batch"),
+        (
+            batch(&[a.clone(), b.clone(), a.clone()]),
+            "invalid_batch",
+            "[2].id",
+        ),
+        (
+            batch(&[a.clone(), same_order]),
+            "order_already_invoiced",
+            "[1].data.order_id",
+        ),
+        (
+            batch(&[a.clone(), b.clone(), twin]),
+            "order_already_invoiced",
+            "[2].data.order_id",
+        ),
+    ];
+    for (body, code, field) in cases {
+        let error = expect_error(
+            deliver_signed(&client, &billing, &body).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            code,
+        )
+        .await;
+        assert_eq!(error["field"], field, "{body}");
+    }
+
+    // The marker and the request id must match the body.
+    let body = batch(&[a.clone(), b.clone()]);
+    let right_id = batch_id(ids(&[a.clone(), b.clone()]).iter().map(String::as_str));
+    let wrong_id = batch_id(ids(&[b.clone(), a.clone()]).iter().map(String::as_str));
+    for (header, value, field) in [
+        ("X-Event-Batch", "3".to_owned(), "X-Event-Batch"),
+        ("webhook-id", wrong_id, "webhook-id"),
+        (
+            "Idempotency-Key",
+            a["id"].as_str().unwrap().to_owned(),
+            "Idempotency-Key",
+        ),
+    ] {
+        let response = client
+            .post(billing.at("/inbox"))
+            .header(CONTENT_TYPE, "application/json")
+            .header("X-Event-Signature", sign(SECRET, body.as_bytes()))
+            .header(header, value)
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        let error = expect_error(response, StatusCode::UNPROCESSABLE_ENTITY, "invalid_batch").await;
+        assert_eq!(error["field"], field);
+    }
+    // Unsigned: 401 before anything is parsed.
+    let response = client
+        .post(billing.at("/inbox"))
+        .header(CONTENT_TYPE, "application/json")
+        .header("Idempotency-Key", right_id)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+
+    assert_eq!(
+        count(&db, "processed_events").await,
+        1,
+        "only the first event"
+    );
+    assert_eq!(count(&db, "invoices").await, 1);
+}
