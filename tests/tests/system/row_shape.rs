@@ -383,6 +383,33 @@ async fn deletes_published_without_replica_identity_are_warned_about() -> anyhow
         "setup warns:\n{}",
         setup.text()
     );
+    // `status` names it too (a warning: delivery is not stopped by it),
+    // in both formats.
+    for json in [false, true] {
+        let args: &[&str] = if json {
+            &["status", "--json"]
+        } else {
+            &["status"]
+        };
+        let status = app::relay_command(&stack, &stack.orders_admin_url, args, &[]).await?;
+        let text = status.text();
+        if json {
+            let v: serde_json::Value = serde_json::from_str(&status.stdout)?;
+            let warnings = v["warnings"].as_array().cloned().unwrap_or_default();
+            assert!(
+                warnings
+                    .iter()
+                    .any(|w| w.as_str().is_some_and(mentions_replica_identity)),
+                "status --json warns:\n{text}"
+            );
+        } else {
+            assert!(
+                text.lines()
+                    .any(|l| l.starts_with("warning:") && mentions_replica_identity(l)),
+                "status warns:\n{text}"
+            );
+        }
+    }
     let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
     let warning = s
         .relay

@@ -417,6 +417,10 @@ pub struct Status {
     pub healthy: bool,
     /// What stops delivery, most fundamental first.
     pub problems: Vec<Problem>,
+    /// What does not stop delivery but fails elsewhere, one sentence each
+    /// with its fix (the warnings `setup` and `run` log: a publication
+    /// publishing UPDATE/DELETE on an outbox without a replica identity).
+    pub warnings: Vec<String>,
 }
 
 /// Reads the slot and the publications and diagnoses them for `table`;
@@ -502,9 +506,16 @@ pub async fn status(
             ),
         );
     }
-    if let Err(e) =
-        catalog::check_stream_config(client, table, columns, publications, row_filter).await
-    {
+    let mut warnings = Vec::new();
+    let checked =
+        catalog::check_stream_config(client, table, columns, publications, row_filter).await;
+    if let Ok(outbox) = &checked {
+        // What `setup` and the start of `run` warn about: not a stop to
+        // delivery, but the application's (and the prune's) UPDATE or
+        // DELETE on the outbox fail.
+        warnings = catalog::publication_warnings(client, table, outbox, publications).await?;
+    }
+    if let Err(e) = checked {
         // The code `run` would exit with for the same finding (a payload
         // column of the wrong type is 5 there, a missing table 3).
         let text = e.to_string();
@@ -561,6 +572,7 @@ pub async fn status(
         dead_letters_waiting: None,
         healthy: problems.is_empty(),
         problems,
+        warnings,
     })
 }
 

@@ -118,6 +118,9 @@ impl std::fmt::Display for Status {
                 }
             )?;
         }
+        for w in &self.warnings {
+            writeln!(f, "warning: {w}")?;
+        }
         if self.healthy {
             // The database alone cannot show a relay's circuit or queue:
             // when no admin endpoint answered, the verdict says how far it
