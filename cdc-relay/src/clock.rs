@@ -21,6 +21,25 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// The longest duration a setting takes (a flag or a routes file key):
+/// 3,650 days. The relay adds its settings to monotonic instants
+/// (deadlines, probe and backoff times), and a much larger one would
+/// overflow them, a panic at the first use instead of an error at start.
+pub const MAX_SETTING: Duration = Duration::from_secs(3650 * 24 * 3600);
+
+/// `d` if it is at most [`MAX_SETTING`], else the error to show with the
+/// setting's name.
+pub fn within_max_setting(d: Duration) -> Result<Duration, String> {
+    if d <= MAX_SETTING {
+        Ok(d)
+    } else {
+        Err(format!(
+            "{} is above the longest duration accepted, 3650 days",
+            humantime::format_duration(d)
+        ))
+    }
+}
+
 /// 2000-01-01 00:00:00 UTC, PostgreSQL's epoch, in microseconds since the
 /// Unix epoch.
 pub const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;

@@ -202,6 +202,26 @@ fn sizes_and_durations_parse() {
     assert!(parse_bytes("0").is_err());
     assert!(parse_bytes("12 parsecs").is_err());
     assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+    assert_eq!(parse_duration("3650d"), Ok(crate::clock::MAX_SETTING));
+    // Larger would overflow a monotonic instant where the relay adds it.
+    let err = parse_duration("3651d").unwrap_err();
+    assert!(err.contains("3650 days"), "{err}");
+    assert!(parse_timeout("500000000y").is_err());
+    let argv = [
+        "cdc-relay",
+        "run",
+        "--sink-url",
+        "http://127.0.0.1:8081/inbox",
+        "--probe-interval",
+        "100000y",
+    ];
+    let err = Cli::try_parse_from(argv).unwrap_err();
+    assert_eq!(err.exit_code(), 2);
+    let err = err.to_string();
+    assert!(
+        err.contains("--probe-interval") && err.contains("3650 days"),
+        "{err}"
+    );
 }
 
 #[test]

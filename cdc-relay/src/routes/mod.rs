@@ -498,7 +498,9 @@ fn duration(t: &Table, key: &'static str, min: Duration) -> Result<Option<Durati
     match t.get(key) {
         None => Ok(None),
         Some(Value::String(s)) => match humantime::parse_duration(s) {
-            Ok(d) if d >= min => Ok(Some(d)),
+            Ok(d) if d >= min => crate::clock::within_max_setting(d)
+                .map(Some)
+                .map_err(|e| (key, e)),
             Ok(_) => Err((key, format!("{s:?} is below the minimum {min:?}"))),
             Err(err) => Err((
                 key,

@@ -92,7 +92,7 @@ fn an_inline_secret_is_refused_with_what_to_write() {
 
 #[test]
 fn each_mistake_names_the_endpoint_and_the_key() {
-    let cases: [(&str, Option<&str>, Option<&str>, &str); 14] = [
+    let cases: [(&str, Option<&str>, Option<&str>, &str); 15] = [
         ("not toml [", None, None, "not valid TOML"),
         (
             "unrouted = \"drop\"",
@@ -142,6 +142,12 @@ fn each_mistake_names_the_endpoint_and_the_key() {
             Some("endpoint \"a\""),
             Some("probe_interval"),
             "below the minimum",
+        ),
+        (
+            &with("max_lag = \"100000y\""),
+            Some("endpoint \"a\""),
+            Some("max_lag"),
+            "3650 days",
         ),
         (
             &with("secret_file = \"/x\""),
