@@ -182,6 +182,10 @@ pub struct Metrics {
     /// `cdc_relay_pruned_rows_total`: outbox rows deleted by the relay's
     /// opt-in pruning (`run --prune-older-than`).
     pub pruned_rows: IntCounter,
+    /// `cdc_relay_prune_failures_total`: ticks of the opt-in pruning that
+    /// failed (or could not connect), each logged at WARN and tried again
+    /// at the next tick.
+    pub prune_failures: IntCounter,
     /// `cdc_relay_outbox_table_size_bytes`: the outbox's total size
     /// (`pg_total_relation_size`: heap, indexes, TOAST, every partition),
     /// bytes, as the last prune tick read it; 0 without pruning.
@@ -505,6 +509,11 @@ impl Metrics {
                 "cdc_relay_pruned_rows_total",
                 "Outbox rows deleted by the relay's pruning (run --prune-older-than): older than the window and proven delivered",
             ),
+            prune_failures: counter(
+                &r,
+                "cdc_relay_prune_failures_total",
+                "Ticks of the relay's pruning that failed or could not connect (a lock held past lock_timeout, a missing grant): logged at WARN, tried again at the next tick",
+            ),
             outbox_table_bytes: gauge(
                 &r,
                 "cdc_relay_outbox_table_size_bytes",
@@ -552,6 +561,7 @@ pub const PROCESS_FAMILIES: &[&str] = &[
     "cdc_relay_secret_reloads_total",
     "cdc_relay_halted",
     "cdc_relay_pruned_rows_total",
+    "cdc_relay_prune_failures_total",
     "cdc_relay_outbox_table_size_bytes",
 ];
 

@@ -36,8 +36,9 @@ pub struct Schedule {
 /// after a failure) until `shutdown`. A tick takes a mark and, when a row
 /// may go, deletes in batches (`debug` log per batch,
 /// `cdc_relay_pruned_rows_total`); it also refreshes
-/// `cdc_relay_outbox_table_size_bytes`. A failure is logged and tried again
-/// at the next tick: pruning never stops delivery.
+/// `cdc_relay_outbox_table_size_bytes`. A failure is logged, counted
+/// (`cdc_relay_prune_failures_total`) and tried again at the next tick:
+/// pruning never stops delivery.
 pub async fn keep_pruning(
     conn: ConnParams,
     schedule: Schedule,
@@ -50,29 +51,27 @@ pub async fn keep_pruning(
     // Opened at once (a connection problem shows at start) and after a
     // failure at the next tick; its one setting is made when it opens, so
     // an idle tick stays one statement.
-    let mut client = open(&conn).await;
+    let mut client = open(&conn, &metrics).await;
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
         if client.as_ref().is_none_or(Client::is_closed) {
-            client = open(&conn).await;
+            client = open(&conn, &metrics).await;
         }
         let Some(c) = &client else { continue };
-        match tick_once(c, &schedule.plan, &metrics, &shutdown).await {
-            Ok(0) => {}
+        let error = match tick_once(c, &schedule.plan, &metrics, &shutdown).await {
+            Ok(0) => continue,
             Ok(rows) => {
-                tracing::info!(rows, table = %schedule.plan.table, "prune: deleted delivered outbox rows older than the window")
+                tracing::info!(rows, table = %schedule.plan.table, "prune: deleted delivered outbox rows older than the window");
+                continue;
             }
-            Err(PruneError::Source(e)) => {
-                let error = source::lock_wait::named(c, e).await;
-                tracing::warn!(%error, "prune: tick failed; trying again at the next tick")
-            }
-            Err(error) => {
-                tracing::warn!(%error, "prune: tick failed; trying again at the next tick")
-            }
-        }
+            Err(PruneError::Source(e)) => source::lock_wait::named(c, e).await.to_string(),
+            Err(error) => error.to_string(),
+        };
+        metrics.prune_failures.inc();
+        tracing::warn!(%error, "prune: tick failed; trying again at the next tick");
     }
 }
 
@@ -80,15 +79,16 @@ pub async fn keep_pruning(
 /// outbox (or a catalog) ends a tick's statement after lock_timeout, with
 /// the holders named, instead of a tick waiting without a word. `None`
 /// (logged): tried again at the next tick.
-async fn open(conn: &ConnParams) -> Option<Client> {
+async fn open(conn: &ConnParams, metrics: &Metrics) -> Option<Client> {
     let opened = match source::connect_sql(conn, "cdc-relay-prune").await {
         Ok(c) => source::lock_wait::bound(&c).await.map(|()| c),
         Err(e) => Err(e),
     };
     opened
-        .inspect_err(
-            |error| tracing::warn!(%error, "prune: cannot connect; trying again at the next tick"),
-        )
+        .inspect_err(|error| {
+            metrics.prune_failures.inc();
+            tracing::warn!(%error, "prune: cannot connect; trying again at the next tick")
+        })
         .ok()
 }
 

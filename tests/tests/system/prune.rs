@@ -415,6 +415,13 @@ async fn the_relay_prunes_delivered_rows_at_a_low_rate_when_asked() -> anyhow::R
             Duration::from_secs(30),
         )
         .await?;
+    // Counted for an alert, not only logged.
+    let failures = s
+        .relay
+        .metrics()
+        .await?
+        .sum("cdc_relay_prune_failures_total");
+    assert!(failures >= 1.0, "cdc_relay_prune_failures_total {failures}");
     tx.rollback().await?;
     let after = insert_events(&s, 3, "AfterLock").await?;
     wait_delivered(&s, &after).await?;
