@@ -27,15 +27,18 @@ const RECORD_EVENT: &str = "\
     SELECT $2::uuid, $3::uuid, $4::bigint, $5::bpchar, $6::text, now() FROM inbox";
 
 /// A batch's events in ONE statement: the inbox rows of the ids not seen
-/// before (in array order), then an invoice for each of those, in array
-/// order. An id seen before changes nothing.
+/// before, then an invoice for each of those, in array order. An id seen
+/// before changes nothing. The inbox rows go in id order, so two batches
+/// sharing ids in different orders (a client's retry racing a slow first
+/// attempt, overlapping batches) wait for each other's keys in one order
+/// and never deadlock.
 const RECORD_BATCH: &str = "\
     WITH batch AS ( \
         SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::bigint[], $5::text[]) \
             WITH ORDINALITY AS b(event_id, invoice_id, order_id, amount_cents, currency, ord) \
     ), inbox AS ( \
         INSERT INTO processed_events (event_id) \
-        SELECT event_id FROM batch ORDER BY ord \
+        SELECT event_id FROM batch ORDER BY event_id \
         ON CONFLICT DO NOTHING \
         RETURNING event_id \
     ) \

@@ -215,3 +215,27 @@ async fn billing_refuses_a_bad_batch_whole_naming_the_element_and_writes_nothing
     );
     assert_eq!(count(&db, "invoices").await, 1);
 }
+
+#[tokio::test]
+async fn billing_batches_sharing_ids_in_opposite_orders_never_deadlock() {
+    let stack = stack().await;
+    let billing = Service::billing(&stack, &[], &[]).await;
+    let client = http();
+    const ROUNDS: usize = 20;
+    const EVENTS: usize = 6;
+    for _ in 0..ROUNDS {
+        let events: Vec<Value> = (0..EVENTS)
+            .map(|_| event(Uuid::new_v4(), Uuid::new_v4(), 100))
+            .collect();
+        let reversed: Vec<Value> = events.iter().rev().cloned().collect();
+        // Both 204: a deadlock (40P01) would fail one of them with a 5xx.
+        tokio::join!(
+            post_batch(&client, &billing, &events),
+            post_batch(&client, &billing, &reversed)
+        );
+    }
+    let db = stack.billing_admin().await.unwrap();
+    let n = i64::try_from(ROUNDS * EVENTS).unwrap();
+    assert_eq!(count(&db, "processed_events").await, n);
+    assert_eq!(count(&db, "invoices").await, n, "one invoice per event");
+}
