@@ -245,6 +245,18 @@ pub struct DeliveryArgs {
     /// Deliveries at once (pipelining). 1 gives strict global commit order.
     #[arg(long, env = "CDC_RELAY_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_in_flight: u32,
+    /// Events one request may carry at most (a batch: a JSON array body,
+    /// `docs/architecture.md#batches`; the receiver must take batches). 1,
+    /// the default, sends one request per event. Batches form by themselves
+    /// under load: a request goes as soon as one of --max-in-flight is free,
+    /// with the events ready then.
+    #[arg(long, env = "CDC_RELAY_BATCH_MAX_EVENTS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub batch_max_events: u32,
+    /// A batch's body size at most (estimated from the events' sizes; a
+    /// larger event goes alone, and a receiver's 413 splits a batch). Keep it
+    /// below the receiver's body limit (Billing: 64KiB by default).
+    #[arg(long, env = "CDC_RELAY_BATCH_MAX_BYTES", default_value = "48KiB", value_parser = parse_bytes)]
+    pub batch_max_bytes: u32,
     /// The memory window, in events: events received and not yet done
     /// (delivered or dead-lettered at every endpoint) that the relay holds.
     /// When the window is full the relay stops reading and WAL waits on the

@@ -28,7 +28,9 @@
 //! Deliveries run on [`Workers`]: per lane, tasks that live as long as the
 //! pipeline and deliver one job at a time.
 
+use std::collections::VecDeque;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,7 +50,8 @@ use crate::endpoint_metrics::EndpointMetrics;
 use crate::metrics::{AttemptOutcome, Metrics};
 use crate::outbox::OutboxEvent;
 use crate::sink::{
-    Attempt, Disposition, Prepared, Reason, Sink, classify, config_fault_hint, status_class,
+    Attempt, Disposition, Prepared, Reason, Sink, classify, config_fault_hint, encoder,
+    status_class,
 };
 
 /// What every delivery of one pipeline shares.
@@ -66,23 +69,47 @@ pub(super) struct Ctx<D> {
 /// A job handed back by a worker, with how its delivery finished.
 pub(super) type Delivered = (Ticket, Job, Result<Finished, DispatchError>);
 
-/// What a worker hands back: its lane and index, and the job.
-type Answer = (usize, usize, Delivered);
+/// What a worker is given: one job, or a batch (two or more jobs of its
+/// lane, in the order the scheduler started them).
+enum Given {
+    One(Ticket, Job),
+    Batch(Vec<(Ticket, Job)>),
+}
+
+/// What a worker hands back: the job, or the batch's jobs.
+enum Handed {
+    One(Delivered),
+    Batch(Vec<Delivered>),
+}
+
+/// What a worker hands back: its lane and index, and the job(s).
+type Answer = (usize, usize, Handed);
 
 /// The delivery workers of one pipeline run. Each lane gets tasks as its
-/// jobs need them, at most its `max_in_flight` (the scheduler starts no
-/// more jobs than that), and they live as long as the run: a job costs a
-/// message to an idle worker and one back, not a task of its own (its
-/// allocation, scheduling and join). Dropping `Workers` aborts them, and
-/// with them the attempts on the wire.
+/// jobs need them, at most its `max_in_flight`, and they live as long as
+/// the run: a job costs a message to an idle worker and one back, not a
+/// task of its own (its allocation, scheduling and join). Dropping
+/// `Workers` aborts them, and with them the attempts on the wire.
+///
+/// A lane with `batch_max_events` above 1 may have that many times more
+/// jobs started (the scheduler's limit for it): they wait here until one
+/// of its `max_in_flight` workers is free, which takes whatever waits, up
+/// to the batch limits, as one request ([`Workers::flush`]). At a low
+/// rate a worker is free at once and a job goes alone; under load the
+/// jobs that came while every worker was busy go together.
 pub(super) struct Workers<S, D> {
     lanes: Vec<Arc<Lane<S>>>,
     ctx: Arc<Ctx<D>>,
     /// Per lane, each worker's inbox (a worker's index is its place here).
-    inboxes: Vec<Vec<mpsc::Sender<(Ticket, Job)>>>,
+    inboxes: Vec<Vec<mpsc::Sender<Given>>>,
     /// Per lane, the workers with no job.
     idle: Vec<Vec<usize>>,
-    /// Jobs started and not yet handed back.
+    /// Per batching lane, the started jobs no worker has taken yet.
+    waiting: Vec<VecDeque<(Ticket, Job)>>,
+    /// Jobs handed back (a batch's, or waiting ones given up) and not yet
+    /// taken by [`Workers::next`].
+    ready: VecDeque<Delivered>,
+    /// Jobs started and not yet taken back.
     busy: usize,
     answers_tx: mpsc::UnboundedSender<Answer>,
     answers: mpsc::UnboundedReceiver<Answer>,
@@ -98,6 +125,8 @@ impl<S: Sink, D: DeadLetterStore> Workers<S, D> {
             ctx: Arc::new(ctx),
             inboxes: vec![Vec::new(); lanes.len()],
             idle: vec![Vec::new(); lanes.len()],
+            waiting: (0..lanes.len()).map(|_| VecDeque::new()).collect(),
+            ready: VecDeque::new(),
             busy: 0,
             answers_tx,
             answers,
@@ -105,37 +134,124 @@ impl<S: Sink, D: DeadLetterStore> Workers<S, D> {
         }
     }
 
-    /// Starts delivering `job` (a [`Work::Deliver`]) at its lane, on an
-    /// idle worker or a new one.
+    /// Starts delivering `job` (a [`Work::Deliver`]) at its lane: on an
+    /// idle worker or a new one, or, at a batching lane, among the jobs
+    /// the next free worker takes ([`Workers::flush`]).
     pub(super) fn start(&mut self, ticket: Ticket, job: Job) {
         let lane = ticket.lane;
-        let worker = match self.idle[lane].pop() {
+        self.busy += 1;
+        if self.lanes[lane].cfg.batch_max_events > 1 {
+            self.waiting[lane].push_back((ticket, job));
+            return;
+        }
+        let worker = self.free_worker(lane);
+        self.inboxes[lane][worker]
+            .try_send(Given::One(ticket, job))
+            .unwrap_or_else(|_| panic!("an idle worker's inbox is empty"));
+    }
+
+    /// Gives the batching lanes' waiting jobs to their free workers, as
+    /// many per request as the lane's batch limits allow (a job larger than
+    /// `batch_max_bytes` goes alone). While the pipeline stops (`stopping`)
+    /// or the lane is parked, the waiting jobs are handed back as such
+    /// instead: they were never attempted.
+    pub(super) fn flush(&mut self, stopping: bool) {
+        for lane in 0..self.lanes.len() {
+            if self.waiting[lane].is_empty() {
+                continue;
+            }
+            let cfg = &self.lanes[lane].cfg;
+            let (max_events, max_bytes, max_workers) =
+                (cfg.batch_max_events, cfg.batch_max_bytes, cfg.max_in_flight);
+            let parked = self.lanes[lane].park.is_parked();
+            if stopping || parked {
+                let finished = if parked {
+                    Finished::Parked
+                } else {
+                    Finished::Stopped
+                };
+                for (ticket, job) in self.waiting[lane].drain(..) {
+                    self.ready.push_back((ticket, job, Ok(finished.clone())));
+                }
+                continue;
+            }
+            while !self.waiting[lane].is_empty()
+                && (!self.idle[lane].is_empty() || self.inboxes[lane].len() < max_workers)
+            {
+                let mut bytes = 0;
+                let mut batch = Vec::new();
+                while let Some((_, (Work::Deliver(event), _))) = self.waiting[lane].front() {
+                    let size = encoder::estimated_size(event);
+                    if batch.len() == max_events || (!batch.is_empty() && bytes + size > max_bytes)
+                    {
+                        break;
+                    }
+                    bytes += size;
+                    batch.extend(self.waiting[lane].pop_front());
+                }
+                let given = if batch.len() == 1 {
+                    let (ticket, job) = batch.pop().expect("one job");
+                    Given::One(ticket, job)
+                } else {
+                    Given::Batch(batch)
+                };
+                let worker = self.free_worker(lane);
+                self.inboxes[lane][worker]
+                    .try_send(given)
+                    .unwrap_or_else(|_| panic!("an idle worker's inbox is empty"));
+            }
+        }
+    }
+
+    /// An idle worker of `lane`, or a new one.
+    fn free_worker(&mut self, lane: usize) -> usize {
+        match self.idle[lane].pop() {
             Some(w) => w,
             None => self.spawn(lane),
-        };
-        self.busy += 1;
-        self.inboxes[lane][worker]
-            .try_send((ticket, job))
-            .expect("an idle worker's inbox is empty");
+        }
     }
 
     fn spawn(&mut self, lane: usize) -> usize {
-        let (inbox, mut jobs) = mpsc::channel::<(Ticket, Job)>(1);
+        let (inbox, mut jobs) = mpsc::channel::<Given>(1);
         let worker = self.inboxes[lane].len();
         self.inboxes[lane].push(inbox);
         let at = Arc::clone(&self.lanes[lane]);
         let ctx = Arc::clone(&self.ctx);
         let answers = self.answers_tx.clone();
         self.tasks.spawn(async move {
-            while let Some((ticket, job)) = jobs.recv().await {
-                let Work::Deliver(event) = &job.0 else {
-                    unreachable!("only deliveries are started")
+            while let Some(given) = jobs.recv().await {
+                let handed = match given {
+                    Given::One(ticket, job) => {
+                        let Work::Deliver(event) = &job.0 else {
+                            unreachable!("only deliveries are started")
+                        };
+                        let finished = deliver(&at, &ctx, ticket.seq, event).await;
+                        Handed::One((ticket, job, finished))
+                    }
+                    Given::Batch(jobs) => {
+                        let events: Vec<(u64, &OutboxEvent)> = jobs
+                            .iter()
+                            .map(|(ticket, job)| match &job.0 {
+                                Work::Deliver(event) => (ticket.seq, &**event),
+                                _ => unreachable!("only deliveries are started"),
+                            })
+                            .collect();
+                        let finished = deliver_group(&at, &ctx, &events).await;
+                        drop(events);
+                        Handed::Batch(match finished {
+                            Ok(f) => jobs
+                                .into_iter()
+                                .zip(f)
+                                .map(|((t, j), f)| (t, j, Ok(f)))
+                                .collect(),
+                            Err(e) => jobs
+                                .into_iter()
+                                .map(|(t, j)| (t, j, Err(e.clone())))
+                                .collect(),
+                        })
+                    }
                 };
-                let finished = deliver(&at, &ctx, ticket.seq, event).await;
-                if answers
-                    .send((lane, worker, (ticket, job, finished)))
-                    .is_err()
-                {
+                if answers.send((lane, worker, handed)).is_err() {
                     break;
                 }
             }
@@ -153,6 +269,9 @@ impl<S: Sink, D: DeadLetterStore> Workers<S, D> {
     /// # Panics
     /// When a worker panicked.
     pub(super) async fn next(&mut self) -> Delivered {
+        if let Some(d) = self.take_ready() {
+            return d;
+        }
         tokio::select! {
             Some(answer) = self.answers.recv() => self.back(answer),
             Some(ended) = self.tasks.join_next() => {
@@ -163,14 +282,31 @@ impl<S: Sink, D: DeadLetterStore> Workers<S, D> {
 
     /// A job already handed back, if any.
     pub(super) fn try_next(&mut self) -> Option<Delivered> {
+        if let Some(d) = self.take_ready() {
+            return Some(d);
+        }
         let answer = self.answers.try_recv().ok()?;
         Some(self.back(answer))
     }
 
-    fn back(&mut self, (lane, worker, delivered): Answer) -> Delivered {
+    fn take_ready(&mut self) -> Option<Delivered> {
+        let d = self.ready.pop_front()?;
         self.busy -= 1;
+        Some(d)
+    }
+
+    fn back(&mut self, (lane, worker, handed): Answer) -> Delivered {
         self.idle[lane].push(worker);
-        delivered
+        match handed {
+            Handed::One(d) => {
+                self.busy -= 1;
+                d
+            }
+            Handed::Batch(jobs) => {
+                self.ready.extend(jobs);
+                self.take_ready().expect("a batch has jobs")
+            }
+        }
     }
 }
 
@@ -332,6 +468,151 @@ pub(super) async fn deliver<S: Sink, D: DeadLetterStore>(
     }
 }
 
+/// The result of [`deliver_group`]: each event's end, in order.
+type GroupDelivered<'a> =
+    Pin<Box<dyn Future<Output = Result<Vec<Finished>, DispatchError>> + Send + 'a>>;
+
+/// Delivers `events` (each with its job's `seq`; two or more, of distinct
+/// aggregates: the scheduler runs one job per aggregate at a time) at
+/// `lane` as one request, a batch (`docs/architecture.md#batches`), until
+/// they are done there or handed back; one event goes as [`deliver`]
+/// sends it. A 2xx does every event; a failure retries the whole batch
+/// (backoff, breaker, `Retry-After` as for one event); a refusal (poison,
+/// 413 included) splits it in halves, each delivered the same way, until
+/// the refused event is alone and dead-lettered as any poison event, and
+/// every other event of the batch delivered.
+fn deliver_group<'a, S: Sink, D: DeadLetterStore>(
+    lane: &'a Lane<S>,
+    ctx: &'a Ctx<D>,
+    events: &'a [(u64, &'a OutboxEvent)],
+) -> GroupDelivered<'a> {
+    Box::pin(async move {
+        if let [(seq, event)] = events {
+            return Ok(vec![deliver(lane, ctx, *seq, event).await?]);
+        }
+        let all = |f: Finished| Ok(vec![f; events.len()]);
+        let members: Vec<&OutboxEvent> = events.iter().map(|(_, e)| *e).collect();
+        let (id, request) = lane.sink.prepare_batch(&members);
+        let seq = events[0].0;
+        let mut backoff = lane.backoff();
+        let mut attempts: u32 = 0;
+        loop {
+            let admission = match unless_interrupted(lane, ctx, lane.breaker.admit(seq)).await {
+                Waited::Done(a) => a,
+                other => {
+                    lane.breaker.withdraw(seq);
+                    return all(interrupted(&other));
+                }
+            };
+            if let Some(pace) = &lane.pace {
+                let waited = unless_interrupted(lane, ctx, pace.wait()).await;
+                if !matches!(waited, Waited::Done(())) {
+                    lane.breaker.release(admission);
+                    return all(interrupted(&waited));
+                }
+            }
+            attempts += 1;
+            let tried = tokio::select! {
+                biased;
+                _ = lane.park.parked() => None,
+                tried = attempt_batch(lane, ctx, admission, &members, &id, &request) => Some(tried),
+            };
+            let Some(tried) = tried else {
+                lane.breaker.release(admission);
+                return all(Finished::Parked);
+            };
+            let (reason, retry_after, attempt) = match tried {
+                Tried::Delivered(status) => {
+                    tracing::debug!(batch = %id, events = events.len(), attempts, "delivered");
+                    return all(Finished::Delivered(status));
+                }
+                Tried::Poison(..) => {
+                    let (left, right) = events.split_at(events.len() / 2);
+                    let mut done = deliver_group(lane, ctx, left).await?;
+                    done.extend(deliver_group(lane, ctx, right).await?);
+                    return Ok(done);
+                }
+                Tried::Failed { attempt, .. } if ctx.persist != Persist::UntilDone => {
+                    return all(Finished::Failing(attempt.detail()));
+                }
+                Tried::Failed {
+                    reason,
+                    retry_after,
+                    attempt,
+                } => (reason, retry_after, attempt),
+            };
+            let delay = backoff.next_delay(retry_after, &mut rand::rng());
+            if attempts == 1 || attempts.is_multiple_of(20) {
+                tracing::warn!(
+                    endpoint = %lane.name, batch = %id, events = events.len(), attempts, reason = %reason,
+                    detail = %attempt.detail(), retry_in_ms = delay.as_millis() as u64,
+                    "batch delivery failed; will retry"
+                );
+            }
+            let slept = unless_interrupted(lane, ctx, tokio::time::sleep(delay)).await;
+            if !matches!(slept, Waited::Done(())) {
+                return all(interrupted(&slept));
+            }
+        }
+    })
+}
+
+/// One attempt of a batch, as [`attempt`] makes one for an event. A
+/// refusal is not poison for the breaker's storm guard (it counts events,
+/// and judges each once the batch is split down to it): the endpoint
+/// answered, and the batch is split.
+async fn attempt_batch<S: Sink, D>(
+    lane: &Lane<S>,
+    ctx: &Ctx<D>,
+    admission: Admission,
+    events: &[&OutboxEvent],
+    id: &str,
+    request: &Prepared,
+) -> Tried {
+    let metrics = &ctx.metrics;
+    let started = Instant::now();
+    let attempt = {
+        let _in_flight = InFlight::start(metrics, &lane.metrics);
+        lane.sink.post(id, request, None).await
+    };
+    metrics
+        .request_duration
+        .observe(started.elapsed().as_secs_f64());
+    let (outcome, signal, reason) = match classify(&attempt, &lane.cfg.policy) {
+        Disposition::Delivered => {
+            lane.breaker.record(admission, Signal::Success, "");
+            count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
+            for event in events {
+                count_delivered(lane, metrics, event);
+            }
+            return Tried::Delivered(status_of(&attempt));
+        }
+        Disposition::DeadLetter(r) => {
+            lane.breaker.record(admission, Signal::Success, "");
+            count_attempt(metrics, AttemptOutcome::DeadLetter, &attempt);
+            tracing::info!(
+                endpoint = %lane.name, batch = %id, events = events.len(), reason = %r,
+                detail = %attempt.detail(), "the endpoint refuses the batch: splitting it"
+            );
+            return Tried::Poison(r, attempt);
+        }
+        Disposition::Retry(r) => (AttemptOutcome::Retry, Signal::Transient, r),
+        Disposition::ConfigFault(r) => {
+            let hint = config_fault_hint(&r, &attempt, metrics.clock_skew.get());
+            (AttemptOutcome::ConfigFault, Signal::ConfigFault(hint), r)
+        }
+        Disposition::Retired(r) => (AttemptOutcome::Retired, Signal::Retired, r),
+    };
+    failed(
+        lane,
+        metrics,
+        (admission, outcome, signal, reason),
+        attempt,
+        id,
+        None,
+    )
+}
+
 /// What an interrupted wait means for the job.
 fn interrupted<T>(w: &Waited<T>) -> Finished {
     match w {
@@ -448,21 +729,8 @@ async fn attempt<S: Sink, D>(
         Disposition::Delivered => {
             lane.breaker.record(admission, Signal::Success, "");
             count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
-            if event.dead_letter_id.is_none() {
-                metrics.events_delivered.inc();
-                lane.metrics.delivered.inc();
-                let since =
-                    crate::clock::seconds_since(event.commit_time_micros, metrics.clock_skew.get());
-                metrics.commit_to_delivery.observe(since);
-                lane.metrics.commit_to_delivery.observe(since);
-            } else {
-                lane.metrics.replayed.inc();
-            }
-            let status = match &attempt {
-                Attempt::Response { status, .. } => *status,
-                _ => 200,
-            };
-            return Tried::Delivered(status);
+            count_delivered(lane, metrics, event);
+            return Tried::Delivered(status_of(&attempt));
         }
         Disposition::DeadLetter(r) if lane.breaker.poison(&event.id) => {
             lane.breaker
@@ -484,6 +752,50 @@ async fn attempt<S: Sink, D>(
         }
         Disposition::Retired(r) => (AttemptOutcome::Retired, Signal::Retired, r),
     };
+    failed(
+        lane,
+        metrics,
+        (admission, outcome, signal, reason),
+        attempt,
+        &event.id,
+        trace_id(event),
+    )
+}
+
+/// A delivered event in the metrics: delivered (with its commit-to-
+/// delivery time) when live, replayed when it was a dead letter.
+fn count_delivered<S>(lane: &Lane<S>, metrics: &Metrics, event: &OutboxEvent) {
+    if event.dead_letter_id.is_none() {
+        metrics.events_delivered.inc();
+        lane.metrics.delivered.inc();
+        let since = crate::clock::seconds_since(event.commit_time_micros, metrics.clock_skew.get());
+        metrics.commit_to_delivery.observe(since);
+        lane.metrics.commit_to_delivery.observe(since);
+    } else {
+        lane.metrics.replayed.inc();
+    }
+}
+
+/// A 2xx attempt's status.
+fn status_of(attempt: &Attempt) -> u16 {
+    match attempt {
+        Attempt::Response { status, .. } => *status,
+        _ => 200,
+    }
+}
+
+/// Records an attempt that failed (neither delivered nor poison) in the
+/// breaker and the metrics, and pauses every delivery of the lane when
+/// the sink asked for quiet (`Retry-After`). `about`: the event id (or a
+/// batch's id) for the log line.
+fn failed<S>(
+    lane: &Lane<S>,
+    metrics: &Metrics,
+    (admission, outcome, signal, reason): (Admission, AttemptOutcome, Signal, Reason),
+    attempt: Attempt,
+    about: &str,
+    trace_id: Option<tracing::field::DisplayValue<TraceId>>,
+) -> Tried {
     // The breaker logs the exact status; the metric gets the bounded label.
     lane.breaker.record(admission, signal, &reason.to_string());
     count_attempt(metrics, outcome, &attempt);
@@ -502,7 +814,7 @@ async fn attempt<S: Sink, D>(
         lane.breaker
             .pause_until(tokio::time::Instant::now() + pause);
         tracing::warn!(
-            endpoint = %lane.name, event_id = %event.id, trace_id = trace_id(event), reason = %reason, retry_after_s = asked.as_secs_f64(),
+            endpoint = %lane.name, event_id = %about, trace_id, reason = %reason, retry_after_s = asked.as_secs_f64(),
             pause_s = pause.as_secs_f64(), "the sink asked for quiet (Retry-After): every delivery pauses"
         );
     }

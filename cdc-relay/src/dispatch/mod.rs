@@ -129,7 +129,12 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
     );
     let lanes: Vec<Arc<Lane<S>>> = lanes.into_iter().map(Arc::new).collect();
     let dead_letter_lane = lanes.len();
-    let mut limits: Vec<usize> = lanes.iter().map(|l| l.cfg.max_in_flight).collect();
+    // A batching lane runs up to its batch size times more jobs: its
+    // workers take them in batches (`delivery::Workers::flush`).
+    let mut limits: Vec<usize> = lanes
+        .iter()
+        .map(|l| l.cfg.max_in_flight * l.cfg.batch_max_events)
+        .collect();
     limits.push(1);
     if pipeline.gauges {
         for l in &lanes {
@@ -191,6 +196,7 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
                 workers.start(ticket, job);
             }
         }
+        workers.flush(stopping.is_cancelled());
         for (lane, (work, _)) in scheduler.take_abandoned() {
             report(&pipeline, &work, lane, Outcome::NotAttempted);
         }

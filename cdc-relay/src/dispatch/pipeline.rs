@@ -48,6 +48,12 @@ pub struct DispatchConfig {
     /// Maximum deliveries running at once (requests plus their backoff
     /// sleeps). 1 gives strict global commit order.
     pub max_in_flight: usize,
+    /// Events one request may carry at most (`docs/architecture.md#batches`);
+    /// 1: one request per event, the wire format every receiver takes.
+    pub batch_max_events: usize,
+    /// A batch's body size at most, bytes, as estimated from its events'
+    /// sizes before encoding (a receiver's 413 splits it further).
+    pub batch_max_bytes: usize,
     /// First retry delay ceiling.
     pub backoff_base: Duration,
     /// Retry delay cap (full jitter below it).
@@ -171,7 +177,7 @@ pub enum Outcome {
 }
 
 /// The pipeline stopped before its input ended.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum DispatchError {
     /// Dead letters cannot be written: the side connection is gone.
     #[error("cannot write the dead-letter table: {0}")]

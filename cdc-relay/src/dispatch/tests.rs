@@ -31,6 +31,7 @@ use crate::dead_letter::{NewDeadLetter, StoreError};
 use crate::health::Health;
 use crate::sink::StatusPolicy;
 
+mod batches;
 mod breaker;
 mod routed;
 use crate::lsn::Lsn;
@@ -40,6 +41,8 @@ use crate::sink::{Attempt, Prepared};
 #[derive(Clone, Debug)]
 struct Call {
     id: String,
+    /// A batch's event ids, in body order (empty for one event).
+    members: Vec<String>,
     start: Instant,
     end: Instant,
     status: u16,
@@ -72,17 +75,47 @@ impl Sink for Arc<ScriptedSink> {
         Prepared::unsigned(crate::sink::encoder::body(event))
     }
 
+    fn prepare_batch(&self, events: &[&OutboxEvent]) -> (String, Prepared) {
+        let id = crate::sink::encoder::batch_id(events.iter().map(|e| e.id.as_str()));
+        let body = crate::sink::encoder::batch_body(events.iter().copied());
+        (id, Prepared::unsigned(body).batch_of(events.len()))
+    }
+
+    /// A batch is answered as its members would be: after the longest
+    /// latency, with the first member's status that is not a 2xx (else the
+    /// first member's).
     async fn post(
         &self,
         event_id: &str,
-        _request: &Prepared,
+        request: &Prepared,
         _trace: Option<&crate::sink::TraceHeaders>,
     ) -> Attempt {
         let start = Instant::now();
-        let (latency, status) = (self.script)(event_id, start);
+        let members: Vec<String> = match request.batch {
+            None => Vec::new(),
+            Some(_) => serde_json::from_slice::<Vec<serde_json::Value>>(&request.body)
+                .expect("a batch body is a JSON array")
+                .iter()
+                .map(|e| e["id"].as_str().expect("an id").to_owned())
+                .collect(),
+        };
+        let (latency, status) = if members.is_empty() {
+            (self.script)(event_id, start)
+        } else {
+            let answers: Vec<(Duration, u16)> =
+                members.iter().map(|id| (self.script)(id, start)).collect();
+            let latency = answers.iter().map(|a| a.0).max().unwrap_or_default();
+            let status = answers
+                .iter()
+                .map(|a| a.1)
+                .find(|s| !(200..300).contains(s))
+                .unwrap_or(answers[0].1);
+            (latency, status)
+        };
         tokio::time::sleep(latency).await;
         self.calls.lock().unwrap().push(Call {
             id: event_id.to_owned(),
+            members,
             start,
             end: Instant::now(),
             status,
@@ -218,6 +251,8 @@ impl DeadLetterStore for MemoryStore {
 fn config(max_in_flight: usize) -> DispatchConfig {
     DispatchConfig {
         max_in_flight,
+        batch_max_events: 1,
+        batch_max_bytes: usize::MAX,
         backoff_base: Duration::from_millis(1),
         backoff_cap: Duration::from_millis(1),
         retry_after_max: Duration::from_secs(1),

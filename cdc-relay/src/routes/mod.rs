@@ -10,6 +10,8 @@
 //! event_types = ["OrderCreated", "Invoice*"]
 //! secret_env = "BILLING_EVENT_SECRET" # or secret_file = "/etc/…"; never the secret itself
 //! max_in_flight = 32                  # optional; the others default to run's flags
+//! batch_max_events = 64               # optional: events per request (the endpoint takes batches)
+//! batch_max_bytes = 49152             # optional: a batch's body size at most, bytes
 //! request_timeout = "4s"
 //! max_lag = "10m"                     # optional: park it once an event waited this long
 //! rate = 200                          # optional: requests/s at most (live and replayed)
@@ -68,6 +70,10 @@ pub struct EndpointSpec {
     pub previous_secret: Option<SecretRef>,
     /// Deliveries to this endpoint at once (1..=4096).
     pub max_in_flight: Option<usize>,
+    /// Events per request at most (1..=1000; `docs/architecture.md#batches`).
+    pub batch_max_events: Option<usize>,
+    /// A batch's body size at most, bytes (1 KiB..=16 MiB).
+    pub batch_max_bytes: Option<usize>,
     /// Whole-attempt timeout (above 0, below `--shutdown-timeout`).
     pub request_timeout: Option<Duration>,
     /// First retry delay ceiling.
@@ -106,7 +112,7 @@ pub struct RoutesFile {
 }
 
 const TOP_KEYS: [&str; 2] = ["unrouted", "endpoint"];
-const ENDPOINT_KEYS: [&str; 17] = [
+const ENDPOINT_KEYS: [&str; 19] = [
     "name",
     "url",
     "event_types",
@@ -115,6 +121,8 @@ const ENDPOINT_KEYS: [&str; 17] = [
     "previous_secret_env",
     "previous_secret_file",
     "max_in_flight",
+    "batch_max_events",
+    "batch_max_bytes",
     "request_timeout",
     "backoff_base",
     "backoff_cap",
@@ -384,6 +392,12 @@ fn endpoint(t: &Table, n: usize) -> Result<EndpointSpec, EndpointError> {
     let max_in_flight = int(t, "max_in_flight", 1, 4096)
         .map_err(|(k, p)| e(k, p))?
         .map(|v| v as usize);
+    let batch_max_events = int(t, "batch_max_events", 1, 1000)
+        .map_err(|(k, p)| e(k, p))?
+        .map(|v| v as usize);
+    let batch_max_bytes = int(t, "batch_max_bytes", 1024, 16 << 20)
+        .map_err(|(k, p)| e(k, p))?
+        .map(|v| v as usize);
     let failure_threshold = int(t, "failure_threshold", 1, 1000)
         .map_err(|(k, p)| e(k, p))?
         .map(|v| v as u32);
@@ -455,6 +469,8 @@ fn endpoint(t: &Table, n: usize) -> Result<EndpointSpec, EndpointError> {
         secret,
         previous_secret,
         max_in_flight,
+        batch_max_events,
+        batch_max_bytes,
         request_timeout,
         backoff_base,
         backoff_cap,

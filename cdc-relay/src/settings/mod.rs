@@ -206,6 +206,8 @@ pub fn endpoint_config(
     };
     Ok(DispatchConfig {
         max_in_flight: e.max_in_flight.unwrap_or(base.max_in_flight),
+        batch_max_events: e.batch_max_events.unwrap_or(base.batch_max_events),
+        batch_max_bytes: e.batch_max_bytes.unwrap_or(base.batch_max_bytes),
         backoff_base,
         backoff_cap,
         retry_after_max: base.retry_after_max,
@@ -238,6 +240,8 @@ impl DeliveryArgs {
         }
         Ok(DispatchConfig {
             max_in_flight: self.max_in_flight as usize,
+            batch_max_events: self.batch_max_events as usize,
+            batch_max_bytes: self.batch_max_bytes as usize,
             backoff_base: self.backoff_base,
             backoff_cap: self.backoff_cap,
             retry_after_max: self.retry_after_max,
@@ -496,6 +500,8 @@ mod tests {
         let f = crate::routes::tests::parse(crate::routes::tests::GOOD).unwrap();
         let base = DispatchConfig {
             max_in_flight: 64,
+            batch_max_events: 1,
+            batch_max_bytes: 48 << 10,
             backoff_base: Duration::from_millis(50),
             backoff_cap: Duration::from_secs(1),
             retry_after_max: Duration::from_secs(60),

@@ -26,6 +26,8 @@ use crate::sink::signature::Signer;
 pub struct Prepared {
     /// The JSON body.
     pub body: Bytes,
+    /// A batch's number of events (`X-Event-Batch`); `None` for one event.
+    pub batch: Option<usize>,
     legacy: Option<(Arc<Signer>, HeaderValue)>,
 }
 
@@ -33,12 +35,26 @@ impl Prepared {
     /// `body`, with its legacy signature under `signer` when its scheme has one.
     pub fn signed(body: Bytes, signer: Arc<Signer>) -> Prepared {
         let legacy = signer.legacy(&body).map(|value| (signer, value));
-        Prepared { body, legacy }
+        Prepared {
+            body,
+            batch: None,
+            legacy,
+        }
     }
 
     /// `body` without a signature made in advance (scripted sinks in tests).
     pub fn unsigned(body: Bytes) -> Prepared {
-        Prepared { body, legacy: None }
+        Prepared {
+            body,
+            batch: None,
+            legacy: None,
+        }
+    }
+
+    /// The same request marked as a batch of `events` events.
+    pub fn batch_of(mut self, events: usize) -> Prepared {
+        self.batch = Some(events);
+        self
     }
 
     /// `X-Event-Signature` for an attempt made with `signer`: the one made
@@ -64,6 +80,44 @@ pub fn body(event: &OutboxEvent) -> Bytes {
     out.extend_from_slice(payload);
     out.push(b'}');
     Bytes::from(out)
+}
+
+/// The body of a batch (`docs/architecture.md#batches`): the events'
+/// single bodies, byte for byte, as a JSON array (`[b1,b2,…]`, no
+/// whitespace).
+pub fn batch_body<'a>(events: impl IntoIterator<Item = &'a OutboxEvent>) -> Bytes {
+    let mut out = Vec::new();
+    out.push(b'[');
+    for (i, event) in events.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(&body(event));
+    }
+    out.push(b']');
+    Bytes::from(out)
+}
+
+/// A batch's request id (`webhook-id`, `Idempotency-Key`): `batch_` and
+/// the lowercase hex of the first 16 bytes of SHA-256 over each event id
+/// followed by a line feed, in body order
+/// (`docs/architecture.md#batches`). The same events in the same order
+/// give the same id on every attempt.
+pub fn batch_id<'a>(ids: impl IntoIterator<Item = &'a str>) -> String {
+    use sha2::Digest;
+    let mut hash = sha2::Sha256::new();
+    for id in ids {
+        hash.update(id.as_bytes());
+        hash.update(b"\n");
+    }
+    format!("batch_{}", hex::encode(&hash.finalize()[..16]))
+}
+
+/// What a batch's body costs at most for `event`, estimated before
+/// encoding: its single body's size when nothing needs escaping, and the
+/// comma (a receiver's 413 splits a batch an escape made too large).
+pub fn estimated_size(event: &OutboxEvent) -> usize {
+    event.payload.as_ref().map_or(4, |p| p.len()) + event.id.len() + event.event_type.len() + 28
 }
 
 fn push_json_string(out: &mut Vec<u8>, s: &str) {
@@ -134,6 +188,29 @@ mod tests {
         assert_eq!(obj.len(), 3, "no injected keys: {v}");
         assert_eq!(obj["id"], "a\"b");
         assert_eq!(obj["type"], "x\",\"admin\":true,\"y\":\"\n\u{1}");
+    }
+
+    #[test]
+    fn a_batch_is_the_single_bodies_as_an_array_with_the_documented_id() {
+        let (a, b) = (event("e1", "T", Some("{\"n\":1}")), event("e2", "T", None));
+        let batch = batch_body([&a, &b]);
+        assert_eq!(
+            &batch[..],
+            [&b"["[..], &body(&a), b",", &body(&b), b"]"]
+                .concat()
+                .as_slice()
+        );
+        let v: serde_json::Value = serde_json::from_slice(&batch).unwrap();
+        assert_eq!(v.as_array().map(Vec::len), Some(2));
+        assert!(estimated_size(&a) > body(&a).len());
+        // The vector of docs/architecture.md#batches (Billing checks it too).
+        assert_eq!(
+            batch_id([
+                "8f0e6c1a-52c5-4b7e-9d52-3f0d2d7b9e11",
+                "0b6a7e4c-1f2d-4c3b-8a9e-5d6f7a8b9c0d"
+            ]),
+            "batch_770f11200c20a99b3ab5a8997012c64e"
+        );
     }
 
     #[test]

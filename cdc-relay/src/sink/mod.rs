@@ -34,6 +34,12 @@ pub trait Sink: Clone + Send + Sync + 'static {
     /// attempt sends the same bytes.
     fn prepare(&self, event: &OutboxEvent) -> Prepared;
 
+    /// Builds the request of a batch of `events` (two or more, in body
+    /// order) once: the body, its legacy signature, and the batch's id
+    /// ([`encoder::batch_id`]), which [`Sink::post`] takes as the
+    /// request's idempotency key (`docs/architecture.md#batches`).
+    fn prepare_batch(&self, events: &[&OutboxEvent]) -> (String, Prepared);
+
     /// Makes one attempt to deliver `request` for event `event_id` (the
     /// idempotency key), carrying `trace` (the attempt's W3C trace
     /// context) when given, and reports what happened, within the sink's

@@ -379,6 +379,9 @@ impl HttpSink {
                 headers.insert(WEBHOOK_SIGNATURE, signature.clone());
             }
             headers.insert(IDEMPOTENCY_KEY, key.clone());
+            if let Some(n) = request.batch {
+                headers.insert(X_EVENT_BATCH, HeaderValue::from(n));
+            }
             headers.insert(USER_AGENT, HeaderValue::from_static(USER_AGENT_VALUE));
             if let Some(auth) = &self.target.authorization {
                 headers.insert(AUTHORIZATION, auth.clone());
@@ -461,6 +464,13 @@ impl Sink for HttpSink {
         Prepared::signed(encoder::body(event), self.signing.current())
     }
 
+    fn prepare_batch(&self, events: &[&OutboxEvent]) -> (String, Prepared) {
+        let id = encoder::batch_id(events.iter().map(|e| e.id.as_str()));
+        let body = encoder::batch_body(events.iter().copied());
+        let request = Prepared::signed(body, self.signing.current()).batch_of(events.len());
+        (id, request)
+    }
+
     /// POSTs the prepared body once, within the request timeout.
     async fn post(
         &self,
@@ -483,6 +493,7 @@ const X_EVENT_SIGNATURE: HeaderName = HeaderName::from_static("x-event-signature
 const WEBHOOK_ID: HeaderName = HeaderName::from_static("webhook-id");
 const WEBHOOK_TIMESTAMP: HeaderName = HeaderName::from_static("webhook-timestamp");
 const WEBHOOK_SIGNATURE: HeaderName = HeaderName::from_static("webhook-signature");
+const X_EVENT_BATCH: HeaderName = HeaderName::from_static("x-event-batch");
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");

@@ -208,6 +208,8 @@ fn lane(url: &str, metrics: &Metrics) -> Lane<HttpSink> {
     .expect("an HTTP sink");
     let cfg = DispatchConfig {
         max_in_flight: MAX_IN_FLIGHT,
+        batch_max_events: 1,
+        batch_max_bytes: usize::MAX,
         backoff_base: Duration::from_millis(100),
         backoff_cap: Duration::from_secs(1),
         retry_after_max: Duration::from_secs(60),

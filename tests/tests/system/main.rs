@@ -37,6 +37,7 @@
 //! | `slot_creation.rs` | a slot creation held by an open transaction: what `setup`/`run --create-slot` wait for, `--slot-create-timeout`, no orphan, "being created by pid N" in `setup` and `status` |
 //! | `slot_persistence.rs` | where a slot resumes after a clean PostgreSQL restart, with and without a CHECKPOINT first (measured per version) |
 //! | `trace_context.rs` | one order followed through every hop (issue 32): W3C trace context from the Orders request through the outbox row and the relay's attempts into Billing, exported over OTLP to a real receiver; retries, a redelivery after SIGKILL, a dead collector |
+//! | `batches.rs` | batched delivery (`--batch-max-events`) into the real Billing: a backlog in batches, a refused event split out and dead-lettered alone |
 //! | `chaos.rs` | the compressed chaos schedule (CI's variant of `--bin chaos`) |
 //!
 //! # How a test reads
@@ -53,6 +54,7 @@
 //! stopped on purpose: the slot still holds every row not done).
 
 mod backfill;
+mod batches;
 mod chaos;
 mod cli;
 mod clock;

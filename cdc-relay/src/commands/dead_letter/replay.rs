@@ -77,6 +77,8 @@ struct Replayed {
 fn replay_lane(a: &ReplayArgs) -> Result<Lane<HttpSink>, String> {
     let base = DispatchConfig {
         max_in_flight: a.max_in_flight as usize,
+        batch_max_events: 1,
+        batch_max_bytes: usize::MAX,
         backoff_base: Duration::from_millis(50),
         backoff_cap: Duration::from_secs(1),
         retry_after_max: Duration::from_secs(60),
@@ -117,6 +119,8 @@ fn replay_lane(a: &ReplayArgs) -> Result<Lane<HttpSink>, String> {
     };
     let cfg = DispatchConfig {
         max_in_flight: a.max_in_flight as usize,
+        batch_max_events: 1,
+        batch_max_bytes: usize::MAX,
         rate: a.rate,
         max_lag: None,
         auto_resume: false,

@@ -1,0 +1,94 @@
+//! Batched delivery (`--batch-max-events`, `docs/architecture.md#batches`)
+//! into the real Billing: a backlog goes in batches, every order is
+//! invoiced once, and an event Billing refuses is split out of its batch
+//! and dead-lettered alone while the rest of the batch is invoiced.
+
+use std::time::Duration;
+
+use harness::app;
+use harness::oracle::Ledger;
+use harness::{Inbox, Scenario, wait_until};
+
+const DRAIN: Duration = Duration::from_secs(60);
+const BACKLOG: usize = 300;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_goes_in_batches_and_a_refused_event_is_dead_lettered_alone() -> anyhow::Result<()>
+{
+    let batch = ["--batch-max-events", "16", "--max-in-flight", "4"];
+    let mut s = Scenario::plan(Inbox::Billing)
+        .relay_args(&batch)
+        .start()
+        .await?;
+    // A backlog while the relay is stopped, with one event Billing refuses
+    // (amount 0: 422) in the middle of it.
+    s.stop_relay().await?;
+    for _ in 0..BACKLOG / 2 {
+        app::insert_order_event(&s.db).await?;
+    }
+    let order = uuid::Uuid::new_v4();
+    let poison = uuid::Uuid::new_v4();
+    s.db.batch_execute(&format!(
+        "INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 250, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{poison}', '{order}', \
+           'OrderCreated', jsonb_build_object('order_id', '{order}'::uuid, 'amount_cents', 0, 'currency', 'EUR'))"
+    ))
+    .await?;
+    for _ in 0..BACKLOG / 2 {
+        app::insert_order_event(&s.db).await?;
+    }
+    let before = s.billing().metrics().await?.sum_by(
+        "billing_http_requests_total",
+        ("route", "/inbox"),
+        "route",
+    );
+    s.restart_relay(&batch).await?;
+    wait_until(
+        "every order invoiced and the refused event dead-lettered",
+        DRAIN,
+        || async {
+            let ledger = Ledger::read(&s.stack).await?;
+            let dead: i64 =
+                s.db.query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+                    .await?
+                    .get(0);
+            anyhow::Ok(ledger.invoices == BACKLOG && dead == 1)
+        },
+    )
+    .await?;
+    let ledger = Ledger::read(&s.stack).await?;
+    assert_eq!(ledger.duplicate_effects, 0, "{ledger:?}");
+    assert_eq!(ledger.phantom, 0, "{ledger:?}");
+    assert_eq!(
+        ledger.lost, 1,
+        "only the refused event has no inbox row: {ledger:?}"
+    );
+    let row =
+        s.db.query_one(
+            "SELECT event_id, http_status, error FROM cdc_relay_dead_letter",
+            &[],
+        )
+        .await?;
+    assert_eq!(row.get::<_, Option<String>>(0), Some(poison.to_string()));
+    assert_eq!(row.get::<_, Option<i32>>(1), Some(422));
+    // Fewer requests than events: batches went out.
+    let after = s.billing().metrics().await?.sum_by(
+        "billing_http_requests_total",
+        ("route", "/inbox"),
+        "route",
+    );
+    let requests =
+        after.get("/inbox").copied().unwrap_or(0.0) - before.get("/inbox").copied().unwrap_or(0.0);
+    assert!(
+        requests < (BACKLOG / 4) as f64,
+        "{requests} requests for {} events",
+        BACKLOG + 1
+    );
+    let relay = s.relay.metrics().await?;
+    assert_eq!(
+        relay.sum("cdc_relay_events_delivered_total"),
+        BACKLOG as f64
+    );
+    s.settle().await?;
+    s.finish().await
+}
