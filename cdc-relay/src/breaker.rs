@@ -121,6 +121,13 @@ struct State {
     /// The sink has answered at least once in this session. Until then
     /// attempts are paced like an open circuit's probes.
     answered: bool,
+    /// When the oldest attempt admitted since the sink's last answer (of
+    /// any kind) was admitted; `None` when every admitted attempt since has
+    /// been answered. Older than [`Breaker::silence`]: the sink has gone
+    /// silent (a black hole, a hung server), and the attempts it holds have
+    /// not failed yet (they wait for their request timeout), so no more
+    /// are admitted than in slow start.
+    unanswered_since: Option<Instant>,
     /// While open: when it opened, the probes failed since, and when the
     /// last "still open" line was logged (or it opened).
     open: Option<OpenSpell>,
@@ -235,6 +242,7 @@ impl Breaker {
                 paused_until: None,
                 proven: false,
                 answered: false,
+                unanswered_since: None,
                 open: None,
                 retired: false,
             }),
@@ -263,8 +271,17 @@ impl Breaker {
         s.probe_in_flight = false;
         s.proven = false;
         s.answered = false;
+        s.unanswered_since = None;
         drop(s);
         self.shared.changed.notify_waiters();
+    }
+
+    /// How long the sink may leave every attempt admitted since its last
+    /// answer unanswered before it counts as silent: two probe intervals
+    /// (1 s by default). A sink that answers anything within it, even
+    /// slowly, is not silent.
+    fn silence(&self) -> Duration {
+        self.shared.cfg.probe_interval * 2
     }
 
     /// The current state.
@@ -291,8 +308,13 @@ impl Breaker {
                     until
                 } else {
                     s.paused_until = None;
-                    if s.circuit == CircuitState::Closed && s.proven {
+                    let now = Instant::now();
+                    let silent = s
+                        .unanswered_since
+                        .is_some_and(|t| now.saturating_duration_since(t) >= self.silence());
+                    if s.circuit == CircuitState::Closed && s.proven && !silent {
                         s.waiting.remove(&seq);
+                        s.unanswered_since.get_or_insert(now);
                         return Admission::Normal;
                     }
                     // Open, or closed in slow start: the oldest waiting
@@ -310,6 +332,7 @@ impl Breaker {
                     } else if !paced || Instant::now() >= s.next_probe_at {
                         s.probe_in_flight = true;
                         s.waiting.remove(&seq);
+                        s.unanswered_since.get_or_insert(now);
                         return Admission::Probe;
                     } else {
                         s.next_probe_at
@@ -348,6 +371,8 @@ impl Breaker {
         if admission == Admission::Probe {
             s.probe_in_flight = false;
         }
+        // An answer, or a failure the relay saw: not silence.
+        s.unanswered_since = None;
         match signal {
             Signal::Success => {
                 s.proven = true;

@@ -6,7 +6,9 @@
 //               (with the verifier's message) otherwise
 // POST /switch  from now on verify with RECEIVER_NEXT_SECRET instead
 // GET  /counts  {"accepted", "rejected", "accepted_by_secret": [first, next],
-//                "ids": distinct webhook-ids accepted, "rejections": first reasons}
+//                "ids": distinct webhook-ids accepted, "events": events in the
+//                accepted requests (a batch's array counts each element),
+//                "rejections": first reasons}
 //
 // Environment: RECEIVER_SECRET (whsec_...), RECEIVER_NEXT_SECRET (optional);
 // NODE_PATH must reach the installed package (tests/interop/install.sh).
@@ -24,6 +26,7 @@ const state = {
   rejected: 0,
   acceptedBySecret: [0, 0],
   ids: new Set(),
+  events: 0,
   rejections: [],
 };
 
@@ -52,6 +55,7 @@ const server = http.createServer((req, res) => {
         rejected: state.rejected,
         accepted_by_secret: state.acceptedBySecret,
         ids: state.ids.size,
+        events: state.events,
         rejections: state.rejections,
       });
     }
@@ -59,8 +63,9 @@ const server = http.createServer((req, res) => {
       return answer(res, 404);
     }
     const phase = state.phase;
+    let payload;
     try {
-      state.verifier.verify(body, req.headers);
+      payload = state.verifier.verify(body, req.headers);
     } catch (e) {
       state.rejected += 1;
       if (state.rejections.length < 5) {
@@ -71,6 +76,7 @@ const server = http.createServer((req, res) => {
     state.accepted += 1;
     state.acceptedBySecret[phase] += 1;
     state.ids.add(req.headers["webhook-id"]);
+    state.events += Array.isArray(payload) ? payload.length : 1;
     answer(res, 204);
   });
 });

@@ -6,7 +6,9 @@ POST /inbox   204 when standardwebhooks' Webhook(secret).verify accepts the
 POST /switch  from now on verify with RECEIVER_NEXT_SECRET instead (a
               receiver switching secrets at an instant of the test's choosing)
 GET  /counts  {"accepted", "rejected", "accepted_by_secret": [first, next],
-               "ids": distinct webhook-ids accepted, "rejections": first reasons}
+               "ids": distinct webhook-ids accepted, "events": events in the
+               accepted requests (a batch's array counts each element),
+               "rejections": first reasons}
 
 Environment: RECEIVER_SECRET (whsec_...), RECEIVER_NEXT_SECRET (optional).
 Prints `listening on http://127.0.0.1:PORT` once bound (port 0: any free one).
@@ -29,6 +31,7 @@ STATE = {
     "rejected": 0,
     "accepted_by_secret": [0, 0],
     "ids": set(),
+    "events": 0,
     "rejections": [],
 }
 
@@ -60,7 +63,7 @@ class Handler(BaseHTTPRequestHandler):
         with LOCK:
             phase, verifier = STATE["phase"], STATE["verifier"]
         try:
-            verifier.verify(body, dict(self.headers.items()))
+            payload = verifier.verify(body, dict(self.headers.items()))
         except Exception as e:  # the verifier's refusal, whatever its class
             with LOCK:
                 STATE["rejected"] += 1
@@ -71,6 +74,7 @@ class Handler(BaseHTTPRequestHandler):
             STATE["accepted"] += 1
             STATE["accepted_by_secret"][phase] += 1
             STATE["ids"].add(self.headers.get("webhook-id"))
+            STATE["events"] += len(payload) if isinstance(payload, list) else 1
         self.answer(204)
 
     def do_GET(self):
@@ -82,6 +86,7 @@ class Handler(BaseHTTPRequestHandler):
                 "rejected": STATE["rejected"],
                 "accepted_by_secret": list(STATE["accepted_by_secret"]),
                 "ids": len(STATE["ids"]),
+                "events": STATE["events"],
                 "rejections": list(STATE["rejections"]),
             }
         self.answer(200, json.dumps(counts).encode())

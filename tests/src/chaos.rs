@@ -95,6 +95,9 @@ pub struct Config {
     /// Billing sends its `Idempotency-Key` to the provider; `false` is the
     /// comparison run that counts the double charges the key prevents.
     pub idempotency_key: bool,
+    /// Flags every relay of the run gets besides the schedule's own (the
+    /// batched variant's `--batch-max-events`).
+    pub relay_args: Vec<String>,
 }
 
 impl Config {
@@ -112,6 +115,7 @@ impl Config {
             drain_timeout: Duration::from_secs(300),
             keep_logs: None,
             idempotency_key: true,
+            relay_args: Vec::new(),
         }
     }
 
@@ -130,7 +134,18 @@ impl Config {
             drain_timeout: Duration::from_secs(90),
             keep_logs: None,
             idempotency_key: true,
+            relay_args: Vec::new(),
         }
+    }
+}
+
+impl Config {
+    /// The same run with every relay sending batches of up to 16 events
+    /// (`docs/architecture.md#batches`; Billing takes them).
+    pub fn batched(mut self) -> Config {
+        self.label = format!("{}-batched", self.label);
+        self.relay_args = ["--batch-max-events", "16"].map(String::from).to_vec();
+        self
     }
 }
 
@@ -202,6 +217,7 @@ struct World {
     payments: AsyncMutex<Running>,
     payments_front: Front,
     idempotency_key: bool,
+    relay_args: Vec<String>,
     sink: ScriptedSink,
     billing_link: FaultProxy,
     pg_link: FaultProxy,
@@ -228,7 +244,11 @@ impl World {
             &self.relay_sink_url,
             format!("chaos-relay-{n}"),
             &self.request_timeout,
-            &[],
+            &self
+                .relay_args
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
         )
         .await
     }
@@ -588,6 +608,7 @@ pub async fn run(cfg: &Config) -> anyhow::Result<Report> {
         payments: AsyncMutex::new(payments),
         payments_front,
         idempotency_key: cfg.idempotency_key,
+        relay_args: cfg.relay_args.clone(),
         sink,
         billing_link,
         pg_link,

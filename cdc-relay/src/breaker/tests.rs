@@ -260,11 +260,33 @@ async fn retry_after_pause_holds_every_delivery_and_the_probe() {
     // A closed, proven circuit pauses every delivery too.
     b.record(Admission::Probe, Signal::Success, "");
     assert_eq!(b.admit(2).await, Admission::Normal);
+    // (Answered: an attempt left unanswered through the pause would make
+    // the sink silent, and slow start would follow it.)
+    b.record(Admission::Normal, Signal::Success, "");
     let t1 = Instant::now();
     b.pause_until(t1 + Duration::from_secs(3));
     let (a, c) = tokio::join!(b.admit(3), b.admit(4));
     assert_eq!((a, c), (Admission::Normal, Admission::Normal));
     assert_eq!(t1.elapsed(), Duration::from_secs(3));
+}
+
+/// A closed, proven circuit whose sink leaves an attempt unanswered for two
+/// probe intervals admits the next one alone (slow start), and returns to
+/// normal admission once the sink answers.
+#[tokio::test(start_paused = true)]
+async fn a_silent_sink_gets_one_attempt_at_a_time_until_it_answers() {
+    let b = breaker();
+    assert_eq!(b.admit(1).await, Admission::Probe, "slow start at first");
+    b.record(Admission::Probe, Signal::Success, "");
+    assert_eq!(b.admit(2).await, Admission::Normal);
+    tokio::time::sleep(Duration::from_millis(999)).await;
+    assert_eq!(b.admit(3).await, Admission::Normal, "not silent yet");
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(b.admit(4).await, Admission::Probe, "silent: one at a time");
+    let held = tokio::time::timeout(Duration::from_secs(10), b.admit(5)).await;
+    assert!(held.is_err(), "nothing else while the probe is out");
+    b.record(Admission::Probe, Signal::Success, "");
+    assert_eq!(b.admit(5).await, Admission::Normal, "it answered");
 }
 
 #[test]

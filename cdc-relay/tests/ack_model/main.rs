@@ -50,6 +50,14 @@
 //! property, and "a parked job completes before its row is written" (a
 //! crash in between loses the event) must fail safety.
 //!
+//! **Batches** (`docs/architecture.md#batches`): the one-endpoint model
+//! where any two or more pending events may go as one request, which the
+//! sink records whole (a 2xx) or in part (a refused batch split, its
+//! halves answered on their own); the relay completes exactly the
+//! recorded events' jobs, and the rest stay pending and are sent again.
+//! The broken rule "a batch is done when its first part is" must fail
+//! safety.
+//!
 //! Run: `cargo test -p cdc-relay --test ack_model -- --nocapture`.
 
 mod liveness;
@@ -65,8 +73,8 @@ use stateright::{Checker, Expectation, HasDiscoveries, Model, Path};
 use liveness::{check_liveness, check_recovery, moves_on_while_down};
 use model::{AckModel, Action, Item, State, render};
 use rules::{
-    EagerKeepalive, FirstEndpointDone, HighestDone, NoKeepalive, ParkedBeforeRow,
-    ParkedStaysPending, Rule,
+    BatchDoneWithFirst, EagerKeepalive, FirstEndpointDone, HighestDone, NoKeepalive,
+    ParkedBeforeRow, ParkedStaysPending, Rule,
 };
 
 /// Every WAL of three transactions with 0–2 outbox events each (27), once
@@ -314,6 +322,18 @@ fn broken_rule_parked_stays_pending_is_caught() {
 #[test]
 fn broken_rule_parked_before_row_is_caught() {
     assert_caught_in(|| AckModel::<ParkedBeforeRow>::new(wals_parking(), 1).parking());
+}
+
+/// The real rule with batches recorded whole or in part: safe, and
+/// recovers.
+#[test]
+fn real_ack_tracker_is_safe_and_recovers_with_batches() {
+    check_real(|| AckModel::new(wals_two_endpoints(), 1).batches());
+}
+
+#[test]
+fn broken_rule_batch_done_with_its_first_part_is_caught() {
+    assert_caught_in(|| AckModel::<BatchDoneWithFirst>::new(wals_two_endpoints(), 1).batches());
 }
 
 /// Three WALs for the parking model, whose space is the largest: events

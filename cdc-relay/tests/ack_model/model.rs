@@ -89,6 +89,13 @@ pub(crate) enum Action {
     Keepalive(Lsn),
     /// Endpoint `.1` answers event `.0` with a 2xx and the relay sees it.
     Deliver(u8, u8),
+    /// Endpoint 0 answers one request carrying the events of mask `.0` (a
+    /// batch, `docs/architecture.md#batches`): it recorded those of mask
+    /// `.1` (all of them on a 2xx; fewer when it refused the batch and a
+    /// half was delivered after a split, or answered per event). The relay
+    /// completes the jobs the rule says are done ([`Rule::batch_done`]);
+    /// the others stay pending and are sent again.
+    Batch(u8, u8),
     /// Endpoint `.1` is parked for event `.0`: its row is committed, then
     /// the job completes.
     Park(u8, u8),
@@ -113,6 +120,8 @@ pub(crate) struct AckModel<R> {
     pub(crate) endpoints: u8,
     /// Whether pending deliveries may be parked.
     pub(crate) parking: bool,
+    /// Whether endpoint 0 takes batches.
+    pub(crate) batches: bool,
     pub(crate) _rule: PhantomData<fn() -> R>,
 }
 
@@ -133,6 +142,7 @@ impl<R: Rule> AckModel<R> {
             max_crashes,
             endpoints: 1,
             parking: false,
+            batches: false,
             _rule: PhantomData,
         }
     }
@@ -147,6 +157,13 @@ impl<R: Rule> AckModel<R> {
     pub(crate) fn parking(mut self) -> Self {
         self.endpoints = 2;
         self.parking = true;
+        self
+    }
+
+    /// The one-endpoint model where any two or more pending events may go
+    /// as one request, recorded whole or in part.
+    pub(crate) fn batches(mut self) -> Self {
+        self.batches = true;
         self
     }
 
@@ -310,6 +327,26 @@ impl<R: Rule> Model for AckModel<R> {
                 }
             }
         }
+        if self.batches && s.sink_up[0] {
+            let pending: u8 = s
+                .pending
+                .iter()
+                .filter(|&&(_, ep, _)| ep == 0)
+                .fold(0, |m, &(e, _, _)| m | (1 << e));
+            // Every batch of two or more pending events, and every
+            // non-empty part of it the sink recorded.
+            let mut batch = pending;
+            while batch != 0 {
+                if batch.count_ones() >= 2 {
+                    let mut part = batch;
+                    while part != 0 {
+                        actions.push(Action::Batch(batch, part));
+                        part = (part - 1) & batch;
+                    }
+                }
+                batch = (batch - 1) & pending;
+            }
+        }
         if s.tracker.confirmed() != s.slot {
             actions.push(Action::StatusUpdate(s.tracker.confirmed()));
         }
@@ -362,6 +399,20 @@ impl<R: Rule> Model for AckModel<R> {
                 let (_, _, tx) = n.pending.remove(at);
                 n.delivered[usize::from(ep)] |= 1 << e;
                 n.tracker.complete_at(tx, e);
+            }
+            Action::Batch(batch, recorded) => {
+                n.delivered[0] |= recorded;
+                let done = R::batch_done(batch, recorded);
+                let mut i = 0;
+                while i < n.pending.len() {
+                    let (e, ep, tx) = n.pending[i];
+                    if ep == 0 && done & (1 << e) != 0 {
+                        n.pending.remove(i);
+                        n.tracker.complete_at(tx, e);
+                    } else {
+                        i += 1;
+                    }
+                }
             }
             Action::Park(e, ep) => {
                 let at = n

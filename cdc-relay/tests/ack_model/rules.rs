@@ -33,6 +33,14 @@ pub(crate) trait Rule: Clone + Debug + Eq + Hash + Send + Sync + 'static {
     fn complete_at(&mut self, tx: Self::Seq, _event: u8) {
         self.complete(tx);
     }
+    /// A batch of the events in mask `batch` was answered, and the sink
+    /// recorded those in `recorded`: the events whose jobs the relay
+    /// completes. The dispatcher's rule: exactly the recorded ones (a 2xx
+    /// records the whole batch; after a refusal only the halves that got a
+    /// 2xx of their own are done).
+    fn batch_done(_batch: u8, recorded: u8) -> u8 {
+        recorded
+    }
     /// `event` of `tx` was parked at one endpoint (its dead-letter row
     /// committed): the job is done there, as after a 2xx.
     fn park_at(&mut self, tx: Self::Seq, event: u8) {
@@ -273,5 +281,23 @@ impl Rule for ParkedBeforeRow {
     real_tracker_but_keepalive!();
     fn keepalive(&mut self, wal_end: Lsn) {
         self.0.keepalive(wal_end)
+    }
+}
+
+/// Broken rule 7 (batches): a batch's events are all done once any of them
+/// is recorded, as if a split batch reported the first half's 2xx for the
+/// whole batch. An event the sink refused is then never sent again.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct BatchDoneWithFirst(AckTracker);
+
+impl Rule for BatchDoneWithFirst {
+    type Seq = TxSeq;
+    const NAME: &'static str = "broken: a batch is done when its first part is";
+    real_tracker_but_keepalive!();
+    fn keepalive(&mut self, wal_end: Lsn) {
+        self.0.keepalive(wal_end)
+    }
+    fn batch_done(batch: u8, _recorded: u8) -> u8 {
+        batch
     }
 }

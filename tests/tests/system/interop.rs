@@ -9,6 +9,8 @@
 //! secret and the old one (SIGHUP), the receiver switches from the old
 //! secret to the new one at a random instant in the middle of the stream,
 //! the relay drops the old one (SIGHUP). Every request must be accepted.
+//! And a backlog sent in batches (a JSON array body signed as one): every
+//! batch verifies, every event arrives.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -65,6 +67,8 @@ struct Counts {
     rejected: u64,
     accepted_by_secret: [u64; 2],
     ids: u64,
+    /// Events in the accepted requests (a batch counts each).
+    events: u64,
     rejections: Vec<String>,
 }
 
@@ -278,6 +282,57 @@ async fn run_and_drill(verifier: Verifier) -> anyhow::Result<()> {
     );
     drop(receiver.process);
     Ok(())
+}
+
+/// A backlog of 1,000 events sent in batches (`--batch-max-events 32`,
+/// `docs/architecture.md#batches`): every batch request verifies, and every
+/// event arrives.
+async fn batches(verifier: Verifier) -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let secret = new_whsec();
+    let receiver = Receiver::start(verifier, &secret, &secret).await?;
+    let db = stack.orders_admin().await?;
+    for _ in 0..10 {
+        insert_events(&db, 100).await?;
+    }
+    let relay = app::start_relay_with_env(
+        &stack,
+        &stack.relay_url,
+        &receiver.inbox(),
+        &["--batch-max-events", "32", "--max-in-flight", "4"],
+        &[("EVENT_SECRET", &secret)],
+    )
+    .await?;
+    app::wait_streaming(&relay).await?;
+    wait_until("1000 events accepted by the receiver", DRAIN, || async {
+        receiver
+            .counts()
+            .await
+            .map(|c| c.events >= 1000 || c.rejected > 0)
+    })
+    .await?;
+    let c = receiver.counts().await?;
+    eprintln!("interop {verifier:?}, batches: {c:?}");
+    assert_eq!(c.rejected, 0, "{verifier:?}: {:?}", c.rejections);
+    assert_eq!(c.events, 1000, "{verifier:?}: {c:?}");
+    assert!(
+        c.accepted < 1000 / 4,
+        "{verifier:?}: batches went out: {c:?}"
+    );
+    assert_eq!(c.ids, c.accepted, "a batch's id per request: {c:?}");
+    drop(receiver.process);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_python_verifier_accepts_batches() -> anyhow::Result<()> {
+    batches(Verifier::Python).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_node_verifier_accepts_batches() -> anyhow::Result<()> {
+    batches(Verifier::Node).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -150,9 +150,15 @@ async fn a_poison_storm_and_an_open_circuit_outlive_a_reconnect() {
 /// start was paced): "failure 0: requests 2ms apart".
 #[tokio::test(start_paused = true)]
 async fn a_dead_sink_sees_two_requests_per_second_whatever_the_failure() {
-    for class in [TIMEOUT, CONNECT, TLS, TRANSPORT, 503, 502, 429, 401] {
+    for (class, batch) in [TIMEOUT, CONNECT, TLS, TRANSPORT, 503, 502, 429, 401]
+        .into_iter()
+        .flat_map(|c| [(c, 1), (c, 8)])
+    {
         let sink = ScriptedSink::new(move |_, _| (Duration::from_millis(2), class));
-        let cfg = config(8);
+        let cfg = DispatchConfig {
+            batch_max_events: batch,
+            ..config(8)
+        };
         let breaker = Breaker::new(cfg.breaker.clone(), Metrics::new());
         let events = (0..20).map(|n| event(&format!("e{n}"), None)).collect();
         let t0 = Instant::now();
@@ -171,20 +177,91 @@ async fn a_dead_sink_sees_two_requests_per_second_whatever_the_failure() {
             .count();
         assert!(
             after_first_second <= 2 * 10 + 1,
-            "failure {class}: {after_first_second} requests in the 10 s after the first second"
+            "failure {class}, batch {batch}: {after_first_second} requests in the 10 s after the first second"
         );
         let calls = sink.calls();
         assert!(
             calls.len() <= 2 * 11 + 1,
-            "failure {class}: {} requests in the 11 s from the start",
+            "failure {class}, batch {batch}: {} requests in the 11 s from the start",
             calls.len()
         );
         for pair in calls.windows(2) {
             let gap = pair[1].start - pair[0].start;
             assert!(
                 gap >= Duration::from_millis(500),
-                "failure {class}: requests {gap:?} apart"
+                "failure {class}, batch {batch}: requests {gap:?} apart"
             );
         }
+    }
+}
+
+/// A sink that answered, then goes silent (a black hole: every request
+/// hangs until the request timeout, 3 s here), with events arriving at
+/// 40/s: once it has been silent for a second the relay sends no more
+/// than slow start allows, one at a time, then probes; not an attempt per
+/// arriving event until the first timeouts open the circuit. Both with one
+/// event per request and with batches. (It sent 26 requests in the 4 s
+/// after the first second, before the silence rule.)
+#[tokio::test(start_paused = true)]
+async fn a_sink_gone_silent_gets_no_more_requests_after_a_second() {
+    for batch in [1, 8] {
+        let t0 = Instant::now();
+        let silent_from = t0 + Duration::from_secs(1);
+        let sink = ScriptedSink::new(move |_, now| {
+            if now < silent_from {
+                (Duration::from_millis(2), 204)
+            } else {
+                (Duration::from_secs(3), TIMEOUT)
+            }
+        });
+        let store = Arc::new(MemoryStore::default());
+        let metrics = Metrics::new();
+        let cfg = DispatchConfig {
+            batch_max_events: batch,
+            ..config(64)
+        };
+        let lane = Lane::single(cfg, Arc::clone(&sink), &metrics);
+        let stopping = CancellationToken::new();
+        let pipeline = pipeline(&store, metrics, stopping.clone());
+        let (items, items_rx) = mpsc::channel(16);
+        let (confirmed, _) = watch::channel(Confirmed::default());
+        let dispatcher = tokio::spawn(run(vec![lane], pipeline, Lsn::ZERO, items_rx, confirmed));
+        let window = Window::new(10_000, 1 << 20);
+        for i in 0..240u64 {
+            items.send(Item::Begin).await.unwrap();
+            let e = event(&format!("e{i}"), None);
+            let permit = window.admit(e.size_bytes()).await;
+            items.send(Item::Event(e, permit)).await.unwrap();
+            let end = Lsn::new(100 * (i + 1));
+            items
+                .send(Item::Commit {
+                    end,
+                    commit_time_micros: 0,
+                })
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        stopping.cancel();
+        drop(items);
+        let _ = dispatcher.await;
+        let calls = sink.calls();
+        let counted = calls
+            .iter()
+            .filter(|c| {
+                c.start >= silent_from + Duration::from_secs(1)
+                    && c.start < silent_from + Duration::from_secs(5)
+            })
+            .count();
+        assert!(
+            counted <= 2 * 4 + 1,
+            "batch {batch}: {counted} requests in the 4 s after the sink's first silent second"
+        );
+        assert!(
+            calls
+                .iter()
+                .any(|c| c.start < silent_from && c.status == 204),
+            "the sink answered first"
+        );
     }
 }

@@ -16,6 +16,8 @@ pub(crate) enum Contender {
     Ours {
         max_in_flight: u32,
         signature: Option<&'static str>,
+        /// Its `--batch-max-events` (1: one request per event).
+        batch: u32,
     },
     Baseline {
         workers: usize,
@@ -27,6 +29,7 @@ impl Contender {
     pub(crate) const OURS: Contender = Contender::Ours {
         max_in_flight: 64,
         signature: None,
+        batch: 1,
     };
     pub(crate) const BASELINES: [Contender; 3] = [
         Contender::Baseline {
@@ -66,13 +69,19 @@ impl Contender {
         matches!(self, Contender::Ours { .. })
     }
 
-    /// What a figure's name adds for a chosen signature scheme:
-    /// `, signing legacy`, or nothing.
+    /// What a figure's name adds for a chosen signature scheme and batch
+    /// size: `, signing legacy`, `, batch 16`, or nothing.
     pub(crate) fn signing(self) -> String {
         match self {
             Contender::Ours {
-                signature: Some(s), ..
-            } => format!(", signing {s}"),
+                signature, batch, ..
+            } => {
+                let mut tag = signature.map_or(String::new(), |s| format!(", signing {s}"));
+                if batch > 1 {
+                    tag += &format!(", batch {batch}");
+                }
+                tag
+            }
             _ => String::new(),
         }
     }
@@ -122,6 +131,7 @@ pub(crate) async fn start_contender_with(
         Contender::Ours {
             max_in_flight,
             signature,
+            batch,
         } => {
             let mif = max_in_flight.to_string();
             // Info level: the harness's default (debug) logs every event.
@@ -136,6 +146,9 @@ pub(crate) async fn start_contender_with(
             }
             if let Some(s) = signature {
                 args.extend(["--signature-scheme".to_owned(), s.to_owned()]);
+            }
+            if batch > 1 {
+                args.extend(["--batch-max-events".to_owned(), batch.to_string()]);
             }
             args.extend(extra.iter().cloned());
             let args: Vec<&str> = args.iter().map(String::as_str).collect();

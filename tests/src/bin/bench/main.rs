@@ -160,6 +160,13 @@ struct Cli {
     /// --runs N`).
     #[arg(long, value_delimiter = ',', value_parser = ["standard", "legacy", "both"])]
     signature_schemes: Vec<String>,
+    /// Run ours in scenario b once per listed `--batch-max-events` (issue
+    /// 31; above 1 the figures' names end in `, batch N`), and measure
+    /// Billing's batch inbox directly with arrays of each listed size
+    /// above 1 (`--only b --sinks billing --no-baselines --batches
+    /// 1,16,64,256`).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=1000))]
+    batches: Vec<u32>,
     /// Scenario b with tracing on: every backlog row gets a distinct,
     /// sampled `trace_context`, and ours exports a span per delivery to an
     /// OTLP/HTTP collector in this process (`--otlp-endpoint`); the
@@ -255,6 +262,7 @@ struct Config {
     sinks: Vec<String>,
     baselines: bool,
     signature_schemes: Vec<&'static str>,
+    batches: Vec<u32>,
     traced: bool,
 }
 
@@ -295,6 +303,7 @@ impl Config {
             sinks: vec!["billing".to_owned(), "null".to_owned()],
             baselines: true,
             signature_schemes: Vec::new(),
+            batches: Vec::new(),
             traced: false,
         }
     }
@@ -342,6 +351,7 @@ async fn bench(cli: Cli) -> anyhow::Result<()> {
         })
         .collect();
     cfg.traced = cli.traced;
+    cfg.batches = cli.batches.clone();
     if let Some(rates) = &cli.rates {
         cfg.latency_rates = rates.clone();
     }

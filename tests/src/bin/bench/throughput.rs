@@ -44,12 +44,18 @@ pub(crate) async fn throughput(
             [] => vec![None],
             listed => listed.iter().map(|s| Some(*s)).collect(),
         };
+        let batches = match ctx.cfg.batches.as_slice() {
+            [] => vec![1],
+            listed => listed.to_vec(),
+        };
         let mut contenders: Vec<Contender> = mifs
             .iter()
-            .flat_map(|&m| {
-                schemes.iter().map(move |&s| Contender::Ours {
+            .flat_map(|&m| schemes.iter().map(move |&s| (m, s)))
+            .flat_map(|(m, s)| {
+                batches.iter().map(move |&batch| Contender::Ours {
                     max_in_flight: m,
                     signature: s,
+                    batch,
                 })
             })
             .collect();
@@ -315,7 +321,95 @@ pub(crate) async fn billing_max(ctx: &mut Ctx) -> anyhow::Result<()> {
         drop(billing);
         drop_stack(ctx, &stack).await;
     }
+    // The batch inbox's own maximum: arrays of each listed size above 1,
+    // at concurrency 16, events per second.
+    for batch in ctx.cfg.batches.clone().into_iter().filter(|b| *b > 1) {
+        let stack = ctx.cluster.create_stack().await?;
+        let billing = app::start_billing(&stack, TEST_SECRET).await?;
+        let url = format!("{}/inbox", billing.url);
+        let requests = (total / u64::from(batch)).max(50);
+        let batch = batch as usize;
+        drive_billing_batches(&ctx.http, &url, 50, 16, batch, &Arc::new(AtomicU64::new(0))).await?;
+        let next = Arc::new(AtomicU64::new(0));
+        let t = Instant::now();
+        let errors = drive_billing_batches(&ctx.http, &url, requests, 16, batch, &next).await?;
+        let rate = (requests * batch as u64) as f64 / t.elapsed().as_secs_f64();
+        ctx.results.add(
+            "b. throughput → Billing",
+            &format!("Billing batch inbox max, direct, batch {batch}, concurrency 16"),
+            "ev/s",
+            "ours",
+            rate,
+        );
+        if errors > 0 {
+            ctx.results.note(format!(
+                "Billing batch max, batch {batch}: {errors} non-2xx answers"
+            ));
+        }
+        drop(billing);
+        drop_stack(ctx, &stack).await;
+    }
     Ok(())
+}
+
+/// One signed event body for Billing, new ids.
+fn billing_event() -> String {
+    format!(
+        r#"{{"id":"{}","type":"OrderCreated","data":{{"order_id":"{}","amount_cents":2599,"currency":"EUR"}}}}"#,
+        Uuid::new_v4(),
+        Uuid::new_v4()
+    )
+}
+
+/// [`drive_billing`] with `total` batch requests of `batch` events each.
+async fn drive_billing_batches(
+    http: &reqwest::Client,
+    url: &str,
+    total: u64,
+    conc: usize,
+    batch: usize,
+    next: &Arc<AtomicU64>,
+) -> anyhow::Result<u64> {
+    let errors = Arc::new(AtomicU64::new(0));
+    let mut set = JoinSet::new();
+    for _ in 0..conc {
+        let (http, url, next, errors) = (
+            http.clone(),
+            url.to_owned(),
+            Arc::clone(next),
+            Arc::clone(&errors),
+        );
+        set.spawn(async move {
+            let mac = Hmac::<Sha256>::new_from_slice(TEST_SECRET.as_bytes()).expect("any key");
+            while next.fetch_add(1, Ordering::Relaxed) < total {
+                let events: Vec<String> = (0..batch).map(|_| billing_event()).collect();
+                let body = format!("[{}]", events.join(","));
+                let sig = hex::encode(
+                    mac.clone()
+                        .chain_update(body.as_bytes())
+                        .finalize()
+                        .into_bytes(),
+                );
+                let ok = match http
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .header("x-event-signature", sig)
+                    .header("x-event-batch", batch.to_string())
+                    .body(body)
+                    .send()
+                    .await
+                {
+                    Ok(r) => r.status().is_success(),
+                    Err(_) => false,
+                };
+                if !ok {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    while set.join_next().await.is_some() {}
+    Ok(errors.load(Ordering::Relaxed))
 }
 
 pub(crate) async fn drive_billing(
@@ -337,12 +431,13 @@ pub(crate) async fn drive_billing(
         set.spawn(async move {
             let mac = Hmac::<Sha256>::new_from_slice(TEST_SECRET.as_bytes()).expect("any key");
             while next.fetch_add(1, Ordering::Relaxed) < total {
-                let body = format!(
-                    r#"{{"id":"{}","type":"OrderCreated","data":{{"order_id":"{}","amount_cents":2599,"currency":"EUR"}}}}"#,
-                    Uuid::new_v4(),
-                    Uuid::new_v4()
+                let body = billing_event();
+                let sig = hex::encode(
+                    mac.clone()
+                        .chain_update(body.as_bytes())
+                        .finalize()
+                        .into_bytes(),
                 );
-                let sig = hex::encode(mac.clone().chain_update(body.as_bytes()).finalize().into_bytes());
                 let ok = match http
                     .post(&url)
                     .header("content-type", "application/json")

@@ -167,8 +167,17 @@ pub(crate) struct NullSink {
 }
 
 pub(crate) async fn null_sink() -> anyhow::Result<NullSink> {
-    pub(crate) async fn handle(State(count): State<Arc<AtomicU64>>, _body: Bytes) -> StatusCode {
-        count.fetch_add(1, Ordering::Relaxed);
+    // Counts events: a batch request (`X-Event-Batch: N`) is N of them.
+    pub(crate) async fn handle(
+        State(count): State<Arc<AtomicU64>>,
+        headers: axum::http::HeaderMap,
+        _body: Bytes,
+    ) -> StatusCode {
+        let events = headers
+            .get("x-event-batch")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .unwrap_or(1);
+        count.fetch_add(events, Ordering::Relaxed);
         StatusCode::NO_CONTENT
     }
     let count = Arc::new(AtomicU64::new(0));
