@@ -313,24 +313,34 @@ async fn dispatch_all(
     let dispatcher = tokio::spawn(run(vec![lane], pipeline, Lsn::ZERO, items_rx, confirmed));
     let window = Window::new(10_000, 1 << 20);
     for (i, tx) in txs.into_iter().enumerate() {
-        items.send(Item::Begin).await.unwrap();
-        for e in tx {
-            let permit = window.admit(e.size_bytes()).await;
-            items.send(Item::Event(e, permit)).await.unwrap();
-        }
-        let end = Lsn::new(100 * (i as u64 + 1));
-        items
-            .send(Item::Commit {
-                end,
-                commit_time_micros: 0,
-            })
-            .await
-            .unwrap();
+        send_tx(&items, &window, tx, Lsn::new(100 * (i as u64 + 1))).await;
     }
     drop(items);
     let last = dispatcher.await.unwrap().unwrap();
     let rows = store.0.lock().unwrap().clone();
     (last, rows)
+}
+
+/// Sends one transaction to the dispatcher: Begin, each of `events`
+/// admitted to `window`, and its Commit at `end`.
+async fn send_tx(
+    items: &mpsc::Sender<Item<Lsn>>,
+    window: &Window,
+    events: Vec<OutboxEvent>,
+    end: Lsn,
+) {
+    items.send(Item::Begin).await.unwrap();
+    for e in events {
+        let permit = window.admit(e.size_bytes()).await;
+        items.send(Item::Event(e, permit)).await.unwrap();
+    }
+    items
+        .send(Item::Commit {
+            end,
+            commit_time_micros: 0,
+        })
+        .await
+        .unwrap();
 }
 
 /// The most calls in flight at any instant.
@@ -470,18 +480,8 @@ async fn stopping_starts_no_new_attempt_and_confirms_nothing_undone() {
     let dispatcher = tokio::spawn(run(vec![lane], pipeline, Lsn::ZERO, items_rx, confirmed));
     let window = Window::new(10_000, 1 << 20);
     for (n, id) in ["ok", "bad"].into_iter().enumerate() {
-        items.send(Item::Begin).await.unwrap();
-        let e = event(id, None);
-        let permit = window.admit(e.size_bytes()).await;
-        items.send(Item::Event(e, permit)).await.unwrap();
         let end = Lsn::new(100 * (n as u64 + 1));
-        items
-            .send(Item::Commit {
-                end,
-                commit_time_micros: 0,
-            })
-            .await
-            .unwrap();
+        send_tx(&items, &window, vec![event(id, None)], end).await;
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let before = sink.calls().len();

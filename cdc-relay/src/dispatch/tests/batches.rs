@@ -95,18 +95,8 @@ async fn at_a_low_rate_each_event_goes_alone_as_today() {
     let dispatcher = tokio::spawn(run(vec![lane], pipeline, Lsn::ZERO, items_rx, confirmed));
     let window = Window::new(10_000, 1 << 20);
     for i in 0..10u64 {
-        items.send(Item::Begin).await.unwrap();
-        let e = event(&format!("e{i}"), None);
-        let permit = window.admit(e.size_bytes()).await;
-        items.send(Item::Event(e, permit)).await.unwrap();
         let end = Lsn::new(100 * (i + 1));
-        items
-            .send(Item::Commit {
-                end,
-                commit_time_micros: 0,
-            })
-            .await
-            .unwrap();
+        send_tx(&items, &window, vec![event(&format!("e{i}"), None)], end).await;
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     drop(items);

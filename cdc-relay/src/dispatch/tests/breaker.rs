@@ -228,18 +228,8 @@ async fn a_sink_gone_silent_gets_no_more_requests_after_a_second() {
         let dispatcher = tokio::spawn(run(vec![lane], pipeline, Lsn::ZERO, items_rx, confirmed));
         let window = Window::new(10_000, 1 << 20);
         for i in 0..240u64 {
-            items.send(Item::Begin).await.unwrap();
-            let e = event(&format!("e{i}"), None);
-            let permit = window.admit(e.size_bytes()).await;
-            items.send(Item::Event(e, permit)).await.unwrap();
             let end = Lsn::new(100 * (i + 1));
-            items
-                .send(Item::Commit {
-                    end,
-                    commit_time_micros: 0,
-                })
-                .await
-                .unwrap();
+            send_tx(&items, &window, vec![event(&format!("e{i}"), None)], end).await;
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
         stopping.cancel();
