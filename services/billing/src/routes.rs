@@ -5,6 +5,7 @@ use std::sync::Arc;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use deadpool_postgres::Pool;
@@ -99,7 +100,7 @@ async fn inbox(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     RawJsonBody(body): RawJsonBody,
-) -> Result<StatusCode, ServiceError> {
+) -> Result<Response, ServiceError> {
     let mut span = state.spans.server("billing.inbox", &headers);
     let result = record(&state, &headers, &body, &mut span).await;
     span.end(result)
@@ -110,7 +111,7 @@ async fn record(
     headers: &HeaderMap,
     body: &[u8],
     span: &mut RequestSpan,
-) -> Result<StatusCode, ServiceError> {
+) -> Result<Response, ServiceError> {
     match state.verifier.current().verify(headers, body, unix_now()) {
         Ok(scheme) => state.verified.with_label_values(&[scheme]).inc(),
         Err(refusal) => {
@@ -125,6 +126,11 @@ async fn record(
     let value = parse_json(body)?;
     if let Some(items) = value.as_array() {
         return record_batch(state, headers, items, span).await;
+    }
+    if headers.contains_key(batch::BATCH_HEADER) {
+        // A marker on a single event's body: the sender and Billing
+        // disagree on the format.
+        batch::check_marker(headers, 1)?;
     }
     let event = OrderCreated::from_json(&value)?;
     check_event_id_headers(headers, &event)?;
@@ -150,20 +156,55 @@ async fn record(
             state.duplicates.inc();
         }
     }
-    Ok(StatusCode::NO_CONTENT)
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-/// A verified batch body: every event recorded in one transaction, or
-/// none.
+/// A verified batch body: its valid events recorded in one transaction
+/// (or none); 204 when every element was valid, else 207 answering each
+/// event ([`batch::answers`]).
 async fn record_batch(
     state: &AppState,
     headers: &HeaderMap,
     items: &[serde_json::Value],
     span: &mut RequestSpan,
-) -> Result<StatusCode, ServiceError> {
-    let events = batch::parse(items, headers)?;
-    span.set("billing.batch_size", events.len() as i64);
-    let new = state.store.record_batch(&events).await?;
+) -> Result<Response, ServiceError> {
+    let batch::Parsed {
+        mut events,
+        mut refused,
+    } = batch::parse(items, headers)?;
+    span.set("billing.batch_size", items.len() as i64);
+    // An event whose order another already invoiced fails the statement:
+    // it is refused, and the others recorded without it.
+    let new = loop {
+        if events.is_empty() {
+            break 0;
+        }
+        let batch: Vec<&OrderCreated> = events.iter().map(|(_, e)| e).collect();
+        match state.store.record_batch(&batch).await? {
+            Ok(new) => break new,
+            Err(culprit) => {
+                let (i, event) = events.remove(culprit);
+                tracing::warn!(event_id = %event.id, order_id = %event.order_id, "an event of a batch names an order another event already invoiced");
+                refused.push((
+                    i,
+                    ServiceError::invalid_field(
+                        "order_already_invoiced",
+                        "data.order_id",
+                        "another event already invoiced this order; the event was not recorded",
+                    ),
+                ));
+            }
+        }
+    };
+    if !refused.is_empty() {
+        refused.sort_by_key(|(i, _)| *i);
+        span.set("billing.events_refused", refused.len() as i64);
+        tracing::warn!(
+            batch = items.len(),
+            refused = refused.len(),
+            "events of a batch refused: answering per event (207)"
+        );
+    }
     let seen = events.len() as u64 - new;
     span.set("billing.invoices_created", new as i64);
     state.invoiced.inc_by(new);
@@ -180,7 +221,14 @@ async fn record_batch(
     {
         worker.wake();
     }
-    Ok(StatusCode::NO_CONTENT)
+    if refused.is_empty() {
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+    Ok((
+        StatusCode::MULTI_STATUS,
+        Json(batch::answers(items, &refused)),
+    )
+        .into_response())
 }
 
 /// `Idempotency-Key` and `webhook-id`, when sent, must name the same event

@@ -46,6 +46,8 @@ const RECORD_BATCH: &str = "\
     SELECT b.invoice_id, b.order_id, b.amount_cents, b.currency::bpchar, $6::text, now() \
     FROM batch b JOIN inbox USING (event_id) ORDER BY b.ord";
 
+const SEEN: &str = "SELECT event_id FROM processed_events WHERE event_id = ANY($1)";
+
 const SELECT_INVOICES: &str = "SELECT id, order_id, amount_cents, currency, \
      to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
      charge_status, charge_id, charge_error, charge_attempts \
@@ -143,13 +145,15 @@ impl InboxStore {
     }
 
     /// Records a batch's `events` (distinct ids, [`crate::batch::parse`])
-    /// in one transaction: returns how many were new (inbox row and
-    /// invoice committed); the rest were seen before and changed nothing.
-    /// An event whose order another event already invoiced (before, or
-    /// earlier in this batch) is 422 `order_already_invoiced` naming it
-    /// (`[i].data.order_id`), and nothing of the batch is committed: the
-    /// sender splits the batch to isolate it.
-    pub async fn record_batch(&self, events: &[OrderCreated]) -> Result<u64, ServiceError> {
+    /// in one transaction: `Ok(new)`, how many were new (inbox row and
+    /// invoice committed; the rest were seen before and changed nothing),
+    /// or `Err(i)` when `events[i]` names an order another event already
+    /// invoiced (before, or earlier in this batch): then nothing was
+    /// committed, and the caller records the others without it.
+    pub async fn record_batch(
+        &self,
+        events: &[&OrderCreated],
+    ) -> Result<Result<u64, usize>, ServiceError> {
         let client = self.pool.get().await?;
         let statement = client.prepare_cached(RECORD_BATCH).await?;
         let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
@@ -157,7 +161,7 @@ impl InboxStore {
         let orders: Vec<Uuid> = events.iter().map(|e| e.order_id).collect();
         let amounts: Vec<i64> = events.iter().map(|e| e.amount_cents).collect();
         let currencies: Vec<&str> = events.iter().map(|e| e.currency.as_str()).collect();
-        client
+        let result = client
             .execute(
                 &statement,
                 &[
@@ -169,28 +173,29 @@ impl InboxStore {
                     &self.charge_status,
                 ],
             )
-            .await
-            .map_err(|e| {
-                if e.code() != Some(&SqlState::UNIQUE_VIOLATION) {
-                    return ServiceError::from(e);
-                }
-                // "Key (order_id)=(<uuid>) already exists.": the last event
-                // of that order is the one that could not be invoiced.
-                let detail = e.as_db_error().and_then(|d| d.detail()).unwrap_or_default();
-                let culprit = events
-                    .iter()
-                    .rposition(|ev| detail.contains(&ev.order_id.to_string()));
-                tracing::warn!(batch = events.len(), culprit = ?culprit, "an event of the batch names an order another event already invoiced");
-                let error = ServiceError::invalid_field(
-                    "order_already_invoiced",
-                    "data.order_id",
-                    "another event already invoiced this order; nothing of the batch was committed",
-                );
-                match culprit {
-                    Some(i) => error.at_index(i),
-                    None => error,
-                }
-            })
+            .await;
+        let e = match result {
+            Ok(new) => return Ok(Ok(new)),
+            Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => e,
+            Err(e) => return Err(e.into()),
+        };
+        // "Key (order_id)=(<uuid>) already exists.": the last event of that
+        // order not recorded before is the one that could not be invoiced
+        // (an event seen before makes no invoice).
+        let detail = e.as_db_error().and_then(|d| d.detail()).unwrap_or_default();
+        let seen: Vec<Uuid> = client
+            .query(SEEN, &[&ids])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        match events
+            .iter()
+            .rposition(|ev| detail.contains(&ev.order_id.to_string()) && !seen.contains(&ev.id))
+        {
+            Some(i) => Ok(Err(i)),
+            None => Err(e.into()),
+        }
     }
 
     /// Invoices of `order_id` (zero or one, by the UNIQUE constraint).

@@ -96,6 +96,17 @@ impl ServiceError {
         self.code
     }
 
+    /// The JSON body this error is sent as, `{"error","field"?,"detail"}`
+    /// (e.g. to answer one event of a batch).
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(ErrorBody {
+            error: self.code,
+            field: self.field.as_deref(),
+            detail: &self.detail,
+        })
+        .unwrap_or_default()
+    }
+
     /// The offending field of a 422, if any.
     pub fn field(&self) -> Option<&str> {
         self.field.as_deref()

@@ -1,7 +1,7 @@
 //! Billing's batch inbox (`docs/architecture.md#batches`): a JSON array of
 //! events, signed as one body, recorded in ONE transaction; an id seen
-//! before changes nothing, and a bad batch is refused whole, naming the
-//! element to fix.
+//! before changes nothing; a bad event is answered per event (207) and the
+//! others recorded; a bad batch is refused whole, naming what to fix.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -118,7 +118,7 @@ async fn billing_records_a_batch_once_in_array_order_and_only_the_new_ids_of_an_
 }
 
 #[tokio::test]
-async fn billing_refuses_a_bad_batch_whole_naming_the_element_and_writes_nothing() {
+async fn billing_answers_a_batch_with_bad_events_per_event_and_refuses_a_bad_batch_whole() {
     let stack = stack().await;
     let billing = Service::billing(&stack, &[], &[]).await;
     let client = http();
@@ -139,28 +139,17 @@ async fn billing_refuses_a_bad_batch_whole_naming_the_element_and_writes_nothing
     // Two events of one order in the batch: the second cannot invoice it.
     let twin = event(Uuid::new_v4(), order_of(&a), 100);
 
+    // Refused whole, naming what to fix: nothing is written.
+    let mut no_id = fresh();
+    no_id.as_object_mut().unwrap().remove("id");
     let cases: Vec<(String, &str, &str)> = vec![
-        (
-            batch(&[a.clone(), bad_amount]),
-            "invalid_event",
-            "[1].data.amount_cents",
-        ),
         (batch(&[]), "invalid_batch", "batch"),
         (
             batch(&[a.clone(), b.clone(), a.clone()]),
             "invalid_batch",
             "[2].id",
         ),
-        (
-            batch(&[a.clone(), same_order]),
-            "order_already_invoiced",
-            "[1].data.order_id",
-        ),
-        (
-            batch(&[a.clone(), b.clone(), twin]),
-            "order_already_invoiced",
-            "[2].data.order_id",
-        ),
+        (batch(&[a.clone(), no_id]), "invalid_event", "[1].id"),
     ];
     for (body, code, field) in cases {
         let error = expect_error(
@@ -171,6 +160,86 @@ async fn billing_refuses_a_bad_batch_whole_naming_the_element_and_writes_nothing
         .await;
         assert_eq!(error["field"], field, "{body}");
     }
+    assert_eq!(count(&db, "processed_events").await, 1, "nothing written");
+
+    // Answered per event (207): the good events recorded, each bad one
+    // refused with the error a single request would get.
+    let body = batch(&[
+        a.clone(),
+        bad_amount.clone(),
+        same_order.clone(),
+        b.clone(),
+        twin.clone(),
+    ]);
+    let response = deliver_signed(&client, &billing, &body).await;
+    assert_eq!(response.status(), StatusCode::MULTI_STATUS);
+    let answer: Value = response.json().await.unwrap();
+    let results = answer["results"].as_array().unwrap();
+    let expected = [
+        (&a, 204, None),
+        (
+            &bad_amount,
+            422,
+            Some(("invalid_event", "data.amount_cents")),
+        ),
+        (
+            &same_order,
+            422,
+            Some(("order_already_invoiced", "data.order_id")),
+        ),
+        (&b, 204, None),
+        (
+            &twin,
+            422,
+            Some(("order_already_invoiced", "data.order_id")),
+        ),
+    ];
+    assert_eq!(results.len(), expected.len(), "{answer}");
+    for (result, (event, status, error)) in results.iter().zip(expected) {
+        assert_eq!(result["id"], event["id"], "{answer}");
+        assert_eq!(result["status"], status, "{answer}");
+        if let Some((code, field)) = error {
+            assert_eq!(result["error"]["error"], code, "{answer}");
+            assert_eq!(result["error"]["field"], field, "{answer}");
+        }
+    }
+    assert_eq!(count(&db, "processed_events").await, 3);
+    assert_eq!(
+        invoiced_orders(&db).await,
+        vec![order_of(&invoiced), order_of(&a), order_of(&b)]
+    );
+    // The same batch again: the recorded events change nothing, the bad
+    // ones are refused the same way.
+    let again = deliver_signed(&client, &billing, &body).await;
+    assert_eq!(again.status(), StatusCode::MULTI_STATUS);
+    assert_eq!(again.json::<Value>().await.unwrap(), answer);
+    assert_eq!(count(&db, "processed_events").await, 3);
+    assert_eq!(count(&db, "invoices").await, 3);
+
+    // An event new to Billing for a's order, sent with a itself (seen
+    // before): the new one is refused, not a.
+    let late = event(Uuid::new_v4(), order_of(&a), 100);
+    let response = deliver_signed(&client, &billing, &batch(&[late.clone(), a.clone()])).await;
+    assert_eq!(response.status(), StatusCode::MULTI_STATUS);
+    let answer: Value = response.json().await.unwrap();
+    assert_eq!(answer["results"][0]["id"], late["id"], "{answer}");
+    assert_eq!(answer["results"][0]["status"], 422, "{answer}");
+    assert_eq!(answer["results"][1]["status"], 204, "{answer}");
+    assert_eq!(count(&db, "processed_events").await, 3);
+
+    // A marker on a single event's body is refused.
+    let single = fresh().to_string();
+    let response = client
+        .post(billing.at("/inbox"))
+        .header(CONTENT_TYPE, "application/json")
+        .header("X-Event-Signature", sign(SECRET, single.as_bytes()))
+        .header("X-Event-Batch", "5")
+        .body(single)
+        .send()
+        .await
+        .unwrap();
+    let error = expect_error(response, StatusCode::UNPROCESSABLE_ENTITY, "invalid_batch").await;
+    assert_eq!(error["field"], "X-Event-Batch");
 
     // The marker and the request id must match the body.
     let body = batch(&[a.clone(), b.clone()]);
@@ -208,12 +277,8 @@ async fn billing_refuses_a_bad_batch_whole_naming_the_element_and_writes_nothing
         .unwrap();
     assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
 
-    assert_eq!(
-        count(&db, "processed_events").await,
-        1,
-        "only the first event"
-    );
-    assert_eq!(count(&db, "invoices").await, 1);
+    assert_eq!(count(&db, "processed_events").await, 3);
+    assert_eq!(count(&db, "invoices").await, 3);
 }
 
 #[tokio::test]
