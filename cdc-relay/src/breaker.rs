@@ -530,6 +530,12 @@ impl Breaker {
         }
     }
 
+    /// Whether a poison storm is on: refusals wait like transient failures
+    /// until a 2xx.
+    pub fn in_storm(&self) -> bool {
+        self.lock().storm
+    }
+
     /// Whether the endpoint's last answer was 410 Gone.
     pub fn is_retired(&self) -> bool {
         self.lock().retired

@@ -453,6 +453,18 @@ pub fn parse_bytes(s: &str) -> Result<u32, String> {
     u32::try_from(v).map_err(|_| format!("size {:?} is above 4GiB", s.trim()))
 }
 
+/// `--batch-max-bytes`: a size as [`parse_bytes`] takes it, from 1KiB to
+/// 16MiB (the routes file's `batch_max_bytes` takes the same range).
+pub fn parse_batch_bytes(s: &str) -> Result<u32, String> {
+    let v = parse_bytes(s)?;
+    if !(1024..=16 << 20).contains(&v) {
+        return Err(format!(
+            "{v} bytes is out of range: a batch's size limit is 1KiB to 16MiB"
+        ));
+    }
+    Ok(v)
+}
+
 /// Parses a byte size as [`parse_bytes`] does, up to `TiB`, into bytes.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();

@@ -255,7 +255,7 @@ pub struct DeliveryArgs {
     /// A batch's body size at most (estimated from the events' sizes; a
     /// larger event goes alone, and a receiver's 413 splits a batch). Keep it
     /// below the receiver's body limit (Billing: 64KiB by default).
-    #[arg(long, env = "CDC_RELAY_BATCH_MAX_BYTES", default_value = "48KiB", value_parser = parse_bytes)]
+    #[arg(long, env = "CDC_RELAY_BATCH_MAX_BYTES", default_value = "48KiB", value_parser = super::parse_batch_bytes)]
     pub batch_max_bytes: u32,
     /// The memory window, in events: events received and not yet done
     /// (delivered or dead-lettered at every endpoint) that the relay holds.

@@ -174,6 +174,18 @@ fn syntax_errors_name_the_flag() {
         assert_eq!(err.exit_code(), 2, "{flag}");
         assert!(err.to_string().contains(flag), "{flag}: {err}");
     }
+    // The routes file's range for batch_max_bytes, 1KiB to 16MiB.
+    for ok in ["1KiB", "16MiB"] {
+        assert!(run_args(&["--batch-max-bytes", ok]).is_ok(), "{ok}");
+    }
+    for bad in ["1", "1023", "16777217", "3GiB"] {
+        let err = run_args(&["--batch-max-bytes", bad]).unwrap_err();
+        assert_eq!(err.exit_code(), 2, "{bad}");
+        assert!(
+            err.to_string().contains("--batch-max-bytes"),
+            "{bad}: {err}"
+        );
+    }
     let err = run_args(&["--backoff-cap", "soon"])
         .unwrap_err()
         .to_string();

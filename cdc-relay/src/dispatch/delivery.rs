@@ -28,7 +28,7 @@
 //! Deliveries run on [`Workers`]: per lane, tasks that live as long as the
 //! pipeline and deliver one job at a time.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -49,9 +49,10 @@ use crate::dead_letter::{DeadLetterStore, NewDeadLetter, StoreError, Urgency};
 use crate::endpoint_metrics::EndpointMetrics;
 use crate::metrics::{AttemptOutcome, Metrics};
 use crate::outbox::OutboxEvent;
+use crate::sink::answers::{self, EventAnswer};
 use crate::sink::{
-    Attempt, Disposition, Prepared, Reason, Sink, classify, config_fault_hint, encoder,
-    status_class,
+    Attempt, Disposition, Prepared, Reason, ReasonLabel, Sink, classify, config_fault_hint,
+    encoder, status_class,
 };
 
 /// What every delivery of one pipeline shares.
@@ -335,8 +336,11 @@ pub enum Finished {
 enum Tried {
     /// A 2xx with this status.
     Delivered(u16),
-    /// The endpoint refused the event itself (and no poison storm is on).
+    /// The endpoint refused the event itself (and no poison storm is on),
+    /// or the batch as a whole.
     Poison(Reason, Attempt),
+    /// A batch's 207: each named event's answer.
+    PerEvent(HashMap<String, EventAnswer>),
     /// Not delivered; worth retrying later (the endpoint failing, or a
     /// configuration fault).
     Failed {
@@ -387,6 +391,134 @@ async fn unless_interrupted<S, D, T>(
     }
 }
 
+/// What one request carries.
+#[derive(Clone, Copy)]
+enum Carried<'a> {
+    /// One event, in the per-event format, with its attempt's span.
+    One(&'a OutboxEvent),
+    /// A batch: its events in body order, and its id.
+    Batch(&'a [&'a OutboxEvent], &'a str),
+}
+
+/// How a request's attempts ended ([`until_answered`]).
+enum Answered {
+    /// A 2xx with this status: every event carried is done.
+    Delivered(u16),
+    /// Refused: the one event as poison (by this attempt), or the batch as
+    /// a whole (it is split).
+    Refused(Reason, Attempt),
+    /// A batch answered per event: each named event's answer.
+    PerEvent(HashMap<String, EventAnswer>),
+    /// A batch failed [`SPLIT_AFTER`] attempts in a row: split it, so that
+    /// one event the endpoint keeps failing holds back only its aggregate.
+    Split,
+    /// Not done: the wait was interrupted, or the sink is failing and the
+    /// pipeline's [`Persist`] gives up.
+    Ended(Finished),
+}
+
+/// Failed attempts in a row after which a batch is split
+/// ([`Answered::Split`]).
+const SPLIT_AFTER: u32 = 2;
+
+/// Attempts `request` (carrying `carried`; `seq`: the breaker's place for
+/// it, its first job's) through the breaker and the pace, retrying
+/// failures with backoff (and `Retry-After`), until the endpoint answers
+/// with a verdict, a batch has failed [`SPLIT_AFTER`] times, or the wait
+/// is interrupted. `attempts` counts them.
+async fn until_answered<S: Sink, D>(
+    lane: &Lane<S>,
+    ctx: &Ctx<D>,
+    seq: u64,
+    carried: Carried<'_>,
+    request: &Prepared,
+    attempts: &mut u32,
+) -> Answered {
+    let mut backoff = lane.backoff();
+    let mut failures = 0;
+    loop {
+        let admission = match unless_interrupted(lane, ctx, lane.breaker.admit(seq)).await {
+            Waited::Done(a) => a,
+            other => {
+                lane.breaker.withdraw(seq);
+                return Answered::Ended(interrupted(&other));
+            }
+        };
+        // The rate cap after the breaker: deliveries held by an open
+        // circuit do not all go at once when it closes.
+        if let Some(pace) = &lane.pace {
+            let waited = unless_interrupted(lane, ctx, pace.wait()).await;
+            if !matches!(waited, Waited::Done(())) {
+                lane.breaker.release(admission);
+                return Answered::Ended(interrupted(&waited));
+            }
+        }
+        *attempts += 1;
+        let number = *attempts;
+        // Parking abandons an attempt on the wire: the endpoint is stuck or
+        // slow, and the aggregate's later events must not wait for its
+        // request timeout. It may have arrived; the replay of its parked
+        // row then delivers it again (at-least-once).
+        let tried = tokio::select! {
+            biased;
+            _ = lane.park.parked() => None,
+            tried = async {
+                match carried {
+                    Carried::One(event) => attempt(lane, ctx, admission, event, request, number).await,
+                    Carried::Batch(events, id) => attempt_batch(lane, ctx, admission, events, id, request).await,
+                }
+            } => Some(tried),
+        };
+        let Some(tried) = tried else {
+            lane.breaker.release(admission);
+            return Answered::Ended(Finished::Parked);
+        };
+        let (reason, retry_after, attempt) = match tried {
+            Tried::Delivered(status) => return Answered::Delivered(status),
+            Tried::Poison(r, attempt) => return Answered::Refused(r, attempt),
+            Tried::PerEvent(answers) => return Answered::PerEvent(answers),
+            Tried::Failed { attempt, .. } if ctx.persist != Persist::UntilDone => {
+                return Answered::Ended(Finished::Failing(attempt.detail()));
+            }
+            Tried::Failed {
+                reason,
+                retry_after,
+                attempt,
+            } => (reason, retry_after, attempt),
+        };
+        failures += 1;
+        if let Carried::Batch(events, id) = carried
+            && failures == SPLIT_AFTER
+        {
+            tracing::warn!(
+                endpoint = %lane.name, batch = %id, events = events.len(), event_ids = %ids_of(events),
+                reason = %reason, detail = %attempt.detail(), failures,
+                "a batch keeps failing: splitting it (if only batches fail, check that the receiver takes batches)"
+            );
+            return Answered::Split;
+        }
+        let delay = backoff.next_delay(retry_after, &mut rand::rng());
+        if number == 1 || number.is_multiple_of(20) {
+            let (detail, retry_in_ms) = (attempt.detail(), delay.as_millis() as u64);
+            match carried {
+                Carried::One(event) => tracing::warn!(
+                    endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn),
+                    attempts = number, trace_id = trace_id(event), reason = %reason, detail, retry_in_ms,
+                    "delivery failed; will retry"
+                ),
+                Carried::Batch(events, id) => tracing::warn!(
+                    endpoint = %lane.name, batch = %id, events = events.len(), event_ids = %ids_of(events), attempts = number,
+                    reason = %reason, detail, retry_in_ms, "batch delivery failed; will retry"
+                ),
+            }
+        }
+        let slept = unless_interrupted(lane, ctx, tokio::time::sleep(delay)).await;
+        if !matches!(slept, Waited::Done(())) {
+            return Answered::Ended(interrupted(&slept));
+        }
+    }
+}
+
 /// Delivers `event` (job `seq`, its place in stream order) at `lane` until
 /// it is done there, or handed back (see the module doc). An error only
 /// when the store is lost.
@@ -397,170 +529,172 @@ pub(super) async fn deliver<S: Sink, D: DeadLetterStore>(
     event: &OutboxEvent,
 ) -> Result<Finished, DispatchError> {
     let request = lane.sink.prepare(event);
-    let mut backoff = lane.backoff();
     let first_attempt = crate::clock::unix_micros();
     let mut attempts: u32 = 0;
-    loop {
-        let admission = match unless_interrupted(lane, ctx, lane.breaker.admit(seq)).await {
-            Waited::Done(a) => a,
-            other => {
-                lane.breaker.withdraw(seq);
-                return Ok(interrupted(&other));
-            }
-        };
-        // The rate cap after the breaker: deliveries held by an open
-        // circuit do not all go at once when it closes.
-        if let Some(pace) = &lane.pace {
-            let waited = unless_interrupted(lane, ctx, pace.wait()).await;
-            if !matches!(waited, Waited::Done(())) {
-                lane.breaker.release(admission);
-                return Ok(interrupted(&waited));
-            }
+    match until_answered(lane, ctx, seq, Carried::One(event), &request, &mut attempts).await {
+        Answered::Delivered(status) => {
+            tracing::debug!(event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), trace_id = trace_id(event), attempts, "delivered");
+            Ok(Finished::Delivered(status))
         }
-        attempts += 1;
-        // Parking abandons an attempt on the wire: the endpoint is stuck or
-        // slow, and the aggregate's later events must not wait for its
-        // request timeout. It may have arrived; the replay of its parked
-        // row then delivers it again (at-least-once).
-        let tried = tokio::select! {
-            biased;
-            _ = lane.park.parked() => None,
-            tried = attempt(lane, ctx, admission, event, &request, attempts) => Some(tried),
-        };
-        let Some(tried) = tried else {
-            lane.breaker.release(admission);
-            return Ok(Finished::Parked);
-        };
-        let (reason, retry_after, attempt) = match tried {
-            Tried::Delivered(status) => {
-                tracing::debug!(event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), trace_id = trace_id(event), attempts, "delivered");
-                return Ok(Finished::Delivered(status));
-            }
-            Tried::Poison(_, attempt) if ctx.persist == Persist::OneAttempt => {
-                return Ok(Finished::Kept(attempt.detail()));
-            }
-            Tried::Poison(r, attempt) => {
-                let mut row = NewDeadLetter::rejected(event, &attempt, &r, attempts, first_attempt);
-                row.endpoint = lane.dead_letter_endpoint().map(str::to_owned);
-                return dead_letter(lane, ctx, event, &row).await;
-            }
-            Tried::Failed { attempt, .. } if ctx.persist != Persist::UntilDone => {
-                return Ok(Finished::Failing(attempt.detail()));
-            }
-            Tried::Failed {
-                reason,
-                retry_after,
-                attempt,
-            } => (reason, retry_after, attempt),
-        };
-        let delay = backoff.next_delay(retry_after, &mut rand::rng());
-        if attempts == 1 || attempts.is_multiple_of(20) {
-            tracing::warn!(
-                endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), attempts,
-                trace_id = trace_id(event), reason = %reason, detail = %attempt.detail(),
-                retry_in_ms = delay.as_millis() as u64, "delivery failed; will retry"
-            );
+        Answered::Refused(r, attempt) => {
+            poisoned(lane, ctx, event, (&r, &attempt), attempts, first_attempt).await
         }
-        let slept = unless_interrupted(lane, ctx, tokio::time::sleep(delay)).await;
-        if !matches!(slept, Waited::Done(())) {
-            return Ok(interrupted(&slept));
+        Answered::PerEvent(_) | Answered::Split => {
+            unreachable!("only a batch is answered per event or split")
         }
+        Answered::Ended(finished) => Ok(finished),
     }
+}
+
+/// A poison event at its end: kept as it was under
+/// [`Persist::OneAttempt`], else dead-lettered with the refusal.
+async fn poisoned<S, D: DeadLetterStore>(
+    lane: &Lane<S>,
+    ctx: &Ctx<D>,
+    event: &OutboxEvent,
+    (reason, attempt): (&Reason, &Attempt),
+    attempts: u32,
+    first_attempt: i64,
+) -> Result<Finished, DispatchError> {
+    if ctx.persist == Persist::OneAttempt {
+        return Ok(Finished::Kept(attempt.detail()));
+    }
+    let mut row = NewDeadLetter::rejected(event, attempt, reason, attempts, first_attempt);
+    row.endpoint = lane.dead_letter_endpoint().map(str::to_owned);
+    dead_letter(lane, ctx, event, &row).await
 }
 
 /// The result of [`deliver_group`]: each event's end, in order.
 type GroupDelivered<'a> =
     Pin<Box<dyn Future<Output = Result<Vec<Finished>, DispatchError>> + Send + 'a>>;
 
-/// Delivers `events` (each with its job's `seq`; two or more, of distinct
-/// aggregates: the scheduler runs one job per aggregate at a time) at
-/// `lane` as one request, a batch (`docs/architecture.md#batches`), until
-/// they are done there or handed back; one event goes as [`deliver`]
-/// sends it. A 2xx does every event; a failure retries the whole batch
-/// (backoff, breaker, `Retry-After` as for one event); a refusal (poison,
-/// 413 included) splits it in halves, each delivered the same way, until
-/// the refused event is alone and dead-lettered as any poison event, and
-/// every other event of the batch delivered.
+/// Delivers `events` (each with its job's `seq`; of distinct aggregates:
+/// the scheduler runs one job per aggregate at a time) at `lane` as one
+/// request, a batch (`docs/architecture.md#batches`), until they are done
+/// there or handed back; one event goes as [`deliver`] sends it. A 2xx
+/// does every event; a failure retries the whole batch (backoff, breaker,
+/// `Retry-After` as for one event); a refusal (poison, 413 included)
+/// splits it in halves, each delivered the same way, until the refused
+/// event is alone and dead-lettered as any poison event, and every other
+/// event of the batch delivered. A 207 with per-event answers
+/// ([`crate::sink::answers`]) judges each event by its own status: done,
+/// dead-lettered, or sent again (with the other events not done, after a
+/// backoff).
 fn deliver_group<'a, S: Sink, D: DeadLetterStore>(
     lane: &'a Lane<S>,
     ctx: &'a Ctx<D>,
     events: &'a [(u64, &'a OutboxEvent)],
 ) -> GroupDelivered<'a> {
     Box::pin(async move {
-        if let [(seq, event)] = events {
-            return Ok(vec![deliver(lane, ctx, *seq, event).await?]);
-        }
-        let all = |f: Finished| Ok(vec![f; events.len()]);
-        let members: Vec<&OutboxEvent> = events.iter().map(|(_, e)| *e).collect();
-        let (id, request) = lane.sink.prepare_batch(&members);
-        let seq = events[0].0;
-        let mut backoff = lane.backoff();
+        let mut done: Vec<Option<Finished>> = vec![None; events.len()];
+        // The events not done yet, by index, in body order.
+        let mut todo: Vec<usize> = (0..events.len()).collect();
+        let first_attempt = crate::clock::unix_micros();
         let mut attempts: u32 = 0;
-        loop {
-            let admission = match unless_interrupted(lane, ctx, lane.breaker.admit(seq)).await {
-                Waited::Done(a) => a,
-                other => {
-                    lane.breaker.withdraw(seq);
-                    return all(interrupted(&other));
-                }
-            };
-            if let Some(pace) = &lane.pace {
-                let waited = unless_interrupted(lane, ctx, pace.wait()).await;
-                if !matches!(waited, Waited::Done(())) {
-                    lane.breaker.release(admission);
-                    return all(interrupted(&waited));
+        let mut backoff = lane.backoff();
+        while let Some(&first) = todo.first() {
+            if let [i] = todo[..] {
+                done[i] = Some(deliver(lane, ctx, events[i].0, events[i].1).await?);
+                break;
+            }
+            let members: Vec<&OutboxEvent> = todo.iter().map(|&i| events[i].1).collect();
+            let (id, request) = lane.sink.prepare_batch(&members);
+            let carried = Carried::Batch(&members, &id);
+            let answers =
+                match until_answered(lane, ctx, events[first].0, carried, &request, &mut attempts)
+                    .await
+                {
+                    Answered::Delivered(status) => {
+                        tracing::debug!(batch = %id, events = members.len(), attempts, "delivered");
+                        todo.iter()
+                            .for_each(|&i| done[i] = Some(Finished::Delivered(status)));
+                        break;
+                    }
+                    Answered::Ended(finished) => {
+                        todo.iter().for_each(|&i| done[i] = Some(finished.clone()));
+                        break;
+                    }
+                    Answered::Refused(..) | Answered::Split => {
+                        // The halves go at once: a half whose event the
+                        // endpoint keeps failing must not hold the other back.
+                        let rest: Vec<(u64, &OutboxEvent)> =
+                            todo.iter().map(|&i| events[i]).collect();
+                        let (left, right) = rest.split_at(rest.len() / 2);
+                        let (left, right) = tokio::join!(
+                            deliver_group(lane, ctx, left),
+                            deliver_group(lane, ctx, right)
+                        );
+                        let mut ends = left?;
+                        ends.extend(right?);
+                        todo.iter().zip(ends).for_each(|(&i, f)| done[i] = Some(f));
+                        break;
+                    }
+                    Answered::PerEvent(answers) => answers,
+                };
+            let mut again = Vec::new();
+            for &i in &todo {
+                let event = events[i].1;
+                let Some(answer) = answers.get(event.id.as_str()) else {
+                    again.push((i, "not named in the answer".to_owned()));
+                    continue;
+                };
+                let attempt = Attempt::Response {
+                    status: answer.status,
+                    retry_after: None,
+                    excerpt: answer.error.clone(),
+                };
+                match classify(&attempt, &lane.cfg.policy) {
+                    Disposition::Delivered => {
+                        count_delivered(lane, &ctx.metrics, event);
+                        done[i] = Some(Finished::Delivered(answer.status));
+                    }
+                    Disposition::DeadLetter(r) if lane.breaker.poison(&event.id) => {
+                        tracing::warn!(
+                            endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
+                            batch = %id, detail = %attempt.detail(), "poison event: the endpoint refuses it (answered per event)"
+                        );
+                        let end =
+                            poisoned(lane, ctx, event, (&r, &attempt), attempts, first_attempt);
+                        done[i] = Some(end.await?);
+                    }
+                    _ => again.push((i, attempt.detail())),
                 }
             }
-            attempts += 1;
-            let tried = tokio::select! {
-                biased;
-                _ = lane.park.parked() => None,
-                tried = attempt_batch(lane, ctx, admission, &members, &id, &request) => Some(tried),
+            let Some((_, detail)) = again.first() else {
+                break;
             };
-            let Some(tried) = tried else {
-                lane.breaker.release(admission);
-                return all(Finished::Parked);
-            };
-            let (reason, retry_after, attempt) = match tried {
-                Tried::Delivered(status) => {
-                    tracing::debug!(batch = %id, events = events.len(), attempts, "delivered");
-                    return all(Finished::Delivered(status));
-                }
-                Tried::Poison(..) => {
-                    let (left, right) = events.split_at(events.len() / 2);
-                    let mut done = deliver_group(lane, ctx, left).await?;
-                    done.extend(deliver_group(lane, ctx, right).await?);
-                    return Ok(done);
-                }
-                Tried::Failed { attempt, .. } if ctx.persist != Persist::UntilDone => {
-                    return all(Finished::Failing(attempt.detail()));
-                }
-                Tried::Failed {
-                    reason,
-                    retry_after,
-                    attempt,
-                } => (reason, retry_after, attempt),
-            };
-            let delay = backoff.next_delay(retry_after, &mut rand::rng());
-            if attempts == 1 || attempts.is_multiple_of(20) {
-                tracing::warn!(
-                    endpoint = %lane.name, batch = %id, events = events.len(), attempts, reason = %reason,
-                    detail = %attempt.detail(), retry_in_ms = delay.as_millis() as u64,
-                    "batch delivery failed; will retry"
-                );
+            if ctx.persist != Persist::UntilDone {
+                let failing = Finished::Failing(detail.clone());
+                again
+                    .iter()
+                    .for_each(|&(i, _)| done[i] = Some(failing.clone()));
+                break;
             }
+            let delay = backoff.next_delay(None, &mut rand::rng());
+            tracing::warn!(
+                endpoint = %lane.name, batch = %id, events = again.len(), detail = %detail,
+                retry_in_ms = delay.as_millis() as u64, "events of a batch answered per event are not done; will retry them"
+            );
+            todo = again.into_iter().map(|(i, _)| i).collect();
             let slept = unless_interrupted(lane, ctx, tokio::time::sleep(delay)).await;
             if !matches!(slept, Waited::Done(())) {
-                return all(interrupted(&slept));
+                let finished = interrupted(&slept);
+                todo.iter().for_each(|&i| done[i] = Some(finished.clone()));
+                break;
             }
         }
+        Ok(done
+            .into_iter()
+            .map(|f| f.expect("every event of a batch ends"))
+            .collect())
     })
 }
 
 /// One attempt of a batch, as [`attempt`] makes one for an event. A
 /// refusal is not poison for the breaker's storm guard (it counts events,
 /// and judges each once the batch is split down to it): the endpoint
-/// answered, and the batch is split.
+/// answered, and the batch is split. A 207 is read as per-event answers;
+/// one that does not read so is a refusal of the batch.
 async fn attempt_batch<S: Sink, D>(
     lane: &Lane<S>,
     ctx: &Ctx<D>,
@@ -580,15 +714,57 @@ async fn attempt_batch<S: Sink, D>(
         .observe(started.elapsed().as_secs_f64());
     let (outcome, signal, reason) = match classify(&attempt, &lane.cfg.policy) {
         Disposition::Delivered => {
-            lane.breaker.record(admission, Signal::Success, "");
             count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
+            if let Attempt::Response {
+                status: 207,
+                excerpt,
+                ..
+            } = &attempt
+            {
+                let why = match answers::parse(excerpt) {
+                    Ok(answers) => {
+                        // A 2xx for the breaker only when an event is done:
+                        // that ends the storm guard's run of refusals.
+                        let done = answers.values().any(|a| (200..300).contains(&a.status));
+                        // During a storm, refusals wait like failures.
+                        let signal = if done {
+                            Signal::Success
+                        } else if lane.breaker.in_storm() {
+                            Signal::Transient
+                        } else {
+                            Signal::DeadLettered
+                        };
+                        lane.breaker.record(admission, signal, "http_207");
+                        return Tried::PerEvent(answers);
+                    }
+                    Err(why) => why,
+                };
+                lane.breaker
+                    .record(admission, Signal::DeadLettered, "http_207");
+                tracing::warn!(
+                    endpoint = %lane.name, batch = %id, events = events.len(), why = %why,
+                    "the endpoint answered the batch 207 without per-event answers (docs/architecture.md#batches): splitting it"
+                );
+                let r = Reason {
+                    label: ReasonLabel::HttpOther,
+                    status: Some(207),
+                };
+                return Tried::Poison(r, attempt);
+            }
+            lane.breaker.record(admission, Signal::Success, "");
             for event in events {
                 count_delivered(lane, metrics, event);
             }
             return Tried::Delivered(status_of(&attempt));
         }
+        // During a poison storm, a refusal waits like a transient failure.
+        Disposition::DeadLetter(r) if lane.breaker.in_storm() => {
+            (AttemptOutcome::Retry, Signal::Transient, r)
+        }
         Disposition::DeadLetter(r) => {
-            lane.breaker.record(admission, Signal::Success, "");
+            // Answered, but no event done: the storm guard's run goes on.
+            lane.breaker
+                .record(admission, Signal::DeadLettered, &r.to_string());
             count_attempt(metrics, AttemptOutcome::DeadLetter, &attempt);
             tracing::info!(
                 endpoint = %lane.name, batch = %id, events = events.len(), reason = %r,
@@ -611,6 +787,16 @@ async fn attempt_batch<S: Sink, D>(
         id,
         None,
     )
+}
+
+/// A batch's event ids for a log line: the first 20, then how many more.
+fn ids_of(events: &[&OutboxEvent]) -> String {
+    let mut ids: Vec<&str> = events.iter().take(20).map(|e| e.id.as_str()).collect();
+    let more = format!("… and {} more", events.len().saturating_sub(20));
+    if events.len() > 20 {
+        ids.push(&more);
+    }
+    ids.join(",")
 }
 
 /// What an interrupted wait means for the job.

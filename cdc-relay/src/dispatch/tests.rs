@@ -17,6 +17,7 @@
 //! loop for up to a request timeout on a real sink).
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -55,6 +56,9 @@ type Script = dyn Fn(&str, Instant) -> (Duration, u16) + Send + Sync;
 struct ScriptedSink {
     script: Box<Script>,
     calls: Mutex<Vec<Call>>,
+    /// Answer each batch per event: 207 with each member's scripted
+    /// status, leaving out the members scripted [`UNNAMED`].
+    per_event: std::sync::atomic::AtomicBool,
 }
 
 impl ScriptedSink {
@@ -62,6 +66,7 @@ impl ScriptedSink {
         Arc::new(ScriptedSink {
             script: Box::new(script),
             calls: Mutex::new(Vec::new()),
+            per_event: Default::default(),
         })
     }
 
@@ -99,8 +104,21 @@ impl Sink for Arc<ScriptedSink> {
                 .map(|e| e["id"].as_str().expect("an id").to_owned())
                 .collect(),
         };
+        let per_event = !members.is_empty() && self.per_event.load(Ordering::Relaxed);
+        let mut results = Vec::new();
         let (latency, status) = if members.is_empty() {
             (self.script)(event_id, start)
+        } else if per_event {
+            let mut latency = Duration::ZERO;
+            for id in &members {
+                let (l, status) = (self.script)(id, start);
+                latency = latency.max(l);
+                if status != UNNAMED {
+                    results
+                        .push(serde_json::json!({"id": id, "status": status, "error": "scripted"}));
+                }
+            }
+            (latency, 207)
         } else {
             let answers: Vec<(Duration, u16)> =
                 members.iter().map(|id| (self.script)(id, start)).collect();
@@ -128,7 +146,11 @@ impl Sink for Arc<ScriptedSink> {
             status => Attempt::Response {
                 status,
                 retry_after: None,
-                excerpt: String::new(),
+                excerpt: if per_event {
+                    serde_json::json!({ "results": results }).to_string()
+                } else {
+                    String::new()
+                },
             },
         }
     }
@@ -139,6 +161,8 @@ const TIMEOUT: u16 = 0;
 const CONNECT: u16 = 1;
 const TLS: u16 = 2;
 const TRANSPORT: u16 = 3;
+/// In a per-event answer: the event is not named.
+const UNNAMED: u16 = 4;
 
 /// Dead letters, in memory: every row written (`.0`, by id − 1, refused
 /// rows rewritten in place), the ids replayed (removed), when each row

@@ -8,6 +8,7 @@
 //! The pipeline sees the sink only through the [`Sink`] trait, so its unit
 //! tests run against a scripted in-memory sink.
 
+pub mod answers;
 pub mod classify;
 pub mod connection;
 pub mod encoder;

@@ -50,6 +50,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::outbox::OutboxEvent;
+use crate::sink::answers::ANSWERS_BYTES;
 use crate::sink::connection::{ConnectionTag, Tagging};
 use crate::sink::encoder::{self, Prepared};
 use crate::sink::signature::Signing;
@@ -102,7 +103,9 @@ pub enum Attempt {
         /// `Retry-After`, parsed from seconds or an HTTP-date.
         retry_after: Option<Duration>,
         /// The first bytes of the response body (lossy UTF-8), for logs and
-        /// the dead-letter row. At most [`EXCERPT_BYTES`] bytes.
+        /// the dead-letter row. At most [`EXCERPT_BYTES`] bytes, or for a
+        /// batch's 207 (its per-event answers, [`super::answers`])
+        /// [`ANSWERS_BYTES`].
         excerpt: String,
     },
     /// No complete response within the request timeout (or the TCP connect
@@ -431,15 +434,21 @@ impl HttpSink {
             .and_then(|v| parse_retry_after(v, SystemTime::now()));
         let mut body = resp.into_body();
         let mut excerpt = Vec::new();
+        // A batch's 207 carries each event's answer: read all of it.
+        let limit = if status == 207 && request.batch.is_some() {
+            ANSWERS_BYTES
+        } else {
+            EXCERPT_BYTES
+        };
         // Read to the end (the connection goes back to the pool) unless the
-        // body is longer than the excerpt: then the connection is dropped.
+        // body is longer than the limit: then the connection is dropped.
         while let Some(frame) = body.frame().await {
             match frame {
                 Ok(frame) => {
                     if let Some(chunk) = frame.data_ref() {
-                        let room = EXCERPT_BYTES.saturating_sub(excerpt.len());
+                        let room = limit.saturating_sub(excerpt.len());
                         excerpt.extend_from_slice(&chunk[..chunk.len().min(room)]);
-                        if excerpt.len() >= EXCERPT_BYTES {
+                        if excerpt.len() >= limit {
                             break;
                         }
                     }

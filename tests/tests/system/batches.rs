@@ -1,7 +1,9 @@
 //! Batched delivery (`--batch-max-events`, `docs/architecture.md#batches`)
 //! into the real Billing: a backlog goes in batches, every order is
-//! invoiced once, and an event Billing refuses is split out of its batch
-//! and dead-lettered alone while the rest of the batch is invoiced.
+//! invoiced once; an event Billing refuses is answered per event (207) and
+//! dead-lettered alone while the rest of its batch is invoiced; a batch
+//! Billing refuses whole (413, larger than its body limit) is split until
+//! its halves fit.
 
 use std::time::Duration;
 
@@ -79,6 +81,15 @@ async fn a_backlog_goes_in_batches_and_a_refused_event_is_dead_lettered_alone() 
     );
     let requests =
         after.get("/inbox").copied().unwrap_or(0.0) - before.get("/inbox").copied().unwrap_or(0.0);
+    // The refusal came in a 207 answering each event: no batch was
+    // refused whole, nothing was split.
+    let statuses = s.billing().metrics().await?.sum_by(
+        "billing_http_requests_total",
+        ("route", "/inbox"),
+        "status",
+    );
+    assert_eq!(statuses.get("207"), Some(&1.0), "{statuses:?}");
+    assert_eq!(statuses.get("422"), None, "{statuses:?}");
     assert!(
         requests < (BACKLOG / 4) as f64,
         "{requests} requests for {} events",
@@ -88,6 +99,67 @@ async fn a_backlog_goes_in_batches_and_a_refused_event_is_dead_lettered_alone() 
     assert_eq!(
         relay.sum("cdc_relay_events_delivered_total"),
         BACKLOG as f64
+    );
+    s.settle().await?;
+    s.finish().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_larger_than_billing_takes_is_split_until_it_fits() -> anyhow::Result<()> {
+    // Events of about 6 KB: 16 of them exceed Billing's 64 KiB body limit
+    // (413, refused whole), 8 fit.
+    const EVENTS: usize = 64;
+    let batch = [
+        "--batch-max-events",
+        "16",
+        "--batch-max-bytes",
+        "1MiB",
+        "--max-in-flight",
+        "2",
+    ];
+    let mut s = Scenario::plan(Inbox::Billing)
+        .relay_args(&batch)
+        .start()
+        .await?;
+    s.stop_relay().await?;
+    for _ in 0..EVENTS {
+        let order = uuid::Uuid::new_v4();
+        let event = uuid::Uuid::new_v4();
+        s.db.batch_execute(&format!(
+            "BEGIN; \
+             INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 250, 'EUR'); \
+             INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{event}', '{order}', \
+               'OrderCreated', jsonb_build_object('order_id', '{order}'::uuid, 'amount_cents', 250, \
+               'currency', 'EUR', 'note', repeat('x', 6000))); \
+             COMMIT"
+        ))
+        .await?;
+    }
+    s.restart_relay(&batch).await?;
+    wait_until("every order invoiced", DRAIN, || async {
+        anyhow::Ok(Ledger::read(&s.stack).await?.invoices == EVENTS)
+    })
+    .await?;
+    let ledger = Ledger::read(&s.stack).await?;
+    assert_eq!(ledger.duplicate_effects, 0, "{ledger:?}");
+    assert_eq!(ledger.lost, 0, "{ledger:?}");
+    let dead: i64 =
+        s.db.query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+            .await?
+            .get(0);
+    assert_eq!(dead, 0, "a batch too large is split, not dead-lettered");
+    let statuses = s.billing().metrics().await?.sum_by(
+        "billing_http_requests_total",
+        ("route", "/inbox"),
+        "status",
+    );
+    assert!(
+        statuses.contains_key("413"),
+        "batches were refused whole: {statuses:?}"
+    );
+    assert!(
+        statuses.get("204").copied().unwrap_or(0.0) < EVENTS as f64,
+        "the halves went as batches: {statuses:?}"
     );
     s.settle().await?;
     s.finish().await

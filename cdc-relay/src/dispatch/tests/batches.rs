@@ -148,3 +148,110 @@ async fn a_refused_batch_is_split_until_the_refused_event_is_alone() {
         .collect();
     assert_eq!(refused, vec![15, 8, 4, 2, 1]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_answered_per_event_is_judged_event_by_event_without_splitting() {
+    // One request at a time, 16 events a request, 32 queued at once. The
+    // receiver answers each batch 207: e13 refused (422), e5 busy (503)
+    // and e9 left out of the answer the first time, taken the second.
+    let asked = Mutex::new(std::collections::HashSet::new());
+    let sink = ScriptedSink::new(move |id, _| {
+        let first = asked.lock().unwrap().insert(id.to_owned());
+        let status = match id {
+            "e13" => 422,
+            "e5" if first => 503,
+            "e9" if first => UNNAMED,
+            _ => 201,
+        };
+        (Duration::from_millis(5), status)
+    });
+    sink.per_event.store(true, Ordering::Relaxed);
+    let txs = vec![(0..32).map(|n| event(&format!("e{n}"), None)).collect()];
+    let (last, dead) = dispatch_all(batching(1, 16), Arc::clone(&sink), txs).await;
+    assert_eq!(last, Lsn::new(100), "the transaction is done");
+    assert_eq!(dead.len(), 1, "only the refused event is dead-lettered");
+    assert_eq!(dead[0].event_id.as_deref(), Some("e13"));
+    assert_eq!(dead[0].http_status, Some(422));
+    assert!(dead[0].error.contains("scripted"), "{}", dead[0].error);
+    let calls = sink.calls();
+    let sent: Vec<String> = calls.iter().flat_map(carried).collect();
+    let times = |id: &str| sent.iter().filter(|s| *s == id).count();
+    assert_eq!(times("e13"), 1, "a refusal answered per event is final");
+    assert_eq!(times("e5"), 2, "a retryable answer is sent again");
+    assert_eq!(
+        times("e9"),
+        2,
+        "an event left out of the answer is not done"
+    );
+    for n in (0..32).filter(|n| ![5, 9].contains(n)) {
+        assert_eq!(times(&format!("e{n}")), 1, "e{n} done by its first answer");
+    }
+    // e5 and e9 went again together, as a batch of their own.
+    assert!(
+        calls.iter().any(|c| c.members == ["e5", "e9"]),
+        "{:?}",
+        calls.iter().map(carried).collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_207_without_per_event_answers_splits_the_batch() {
+    // The receiver answers 207 with an empty body: no event's fate is
+    // known, so the batch splits down to single events, whose 207 is a
+    // 2xx like any other.
+    let sink = ScriptedSink::new(|_, _| (Duration::from_millis(5), 207));
+    let txs = vec![(0..8).map(|n| event(&format!("e{n}"), None)).collect()];
+    let (last, dead) = dispatch_all(batching(1, 8), Arc::clone(&sink), txs).await;
+    assert_eq!(last, Lsn::new(100));
+    assert!(dead.is_empty());
+    let calls = sink.calls();
+    let singles: Vec<String> = calls
+        .iter()
+        .filter(|c| c.members.is_empty())
+        .map(|c| c.id.clone())
+        .collect();
+    assert_eq!(singles.len(), 8, "each event done alone: {singles:?}");
+    assert!(
+        calls.iter().any(|c| c.members.len() > 1),
+        "a batch was tried"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_event_the_endpoint_keeps_failing_holds_back_only_its_aggregate() {
+    // Broken before: a batch that failed was retried whole forever, so the
+    // 15 events sharing a request with e13 waited with it; the halves of a
+    // split batch went one after the other, so a stuck half held the other.
+    let sink = ScriptedSink::new(|id, _| {
+        (
+            Duration::from_millis(5),
+            if id == "e13" { 503 } else { 204 },
+        )
+    });
+    let txs = vec![(0..32).map(|n| event(&format!("e{n}"), None)).collect()];
+    // The circuit stays closed (others succeed in between): once open,
+    // the oldest pending event is the probe, batches or not.
+    let mut cfg = batching(4, 16);
+    cfg.breaker.failure_threshold = 10;
+    let run = dispatch_all(cfg, Arc::clone(&sink), txs);
+    assert!(
+        tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .is_err(),
+        "e13 is never taken, so its transaction is never done"
+    );
+
+    let mut delivered: Vec<String> = sink
+        .calls()
+        .iter()
+        .filter(|c| c.status == 204)
+        .flat_map(carried)
+        .collect();
+    delivered.sort();
+    let mut expected: Vec<String> = (0..32)
+        .filter(|n| *n != 13)
+        .map(|n| format!("e{n}"))
+        .collect();
+    expected.sort();
+    assert_eq!(delivered, expected, "every other event delivered once");
+}

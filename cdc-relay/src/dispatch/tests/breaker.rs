@@ -255,3 +255,39 @@ async fn a_sink_gone_silent_gets_no_more_requests_after_a_second() {
         );
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_storm_guard_holds_with_batches_split_or_answered_per_event() {
+    // Broken before: a refused batch counted as a 2xx for the breaker,
+    // which ends the run of refusals, so every split reset it and a sink
+    // refusing everything had the whole stream dead-lettered (60 of 60);
+    // a 207 refusing all its events did the same per request.
+    for per_event in [false, true] {
+        let sink = ScriptedSink::new(|_, _| (Duration::from_millis(2), 422));
+        sink.per_event.store(per_event, Ordering::Relaxed);
+        let cfg = DispatchConfig {
+            batch_max_events: 8,
+            ..config(2)
+        };
+        let breaker = Breaker::new(cfg.breaker.clone(), Metrics::new());
+        let events = (0..60).map(|n| event(&format!("e{n}"), None)).collect();
+        let dead = session_dropped_after(
+            cfg.clone(),
+            Arc::clone(&sink),
+            breaker.clone(),
+            events,
+            Duration::from_secs(3),
+        )
+        .await;
+        assert!(
+            dead.len() < 10,
+            "per_event {per_event}: dead letters until the storm (threshold 10): {}",
+            dead.len()
+        );
+        assert_eq!(
+            breaker.state(),
+            crate::breaker::CircuitState::Open,
+            "per_event {per_event}"
+        );
+    }
+}
