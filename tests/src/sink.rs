@@ -62,6 +62,18 @@ impl Received {
         self.json()["id"].as_str().unwrap_or_default().to_owned()
     }
 
+    /// The event ids the request carried, in body order: each element's
+    /// `id` for a batch (a JSON array body), else the body's `id`.
+    pub fn ids(&self) -> Vec<String> {
+        match self.json() {
+            serde_json::Value::Array(events) => events
+                .iter()
+                .map(|e| e["id"].as_str().unwrap_or_default().to_owned())
+                .collect(),
+            one => vec![one["id"].as_str().unwrap_or_default().to_owned()],
+        }
+    }
+
     /// Whether the signature is the lowercase hex HMAC-SHA256 of the body under `secret`.
     pub fn signature_valid(&self, secret: &str) -> bool {
         self.signature.as_deref() == Some(sign(secret, &self.body).as_str())
@@ -402,10 +414,18 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> (u16, Byt
     if delay > 0 {
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
-    let id = serde_json::from_slice::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v["id"].as_str().map(str::to_owned));
-    let rejected = id.and_then(|id| {
+    // A batch (an array body) is refused whole, with the scripted answer
+    // of its first event that has one: a receiver that does not answer
+    // per event.
+    let ids: Vec<String> = match serde_json::from_slice::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Array(events)) => events
+            .iter()
+            .filter_map(|e| e["id"].as_str().map(str::to_owned))
+            .collect(),
+        Ok(one) => one["id"].as_str().map(str::to_owned).into_iter().collect(),
+        Err(_) => Vec::new(),
+    };
+    let rejected = ids.into_iter().find_map(|id| {
         let mut rejections = script.rejections.lock().expect("sink lock");
         let r = rejections.get_mut(&id)?;
         let answer = (r.status, r.body.clone());

@@ -87,6 +87,17 @@ pub struct ReplayArgs {
     /// first request goes alone: the window opens once the sink answers.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_in_flight: u32,
+    /// Events one request may carry at most (a batch,
+    /// `docs/architecture.md#batches`; only for a receiver that takes
+    /// batches). Default: the routes file endpoint's `batch_max_events`
+    /// with `--routes`, else 1 (one request per row). A batch the sink
+    /// refuses is split down to the refused row, which is kept.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub batch_max_events: Option<u32>,
+    /// A batch's body size at most. Default: the routes file endpoint's
+    /// `batch_max_bytes` with `--routes`, else 48KiB.
+    #[arg(long, value_parser = super::parse_batch_bytes)]
+    pub batch_max_bytes: Option<u32>,
     /// Who replays (kept in the audit table with each removed row);
     /// default: $USER, else the database role.
     #[arg(long, env = "USER")]

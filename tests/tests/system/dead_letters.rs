@@ -249,6 +249,116 @@ async fn concurrent_replay_keeps_each_aggregates_order_and_skips_one_refused_aga
     Ok(())
 }
 
+/// `replay --batch-max-events` sends rows in batches (one row per
+/// aggregate in a request, as the live pipeline does); a batch the sink
+/// refuses whole is split down to the refused row, which is kept with the
+/// rest of its aggregate, while every other row is delivered, in each
+/// aggregate's order, and removed with its audit row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_in_batches_splits_a_refused_batch_down_to_the_refused_row() -> anyhow::Result<()>
+{
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, sink) = (&s.stack, s.sink());
+    let admin = stack.orders_admin().await?;
+    let rows = dead_letter_rows(&admin, 6, 4).await?;
+    let (refused_key, refused) = &rows[0];
+    sink.reject(&refused[1], 422);
+    let before = sink.received().len();
+    let args = [
+        "dead-letter",
+        "replay",
+        "--all",
+        "--json",
+        "--max-in-flight",
+        "2",
+        "--batch-max-events",
+        "8",
+    ];
+    let out = crate::sink_failures::cli(stack, &args, &sink.url).await?;
+    assert!(!out.success(), "three rows were kept: {}", out.text());
+    let v: serde_json::Value = serde_json::from_str(&out.stdout)?;
+    let outcome = |id: &str| {
+        v["rows"]
+            .as_array()
+            .and_then(|r| r.iter().find(|r| r["event_id"] == id))
+            .map(|r| r["outcome"].as_str().unwrap_or_default().to_owned())
+    };
+    assert_eq!(outcome(&refused[0]).as_deref(), Some("delivered"), "{v}");
+    assert_eq!(outcome(&refused[1]).as_deref(), Some("rejected"), "{v}");
+    for later in &refused[2..] {
+        assert_eq!(outcome(later).as_deref(), Some("not_attempted"), "{v}");
+    }
+    assert_eq!(v["delivered"], 21, "{v}");
+
+    let requests = sink.received_from(before);
+    let largest = requests.iter().map(|r| r.ids().len()).max().unwrap_or(0);
+    assert!(
+        largest > 1,
+        "rows went in batches: {:?}",
+        requests.iter().map(|r| r.ids()).collect::<Vec<_>>()
+    );
+    for r in &requests {
+        let ids = r.ids();
+        let keys: HashSet<&str> = ids
+            .iter()
+            .filter_map(|id| rows.iter().find(|(_, ids)| ids.contains(id)))
+            .map(|(k, _)| k.as_str())
+            .collect();
+        assert_eq!(
+            keys.len(),
+            ids.len(),
+            "one row per aggregate in a request: {ids:?}"
+        );
+        assert!(
+            !ids.iter().any(|id| refused[2..].contains(id)),
+            "the rows behind the refused one were not sent: {ids:?}"
+        );
+    }
+    // Each aggregate's delivered rows, in the order the sink took them.
+    let accepted: Vec<String> = requests
+        .iter()
+        .filter(|r| (200..300).contains(&r.status))
+        .flat_map(|r| r.ids())
+        .collect();
+    for (key, ids) in &rows {
+        let got: Vec<&String> = accepted.iter().filter(|id| ids.contains(id)).collect();
+        let expected: Vec<&String> = if key == refused_key {
+            ids[..1].iter().collect()
+        } else {
+            ids.iter().collect()
+        };
+        assert_eq!(got, expected, "aggregate {key}: {accepted:?}");
+    }
+    let left: Vec<String> = admin
+        .query(
+            "SELECT event_id FROM cdc_relay_dead_letter ORDER BY id",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        left,
+        refused[1..].to_vec(),
+        "only the refused aggregate's rest stays"
+    );
+    let audit = admin
+        .query_one(
+            "SELECT count(*), count(DISTINCT event_id) FROM cdc_relay_dead_letter_audit \
+             WHERE action = 'replay'",
+            &[],
+        )
+        .await?;
+    let (audited, unique): (i64, i64) = (audit.get(0), audit.get(1));
+    assert_eq!(
+        (audited, unique),
+        (21, 21),
+        "one audit row per delivered row"
+    );
+    Ok(())
+}
+
 /// A dead letter whose payload cannot be sent is not replayed; it stays,
 /// nothing is sent, and the replay says why (exit 1):
 /// - not UTF-8 (kept in `payload_bytes`): sent, its data would be null,

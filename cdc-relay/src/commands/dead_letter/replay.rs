@@ -77,8 +77,8 @@ struct Replayed {
 fn replay_lane(a: &ReplayArgs) -> Result<Lane<HttpSink>, String> {
     let base = DispatchConfig {
         max_in_flight: a.max_in_flight as usize,
-        batch_max_events: 1,
-        batch_max_bytes: usize::MAX,
+        batch_max_events: a.batch_max_events.unwrap_or(1) as usize,
+        batch_max_bytes: a.batch_max_bytes.unwrap_or(48 << 10) as usize,
         backoff_base: Duration::from_millis(50),
         backoff_cap: Duration::from_secs(1),
         retry_after_max: Duration::from_secs(60),
@@ -117,14 +117,20 @@ fn replay_lane(a: &ReplayArgs) -> Result<Lane<HttpSink>, String> {
                 .join(", ")
         ));
     };
+    let endpoint =
+        crate::settings::endpoint_config(&file, e, &base).map_err(|err| err.to_string())?;
     let cfg = DispatchConfig {
         max_in_flight: a.max_in_flight as usize,
-        batch_max_events: 1,
-        batch_max_bytes: usize::MAX,
+        batch_max_events: a
+            .batch_max_events
+            .map_or(endpoint.batch_max_events, |n| n as usize),
+        batch_max_bytes: a
+            .batch_max_bytes
+            .map_or(endpoint.batch_max_bytes, |n| n as usize),
         rate: a.rate,
         max_lag: None,
         auto_resume: false,
-        ..crate::settings::endpoint_config(&file, e, &base).map_err(|err| err.to_string())?
+        ..endpoint
     };
     // Every row goes back, whatever the file routes its type to now.
     Ok(Lane::single(
