@@ -23,16 +23,20 @@ pub enum AttemptOutcome {
     ConfigFault,
     /// 410 Gone: the endpoint is retired; retried rarely.
     Retired,
+    /// A batch refused whole (a poison status, or a 207 without per-event
+    /// answers): split in halves, its events judged apart.
+    Split,
 }
 
 impl AttemptOutcome {
     /// Every outcome.
-    pub const ALL: [AttemptOutcome; 5] = [
+    pub const ALL: [AttemptOutcome; 6] = [
         AttemptOutcome::Delivered,
         AttemptOutcome::DeadLetter,
         AttemptOutcome::Retry,
         AttemptOutcome::ConfigFault,
         AttemptOutcome::Retired,
+        AttemptOutcome::Split,
     ];
 
     /// The metric label.
@@ -43,14 +47,15 @@ impl AttemptOutcome {
             AttemptOutcome::Retry => "retry",
             AttemptOutcome::ConfigFault => "config_fault",
             AttemptOutcome::Retired => "retired",
+            AttemptOutcome::Split => "split",
         }
     }
 }
 
 /// Every `outcome` label of `cdc_relay_delivery_attempts_total`
 /// ([`AttemptOutcome::as_str`]).
-pub const OUTCOMES: [&str; 5] = {
-    let mut out = [""; 5];
+pub const OUTCOMES: [&str; 6] = {
+    let mut out = [""; 6];
     let mut i = 0;
     while i < AttemptOutcome::ALL.len() {
         out[i] = AttemptOutcome::ALL[i].as_str();

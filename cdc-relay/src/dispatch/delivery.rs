@@ -714,7 +714,6 @@ async fn attempt_batch<S: Sink, D>(
         .observe(started.elapsed().as_secs_f64());
     let (outcome, signal, reason) = match classify(&attempt, &lane.cfg.policy) {
         Disposition::Delivered => {
-            count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
             if let Attempt::Response {
                 status: 207,
                 excerpt,
@@ -735,12 +734,14 @@ async fn attempt_batch<S: Sink, D>(
                             Signal::DeadLettered
                         };
                         lane.breaker.record(admission, signal, "http_207");
+                        count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
                         return Tried::PerEvent(answers);
                     }
                     Err(why) => why,
                 };
                 lane.breaker
                     .record(admission, Signal::DeadLettered, "http_207");
+                count_attempt(metrics, AttemptOutcome::Split, &attempt);
                 tracing::warn!(
                     endpoint = %lane.name, batch = %id, events = events.len(), why = %why,
                     "the endpoint answered the batch 207 without per-event answers (docs/architecture.md#batches): splitting it"
@@ -752,6 +753,7 @@ async fn attempt_batch<S: Sink, D>(
                 return Tried::Poison(r, attempt);
             }
             lane.breaker.record(admission, Signal::Success, "");
+            count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
             for event in events {
                 count_delivered(lane, metrics, event);
             }
@@ -765,7 +767,7 @@ async fn attempt_batch<S: Sink, D>(
             // Answered, but no event done: the storm guard's run goes on.
             lane.breaker
                 .record(admission, Signal::DeadLettered, &r.to_string());
-            count_attempt(metrics, AttemptOutcome::DeadLetter, &attempt);
+            count_attempt(metrics, AttemptOutcome::Split, &attempt);
             tracing::info!(
                 endpoint = %lane.name, batch = %id, events = events.len(), reason = %r,
                 detail = %attempt.detail(), "the endpoint refuses the batch: splitting it"
@@ -784,8 +786,7 @@ async fn attempt_batch<S: Sink, D>(
         metrics,
         (admission, outcome, signal, reason),
         attempt,
-        id,
-        None,
+        Carried::Batch(events, id),
     )
 }
 
@@ -921,7 +922,7 @@ async fn attempt<S: Sink, D>(
         Disposition::DeadLetter(r) if lane.breaker.poison(&event.id) => {
             lane.breaker
                 .record(admission, Signal::DeadLettered, &r.to_string());
-            count_attempt(metrics, AttemptOutcome::DeadLetter, &attempt);
+            count_attempt(metrics, AttemptOutcome::Split, &attempt);
             tracing::warn!(
                 endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
                 trace_id = trace_id(event), detail = %attempt.detail(), "poison event: the endpoint refuses it"
@@ -943,8 +944,7 @@ async fn attempt<S: Sink, D>(
         metrics,
         (admission, outcome, signal, reason),
         attempt,
-        &event.id,
-        trace_id(event),
+        Carried::One(event),
     )
 }
 
@@ -979,8 +979,7 @@ fn failed<S>(
     metrics: &Metrics,
     (admission, outcome, signal, reason): (Admission, AttemptOutcome, Signal, Reason),
     attempt: Attempt,
-    about: &str,
-    trace_id: Option<tracing::field::DisplayValue<TraceId>>,
+    carried: Carried<'_>,
 ) -> Tried {
     // The breaker logs the exact status; the metric gets the bounded label.
     lane.breaker.record(admission, signal, &reason.to_string());
@@ -999,10 +998,18 @@ fn failed<S>(
         let pause = asked.min(lane.cfg.retry_after_max);
         lane.breaker
             .pause_until(tokio::time::Instant::now() + pause);
-        tracing::warn!(
-            endpoint = %lane.name, event_id = %about, trace_id, reason = %reason, retry_after_s = asked.as_secs_f64(),
-            pause_s = pause.as_secs_f64(), "the sink asked for quiet (Retry-After): every delivery pauses"
-        );
+        let (retry_after_s, pause_s) = (asked.as_secs_f64(), pause.as_secs_f64());
+        let quiet = "the sink asked for quiet (Retry-After): every delivery pauses";
+        match carried {
+            Carried::One(event) => tracing::warn!(
+                endpoint = %lane.name, event_id = %event.id, trace_id = trace_id(event), reason = %reason,
+                retry_after_s, pause_s, "{quiet}"
+            ),
+            Carried::Batch(events, id) => tracing::warn!(
+                endpoint = %lane.name, batch = %id, events = events.len(), reason = %reason,
+                retry_after_s, pause_s, "{quiet}"
+            ),
+        }
     }
     Tried::Failed {
         reason,

@@ -161,6 +161,18 @@ async fn a_batch_larger_than_billing_takes_is_split_until_it_fits() -> anyhow::R
         statuses.get("204").copied().unwrap_or(0.0) < EVENTS as f64,
         "the halves went as batches: {statuses:?}"
     );
+    // Each refusal is an attempt judged `split`, none `dead_letter`.
+    let attempts = s.relay.metrics().await?.sum_by(
+        "cdc_relay_delivery_attempts_total",
+        ("status_class", "4xx"),
+        "outcome",
+    );
+    assert_eq!(attempts.get("split"), statuses.get("413"), "{attempts:?}");
+    assert_eq!(
+        attempts.get("dead_letter").copied().unwrap_or(0.0),
+        0.0,
+        "{attempts:?}"
+    );
     s.settle().await?;
     s.finish().await
 }
