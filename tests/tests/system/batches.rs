@@ -3,11 +3,13 @@
 //! invoiced once; an event Billing refuses is answered per event (207) and
 //! dead-lettered alone while the rest of its batch is invoiced; a batch
 //! Billing refuses whole (413, larger than its body limit) is split until
-//! its halves fit.
+//! its halves fit. A relay and a Billing killed with batches in flight
+//! lose nothing and invoice nothing twice.
 
 use std::time::Duration;
 
 use harness::app;
+use harness::chaos::front::{Front, socket_addr};
 use harness::oracle::Ledger;
 use harness::{Inbox, Scenario, wait_until};
 
@@ -174,5 +176,88 @@ async fn a_batch_larger_than_billing_takes_is_split_until_it_fits() -> anyhow::R
         "{attempts:?}"
     );
     s.settle().await?;
+    s.finish().await
+}
+
+/// A backlog drains in batches while the relay is killed (SIGKILL) with
+/// batches in flight, and then Billing is: nothing is lost and no order is
+/// invoiced twice (a batch in flight at a kill is sent again, and Billing
+/// records only the ids it has not seen). Billing sits behind a front whose
+/// upstream moves to the restarted Billing, so the relay's URL stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_and_billing_killed_mid_batch_lose_nothing_and_invoice_once() -> anyhow::Result<()>
+{
+    const EVENTS: usize = 2000;
+    let batch = ["--batch-max-events", "32", "--max-in-flight", "4"];
+    let mut s = Scenario::plan(Inbox::Billing)
+        .relay_args(&batch)
+        .start()
+        .await?;
+    s.stop_relay().await?;
+    for _ in 0..EVENTS {
+        app::insert_order_event(&s.db).await?;
+    }
+    let mut billing = app::start_billing(&s.stack, app::TEST_SECRET).await?;
+    let front = Front::start(socket_addr(&billing.url)?).await?;
+    let inbox = format!("{}/inbox", front.url());
+    let invoices = |at_least: usize| {
+        let stack = &s.stack;
+        async move {
+            wait_until(&format!("{at_least} invoices"), DRAIN, || async {
+                anyhow::Ok(Ledger::read(stack).await?.invoices >= at_least)
+            })
+            .await
+        }
+    };
+    // Kills `relay` at a moment it has requests (batches) in flight.
+    async fn kill_in_flight(relay: &mut app::Running) -> anyhow::Result<()> {
+        wait_until("a request in flight", DRAIN, || async {
+            anyhow::Ok(relay.gauge("cdc_relay_in_flight").await?.unwrap_or(0.0) > 0.0)
+        })
+        .await?;
+        relay.process.sigkill();
+        relay.process.wait_exit(Duration::from_secs(10)).await?;
+        Ok(())
+    }
+
+    let mut relay = app::start_relay(&s.stack, &inbox, &batch).await?;
+    app::wait_streaming(&relay).await?;
+    invoices(EVENTS / 5).await?;
+    kill_in_flight(&mut relay).await?;
+    let mut relay = app::start_relay(&s.stack, &inbox, &batch).await?;
+    app::wait_streaming(&relay).await?;
+    invoices(EVENTS / 2).await?;
+    // Billing dies with a batch in flight; the relay retries it whole
+    // against the restarted Billing.
+    wait_until("a request in flight", DRAIN, || async {
+        anyhow::Ok(relay.gauge("cdc_relay_in_flight").await?.unwrap_or(0.0) > 0.0)
+    })
+    .await?;
+    billing.process.sigkill();
+    billing.process.wait_exit(Duration::from_secs(10)).await?;
+    billing = app::start_billing(&s.stack, app::TEST_SECRET).await?;
+    front.set_upstream(socket_addr(&billing.url)?);
+    invoices(EVENTS).await?;
+
+    let ledger = Ledger::read(&s.stack).await?;
+    assert_eq!(ledger.invoices, EVENTS, "{ledger:?}");
+    assert_eq!(ledger.lost, 0, "{ledger:?}");
+    assert_eq!(ledger.duplicate_effects, 0, "{ledger:?}");
+    assert_eq!(ledger.phantom, 0, "{ledger:?}");
+    let dead: i64 =
+        s.db.query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+            .await?
+            .get(0);
+    assert_eq!(dead, 0);
+    // The last relay sent batches: fewer requests than events.
+    let m = relay.metrics().await?;
+    let requests = m.sum("cdc_relay_delivery_attempts_total");
+    let delivered = m.sum("cdc_relay_events_delivered_total");
+    assert!(
+        delivered > 0.0 && requests < delivered,
+        "{requests} requests for {delivered} events"
+    );
+    s.relay = relay;
+    drop(billing);
     s.finish().await
 }

@@ -18,6 +18,21 @@ pub(crate) async fn latency(ctx: &mut Ctx, run: u32) -> anyhow::Result<()> {
     if !ctx.cfg.baselines {
         order.retain(|c| c.is_ours());
     }
+    // With --batches, ours once per batch size (adaptive batching must
+    // not cost latency at a low rate).
+    if !ctx.cfg.batches.is_empty() {
+        order.retain(|c| !c.is_ours());
+        for &batch in ctx.cfg.batches.iter().rev() {
+            order.insert(
+                0,
+                Contender::Ours {
+                    max_in_flight: 64,
+                    signature: None,
+                    batch,
+                },
+            );
+        }
+    }
     let len = order.len();
     order.rotate_left(run as usize % len);
     for rate in rates {
@@ -85,6 +100,7 @@ pub(crate) async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> any
     }
     let scen = format!("a. latency @{rate}/s");
     let col = who.column();
+    let tag = who.signing();
     if who.is_ours() && !timeline.is_empty() {
         // When the slowest orders were created, in seconds from the first
         // order of the window: periodic work in the relay would line up.
@@ -96,7 +112,7 @@ pub(crate) async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> any
             .map(|(ms, at)| format!("{ms:.1} ms at +{:.2} s", (at - t0) as f64 / 1e6))
             .collect();
         ctx.results.note(format!(
-            "{scen} {col}: slowest of {} orders: {}",
+            "{scen} {col}{tag}: slowest of {} orders: {}",
             timeline.len(),
             slow.join(", ")
         ));
@@ -105,7 +121,7 @@ pub(crate) async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> any
         for (name, v) in ["p50", "p90", "p99", "max"].iter().zip(q) {
             ctx.results.add(
                 &scen,
-                &format!("created_at→created_at {name}"),
+                &format!("created_at→created_at {name}{tag}"),
                 "ms",
                 col,
                 v,
@@ -115,7 +131,7 @@ pub(crate) async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> any
     if let Some(q) = stats::quantiles(&committed) {
         for (name, v) in ["p50", "p99"].iter().zip([q[0], q[2]]) {
             ctx.results
-                .add(&scen, &format!("commit→commit {name}"), "ms", col, v);
+                .add(&scen, &format!("commit→commit {name}{tag}"), "ms", col, v);
         }
     }
     if let (Some(before), Some(url)) = (before, proc.admin_url()) {
@@ -126,7 +142,7 @@ pub(crate) async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> any
             if let Some(v) = prom::histogram_quantile(&d, q) {
                 ctx.results.add(
                     &scen,
-                    &format!("relay histogram {label}"),
+                    &format!("relay histogram {label}{tag}"),
                     "ms",
                     col,
                     v * 1000.0,
@@ -134,11 +150,16 @@ pub(crate) async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> any
             }
         }
     }
-    ctx.results
-        .add(&scen, "orders posted/s (achieved)", "/s", col, achieved);
+    ctx.results.add(
+        &scen,
+        &format!("orders posted/s (achieved){tag}"),
+        "/s",
+        col,
+        achieved,
+    );
     if undelivered > 0 || errors > 0 {
         ctx.results.note(format!(
-            "{scen} {col}: {undelivered} of {expected} orders not invoiced after {} s, {errors} POST errors \
+            "{scen} {col}{tag}: {undelivered} of {expected} orders not invoiced after {} s, {errors} POST errors \
              (percentiles are over invoiced orders only: a lower bound)",
             cap.as_secs()
         ));

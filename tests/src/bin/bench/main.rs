@@ -164,7 +164,9 @@ struct Cli {
     /// 31; above 1 the figures' names end in `, batch N`), and measure
     /// Billing's batch inbox directly with arrays of each listed size
     /// above 1 (`--only b --sinks billing --no-baselines --batches
-    /// 1,16,64,256`).
+    /// 1,16,64,256`). Scenario a then runs ours once per listed size too
+    /// (`--only a --rates 10 --no-baselines --batches 1,64`: adaptive
+    /// batching must not cost latency at a low rate).
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=1000))]
     batches: Vec<u32>,
     /// Scenario b with tracing on: every backlog row gets a distinct,
