@@ -224,7 +224,7 @@ async fn a_relay_and_billing_killed_mid_batch_lose_nothing_and_invoice_once() ->
     app::wait_streaming(&relay).await?;
     invoices(EVENTS / 5).await?;
     kill_in_flight(&mut relay).await?;
-    let mut relay = app::start_relay(&s.stack, &inbox, &batch).await?;
+    let relay = app::start_relay(&s.stack, &inbox, &batch).await?;
     app::wait_streaming(&relay).await?;
     invoices(EVENTS / 2).await?;
     // Billing dies with a batch in flight; the relay retries it whole
