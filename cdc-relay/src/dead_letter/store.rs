@@ -172,10 +172,15 @@ fn column<'a, T>(rows: &[&'a Stored], value: impl Fn(&'a Stored) -> T) -> Vec<T>
 }
 
 /// The statement [`insert_rows`] runs: every row of a batch in one
-/// `INSERT … SELECT FROM unnest(…) WITH ORDINALITY ORDER BY` position.
-/// `trace`: with the `trace_context` column (added after 0.2.0), or
-/// without it for a table `sql/orders.sql` has not upgraded yet (the
-/// writer falls back to that, [`super::grouped`]).
+/// `INSERT … SELECT FROM unnest(…) WITH ORDINALITY ORDER BY` position,
+/// except a row whose event already has a dead letter for the same
+/// endpoint (the same event refused again after a restart re-streamed it,
+/// or a backfill over it): that row is not inserted again, and the
+/// existing row's id stands for it, so a replay sends the event once.
+/// Returns `(position, id)` per row, by position. `trace`: with the
+/// `trace_context` column (added after 0.2.0), or without it for a table
+/// `sql/orders.sql` has not upgraded yet (the writer falls back to that,
+/// [`super::grouped`]).
 pub(super) fn insert_statement(trace: bool) -> String {
     let (column, param) = if trace {
         (", trace_context", ", $13::text[]")
@@ -183,17 +188,30 @@ pub(super) fn insert_statement(trace: bool) -> String {
         ("", "")
     };
     format!(
-        "INSERT INTO cdc_relay_dead_letter \
-           (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
-            error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint{column}) \
-         SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
-                http_status, error, response_excerpt, attempts, to_timestamp(first_attempt_at), now(), endpoint{column} \
-         FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
+        "WITH r AS ( \
+           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
                      $7::int4[], $8::text[], $9::text[], $10::int4[], $11::float8[], $12::text[]{param}) \
               WITH ORDINALITY AS r(event_id, aggregate_key, event_type, payload, payload_bytes, \
-                commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint{column}, n) \
-         ORDER BY n \
-         RETURNING id"
+                commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint{column}, n)), \
+         old AS ( \
+           SELECT DISTINCT ON (r.n) r.n, d.id FROM r JOIN cdc_relay_dead_letter d \
+             ON d.event_id = r.event_id AND d.endpoint IS NOT DISTINCT FROM r.endpoint \
+           ORDER BY r.n, d.id), \
+         fresh AS (SELECT * FROM r WHERE r.n NOT IN (SELECT n FROM old)), \
+         ins AS ( \
+           INSERT INTO cdc_relay_dead_letter \
+             (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
+              error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint{column}) \
+           SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
+                  http_status, error, response_excerpt, attempts, to_timestamp(first_attempt_at), now(), endpoint{column} \
+           FROM fresh ORDER BY n \
+           RETURNING id) \
+         SELECT n, id FROM old \
+         UNION ALL \
+         SELECT f.n, i.id \
+           FROM (SELECT id, row_number() OVER (ORDER BY id) AS k FROM ins) i \
+           JOIN (SELECT n, row_number() OVER (ORDER BY n) AS k FROM fresh) f USING (k) \
+         ORDER BY 1"
     )
 }
 
@@ -246,11 +264,15 @@ pub(super) async fn insert_rows<T: ToStatement + ?Sized>(
     if trace {
         params.push(&trace_context);
     }
-    let inserted = client.query(statement, &params).await?;
-    // Ids were taken in row order, so ascending ids are the rows in order,
-    // whatever order RETURNING lists them in.
-    let mut ids: Vec<i64> = inserted.iter().map(|r| r.get(0)).collect();
-    ids.sort_unstable();
-    debug_assert_eq!(ids.len(), rows.len(), "one id per row inserted");
+    // Ids of inserted rows were taken in row order, so the k-th ascending
+    // id is the k-th inserted row; the statement pairs them back with
+    // their positions and lists every row by position.
+    let ids: Vec<i64> = client
+        .query(statement, &params)
+        .await?
+        .iter()
+        .map(|r| r.get(1))
+        .collect();
+    debug_assert_eq!(ids.len(), rows.len(), "one id per row");
     Ok(ids)
 }

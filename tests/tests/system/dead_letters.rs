@@ -542,6 +542,77 @@ fn stored_as(row: &tokio_postgres::Row, want: &NewDeadLetter) -> Result<(), Stri
     }
 }
 
+/// An event refused again at an endpoint where it already has a dead
+/// letter (re-streamed after a restart, or backfilled) keeps its one row:
+/// the write returns the existing row's id, also inside a group of writes
+/// committed together, whose other rows get ids of their own in order. The
+/// same event at another endpoint, and rows without an event id
+/// (unreadable rows), get rows of their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_refused_again_at_the_same_endpoint_keeps_its_one_dead_letter()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let admin = stack.orders_admin().await?;
+    let relay = Arc::new(connect(&stack.relay_url).await?);
+    let store = GroupedStore::new(Arc::clone(&relay));
+    let row = |event: Option<&str>, endpoint: Option<&str>| NewDeadLetter {
+        event_id: event.map(str::to_owned),
+        endpoint: endpoint.map(str::to_owned),
+        ..grouped_row(1, 3)
+    };
+    let first = store
+        .write(&row(Some("x"), Some("e")), Urgency::Now)
+        .await?;
+    let again = store
+        .write(&row(Some("x"), Some("e")), Urgency::Now)
+        .await?;
+    assert_eq!(again, first, "the same dead letter");
+    // In one group: before, the repeat, after.
+    let (y, x, z) = futures::join!(
+        store.write(&row(Some("y"), Some("e")), Urgency::Now),
+        store.write(&row(Some("x"), Some("e")), Urgency::Now),
+        store.write(&row(Some("z"), Some("e")), Urgency::Now),
+    );
+    let (y, x, z) = (y?, x?, z?);
+    assert_eq!(x, first, "the repeat inside a group");
+    assert!(y > first && z > first && y != z, "{first} {y} {x} {z}");
+    let elsewhere = store.write(&row(Some("x"), None), Urgency::Now).await?;
+    assert_ne!(elsewhere, first, "another endpoint's dead letter");
+    let u1 = store.write(&row(None, Some("e")), Urgency::Now).await?;
+    let u2 = store.write(&row(None, Some("e")), Urgency::Now).await?;
+    assert_ne!(u1, u2, "rows without an event id are each kept");
+    let per_event: Vec<(Option<String>, i64)> = admin
+        .query(
+            "SELECT event_id, count(*) FROM cdc_relay_dead_letter GROUP BY 1 ORDER BY 1 NULLS LAST",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        per_event,
+        vec![
+            (Some("x".to_owned()), 2),
+            (Some("y".to_owned()), 1),
+            (Some("z".to_owned()), 1),
+            (None, 2)
+        ]
+    );
+    // Each id returned is its own row's.
+    for (id, event) in [(y, "y"), (z, "z"), (first, "x")] {
+        let got: Option<String> = admin
+            .query_one(
+                "SELECT event_id FROM cdc_relay_dead_letter WHERE id = $1",
+                &[&id],
+            )
+            .await?
+            .get(0);
+        assert_eq!(got.as_deref(), Some(event));
+    }
+    Ok(())
+}
+
 /// The relay's dead-letter store (`GroupedStore` over the relay role's
 /// connection) under 64 concurrent writers, 1,000 rows in all, each
 /// writer awaiting its row before the next, as a delivery does: every row
