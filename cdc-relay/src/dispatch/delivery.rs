@@ -922,7 +922,7 @@ async fn attempt<S: Sink, D>(
         Disposition::DeadLetter(r) if lane.breaker.poison(&event.id) => {
             lane.breaker
                 .record(admission, Signal::DeadLettered, &r.to_string());
-            count_attempt(metrics, AttemptOutcome::Split, &attempt);
+            count_attempt(metrics, AttemptOutcome::DeadLetter, &attempt);
             tracing::warn!(
                 endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
                 trace_id = trace_id(event), detail = %attempt.detail(), "poison event: the endpoint refuses it"

@@ -328,8 +328,17 @@ async fn dispatch_all(
     sink: Arc<ScriptedSink>,
     txs: Vec<Vec<OutboxEvent>>,
 ) -> (Lsn, Vec<NewDeadLetter>) {
+    dispatch_all_counted(cfg, sink, txs, Metrics::new()).await
+}
+
+/// [`dispatch_all`], counting into `metrics`.
+async fn dispatch_all_counted(
+    cfg: DispatchConfig,
+    sink: Arc<ScriptedSink>,
+    txs: Vec<Vec<OutboxEvent>>,
+    metrics: Metrics,
+) -> (Lsn, Vec<NewDeadLetter>) {
     let store = Arc::new(MemoryStore::default());
-    let metrics = Metrics::new();
     let lane = Lane::single(cfg, sink, &metrics);
     let pipeline = pipeline(&store, metrics, CancellationToken::new());
     let (items, items_rx) = mpsc::channel(16);

@@ -120,7 +120,9 @@ async fn a_refused_batch_is_split_until_the_refused_event_is_alone() {
         )
     });
     let txs = vec![(0..32).map(|n| event(&format!("e{n}"), None)).collect()];
-    let (last, dead) = dispatch_all(batching(1, 16), Arc::clone(&sink), txs).await;
+    let metrics = Metrics::new();
+    let (last, dead) =
+        dispatch_all_counted(batching(1, 16), Arc::clone(&sink), txs, metrics.clone()).await;
     assert_eq!(last, Lsn::new(100), "the transaction is done");
     assert_eq!(dead.len(), 1, "only the refused event is dead-lettered");
     assert_eq!(dead[0].event_id.as_deref(), Some("e13"));
@@ -147,6 +149,15 @@ async fn a_refused_batch_is_split_until_the_refused_event_is_alone() {
         .map(|c| carried(c).len())
         .collect();
     assert_eq!(refused, vec![15, 8, 4, 2, 1]);
+    // Each refused batch is an attempt judged split; the event refused
+    // alone, one judged dead_letter.
+    let judged = |outcome: &str| {
+        metrics
+            .delivery_attempts
+            .with_label_values(&[outcome, "4xx"])
+            .get()
+    };
+    assert_eq!((judged("split"), judged("dead_letter")), (4, 1));
 }
 
 #[tokio::test(start_paused = true)]
@@ -167,7 +178,9 @@ async fn a_batch_answered_per_event_is_judged_event_by_event_without_splitting()
     });
     sink.per_event.store(true, Ordering::Relaxed);
     let txs = vec![(0..32).map(|n| event(&format!("e{n}"), None)).collect()];
-    let (last, dead) = dispatch_all(batching(1, 16), Arc::clone(&sink), txs).await;
+    let metrics = Metrics::new();
+    let (last, dead) =
+        dispatch_all_counted(batching(1, 16), Arc::clone(&sink), txs, metrics.clone()).await;
     assert_eq!(last, Lsn::new(100), "the transaction is done");
     assert_eq!(dead.len(), 1, "only the refused event is dead-lettered");
     assert_eq!(dead[0].event_id.as_deref(), Some("e13"));
