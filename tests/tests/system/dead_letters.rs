@@ -55,6 +55,9 @@ fn any_response_body_error_text_and_payload_is_written() {
     let written = std::cell::Cell::new(0i64);
     runner
         .run(&strategy, |(excerpt, error, payload, status, id)| {
+            // Each case's events are new (a repeated event id at the same
+            // endpoint keeps its one row, tested below).
+            let id = format!("{id}#{}", written.get());
             let event = OutboxEvent {
                 id: id.clone(),
                 event_type: "OrderCreated".into(),
@@ -76,7 +79,7 @@ fn any_response_body_error_text_and_payload_is_written() {
             };
             let rejected = NewDeadLetter::rejected(&event, &attempt, &reason, 1, 0);
             let unreadable = NewDeadLetter::unreadable(&UnreadableRow {
-                event_id: Some(id),
+                event_id: Some(format!("{id}u")),
                 aggregate_key: None,
                 event_type: None,
                 payload: payload.map(Bytes::from),
