@@ -47,6 +47,8 @@ impl PoolMode {
 pub struct Pooler {
     process: ServiceProcess,
     port: u16,
+    config: PathBuf,
+    mode: PoolMode,
     _dir: tempfile::TempDir,
 }
 
@@ -101,6 +103,8 @@ impl Pooler {
                     return Ok(Pooler {
                         process,
                         port,
+                        config,
+                        mode,
                         _dir: dir,
                     });
                 }
@@ -123,6 +127,28 @@ impl Pooler {
             .set_port(Some(self.port))
             .map_err(|()| anyhow::anyhow!("cannot set a port on {url:?}"))?;
         Ok(parsed.into())
+    }
+
+    /// Rewrites its `pool_mode` to `mode` and reloads it (SIGHUP), as an
+    /// operator would under running clients; returns once PgBouncer has
+    /// logged the reload.
+    pub async fn switch_mode(&mut self, mode: PoolMode) -> anyhow::Result<()> {
+        let ini = std::fs::read_to_string(&self.config)?;
+        let from = format!("pool_mode = {}", self.mode.as_str());
+        anyhow::ensure!(ini.contains(&from), "no {from:?} in {ini}");
+        let ini = ini.replace(&from, &format!("pool_mode = {}", mode.as_str()));
+        std::fs::write(&self.config, ini)?;
+        let reloads = self.logs().matches("got SIGHUP").count();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(self.process.pid())?),
+            nix::sys::signal::Signal::SIGHUP,
+        )?;
+        crate::wait_until("PgBouncer reloaded", START, || async {
+            Ok(self.logs().matches("got SIGHUP").count() > reloads)
+        })
+        .await?;
+        self.mode = mode;
+        Ok(())
     }
 
     /// What it logged.

@@ -230,7 +230,13 @@ impl Session<'_> {
             Transport::new(client, settings.status_interval, start),
             parts,
         );
-        let read = stream.read_until_stopped(&stop, cfg.shutdown_timeout).await;
+        let mut monitor = monitor;
+        // The monitor ends the session only when the side connection turned
+        // out pooled (exit 2); its other ends leave the stream to notice.
+        let read = tokio::select! {
+            read = stream.read_until_stopped(&stop, cfg.shutdown_timeout) => read,
+            Ok(Some(e)) = &mut monitor => Err(e.into()),
+        };
         drop(monitor);
         match read {
             Ok(deadline) => {

@@ -97,15 +97,20 @@ pub struct GapToHeal {
 }
 
 /// Reads the slot's figures and the outbox's publication membership every
-/// interval (one statement) until the side connection fails (then returns;
-/// the session notices the closed connection itself). `start` is where the
-/// session started streaming.
+/// interval (one statement) until the side connection fails (then returns
+/// `None`; the session notices the closed connection itself). `start` is
+/// where the session started streaming.
+///
+/// Returns [`SourceError::SidePooled`] (exit 2) when two readings were
+/// answered by different server backends: a pool switched to transaction
+/// mode under the running relay (the start's check, `source::pairing`,
+/// saw one backend). The session ends with it.
 pub async fn monitor_slot(
     side: Arc<tokio_postgres::Client>,
     settings: MonitorSettings,
     out: MonitorOutputs,
     start: Lsn,
-) {
+) -> Option<SourceError> {
     let MonitorSettings {
         slot,
         publications,
@@ -147,7 +152,7 @@ pub async fn monitor_slot(
         Ok(row) => row.get(0),
         Err(e) => {
             tracing::debug!(error = %e, "slot monitor not started; side connection lost");
-            return;
+            return None;
         }
     };
     let mut persisted = recorded.as_ref().map(|m| (m.carriers.clone(), m.table_oid));
@@ -159,6 +164,7 @@ pub async fn monitor_slot(
     // When a lock wait of the monitor's reading was last logged.
     let mut lock_logged: Option<Instant> = None;
     let mut tick = tokio::time::interval(interval.min(MEMBERSHIP_CHECK_MAX));
+    let mut first_backend: Option<i32> = None;
     loop {
         tick.tick().await;
         let reading = catalog::monitor_reading(
@@ -170,12 +176,13 @@ pub async fn monitor_slot(
             row_filter.as_deref(),
             count_dead_letters,
         );
-        let (info, member, mut others, dead_letters) = match tokio::time::timeout(
-            Duration::from_secs(5),
-            reading,
-        )
-        .await
-        {
+        let catalog::MonitorReading {
+            slot: info,
+            membership: member,
+            mut others,
+            dead_letters,
+            backend_pid,
+        } = match tokio::time::timeout(Duration::from_secs(5), reading).await {
             Ok(Ok(r)) => r,
             Ok(Err(e @ SourceError::LockWait { .. })) => {
                 // The connection is fine: a lock held elsewhere stops
@@ -188,9 +195,11 @@ pub async fn monitor_slot(
                 }
                 continue;
             }
+            // Its statement prepared on one backend and run on another.
+            Ok(Err(e @ SourceError::SidePooled { .. })) => return Some(e),
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "slot figures unavailable; side connection lost");
-                return;
+                return None;
             }
             Err(_) => {
                 // The side connection is shared: a statement queued ahead
@@ -209,6 +218,20 @@ pub async fn monitor_slot(
                 continue;
             }
         };
+        // A session of its own is one backend for its whole life: a
+        // pool that moves the side connection between backends breaks its
+        // session state, and only more of that follows.
+        match first_backend {
+            Some(first) if first != backend_pid => {
+                return Some(SourceError::SidePooled {
+                    evidence: format!(
+                        "the side connection's statements ran on two server backends (pid {first}, then {backend_pid}) while the relay ran: the pool was switched to transaction or statement mode"
+                    ),
+                });
+            }
+            Some(_) => {}
+            None => first_backend = Some(backend_pid),
+        }
         others.retain(|o| !siblings.contains(o));
         let n = i64::try_from(others.len()).unwrap_or(i64::MAX);
         if n > out.metrics.other_logical_slots.get() {
@@ -262,7 +285,7 @@ pub async fn monitor_slot(
                 start,
             });
             heal.stop.cancel();
-            return;
+            return None;
         }
         let identity = (member.carriers.clone(), member.table_oid);
         if member.included() && persisted.as_ref() != Some(&identity) {

@@ -558,3 +558,73 @@ async fn a_replication_url_to_a_copy_of_the_server_exits_2() -> anyhow::Result<(
     );
     Ok(())
 }
+
+/// A pool switched from session to transaction mode (PgBouncer reloaded)
+/// under a running relay whose side connection goes through it: once other
+/// clients share the pool's backends, the relay's statements land on
+/// another backend, and the relay ends with exit 2 naming the switch
+/// (`pool_mode = session`), instead of running on with its session state
+/// (prepared statements, `lock_timeout`) gone.
+///
+/// Fails without the check: the relay ran on until a statement it had
+/// prepared went missing (exit 2 by that symptom, at random under load),
+/// or silently while no statement broke.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_switched_to_transaction_mode_under_the_relay_exits_2() -> anyhow::Result<()> {
+    let cluster = PgCluster::shared();
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let (user, password) = credentials(&stack.relay_url)?;
+    let mut pooler = Pooler::start(cluster, PoolMode::Session, &[(&user, &password)], &[]).await?;
+    let side = pooler.url(&stack.relay_url)?;
+    let sink = ScriptedSink::start().await?;
+    let mut relay = app::start_relay_with_url(
+        &stack,
+        &side,
+        &sink.url,
+        &[
+            "--replication-url",
+            stack.relay_url.as_str(),
+            "--slot-stats-interval",
+            "1s",
+        ],
+    )
+    .await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let event = app::insert_order_event(&db).await?.to_string();
+    wait_until("the event delivered", EXIT, || async {
+        sink.delivered().iter().any(|r| r.id() == event)
+    })
+    .await?;
+
+    pooler.switch_mode(PoolMode::Transaction).await?;
+    // Other clients of the same pool take its backends in turn.
+    let mut others = Vec::new();
+    for n in 0..3u64 {
+        let (client, connection) = tokio_postgres::connect(&side, tokio_postgres::NoTls).await?;
+        tokio::spawn(connection);
+        others.push(tokio::spawn(async move {
+            loop {
+                let sleep = format!("BEGIN; SELECT pg_sleep(0.{}); COMMIT", 2 + n);
+                if client.simple_query(&sleep).await.is_err() {
+                    break;
+                }
+            }
+        }));
+    }
+    let exit = relay.process.wait_exit(EXIT).await;
+    others.iter().for_each(tokio::task::JoinHandle::abort);
+    let exit = exit?;
+    let logs = relay.process.logs();
+    assert_eq!(exit.code(), Some(2), "{logs}");
+    assert!(
+        // The monitor's sighting, or its statement gone missing between
+        // its prepare and its run: both name the mode and the fix.
+        (logs.contains("two server backends") || logs.contains("prepared statement"))
+            && logs.contains("transaction or statement mode")
+            && logs.contains("pool_mode = session"),
+        "{logs}"
+    );
+    Ok(())
+}

@@ -9,14 +9,32 @@ use super::membership::{MEMBERSHIP_SQL, Membership, membership_from_row};
 use super::slots::{INVALIDATION_REASON, REPLY_AGE, SlotInfo, WALSENDER, slot_from_row};
 use crate::outbox::TableName;
 
+/// What the slot monitor reads every interval ([`monitor_reading`]).
+#[derive(Debug)]
+pub struct MonitorReading {
+    /// The slot; `None` when it does not exist.
+    pub slot: Option<SlotInfo>,
+    /// The outbox's publication membership.
+    pub membership: Membership,
+    /// The other logical slots of this database, by name.
+    pub others: Vec<String>,
+    /// The rows of `cdc_relay_dead_letter`; `None` when not counted.
+    pub dead_letters: Option<i64>,
+    /// The server backend that answered (`pg_backend_pid()`): constant for
+    /// a session of its own, so a change means the side connection goes
+    /// through a pool in transaction or statement mode
+    /// (`source::pairing`).
+    pub backend_pid: i32,
+}
+
 /// The slot and the outbox's publication membership in ONE statement (the
 /// slot monitor's reading: its cost is the relay's whole cost to an idle
-/// database). The slot is `None` when it does not exist.
+/// database).
 ///
-/// The same statement lists the other logical slots of this database (the
-/// third value) and, with `count_dead_letters`, counts the rows of
-/// `cdc_relay_dead_letter` (the fourth; `None` without). `row_filter` as
-/// for [`membership`](super::membership()).
+/// The same statement lists the other logical slots of this database,
+/// names the backend that answered and, with `count_dead_letters`, counts
+/// the rows of `cdc_relay_dead_letter`. `row_filter` as for
+/// [`membership`](super::membership()).
 pub async fn monitor_reading(
     client: &Client,
     slot: &str,
@@ -25,7 +43,7 @@ pub async fn monitor_reading(
     columns: &[String],
     row_filter: Option<&str>,
     count_dead_letters: bool,
-) -> Result<(Option<SlotInfo>, Membership, Vec<String>, Option<i64>), SourceError> {
+) -> Result<MonitorReading, SourceError> {
     let dead_letters = if count_dead_letters {
         "(SELECT count(*) FROM cdc_relay_dead_letter)"
     } else {
@@ -42,7 +60,7 @@ pub async fn monitor_reading(
                 ARRAY(SELECT o.slot_name::text FROM pg_replication_slots o \
                       WHERE o.slot_type = 'logical' AND o.database = current_database() \
                         AND o.slot_name <> $1 ORDER BY 1), \
-                {dead_letters} \
+                {dead_letters}, pg_backend_pid() \
          FROM m \
          LEFT JOIN pg_replication_slots s ON s.slot_name = $1 \
          LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid \
@@ -62,9 +80,13 @@ pub async fn monitor_reading(
         )
         .await
         .map_err(|e| SourceError::sql("reading the slot and the publications", &e))?;
-    let slot = row.get::<_, bool>(21).then(|| slot_from_row(&row, 5));
-    let others: Vec<String> = row.get(22);
-    Ok((slot, membership_from_row(&row), others, row.get(23)))
+    Ok(MonitorReading {
+        slot: row.get::<_, bool>(21).then(|| slot_from_row(&row, 5)),
+        membership: membership_from_row(&row),
+        others: row.get(22),
+        dead_letters: row.get(23),
+        backend_pid: row.get(24),
+    })
 }
 
 /// Whether `cdc_relay_dead_letter` exists (as the relay's role resolves
