@@ -4,7 +4,7 @@
 
 use super::{ConfigError, connect, outln, report};
 use crate::cli::GlobalArgs;
-use crate::dispatch::{Router, Unrouted};
+use crate::dispatch::{DispatchConfig, Router, Unrouted};
 use crate::routes::RoutesFile;
 use crate::routes::args::{CheckArgs, RoutesCommand};
 use crate::source::catalog::{quote_ident, quote_table};
@@ -23,19 +23,20 @@ async fn check(g: &GlobalArgs, a: &CheckArgs) -> anyhow::Result<()> {
     for e in &file.endpoints {
         file.keys(e).map_err(|e| ConfigError(e.to_string()))?;
     }
-    as_run_builds_it(&a.file, &file)?;
+    let lanes = as_run_builds_it(&a.file, &file)?;
     outln!(
         "{}: valid, {} endpoint(s)",
         a.file.display(),
         file.endpoints.len()
     );
-    for e in &file.endpoints {
+    for (e, cfg) in file.endpoints.iter().zip(&lanes) {
         let types: Vec<&str> = e.event_types.iter().map(|p| p.as_str()).collect();
         outln!(
-            "  {:<20} {}  takes {}",
+            "  {:<20} {}  takes {}; {}",
             e.name,
             crate::redact::url(e.url.as_str()),
-            types.join(", ")
+            types.join(", "),
+            batching(cfg)
         );
     }
     let unrouted = match file.unrouted {
@@ -113,13 +114,29 @@ fn router(file: &RoutesFile) -> Router {
     )
 }
 
+/// How an endpoint's requests carry events, as `run` would send them.
+fn batching(cfg: &DispatchConfig) -> String {
+    if cfg.batch_max_events > 1 {
+        format!(
+            "batches of up to {} events and {}",
+            cfg.batch_max_events,
+            super::status::human_bytes(i64::try_from(cfg.batch_max_bytes).unwrap_or(i64::MAX))
+        )
+    } else {
+        "one event per request".to_owned()
+    }
+}
+
 /// Builds the file's endpoints as `run --routes FILE` would, with run's
 /// flags as the environment sets them (`CDC_RELAY_*`), else their
 /// defaults: a setting valid alone but not over them (a `backoff_base`
 /// above the flags' cap, a 5xx in `poison_statuses`, a `request_timeout`
 /// not below `--shutdown-timeout`) is refused here too, not first by
-/// `run`.
-fn as_run_builds_it(path: &std::path::Path, file: &RoutesFile) -> anyhow::Result<()> {
+/// `run`. Returns each endpoint's delivery settings, in file order.
+fn as_run_builds_it(
+    path: &std::path::Path,
+    file: &RoutesFile,
+) -> anyhow::Result<Vec<DispatchConfig>> {
     use clap::Parser as _;
     let argv = [
         std::ffi::OsStr::new("cdc-relay"),
@@ -142,12 +159,13 @@ fn as_run_builds_it(path: &std::path::Path, file: &RoutesFile) -> anyhow::Result
         }
     };
     let dispatch = run.delivery.dispatch().map_err(ConfigError)?;
-    run.sink
+    let lanes = run
+        .sink
         .routed_lanes(file, &dispatch, Some(run.shutdown_timeout))
         .map_err(|e| {
             ConfigError(format!(
                 "{e} (with run's flags as the environment sets them, else their defaults)"
             ))
         })?;
-    Ok(())
+    Ok(lanes.into_iter().map(|l| l.cfg).collect())
 }

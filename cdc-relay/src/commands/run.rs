@@ -135,7 +135,8 @@ async fn serve_and_run(
             source = %cfg.conn.display(),
             replication = %cfg.replication.as_ref().map_or_else(|| "the source's server".to_owned(), ConnParams::display),
             slot = %cfg.slot, endpoint = %l.name, sink = %l.sink.display_url(), admin = %addr,
-            max_in_flight = l.cfg.max_in_flight, signature_scheme = %signer.scheme(),
+            max_in_flight = l.cfg.max_in_flight, batch_max_events = l.cfg.batch_max_events,
+            batch_max_bytes = l.cfg.batch_max_bytes, signature_scheme = %signer.scheme(),
             keys = %signer.keys(), shards = sharding.map_or(0, |(count, _)| count),
             max_shards = sharding.map_or(0, |(_, max)| max),
             traces = export.as_ref().map_or("off", |e| e.destination()), "cdc-relay starting"

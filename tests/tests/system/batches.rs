@@ -24,6 +24,14 @@ async fn a_backlog_goes_in_batches_and_a_refused_event_is_dead_lettered_alone() 
         .relay_args(&batch)
         .start()
         .await?;
+    // The start line says how the endpoint's requests carry events.
+    let logs = s.relay.process.logs();
+    assert!(
+        logs.lines().any(|l| l.contains("cdc-relay starting")
+            && l.contains("batch_max_events=16")
+            && l.contains("batch_max_bytes=49152")),
+        "{logs}"
+    );
     // A backlog while the relay is stopped, with one event Billing refuses
     // (amount 0: 422) in the middle of it.
     s.stop_relay().await?;

@@ -380,6 +380,10 @@ async fn routes_check_prints_the_routing_and_refuses_a_bad_file() {
     ];
     let dir = tempfile::tempdir().unwrap();
     let path = routes_file(dir.path(), &sinks);
+    // The last endpoint (audit) takes batches.
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    text += "batch_max_events = 16\n";
+    std::fs::write(&path, text).unwrap();
     let db = stack.orders_admin().await.unwrap();
     commit_events(&db, 5).await;
     let url = stack.orders_admin_url.clone();
@@ -402,6 +406,17 @@ async fn routes_check_prints_the_routing_and_refuses_a_bad_file() {
     );
     assert!(line("RefundIssued").ends_with("-> audit"), "{}", out.stdout);
     assert!(line("Mystery").contains("UNROUTED"), "{}", out.stdout);
+    // Each endpoint says how its requests carry events.
+    assert!(
+        line("billing").ends_with("; one event per request"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        line("audit").ends_with("; batches of up to 16 events and 48.0 KiB"),
+        "{}",
+        out.stdout
+    );
 
     // A secret missing from the environment, an inline secret: exit 2,
     // naming the file, the endpoint and the key; `run` refuses alike.

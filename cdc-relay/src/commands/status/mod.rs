@@ -12,6 +12,7 @@ use crate::source::catalog::{self, OtherSlot, SlotInfo};
 use crate::source::{self, SourceError, failover};
 
 mod render;
+pub(crate) use render::human_bytes;
 mod shards;
 
 /// `cdc-relay status`: prints [`status`] as text or JSON; returns the exit

@@ -178,7 +178,7 @@ pub(super) fn write_relay(f: &mut std::fmt::Formatter<'_>, r: &RelayEndpoint) ->
 
 /// `bytes` for a reader: `512 bytes`, `1.5 KiB`, `12.0 MiB`, `3.2 GiB`
 /// (binary units, one decimal). The JSON output keeps exact bytes.
-pub(super) fn human_bytes(bytes: i64) -> String {
+pub(crate) fn human_bytes(bytes: i64) -> String {
     const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
     if bytes.unsigned_abs() < 1024 {
         return format!("{bytes} bytes");
