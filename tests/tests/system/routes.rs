@@ -185,6 +185,33 @@ async fn three_endpoints_fan_out_unrouted_and_one_down_then_back() {
         "shipping answered only 503"
     );
     assert!(sinks[1].count() > 0, "shipping was tried");
+    // `status` names each endpoint's circuit (it said the relay-wide
+    // "circuit closed", the gauge of an endpoint a routes file has not).
+    wait_until("shipping's circuit opens", DELIVER, || async {
+        relay.metrics().await.map(|m| {
+            m.value(
+                "cdc_relay_endpoint_circuit_state",
+                &[("endpoint", "shipping")],
+            ) == Some(1.0)
+        })
+    })
+    .await
+    .unwrap();
+    let status = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--admin-url", &relay.url],
+        &[],
+    )
+    .await
+    .unwrap();
+    assert!(
+        status
+            .text()
+            .contains("circuits: audit closed, billing closed, shipping OPEN"),
+        "{}",
+        status.text()
+    );
     let slot = oracle::slot_position(&db, &stack.slot).await.unwrap();
     assert!(
         slot.confirmed < after,

@@ -196,6 +196,11 @@ pub struct RelayEndpoint {
     pub detail: String,
     /// `cdc_relay_circuit_state` (0 closed, 1 open, 2 probing), when read.
     pub circuit_state: Option<f64>,
+    /// Each endpoint's `cdc_relay_endpoint_circuit_state`, by endpoint name
+    /// (the worst over a sharded relay's shards: open, then probing), when
+    /// read. With a routes file these are the circuits; the relay-wide
+    /// gauge belongs to the single `--sink-url` endpoint (`default`).
+    pub endpoint_circuits: std::collections::BTreeMap<String, f64>,
     /// `cdc_relay_oldest_unconfirmed_event_age_seconds`, when read.
     pub oldest_unconfirmed_event_age_secs: Option<f64>,
     /// `cdc_relay_standby` is 1: a hot standby waiting for the slot another
@@ -332,6 +337,7 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
         ready: false,
         detail: String::new(),
         circuit_state: None,
+        endpoint_circuits: std::collections::BTreeMap::new(),
         oldest_unconfirmed_event_age_secs: None,
         standby: false,
     };
@@ -354,6 +360,7 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
                 .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
         };
         e.circuit_state = value("cdc_relay_circuit_state");
+        e.endpoint_circuits = endpoint_circuits(&text);
         e.oldest_unconfirmed_event_age_secs =
             value("cdc_relay_oldest_unconfirmed_event_age_seconds");
         // A sharded relay labels each shard's series: a standby for every
@@ -362,6 +369,44 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
             || (!e.ready && e.detail.contains("waiting for a free one"));
     }
     e
+}
+
+/// Each endpoint's circuit from `/metrics` text: the
+/// `cdc_relay_endpoint_circuit_state{…endpoint="NAME"…} STATE` series, the
+/// worst state per name (open 1, then probing 2, then closed 0).
+pub(super) fn endpoint_circuits(metrics: &str) -> std::collections::BTreeMap<String, f64> {
+    let rank = |state: f64| match state {
+        1.0 => 2,
+        2.0 => 1,
+        _ => 0,
+    };
+    let mut out = std::collections::BTreeMap::new();
+    for line in metrics.lines() {
+        let Some(rest) = line.strip_prefix("cdc_relay_endpoint_circuit_state{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        let Some(name) = labels
+            .split_once("endpoint=\"")
+            .and_then(|(_, r)| r.split_once('"'))
+            .map(|(name, _)| name)
+        else {
+            continue;
+        };
+        let Ok(state) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        out.entry(name.to_owned())
+            .and_modify(|s: &mut f64| {
+                if rank(state) > rank(*s) {
+                    *s = state;
+                }
+            })
+            .or_insert(state);
+    }
+    out
 }
 
 /// Something that stops delivery.

@@ -151,11 +151,25 @@ impl std::fmt::Display for Status {
 
 /// One line for what a relay's admin endpoint said.
 pub(super) fn write_relay(f: &mut std::fmt::Formatter<'_>, r: &RelayEndpoint) -> std::fmt::Result {
-    let circuit = match r.circuit_state {
-        Some(0.0) => ", circuit closed",
-        Some(1.0) => ", circuit OPEN",
-        Some(2.0) => ", circuit probing",
-        _ => "",
+    let said = |state: f64| match state {
+        0.0 => "closed",
+        1.0 => "OPEN",
+        2.0 => "probing",
+        _ => "unknown",
+    };
+    // With a routes file, each endpoint has its circuit; the relay-wide
+    // one is the single endpoint's (`default`).
+    let routed = r.endpoint_circuits.keys().any(|name| name != "default");
+    let circuit = if routed {
+        let each: Vec<String> = r
+            .endpoint_circuits
+            .iter()
+            .map(|(name, state)| format!("{name} {}", said(*state)))
+            .collect();
+        format!(", circuits: {}", each.join(", "))
+    } else {
+        r.circuit_state
+            .map_or(String::new(), |state| format!(", circuit {}", said(state)))
     };
     writeln!(
         f,
