@@ -64,11 +64,53 @@ impl Cli {
     }
 
     /// Parses the process's arguments with [`Cli::command`]; on an error
-    /// prints it and exits 2 (or 0 for `--help` and `--version`).
+    /// prints it and exits 2 (or 0 for `--help` and `--version`). A value
+    /// refused for being empty that came from an empty environment
+    /// variable (`CDC_RELAY_DATABASE_PASSWORD_FILE=` in an env file) is
+    /// named by that variable, not by the flag the command line never had.
     pub fn parse_args() -> Cli {
-        let matches = Cli::command().get_matches();
+        let command = Cli::command();
+        let matches = command.clone().try_get_matches().unwrap_or_else(|e| {
+            if let Some((env, flag)) = empty_env_behind(&command, &e) {
+                eprintln!("error: {env} is set but empty: unset it, or give it a value ({flag})");
+                std::process::exit(2);
+            }
+            e.exit()
+        });
         <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
     }
+}
+
+/// The environment variable, and its flag, behind clap's `error` when it
+/// refused an empty value of an argument whose variable is set and empty
+/// while the command line does not give that flag.
+fn empty_env_behind(command: &clap::Command, error: &clap::Error) -> Option<(String, String)> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if error.kind() != ErrorKind::InvalidValue {
+        return None;
+    }
+    let Some(ContextValue::String(refused)) = error.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let given: Vec<String> = std::env::args().collect();
+    let mut pending = vec![command];
+    while let Some(cmd) = pending.pop() {
+        for arg in cmd.get_arguments() {
+            let (Some(env), Some(long)) = (arg.get_env(), arg.get_long()) else {
+                continue;
+            };
+            let flag = format!("--{long}");
+            let named = refused == &flag || refused.starts_with(&format!("{flag} "));
+            let on_line = given
+                .iter()
+                .any(|a| a == &flag || a.starts_with(&format!("{flag}=")));
+            if named && !on_line && std::env::var_os(env).is_some_and(|v| v.is_empty()) {
+                return Some((env.to_string_lossy().into_owned(), flag));
+            }
+        }
+        pending.extend(cmd.get_subcommands());
+    }
+    None
 }
 
 /// The global flags (`GlobalArgs` field ids) by what they are for.

@@ -183,6 +183,25 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         timeouts.text()
     );
 
+    // An empty file setting from the environment (an env file's `X=`) is
+    // named by its variable (clap named only the flag, never given).
+    let empty_file = run(
+        &[],
+        &[
+            ("EVENT_SECRET", TEST_SECRET),
+            ("CDC_RELAY_DATABASE_PASSWORD_FILE", ""),
+        ],
+    )
+    .await?;
+    assert_eq!(empty_file.code(), Some(2), "{}", empty_file.text());
+    assert!(
+        empty_file
+            .text()
+            .contains("CDC_RELAY_DATABASE_PASSWORD_FILE is set but empty"),
+        "{}",
+        empty_file.text()
+    );
+
     let bad_size = run(
         &["--max-pending-bytes", "lots"],
         &[("EVENT_SECRET", TEST_SECRET)],
