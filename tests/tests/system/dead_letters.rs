@@ -140,6 +140,49 @@ async fn dead_letter_rows(
     Ok(keys.into_iter().zip(ids).collect())
 }
 
+/// What `dead-letter replay --json` (`stdout`) said of the refused
+/// aggregate's rows: the first delivered, the second refused again, the
+/// rest not attempted; 21 of the 24 rows delivered in all.
+fn said_refused_first_second(stdout: &str, refused: &[String]) -> anyhow::Result<()> {
+    let v: serde_json::Value = serde_json::from_str(stdout)?;
+    let outcome = |id: &str| {
+        v["rows"]
+            .as_array()
+            .and_then(|r| r.iter().find(|r| r["event_id"] == id))
+            .map(|r| r["outcome"].as_str().unwrap_or_default().to_owned())
+    };
+    assert_eq!(outcome(&refused[0]).as_deref(), Some("delivered"), "{v}");
+    assert_eq!(outcome(&refused[1]).as_deref(), Some("rejected"), "{v}");
+    for later in &refused[2..] {
+        assert_eq!(outcome(later).as_deref(), Some("not_attempted"), "{v}");
+    }
+    assert_eq!(v["delivered"], 21, "{v}");
+    Ok(())
+}
+
+/// The dead-letter table holds the refused aggregate's rows from the
+/// refused one on, and nothing else.
+async fn only_the_refused_rest_stays(
+    admin: &tokio_postgres::Client,
+    refused: &[String],
+) -> anyhow::Result<()> {
+    let left: Vec<String> = admin
+        .query(
+            "SELECT event_id FROM cdc_relay_dead_letter ORDER BY id",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        left,
+        refused[1..].to_vec(),
+        "only the refused aggregate's rest stays"
+    );
+    Ok(())
+}
+
 /// `replay` sends several aggregates at once but each aggregate's events
 /// one at a time, oldest first; an aggregate whose earlier event is
 /// refused again is skipped from there (its later events are not attempted
@@ -181,19 +224,7 @@ async fn concurrent_replay_keeps_each_aggregates_order_and_skips_one_refused_aga
         }
     };
     assert!(!out.success(), "three rows were kept: {}", out.text());
-    let v: serde_json::Value = serde_json::from_str(&out.stdout)?;
-    let outcome = |id: &str| {
-        v["rows"]
-            .as_array()
-            .and_then(|r| r.iter().find(|r| r["event_id"] == id))
-            .map(|r| r["outcome"].as_str().unwrap_or_default().to_owned())
-    };
-    assert_eq!(outcome(&refused[0]).as_deref(), Some("delivered"), "{v}");
-    assert_eq!(outcome(&refused[1]).as_deref(), Some("rejected"), "{v}");
-    for later in &refused[2..] {
-        assert_eq!(outcome(later).as_deref(), Some("not_attempted"), "{v}");
-    }
-    assert_eq!(v["delivered"], 21, "{v}");
+    said_refused_first_second(&out.stdout, refused)?;
 
     // Each aggregate's events arrived oldest first, each only after the
     // one before it was answered; the skipped ones never arrived.
@@ -212,20 +243,7 @@ async fn concurrent_replay_keeps_each_aggregates_order_and_skips_one_refused_aga
         "aggregates in parallel, at most --max-in-flight: {most} at once"
     );
 
-    let left: Vec<String> = admin
-        .query(
-            "SELECT event_id FROM cdc_relay_dead_letter ORDER BY id",
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(
-        left,
-        refused[1..].to_vec(),
-        "only the refused aggregate's rest stays"
-    );
+    only_the_refused_rest_stays(&admin, refused).await?;
     let audited: Vec<String> = admin
         .query(
             "SELECT event_id FROM cdc_relay_dead_letter_audit WHERE action = 'replay'",
@@ -279,19 +297,7 @@ async fn a_replay_in_batches_splits_a_refused_batch_down_to_the_refused_row() ->
     ];
     let out = crate::sink_failures::cli(stack, &args, &sink.url).await?;
     assert!(!out.success(), "three rows were kept: {}", out.text());
-    let v: serde_json::Value = serde_json::from_str(&out.stdout)?;
-    let outcome = |id: &str| {
-        v["rows"]
-            .as_array()
-            .and_then(|r| r.iter().find(|r| r["event_id"] == id))
-            .map(|r| r["outcome"].as_str().unwrap_or_default().to_owned())
-    };
-    assert_eq!(outcome(&refused[0]).as_deref(), Some("delivered"), "{v}");
-    assert_eq!(outcome(&refused[1]).as_deref(), Some("rejected"), "{v}");
-    for later in &refused[2..] {
-        assert_eq!(outcome(later).as_deref(), Some("not_attempted"), "{v}");
-    }
-    assert_eq!(v["delivered"], 21, "{v}");
+    said_refused_first_second(&out.stdout, refused)?;
 
     let requests = sink.received_from(before);
     let largest = requests.iter().map(|r| r.ids().len()).max().unwrap_or(0);
@@ -332,20 +338,7 @@ async fn a_replay_in_batches_splits_a_refused_batch_down_to_the_refused_row() ->
         };
         assert_eq!(got, expected, "aggregate {key}: {accepted:?}");
     }
-    let left: Vec<String> = admin
-        .query(
-            "SELECT event_id FROM cdc_relay_dead_letter ORDER BY id",
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(
-        left,
-        refused[1..].to_vec(),
-        "only the refused aggregate's rest stays"
-    );
+    only_the_refused_rest_stays(&admin, refused).await?;
     let audit = admin
         .query_one(
             "SELECT count(*), count(DISTINCT event_id) FROM cdc_relay_dead_letter_audit \

@@ -21,6 +21,22 @@ fn carried(c: &Call) -> Vec<String> {
     }
 }
 
+/// Of events e0..e31, every one but e13 was taken (204) exactly once.
+fn assert_each_delivered_once_but_e13(calls: &[Call]) {
+    let mut delivered: Vec<String> = calls
+        .iter()
+        .filter(|c| c.status == 204)
+        .flat_map(carried)
+        .collect();
+    delivered.sort();
+    let mut expected: Vec<String> = (0..32)
+        .filter(|n| *n != 13)
+        .map(|n| format!("e{n}"))
+        .collect();
+    expected.sort();
+    assert_eq!(delivered, expected, "every other event delivered once");
+}
+
 #[tokio::test(start_paused = true)]
 async fn batches_form_under_load_and_keep_each_aggregate_one_at_a_time_in_order() {
     // 120 events over 10 aggregates, each request 10 ms, 2 at once, up to
@@ -128,18 +144,7 @@ async fn a_refused_batch_is_split_until_the_refused_event_is_alone() {
     assert_eq!(dead[0].event_id.as_deref(), Some("e13"));
     assert_eq!(dead[0].http_status, Some(422));
     let calls = sink.calls();
-    let mut delivered: Vec<String> = calls
-        .iter()
-        .filter(|c| c.status == 204)
-        .flat_map(carried)
-        .collect();
-    delivered.sort();
-    let mut expected: Vec<String> = (0..32)
-        .filter(|n| *n != 13)
-        .map(|n| format!("e{n}"))
-        .collect();
-    expected.sort();
-    assert_eq!(delivered, expected, "every other event delivered once");
+    assert_each_delivered_once_but_e13(&calls);
     // Halves: the refused batch (e0 went alone, the first job finding a
     // free worker), then the half with e13, … down to e13 alone: at most
     // one refused request per halving.
@@ -254,17 +259,5 @@ async fn an_event_the_endpoint_keeps_failing_holds_back_only_its_aggregate() {
         "e13 is never taken, so its transaction is never done"
     );
 
-    let mut delivered: Vec<String> = sink
-        .calls()
-        .iter()
-        .filter(|c| c.status == 204)
-        .flat_map(carried)
-        .collect();
-    delivered.sort();
-    let mut expected: Vec<String> = (0..32)
-        .filter(|n| *n != 13)
-        .map(|n| format!("e{n}"))
-        .collect();
-    expected.sort();
-    assert_eq!(delivered, expected, "every other event delivered once");
+    assert_each_delivered_once_but_e13(&sink.calls());
 }
