@@ -40,6 +40,8 @@ pub struct ReceivedSpan {
     pub status_code: i32,
     /// Attributes, values as text (ints and bools printed).
     pub attributes: HashMap<String, String>,
+    /// Its links, as `(trace id, span id)` in lowercase hex.
+    pub links: Vec<(String, String)>,
 }
 
 impl ReceivedSpan {
@@ -161,6 +163,11 @@ async fn receive(
                                 kv.value.as_ref().map(text).unwrap_or_default(),
                             )
                         })
+                        .collect(),
+                    links: span
+                        .links
+                        .iter()
+                        .map(|l| (hex::encode(&l.trace_id), hex::encode(&l.span_id)))
                         .collect(),
                 });
             }

@@ -41,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::lane::Lane;
 use super::scheduler::Ticket;
-use super::span::AttemptSpan;
+use super::span::{AttemptSpan, BatchSpans};
 use super::{DispatchError, Job, Persist, Work};
 use crate::backoff::Backoff;
 use crate::breaker::{Admission, Signal};
@@ -465,7 +465,7 @@ async fn until_answered<S: Sink, D>(
             tried = async {
                 match carried {
                     Carried::One(event) => attempt(lane, ctx, admission, event, request, number).await,
-                    Carried::Batch(events, id) => attempt_batch(lane, ctx, admission, events, id, request).await,
+                    Carried::Batch(events, id) => attempt_batch(lane, ctx, admission, events, id, request, number).await,
                 }
             } => Some(tried),
         };
@@ -702,17 +702,30 @@ async fn attempt_batch<S: Sink, D>(
     events: &[&OutboxEvent],
     id: &str,
     request: &Prepared,
+    number: u32,
 ) -> Tried {
     let metrics = &ctx.metrics;
+    let spans = BatchSpans::start(
+        lane.tracer.as_ref(),
+        &lane.name,
+        (id, events),
+        number,
+        metrics.clock_skew.get(),
+    );
     let started = Instant::now();
     let attempt = {
         let _in_flight = InFlight::start(metrics, &lane.metrics);
-        lane.sink.post(id, request, None).await
+        let trace = spans.as_ref().and_then(BatchSpans::headers);
+        lane.sink.post(id, request, trace).await
     };
     metrics
         .request_duration
         .observe(started.elapsed().as_secs_f64());
-    let (outcome, signal, reason) = match classify(&attempt, &lane.cfg.policy) {
+    let disposition = classify(&attempt, &lane.cfg.policy);
+    if let Some(spans) = spans {
+        spans.end(&attempt, failure_label(&disposition));
+    }
+    let (outcome, signal, reason) = match disposition {
         Disposition::Delivered => {
             if let Attempt::Response {
                 status: 207,
@@ -903,14 +916,7 @@ async fn attempt<S: Sink, D>(
         .observe(started.elapsed().as_secs_f64());
     let disposition = classify(&attempt, &lane.cfg.policy);
     if let Some(span) = span {
-        let failure = match &disposition {
-            Disposition::Delivered => None,
-            Disposition::DeadLetter(r)
-            | Disposition::Retry(r)
-            | Disposition::ConfigFault(r)
-            | Disposition::Retired(r) => Some(r.label.as_str()),
-        };
-        span.end(&attempt, failure);
+        span.end(&attempt, failure_label(&disposition));
     }
     let (outcome, signal, reason) = match disposition {
         Disposition::Delivered => {
@@ -946,6 +952,18 @@ async fn attempt<S: Sink, D>(
         attempt,
         Carried::One(event),
     )
+}
+
+/// The reason label an attempt's span records as `error.type`: `None`
+/// when it was delivered.
+fn failure_label(disposition: &Disposition) -> Option<&'static str> {
+    match disposition {
+        Disposition::Delivered => None,
+        Disposition::DeadLetter(r)
+        | Disposition::Retry(r)
+        | Disposition::ConfigFault(r)
+        | Disposition::Retired(r) => Some(r.label.as_str()),
+    }
 }
 
 /// A delivered event in the metrics: delivered (with its commit-to-

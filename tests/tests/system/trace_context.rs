@@ -283,6 +283,98 @@ async fn a_redelivery_after_sigkill_continues_the_original_trace() -> anyhow::Re
     s.assert_balanced().await
 }
 
+/// A batch's request is a span `outbox.deliver_batch` in a trace of its
+/// own, linked to each event's `outbox.deliver` span, which stays a child
+/// of the event's stored context in the event's trace; the request's
+/// `traceparent` names the batch span, so Billing's `billing.inbox` for
+/// the batch is its child. (A batch request carried no `traceparent`, and
+/// its events' attempts were in no trace.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_one_span_linked_to_each_events_attempt() -> anyhow::Result<()> {
+    let collector = Collector::start().await?;
+    let endpoint = collector.endpoint();
+    let mut s = traced_scenario(&collector, Inbox::Billing).start().await?;
+    // A backlog, so that requests carry batches.
+    s.stop_relay().await?;
+    let http = reqwest::Client::new();
+    const N: usize = 12;
+    let mut orders = Vec::new();
+    for i in 0..N {
+        let (tp, trace_id) = client_traceparent(0xba00 + i);
+        let event_id = post_traced_order(&http, &s.orders().url, Some(&tp)).await?;
+        orders.push((trace_id, event_id));
+    }
+    s.restart_relay(&[
+        "--otlp-endpoint",
+        &endpoint,
+        "--batch-max-events",
+        "64",
+        "--max-in-flight",
+        "1",
+    ])
+    .await?;
+    oracle::wait_ledger_clean(&s.stack, N, DRAIN).await?;
+    let spans = collector
+        .wait_for("each event's attempt and a batch", EXPORTED, |spans| {
+            orders.iter().all(|(trace, _)| {
+                spans
+                    .iter()
+                    .any(|s| &s.trace_id == trace && s.name == "outbox.deliver")
+            }) && spans.iter().any(|s| s.name == "outbox.deliver_batch")
+        })
+        .await?;
+    // Each event's attempt is in its trace, under Orders' span.
+    for (trace_id, event_id) in &orders {
+        let trace = collector.trace(trace_id);
+        let created = one(&trace, "orders.create");
+        let deliver = one(&trace, "outbox.deliver");
+        assert_eq!(deliver.parent_span_id, created.span_id);
+        assert_eq!(deliver.attr("outbox.event_id"), Some(event_id.as_str()));
+        assert_eq!(deliver.attr("http.response.status_code"), Some("204"));
+    }
+    let batches: Vec<&ReceivedSpan> = spans
+        .iter()
+        .filter(|s| s.name == "outbox.deliver_batch")
+        .collect();
+    let mut batched = 0;
+    for batch in &batches {
+        assert_eq!(batch.parent_span_id, "", "a trace of its own: {batch:#?}");
+        assert!(
+            orders.iter().all(|(t, _)| t != &batch.trace_id),
+            "not in an event's trace"
+        );
+        let id = batch.attr("outbox.batch_id").expect("its batch id");
+        let size: usize = batch.attr("outbox.batch_size").unwrap_or("0").parse()?;
+        assert_eq!(batch.links.len(), size, "a link per event: {batch:#?}");
+        assert_eq!(batch.attr("http.response.status_code"), Some("204"));
+        // Each link names an event's attempt of this batch.
+        for (trace, span) in &batch.links {
+            let attempt = spans
+                .iter()
+                .find(|s| &s.trace_id == trace && &s.span_id == span)
+                .unwrap_or_else(|| panic!("no span {trace}/{span}: {spans:#?}"));
+            assert_eq!(attempt.name, "outbox.deliver");
+            assert_eq!(attempt.attr("outbox.batch_id"), Some(id));
+        }
+        batched += size;
+        // Billing's span for the request is the batch span's child.
+        let inbox = collector
+            .wait_for("Billing's span of the batch", EXPORTED, |spans| {
+                spans
+                    .iter()
+                    .any(|s| s.name == "billing.inbox" && s.parent_span_id == batch.span_id)
+            })
+            .await?;
+        let inbox = inbox
+            .iter()
+            .find(|s| s.name == "billing.inbox" && s.parent_span_id == batch.span_id)
+            .expect("found above");
+        assert_eq!(inbox.trace_id, batch.trace_id);
+    }
+    assert!(batched > 1, "events went in batches: {batches:#?}");
+    s.assert_balanced().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_collector_changes_nothing_for_delivery_and_is_counted() -> anyhow::Result<()> {
     // A port nothing listens on.
