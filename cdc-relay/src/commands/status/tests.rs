@@ -26,7 +26,7 @@ cdc_relay_endpoint_circuit_state{endpoint=\"audit\",shard=\"1\"} 0
 cdc_relay_endpoint_circuit_state_other{endpoint=\"x\"} 1
 cdc_relay_circuit_state 0
 ";
-    let got: Vec<(String, f64)> = super::endpoint_circuits(text).into_iter().collect();
+    let got: Vec<(String, f64)> = super::relays::endpoint_circuits(text).into_iter().collect();
     assert_eq!(
         got,
         vec![
