@@ -5,13 +5,13 @@
 //!            K consecutive transient failures,
 //!            a poison storm, or a configuration fault
 //!  Closed ───────────────────────────────────────────▶ Open
-//!    ▲                                                  │ one probe (the oldest waiting
+//!    ▲                                                  │ one probe (the longest waiting
 //!    │                 first 2xx                        │ event) every probe interval
 //!    └──────────────────────────────────────────────────┘
 //! ```
 //!
 //! While open, dispatch pauses: every delivery waits in [`Breaker::admit`]
-//! and only the oldest waiting one may go, once per (jittered) probe
+//! and only the one waiting longest may go, once per (jittered) probe
 //! interval, so a dead downstream sees about two requests per second at the
 //! 500 ms default, and a recovered one gets its next request within one
 //! interval. The first 2xx closes the circuit and releases the whole window
@@ -49,7 +49,7 @@
 //! would be a request every half second to a receiver that asked for none.
 //! The first 2xx clears it like any open circuit.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -106,8 +106,11 @@ struct State {
     consecutive_failures: u32,
     next_probe_at: Instant,
     probe_in_flight: bool,
-    /// Sequence numbers of deliveries waiting to be admitted.
-    waiting: BTreeSet<u64>,
+    /// Deliveries waiting to be admitted: their place in the queue (the
+    /// order they began waiting in) and their sequence number.
+    waiting: BTreeMap<u64, u64>,
+    /// The next place in the queue of `waiting`.
+    next_place: u64,
     /// Distinct events with a poison verdict since the last 2xx.
     poison_run: HashSet<String>,
     storm: bool,
@@ -133,6 +136,20 @@ struct State {
     open: Option<OpenSpell>,
     /// The last answer was 410 Gone (until a 2xx).
     retired: bool,
+}
+
+impl State {
+    /// Puts delivery `seq` in the queue of waiting deliveries, at `place`
+    /// when it has one, else at the end (and records that place in
+    /// `place`); returns its place.
+    fn queue(&mut self, place: &mut Option<u64>, seq: u64) -> u64 {
+        let mine = *place.get_or_insert_with(|| {
+            self.next_place += 1;
+            self.next_place
+        });
+        self.waiting.insert(mine, seq);
+        mine
+    }
 }
 
 /// How long the circuit has been open, for the periodic "still open" log.
@@ -236,7 +253,8 @@ impl Breaker {
                 consecutive_failures: 0,
                 next_probe_at: Instant::now(),
                 probe_in_flight: false,
-                waiting: BTreeSet::new(),
+                waiting: BTreeMap::new(),
+                next_place: 0,
                 poison_run: HashSet::new(),
                 storm: false,
                 paused_until: None,
@@ -297,14 +315,22 @@ impl Breaker {
     }
 
     /// Waits until delivery `seq` (its stream order) may make an attempt.
+    ///
+    /// Deliveries that must wait (an open circuit, slow start, a pause)
+    /// go in the order they began waiting, not in stream order: a delivery
+    /// that failed and comes back after its backoff waits behind those
+    /// already waiting, so one event the sink keeps failing cannot take
+    /// every probe and hold back the events of other aggregates.
     pub async fn admit(&self, seq: u64) -> Admission {
+        // This delivery's place in the queue, taken when it first waits.
+        let mut place: Option<u64> = None;
         loop {
             let notified = self.shared.changed.notified();
             let wait_until = {
                 let mut s = self.lock();
                 if let Some(until) = s.paused_until.filter(|&u| u > Instant::now()) {
                     // The sink asked for quiet: nobody goes, not even a probe.
-                    s.waiting.insert(seq);
+                    s.queue(&mut place, seq);
                     until
                 } else {
                     s.paused_until = None;
@@ -313,15 +339,17 @@ impl Breaker {
                         .unanswered_since
                         .is_some_and(|t| now.saturating_duration_since(t) >= self.silence());
                     if s.circuit == CircuitState::Closed && s.proven && !silent {
-                        s.waiting.remove(&seq);
+                        if let Some(p) = place {
+                            s.waiting.remove(&p);
+                        }
                         s.unanswered_since.get_or_insert(now);
                         return Admission::Normal;
                     }
-                    // Open, or closed in slow start: the oldest waiting
-                    // delivery goes alone. Paced (one per probe interval)
+                    // Open, or closed in slow start: the delivery waiting
+                    // longest goes alone. Paced (one per probe interval)
                     // while open, and while the sink has never answered.
-                    s.waiting.insert(seq);
-                    let oldest = s.waiting.first().copied() == Some(seq);
+                    let mine = s.queue(&mut place, seq);
+                    let oldest = s.waiting.first_key_value().map(|(p, _)| *p) == Some(mine);
                     let paced = s.circuit == CircuitState::Open || !s.answered;
                     if !oldest || s.probe_in_flight {
                         // Only the probe's outcome can change anything for this
@@ -331,7 +359,7 @@ impl Breaker {
                         Instant::now() + Duration::from_secs(3600)
                     } else if !paced || Instant::now() >= s.next_probe_at {
                         s.probe_in_flight = true;
-                        s.waiting.remove(&seq);
+                        s.waiting.remove(&mine);
                         s.unanswered_since.get_or_insert(now);
                         return Admission::Probe;
                     } else {
@@ -349,7 +377,12 @@ impl Breaker {
     /// Delivery `seq` stopped waiting in [`admit`](Self::admit) (the
     /// pipeline is stopping): it no longer counts as the oldest waiting one.
     pub fn withdraw(&self, seq: u64) {
-        let removed = self.lock().waiting.remove(&seq);
+        let removed = {
+            let mut s = self.lock();
+            let before = s.waiting.len();
+            s.waiting.retain(|_, waiting| *waiting != seq);
+            s.waiting.len() != before
+        };
         if removed {
             self.shared.changed.notify_waiters();
         }

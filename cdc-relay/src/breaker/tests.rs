@@ -132,7 +132,7 @@ async fn a_new_session_forgets_that_the_sink_answered() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn opens_after_k_failures_and_probes_with_the_oldest() {
+async fn opens_after_k_failures_and_probes_with_the_longest_waiting() {
     let b = breaker();
     b.record(Admission::Normal, Signal::Success, ""); // the sink answered once
     assert_eq!(b.admit(1).await, Admission::Normal);
@@ -144,14 +144,20 @@ async fn opens_after_k_failures_and_probes_with_the_oldest() {
     b.record(Admission::Normal, Signal::Transient, "http_503");
     assert_eq!(b.state(), CircuitState::Open);
 
-    // Two deliveries wait; only the oldest (seq 1) probes, after the interval.
+    // Two deliveries wait; only the one waiting longest (seq 1, queued
+    // first) probes, after the interval.
     let t0 = Instant::now();
+    let first = tokio::spawn({
+        let b = b.clone();
+        async move { b.admit(1).await }
+    });
+    tokio::task::yield_now().await;
     let newer = tokio::spawn({
         let b = b.clone();
         async move { b.admit(7).await }
     });
     tokio::task::yield_now().await;
-    assert_eq!(b.admit(1).await, Admission::Probe);
+    assert_eq!(first.await.unwrap(), Admission::Probe);
     let waited = t0.elapsed();
     assert!(
         waited >= Duration::from_millis(500) && waited <= Duration::from_millis(600),
@@ -159,16 +165,27 @@ async fn opens_after_k_failures_and_probes_with_the_oldest() {
     );
     assert!(!newer.is_finished(), "the newer delivery keeps waiting");
 
-    // A failed probe: the next one only after another interval.
+    // A failed probe: the next one only after another interval, and not
+    // the delivery that just failed, back from its backoff: the one that
+    // has waited longer goes first (seq 1 took every probe before, so one
+    // event the sink kept failing held back every other aggregate).
     b.record(Admission::Probe, Signal::Transient, "http_503");
     let t1 = Instant::now();
-    assert_eq!(b.admit(1).await, Admission::Probe);
+    let again = tokio::spawn({
+        let b = b.clone();
+        async move { b.admit(1).await }
+    });
+    let newer = tokio::time::timeout(Duration::from_secs(5), newer)
+        .await
+        .expect("seq 7 probes next, not seq 1 again");
+    assert_eq!(newer.unwrap(), Admission::Probe);
     assert!(t1.elapsed() >= Duration::from_millis(400));
+    assert!(!again.is_finished(), "seq 1 waits its turn");
 
     // The first 2xx closes the circuit and releases everyone at once.
     b.record(Admission::Probe, Signal::Success, "");
     assert_eq!(b.state(), CircuitState::Closed);
-    assert_eq!(newer.await.unwrap(), Admission::Normal);
+    assert_eq!(again.await.unwrap(), Admission::Normal);
 }
 
 #[tokio::test(start_paused = true)]
