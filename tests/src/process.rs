@@ -332,6 +332,15 @@ impl ServiceProcess {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        // What it printed last may still be in the pipes: the reader
+        // threads copy it until both streams close (a test reading `logs()`
+        // right after the exit found them empty). Bounded: a child it left
+        // behind may hold the pipes open.
+        let mut changed = self.output.changed.subscribe();
+        let drained = tokio::time::Instant::now() + Duration::from_secs(2);
+        while self.output.lock().open_streams > 0 && tokio::time::Instant::now() < drained {
+            let _ = tokio::time::timeout_at(drained, changed.changed()).await;
+        }
         self.status.context("exit status lost while reaping")
     }
 
