@@ -121,6 +121,39 @@ CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter_audit (
     performed_at   timestamptz NOT NULL DEFAULT now()
 );
 
+-- One dead letter per event and endpoint: the same event refused again (a
+-- restart re-streaming it, a backfill over it, two writers at once) reuses
+-- its row, so a replay sends it once. The unique index makes that hold for
+-- concurrent writers too (the relay inserts ON CONFLICT DO NOTHING). A
+-- database made before it may hold duplicates: the first run keeps each
+-- event's oldest row and moves the others to the audit trail as discards
+-- naming the row they duplicated, then builds the index, all in one
+-- transaction under a lock that lets readers on. Added after 0.2.0;
+-- re-runnable (a later run finds the index and does nothing).
+DO $$
+BEGIN
+    IF to_regclass('cdc_relay_dead_letter_event_endpoint_key') IS NULL THEN
+        LOCK TABLE cdc_relay_dead_letter IN SHARE ROW EXCLUSIVE MODE;
+        WITH dup AS (
+            SELECT id, first_value(id) OVER w AS kept, row_number() OVER w AS k
+            FROM cdc_relay_dead_letter
+            WHERE event_id IS NOT NULL
+            WINDOW w AS (PARTITION BY event_id, coalesce(endpoint, '') ORDER BY id)),
+        gone AS (
+            DELETE FROM cdc_relay_dead_letter d USING dup
+            WHERE d.id = dup.id AND dup.k > 1
+            RETURNING d.id, d.event_id, to_jsonb(d) AS entry, dup.kept)
+        INSERT INTO cdc_relay_dead_letter_audit (action, dead_letter_id, event_id, entry, reason)
+        SELECT 'discard', id, event_id, entry,
+               format('duplicate of dead letter %s (same event and endpoint), removed by sql/orders.sql', kept)
+        FROM gone;
+        CREATE UNIQUE INDEX IF NOT EXISTS cdc_relay_dead_letter_event_endpoint_key
+            ON cdc_relay_dead_letter (event_id, (coalesce(endpoint, '')))
+            WHERE event_id IS NOT NULL;
+    END IF;
+END
+$$;
+
 -- Where each slot's relay got to, written by the relay itself at most every
 -- few seconds while it delivers (never while idle): the end LSN it confirmed,
 -- and the commit time and id of the last event of the last fully delivered

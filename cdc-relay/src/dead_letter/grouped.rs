@@ -43,7 +43,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::{Client, Statement};
 
-use super::store::{self, Stored, insert_rows, insert_statement};
+use super::store::{self, Shape, Stored, Written, insert_rows, insert_statement};
 use super::{DeadLetterStore, NewDeadLetter, ParkedRow, StoreError};
 
 /// Most rows one statement inserts.
@@ -85,7 +85,7 @@ pub struct GroupedStore {
 struct Row {
     row: Stored,
     urgency: Urgency,
-    answer: oneshot::Sender<Result<i64, StoreError>>,
+    answer: oneshot::Sender<Result<Written, StoreError>>,
 }
 
 impl Row {
@@ -127,7 +127,7 @@ fn stopped() -> StoreError {
 }
 
 impl DeadLetterStore for GroupedStore {
-    /// Queues `row` now; the future gives its id once the statement holding
+    /// Queues `row` now; the future gives its [`Written`] once the statement holding
     /// it has committed, or [`StoreError::Lost`] when the connection is
     /// gone. A statement that fails otherwise is retried by the writer
     /// (logged at ERROR), so the future waits meanwhile. Dropping the future
@@ -136,7 +136,7 @@ impl DeadLetterStore for GroupedStore {
         &self,
         row: &NewDeadLetter,
         urgency: Urgency,
-    ) -> impl Future<Output = Result<i64, StoreError>> + Send + 'static {
+    ) -> impl Future<Output = Result<Written, StoreError>> + Send + 'static {
         let (answer, id) = oneshot::channel();
         let queued = self.queue.send(Row {
             row: Stored::of(row),
@@ -185,11 +185,12 @@ async fn write(
             h.set_dead_letters_failing(on);
         }
     };
-    // With the trace_context column until the table turns out not to have
-    // it (sql/orders.sql not applied since the upgrade): then without, and
-    // the dead letters keep no trace context.
-    let mut trace = true;
-    let mut sql = insert_statement(trace);
+    // With the trace_context column and the unique index until the table
+    // turns out not to have them (sql/orders.sql not applied since the
+    // upgrade): then without, and the dead letters keep no trace context,
+    // or are deduped against committed rows only.
+    let mut shape = Shape::CURRENT;
+    let mut sql = insert_statement(shape);
     let mut prepared: Option<Statement> = None;
     let mut next = None;
     loop {
@@ -214,23 +215,23 @@ async fn write(
             }
             let rows: Vec<&Stored> = batch.iter().map(|r| &r.row).collect();
             let ids = match &prepared {
-                Some(statement) => insert_rows(&client, statement, trace, &rows).await,
+                Some(statement) => insert_rows(&client, statement, shape, &rows).await,
                 None => match client.prepare(&sql).await {
                     Ok(statement) => {
-                        let ids = insert_rows(&client, &statement, trace, &rows).await;
+                        let ids = insert_rows(&client, &statement, shape, &rows).await;
                         prepared = Some(statement);
                         ids
                     }
                     Err(e)
-                        if trace
+                        if shape.trace
                             && e.code()
                                 == Some(&tokio_postgres::error::SqlState::UNDEFINED_COLUMN) =>
                     {
                         tracing::warn!(
                             "cdc_relay_dead_letter has no trace_context column: dead letters are written without their trace context until sql/orders.sql is applied (it adds the column) and the relay restarts"
                         );
-                        trace = false;
-                        sql = insert_statement(trace);
+                        shape.trace = false;
+                        sql = insert_statement(shape);
                         continue;
                     }
                     Err(e) => Err(e),
@@ -238,6 +239,21 @@ async fn write(
             };
             let ids = match ids {
                 Ok(ids) => Ok(ids),
+                // The planner finds the ON CONFLICT index, so its absence
+                // shows when the statement runs, not when it is prepared.
+                Err(e)
+                    if shape.unique
+                        && e.code()
+                            == Some(&tokio_postgres::error::SqlState::INVALID_COLUMN_REFERENCE) =>
+                {
+                    tracing::warn!(
+                        "cdc_relay_dead_letter has no unique index on (event_id, endpoint): two writers at once (a backfill beside run) may each write a dead letter for the same event until sql/orders.sql is applied (it builds the index) and the relay restarts"
+                    );
+                    shape.unique = false;
+                    sql = insert_statement(shape);
+                    prepared = None;
+                    continue;
+                }
                 Err(e) => Err(StoreError::of(&client, &e).await),
             };
             match ids {
@@ -304,8 +320,8 @@ fn size(row: &Stored) -> usize {
         + len(&row.endpoint)
 }
 
-/// Answers each writer of `batch`: its id, or the statement's error.
-fn answer(batch: Vec<Row>, ids: Result<Vec<i64>, StoreError>) {
+/// Answers each writer of `batch`: its row, or the statement's error.
+fn answer(batch: Vec<Row>, ids: Result<Vec<Written>, StoreError>) {
     // A send fails only when the writer went away meanwhile: its row is
     // committed (or not) all the same, and nobody is left to tell.
     match ids {

@@ -27,7 +27,7 @@ mod grouped;
 mod store;
 
 pub use grouped::{GATHER, GroupedStore, MAX_BYTES, MAX_ROWS, Urgency};
-pub use store::resume_lock;
+pub use store::{Written, resume_lock};
 
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, UnreadableRow};
@@ -39,7 +39,9 @@ use crate::sink::{Attempt, Reason};
 pub trait DeadLetterStore: Send + Sync + 'static {
     /// Queues `row` when called (before the future is polled: rows written
     /// one after another are stored in that order, with increasing ids)
-    /// and gives its id once it is committed. A write that fails is
+    /// and gives its id once it is committed, and whether the write made
+    /// the row (an event that already has a dead letter for the same
+    /// endpoint reuses it: [`Written::new`] is `false`). A write that fails is
     /// retried by the store; the future fails only with
     /// [`StoreError::Lost`]. `urgency` says whether the row may wait a
     /// little for company ([`Urgency`]).
@@ -47,7 +49,7 @@ pub trait DeadLetterStore: Send + Sync + 'static {
         &self,
         row: &NewDeadLetter,
         urgency: Urgency,
-    ) -> impl Future<Output = Result<i64, StoreError>> + Send + 'static;
+    ) -> impl Future<Output = Result<Written, StoreError>> + Send + 'static;
 
     /// Endpoint `endpoint`'s parked rows (error starting [`PARKED`]) after
     /// row id `after`, oldest first, at most `limit`; each event carries

@@ -171,61 +171,198 @@ fn column<'a, T>(rows: &[&'a Stored], value: impl Fn(&'a Stored) -> T) -> Vec<T>
     rows.iter().map(|r| value(r)).collect()
 }
 
+/// Which statement [`insert_rows`] runs, by what the table has.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) struct Shape {
+    /// The `trace_context` column (added after 0.2.0).
+    pub(super) trace: bool,
+    /// The unique index `cdc_relay_dead_letter_event_endpoint_key` on
+    /// `(event_id, coalesce(endpoint, ''))` (added after 0.2.0): the insert
+    /// is `ON CONFLICT DO NOTHING`, so two writers at once (a backfill
+    /// beside `run`) still make one row per event and endpoint. Without
+    /// it, a lookup in the same statement dedupes against committed rows
+    /// only.
+    pub(super) unique: bool,
+}
+
+impl Shape {
+    /// The shape of a table `sql/orders.sql` made: everything.
+    pub(super) const CURRENT: Shape = Shape {
+        trace: true,
+        unique: true,
+    };
+}
+
+/// One row's outcome: the id of its dead letter, and whether this write
+/// made it (`false`: the event already had a dead letter for the same
+/// endpoint, which stands for it).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Written {
+    /// `cdc_relay_dead_letter.id`.
+    pub id: i64,
+    /// Inserted by this write, not reused.
+    pub new: bool,
+}
+
 /// The statement [`insert_rows`] runs: every row of a batch in one
 /// `INSERT … SELECT FROM unnest(…) WITH ORDINALITY ORDER BY` position,
 /// except a row whose event already has a dead letter for the same
 /// endpoint (the same event refused again after a restart re-streamed it,
 /// or a backfill over it): that row is not inserted again, and the
 /// existing row's id stands for it, so a replay sends the event once.
-/// Returns `(position, id)` per row, by position. `trace`: with the
-/// `trace_context` column (added after 0.2.0), or without it for a table
-/// `sql/orders.sql` has not upgraded yet (the writer falls back to that,
-/// [`super::grouped`]).
-pub(super) fn insert_statement(trace: bool) -> String {
-    let (column, param) = if trace {
+/// A second row of the same event and endpoint in one batch reuses the
+/// first's. Returns `(position, id, new)` per row, by position; with
+/// [`Shape::unique`], `id` is NULL for a row whose conflicting row was
+/// committed by another writer after the statement's snapshot (the caller
+/// looks it up, [`insert_rows`]).
+pub(super) fn insert_statement(shape: Shape) -> String {
+    let (column, param) = if shape.trace {
         (", trace_context", ", $13::text[]")
     } else {
         ("", "")
     };
-    format!(
-        "WITH r AS ( \
-           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
+    let same = |a: &str, b: &str| {
+        format!(
+            "{a}.event_id = {b}.event_id AND coalesce({a}.endpoint, '') = coalesce({b}.endpoint, '')"
+        )
+    };
+    let rows = format!(
+        "r AS ( \
+           SELECT u.*, min(u.n) OVER (PARTITION BY u.event_id, coalesce(u.endpoint, '')) AS first \
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
                      $7::int4[], $8::text[], $9::text[], $10::int4[], $11::float8[], $12::text[]{param}) \
-              WITH ORDINALITY AS r(event_id, aggregate_key, event_type, payload, payload_bytes, \
-                commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint{column}, n)), \
-         old AS ( \
-           SELECT DISTINCT ON (r.n) r.n, d.id FROM r JOIN cdc_relay_dead_letter d \
-             ON d.event_id = r.event_id AND d.endpoint IS NOT DISTINCT FROM r.endpoint \
-           ORDER BY r.n, d.id), \
-         fresh AS (SELECT * FROM r WHERE r.n NOT IN (SELECT n FROM old)), \
-         ins AS ( \
-           INSERT INTO cdc_relay_dead_letter \
-             (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
-              error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint{column}) \
-           SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
-                  http_status, error, response_excerpt, attempts, to_timestamp(first_attempt_at), now(), endpoint{column} \
-           FROM fresh ORDER BY n \
-           RETURNING id) \
-         SELECT n, id FROM old \
-         UNION ALL \
-         SELECT f.n, i.id \
-           FROM (SELECT id, row_number() OVER (ORDER BY id) AS k FROM ins) i \
-           JOIN (SELECT n, row_number() OVER (ORDER BY n) AS k FROM fresh) f USING (k) \
-         ORDER BY 1"
-    )
+              WITH ORDINALITY AS u(event_id, aggregate_key, event_type, payload, payload_bytes, \
+                commit_lsn, http_status, error, response_excerpt, attempts, first_attempt_at, endpoint{column}, n))"
+    );
+    let insert = |from: &str, conflict: &str| {
+        format!(
+            "INSERT INTO cdc_relay_dead_letter \
+               (event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn, http_status, \
+                error, response_excerpt, attempts, first_attempt_at, last_attempt_at, endpoint{column}) \
+             SELECT event_id, aggregate_key, event_type, payload, payload_bytes, commit_lsn::pg_lsn, \
+                    http_status, error, response_excerpt, attempts, to_timestamp(first_attempt_at), now(), endpoint{column} \
+             FROM {from} ORDER BY n {conflict} \
+             RETURNING id, event_id, endpoint"
+        )
+    };
+    // Rows without an event id (unreadable rows) are never deduped: the
+    // k-th of them in position order took the k-th ascending id.
+    let unnamed = "SELECT f.n, i.id, true \
+           FROM (SELECT id, row_number() OVER (ORDER BY id) AS k FROM ins WHERE event_id IS NULL) i \
+           JOIN (SELECT n, row_number() OVER (ORDER BY n) AS k FROM r WHERE event_id IS NULL) f USING (k)";
+    // The first position of an event and endpoint in the batch.
+    let first = "r.n = r.first";
+    if shape.unique {
+        format!(
+            "WITH {rows}, \
+             ins AS ({insert}) \
+             SELECT r.n, coalesce(i.id, d.id), i.id IS NOT NULL AND {first} \
+               FROM r LEFT JOIN ins i ON {same_i} LEFT JOIN cdc_relay_dead_letter d ON {same_d} \
+              WHERE r.event_id IS NOT NULL \
+             UNION ALL {unnamed} \
+             ORDER BY 1",
+            insert = insert(
+                "r",
+                "ON CONFLICT (event_id, (coalesce(endpoint, ''))) WHERE event_id IS NOT NULL DO NOTHING"
+            ),
+            same_i = same("i", "r"),
+            same_d = same("d", "r"),
+        )
+    } else {
+        format!(
+            "WITH {rows}, \
+             old AS ( \
+               SELECT DISTINCT ON (r.n) r.n, d.id FROM r JOIN cdc_relay_dead_letter d ON {same_d} \
+               ORDER BY r.n, d.id), \
+             fresh AS (SELECT * FROM r WHERE r.n NOT IN (SELECT n FROM old) \
+               AND (r.event_id IS NULL OR {first})), \
+             ins AS ({insert}) \
+             SELECT n, id, false FROM old \
+             UNION ALL \
+             SELECT r.n, i.id, {first} FROM r JOIN ins i ON {same_i} \
+              WHERE r.event_id IS NOT NULL AND r.n NOT IN (SELECT n FROM old) \
+             UNION ALL {unnamed} \
+             ORDER BY 1",
+            insert = insert("fresh", ""),
+            same_i = same("i", "r"),
+            same_d = same("d", "r"),
+        )
+    }
 }
 
+/// Ids of the dead letters of `(event_id, endpoint)` pairs, by position
+/// (1-based), for the rows [`insert_statement`] found taken by a writer
+/// that committed after its snapshot.
+const LOOKUP: &str = "SELECT r.n, d.id \
+       FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS r(event_id, endpoint, n) \
+       JOIN cdc_relay_dead_letter d \
+         ON d.event_id = r.event_id AND coalesce(d.endpoint, '') = coalesce(r.endpoint, '')";
+
 /// Inserts `rows` in one statement (`statement`: [`insert_statement`]'s
-/// text for `trace`, or that text prepared), in their order; returns their ids in that
-/// order. Ids are taken in that order: the rows are inserted `ORDER BY`
-/// their position, and the `id` default (`nextval`) is evaluated once per
-/// row as they arrive (`dead_letter::grouped`'s module doc).
+/// text for `shape`, or that text prepared), in their order; returns each
+/// row's [`Written`] in that order. Ids are taken in that order: the rows
+/// are inserted `ORDER BY` their position, and the `id` default
+/// (`nextval`) is evaluated once per row as they arrive
+/// (`dead_letter::grouped`'s module doc). A row whose event and endpoint
+/// another writer inserted after the statement's snapshot (the insert
+/// waited for that writer and skipped the row) is looked up in a second
+/// statement, and inserted again should that row be gone meanwhile.
 pub(super) async fn insert_rows<T: ToStatement + ?Sized>(
+    client: &Client,
+    statement: &T,
+    shape: Shape,
+    rows: &[&Stored],
+) -> Result<Vec<Written>, tokio_postgres::Error> {
+    let mut out: Vec<Option<Written>> = vec![None; rows.len()];
+    let mut todo: Vec<usize> = (0..rows.len()).collect();
+    // Each further round needs another writer to have inserted and then
+    // removed a row of one of these events in the meantime.
+    while !todo.is_empty() {
+        let part: Vec<&Stored> = todo.iter().map(|&i| rows[i]).collect();
+        let mut missing = Vec::new();
+        for (k, written) in insert_once(client, statement, shape.trace, &part)
+            .await?
+            .into_iter()
+            .enumerate()
+        {
+            match written {
+                Some(w) => out[todo[k]] = Some(w),
+                None => missing.push(todo[k]),
+            }
+        }
+        if missing.is_empty() {
+            break;
+        }
+        let event_id = missing
+            .iter()
+            .map(|&i| rows[i].event_id.as_deref())
+            .collect::<Vec<_>>();
+        let endpoint = missing
+            .iter()
+            .map(|&i| rows[i].endpoint.as_deref())
+            .collect::<Vec<_>>();
+        for row in client.query(LOOKUP, &[&event_id, &endpoint]).await? {
+            let n: i64 = row.get(0);
+            let id: i64 = row.get(1);
+            out[missing[n as usize - 1]] = Some(Written { id, new: false });
+        }
+        todo = missing.into_iter().filter(|&i| out[i].is_none()).collect();
+    }
+    Ok(out
+        .into_iter()
+        .map(|w| w.expect("every row answered"))
+        .collect())
+}
+
+/// One run of the insert statement over `rows`: per row, its
+/// [`Written`], or `None` when another writer's row, committed after the
+/// statement's snapshot, took its place.
+async fn insert_once<T: ToStatement + ?Sized>(
     client: &Client,
     statement: &T,
     trace: bool,
     rows: &[&Stored],
-) -> Result<Vec<i64>, tokio_postgres::Error> {
+) -> Result<Vec<Option<Written>>, tokio_postgres::Error> {
     let (event_id, aggregate_key, event_type) = (
         column(rows, |r| r.event_id.as_deref()),
         column(rows, |r| r.aggregate_key.as_deref()),
@@ -264,15 +401,16 @@ pub(super) async fn insert_rows<T: ToStatement + ?Sized>(
     if trace {
         params.push(&trace_context);
     }
-    // Ids of inserted rows were taken in row order, so the k-th ascending
-    // id is the k-th inserted row; the statement pairs them back with
-    // their positions and lists every row by position.
-    let ids: Vec<i64> = client
+    // The statement lists every row by position.
+    let written: Vec<Option<Written>> = client
         .query(statement, &params)
         .await?
         .iter()
-        .map(|r| r.get(1))
+        .map(|r| {
+            r.get::<_, Option<i64>>(1)
+                .map(|id| Written { id, new: r.get(2) })
+        })
         .collect();
-    debug_assert_eq!(ids.len(), rows.len(), "one id per row");
-    Ok(ids)
+    debug_assert_eq!(written.len(), rows.len(), "one answer per row");
+    Ok(written)
 }

@@ -69,7 +69,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::ack::Position;
-use crate::dead_letter::{DeadLetterStore, NewDeadLetter, StoreError, Urgency};
+use crate::dead_letter::{DeadLetterStore, NewDeadLetter, StoreError, Urgency, Written as Row};
 use crate::metrics::Metrics;
 use crate::outbox::{OutboxEvent, UnreadableRow};
 use crate::sink::Sink;
@@ -103,7 +103,7 @@ enum Work {
 type Job = (Work, Arc<WindowPermit>);
 
 /// A dead-letter write of a handed-off job, and its result.
-type Written = Pin<Box<dyn Future<Output = (Ticket, Job, Result<i64, StoreError>)> + Send>>;
+type Written = Pin<Box<dyn Future<Output = (Ticket, Job, Result<Row, StoreError>)> + Send>>;
 
 /// Runs until `items` closes and everything admitted is done (or has been
 /// given up: [`Persist::OneAttempt`]), then returns the final confirmed
@@ -348,12 +348,24 @@ fn write<S, D: DeadLetterStore>(
     Box::pin(async move { (ticket, job, written.await) })
 }
 
-/// Counts and logs a handed-off job's committed row `id`.
-fn wrote<S, D>(lanes: &[Arc<Lane<S>>], pipeline: &Pipeline<D>, lane: usize, work: &Work, id: i64) {
-    pipeline.metrics.events_dead_lettered.inc();
+/// Counts and logs a handed-off job's committed row. A row the event
+/// already had (a restart re-streamed it) was counted when it was made.
+fn wrote<S, D>(
+    lanes: &[Arc<Lane<S>>],
+    pipeline: &Pipeline<D>,
+    lane: usize,
+    work: &Work,
+    written: Row,
+) {
+    let (id, new) = (written.id, written.new);
+    if new {
+        pipeline.metrics.events_dead_lettered.inc();
+    }
     match work {
         Work::Deliver(event) => {
-            lanes[lane].metrics.parked_events.inc();
+            if new {
+                lanes[lane].metrics.parked_events.inc();
+            }
             // Parking was logged once; its rows are counted.
             tracing::debug!(dead_letter_id = id, event_id = %event.id, endpoint = %lanes[lane].name, "parked");
         }
@@ -361,12 +373,14 @@ fn wrote<S, D>(lanes: &[Arc<Lane<S>>], pipeline: &Pipeline<D>, lane: usize, work
             tracing::warn!(dead_letter_id = id, event_id = %crate::shown(&row.event_id), problem = %row.problem, "unreadable outbox row dead-lettered");
         }
         Work::Unrouted(event) => {
-            pipeline
-                .metrics
-                .endpoints
-                .unrouted
-                .with_label_values(&[Unrouted::DeadLetter.as_str()])
-                .inc();
+            if new {
+                pipeline
+                    .metrics
+                    .endpoints
+                    .unrouted
+                    .with_label_values(&[Unrouted::DeadLetter.as_str()])
+                    .inc();
+            }
             tracing::warn!(dead_letter_id = id, event_id = %event.id, event_type = %event.event_type, "unrouted event dead-lettered");
         }
     }

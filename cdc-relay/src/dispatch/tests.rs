@@ -210,7 +210,9 @@ impl DeadLetterStore for MemoryStore {
         &self,
         row: &NewDeadLetter,
         _urgency: crate::dead_letter::Urgency,
-    ) -> impl std::future::Future<Output = Result<i64, StoreError>> + Send + 'static {
+    ) -> impl std::future::Future<Output = Result<crate::dead_letter::Written, StoreError>>
+    + Send
+    + 'static {
         // Queued (and numbered) now, committed a moment later.
         let at = Instant::now() + WRITE_TAKES;
         let mut rows = self.0.lock().unwrap();
@@ -221,7 +223,7 @@ impl DeadLetterStore for MemoryStore {
         async move {
             tokio::time::sleep_until(at).await;
             let _ = held.wait_for(|h| !h).await;
-            Ok(id)
+            Ok(crate::dead_letter::Written { id, new: true })
         }
     }
 

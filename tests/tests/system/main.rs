@@ -58,6 +58,7 @@ mod batches;
 mod chaos;
 mod cli;
 mod clock;
+mod dead_letter_store;
 mod dead_letters;
 mod failover;
 mod gaps;

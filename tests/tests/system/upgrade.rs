@@ -293,3 +293,117 @@ async fn sql_upgrades_in_place_from_the_previous_release_with_data() {
         "a DELETE grant on the outbox survives roles.sql"
     );
 }
+
+/// A database made before dead letters were unique per event and
+/// endpoint may hold duplicates (two writers at once, or a restart
+/// re-streaming a refused event). The upgrade keeps each event's oldest
+/// row, moves the others to the audit trail as discards naming the row
+/// they duplicated, and builds the unique index; rows without an event id
+/// all stay; a second run changes nothing; a duplicate is refused after.
+#[tokio::test]
+async fn an_upgrade_moves_duplicate_dead_letters_to_the_audit_trail() {
+    let cluster = PgCluster::shared();
+    let admin = cluster.connect_superuser("postgres").await.unwrap();
+    let db = format!("up_dups_{}", std::process::id());
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .unwrap();
+    let url = cluster.superuser_url(&db);
+    let files = ["orders.sql", "publication.sql", "roles.sql"];
+    psql(&url, &previous_sql(), &files);
+    let orders = connect(&url).await.unwrap();
+    orders
+        .batch_execute(
+            "INSERT INTO cdc_relay_dead_letter (event_id, error, commit_lsn) VALUES
+               ('e1', 'first', '0/1'), ('e2', 'only', '0/2'), ('e1', 'second', '0/3'),
+               (NULL, 'unreadable a', '0/4'), ('e1', 'third', '0/5'), (NULL, 'unreadable b', '0/6');",
+        )
+        .await
+        .unwrap();
+    let id_of = async |error: &str| -> i64 {
+        orders
+            .query_one(
+                "SELECT id FROM cdc_relay_dead_letter WHERE error = $1",
+                &[&error],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    };
+    let (kept, second, third) = (
+        id_of("first").await,
+        id_of("second").await,
+        id_of("third").await,
+    );
+
+    for _ in 0..2 {
+        psql(&url, &sql_dir(), &files);
+    }
+
+    let left: Vec<(Option<String>, String)> = orders
+        .query(
+            "SELECT event_id, error FROM cdc_relay_dead_letter ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let some = |e: &str, why: &str| (Some(e.to_owned()), why.to_owned());
+    assert_eq!(
+        left,
+        vec![
+            some("e1", "first"),
+            some("e2", "only"),
+            (None, "unreadable a".to_owned()),
+            (None, "unreadable b".to_owned()),
+        ]
+    );
+    let audit: Vec<(String, i64, String, String)> = orders
+        .query(
+            "SELECT action, dead_letter_id, entry->>'error', reason \
+             FROM cdc_relay_dead_letter_audit ORDER BY dead_letter_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    let why = format!(
+        "duplicate of dead letter {kept} (same event and endpoint), removed by sql/orders.sql"
+    );
+    assert_eq!(
+        audit,
+        vec![
+            (
+                "discard".to_owned(),
+                second,
+                "second".to_owned(),
+                why.clone()
+            ),
+            ("discard".to_owned(), third, "third".to_owned(), why),
+        ],
+        "each removed duplicate is kept in the audit trail, once (the second run added none)"
+    );
+    let again = orders
+        .execute(
+            "INSERT INTO cdc_relay_dead_letter (event_id, error) VALUES ('e1', 'again')",
+            &[],
+        )
+        .await
+        .expect_err("a second row of e1 without an endpoint is refused");
+    assert_eq!(
+        again.code(),
+        Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION)
+    );
+    orders
+        .batch_execute(
+            "INSERT INTO cdc_relay_dead_letter (event_id, error, endpoint) VALUES ('e1', 'elsewhere', 'shipping');
+             INSERT INTO cdc_relay_dead_letter (event_id, error) VALUES (NULL, 'unreadable c');",
+        )
+        .await
+        .unwrap();
+}

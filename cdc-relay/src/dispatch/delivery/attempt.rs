@@ -310,12 +310,18 @@ pub(super) async fn dead_letter<S, D: DeadLetterStore>(
         },
     };
     match written {
-        Ok(id) => {
-            if id.is_some() {
+        Ok(written) => {
+            // A new row only: a row the event already had (a restart
+            // re-streamed it) was counted when it was made. A replayed
+            // row refused again is this endpoint's refusal all the same.
+            if written.is_some_and(|w| w.new) {
                 ctx.metrics.events_dead_lettered.inc();
             }
-            lane.metrics.dead_lettered.inc();
-            tracing::warn!(dead_letter_id = id.or(event.dead_letter_id).unwrap_or_default(), event_id = %event.id, trace_id = trace_id(event), error = %row.error, "dead-lettered");
+            if written.is_none_or(|w| w.new) {
+                lane.metrics.dead_lettered.inc();
+            }
+            let id = written.map(|w| w.id).or(event.dead_letter_id);
+            tracing::warn!(dead_letter_id = id.unwrap_or_default(), event_id = %event.id, trace_id = trace_id(event), error = %row.error, "dead-lettered");
             Ok(Finished::DeadLettered)
         }
         Err(StoreError::Lost(e)) => Err(DispatchError::StoreLost(e)),
