@@ -59,6 +59,8 @@ struct ScriptedSink {
     /// Answer each batch per event: 207 with each member's scripted
     /// status, leaving out the members scripted [`UNNAMED`].
     per_event: std::sync::atomic::AtomicBool,
+    /// The `Retry-After` of every per-event answer (207).
+    retry_after: Mutex<Option<Duration>>,
 }
 
 impl ScriptedSink {
@@ -67,6 +69,7 @@ impl ScriptedSink {
             script: Box::new(script),
             calls: Mutex::new(Vec::new()),
             per_event: Default::default(),
+            retry_after: Mutex::new(None),
         })
     }
 
@@ -145,7 +148,11 @@ impl Sink for Arc<ScriptedSink> {
             TRANSPORT => Attempt::Transport("connection reset by peer".into()),
             status => Attempt::Response {
                 status,
-                retry_after: None,
+                retry_after: if per_event {
+                    *self.retry_after.lock().unwrap()
+                } else {
+                    None
+                },
                 excerpt: if per_event {
                     serde_json::json!({ "results": results }).to_string()
                 } else {

@@ -49,7 +49,9 @@ impl DeadLetterStore for NoDeadLetters {
         &self,
         row: &NewDeadLetter,
         _urgency: Urgency,
-    ) -> impl std::future::Future<Output = Result<i64, StoreError>> + Send + 'static {
+    ) -> impl std::future::Future<Output = Result<cdc_relay::dead_letter::Written, StoreError>>
+    + Send
+    + 'static {
         let row = format!("{row:?}");
         async move { panic!("nothing is dead-lettered here: {row}") }
     }

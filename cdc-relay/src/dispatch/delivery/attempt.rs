@@ -1,7 +1,6 @@
 //! A job's attempts at its lane, one event at a time: the breaker, the
 //! request, the verdict, the backoff, the dead letter.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -16,7 +15,6 @@ use crate::dispatch::{DispatchError, Persist};
 use crate::endpoint_metrics::EndpointMetrics;
 use crate::metrics::{AttemptOutcome, Metrics};
 use crate::outbox::OutboxEvent;
-use crate::sink::answers::EventAnswer;
 use crate::sink::{
     Attempt, Disposition, Prepared, Reason, Sink, classify, config_fault_hint, status_class,
 };
@@ -52,8 +50,10 @@ pub(super) enum Tried {
     /// The endpoint refused the event itself (and no poison storm is on),
     /// or the batch as a whole.
     Poison(Reason, Attempt),
-    /// A batch's 207: each named event's answer.
-    PerEvent(HashMap<String, EventAnswer>),
+    /// A batch's 207: each event's verdict, in the order the batch
+    /// carried them, and the answer's `Retry-After` (the events sent
+    /// again wait at least that long).
+    PerEvent(Vec<EventVerdict>, Option<Duration>),
     /// Not delivered; worth retrying later (the endpoint failing, or a
     /// configuration fault).
     Failed {
@@ -120,8 +120,9 @@ pub(super) enum Answered {
     /// Refused: the one event as poison (by this attempt), or the batch as
     /// a whole (it is split).
     Refused(Reason, Attempt),
-    /// A batch answered per event: each named event's answer.
-    PerEvent(HashMap<String, EventAnswer>),
+    /// A batch answered per event: each event's verdict, in body order,
+    /// and the answer's `Retry-After`.
+    PerEvent(Vec<EventVerdict>, Option<Duration>),
     /// A batch failed [`SPLIT_AFTER`] attempts in a row: split it, so that
     /// one event the endpoint keeps failing holds back only its aggregate.
     Split,
@@ -189,7 +190,9 @@ pub(super) async fn until_answered<S: Sink, D>(
         let (reason, retry_after, attempt) = match tried {
             Tried::Delivered(status) => return Answered::Delivered(status),
             Tried::Poison(r, attempt) => return Answered::Refused(r, attempt),
-            Tried::PerEvent(answers) => return Answered::PerEvent(answers),
+            Tried::PerEvent(verdicts, retry_after) => {
+                return Answered::PerEvent(verdicts, retry_after);
+            }
             Tried::Failed { attempt, .. } if ctx.persist != Persist::UntilDone => {
                 return Answered::Ended(Finished::Failing(attempt.detail()));
             }
@@ -252,7 +255,7 @@ pub(super) async fn deliver<S: Sink, D: DeadLetterStore>(
         Answered::Refused(r, attempt) => {
             poisoned(lane, ctx, event, (&r, &attempt), attempts, first_attempt).await
         }
-        Answered::PerEvent(_) | Answered::Split => {
+        Answered::PerEvent(..) | Answered::Split => {
             unreachable!("only a batch is answered per event or split")
         }
         Answered::Ended(finished) => Ok(finished),
@@ -388,14 +391,14 @@ pub(super) async fn attempt<S: Sink, D>(
     if let Some(span) = span {
         span.end(&attempt, failure_label(&disposition));
     }
-    let (outcome, signal, reason) = match disposition {
-        Disposition::Delivered => {
+    match judge(lane, metrics, disposition, &attempt, &event.id) {
+        Verdict::Delivered => {
             lane.breaker.record(admission, Signal::Success, "");
             count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
             count_delivered(lane, metrics, event);
-            return Tried::Delivered(status_of(&attempt));
+            Tried::Delivered(status_of(&attempt))
         }
-        Disposition::DeadLetter(r) if lane.breaker.poison(&event.id) => {
+        Verdict::Poison(r) => {
             lane.breaker
                 .record(admission, Signal::DeadLettered, &r.to_string());
             count_attempt(metrics, AttemptOutcome::DeadLetter, &attempt);
@@ -403,25 +406,65 @@ pub(super) async fn attempt<S: Sink, D>(
                 endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
                 trace_id = trace_id(event), detail = %attempt.detail(), "poison event: the endpoint refuses it"
             );
-            return Tried::Poison(r, attempt);
+            Tried::Poison(r, attempt)
         }
-        // During a poison storm, poison waits like a transient failure.
+        Verdict::Failed(outcome, signal, reason) => failed(
+            lane,
+            metrics,
+            (admission, outcome, signal, reason),
+            attempt,
+            Carried::One(event),
+        ),
+    }
+}
+
+/// What an answer about one event means ([`judge`]).
+pub(super) enum Verdict {
+    /// A 2xx: the event is done.
+    Delivered,
+    /// Poison, and no poison storm is on: the event is dead-lettered.
+    Poison(Reason),
+    /// Not done, to be sent again: the attempt's outcome label, what the
+    /// breaker is told, and why.
+    Failed(AttemptOutcome, Signal, Reason),
+}
+
+/// Judges the answer `attempt` about event `event_id` (its
+/// `disposition` by [`classify`]): the one mapping from an answer to the
+/// breaker's signal and the attempt's outcome, for a response to one event
+/// and for each event's answer in a batch's 207 alike. A poison verdict
+/// goes through the storm guard (during a storm it waits like a transient
+/// failure).
+pub(super) fn judge<S>(
+    lane: &Lane<S>,
+    metrics: &Metrics,
+    disposition: Disposition,
+    attempt: &Attempt,
+    event_id: &str,
+) -> Verdict {
+    match disposition {
+        Disposition::Delivered => Verdict::Delivered,
+        Disposition::DeadLetter(r) if lane.breaker.poison(event_id) => Verdict::Poison(r),
         Disposition::DeadLetter(r) | Disposition::Retry(r) => {
-            (AttemptOutcome::Retry, Signal::Transient, r)
+            Verdict::Failed(AttemptOutcome::Retry, Signal::Transient, r)
         }
         Disposition::ConfigFault(r) => {
-            let hint = config_fault_hint(&r, &attempt, metrics.clock_skew.get());
-            (AttemptOutcome::ConfigFault, Signal::ConfigFault(hint), r)
+            let hint = config_fault_hint(&r, attempt, metrics.clock_skew.get());
+            Verdict::Failed(AttemptOutcome::ConfigFault, Signal::ConfigFault(hint), r)
         }
-        Disposition::Retired(r) => (AttemptOutcome::Retired, Signal::Retired, r),
-    };
-    failed(
-        lane,
-        metrics,
-        (admission, outcome, signal, reason),
-        attempt,
-        Carried::One(event),
-    )
+        Disposition::Retired(r) => Verdict::Failed(AttemptOutcome::Retired, Signal::Retired, r),
+    }
+}
+
+/// One event's verdict in a batch's 207 ([`Tried::PerEvent`]).
+#[derive(Clone, Debug)]
+pub(super) enum EventVerdict {
+    /// Taken with this status (counted delivered).
+    Delivered(u16),
+    /// Refused as poison (its answer as the attempt): to be dead-lettered.
+    Poison(Reason, Attempt),
+    /// Not done (the answer's detail): sent again.
+    Again(String),
 }
 
 /// The reason label an attempt's span records as `error.type`: `None`

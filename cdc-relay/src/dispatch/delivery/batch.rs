@@ -1,6 +1,7 @@
 //! A batch's attempts (`docs/architecture.md#batches`): one request for
 //! several events, split when refused, judged per event on a 207.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Instant;
@@ -10,17 +11,16 @@ use crate::dead_letter::DeadLetterStore;
 use crate::dispatch::lane::Lane;
 use crate::dispatch::span::BatchSpans;
 use crate::dispatch::{DispatchError, Persist};
-use crate::metrics::AttemptOutcome;
+use crate::metrics::{AttemptOutcome, Metrics};
 use crate::outbox::OutboxEvent;
-use crate::sink::answers;
-use crate::sink::{
-    Attempt, Disposition, Prepared, Reason, ReasonLabel, Sink, classify, config_fault_hint,
-};
+use crate::sink::answers::{self, EventAnswer};
+use crate::sink::{Attempt, Disposition, Prepared, Reason, ReasonLabel, Sink, classify};
 
 use super::Ctx;
 use super::attempt::{
-    Answered, Carried, Finished, InFlight, Tried, Waited, count_attempt, count_delivered, deliver,
-    failed, failure_label, interrupted, poisoned, status_of, unless_interrupted, until_answered,
+    Answered, Carried, EventVerdict, Finished, InFlight, Tried, Verdict, Waited, count_attempt,
+    count_delivered, deliver, failed, failure_label, interrupted, judge, poisoned, status_of,
+    unless_interrupted, until_answered,
 };
 
 /// The result of [`deliver_group`]: each event's end, in order.
@@ -59,7 +59,7 @@ pub(super) fn deliver_group<'a, S: Sink, D: DeadLetterStore>(
             let members: Vec<&OutboxEvent> = todo.iter().map(|&i| events[i].1).collect();
             let (id, request) = lane.sink.prepare_batch(&members);
             let carried = Carried::Batch(&members, &id);
-            let answers =
+            let (verdicts, retry_after) =
                 match until_answered(lane, ctx, events[first].0, carried, &request, &mut attempts)
                     .await
                 {
@@ -88,35 +88,19 @@ pub(super) fn deliver_group<'a, S: Sink, D: DeadLetterStore>(
                         todo.iter().zip(ends).for_each(|(&i, f)| done[i] = Some(f));
                         break;
                     }
-                    Answered::PerEvent(answers) => answers,
+                    Answered::PerEvent(verdicts, retry_after) => (verdicts, retry_after),
                 };
             let mut again = Vec::new();
-            for &i in &todo {
-                let event = events[i].1;
-                let Some(answer) = answers.get(event.id.as_str()) else {
-                    again.push((i, "not named in the answer".to_owned()));
-                    continue;
-                };
-                let attempt = Attempt::Response {
-                    status: answer.status,
-                    retry_after: None,
-                    excerpt: answer.error.clone(),
-                };
-                match classify(&attempt, &lane.cfg.policy) {
-                    Disposition::Delivered => {
-                        count_delivered(lane, &ctx.metrics, event);
-                        done[i] = Some(Finished::Delivered(answer.status));
-                    }
-                    Disposition::DeadLetter(r) if lane.breaker.poison(&event.id) => {
-                        tracing::warn!(
-                            endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
-                            batch = %id, detail = %attempt.detail(), "poison event: the endpoint refuses it (answered per event)"
-                        );
+            for (&i, verdict) in todo.iter().zip(verdicts) {
+                match verdict {
+                    EventVerdict::Delivered(status) => done[i] = Some(Finished::Delivered(status)),
+                    EventVerdict::Poison(r, attempt) => {
+                        let event = events[i].1;
                         let end =
                             poisoned(lane, ctx, event, (&r, &attempt), attempts, first_attempt);
                         done[i] = Some(end.await?);
                     }
-                    _ => again.push((i, attempt.detail())),
+                    EventVerdict::Again(detail) => again.push((i, detail)),
                 }
             }
             let Some((_, detail)) = again.first() else {
@@ -129,7 +113,7 @@ pub(super) fn deliver_group<'a, S: Sink, D: DeadLetterStore>(
                     .for_each(|&(i, _)| done[i] = Some(failing.clone()));
                 break;
             }
-            let delay = backoff.next_delay(None, &mut rand::rng());
+            let delay = backoff.next_delay(retry_after, &mut rand::rng());
             tracing::warn!(
                 endpoint = %lane.name, batch = %id, events = again.len(), detail = %detail,
                 retry_in_ms = delay.as_millis() as u64, "events of a batch answered per event are not done; will retry them"
@@ -184,7 +168,8 @@ pub(super) async fn attempt_batch<S: Sink, D>(
     if let Some(spans) = spans {
         spans.end(&attempt, failure_label(&disposition));
     }
-    let (outcome, signal, reason) = match disposition {
+    let carried = Carried::Batch(events, id);
+    match disposition {
         Disposition::Delivered => {
             if let Attempt::Response {
                 status: 207,
@@ -194,20 +179,7 @@ pub(super) async fn attempt_batch<S: Sink, D>(
             {
                 let why = match answers::parse(excerpt) {
                     Ok(answers) => {
-                        // A 2xx for the breaker only when an event is done:
-                        // that ends the storm guard's run of refusals.
-                        let done = answers.values().any(|a| (200..300).contains(&a.status));
-                        // During a storm, refusals wait like failures.
-                        let signal = if done {
-                            Signal::Success
-                        } else if lane.breaker.in_storm() {
-                            Signal::Transient
-                        } else {
-                            Signal::DeadLettered
-                        };
-                        lane.breaker.record(admission, signal, "http_207");
-                        count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
-                        return Tried::PerEvent(answers);
+                        return per_event(lane, metrics, admission, carried, &answers, attempt);
                     }
                     Err(why) => why,
                 };
@@ -229,12 +201,16 @@ pub(super) async fn attempt_batch<S: Sink, D>(
             for event in events {
                 count_delivered(lane, metrics, event);
             }
-            return Tried::Delivered(status_of(&attempt));
+            Tried::Delivered(status_of(&attempt))
         }
         // During a poison storm, a refusal waits like a transient failure.
-        Disposition::DeadLetter(r) if lane.breaker.in_storm() => {
-            (AttemptOutcome::Retry, Signal::Transient, r)
-        }
+        Disposition::DeadLetter(r) if lane.breaker.in_storm() => failed(
+            lane,
+            metrics,
+            (admission, AttemptOutcome::Retry, Signal::Transient, r),
+            attempt,
+            carried,
+        ),
         Disposition::DeadLetter(r) => {
             // Answered, but no event done: the storm guard's run goes on.
             lane.breaker
@@ -244,22 +220,128 @@ pub(super) async fn attempt_batch<S: Sink, D>(
                 endpoint = %lane.name, batch = %id, events = events.len(), reason = %r,
                 detail = %attempt.detail(), "the endpoint refuses the batch: splitting it"
             );
-            return Tried::Poison(r, attempt);
+            Tried::Poison(r, attempt)
         }
-        Disposition::Retry(r) => (AttemptOutcome::Retry, Signal::Transient, r),
-        Disposition::ConfigFault(r) => {
-            let hint = config_fault_hint(&r, &attempt, metrics.clock_skew.get());
-            (AttemptOutcome::ConfigFault, Signal::ConfigFault(hint), r)
-        }
-        Disposition::Retired(r) => (AttemptOutcome::Retired, Signal::Retired, r),
+        other => match judge(lane, metrics, other, &attempt, id) {
+            Verdict::Failed(outcome, signal, reason) => failed(
+                lane,
+                metrics,
+                (admission, outcome, signal, reason),
+                attempt,
+                carried,
+            ),
+            Verdict::Delivered | Verdict::Poison(_) => {
+                unreachable!("neither delivered nor refused, so failed")
+            }
+        },
+    }
+}
+
+/// A 207 read as per-event answers (`answers`, by event id): each event
+/// of the batch judged by its own answer, as a response to it alone
+/// would be ([`judge`]), and the request recorded once, by what it did:
+/// a 410 or a configuration fault among the answers tells the breaker so
+/// (and counts the attempt so); else an event taken counts as a 2xx (the
+/// endpoint works), else a failure as a transient one, else (every event
+/// refused) as a poison verdict. Events to send again count a retry
+/// (by the first one's reason), and the answer's `Retry-After` pauses the
+/// endpoint, as for any failed attempt. An event the answer does not name
+/// is not done: sent again.
+fn per_event<S>(
+    lane: &Lane<S>,
+    metrics: &Metrics,
+    admission: Admission,
+    carried: Carried<'_>,
+    answers: &HashMap<String, EventAnswer>,
+    attempt: Attempt,
+) -> Tried {
+    let Carried::Batch(events, id) = carried else {
+        unreachable!("only a batch is answered per event")
     };
-    failed(
-        lane,
-        metrics,
-        (admission, outcome, signal, reason),
-        attempt,
-        Carried::Batch(events, id),
-    )
+    let retry_after = match &attempt {
+        Attempt::Response { retry_after, .. } => *retry_after,
+        _ => None,
+    };
+    let mut verdicts = Vec::with_capacity(events.len());
+    let (mut taken, mut refused) = (false, false);
+    // The failure the breaker hears of: a 410 before a configuration
+    // fault before the first transient one.
+    let mut failure: Option<(AttemptOutcome, Signal, Reason)> = None;
+    let rank = |s: &Signal| match s {
+        Signal::Retired => 2,
+        Signal::ConfigFault(_) => 1,
+        _ => 0,
+    };
+    for event in events {
+        let Some(answer) = answers.get(event.id.as_str()) else {
+            verdicts.push(EventVerdict::Again("not named in the 207 answer".into()));
+            let unnamed = Reason {
+                label: ReasonLabel::HttpOther,
+                status: Some(207),
+            };
+            failure.get_or_insert((AttemptOutcome::Retry, Signal::Transient, unnamed));
+            continue;
+        };
+        let one = Attempt::Response {
+            status: answer.status,
+            retry_after: None,
+            excerpt: answer.error.clone(),
+        };
+        match judge(
+            lane,
+            metrics,
+            classify(&one, &lane.cfg.policy),
+            &one,
+            &event.id,
+        ) {
+            Verdict::Delivered => {
+                taken = true;
+                count_delivered(lane, metrics, event);
+                verdicts.push(EventVerdict::Delivered(answer.status));
+            }
+            Verdict::Poison(r) => {
+                refused = true;
+                tracing::warn!(
+                    endpoint = %lane.name, event_id = %event.id, commit_lsn = %crate::shown(&event.commit_lsn), reason = %r,
+                    batch = %id, detail = %one.detail(), "poison event: the endpoint refuses it (answered per event)"
+                );
+                verdicts.push(EventVerdict::Poison(r, one));
+            }
+            Verdict::Failed(outcome, signal, reason) => {
+                verdicts.push(EventVerdict::Again(one.detail()));
+                if failure.as_ref().is_none_or(|f| rank(&signal) > rank(&f.1)) {
+                    failure = Some((outcome, signal, reason));
+                }
+            }
+        }
+    }
+    match failure {
+        Some((outcome, signal, reason)) => {
+            let (outcome, signal) = match signal {
+                Signal::Retired | Signal::ConfigFault(_) => (outcome, signal),
+                _ if taken => (AttemptOutcome::Delivered, Signal::Success),
+                _ => (outcome, signal),
+            };
+            failed(
+                lane,
+                metrics,
+                (admission, outcome, signal, reason),
+                attempt,
+                carried,
+            );
+        }
+        None if taken => {
+            lane.breaker.record(admission, Signal::Success, "");
+            count_attempt(metrics, AttemptOutcome::Delivered, &attempt);
+        }
+        None => {
+            debug_assert!(refused, "a batch has events");
+            lane.breaker
+                .record(admission, Signal::DeadLettered, "http_207");
+            count_attempt(metrics, AttemptOutcome::DeadLetter, &attempt);
+        }
+    }
+    Tried::PerEvent(verdicts, retry_after)
 }
 
 /// A batch's event ids for a log line: the first 20, then how many more.

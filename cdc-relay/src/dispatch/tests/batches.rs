@@ -212,6 +212,154 @@ async fn a_batch_answered_per_event_is_judged_event_by_event_without_splitting()
     );
 }
 
+/// A session of 16 events in batches of 8, one request at a time, against
+/// `sink` answering each batch per event (207), for `lasting`: its breaker,
+/// its metrics and its dead letters.
+async fn answered_per_event(
+    sink: Arc<ScriptedSink>,
+    lasting: Duration,
+) -> (crate::breaker::Breaker, Metrics, Vec<NewDeadLetter>) {
+    sink.per_event.store(true, Ordering::Relaxed);
+    let cfg = batching(1, 8);
+    let metrics = Metrics::new();
+    let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
+    let events = (0..16).map(|n| event(&format!("e{n}"), None)).collect();
+    let dead = super::breaker::session_counted(
+        cfg,
+        sink,
+        breaker.clone(),
+        events,
+        lasting,
+        metrics.clone(),
+    )
+    .await;
+    (breaker, metrics, dead)
+}
+
+/// Attempts counted with `outcome`, of a 207 (class 2xx).
+fn attempts_207(metrics: &Metrics, outcome: &str) -> u64 {
+    metrics
+        .delivery_attempts
+        .with_label_values(&[outcome, "2xx"])
+        .get()
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_answer_in_a_207_tells_the_breaker_and_the_metrics_what_it_would_alone() {
+    // Broken before: a 207 was a 2xx for the breaker and the metrics
+    // whatever it said of the events, so a 207 of all 503s never opened
+    // the circuit (readiness stayed green), counted `delivered` and no
+    // retry, and a 410 or 401 per event neither retired the endpoint nor
+    // opened the circuit.
+    use crate::breaker::CircuitState;
+    let (breaker, metrics, dead) = answered_per_event(
+        ScriptedSink::new(|_, _| (Duration::from_millis(5), 503)),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_eq!(breaker.state(), CircuitState::Open, "503 for every event");
+    assert!(dead.is_empty());
+    assert!(attempts_207(&metrics, "retry") >= 3);
+    assert_eq!(attempts_207(&metrics, "delivered"), 0);
+    assert!(
+        metrics.retries.with_label_values(&["http_5xx"]).get() >= 3,
+        "each such attempt is a retry by the events' reason"
+    );
+    assert_eq!(metrics.events_delivered.get(), 0);
+
+    let (breaker, metrics, _) = answered_per_event(
+        ScriptedSink::new(|_, _| (Duration::from_millis(5), 410)),
+        Duration::from_secs(1),
+    )
+    .await;
+    assert!(breaker.is_retired(), "410 for every event retires it");
+    assert_eq!(breaker.state(), CircuitState::Open);
+    assert!(attempts_207(&metrics, "retired") >= 1);
+
+    // A configuration fault outranks the events taken beside it.
+    let (breaker, metrics, _) = answered_per_event(
+        ScriptedSink::new(|id, _| (Duration::from_millis(5), if id == "e3" { 401 } else { 201 })),
+        Duration::from_secs(1),
+    )
+    .await;
+    assert_eq!(breaker.state(), CircuitState::Open, "a 401 opens at once");
+    assert!(attempts_207(&metrics, "config_fault") >= 1);
+
+    // Every event refused: a poison verdict, each dead-lettered.
+    let (breaker, metrics, dead) = answered_per_event(
+        ScriptedSink::new(|id, _| (Duration::from_millis(5), if id < "e2" { 422 } else { 201 })),
+        Duration::from_secs(1),
+    )
+    .await;
+    assert_eq!(breaker.state(), CircuitState::Closed);
+    assert_eq!(
+        dead.len(),
+        8,
+        "e0, e1 and e10..e15 sort before e2: {dead:?}"
+    );
+    assert_eq!(metrics.events_dead_lettered.get(), 8);
+    assert_eq!(metrics.events_delivered.get(), 8);
+    assert_eq!(
+        attempts_207(&metrics, "dead_letter"),
+        0,
+        "events were taken"
+    );
+    assert_eq!(attempts_207(&metrics, "delivered"), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_207_of_refusals_only_counts_a_dead_letter_attempt() {
+    let (_, metrics, dead) = answered_per_event(
+        ScriptedSink::new(|id, _| {
+            (
+                Duration::from_millis(5),
+                if id.len() == 2 { 422 } else { 201 },
+            )
+        }),
+        Duration::from_secs(1),
+    )
+    .await;
+    // e0..e9 refused (one batch of e0..e7 all refused), e10..e15 taken.
+    assert_eq!(dead.len(), 10);
+    assert_eq!(attempts_207(&metrics, "dead_letter"), 1, "e0..e7");
+    assert_eq!(attempts_207(&metrics, "delivered"), 1, "e8..e15");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_on_a_207_pauses_the_endpoint_before_the_rest_goes_again() {
+    // Broken before: the 207's Retry-After was ignored; e0 went again
+    // after the 1 ms backoff.
+    let asked = Mutex::new(std::collections::HashSet::new());
+    let sink = ScriptedSink::new(move |id, _| {
+        let first = asked.lock().unwrap().insert(id.to_owned());
+        let status = if id == "e0" && first { 503 } else { 201 };
+        (Duration::from_millis(5), status)
+    });
+    *sink.retry_after.lock().unwrap() = Some(Duration::from_millis(800));
+    let (breaker, metrics, dead) =
+        answered_per_event(Arc::clone(&sink), Duration::from_secs(3)).await;
+    assert!(dead.is_empty());
+    assert_eq!(breaker.state(), crate::breaker::CircuitState::Closed);
+    assert_eq!(metrics.sink_pauses.get(), 1, "the endpoint paused once");
+    assert_eq!(metrics.events_delivered.get(), 16, "every event taken");
+    let calls = sink.calls();
+    let sent = |id: &str| -> Vec<&Call> {
+        calls
+            .iter()
+            .filter(|c| carried(c).iter().any(|m| m == id))
+            .collect()
+    };
+    let e0 = sent("e0");
+    assert_eq!(e0.len(), 2, "e0 went again once");
+    let waited = e0[1].start - e0[0].end;
+    assert!(
+        waited >= Duration::from_millis(800),
+        "e0 went again after {waited:?}, inside the Retry-After"
+    );
+    assert_eq!(attempts_207(&metrics, "delivered"), 2 + 1);
+    assert_eq!(metrics.retries.with_label_values(&["http_5xx"]).get(), 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_207_without_per_event_answers_splits_the_batch() {
     // The receiver answers 207 with an empty body: no event's fate is

@@ -62,8 +62,19 @@ async fn session_dropped_after(
     events: Vec<OutboxEvent>,
     lasting: Duration,
 ) -> Vec<NewDeadLetter> {
+    session_counted(cfg, sink, breaker, events, lasting, Metrics::new()).await
+}
+
+/// [`session_dropped_after`], counting into `metrics`.
+pub(super) async fn session_counted(
+    cfg: DispatchConfig,
+    sink: Arc<ScriptedSink>,
+    breaker: Breaker,
+    events: Vec<OutboxEvent>,
+    lasting: Duration,
+    metrics: Metrics,
+) -> Vec<NewDeadLetter> {
     let store = Arc::new(MemoryStore::default());
-    let metrics = Metrics::new();
     // A session starts as the relay starts one: the breaker carries over,
     // its deliveries do not.
     breaker.new_session();
