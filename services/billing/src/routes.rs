@@ -182,17 +182,19 @@ async fn record_batch(
         let batch: Vec<&OrderCreated> = events.iter().map(|(_, e)| e).collect();
         match state.store.record_batch(&batch).await? {
             Ok(new) => break new,
-            Err(culprit) => {
-                let (i, event) = events.remove(culprit);
-                tracing::warn!(event_id = %event.id, order_id = %event.order_id, "an event of a batch names an order another event already invoiced");
-                refused.push((
-                    i,
-                    ServiceError::invalid_field(
-                        "order_already_invoiced",
-                        "data.order_id",
-                        "another event already invoiced this order; the event was not recorded",
-                    ),
-                ));
+            Err(culprits) => {
+                for culprit in culprits.into_iter().rev() {
+                    let (i, event) = events.remove(culprit);
+                    tracing::warn!(event_id = %event.id, order_id = %event.order_id, "an event of a batch names an order another event already invoiced");
+                    refused.push((
+                        i,
+                        ServiceError::invalid_field(
+                            "order_already_invoiced",
+                            "data.order_id",
+                            "another event already invoiced this order; the event was not recorded",
+                        ),
+                    ));
+                }
             }
         }
     };

@@ -9,6 +9,8 @@
 //! invoice starts its charge's state machine there (`pending`, due now) when
 //! Billing charges; [`crate::charge`] takes it from there.
 
+use std::collections::HashSet;
+
 use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::error::SqlState;
 use serde::Serialize;
@@ -28,23 +30,35 @@ const RECORD_EVENT: &str = "\
 
 /// A batch's events in ONE statement: the inbox rows of the ids not seen
 /// before, then an invoice for each of those, in array order. An id seen
-/// before changes nothing. The inbox rows go in id order, so two batches
+/// before changes nothing. Before it writes, the statement takes a
+/// transaction-scoped advisory lock per order it names, in `order_id`
+/// order (`locked`, which the inbox insert joins, so it runs first), and
+/// the inbox rows go in id order: two batches naming the same orders or
 /// sharing ids in different orders (a client's retry racing a slow first
-/// attempt, overlapping batches) wait for each other's keys in one order
-/// and never deadlock.
+/// attempt, overlapping batches, two events of one order in two batches)
+/// wait for each other in one order, never deadlock, and the later finds
+/// the earlier's invoices committed. (Without the locks, two batches
+/// naming 100 orders in opposite orders waited on each other's invoice
+/// keys until `lock_timeout`: a 500.)
 const RECORD_BATCH: &str = "\
     WITH batch AS ( \
         SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::bigint[], $5::text[]) \
             WITH ORDINALITY AS b(event_id, invoice_id, order_id, amount_cents, currency, ord) \
+    ), locked AS ( \
+        SELECT count(pg_advisory_xact_lock(hashtextextended('billing.invoice:' || order_id::text, 0))) \
+        FROM (SELECT DISTINCT order_id FROM batch ORDER BY order_id) o \
     ), inbox AS ( \
         INSERT INTO processed_events (event_id) \
-        SELECT event_id FROM batch ORDER BY event_id \
+        SELECT event_id FROM batch, locked ORDER BY event_id \
         ON CONFLICT DO NOTHING \
         RETURNING event_id \
     ) \
     INSERT INTO invoices (id, order_id, amount_cents, currency, charge_status, charge_next_at) \
     SELECT b.invoice_id, b.order_id, b.amount_cents, b.currency::bpchar, $6::text, now() \
     FROM batch b JOIN inbox USING (event_id) ORDER BY b.ord";
+
+/// Of a batch's orders, those invoiced (by any event).
+const INVOICED: &str = "SELECT order_id FROM invoices WHERE order_id = ANY($1)";
 
 const SEEN: &str = "SELECT event_id FROM processed_events WHERE event_id = ANY($1)";
 
@@ -147,13 +161,14 @@ impl InboxStore {
     /// Records a batch's `events` (distinct ids, [`crate::batch::parse`])
     /// in one transaction: `Ok(new)`, how many were new (inbox row and
     /// invoice committed; the rest were seen before and changed nothing),
-    /// or `Err(i)` when `events[i]` names an order another event already
-    /// invoiced (before, or earlier in this batch): then nothing was
-    /// committed, and the caller records the others without it.
+    /// or `Err(culprits)`, the indexes of the events that name an order
+    /// another event already invoiced (before, or earlier in this batch),
+    /// all of them at once: then nothing was committed, and the caller
+    /// records the others without them.
     pub async fn record_batch(
         &self,
         events: &[&OrderCreated],
-    ) -> Result<Result<u64, usize>, ServiceError> {
+    ) -> Result<Result<u64, Vec<usize>>, ServiceError> {
         let client = self.pool.get().await?;
         let statement = client.prepare_cached(RECORD_BATCH).await?;
         let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
@@ -179,23 +194,33 @@ impl InboxStore {
             Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => e,
             Err(e) => return Err(e.into()),
         };
-        // "Key (order_id)=(<uuid>) already exists.": the last event of that
-        // order not recorded before is the one that could not be invoiced
-        // (an event seen before makes no invoice).
-        let detail = e.as_db_error().and_then(|d| d.detail()).unwrap_or_default();
-        let seen: Vec<Uuid> = client
+        // Every event not seen before whose order is invoiced now, or
+        // named by an earlier new event of the batch (the first in array
+        // order keeps it): refusing them all at once takes one more
+        // statement, not one per event.
+        let seen: HashSet<Uuid> = client
             .query(SEEN, &[&ids])
             .await?
             .iter()
             .map(|r| r.get(0))
             .collect();
-        match events
+        let mut invoiced: HashSet<Uuid> = client
+            .query(INVOICED, &[&orders])
+            .await?
             .iter()
-            .rposition(|ev| detail.contains(&ev.order_id.to_string()) && !seen.contains(&ev.id))
-        {
-            Some(i) => Ok(Err(i)),
-            None => Err(e.into()),
+            .map(|r| r.get(0))
+            .collect();
+        let culprits: Vec<usize> = events
+            .iter()
+            .enumerate()
+            .filter(|(_, ev)| !seen.contains(&ev.id) && !invoiced.insert(ev.order_id))
+            .map(|(i, _)| i)
+            .collect();
+        if culprits.is_empty() {
+            // The invoice that conflicted is gone again: a retry decides.
+            return Err(e.into());
         }
+        Ok(Err(culprits))
     }
 
     /// Invoices of `order_id` (zero or one, by the UNIQUE constraint).

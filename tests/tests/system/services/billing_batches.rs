@@ -27,7 +27,12 @@ fn ids(events: &[Value]) -> Vec<String> {
 
 /// POSTs `events` as a batch with the relay's headers: the marker, the
 /// batch's id as `Idempotency-Key` and `webhook-id`, both signatures.
-async fn post_batch(client: &reqwest::Client, billing: &Service, events: &[Value]) -> StatusCode {
+/// Returns the status and the body.
+async fn send_batch(
+    client: &reqwest::Client,
+    billing: &Service,
+    events: &[Value],
+) -> (StatusCode, String) {
     let body = batch(events);
     let ids = ids(events);
     let id = batch_id(ids.iter().map(String::as_str));
@@ -52,13 +57,13 @@ async fn post_batch(client: &reqwest::Client, billing: &Service, events: &[Value
         .send()
         .await
         .unwrap();
-    let status = response.status();
-    assert_eq!(
-        status,
-        StatusCode::NO_CONTENT,
-        "{}",
-        response.text().await.unwrap()
-    );
+    (response.status(), response.text().await.unwrap())
+}
+
+/// [`send_batch`], answered 204.
+async fn post_batch(client: &reqwest::Client, billing: &Service, events: &[Value]) -> StatusCode {
+    let (status, text) = send_batch(client, billing, events).await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{text}");
     status
 }
 
@@ -303,4 +308,77 @@ async fn billing_batches_sharing_ids_in_opposite_orders_never_deadlock() {
     let n = i64::try_from(ROUNDS * EVENTS).unwrap();
     assert_eq!(count(&db, "processed_events").await, n);
     assert_eq!(count(&db, "invoices").await, n, "one invoice per event");
+}
+
+/// Two batches of different events naming the same 100 orders, one in the
+/// reverse order of the other, sent at once (a producer that emitted two
+/// events per order, batched apart), five times: both are answered (204
+/// or 207, never a 5xx), each order is invoiced once, and every event is
+/// either recorded or refused `order_already_invoiced`, never both.
+///
+/// Broken before: the two statements inserted invoices in opposite orders
+/// and waited on each other's keys until `lock_timeout`: one answered 500
+/// (55P03). And a batch whose 100 events were all taken by the other
+/// needed 100 statements, one refusal each.
+#[tokio::test]
+async fn billing_batches_naming_the_same_orders_in_opposite_orders_both_answer() {
+    const ORDERS: usize = 100;
+    let stack = stack().await;
+    let billing = Service::billing(&stack, &[], &[]).await;
+    let client = http();
+    let db = stack.billing_admin().await.unwrap();
+    for round in 1..=5_i64 {
+        let orders: Vec<Uuid> = (0..ORDERS).map(|_| Uuid::new_v4()).collect();
+        let first: Vec<Value> = orders
+            .iter()
+            .map(|o| event(Uuid::new_v4(), *o, 100))
+            .collect();
+        let second: Vec<Value> = orders
+            .iter()
+            .rev()
+            .map(|o| event(Uuid::new_v4(), *o, 100))
+            .collect();
+        let (a, b) = tokio::join!(
+            send_batch(&client, &billing, &first),
+            send_batch(&client, &billing, &second)
+        );
+        let mut refused = Vec::new();
+        for (status, text) in [&a, &b] {
+            assert!(
+                *status == StatusCode::NO_CONTENT || *status == StatusCode::MULTI_STATUS,
+                "round {round}: {status} {text}"
+            );
+            if *status == StatusCode::MULTI_STATUS {
+                let body: Value = serde_json::from_str(text).unwrap();
+                for r in body["results"].as_array().unwrap() {
+                    if r["status"] != 204 {
+                        assert_eq!(r["status"], 422, "{r}");
+                        assert_eq!(r["error"]["error"], "order_already_invoiced", "{r}");
+                        refused.push(r["id"].as_str().unwrap().to_owned());
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            refused.len(),
+            ORDERS,
+            "round {round}: one event of each order refused"
+        );
+        let n = round * ORDERS as i64;
+        assert_eq!(count(&db, "invoices").await, n, "each order invoiced once");
+        assert_eq!(
+            count(&db, "processed_events").await,
+            n,
+            "the refused events are not in the inbox"
+        );
+        let recorded: i64 = db
+            .query_one(
+                "SELECT count(*) FROM processed_events WHERE event_id::text = ANY($1)",
+                &[&refused],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(recorded, 0, "a refused event is never recorded");
+    }
 }
