@@ -112,6 +112,15 @@ pub fn parse(items: &[Value], headers: &HeaderMap) -> Result<Parsed, ServiceErro
 /// relay writes it (no sign, no leading zero): 422 `invalid_batch` naming
 /// the header otherwise.
 pub fn check_marker(headers: &HeaderMap, events: usize) -> Result<(), ServiceError> {
+    // Two markers that could disagree: which one the sender meant is
+    // unknown, so neither is taken.
+    if headers.get_all(BATCH_HEADER).iter().nth(1).is_some() {
+        return Err(ServiceError::invalid_field(
+            INVALID,
+            "X-Event-Batch",
+            "is given more than once; send it once, with the number of events in the body",
+        ));
+    }
     match headers.get(BATCH_HEADER) {
         Some(marker) if marker.as_bytes() != events.to_string().as_bytes() => {
             Err(ServiceError::invalid_field(
@@ -226,6 +235,20 @@ mod tests {
         }
         headers.insert(BATCH_HEADER, HeaderValue::from_static("2"));
         assert_eq!(parse(&two, &headers).unwrap().events.len(), 2);
+        // Twice, even the same: which one the sender meant is unknown (it
+        // read the first only).
+        for second in ["3", "2"] {
+            let mut twice = headers.clone();
+            twice.append(BATCH_HEADER, HeaderValue::from_static(second));
+            let e = parse(&two, &twice).unwrap_err();
+            assert_eq!(e.field(), Some("X-Event-Batch"), "{second}");
+            assert!(
+                e.to_json()["detail"]
+                    .as_str()
+                    .unwrap()
+                    .contains("more than once")
+            );
+        }
 
         headers.insert("webhook-id", HeaderValue::from_str(A).unwrap());
         let e = parse(&two, &headers).unwrap_err();
