@@ -12,7 +12,7 @@
 --                SELECT, INSERT, UPDATE on charge_idempotency_keys (an
 --                expired key is taken over).
 --   cdc_relay    LOGIN REPLICATION: streams the publication through a logical
---                slot; SELECT, INSERT, DELETE on its dead-letter table,
+--                slot; SELECT, INSERT, UPDATE, DELETE on its dead-letter table,
 --                INSERT on the audit table, SELECT on outbox for `backfill`,
 --                SELECT, INSERT, UPDATE on its progress record; SELECT,
 --                INSERT, DELETE on its prune marks (DELETE on outbox is NOT
@@ -215,8 +215,12 @@ BEGIN
     IF has_orders AND has_dlq THEN
         REVOKE ALL ON public.cdc_relay_dead_letter, public.cdc_relay_dead_letter_audit
             FROM orders_app, billing_app, cdc_relay;
-        -- SELECT for `dead-letter list`, DELETE for replay and discard.
-        GRANT SELECT, INSERT, DELETE ON public.cdc_relay_dead_letter TO cdc_relay;
+        -- SELECT for `dead-letter list`, DELETE for replay and discard,
+        -- UPDATE to record a replayed row's new refusal on it (a parked row
+        -- refused when its endpoint resumes; before this grant the resume
+        -- retried that write forever). It adds nothing DELETE and INSERT
+        -- do not already allow.
+        GRANT SELECT, INSERT, UPDATE, DELETE ON public.cdc_relay_dead_letter TO cdc_relay;
         GRANT INSERT ON public.cdc_relay_dead_letter_audit TO cdc_relay;
         EXECUTE format('GRANT USAGE, SELECT ON SEQUENCE %s, %s TO cdc_relay',
             pg_get_serial_sequence('public.cdc_relay_dead_letter', 'id'),

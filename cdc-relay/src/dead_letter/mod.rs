@@ -65,8 +65,10 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     /// them, each with its audit row (action `replay`, by `cdc-relay`).
     fn replayed(&self, ids: &[i64]) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Parked row `id` was refused as poison when replayed: it stays, as
-    /// `row` says (its error, status and response), no longer parked.
+    /// Row `id` was refused as poison when replayed (a parked row on
+    /// resume, any row by `dead-letter replay`): it stays, as `row` says
+    /// (its error, status and response; no longer parked), with `row`'s
+    /// attempts added to its own.
     fn refused(
         &self,
         id: i64,
@@ -116,8 +118,8 @@ impl StoreError {
         } else if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) {
             StoreError::Failed(format!(
                 "{text}. Grant the relay's role what sql/roles.sql grants cdc_relay on the \
-                 dead-letter tables (SELECT, INSERT, DELETE on cdc_relay_dead_letter, INSERT on \
-                 cdc_relay_dead_letter_audit): apply it again, or the same grants to the role in \
+                 dead-letter tables (SELECT, INSERT, UPDATE, DELETE on cdc_relay_dead_letter, \
+                 INSERT on cdc_relay_dead_letter_audit): apply it again, or the same grants to the role in \
                  --database-url"
             ))
         } else {

@@ -75,13 +75,16 @@ pub(super) async fn replayed(client: &Client, ids: &[i64]) -> Result<(), StoreEr
     }
 }
 
-/// Parked row `id` was refused as poison when replayed: it stays, as `d`
-/// says (its error, status and response), no longer parked.
+/// Row `id` was refused as poison when replayed (a parked row on resume,
+/// any row by `dead-letter replay`): it stays, as `d` says (its error,
+/// status and response; no longer parked), with `d`'s attempts added to
+/// its own and its first attempt kept.
 pub(super) async fn refused(client: &Client, id: i64, d: &NewDeadLetter) -> Result<(), StoreError> {
     let updated = client
         .execute(
             "UPDATE cdc_relay_dead_letter SET http_status = $2, error = $3, response_excerpt = $4, \
-               attempts = $5, first_attempt_at = to_timestamp($6), last_attempt_at = now() WHERE id = $1",
+               attempts = attempts + $5, first_attempt_at = coalesce(first_attempt_at, to_timestamp($6)), \
+               last_attempt_at = now() WHERE id = $1",
             &[
                 &id,
                 &d.http_status.map(i32::from),

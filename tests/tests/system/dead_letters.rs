@@ -143,6 +143,19 @@ async fn concurrent_replay_keeps_each_aggregates_order_and_skips_one_refused_aga
     );
 
     only_the_refused_rest_stays(&admin, refused).await?;
+    // The row refused again records this refusal: its status, its error,
+    // one attempt more (it kept the old ones).
+    let row = admin
+        .query_one(
+            "SELECT http_status, error, attempts, last_attempt_at IS NOT NULL \
+             FROM cdc_relay_dead_letter WHERE event_id = $1",
+            &[&refused[1]],
+        )
+        .await?;
+    assert_eq!(row.get::<_, Option<i32>>(0), Some(422));
+    assert!(row.get::<_, String>(1).starts_with("http_422"), "{row:?}");
+    assert_eq!(row.get::<_, i32>(2), 2);
+    assert!(row.get::<_, bool>(3));
     let audited: Vec<String> = admin
         .query(
             "SELECT event_id FROM cdc_relay_dead_letter_audit WHERE action = 'replay'",

@@ -312,11 +312,11 @@ fn ended(e: &Ended) -> Replayed {
         Outcome::DeadLettered => (RowOutcome::Rejected, "refused again; kept".to_owned()),
         Outcome::Kept(detail) => (
             RowOutcome::Rejected,
-            format!("not delivered ({detail}); kept"),
+            format!("refused ({detail}); kept, with this refusal recorded"),
         ),
         Outcome::Failing(detail) => (
             RowOutcome::Failing,
-            format!("not delivered ({detail}); kept"),
+            format!("not delivered: the sink is failing ({detail}); kept, and the replay stops"),
         ),
         Outcome::NotAttempted => (
             RowOutcome::NotAttempted,

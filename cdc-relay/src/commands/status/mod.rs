@@ -226,7 +226,7 @@ async fn missing_grants(
             "SELECT v.p || ' on ' || coalesce(v.shown, v.t), current_user::text FROM (VALUES \
                ($1, $2, 'SELECT'), \
                ('cdc_relay_dead_letter', NULL, 'SELECT'), ('cdc_relay_dead_letter', NULL, 'INSERT'), \
-               ('cdc_relay_dead_letter', NULL, 'DELETE'), \
+               ('cdc_relay_dead_letter', NULL, 'UPDATE'), ('cdc_relay_dead_letter', NULL, 'DELETE'), \
                ('cdc_relay_dead_letter_audit', NULL, 'INSERT'), \
                ('cdc_relay_progress', NULL, 'SELECT'), ('cdc_relay_progress', NULL, 'INSERT'), \
                ('cdc_relay_progress', NULL, 'UPDATE')) v(t, shown, p) \

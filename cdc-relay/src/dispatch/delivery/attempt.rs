@@ -262,8 +262,9 @@ pub(super) async fn deliver<S: Sink, D: DeadLetterStore>(
     }
 }
 
-/// A poison event at its end: kept as it was under
-/// [`Persist::OneAttempt`], else dead-lettered with the refusal.
+/// A poison event at its end: kept under [`Persist::OneAttempt`] (a
+/// replayed row records the refusal on itself), else dead-lettered with
+/// the refusal.
 pub(super) async fn poisoned<S, D: DeadLetterStore>(
     lane: &Lane<S>,
     ctx: &Ctx<D>,
@@ -272,11 +273,20 @@ pub(super) async fn poisoned<S, D: DeadLetterStore>(
     attempts: u32,
     first_attempt: i64,
 ) -> Result<Finished, DispatchError> {
-    if ctx.persist == Persist::OneAttempt {
-        return Ok(Finished::Kept(attempt.detail()));
-    }
     let mut row = NewDeadLetter::rejected(event, attempt, reason, attempts, first_attempt);
     row.endpoint = lane.dead_letter_endpoint().map(str::to_owned);
+    if ctx.persist == Persist::OneAttempt {
+        // A replayed row refused again says so (this refusal, its
+        // attempt), tried once: the row is kept either way, and a replay
+        // must not wait on it.
+        if let Some(id) = event.dead_letter_id
+            && let Err(e) = ctx.store.refused(id, &row).await
+        {
+            tracing::warn!(dead_letter_id = id, event_id = %event.id, error = %e,
+                "cannot record the new refusal on the dead-letter row; it keeps its earlier error");
+        }
+        return Ok(Finished::Kept(attempt.detail()));
+    }
     dead_letter(lane, ctx, event, &row).await
 }
 
