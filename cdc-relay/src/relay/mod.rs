@@ -25,8 +25,8 @@ use crate::dispatch::Lane;
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::sink::HttpSink;
+use crate::source::monitor::GapToHeal;
 use crate::source::stream::StreamError;
-use crate::source::watchdog::GapToHeal;
 use crate::source::{SourceError, progress};
 
 mod config;

@@ -25,7 +25,7 @@ use crate::backfill::{self, BackfillPlan};
 use crate::lsn::Lsn;
 use crate::sink::HttpSink;
 use crate::source::catalog::{self, SlotInfo};
-use crate::source::watchdog::GapToHeal;
+use crate::source::monitor::GapToHeal;
 use crate::source::{self, ConnParams, SourceError, progress, slot_creation};
 
 /// Where this process left the slot when a session ended.

@@ -20,9 +20,10 @@ use crate::outbox::OutboxMapper;
 use crate::sink::HttpSink;
 use crate::source::catalog::SlotReading;
 use crate::source::catalog::{self, OutboxTable, SlotInfo};
+use crate::source::monitor::{self, MonitorOutputs, MonitorSettings};
 use crate::source::stream::{Stream, StreamError, StreamParts};
 use crate::source::transport::{self, StreamSettings, Transport};
-use crate::source::watchdog::{self, MonitorOutputs, MonitorSettings, Watchdog};
+use crate::source::watchdog::{self, Watchdog};
 use crate::source::{ConnParams, SourceError, failover, progress};
 
 /// One replication session.
@@ -108,7 +109,7 @@ impl Session<'_> {
         // A graceful stop of this session: the process's shutdown,
         // --stop-at-lsn reached, or a publication gap to heal.
         let stop = shutdown.child_token();
-        let monitor = AbortOnDropHandle::new(tokio::spawn(watchdog::monitor_slot(
+        let monitor = AbortOnDropHandle::new(tokio::spawn(monitor::monitor_slot(
             Arc::clone(&p.side),
             MonitorSettings {
                 slot: cfg.slot.clone(),
@@ -125,7 +126,7 @@ impl Session<'_> {
                 health: Arc::clone(self.health),
                 readings: readings_tx,
                 ceiling: ceiling_tx,
-                heal: self.gap.clone().map(|window| watchdog::GapHeal {
+                heal: self.gap.clone().map(|window| monitor::GapHeal {
                     window,
                     stop: stop.clone(),
                 }),

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!  conn (URL, SslMode) ──▶ tls ──▶ connect_sql ──▶ side connection ──▶ catalog (slot, settings, checks)
-//!                                                        │                 watchdog (slot monitor, liveness)
+//!                                                        │                 monitor (slot), watchdog (liveness)
 //!                         transport::open ──▶ replication connection ──▶ stream::Stream (read, decode, map)
 //!  every failure ──▶ error::SourceError (definite: stop and say why; transient: reconnect)
 //! ```
@@ -22,7 +22,7 @@
 //!   for; a slot still being created.
 //! - [`failover`]: failover slots and the standbys' copies (17+).
 //! - [`status_updates`]: counts the standby status updates sent.
-//! - [`watchdog`]: the slot monitor and the stream watchdog.
+//! - [`monitor`]: the slot monitor; [`watchdog`]: the stream watchdog.
 //! - [`shards`]: the bucket expression, row filters, the coverage proof.
 //! - [`skew`]: the server's clock against ours, from every message.
 //! - [`withheld`]: a walsender that sends nothing new while the WAL goes on.
@@ -38,6 +38,7 @@ pub mod error;
 pub mod failover;
 pub mod lock_wait;
 pub mod membership;
+pub mod monitor;
 pub mod pairing;
 pub mod progress;
 pub mod shards;

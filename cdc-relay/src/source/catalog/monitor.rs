@@ -1,6 +1,6 @@
 //! The slot monitor's reading: the slot, the outbox's publication
 //! membership, the other logical slots and the dead letters waiting, in
-//! one statement (`source::watchdog` takes it every interval).
+//! one statement (`source::monitor` takes it every interval).
 
 use tokio_postgres::Client;
 
