@@ -348,8 +348,8 @@ fn write<S, D: DeadLetterStore>(
     Box::pin(async move { (ticket, job, written.await) })
 }
 
-/// Counts and logs a handed-off job's committed row. A row the event
-/// already had (a restart re-streamed it) was counted when it was made.
+/// Counts and logs a handed-off job's committed row (counted by what this
+/// process did, also when the event reused the row it already had).
 fn wrote<S, D>(
     lanes: &[Arc<Lane<S>>],
     pipeline: &Pipeline<D>,
@@ -357,31 +357,26 @@ fn wrote<S, D>(
     work: &Work,
     written: Row,
 ) {
-    let (id, new) = (written.id, written.new);
-    if new {
-        pipeline.metrics.events_dead_lettered.inc();
-    }
+    // `reused`: the event already had this row (re-streamed, backfilled).
+    let (id, reused) = (written.id, !written.new);
+    pipeline.metrics.events_dead_lettered.inc();
     match work {
         Work::Deliver(event) => {
-            if new {
-                lanes[lane].metrics.parked_events.inc();
-            }
+            lanes[lane].metrics.parked_events.inc();
             // Parking was logged once; its rows are counted.
-            tracing::debug!(dead_letter_id = id, event_id = %event.id, endpoint = %lanes[lane].name, "parked");
+            tracing::debug!(dead_letter_id = id, reused, event_id = %event.id, endpoint = %lanes[lane].name, "parked");
         }
         Work::DeadLetter(row) => {
-            tracing::warn!(dead_letter_id = id, event_id = %crate::shown(&row.event_id), problem = %row.problem, "unreadable outbox row dead-lettered");
+            tracing::warn!(dead_letter_id = id, reused, event_id = %crate::shown(&row.event_id), problem = %row.problem, "unreadable outbox row dead-lettered");
         }
         Work::Unrouted(event) => {
-            if new {
-                pipeline
-                    .metrics
-                    .endpoints
-                    .unrouted
-                    .with_label_values(&[Unrouted::DeadLetter.as_str()])
-                    .inc();
-            }
-            tracing::warn!(dead_letter_id = id, event_id = %event.id, event_type = %event.event_type, "unrouted event dead-lettered");
+            pipeline
+                .metrics
+                .endpoints
+                .unrouted
+                .with_label_values(&[Unrouted::DeadLetter.as_str()])
+                .inc();
+            tracing::warn!(dead_letter_id = id, reused, event_id = %event.id, event_type = %event.event_type, "unrouted event dead-lettered");
         }
     }
 }

@@ -104,6 +104,15 @@ async fn two_sinks_on(cluster: &PgCluster) -> (Stack, Vec<ScriptedSink>, tempfil
     (stack, sinks, tempfile::tempdir().unwrap())
 }
 
+/// `n` new orders: the aggregates of the events a test commits.
+async fn orders(db: &Client, n: usize) -> Vec<uuid::Uuid> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(oracle::expected::insert_order(db).await.unwrap());
+    }
+    out
+}
+
 /// `txs` transactions of two events each over `aggregates`.
 async fn commit(db: &Client, aggregates: &[uuid::Uuid], txs: usize, from: usize) -> Vec<Expected> {
     let mut out = Vec::new();
@@ -252,10 +261,7 @@ async fn a_dead_endpoint_is_parked_the_slot_moves_and_it_comes_back_in_order() {
     let path = routes_file(dir.path(), &sinks, "manual");
     let relay = start(&stack, &path).await;
     let db = stack.orders_admin().await.unwrap();
-    let mut aggregates = Vec::new();
-    for _ in 0..4 {
-        aggregates.push(oracle::expected::insert_order(&db).await.unwrap());
-    }
+    let aggregates = orders(&db, 4).await;
 
     // billing is down: past its max_lag it is parked, and the slot moves
     // past its events although it has none of them.
@@ -438,10 +444,7 @@ async fn a_parked_endpoint_that_answers_again_is_resumed_by_the_relay() {
     let path = routes_file(dir.path(), &sinks, "auto");
     let relay = start(&stack, &path).await;
     let db = stack.orders_admin().await.unwrap();
-    let mut aggregates = Vec::new();
-    for _ in 0..4 {
-        aggregates.push(oracle::expected::insert_order(&db).await.unwrap());
-    }
+    let aggregates = orders(&db, 4).await;
     sinks[0].set_status(503);
     let mut events = commit(&db, &aggregates, 10, 0).await;
     oracle::settle(&db, &stack.slot).await.unwrap();
@@ -588,10 +591,7 @@ async fn an_endpoint_holding_the_window_alone_is_parked_and_the_others_go_on() {
     )
     .await;
     let db = stack.orders_admin().await.unwrap();
-    let mut aggregates = Vec::new();
-    for _ in 0..4 {
-        aggregates.push(oracle::expected::insert_order(&db).await.unwrap());
-    }
+    let aggregates = orders(&db, 4).await;
     sinks[0].set_delay(std::time::Duration::from_secs(5));
     let events = commit(&db, &aggregates, 30, 0).await;
     oracle::settle(&db, &stack.slot).await.unwrap();

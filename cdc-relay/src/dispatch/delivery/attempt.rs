@@ -324,17 +324,17 @@ pub(super) async fn dead_letter<S, D: DeadLetterStore>(
     };
     match written {
         Ok(written) => {
-            // A new row only: a row the event already had (a restart
-            // re-streamed it) was counted when it was made. A replayed
-            // row refused again is this endpoint's refusal all the same.
-            if written.is_some_and(|w| w.new) {
+            // Counted by what this process did, as deliveries are: an
+            // event that reuses the row it already had (re-streamed after
+            // a restart, or backfilled) counts again, so a backfill's
+            // rows add up to delivered plus dead-lettered.
+            if written.is_some() {
                 ctx.metrics.events_dead_lettered.inc();
             }
-            if written.is_none_or(|w| w.new) {
-                lane.metrics.dead_lettered.inc();
-            }
+            lane.metrics.dead_lettered.inc();
             let id = written.map(|w| w.id).or(event.dead_letter_id);
-            tracing::warn!(dead_letter_id = id.unwrap_or_default(), event_id = %event.id, trace_id = trace_id(event), error = %row.error, "dead-lettered");
+            let reused = written.is_none_or(|w| !w.new);
+            tracing::warn!(dead_letter_id = id.unwrap_or_default(), reused, event_id = %event.id, trace_id = trace_id(event), error = %row.error, "dead-lettered");
             Ok(Finished::DeadLettered)
         }
         Err(StoreError::Lost(e)) => Err(DispatchError::StoreLost(e)),

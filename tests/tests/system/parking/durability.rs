@@ -45,10 +45,7 @@ async fn a_server_crash_while_parking_loses_no_event() {
     let path = routes_file(dir.path(), &sinks, "auto");
     let relay = start(&stack, &path).await;
     let db = stack.orders_admin().await.unwrap();
-    let mut aggregates = Vec::new();
-    for _ in 0..4 {
-        aggregates.push(oracle::expected::insert_order(&db).await.unwrap());
-    }
+    let aggregates = orders(&db, 4).await;
     sinks[0].set_status(503);
     let mut events = commit(&db, &aggregates, 5, 0).await;
     wait_until("billing parked", PARK_BY, || async {

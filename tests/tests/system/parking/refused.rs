@@ -18,10 +18,7 @@ async fn a_parked_event_refused_on_resume_stays_as_refused_and_the_endpoint_resu
     let path = routes_file(dir.path(), &sinks, "auto");
     let relay = start(&stack, &path).await;
     let db = stack.orders_admin().await.unwrap();
-    let mut aggregates = Vec::new();
-    for _ in 0..4 {
-        aggregates.push(oracle::expected::insert_order(&db).await.unwrap());
-    }
+    let aggregates = orders(&db, 4).await;
     sinks[0].set_status(503);
     let events = commit(&db, &aggregates, 6, 0).await;
     oracle::settle(&db, &stack.slot).await.unwrap();

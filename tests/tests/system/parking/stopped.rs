@@ -81,10 +81,7 @@ async fn an_endpoint_whose_process_is_stopped_is_parked_then_back_in_order() {
     .unwrap();
     app::wait_streaming(&relay).await.unwrap();
     let db = stack.orders_admin().await.unwrap();
-    let mut aggregates = Vec::new();
-    for _ in 0..4 {
-        aggregates.push(oracle::expected::insert_order(&db).await.unwrap());
-    }
+    let aggregates = orders(&db, 4).await;
     let mut events = commit(&db, &aggregates, 5, 0).await;
     oracle::settle(&db, &stack.slot).await.unwrap();
 
