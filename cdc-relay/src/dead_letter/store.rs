@@ -217,7 +217,7 @@ pub struct Written {
 /// first's. Returns `(position, id, new)` per row, by position; with
 /// [`Shape::unique`], `id` is NULL for a row whose conflicting row was
 /// committed by another writer after the statement's snapshot (the caller
-/// looks it up, [`insert_rows`]).
+/// runs the statement again for it, [`insert_rows`]).
 pub(super) fn insert_statement(shape: Shape) -> String {
     let (column, param) = if shape.trace {
         (", trace_context", ", $13::text[]")
@@ -293,23 +293,16 @@ pub(super) fn insert_statement(shape: Shape) -> String {
     }
 }
 
-/// Ids of the dead letters of `(event_id, endpoint)` pairs, by position
-/// (1-based), for the rows [`insert_statement`] found taken by a writer
-/// that committed after its snapshot.
-const LOOKUP: &str = "SELECT r.n, d.id \
-       FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS r(event_id, endpoint, n) \
-       JOIN cdc_relay_dead_letter d \
-         ON d.event_id = r.event_id AND coalesce(d.endpoint, '') = coalesce(r.endpoint, '')";
-
 /// Inserts `rows` in one statement (`statement`: [`insert_statement`]'s
 /// text for `shape`, or that text prepared), in their order; returns each
 /// row's [`Written`] in that order. Ids are taken in that order: the rows
 /// are inserted `ORDER BY` their position, and the `id` default
 /// (`nextval`) is evaluated once per row as they arrive
 /// (`dead_letter::grouped`'s module doc). A row whose event and endpoint
-/// another writer inserted after the statement's snapshot (the insert
-/// waited for that writer and skipped the row) is looked up in a second
-/// statement, and inserted again should that row be gone meanwhile.
+/// another writer inserted and committed after the statement's snapshot
+/// (the insert waited for that writer and skipped the row) goes again in
+/// a second statement, which finds that row (or, should it be gone
+/// meanwhile, inserts its own).
 pub(super) async fn insert_rows<T: ToStatement + ?Sized>(
     client: &Client,
     statement: &T,
@@ -318,38 +311,21 @@ pub(super) async fn insert_rows<T: ToStatement + ?Sized>(
 ) -> Result<Vec<Written>, tokio_postgres::Error> {
     let mut out: Vec<Option<Written>> = vec![None; rows.len()];
     let mut todo: Vec<usize> = (0..rows.len()).collect();
-    // Each further round needs another writer to have inserted and then
-    // removed a row of one of these events in the meantime.
+    // A row another writer committed after this statement's snapshot is
+    // visible to the next statement's, which then reuses it. Each further
+    // round needs yet another writer to have inserted a row of one of
+    // these events and removed it again meanwhile.
     while !todo.is_empty() {
         let part: Vec<&Stored> = todo.iter().map(|&i| rows[i]).collect();
+        let answers = insert_once(client, statement, shape.trace, &part).await?;
         let mut missing = Vec::new();
-        for (k, written) in insert_once(client, statement, shape.trace, &part)
-            .await?
-            .into_iter()
-            .enumerate()
-        {
+        for (i, written) in todo.into_iter().zip(answers) {
             match written {
-                Some(w) => out[todo[k]] = Some(w),
-                None => missing.push(todo[k]),
+                Some(w) => out[i] = Some(w),
+                None => missing.push(i),
             }
         }
-        if missing.is_empty() {
-            break;
-        }
-        let event_id = missing
-            .iter()
-            .map(|&i| rows[i].event_id.as_deref())
-            .collect::<Vec<_>>();
-        let endpoint = missing
-            .iter()
-            .map(|&i| rows[i].endpoint.as_deref())
-            .collect::<Vec<_>>();
-        for row in client.query(LOOKUP, &[&event_id, &endpoint]).await? {
-            let n: i64 = row.get(0);
-            let id: i64 = row.get(1);
-            out[missing[n as usize - 1]] = Some(Written { id, new: false });
-        }
-        todo = missing.into_iter().filter(|&i| out[i].is_none()).collect();
+        todo = missing;
     }
     Ok(out
         .into_iter()

@@ -350,6 +350,91 @@ async fn two_stores_writing_the_same_events_at_once_make_one_row_each() -> anyho
     Ok(())
 }
 
+/// The store's insert meets a row of the same event and endpoint that
+/// another transaction inserted and has not committed: it waits for it,
+/// and once that commits (after the insert's snapshot was taken) answers
+/// with the other transaction's row, not made by this write (the
+/// statement runs again for it, and its new snapshot sees that row). Had
+/// the other transaction rolled back, the store's own row is written.
+///
+/// Broken on purpose once: with the store taking a skipped row as done
+/// (no second statement), the test failed: the writer panicked on
+/// `every row answered` and the write answered `the dead-letter writer has
+/// stopped`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_committed_by_another_writer_after_the_snapshot_is_found_and_reused()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let mut admin = stack.orders_admin().await?;
+    let relay = Arc::new(connect(&stack.relay_url).await?);
+    let relay_pid: i32 = relay
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .get(0);
+    let store = GroupedStore::new(Arc::clone(&relay));
+    let row = |event: &str| NewDeadLetter {
+        event_id: Some(event.to_owned()),
+        endpoint: Some("billing".into()),
+        ..grouped_row(0, 3)
+    };
+    for commit in [true, false] {
+        let event = format!("held-{commit}");
+        let other = admin.transaction().await?;
+        let theirs: i64 = other
+            .query_one(
+                "INSERT INTO cdc_relay_dead_letter (event_id, endpoint, error) \
+                 VALUES ($1, 'billing', 'the other writer') RETURNING id",
+                &[&event],
+            )
+            .await?
+            .get(0);
+        let write = tokio::spawn(store.write(&row(&event), Urgency::Now));
+        wait_until(
+            "the store's insert waiting on the other transaction",
+            Duration::from_secs(30),
+            || async {
+                let waiting: bool = admin_waiting(&stack, relay_pid).await?;
+                anyhow::Ok(waiting)
+            },
+        )
+        .await?;
+        if commit {
+            other.commit().await?;
+        } else {
+            other.rollback().await?;
+        }
+        let written = tokio::time::timeout(Duration::from_secs(30), write).await???;
+        if commit {
+            assert_eq!(written.id, theirs, "the other writer's row stands for it");
+            assert!(!written.new);
+        } else {
+            assert_ne!(written.id, theirs);
+            assert!(written.new, "its own row, the other rolled back");
+        }
+        let rows: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = $1",
+                &[&event],
+            )
+            .await?
+            .get(0);
+        assert_eq!(rows, 1, "{event}: one row");
+    }
+    Ok(())
+}
+
+/// Whether backend `pid` waits on a lock.
+async fn admin_waiting(stack: &::harness::stack::Stack, pid: i32) -> anyhow::Result<bool> {
+    let admin = stack.orders_admin().await?;
+    Ok(admin
+        .query_one(
+            "SELECT wait_event_type IS NOT DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = $1",
+            &[&pid],
+        )
+        .await?
+        .get(0))
+}
+
 /// The relay's dead-letter store (`GroupedStore` over the relay role's
 /// connection) under 64 concurrent writers, 1,000 rows in all, each
 /// writer awaiting its row before the next, as a delivery does: every row
