@@ -56,8 +56,8 @@ type Script = dyn Fn(&str, Instant) -> (Duration, u16) + Send + Sync;
 struct ScriptedSink {
     script: Box<Script>,
     calls: Mutex<Vec<Call>>,
-    /// Answer each batch per event: 207 with each member's scripted
-    /// status, leaving out the members scripted [`UNNAMED`].
+    /// Answer each request per event: 207 with each member's (or the one
+    /// event's) scripted status, leaving out those scripted [`UNNAMED`].
     per_event: std::sync::atomic::AtomicBool,
     /// The `Retry-After` of every per-event answer (207).
     retry_after: Mutex<Option<Duration>>,
@@ -107,13 +107,18 @@ impl Sink for Arc<ScriptedSink> {
                 .map(|e| e["id"].as_str().expect("an id").to_owned())
                 .collect(),
         };
-        let per_event = !members.is_empty() && self.per_event.load(Ordering::Relaxed);
+        let per_event = self.per_event.load(Ordering::Relaxed);
         let mut results = Vec::new();
-        let (latency, status) = if members.is_empty() {
+        let (latency, status) = if members.is_empty() && !per_event {
             (self.script)(event_id, start)
         } else if per_event {
             let mut latency = Duration::ZERO;
-            for id in &members {
+            let one = [event_id.to_owned()];
+            for id in if members.is_empty() {
+                &one[..]
+            } else {
+                &members
+            } {
                 let (l, status) = (self.script)(id, start);
                 latency = latency.max(l);
                 if status != UNNAMED {

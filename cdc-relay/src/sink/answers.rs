@@ -13,7 +13,9 @@
 //! would be ([`classify`](super::classify)); `error` (optional) becomes the
 //! dead-letter row's detail. An event the answer does not name is not
 //! done. A 207 that does not read as this shape is no answer per event:
-//! the relay splits the batch ([`crate::dispatch`]).
+//! the relay splits the batch ([`crate::dispatch`]). A 207 to one event's
+//! request is read the same way (its own answer judges it); one of
+//! another shape is a 2xx like any other.
 
 use std::collections::HashMap;
 

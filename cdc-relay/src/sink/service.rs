@@ -104,8 +104,7 @@ pub enum Attempt {
         retry_after: Option<Duration>,
         /// The first bytes of the response body (lossy UTF-8), for logs and
         /// the dead-letter row. At most [`EXCERPT_BYTES`] bytes, or for a
-        /// batch's 207 (its per-event answers, [`super::answers`])
-        /// [`ANSWERS_BYTES`].
+        /// 207 (per-event answers, [`super::answers`]) [`ANSWERS_BYTES`].
         excerpt: String,
     },
     /// No complete response within the request timeout (or the TCP connect
@@ -434,8 +433,8 @@ impl HttpSink {
             .and_then(|v| parse_retry_after(v, SystemTime::now()));
         let mut body = resp.into_body();
         let mut excerpt = Vec::new();
-        // A batch's 207 carries each event's answer: read all of it.
-        let limit = if status == 207 && request.batch.is_some() {
+        // A 207 may carry each event's answer: read all of it.
+        let limit = if status == 207 {
             ANSWERS_BYTES
         } else {
             EXCERPT_BYTES

@@ -217,30 +217,34 @@ async fn a_relay_and_billing_killed_mid_batch_lose_nothing_and_invoice_once() ->
             .await
         }
     };
-    // Kills `relay` at a moment it has requests (batches) in flight.
-    async fn kill_in_flight(relay: &mut app::Running) -> anyhow::Result<()> {
+    // Requests in flight at a kill, for sure: Billing is paused (SIGSTOP)
+    // the moment enough invoices are in, so the drain cannot finish before
+    // the relay has sent the next batches (they wait for an answer).
+    // Polling the relay's in-flight gauge during the drain raced it: the
+    // last thousand events could all be taken between two polls.
+    async fn in_flight(relay: &app::Running) -> anyhow::Result<()> {
         wait_until("a request in flight", DRAIN, || async {
             anyhow::Ok(relay.gauge("cdc_relay_in_flight").await?.unwrap_or(0.0) > 0.0)
         })
-        .await?;
-        relay.process.sigkill();
-        relay.process.wait_exit(Duration::from_secs(10)).await?;
-        Ok(())
+        .await
     }
 
     let mut relay = app::start_relay(&s.stack, &inbox, &batch).await?;
     app::wait_streaming(&relay).await?;
     invoices(EVENTS / 5).await?;
-    kill_in_flight(&mut relay).await?;
+    billing.process.pause();
+    in_flight(&relay).await?;
+    relay.process.sigkill();
+    relay.process.wait_exit(Duration::from_secs(10)).await?;
+    billing.process.resume();
     let relay = app::start_relay(&s.stack, &inbox, &batch).await?;
     app::wait_streaming(&relay).await?;
     invoices(EVENTS / 2).await?;
     // Billing dies with a batch in flight; the relay retries it whole
     // against the restarted Billing.
-    wait_until("a request in flight", DRAIN, || async {
-        anyhow::Ok(relay.gauge("cdc_relay_in_flight").await?.unwrap_or(0.0) > 0.0)
-    })
-    .await?;
+    billing.process.pause();
+    assert!(Ledger::read(&s.stack).await?.invoices < EVENTS);
+    in_flight(&relay).await?;
     billing.process.sigkill();
     billing.process.wait_exit(Duration::from_secs(10)).await?;
     billing = app::start_billing(&s.stack, app::TEST_SECRET).await?;
@@ -268,4 +272,69 @@ async fn a_relay_and_billing_killed_mid_batch_lose_nothing_and_invoice_once() ->
     s.relay = relay;
     drop(billing);
     s.finish().await
+}
+
+/// On a lane that takes batches, an event that goes alone (one request,
+/// the per-event format) and is answered `207` with per-event answers is
+/// judged by its own answer: a 503 there is not done (sent again, the
+/// slot holds it), a 422 there dead-letters it with that status. Broken
+/// before: one event's request took any 2xx as done, so the 503 answer
+/// was confirmed and the event lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_event_answered_207_is_judged_by_its_own_answer() -> anyhow::Result<()> {
+    let s = Scenario::plan(Inbox::Scripted)
+        .relay_args(&["--batch-max-events", "16"])
+        .start()
+        .await?;
+    let sink = s.sink();
+    let (busy, refused) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    let answer = |id: &uuid::Uuid, status: u16| {
+        serde_json::json!({"results": [{"id": id.to_string(), "status": status, "error": "said so"}]})
+            .to_string()
+    };
+    sink.reject_with_body(&busy.to_string(), 207, answer(&busy, 503));
+    sink.reject_with_body(&refused.to_string(), 207, answer(&refused, 422));
+    app::insert_order_event_with_id(&s.db, busy).await?;
+    app::insert_order_event_with_id(&s.db, refused).await?;
+    let sent = |id: uuid::Uuid| {
+        let id = id.to_string();
+        sink.received()
+            .iter()
+            .filter(|r| r.json()["id"] == id.as_str())
+            .count()
+    };
+    wait_until("the busy event sent three times", DRAIN, || async {
+        sent(busy) >= 3
+    })
+    .await?;
+    wait_until("the refused event dead-lettered", DRAIN, || async {
+        let n: i64 = s
+            .db
+            .query_one(
+                "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = $1 AND http_status = 422",
+                &[&refused.to_string()],
+            )
+            .await?
+            .get(0);
+        anyhow::Ok(n == 1)
+    })
+    .await?;
+    assert_eq!(sent(refused), 1, "a refusal is final");
+    let m = s.relay.metrics().await?;
+    assert_eq!(m.sum("cdc_relay_events_delivered_total"), 0.0);
+    // The slot holds the busy event's transaction until it is taken.
+    s.sink().clear_rejections();
+    wait_until("the busy event taken", DRAIN, || async {
+        sink.received()
+            .iter()
+            .any(|r| r.status == 204 && r.json()["id"] == busy.to_string().as_str())
+    })
+    .await?;
+    s.settle().await?;
+    let dead: i64 =
+        s.db.query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+            .await?
+            .get(0);
+    assert_eq!(dead, 1);
+    Ok(())
 }

@@ -15,8 +15,10 @@ use crate::dispatch::{DispatchError, Persist};
 use crate::endpoint_metrics::EndpointMetrics;
 use crate::metrics::{AttemptOutcome, Metrics};
 use crate::outbox::OutboxEvent;
+use crate::sink::answers;
 use crate::sink::{
-    Attempt, Disposition, Prepared, Reason, Sink, classify, config_fault_hint, status_class,
+    Attempt, Disposition, Prepared, Reason, ReasonLabel, Sink, classify, config_fault_hint,
+    status_class,
 };
 
 use super::Ctx;
@@ -397,7 +399,13 @@ pub(super) async fn attempt<S: Sink, D>(
     metrics
         .request_duration
         .observe(started.elapsed().as_secs_f64());
-    let disposition = classify(&attempt, &lane.cfg.policy);
+    // A 207 that answers per event is judged by the event's own answer.
+    let attempt = own_answer(attempt, &event.id);
+    let disposition = match &attempt {
+        Ok(attempt) => classify(attempt, &lane.cfg.policy),
+        Err((unnamed, _)) => Disposition::Retry(unnamed.clone()),
+    };
+    let attempt = attempt.unwrap_or_else(|(_, whole)| whole);
     if let Some(span) = span {
         span.end(&attempt, failure_label(&disposition));
     }
@@ -425,6 +433,43 @@ pub(super) async fn attempt<S: Sink, D>(
             attempt,
             Carried::One(event),
         ),
+    }
+}
+
+/// The answer to one event's request, read as a batch's 207 is
+/// (`docs/architecture.md#batches`): a 207 whose body reads as per-event
+/// answers stands for the event's own answer, as if that status (with
+/// the 207's `Retry-After`) had been the response; a 207 naming only
+/// other events is an `Err` (its reason, and the 207): not done, sent
+/// again. Any other answer, a 207 of another body among them (a 2xx like
+/// any other), is returned as it is.
+pub(super) fn own_answer(attempt: Attempt, event_id: &str) -> Result<Attempt, (Reason, Attempt)> {
+    let Attempt::Response {
+        status: 207,
+        retry_after,
+        excerpt,
+    } = &attempt
+    else {
+        return Ok(attempt);
+    };
+    let Ok(mut answers) = answers::parse(excerpt) else {
+        return Ok(attempt);
+    };
+    match answers.remove(event_id) {
+        Some(own) => Ok(Attempt::Response {
+            status: own.status,
+            retry_after: *retry_after,
+            excerpt: own.error,
+        }),
+        None => Err((unnamed_in_207(), attempt)),
+    }
+}
+
+/// Why an event a 207 does not name is sent again.
+pub(super) fn unnamed_in_207() -> Reason {
+    Reason {
+        label: ReasonLabel::HttpOther,
+        status: Some(207),
     }
 }
 

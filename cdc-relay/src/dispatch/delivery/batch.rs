@@ -20,7 +20,7 @@ use super::Ctx;
 use super::attempt::{
     Answered, Carried, EventVerdict, Finished, InFlight, Tried, Verdict, Waited, count_attempt,
     count_delivered, deliver, failed, failure_label, interrupted, judge, poisoned, status_of,
-    unless_interrupted, until_answered,
+    unless_interrupted, unnamed_in_207, until_answered,
 };
 
 /// The result of [`deliver_group`]: each event's end, in order.
@@ -275,11 +275,7 @@ fn per_event<S>(
     for event in events {
         let Some(answer) = answers.get(event.id.as_str()) else {
             verdicts.push(EventVerdict::Again("not named in the 207 answer".into()));
-            let unnamed = Reason {
-                label: ReasonLabel::HttpOther,
-                status: Some(207),
-            };
-            failure.get_or_insert((AttemptOutcome::Retry, Signal::Transient, unnamed));
+            failure.get_or_insert((AttemptOutcome::Retry, Signal::Transient, unnamed_in_207()));
             continue;
         };
         let one = Attempt::Response {

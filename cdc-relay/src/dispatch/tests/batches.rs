@@ -212,6 +212,58 @@ async fn a_batch_answered_per_event_is_judged_event_by_event_without_splitting()
     );
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_single_event_answered_207_per_event_is_judged_by_its_own_answer() {
+    // Broken before: one event's request took any 2xx as done, so a lone
+    // event answered `207 {"results":[{"id":…,"status":503}]}` was
+    // confirmed although the receiver said it did not take it.
+    for batch in [1, 16] {
+        let asked = Mutex::new(std::collections::HashMap::<String, u32>::new());
+        let sink = ScriptedSink::new(move |id, _| {
+            let mut asked = asked.lock().unwrap();
+            let n = asked.entry(id.to_owned()).or_default();
+            *n += 1;
+            let status = match (id, *n) {
+                ("busy", 1) => 503,
+                ("unnamed", 1) => UNNAMED,
+                ("refused", _) => 422,
+                _ => 201,
+            };
+            (Duration::from_millis(5), status)
+        });
+        sink.per_event.store(true, Ordering::Relaxed);
+        // One aggregate: one event at a time, each alone.
+        let txs = ["busy", "unnamed", "refused", "fine"]
+            .iter()
+            .map(|id| vec![event(id, Some("k"))])
+            .collect();
+        let metrics = Metrics::new();
+        let (last, dead) =
+            dispatch_all_counted(batching(1, batch), Arc::clone(&sink), txs, metrics.clone()).await;
+        assert_eq!(last, Lsn::new(400), "batch {batch}: every transaction done");
+        let calls = sink.calls();
+        assert!(
+            calls.iter().all(|c| c.members.is_empty()),
+            "each went alone"
+        );
+        let times = |id: &str| calls.iter().filter(|c| c.id == id).count();
+        assert_eq!(
+            times("busy"),
+            2,
+            "batch {batch}: a 503 answer is sent again"
+        );
+        assert_eq!(times("unnamed"), 2, "batch {batch}: unnamed is not done");
+        assert_eq!(times("refused"), 1, "batch {batch}");
+        assert_eq!(times("fine"), 1, "batch {batch}");
+        assert_eq!(dead.len(), 1, "batch {batch}: {dead:?}");
+        assert_eq!(dead[0].event_id.as_deref(), Some("refused"));
+        assert_eq!(dead[0].http_status, Some(422), "its own answer's status");
+        assert!(dead[0].error.contains("scripted"), "{}", dead[0].error);
+        assert_eq!(metrics.events_delivered.get(), 3);
+        assert_eq!(metrics.retries.with_label_values(&["http_5xx"]).get(), 1);
+    }
+}
+
 /// A session of 16 events in batches of 8, one request at a time, against
 /// `sink` answering each batch per event (207), for `lasting`: its breaker,
 /// its metrics and its dead letters.
