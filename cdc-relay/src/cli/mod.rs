@@ -317,7 +317,8 @@ pub struct GlobalArgs {
         env = "CDC_RELAY_PUBLICATION",
         default_value = "cdc_relay_outbox",
         global = true,
-        value_delimiter = ','
+        value_delimiter = ',',
+        value_parser = parse_publication_name
     )]
     pub publication: Vec<String>,
     /// Split the outbox into this many hash shards (1-64), each with its
@@ -379,7 +380,8 @@ pub struct GlobalArgs {
         long,
         env = "CDC_RELAY_ID_COLUMN",
         default_value = "id",
-        global = true
+        global = true,
+        value_parser = parse_column_name
     )]
     pub id_column: String,
     /// Column with the event type.
@@ -388,7 +390,8 @@ pub struct GlobalArgs {
         long,
         env = "CDC_RELAY_TYPE_COLUMN",
         default_value = "event_type",
-        global = true
+        global = true,
+        value_parser = parse_column_name
     )]
     pub type_column: String,
     /// Column with the JSON payload.
@@ -397,7 +400,8 @@ pub struct GlobalArgs {
         long,
         env = "CDC_RELAY_PAYLOAD_COLUMN",
         default_value = "payload",
-        global = true
+        global = true,
+        value_parser = parse_column_name
     )]
     pub payload_column: String,
     /// Column with the aggregate key: events sharing a key are never in
@@ -407,7 +411,8 @@ pub struct GlobalArgs {
         long,
         env = "CDC_RELAY_AGGREGATE_COLUMN",
         default_value = "aggregate_id",
-        global = true
+        global = true,
+        value_parser = parse_optional_column_name
     )]
     pub aggregate_column: String,
     /// Column with each row's W3C trace context (`traceparent`, then a
@@ -420,7 +425,8 @@ pub struct GlobalArgs {
         long,
         env = "CDC_RELAY_TRACE_COLUMN",
         value_name = "COLUMN",
-        global = true
+        global = true,
+        value_parser = parse_optional_column_name
     )]
     pub trace_column: Option<String>,
     /// Connect timeout for database connections.
@@ -470,6 +476,56 @@ fn parse_slot_name(s: &str) -> Result<String, String> {
             "a slot name is lower-case letters, digits and underscores, at most 63 (e.g. cdc_relay)"
                 .into()
         })
+}
+
+/// A name PostgreSQL keeps whole: 1 to 63 bytes (NAMEDATALEN - 1; a
+/// longer identifier is truncated by the server and never matches), no
+/// NUL, and no space at either end (a typo in a comma-separated list).
+/// Taken literally, as stored in the catalog: no quoting, no case folding.
+fn check_identifier(s: &str) -> Result<(), String> {
+    if s.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if s.trim() != s {
+        return Err(format!("{s:?} begins or ends with a space"));
+    }
+    if s.len() > 63 {
+        return Err(format!(
+            "{s:?} is {} bytes; PostgreSQL names are at most 63",
+            s.len()
+        ));
+    }
+    if s.contains('\0') {
+        return Err(format!("{s:?} holds a NUL byte"));
+    }
+    Ok(())
+}
+
+/// `--publication`, each of its comma-separated names: refused here
+/// (exit 2) when no publication could have it, rather than looked up and
+/// reported missing (exit 3). An empty name (`--publication ''`, a
+/// trailing comma) is refused too.
+fn parse_publication_name(s: &str) -> Result<String, String> {
+    check_identifier(s)
+        .map(|()| s.to_owned())
+        .map_err(|e| format!("a publication name {e} (several: a,b with no spaces)"))
+}
+
+/// A column flag (`--id-column`, `--type-column`, `--payload-column`): a
+/// name a column could have ([`check_identifier`]).
+fn parse_column_name(s: &str) -> Result<String, String> {
+    check_identifier(s)
+        .map(|()| s.to_owned())
+        .map_err(|e| format!("a column name {e}"))
+}
+
+/// A column flag that empty disables (`--aggregate-column`,
+/// `--trace-column`): empty, or a name a column could have.
+fn parse_optional_column_name(s: &str) -> Result<String, String> {
+    if s.is_empty() {
+        return Ok(String::new());
+    }
+    parse_column_name(s).map_err(|e| format!("{e} (empty disables it)"))
 }
 
 /// Parses `500ms`, `2s`, `1m 30s` (humantime syntax), at most

@@ -298,3 +298,47 @@ fn an_impossible_slot_name_is_a_usage_error() {
     }
     assert!(Cli::try_parse_from(["cdc-relay", "status", "--slot", "cdc_relay_2"]).is_ok());
 }
+
+#[test]
+fn names_no_database_object_could_have_are_bad_configuration() {
+    // Each was looked up and reported missing (exit 3, "run setup"):
+    // they are typos in the flag, exit 2 naming it.
+    let long = "x".repeat(64);
+    for (flag, value) in [
+        ("--publication", ""),
+        ("--publication", "a,"),
+        ("--publication", ",a"),
+        ("--publication", "a, b"),
+        ("--publication", long.as_str()),
+        ("--id-column", ""),
+        ("--id-column", " id"),
+        ("--type-column", ""),
+        ("--payload-column", long.as_str()),
+        ("--aggregate-column", "key "),
+        ("--trace-column", long.as_str()),
+        ("--table", "public."),
+        ("--table", "public. outbox"),
+        ("--table", &format!("public.{long}")),
+    ] {
+        let err = Cli::try_parse_from(["cdc-relay", "run", flag, value])
+            .expect_err(&format!("{flag} {value:?} is refused"));
+        assert_eq!(err.exit_code(), 2, "{flag} {value:?}: {err}");
+        assert!(err.to_string().contains(flag), "{flag} named: {err}");
+    }
+    let cli = Cli::try_parse_from([
+        "cdc-relay",
+        "run",
+        "--publication",
+        "a,b_2",
+        "--aggregate-column",
+        "",
+        "--trace-column",
+        "",
+        "--id-column",
+        &"y".repeat(63),
+    ])
+    .expect("names PostgreSQL keeps, and empty where it disables");
+    assert_eq!(cli.global.publication, ["a", "b_2"]);
+    assert_eq!(cli.global.aggregate_column, "");
+    assert_eq!(cli.global.trace_column.as_deref(), Some(""));
+}

@@ -86,6 +86,13 @@ impl std::str::FromStr for TableName {
                 "invalid table name {s:?}: expected schema.table, e.g. public.outbox"
             ));
         }
+        for part in [schema, name] {
+            if part.len() > 63 || part.trim() != part || part.contains('\0') {
+                return Err(format!(
+                    "invalid table name {s:?}: {part:?} is not a name PostgreSQL keeps (1 to 63 bytes, no space at either end, no NUL)"
+                ));
+            }
+        }
         Ok(TableName {
             schema: schema.to_owned(),
             name: name.to_owned(),

@@ -172,23 +172,23 @@ impl Session<'_> {
             ));
         }
         // Held by another process (START_REPLICATION would refuse it, and
-        // stays the lock), or another split streams: wait as a hot standby
-        // without the checks below.
-        if let Some(blocked) = blocked(&side, cfg).await? {
-            // A standby must be able to take over: its stream's route is
-            // checked now (a pooler, a role without REPLICATION, a refused
-            // login), not first at the failover it exists for. A separate
+        // stays the lock), or another split streams: wait as a hot standby,
+        // after the checks of the configuration (a standby must be able to
+        // take over: a wrong column or publication is reported now, not
+        // first at the failover it exists for) and before the ones about
+        // this process's own progress on the slot.
+        let blocked = blocked(&side, cfg).await?;
+        if blocked.is_some() && cfg.replication.is_none() {
+            // Its stream's route is checked now too (a pooler, a role
+            // without REPLICATION, a refused login); a separate
             // --replication-url was checked by the pairing above.
-            if cfg.replication.is_none() {
-                // Definite includes the misconnections (a pooler).
-                match source::transport::identify(&server).await {
-                    Err(e) if e.is_definite() => return Err(e),
-                    _ => {}
-                }
+            // Definite includes the misconnections (a pooler).
+            match source::transport::identify(&server).await {
+                Err(e) if e.is_definite() => return Err(e),
+                _ => {}
             }
-            return Err(blocked);
         }
-        if !recovered {
+        if blocked.is_none() && !recovered {
             recovery::check_not_jumped(&side, cfg, self.holder, &slot, left).await?;
         }
         if cfg.failover && failover::slot_failover(&side, &cfg.slot).await? != Some(true) {
@@ -224,6 +224,9 @@ impl Session<'_> {
             row_filter.as_deref(),
         )
         .await?;
+        if let Some(blocked) = blocked {
+            return Err(blocked);
+        }
         for warning in
             catalog::publication_warnings(&side, &cfg.table, &table, &cfg.publications).await?
         {

@@ -408,6 +408,29 @@ async fn run_refuses_a_table_or_publication_that_would_skip_events() -> anyhow::
         "{}",
         out.text()
     );
+
+    // The same mistakes in a hot standby beside a streaming relay are
+    // refused at its start, not first at the takeover it stands by for.
+    // (It logged "waiting as hot standby", stayed healthy, and exited 3
+    // only when the active relay died.)
+    let active = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&active).await?;
+    let mut wrong_column = base.to_vec();
+    wrong_column.extend(["--id-column", "nosuchcol"]);
+    for (args, named) in [
+        (&wrong_table, "--table"),
+        (&wrong_publication, "--publication"),
+        (&wrong_column, "nosuchcol"),
+    ] {
+        let out = app::relay_command(&stack, &stack.relay_url, args, &env).await?;
+        assert_eq!(out.code(), Some(3), "{args:?}: {}", out.text());
+        assert!(
+            out.text().contains(named) && !out.text().contains("waiting as hot standby"),
+            "{args:?}: {}",
+            out.text()
+        );
+    }
+    drop(active);
     Ok(())
 }
 
