@@ -37,8 +37,12 @@ async fn main() -> anyhow::Result<()> {
     println!("SUPERUSER_URL={}", cluster.superuser_url("postgres"));
     // For psql over the socket above (PGHOST/PGPORT): as the superuser.
     println!("PGUSER={}", harness::pg::SUPERUSER);
-    if args.stack {
-        let stack = cluster.create_stack().await?;
+    let stack = if args.stack {
+        Some(cluster.create_stack().await?)
+    } else {
+        None
+    };
+    if let Some(stack) = &stack {
         println!("ORDERS_DATABASE_URL={}", stack.orders_app_url);
         println!("BILLING_DATABASE_URL={}", stack.billing_app_url);
         println!("RELAY_DATABASE_URL={}", stack.relay_url);
@@ -53,19 +57,25 @@ async fn main() -> anyhow::Result<()> {
         println!("CDC_RELAY_PUBLICATION={}", stack.publication);
     }
     println!("READY");
-    if args.stack {
+    if let Some(stack) = &stack {
         // How to use it from another shell, on stderr (stdout stays
-        // KEY=value lines a script can read).
+        // KEY=value lines a script can read). The binaries are the ones
+        // built beside this one (target/debug or target/release).
+        let bin = std::env::current_exe()?
+            .parent()
+            .map(|d| d.display().to_string())
+            .unwrap_or_else(|| ".".into());
         eprintln!(
             "throwaway-pg: in another shell, export the KEY=value lines above\n\
              (`export PGHOST=… PGPORT=… PGUSER=… ORDERS_DATABASE_URL=… …`), then:\n\
-             \x20 psql -d orders                     # PGHOST, PGPORT, PGUSER\n\
+             \x20 psql -d {orders}   # PGHOST, PGPORT, PGUSER\n\
              \x20 export EVENT_SECRET=$(openssl rand -hex 32)\n\
-             \x20 billing --listen 127.0.0.1:8081    # reads BILLING_DATABASE_URL, EVENT_SECRET\n\
-             \x20 orders --listen 127.0.0.1:8080     # reads ORDERS_DATABASE_URL\n\
-             \x20 CDC_RELAY_DATABASE_URL=$ORDERS_ADMIN_URL cdc-relay setup\n\
-             \x20 cdc-relay run --sink-url http://127.0.0.1:8081/inbox   # reads CDC_RELAY_*, EVENT_SECRET\n\
-             (binaries in target/debug after `cargo build --workspace`)"
+             \x20 {bin}/billing --listen 127.0.0.1:8081    # reads BILLING_DATABASE_URL, EVENT_SECRET\n\
+             \x20 {bin}/orders --listen 127.0.0.1:8080     # reads ORDERS_DATABASE_URL\n\
+             \x20 CDC_RELAY_DATABASE_URL=$ORDERS_ADMIN_URL {bin}/cdc-relay setup\n\
+             \x20 {bin}/cdc-relay run --sink-url http://127.0.0.1:8081/inbox   # reads CDC_RELAY_*, EVENT_SECRET\n\
+             (the binaries beside this one: `cargo build --workspace` builds them)",
+            orders = stack.orders_db,
         );
     }
 
