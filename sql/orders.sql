@@ -177,6 +177,12 @@ CREATE TABLE IF NOT EXISTS cdc_relay_progress (
     membership_table_oid oid,
     membership_at        timestamptz
 );
+-- A publication gap the relay found under `--on-gap tell` and that no
+-- backfill has covered yet: rows inserted between these times were never
+-- streamed. `/readyz` and `status` report it until a complete `cdc-relay
+-- backfill` whose window covers it clears both. Added after 0.3.0.
+ALTER TABLE cdc_relay_progress ADD COLUMN IF NOT EXISTS gap_owed_since timestamptz;
+ALTER TABLE cdc_relay_progress ADD COLUMN IF NOT EXISTS gap_owed_until timestamptz;
 
 -- Prune marks (`cdc-relay prune`, `run --prune-older-than`): the proof that
 -- outbox rows were delivered before they are deleted. A `mark` row is taken

@@ -25,6 +25,8 @@ pub struct Health {
     publication_ok: AtomicBool,
     /// The server withholds the stream (as last read).
     withheld: AtomicBool,
+    /// A publication gap is owed a backfill (`--on-gap tell`, as last read).
+    gap_owed: AtomicBool,
     /// The dead-letter writer's statement fails (and is retried): the
     /// event it holds, and every event behind it, wait.
     dead_letters_failing: AtomicBool,
@@ -52,6 +54,7 @@ impl Health {
             streaming: AtomicBool::new(false),
             publication_ok: AtomicBool::new(true),
             withheld: AtomicBool::new(false),
+            gap_owed: AtomicBool::new(false),
             dead_letters_failing: AtomicBool::new(false),
             last_heard_ms: AtomicU64::new(0),
             silence_bound_ms: AtomicU64::new(0),
@@ -123,6 +126,12 @@ impl Health {
         self.withheld.store(withheld, Ordering::Relaxed);
     }
 
+    /// The slot monitor found a publication gap no backfill has covered
+    /// yet (`true`), or a backfill covered it (`false`).
+    pub fn set_gap_owed(&self, owed: bool) {
+        self.gap_owed.store(owed, Ordering::Relaxed);
+    }
+
     /// The dead-letter writer's statement failed (`true`, retried) or
     /// committed (`false`).
     pub fn set_dead_letters_failing(&self, failing: bool) {
@@ -153,6 +162,11 @@ impl Health {
         if !self.publication_ok.load(Ordering::Relaxed) {
             return Err(
                 "the publication does not carry all of the outbox's inserts (the table left it, is UNLOGGED, or the publication skips inserts or filters rows): they are not streamed (the log says which and the fix)",
+            );
+        }
+        if self.gap_owed.load(Ordering::Relaxed) {
+            return Err(
+                "outbox rows inserted while the table was out of its publication were never streamed and no backfill has re-sent them: run the `cdc-relay backfill` the log and `cdc-relay status` give (ready again once a backfill covering the gap completes)",
             );
         }
         if self.dead_letters_failing.load(Ordering::Relaxed) {

@@ -80,6 +80,28 @@ pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
         outln!("{}", summary.text(&plan));
     }
     if report.complete {
+        // A publication gap a relay owes (`--on-gap tell`) inside this
+        // window is re-sent now: its relays are ready again.
+        match crate::source::progress::clear_owed_covered(
+            &reader,
+            &plan.since,
+            plan.until.as_deref(),
+        )
+        .await
+        {
+            Ok(cleared) => {
+                for (slot, gap) in cleared {
+                    eprintln!(
+                        "backfill: the publication gap slot {slot} owed ({} to {}) is re-sent: cleared",
+                        gap.since, gap.until
+                    );
+                }
+            }
+            Err(e) => eprintln!(
+                "backfill: cannot clear an owed publication gap this backfill covers in cdc_relay_progress ({}): the relay keeps reporting it; run this as the relay's role (sql/roles.sql grants it UPDATE there)",
+                crate::source::SourceError::sql("updating cdc_relay_progress", &e)
+            ),
+        }
         Ok(())
     } else {
         // The summary said how to resume; the error line says why it stopped.

@@ -148,6 +148,12 @@ pub async fn monitor_slot(
         }
     };
     let mut persisted = recorded.as_ref().map(|m| (m.carriers.clone(), m.table_oid));
+    // A gap owed a backfill (`--on-gap tell`), found by this relay or an
+    // earlier one: readiness fails until a backfill covers it.
+    let mut owed = read_owed(&side, &slot, None).await;
+    // Whether the owed gap is in the table (an older schema cannot hold
+    // it: then only this process reports it).
+    let mut owed_recorded = true;
     let mut membership = MembershipWatch::new(start, started_at, recorded);
     // Why the outbox is out, as last logged: a later reading that
     // explains it otherwise is logged again.
@@ -248,6 +254,27 @@ pub async fn monitor_slot(
         }
         let change = membership.observe(&member);
         report_membership(&change, &member, &table, &publications, &out, &mut told);
+        if let (Change::Back { since, until } | Change::Gap { since, until }, None) =
+            (&change, &out.heal)
+        {
+            // Told, and owed: recorded so that a restart does not forget
+            // it, and readiness fails until a backfill covers it.
+            let gap = progress::OwedGap {
+                since: since.clone(),
+                until: until.clone(),
+            };
+            owed_recorded = progress::record_owed(&side, &slot, &holder, start, &gap)
+                .await
+                .inspect_err(|e| tracing::warn!(error = %e, "cannot record the owed publication gap in cdc_relay_progress (apply sql/orders.sql): a restarted relay will not report it"))
+                .is_ok();
+            owed = Some(owed.map_or(gap.clone(), |o| progress::OwedGap {
+                since: o.since.min(gap.since),
+                until: o.until.max(gap.until),
+            }));
+        } else if owed.is_some() && owed_recorded {
+            owed = read_owed(&side, &slot, owed).await;
+        }
+        out.health.set_gap_owed(owed.is_some());
         if let (Change::Back { since, until } | Change::Gap { since, until }, Some(heal)) =
             (&change, &out.heal)
         {
@@ -307,6 +334,34 @@ pub async fn monitor_slot(
             let new = membership.ceiling();
             std::mem::replace(c, new) != new
         });
+    }
+}
+
+/// The gap `slot` owes a backfill, as recorded; `before`, the one known
+/// until now: a gap no longer recorded was covered by a backfill (said at
+/// INFO), and one that cannot be read stays as it was.
+async fn read_owed(
+    side: &tokio_postgres::Client,
+    slot: &str,
+    before: Option<progress::OwedGap>,
+) -> Option<progress::OwedGap> {
+    match progress::read_owed(side, slot).await {
+        Ok(None) => {
+            if let Some(gap) = before {
+                tracing::info!(slot = %slot, since = %gap.since, until = %gap.until, "a backfill re-sent the publication gap's rows: nothing is owed any more");
+            }
+            None
+        }
+        Ok(Some(gap)) => {
+            if before.as_ref() != Some(&gap) {
+                tracing::error!(slot = %slot, "{gap}");
+            }
+            Some(gap)
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read the owed publication gap");
+            before
+        }
     }
 }
 
@@ -434,7 +489,8 @@ fn report_membership(
         Change::Back { since, until } => tracing::warn!(
             table = %table, publications = %pubs,
             "the outbox {table} is in publication {pubs} again; acknowledging resumes. Inserts \
-             between {since} and {until} were not streamed: cdc-relay backfill --since '{since}' --until '{until}'"
+             between {since} and {until} were not streamed: cdc-relay backfill --since '{since}' --until '{until}' \
+             (/readyz fails until a backfill covering that window completes)"
         ),
         Change::Gap { since, until } => {
             out.metrics.publication_gaps.inc();
@@ -447,7 +503,7 @@ fn report_membership(
                 if out.heal.is_some() {
                     "The relay re-sends them from the table now (--on-gap backfill)".to_owned()
                 } else {
-                    format!("Re-send them: cdc-relay backfill --since '{since}' --until '{until}'")
+                    format!("Re-send them: cdc-relay backfill --since '{since}' --until '{until}' (/readyz fails until a backfill covering that window completes)")
                 }
             );
         }

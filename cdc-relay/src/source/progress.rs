@@ -216,6 +216,153 @@ pub async fn record_membership(
     Ok(())
 }
 
+/// A publication gap owed by a backfill (`--on-gap tell`): rows of the
+/// outbox inserted between `since` and `until` were never streamed. Both
+/// times are server times, `YYYY-MM-DD HH:MM:SS+00` (backfill bounds).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwedGap {
+    /// The last time the outbox was seen in its publication before the gap.
+    pub since: String,
+    /// The first time it was seen in again.
+    pub until: String,
+}
+
+impl OwedGap {
+    /// The command that re-sends the gap's rows.
+    pub fn backfill_command(&self) -> String {
+        format!(
+            "cdc-relay backfill --since '{}' --until '{}'",
+            self.since, self.until
+        )
+    }
+}
+
+impl std::fmt::Display for OwedGap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "outbox rows inserted between {} and {} were not streamed (the table was out of its publication) and no backfill has re-sent them: run `{}` (this clears once a backfill covering that window completes)",
+            self.since,
+            self.until,
+            self.backfill_command()
+        )
+    }
+}
+
+/// `YYYY-MM-DD HH:MM:SS+00` of a `timestamptz` SQL expression.
+macro_rules! utc_text {
+    ($e:literal) => {
+        concat!(
+            "to_char((",
+            $e,
+            ") AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00')"
+        )
+    };
+}
+
+/// The gap `slot` owes ([`OwedGap`]); `None` when none is recorded, or
+/// the schema predates the columns (nothing can be owed then).
+pub async fn read_owed(client: &Client, slot: &str) -> Result<Option<OwedGap>, SourceError> {
+    let row = client
+        .query_opt(
+            concat!(
+                "SELECT ",
+                utc_text!("(j ->> 'gap_owed_since')::timestamptz"),
+                ", ",
+                utc_text!("(j ->> 'gap_owed_until')::timestamptz"),
+                " FROM (SELECT to_jsonb(p) AS j FROM cdc_relay_progress p WHERE slot_name = $1) r"
+            ),
+            &[&slot],
+        )
+        .await;
+    let row = match row {
+        Ok(row) => row,
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => None,
+        Err(e) => return Err(SourceError::sql("reading cdc_relay_progress", &e)),
+    };
+    Ok(row.and_then(|r| {
+        Some(OwedGap {
+            since: r.get::<_, Option<String>>(0)?,
+            until: r.get::<_, Option<String>>(1)?,
+        })
+    }))
+}
+
+/// Records that `slot` owes `gap`, widening a gap already owed to cover
+/// both; creates the row (at `start`, by `holder`) when there is none.
+pub async fn record_owed(
+    client: &Client,
+    slot: &str,
+    holder: &str,
+    start: Lsn,
+    gap: &OwedGap,
+) -> Result<(), tokio_postgres::Error> {
+    client
+        .execute(
+            "INSERT INTO cdc_relay_progress AS p \
+               (slot_name, confirmed_lsn, holder, gap_owed_since, gap_owed_until) \
+             VALUES ($1, $2::text::pg_lsn, $3, $4::text::timestamptz, $5::text::timestamptz) \
+             ON CONFLICT (slot_name) DO UPDATE SET \
+               gap_owed_since = least(p.gap_owed_since, EXCLUDED.gap_owed_since), \
+               gap_owed_until = greatest(p.gap_owed_until, EXCLUDED.gap_owed_until)",
+            &[&slot, &start.to_string(), &holder, &gap.since, &gap.until],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Clears every owed gap a complete backfill from `since` to `until`
+/// (`None`: now) covers, and returns each (its slot and window). Nothing
+/// when the schema predates the columns.
+pub async fn clear_owed_covered(
+    client: &Client,
+    since: &str,
+    until: Option<&str>,
+) -> Result<Vec<(String, OwedGap)>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            concat!(
+                "WITH covered AS (SELECT slot_name, ",
+                utc_text!("gap_owed_since"),
+                " AS since, ",
+                utc_text!("gap_owed_until"),
+                " AS until FROM cdc_relay_progress \
+                   WHERE gap_owed_since >= $1::text::timestamptz \
+                     AND ($2::text IS NULL OR gap_owed_until <= $2::text::timestamptz) FOR UPDATE) \
+                 UPDATE cdc_relay_progress p SET gap_owed_since = NULL, gap_owed_until = NULL \
+                 FROM covered WHERE p.slot_name = covered.slot_name \
+                 RETURNING covered.slot_name, covered.since, covered.until"
+            ),
+            &[&since, &until],
+        )
+        .await;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e)
+            if matches!(
+                e.code(),
+                Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE)
+                    | Some(&tokio_postgres::error::SqlState::UNDEFINED_COLUMN)
+            ) =>
+        {
+            return Ok(Vec::new());
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(rows
+        .iter()
+        .map(|r| {
+            (
+                r.get(0),
+                OwedGap {
+                    since: r.get(1),
+                    until: r.get(2),
+                },
+            )
+        })
+        .collect())
+}
+
 /// `application_name@host:pid`: who holds the slot, for the progress record
 /// and logs.
 pub fn holder(application_name: &str) -> String {

@@ -173,7 +173,7 @@ async fn outbox_dropped_from_the_publication_is_noticed_and_held() -> anyhow::Re
 /// (error, `/readyz`, gauge), held its position meanwhile, and nothing is
 /// lost in the end.
 async fn outbox_leaves_the_publication(how: Leave) -> anyhow::Result<()> {
-    let s = Scenario::start(Inbox::Billing).await?;
+    let mut s = Scenario::start(Inbox::Billing).await?;
     let (stack, db, relay) = (&s.stack, &s.db, &s.relay);
     db.batch_execute("CREATE TABLE scratch_wal (id bigserial PRIMARY KEY, filler text)")
         .await?;
@@ -260,10 +260,10 @@ async fn outbox_leaves_the_publication(how: Leave) -> anyhow::Result<()> {
         relay.gauge(INCLUDES).await.map(|v| v == Some(1.0))
     })
     .await?;
-    wait_until("/readyz 200 again", NOTICE, || async {
-        relay.get("/readyz").await.map(|(status, _)| status == 200)
-    })
-    .await?;
+    // Delivery resumes, but the rows inserted while out are owed a
+    // backfill: /readyz keeps failing and `status` names the command,
+    // across a restart too. (Broken before: /readyz answered 200 again at
+    // once, and a restart forgot the gap.)
     app::insert_order_event(db).await?;
     wait_until("the event after the re-add invoiced", DRAIN, || async {
         Ledger::read(stack).await.map(|l| l.invoices == 2)
@@ -274,9 +274,46 @@ async fn outbox_leaves_the_publication(how: Leave) -> anyhow::Result<()> {
         ledger.lost, 1,
         "only the event committed while out: {ledger:?}"
     );
-
-    backfill(stack, &since, &s.billing().inbox()).await?;
+    let (status, body) = relay.get("/readyz").await?;
+    assert!(
+        status == 503 && body.contains("backfill"),
+        "{status} {body}"
+    );
+    s.restart_relay(&[]).await?;
+    let (stack, relay) = (&s.stack, &s.relay);
+    wait_until(
+        "/readyz 503 naming the owed backfill after a restart",
+        NOTICE,
+        || async {
+            let (status, body) = relay.get("/readyz").await?;
+            anyhow::Ok(status == 503 && body.contains("backfill"))
+        },
+    )
+    .await?;
+    let out = app::relay_command(stack, &stack.relay_url, &["status"], &[]).await?;
+    assert!(!out.success(), "{}", out.text());
+    // The command `status` gives, run as given.
+    let text = out.text();
+    let command = text
+        .split('`')
+        .find(|c| c.starts_with("cdc-relay backfill --since"))
+        .unwrap_or_else(|| panic!("status names the backfill: {text}"));
+    let quoted: Vec<&str> = command.split('\'').collect();
+    let (owed_since, owed_until) = (quoted[1], quoted[3]);
+    assert!(
+        owed_since <= since.as_str(),
+        "the owed window starts when the outbox was last seen in ({owed_since}), not after the leave ({since})"
+    );
+    backfill_window(stack, owed_since, Some(owed_until), &s.billing().inbox()).await?;
     oracle::wait_ledger_clean(stack, 3, DRAIN).await?;
+    wait_until(
+        "/readyz 200 once a backfill covered the gap",
+        NOTICE,
+        || async { relay.get("/readyz").await.map(|(status, _)| status == 200) },
+    )
+    .await?;
+    let out = app::relay_command(stack, &stack.relay_url, &["status"], &[]).await?;
+    assert!(out.success(), "{}", out.text());
     let accounting = s.accounting(&["outbox"]).await?;
     assert!(accounting.delivered.contains(&while_out.to_string()));
     accounting.assert_balanced();
@@ -338,11 +375,24 @@ async fn publication_flap_faster_than_the_check_is_reported_as_a_gap() -> anyhow
 
 /// Runs `cdc-relay backfill --since <since>` as the relay role into `inbox`.
 async fn backfill(stack: &Stack, since: &str, inbox: &str) -> anyhow::Result<()> {
-    let since = format!("--since={since}"); // "-infinity" is a value, not a flag
+    backfill_window(stack, since, None, inbox).await
+}
+
+/// Runs `cdc-relay backfill --since <since> [--until <until>]` as the
+/// relay role into `inbox`.
+async fn backfill_window(
+    stack: &Stack,
+    since: &str,
+    until: Option<&str>,
+    inbox: &str,
+) -> anyhow::Result<()> {
+    let mut args = vec!["backfill".to_owned(), format!("--since={since}")]; // "-infinity" is a value, not a flag
+    args.extend(until.map(|u| format!("--until={u}")));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = app::relay_command(
         stack,
         &stack.relay_url,
-        &["backfill", &since],
+        &args,
         &[("CDC_RELAY_SINK_URL", inbox), ("EVENT_SECRET", TEST_SECRET)],
     )
     .await?;

@@ -435,6 +435,9 @@ pub async fn status(
             .map(|r| r.get::<_, String>(0)),
         None => None,
     };
+    if let Some(gap) = source::progress::read_owed(client, slot).await? {
+        problem(1, gap.to_string());
+    }
     let last_progress_by = source::progress::read(client, slot)
         .await?
         .and_then(|p| p.holder);
