@@ -55,7 +55,11 @@
 //! sink records whole (a 2xx) or in part (a refused batch split, its
 //! halves answered on their own); the relay completes exactly the
 //! recorded events' jobs, and the rest stay pending and are sent again.
-//! The broken rule "a batch is done when its first part is" must fail
+//! A batch may instead be answered per event (a 207): some events taken,
+//! some refused and dead-lettered (row committed, then the job completed),
+//! the rest sent again later, so a batch's events complete at different
+//! times. The broken rules "a batch is done when its first part is" and
+//! "a refused event's job completes before its row is written" must fail
 //! safety.
 //!
 //! Run: `cargo test -p cdc-relay --test ack_model -- --nocapture`.
@@ -334,6 +338,14 @@ fn real_ack_tracker_is_safe_and_recovers_with_batches() {
 #[test]
 fn broken_rule_batch_done_with_its_first_part_is_caught() {
     assert_caught_in(|| AckModel::<BatchDoneWithFirst>::new(wals_two_endpoints(), 1).batches());
+}
+
+/// A 207 that refuses some events: a rule that completes their jobs
+/// before their dead-letter rows are written loses them at a crash in
+/// between.
+#[test]
+fn broken_rule_refused_in_a_207_before_its_row_is_caught() {
+    assert_caught_in(|| AckModel::<ParkedBeforeRow>::new(wals_two_endpoints(), 1).batches());
 }
 
 /// Three WALs for the parking model, whose space is the largest: events

@@ -96,6 +96,13 @@ pub(crate) enum Action {
     /// completes the jobs the rule says are done ([`Rule::batch_done`]);
     /// the others stay pending and are sent again.
     Batch(u8, u8),
+    /// Endpoint 0 answers a batch (mask `.0`) per event, a 207
+    /// (`docs/architecture.md#batches`): it took those of mask `.1`, and
+    /// refused those of mask `.2` as poison, which are dead-lettered (row
+    /// committed, then the job completed, as [`Action::Park`] does); the
+    /// rest are sent again later. A refused event's row is replayed like a
+    /// parked one ([`Action::Replay`]).
+    PerEvent(u8, u8, u8),
     /// Endpoint `.1` is parked for event `.0`: its row is committed, then
     /// the job completes.
     Park(u8, u8),
@@ -215,6 +222,26 @@ impl<R: Rule> AckModel<R> {
         end_of(self.items(s).len() - 1)
     }
 
+    /// Event `e`'s job at endpoint `ep` is parked or dead-lettered: its
+    /// row committed (unless the rule completes first, `ROW_FIRST` false:
+    /// the row is then written by a later [`Action::WriteRow`]), then the
+    /// job completed. `None` when the job is not pending.
+    fn park(&self, n: &mut State<R>, e: u8, ep: u8) -> Option<()> {
+        let at = n
+            .pending
+            .iter()
+            .position(|&(p, pe, _)| p == e && pe == ep)?;
+        let (_, _, tx) = n.pending.remove(at);
+        if R::ROW_FIRST {
+            n.parked[usize::from(ep)] |= 1 << e;
+        } else {
+            n.unwritten.push((e, ep));
+            n.unwritten.sort();
+        }
+        n.tracker.park_at(tx, e);
+        Some(())
+    }
+
     /// A new session: everything the relay held is gone; the walsender
     /// starts at the slot (`sentPtr = confirmed_flush`) and resends every
     /// item ending after it.
@@ -304,19 +331,21 @@ impl<R: Rule> Model for AckModel<R> {
             } else {
                 actions.push(Action::SinkRecovers(ep));
             }
-            if self.parking {
+            if self.parking || self.batches {
                 actions.extend(
                     s.unwritten
                         .iter()
                         .filter(|&&(_, p)| p == ep)
                         .map(|&(e, _)| Action::WriteRow(e, ep)),
                 );
-                actions.extend(
-                    s.pending
-                        .iter()
-                        .filter(|&&(_, p, _)| p == ep)
-                        .map(|&(e, _, _)| Action::Park(e, ep)),
-                );
+                if self.parking {
+                    actions.extend(
+                        s.pending
+                            .iter()
+                            .filter(|&&(_, p, _)| p == ep)
+                            .map(|&(e, _, _)| Action::Park(e, ep)),
+                    );
+                }
                 if s.sink_up[usize::from(ep)] {
                     let parked = s.parked[usize::from(ep)];
                     actions.extend(
@@ -341,6 +370,17 @@ impl<R: Rule> Model for AckModel<R> {
                     let mut part = batch;
                     while part != 0 {
                         actions.push(Action::Batch(batch, part));
+                        // Answered per event: `part` refused, any of the
+                        // rest taken (none: all sent again).
+                        let rest = batch & !part;
+                        let mut taken = rest;
+                        loop {
+                            actions.push(Action::PerEvent(batch, taken, part));
+                            if taken == 0 {
+                                break;
+                            }
+                            taken = (taken - 1) & rest;
+                        }
                         part = (part - 1) & batch;
                     }
                 }
@@ -414,19 +454,23 @@ impl<R: Rule> Model for AckModel<R> {
                     }
                 }
             }
-            Action::Park(e, ep) => {
-                let at = n
-                    .pending
-                    .iter()
-                    .position(|&(p, pe, _)| p == e && pe == ep)?;
-                let (_, _, tx) = n.pending.remove(at);
-                if R::ROW_FIRST {
-                    n.parked[usize::from(ep)] |= 1 << e;
-                } else {
-                    n.unwritten.push((e, ep));
-                    n.unwritten.sort();
+            Action::Park(e, ep) => self.park(&mut n, e, ep)?,
+            Action::PerEvent(batch, taken, refused) => {
+                n.delivered[0] |= taken;
+                let done = R::batch_done(batch, taken);
+                let mut i = 0;
+                while i < n.pending.len() {
+                    let (e, ep, tx) = n.pending[i];
+                    if ep == 0 && done & (1 << e) != 0 && refused & (1 << e) == 0 {
+                        n.pending.remove(i);
+                        n.tracker.complete_at(tx, e);
+                    } else {
+                        i += 1;
+                    }
                 }
-                n.tracker.park_at(tx, e);
+                for e in (0..8).filter(|e| refused & (1 << e) != 0) {
+                    self.park(&mut n, e, 0)?;
+                }
             }
             Action::WriteRow(e, ep) => {
                 let at = n.unwritten.iter().position(|&u| u == (e, ep))?;
