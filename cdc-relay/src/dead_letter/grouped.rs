@@ -158,8 +158,8 @@ impl DeadLetterStore for GroupedStore {
         store::parked(&self.client, endpoint, after, limit).await
     }
 
-    async fn replayed(&self, ids: &[i64]) -> Result<(), StoreError> {
-        store::replayed(&self.client, ids).await
+    async fn replayed(&self, ids: &[i64], why: &'static str) -> Result<(), StoreError> {
+        store::replayed(&self.client, ids, why).await
     }
 
     async fn refused(&self, id: i64, row: &NewDeadLetter) -> Result<(), StoreError> {

@@ -27,7 +27,7 @@ mod grouped;
 mod store;
 
 pub use grouped::{GATHER, GroupedStore, MAX_BYTES, MAX_ROWS, Urgency};
-pub use store::{Written, resume_lock};
+pub use store::{Written, restreamable, resume_lock};
 
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, UnreadableRow};
@@ -61,9 +61,16 @@ pub trait DeadLetterStore: Send + Sync + 'static {
         limit: i64,
     ) -> impl Future<Output = Result<Vec<ParkedRow>, StoreError>> + Send;
 
-    /// Removes rows the endpoint took with a 2xx when the relay replayed
-    /// them, each with its audit row (action `replay`, by `cdc-relay`).
-    fn replayed(&self, ids: &[i64]) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Removes rows whose events the endpoint took with a 2xx, each with
+    /// its audit row (action `replay`, by `cdc-relay`, `why` its reason):
+    /// rows the relay replayed ([`REPLAYED_ON_RESUME`]), or rows an
+    /// earlier session wrote for an event delivered when re-streamed
+    /// ([`DELIVERED_WHEN_RESTREAMED`]).
+    fn replayed(
+        &self,
+        ids: &[i64],
+        why: &'static str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Row `id` was refused as poison when replayed (a parked row on
     /// resume, any row by `dead-letter replay`): it stays, as `row` says
@@ -84,6 +91,14 @@ pub trait DeadLetterStore: Send + Sync + 'static {
         take: bool,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }
+
+/// The audit reason of a parked row the relay replayed on resume.
+pub const REPLAYED_ON_RESUME: &str = "parked endpoint resumed by the relay";
+
+/// The audit reason of a row an earlier session wrote for an event it did
+/// not confirm, which this session then delivered when the slot streamed
+/// it again.
+pub const DELIVERED_WHEN_RESTREAMED: &str = "delivered when the slot streamed it again (the relay that wrote this row stopped before confirming the event)";
 
 /// A parked row, as the relay replays it.
 #[derive(Clone, Debug, PartialEq, Eq)]

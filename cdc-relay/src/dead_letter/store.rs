@@ -60,16 +60,38 @@ pub(super) async fn parked(
 
 /// Removes parked rows the endpoint took with a 2xx when the relay
 /// replayed them, each with its audit row.
-pub(super) async fn replayed(client: &Client, ids: &[i64]) -> Result<(), StoreError> {
-    match remove_many(
-        client,
-        ids,
-        Removal::Replay,
-        Some("parked endpoint resumed by the relay"),
-        Some("cdc-relay"),
-    )
-    .await
-    {
+/// The dead-letter rows the slot may stream again from `confirmed` (its
+/// `confirmed_flush_lsn`): rows of events whose transaction commits at or
+/// after it, which an earlier session wrote and never confirmed. By
+/// (event id, endpoint: `""` for `--sink-url`), their row ids. Empty when
+/// the table does not exist.
+pub async fn restreamable(
+    client: &Client,
+    confirmed: crate::lsn::Lsn,
+) -> Result<std::collections::HashMap<(String, String), i64>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT event_id, coalesce(endpoint, ''), min(id) FROM cdc_relay_dead_letter \
+             WHERE event_id IS NOT NULL AND commit_lsn >= $1::text::pg_lsn \
+             GROUP BY 1, 2",
+            &[&confirmed.to_string()],
+        )
+        .await;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {
+            return Ok(Default::default());
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(rows
+        .iter()
+        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+        .collect())
+}
+
+pub(super) async fn replayed(client: &Client, ids: &[i64], why: &str) -> Result<(), StoreError> {
+    match remove_many(client, ids, Removal::Replay, Some(why), Some("cdc-relay")).await {
         Ok(_) => Ok(()),
         Err(e) => Err(StoreError::of(client, &e).await),
     }

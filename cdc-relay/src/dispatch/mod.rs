@@ -243,7 +243,7 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
                 let mut joined = Some(joined);
                 let mut taken = 0;
                 while let Some((ticket, job, finished)) = joined.take() {
-                    if let Some((ticket, job)) = delivered(&mut scheduler, &pipeline, ticket, job, finished?) {
+                    if let Some((ticket, job)) = delivered(&mut scheduler, &lanes, &pipeline, ticket, job, finished?) {
                         writes.push(write(&lanes, &pipeline, ticket, job));
                     }
                     taken += 1;
@@ -293,8 +293,9 @@ const PER_ROUND: usize = 64;
 /// Books a delivery's end: its job done, handed to the dead-letter
 /// writer (its lane parked meanwhile: the job is returned, to be written),
 /// or abandoned; `Failing` stops the pipeline.
-fn delivered<P: Position, D>(
+fn delivered<P: Position, S, D: DeadLetterStore>(
     scheduler: &mut Scheduler<P, Job>,
+    lanes: &[Arc<Lane<S>>],
     pipeline: &Pipeline<D>,
     mut ticket: Ticket,
     job: Job,
@@ -302,6 +303,11 @@ fn delivered<P: Position, D>(
 ) -> Option<(Ticket, Job)> {
     match finished {
         Finished::Delivered(status) => {
+            if !pipeline.restreamed.is_empty()
+                && let Work::Deliver(event) = &job.0
+            {
+                superseded(lanes, pipeline, ticket.lane, event);
+            }
             report(pipeline, &job.0, ticket.lane, Outcome::Delivered(status));
             scheduler.complete(ticket);
         }
@@ -325,6 +331,37 @@ fn delivered<P: Position, D>(
         }
     }
     None
+}
+
+/// A live event delivered at lane `lane` that an earlier session had
+/// dead-lettered (or parked) there and not confirmed
+/// ([`Pipeline::restreamed`]): its row is removed, with its audit row, in
+/// the background. A removal that fails leaves the row (a replay sends
+/// the event again; the inbox deduplicates it) and says so.
+fn superseded<S, D: DeadLetterStore>(
+    lanes: &[Arc<Lane<S>>],
+    pipeline: &Pipeline<D>,
+    lane: usize,
+    event: &OutboxEvent,
+) {
+    let endpoint = lanes[lane].dead_letter_endpoint().unwrap_or_default();
+    let key = (event.id.clone(), endpoint.to_owned());
+    let (None, Some(&id)) = (event.dead_letter_id, pipeline.restreamed.get(&key)) else {
+        return;
+    };
+    let store = Arc::clone(&pipeline.store);
+    let event_id = event.id.clone();
+    tokio::spawn(async move {
+        match store
+            .replayed(&[id], crate::dead_letter::DELIVERED_WHEN_RESTREAMED)
+            .await
+        {
+            Ok(()) => tracing::info!(dead_letter_id = id, event_id = %event_id,
+                "an event an earlier session dead-lettered was delivered when the slot streamed it again: its dead-letter row is removed (audited)"),
+            Err(e) => tracing::warn!(dead_letter_id = id, event_id = %event_id, error = %e,
+                "an event an earlier session dead-lettered was delivered when the slot streamed it again, but its row could not be removed: a replay would send it again"),
+        }
+    });
 }
 
 /// Queues a handed-off job's dead-letter row now (the writer's order is

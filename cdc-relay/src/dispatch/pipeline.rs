@@ -3,6 +3,7 @@
 //! tries ([`Persist`]), and how a job or the whole run ended ([`Ended`],
 //! [`Outcome`], [`DispatchError`]).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -122,6 +123,12 @@ pub struct Pipeline<D> {
     /// Where each delivery job's end is reported (replays); `None`: not
     /// reported.
     pub report: Option<mpsc::UnboundedSender<Ended>>,
+    /// Dead-letter rows an earlier session wrote for events the slot
+    /// streams again ([`crate::dead_letter::restreamable`]), by (event id,
+    /// endpoint: `""` for `--sink-url`): such an event delivered now has
+    /// its row removed, so that it is not both delivered and waiting in
+    /// the table (a replay would send it again). Usually empty.
+    pub restreamed: HashMap<(String, String), i64>,
 }
 
 impl<D> Pipeline<D> {
@@ -144,6 +151,7 @@ impl<D> Pipeline<D> {
             persist: Persist::UntilDone,
             gauges: true,
             report: None,
+            restreamed: HashMap::new(),
         }
     }
 }

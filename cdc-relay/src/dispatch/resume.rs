@@ -128,7 +128,9 @@ impl<D: DeadLetterStore> Rows for Parked<'_, D> {
     }
 
     async fn remove(&mut self, ids: &[i64]) -> Result<(), StoreError> {
-        self.store.replayed(ids).await
+        self.store
+            .replayed(ids, crate::dead_letter::REPLAYED_ON_RESUME)
+            .await
     }
 }
 

@@ -171,8 +171,20 @@ impl Session<'_> {
             retained: retained_wal(readings.clone()),
         });
         let window = Window::new(cfg.window_events, cfg.window_bytes);
+        // Rows an earlier session wrote and did not confirm: their events
+        // stream again, and one delivered now supersedes its row.
+        let restreamed = match p.slot.confirmed_flush_lsn {
+            Some(confirmed) => crate::dead_letter::restreamable(&p.side, confirmed)
+                .await
+                .unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "cannot read the dead letters of unconfirmed events: one delivered now keeps its row (a replay would send it again)");
+                    Default::default()
+                }),
+            None => Default::default(),
+        };
         let pipeline = Pipeline {
             unrouted: cfg.unrouted,
+            restreamed,
             wal_budget,
             window: Some(window.clone()),
             ..Pipeline::new(

@@ -63,7 +63,7 @@ impl DeadLetterStore for NoDeadLetters {
     ) -> Result<Vec<ParkedRow>, StoreError> {
         Ok(Vec::new())
     }
-    async fn replayed(&self, _ids: &[i64]) -> Result<(), StoreError> {
+    async fn replayed(&self, _ids: &[i64], _why: &'static str) -> Result<(), StoreError> {
         Ok(())
     }
     async fn refused(&self, _id: i64, _row: &NewDeadLetter) -> Result<(), StoreError> {

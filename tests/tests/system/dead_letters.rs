@@ -425,3 +425,75 @@ async fn a_replay_to_the_sink_url_leaves_a_routed_endpoints_rows_alone() -> anyh
     );
     Ok(())
 }
+
+/// An event dead-lettered by a relay that stopped before confirming its
+/// transaction streams again at the next start; delivered then, its
+/// dead-letter row goes (with an audit row saying why), so it is not both
+/// delivered and waiting for a replay that would send it again. (Broken
+/// before: the row stayed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_whose_event_is_delivered_when_streamed_again_is_removed()
+-> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Scripted).await?;
+    let (refused, held) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    // One transaction: `refused` is dead-lettered at once, `held` keeps
+    // failing, so the transaction is not confirmed.
+    s.sink().reject(&refused.to_string(), 422);
+    s.sink().reject(&held.to_string(), 503);
+    let order = uuid::Uuid::new_v4();
+    s.db.batch_execute(&format!(
+        "BEGIN; INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 7, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES \
+           ('{refused}', '{order}', 'OrderCreated', '{{}}'), \
+           ('{held}', '{order}', 'OrderCreated', '{{}}'); COMMIT"
+    ))
+    .await?;
+    let db = s.stack.orders_admin().await?;
+    let id = refused.to_string();
+    let rows = || async {
+        let n: i64 = db
+            .query_one(
+                "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = $1",
+                &[&id],
+            )
+            .await?
+            .get(0);
+        anyhow::Ok(n)
+    };
+    ::harness::wait_until(
+        "the refused event dead-lettered",
+        Duration::from_secs(30),
+        || async { rows().await.map(|n| n == 1) },
+    )
+    .await?;
+    s.stop_relay().await?;
+
+    s.sink().clear_rejections();
+    s.restart_relay(&[]).await?;
+    s.settle().await?;
+    ::harness::wait_until("its row removed", Duration::from_secs(30), || async {
+        rows().await.map(|n| n == 0)
+    })
+    .await?;
+    let audit: Vec<(String, String)> =
+        s.db.query(
+            "SELECT action, reason FROM cdc_relay_dead_letter_audit WHERE event_id = $1",
+            &[&refused.to_string()],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert!(
+        audit.len() == 1 && audit[0].0 == "replay" && audit[0].1.contains("streamed it again"),
+        "{audit:?}"
+    );
+    let taken = s
+        .sink()
+        .delivered()
+        .iter()
+        .filter(|r| r.json()["id"] == refused.to_string().as_str())
+        .count();
+    assert_eq!(taken, 1, "delivered once, when streamed again");
+    Ok(())
+}
