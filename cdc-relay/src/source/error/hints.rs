@@ -24,6 +24,10 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
         "A certificate is X.509 version 1 (openssl x509 -req without -extfile makes one), which \
          the relay's TLS library refuses even where nothing is verified: reissue it as version \
          3, with a subjectAltName"
+    } else if has("causedasendentity") || has("ca used as end entity") {
+        "The server presents a CA certificate (basicConstraints CA:TRUE) as its own: issue \
+         the server a leaf certificate signed by that CA (CA:FALSE, with a subjectAltName) \
+         for ssl_cert_file, and keep the CA in sslrootcert"
     } else if has("badsignature") || has("invalid peer certificate") {
         "The server's certificate could not be verified: check sslrootcert and sslmode in the \
          URL"

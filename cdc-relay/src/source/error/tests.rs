@@ -120,6 +120,11 @@ fn connect_errors_that_retrying_cannot_fix_say_what_to_change() {
             "sslrootcert",
         ),
         (
+            None,
+            "c: error performing TLS handshake: invalid peer certificate: CaUsedAsEndEntity",
+            "leaf certificate",
+        ),
+        (
             Some("28P01"),
             "c: password authentication failed for user \"x\" (SQLSTATE 28P01)",
             "pg_hba.conf",
