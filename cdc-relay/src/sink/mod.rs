@@ -9,6 +9,7 @@
 //! tests run against a scripted in-memory sink.
 
 pub mod answers;
+mod attempt;
 pub mod classify;
 pub mod connection;
 pub mod encoder;

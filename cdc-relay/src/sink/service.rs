@@ -93,56 +93,7 @@ pub enum SinkError {
     Client(String),
 }
 
-/// The result of one POST.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Attempt {
-    /// A response arrived.
-    Response {
-        /// HTTP status code.
-        status: u16,
-        /// `Retry-After`, parsed from seconds or an HTTP-date.
-        retry_after: Option<Duration>,
-        /// The first bytes of the response body (lossy UTF-8), for logs and
-        /// the dead-letter row. At most [`EXCERPT_BYTES`] bytes, or for a
-        /// 207 (per-event answers, [`super::answers`]) [`ANSWERS_BYTES`].
-        excerpt: String,
-    },
-    /// No complete response within the request timeout (or the TCP connect
-    /// timeout).
-    Timeout,
-    /// Could not connect (refused, DNS).
-    Connect(String),
-    /// The TLS handshake failed (certificate, protocol).
-    Tls(String),
-    /// The connection broke mid-request, or another transport error.
-    Transport(String),
-}
-
-impl Attempt {
-    /// One line for logs and the dead-letter row: the status and up to 120
-    /// characters of the body (control characters removed), or the
-    /// transport error.
-    pub fn detail(&self) -> String {
-        match self {
-            Attempt::Response {
-                status, excerpt, ..
-            } => {
-                let mut e: String = excerpt.chars().take(120).collect();
-                e.retain(|c| !c.is_control());
-                if e.trim().is_empty() {
-                    format!("status {status} (empty body)")
-                } else {
-                    format!("status {status}: {e}")
-                }
-            }
-            Attempt::Timeout => "request timed out".into(),
-            Attempt::Connect(e) | Attempt::Tls(e) | Attempt::Transport(e) => e.clone(),
-        }
-    }
-}
-
-/// Maximum response-body bytes kept in [`Attempt::Response::excerpt`].
-pub const EXCERPT_BYTES: usize = 512;
+pub use super::attempt::{Attempt, EXCERPT_BYTES};
 
 type Connector = Tagging<HttpsConnector<HttpConnector>>;
 

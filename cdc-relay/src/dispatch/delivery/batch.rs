@@ -18,10 +18,10 @@ use crate::sink::{Attempt, Disposition, Prepared, Reason, ReasonLabel, Sink, cla
 
 use super::Ctx;
 use super::attempt::{
-    Answered, Carried, EventVerdict, Finished, InFlight, Tried, Verdict, Waited, count_attempt,
-    count_delivered, deliver, failed, failure_label, interrupted, judge, poisoned, status_of,
-    unless_interrupted, unnamed_in_207, until_answered,
+    Answered, Carried, Finished, InFlight, Tried, Waited, count_attempt, count_delivered, deliver,
+    failed, interrupted, poisoned, status_of, unless_interrupted, until_answered,
 };
+use super::judge::{EventVerdict, Verdict, failure_label, judge, unnamed_in_207};
 
 /// The result of [`deliver_group`]: each event's end, in order.
 pub(super) type GroupDelivered<'a> =

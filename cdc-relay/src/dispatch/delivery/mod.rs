@@ -45,6 +45,7 @@ use crate::sink::{Sink, encoder};
 
 mod attempt;
 mod batch;
+mod judge;
 
 pub use attempt::Finished;
 use attempt::deliver;
