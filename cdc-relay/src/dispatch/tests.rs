@@ -114,6 +114,9 @@ impl Sink for Arc<ScriptedSink> {
             (self.script)(event_id, start)
         } else if per_event {
             let mut latency = Duration::ZERO;
+            // A member scripted with no response (or a garbled one)
+            // makes the whole request so.
+            let mut whole: Option<u16> = None;
             let one = [event_id.to_owned()];
             for id in if members.is_empty() {
                 &one[..]
@@ -122,12 +125,16 @@ impl Sink for Arc<ScriptedSink> {
             } {
                 let (l, status) = (self.script)(id, start);
                 latency = latency.max(l);
+                if status < UNNAMED || status == GARBLED {
+                    whole.get_or_insert(status);
+                    continue;
+                }
                 if status != UNNAMED {
                     results
                         .push(serde_json::json!({"id": id, "status": status, "error": "scripted"}));
                 }
             }
-            (latency, 207)
+            (latency, whole.unwrap_or(207))
         } else {
             let answers: Vec<(Duration, u16)> =
                 members.iter().map(|id| (self.script)(id, start)).collect();
@@ -148,6 +155,11 @@ impl Sink for Arc<ScriptedSink> {
             status,
         });
         match status {
+            GARBLED => Attempt::Response {
+                status: 207,
+                retry_after: None,
+                excerpt: format!(r#"{{"results":[{{"id":"{event_id}","status":"503"}}]}}"#),
+            },
             TIMEOUT => Attempt::Timeout,
             CONNECT => Attempt::Connect("connection refused".into()),
             TLS => Attempt::Tls("invalid peer certificate".into()),
@@ -176,6 +188,9 @@ const TLS: u16 = 2;
 const TRANSPORT: u16 = 3;
 /// In a per-event answer: the event is not named.
 const UNNAMED: u16 = 4;
+/// The whole answer is a 207 whose body is not per-event answers (a
+/// status given as a string).
+const GARBLED: u16 = 5;
 
 /// Dead letters, in memory: every row written (`.0`, by id − 1, refused
 /// rows rewritten in place), the ids replayed (removed), when each row

@@ -15,7 +15,7 @@
 //! done. A 207 that does not read as this shape is no answer per event:
 //! the relay splits the batch ([`crate::dispatch`]). A 207 to one event's
 //! request is read the same way (its own answer judges it); one of
-//! another shape is a 2xx like any other.
+//! another shape leaves the event not done.
 
 use std::collections::HashMap;
 

@@ -396,13 +396,20 @@ pub(super) async fn attempt<S: Sink, D>(
     metrics
         .request_duration
         .observe(started.elapsed().as_secs_f64());
-    // A 207 that answers per event is judged by the event's own answer.
-    let attempt = own_answer(attempt, &event.id);
-    let disposition = match &attempt {
-        Ok(attempt) => classify(attempt, &lane.cfg.policy),
-        Err((unnamed, _)) => Disposition::Retry(unnamed.clone()),
+    // A 207 is judged by the event's own answer in it; without one it is
+    // not done.
+    let (disposition, attempt) = match own_answer(attempt, &event.id) {
+        Ok(attempt) => (classify(&attempt, &lane.cfg.policy), attempt),
+        Err((reason, why, whole)) => {
+            if number == 1 || number.is_multiple_of(20) {
+                tracing::warn!(
+                    endpoint = %lane.name, event_id = %event.id, why = %why, attempts = number,
+                    "the endpoint answered 207 without the event's own answer in it (docs/architecture.md#batches): it is not done, and is sent again"
+                );
+            }
+            (Disposition::Retry(reason), whole)
+        }
     };
-    let attempt = attempt.unwrap_or_else(|(_, whole)| whole);
     if let Some(span) = span {
         span.end(&attempt, failure_label(&disposition));
     }

@@ -11,11 +11,16 @@ use crate::sink::{Attempt, Disposition, Reason, ReasonLabel, config_fault_hint};
 /// The answer to one event's request, read as a batch's 207 is
 /// (`docs/architecture.md#batches`): a 207 whose body reads as per-event
 /// answers stands for the event's own answer, as if that status (with
-/// the 207's `Retry-After`) had been the response; a 207 naming only
-/// other events is an `Err` (its reason, and the 207): not done, sent
-/// again. Any other answer, a 207 of another body among them (a 2xx like
-/// any other), is returned as it is.
-pub(super) fn own_answer(attempt: Attempt, event_id: &str) -> Result<Attempt, (Reason, Attempt)> {
+/// the 207's `Retry-After`) had been the response. A 207 naming only
+/// other events, or whose body does not read as per-event answers (any
+/// other shape, cut short, over [`answers::ANSWERS_BYTES`]), is an `Err`:
+/// its reason, why, and the 207; the event is not done and is sent
+/// again. A 207 is Multi-Status: it never means "taken" by itself. Any
+/// other answer is returned as it is.
+pub(super) fn own_answer(
+    attempt: Attempt,
+    event_id: &str,
+) -> Result<Attempt, (Reason, String, Attempt)> {
     let Attempt::Response {
         status: 207,
         retry_after,
@@ -24,8 +29,9 @@ pub(super) fn own_answer(attempt: Attempt, event_id: &str) -> Result<Attempt, (R
     else {
         return Ok(attempt);
     };
-    let Ok(mut answers) = answers::parse(excerpt) else {
-        return Ok(attempt);
+    let mut answers = match answers::parse(excerpt) {
+        Ok(answers) => answers,
+        Err(why) => return Err((unnamed_in_207(), why, attempt)),
     };
     match answers.remove(event_id) {
         Some(own) => Ok(Attempt::Response {
@@ -33,7 +39,11 @@ pub(super) fn own_answer(attempt: Attempt, event_id: &str) -> Result<Attempt, (R
             retry_after: *retry_after,
             excerpt: own.error,
         }),
-        None => Err((unnamed_in_207(), attempt)),
+        None => Err((
+            unnamed_in_207(),
+            "the answer does not name the event".into(),
+            attempt,
+        )),
     }
 }
 

@@ -226,6 +226,7 @@ async fn a_single_event_answered_207_per_event_is_judged_by_its_own_answer() {
             let status = match (id, *n) {
                 ("busy", 1) => 503,
                 ("unnamed", 1) => UNNAMED,
+                ("garbled", 1) => GARBLED,
                 ("refused", _) => 422,
                 _ => 201,
             };
@@ -233,14 +234,14 @@ async fn a_single_event_answered_207_per_event_is_judged_by_its_own_answer() {
         });
         sink.per_event.store(true, Ordering::Relaxed);
         // One aggregate: one event at a time, each alone.
-        let txs = ["busy", "unnamed", "refused", "fine"]
+        let txs = ["busy", "unnamed", "garbled", "refused", "fine"]
             .iter()
             .map(|id| vec![event(id, Some("k"))])
             .collect();
         let metrics = Metrics::new();
         let (last, dead) =
             dispatch_all_counted(batching(1, batch), Arc::clone(&sink), txs, metrics.clone()).await;
-        assert_eq!(last, Lsn::new(400), "batch {batch}: every transaction done");
+        assert_eq!(last, Lsn::new(500), "batch {batch}: every transaction done");
         let calls = sink.calls();
         assert!(
             calls.iter().all(|c| c.members.is_empty()),
@@ -253,13 +254,18 @@ async fn a_single_event_answered_207_per_event_is_judged_by_its_own_answer() {
             "batch {batch}: a 503 answer is sent again"
         );
         assert_eq!(times("unnamed"), 2, "batch {batch}: unnamed is not done");
+        assert_eq!(
+            times("garbled"),
+            2,
+            "batch {batch}: a 207 that is not per-event answers is not done"
+        );
         assert_eq!(times("refused"), 1, "batch {batch}");
         assert_eq!(times("fine"), 1, "batch {batch}");
         assert_eq!(dead.len(), 1, "batch {batch}: {dead:?}");
         assert_eq!(dead[0].event_id.as_deref(), Some("refused"));
         assert_eq!(dead[0].http_status, Some(422), "its own answer's status");
         assert!(dead[0].error.contains("scripted"), "{}", dead[0].error);
-        assert_eq!(metrics.events_delivered.get(), 3);
+        assert_eq!(metrics.events_delivered.get(), 4);
         assert_eq!(metrics.retries.with_label_values(&["http_5xx"]).get(), 1);
     }
 }
@@ -413,25 +419,43 @@ async fn a_retry_after_on_a_207_pauses_the_endpoint_before_the_rest_goes_again()
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_207_without_per_event_answers_splits_the_batch() {
-    // The receiver answers 207 with an empty body: no event's fate is
-    // known, so the batch splits down to single events, whose 207 is a
-    // 2xx like any other.
+async fn a_207_without_per_event_answers_splits_the_batch_and_takes_no_event() {
+    // The receiver answers every request 207 with an empty body: no
+    // event's fate is known, so the batch splits down to single events,
+    // whose 207 says nothing either: none is done, each is sent again.
+    // (Broken before: a single event's 207 of any body was taken as a
+    // 2xx, so such a receiver had every event confirmed.)
     let sink = ScriptedSink::new(|_, _| (Duration::from_millis(5), 207));
-    let txs = vec![(0..8).map(|n| event(&format!("e{n}"), None)).collect()];
-    let (last, dead) = dispatch_all(batching(1, 8), Arc::clone(&sink), txs).await;
-    assert_eq!(last, Lsn::new(100));
+    let metrics = Metrics::new();
+    let cfg = batching(1, 8);
+    let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
+    let events = (0..8).map(|n| event(&format!("e{n}"), None)).collect();
+    let dead = super::breaker::session_counted(
+        cfg,
+        Arc::clone(&sink),
+        breaker,
+        events,
+        Duration::from_secs(5),
+        metrics.clone(),
+    )
+    .await;
     assert!(dead.is_empty());
+    assert_eq!(metrics.events_delivered.get(), 0, "no event is taken");
     let calls = sink.calls();
-    let singles: Vec<String> = calls
-        .iter()
-        .filter(|c| c.members.is_empty())
-        .map(|c| c.id.clone())
-        .collect();
-    assert_eq!(singles.len(), 8, "each event done alone: {singles:?}");
     assert!(
         calls.iter().any(|c| c.members.len() > 1),
         "a batch was tried"
+    );
+    let tried = |id: &str| {
+        calls
+            .iter()
+            .filter(|c| c.members.is_empty() && c.id == id)
+            .count()
+    };
+    assert!(
+        (0..8).all(|n| tried(&format!("e{n}")) >= 2),
+        "each event sent again alone: {:?}",
+        (0..8).map(|n| tried(&format!("e{n}"))).collect::<Vec<_>>()
     );
 }
 
