@@ -45,6 +45,13 @@ pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
         return dry_run(&reader, &plan, a.json).await;
     };
     let store = Arc::new(connect(g).await?);
+    // The server's time before any row is read: only a publication gap
+    // that had ended by then is covered by what this backfill reads.
+    let read_from: String = reader
+        .query_one("SELECT now()::text", &[])
+        .await
+        .map_err(|e| crate::source::SourceError::sql("reading the server's time", &e))?
+        .get(0);
     let total = backfill::count(&reader, &plan).await.map_err(config)?;
     eprintln!(
         "backfill: {total} row(s) in {} from {} to {}",
@@ -84,8 +91,9 @@ pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
         // window is re-sent now: its relays are ready again.
         match crate::source::progress::clear_owed_covered(
             &reader,
-            &plan.since,
-            plan.until.as_deref(),
+            &plan.table,
+            (&plan.since, plan.until.as_deref()),
+            &read_from,
         )
         .await
         {

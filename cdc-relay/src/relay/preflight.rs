@@ -225,6 +225,31 @@ impl Session<'_> {
         )
         .await?;
         if let Some(blocked) = blocked {
+            // The slot's progress record names the table the relay holding
+            // it streams: a standby set up for another table (a valid one,
+            // with its own publication) would confirm the slot past every
+            // event of the outbox at its takeover.
+            if let Some(recorded) = progress::read_membership(&side, &cfg.slot).await?
+                && let Some(oid) = recorded.table_oid
+                && oid != table.oid
+            {
+                let streamed: Option<String> = side
+                    .query_one(
+                        "SELECT n.nspname || '.' || c.relname FROM pg_class c \
+                         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1",
+                        &[&oid],
+                    )
+                    .await
+                    .ok()
+                    .map(|r| r.get(0));
+                return Err(SourceError::NeedsSetup(format!(
+                    "slot {:?} streams the outbox {} (its progress record says so, written by the relay holding it), but this relay is set to --table {} (oid {}): at a takeover it would skip every event of the other. Give this relay the same --table, --publication and column flags as the active one",
+                    cfg.slot,
+                    streamed.unwrap_or_else(|| format!("with oid {oid}")),
+                    cfg.table,
+                    table.oid
+                )));
+            }
             return Err(blocked);
         }
         for warning in

@@ -120,6 +120,7 @@ impl Session<'_> {
                 siblings: cfg.shard.as_ref().map(ShardOf::slots).unwrap_or_default(),
                 interval: cfg.slot_stats_interval,
                 holder: self.holder.to_owned(),
+                backfill_margin: cfg.backfill_margin,
             },
             MonitorOutputs {
                 metrics: self.metrics.clone(),

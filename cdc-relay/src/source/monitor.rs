@@ -49,6 +49,9 @@ pub struct MonitorSettings {
     /// Who this relay is, for the progress record (where membership is
     /// recorded when it changes).
     pub holder: String,
+    /// `--backfill-margin`: how much earlier than a gap an owed gap's
+    /// backfill starts (`--on-gap tell`).
+    pub backfill_margin: Duration,
 }
 
 /// Where the monitor reports.
@@ -112,6 +115,7 @@ pub async fn monitor_slot(
         siblings,
         interval,
         holder,
+        backfill_margin,
     } = settings;
     let recorded = match progress::read_membership(&side, &slot).await {
         Ok(r) => r,
@@ -136,7 +140,7 @@ pub async fn monitor_slot(
     };
     let started_at = match side
         .query_one(
-            "SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00')",
+            "SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00')",
             &[],
         )
         .await
@@ -263,14 +267,20 @@ pub async fn monitor_slot(
                 since: since.clone(),
                 until: until.clone(),
             };
-            owed_recorded = progress::record_owed(&side, &slot, &holder, start, &gap)
-                .await
-                .inspect_err(|e| tracing::warn!(error = %e, "cannot record the owed publication gap in cdc_relay_progress (apply sql/orders.sql): a restarted relay will not report it"))
-                .is_ok();
-            owed = Some(owed.map_or(gap.clone(), |o| progress::OwedGap {
-                since: o.since.min(gap.since),
-                until: o.until.max(gap.until),
-            }));
+            match progress::record_owed(&side, &slot, &holder, start, &gap, backfill_margin).await {
+                // As recorded (its start moved by the margin, merged with
+                // one owed before); logged with its backfill command.
+                Ok(()) => owed = read_owed(&side, &slot, owed).await,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot record the owed publication gap in cdc_relay_progress (apply sql/orders.sql): a restarted relay will not report it");
+                    owed_recorded = false;
+                    tracing::error!(slot = %slot, "{gap} (start it --backfill-margin earlier for transactions that ran long)");
+                    owed = Some(owed.map_or(gap.clone(), |o| progress::OwedGap {
+                        since: o.since.min(gap.since),
+                        until: o.until.max(gap.until),
+                    }));
+                }
+            }
         } else if owed.is_some() && owed_recorded {
             owed = read_owed(&side, &slot, owed).await;
         }
@@ -489,8 +499,9 @@ fn report_membership(
         Change::Back { since, until } => tracing::warn!(
             table = %table, publications = %pubs,
             "the outbox {table} is in publication {pubs} again; acknowledging resumes. Inserts \
-             between {since} and {until} were not streamed: cdc-relay backfill --since '{since}' --until '{until}' \
-             (/readyz fails until a backfill covering that window completes)"
+             between {since} and {until} were not streamed: the backfill that re-sends them \
+             (from --backfill-margin earlier) follows; /readyz fails until one covering that \
+             window completes"
         ),
         Change::Gap { since, until } => {
             out.metrics.publication_gaps.inc();
@@ -503,7 +514,7 @@ fn report_membership(
                 if out.heal.is_some() {
                     "The relay re-sends them from the table now (--on-gap backfill)".to_owned()
                 } else {
-                    format!("Re-send them: cdc-relay backfill --since '{since}' --until '{until}' (/readyz fails until a backfill covering that window completes)")
+                    "The backfill that re-sends them (from --backfill-margin earlier) follows; /readyz fails until one covering that window completes".to_owned()
                 }
             );
         }

@@ -164,7 +164,7 @@ pub async fn read_membership(
             "SELECT (j -> 'membership_carriers')::text, (j ->> 'membership_table_oid')::oid, \
                     to_char(greatest((j ->> 'membership_at')::timestamptz, \
                                      (j ->> 'updated_at')::timestamptz - interval '30 s') \
-                            AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00') \
+                            AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00') \
              FROM (SELECT to_jsonb(p) AS j FROM cdc_relay_progress p WHERE slot_name = $1) r",
             &[&slot],
         )
@@ -255,7 +255,7 @@ macro_rules! utc_text {
         concat!(
             "to_char((",
             $e,
-            ") AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00')"
+            ") AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00')"
         )
     };
 }
@@ -288,36 +288,53 @@ pub async fn read_owed(client: &Client, slot: &str) -> Result<Option<OwedGap>, S
     }))
 }
 
-/// Records that `slot` owes `gap`, widening a gap already owed to cover
-/// both; creates the row (at `start`, by `holder`) when there is none.
+/// Records that `slot` owes `gap`, its start moved `margin` earlier (the
+/// time column is the inserting transaction's start, which may precede
+/// the gap by as long as that transaction ran: `--backfill-margin`),
+/// widening a gap already owed to cover both; creates the row (at
+/// `start`, by `holder`) when there is none.
 pub async fn record_owed(
     client: &Client,
     slot: &str,
     holder: &str,
     start: Lsn,
     gap: &OwedGap,
+    margin: Duration,
 ) -> Result<(), tokio_postgres::Error> {
     client
         .execute(
             "INSERT INTO cdc_relay_progress AS p \
                (slot_name, confirmed_lsn, holder, gap_owed_since, gap_owed_until) \
-             VALUES ($1, $2::text::pg_lsn, $3, $4::text::timestamptz, $5::text::timestamptz) \
+             VALUES ($1, $2::text::pg_lsn, $3, \
+                     $4::text::timestamptz - make_interval(secs => $6), $5::text::timestamptz) \
              ON CONFLICT (slot_name) DO UPDATE SET \
                gap_owed_since = least(p.gap_owed_since, EXCLUDED.gap_owed_since), \
                gap_owed_until = greatest(p.gap_owed_until, EXCLUDED.gap_owed_until)",
-            &[&slot, &start.to_string(), &holder, &gap.since, &gap.until],
+            &[
+                &slot,
+                &start.to_string(),
+                &holder,
+                &gap.since,
+                &gap.until,
+                &margin.as_secs_f64(),
+            ],
         )
         .await?;
     Ok(())
 }
 
-/// Clears every owed gap a complete backfill from `since` to `until`
-/// (`None`: now) covers, and returns each (its slot and window). Nothing
-/// when the schema predates the columns.
+/// Clears every owed gap a complete backfill of `table` from `since` to
+/// `until` (`None`: its start) covers, and returns each (its slot and
+/// window). A gap is covered when it is a gap of that table (the slot's
+/// recorded membership names it) inside the window, and it had ended
+/// when the backfill started (`started`, the server's time before it
+/// read a row: rows of a gap found later may not be in what it read).
+/// Nothing when the schema predates the columns.
 pub async fn clear_owed_covered(
     client: &Client,
-    since: &str,
-    until: Option<&str>,
+    table: &crate::outbox::TableName,
+    (since, until): (&str, Option<&str>),
+    started: &str,
 ) -> Result<Vec<(String, OwedGap)>, tokio_postgres::Error> {
     let rows = client
         .query(
@@ -328,12 +345,16 @@ pub async fn clear_owed_covered(
                 utc_text!("gap_owed_until"),
                 " AS until FROM cdc_relay_progress \
                    WHERE gap_owed_since >= $1::text::timestamptz \
-                     AND ($2::text IS NULL OR gap_owed_until <= $2::text::timestamptz) FOR UPDATE) \
+                     AND ($2::text IS NULL OR gap_owed_until <= $2::text::timestamptz) \
+                     AND gap_owed_until <= $3::text::timestamptz \
+                     AND (membership_table_oid IS NULL \
+                          OR membership_table_oid = to_regclass(format('%I.%I', $4::text, $5::text))) \
+                   FOR UPDATE) \
                  UPDATE cdc_relay_progress p SET gap_owed_since = NULL, gap_owed_until = NULL \
                  FROM covered WHERE p.slot_name = covered.slot_name \
                  RETURNING covered.slot_name, covered.since, covered.until"
             ),
-            &[&since, &until],
+            &[&since, &until, &started, &table.schema, &table.name],
         )
         .await;
     let rows = match rows {

@@ -430,6 +430,44 @@ async fn run_refuses_a_table_or_publication_that_would_skip_events() -> anyhow::
             out.text()
         );
     }
+    // A standby set up for another valid table, with its own publication:
+    // the slot's progress record names the table the active relay
+    // streams. (Broken before: it stood by as healthy, and at the takeover
+    // confirmed the slot past every event of the real outbox.)
+    db.batch_execute(
+        "CREATE PUBLICATION other_pub FOR TABLE other_outbox; \
+         GRANT SELECT ON other_outbox TO cdc_relay",
+    )
+    .await?;
+    harness::wait_until(
+        "the active relay's membership recorded",
+        Duration::from_secs(40),
+        || async {
+            let oid: Option<u32> = db
+                .query_opt(
+                    "SELECT membership_table_oid FROM cdc_relay_progress WHERE slot_name = $1",
+                    &[&stack.slot],
+                )
+                .await?
+                .and_then(|r| r.get(0));
+            anyhow::Ok(oid.is_some())
+        },
+    )
+    .await?;
+    let mut other = base.to_vec();
+    other.extend([
+        "--table",
+        "public.other_outbox",
+        "--publication",
+        "other_pub",
+    ]);
+    let out = app::relay_command(&stack, &stack.relay_url, &other, &env).await?;
+    assert_eq!(out.code(), Some(3), "{}", out.text());
+    assert!(
+        out.text().contains("streams the outbox public.outbox"),
+        "{}",
+        out.text()
+    );
     drop(active);
     Ok(())
 }

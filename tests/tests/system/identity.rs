@@ -251,8 +251,19 @@ async fn outbox_leaves_the_publication(how: Leave) -> anyhow::Result<()> {
         "WAL was written past the held position"
     );
 
+    // One more row inserted just before the table is back, in the same
+    // round trip: the owed window must end after it, to the microsecond.
+    // (Broken before: the window's end was cut to whole seconds, and a
+    // row of that second fell outside the backfill it printed.)
+    let late = uuid::Uuid::new_v4();
+    let late_order = uuid::Uuid::new_v4();
     db.batch_execute(&format!(
-        "ALTER PUBLICATION {} ADD TABLE outbox",
+        "BEGIN; \
+         INSERT INTO orders (id, amount_cents, currency) VALUES ('{late_order}', 250, 'EUR'); \
+         INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{late}', '{late_order}', \
+           'OrderCreated', jsonb_build_object('order_id', '{late_order}'::uuid, 'amount_cents', 250, 'currency', 'EUR')); \
+         COMMIT; \
+         ALTER PUBLICATION {} ADD TABLE outbox",
         stack.publication
     ))
     .await?;
@@ -271,8 +282,8 @@ async fn outbox_leaves_the_publication(how: Leave) -> anyhow::Result<()> {
     .await?;
     let ledger = Ledger::read(stack).await?;
     assert_eq!(
-        ledger.lost, 1,
-        "only the event committed while out: {ledger:?}"
+        ledger.lost, 2,
+        "only the events committed while out: {ledger:?}"
     );
     let (status, body) = relay.get("/readyz").await?;
     assert!(
@@ -300,12 +311,44 @@ async fn outbox_leaves_the_publication(how: Leave) -> anyhow::Result<()> {
         .unwrap_or_else(|| panic!("status names the backfill: {text}"));
     let quoted: Vec<&str> = command.split('\'').collect();
     let (owed_since, owed_until) = (quoted[1], quoted[3]);
+    // It starts --backfill-margin (5 minutes by default) before the
+    // outbox was last seen in: a transaction that began before the leave
+    // and inserted during it has its row's time there. (Broken before:
+    // the printed window started at the last reading, and such a row was
+    // outside it.)
+    let margin: bool =
+        s.db.query_one(
+            "SELECT $1::text::timestamptz <= $2::text::timestamptz - interval '4 minutes'",
+            &[&owed_since, &since],
+        )
+        .await?
+        .get(0);
+    assert!(margin, "owed from {owed_since}, left at {since}");
+    // A backfill of another table does not clear it.
+    s.db.batch_execute("CREATE TABLE other_outbox (LIKE outbox INCLUDING ALL); GRANT SELECT ON other_outbox TO cdc_relay")
+        .await?;
+    let out = app::relay_command(
+        stack,
+        &stack.relay_url,
+        &[
+            "backfill",
+            "--table",
+            "public.other_outbox",
+            &format!("--since={owed_since}"),
+        ],
+        &[
+            ("CDC_RELAY_SINK_URL", &s.billing().inbox()),
+            ("EVENT_SECRET", TEST_SECRET),
+        ],
+    )
+    .await?;
     assert!(
-        owed_since <= since.as_str(),
-        "the owed window starts when the outbox was last seen in ({owed_since}), not after the leave ({since})"
+        out.success() && !out.text().contains("cleared"),
+        "{}",
+        out.text()
     );
     backfill_window(stack, owed_since, Some(owed_until), &s.billing().inbox()).await?;
-    oracle::wait_ledger_clean(stack, 3, DRAIN).await?;
+    oracle::wait_ledger_clean(stack, 4, DRAIN).await?;
     wait_until(
         "/readyz 200 once a backfill covered the gap",
         NOTICE,

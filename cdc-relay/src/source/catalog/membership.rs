@@ -86,7 +86,7 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
                       WHERE pubinsert AND rowfilter IS NOT DISTINCT FROM $6::text \
                         AND (attnames IS NULL OR $5::text[]::name[] <@ attnames)) \
     SELECT pg_current_wal_lsn()::text, \
-           to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00'), \
+           to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00'), \
            (SELECT oid FROM t), \
            ARRAY(SELECT c.pubname || ':' || c.oid || ':' || c.pubviaroot || ':' || c.puballtables || ':' || \
                    coalesce((SELECT string_agg(pr.oid::text, ',' ORDER BY pr.oid) FROM pg_publication_rel pr, t \
