@@ -23,6 +23,36 @@ use crate::lsn::Lsn;
 /// Time between two writes of the progress record while events flow.
 pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 
+/// `YYYY-MM-DD HH:MM:SS.ffffff+00` of a `timestamptz` SQL expression.
+macro_rules! utc_text {
+    ($e:literal) => {
+        concat!(
+            "to_char((",
+            $e,
+            ") AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00')"
+        )
+    };
+}
+
+/// Reads `slot`'s progress row through `select` (a select list over `j`,
+/// the row as JSON: a column the schema predates reads as NULL, so one
+/// statement serves every schema). `None` when there is no row, or no
+/// table (a schema before 0.2.0).
+async fn progress_row(
+    client: &Client,
+    select: &str,
+    slot: &str,
+) -> Result<Option<tokio_postgres::Row>, SourceError> {
+    let sql = format!(
+        "{select} FROM (SELECT to_jsonb(p) AS j FROM cdc_relay_progress p WHERE slot_name = $1) r"
+    );
+    match client.query_opt(&sql, &[&slot]).await {
+        Ok(row) => Ok(row),
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => Ok(None),
+        Err(e) => Err(SourceError::sql("reading cdc_relay_progress", &e)),
+    }
+}
+
 /// A slot's progress row.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProgressRecord {
@@ -157,24 +187,18 @@ pub async fn read_membership(
     client: &Client,
     slot: &str,
 ) -> Result<Option<Membership>, SourceError> {
-    // to_jsonb(p) reads the columns when they exist and NULL when the
-    // schema predates them, in one statement.
-    let row = client
-        .query_opt(
-            "SELECT (j -> 'membership_carriers')::text, (j ->> 'membership_table_oid')::oid, \
-                    to_char(greatest((j ->> 'membership_at')::timestamptz, \
-                                     (j ->> 'updated_at')::timestamptz - interval '30 s') \
-                            AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00') \
-             FROM (SELECT to_jsonb(p) AS j FROM cdc_relay_progress p WHERE slot_name = $1) r",
-            &[&slot],
-        )
-        .await;
-    let row = match row {
-        Ok(row) => row,
-        // The table does not exist (a schema before 0.2.0): nothing recorded.
-        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => None,
-        Err(e) => return Err(SourceError::sql("reading cdc_relay_progress", &e)),
-    };
+    let row = progress_row(
+        client,
+        concat!(
+            "SELECT (j -> 'membership_carriers')::text, (j ->> 'membership_table_oid')::oid, ",
+            utc_text!(
+                "greatest((j ->> 'membership_at')::timestamptz, \
+                          (j ->> 'updated_at')::timestamptz - interval '30 s')"
+            ),
+        ),
+        slot,
+    )
+    .await?;
     let Some(row) = row else { return Ok(None) };
     let carriers: Option<Vec<String>> = row
         .get::<_, Option<String>>(0)
@@ -249,37 +273,20 @@ impl std::fmt::Display for OwedGap {
     }
 }
 
-/// `YYYY-MM-DD HH:MM:SS+00` of a `timestamptz` SQL expression.
-macro_rules! utc_text {
-    ($e:literal) => {
-        concat!(
-            "to_char((",
-            $e,
-            ") AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00')"
-        )
-    };
-}
-
 /// The gap `slot` owes ([`OwedGap`]); `None` when none is recorded, or
 /// the schema predates the columns (nothing can be owed then).
 pub async fn read_owed(client: &Client, slot: &str) -> Result<Option<OwedGap>, SourceError> {
-    let row = client
-        .query_opt(
-            concat!(
-                "SELECT ",
-                utc_text!("(j ->> 'gap_owed_since')::timestamptz"),
-                ", ",
-                utc_text!("(j ->> 'gap_owed_until')::timestamptz"),
-                " FROM (SELECT to_jsonb(p) AS j FROM cdc_relay_progress p WHERE slot_name = $1) r"
-            ),
-            &[&slot],
-        )
-        .await;
-    let row = match row {
-        Ok(row) => row,
-        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => None,
-        Err(e) => return Err(SourceError::sql("reading cdc_relay_progress", &e)),
-    };
+    let row = progress_row(
+        client,
+        concat!(
+            "SELECT ",
+            utc_text!("(j ->> 'gap_owed_since')::timestamptz"),
+            ", ",
+            utc_text!("(j ->> 'gap_owed_until')::timestamptz"),
+        ),
+        slot,
+    )
+    .await?;
     Ok(row.and_then(|r| {
         Some(OwedGap {
             since: r.get::<_, Option<String>>(0)?,

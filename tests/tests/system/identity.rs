@@ -851,7 +851,17 @@ async fn membership_change_while_the_relay_is_stopped_is_reported_at_the_next_st
         .await?;
     eprintln!("{error}");
     assert_eq!(s.relay.metrics().await?.sum(GAPS), 1.0, "one gap counted");
-    let since = error
+    // The owed gap follows, with the backfill that re-sends it.
+    let owed = s
+        .relay
+        .process
+        .wait_for_line_where(
+            "an ERROR with the owed gap's backfill",
+            |l| l.contains("ERROR") && l.contains("cdc-relay backfill --since '"),
+            NOTICE,
+        )
+        .await?;
+    let since = owed
         .split("--since '")
         .nth(1)
         .and_then(|rest| rest.split('\'').next())
