@@ -179,15 +179,18 @@ pub struct RunArgs {
     )]
     pub on_slot_loss: crate::relay::OnSlotLoss,
     /// What to do when the outbox was out of its publication for a while
-    /// (rows inserted meanwhile were never decoded): tell (fail /readyz and
-    /// log the exact `cdc-relay backfill` command), or, once the table is
-    /// back, backfill (re-send the rows of the gap's window from the table
-    /// through the pipeline, the window starting --backfill-margin early,
-    /// then stream on; the receiver deduplicates).
+    /// (rows inserted meanwhile were never decoded): tell (log the exact
+    /// `cdc-relay backfill` command, its window starting --backfill-margin
+    /// early, and fail /readyz and `status` until a backfill covering it
+    /// completes), or, once the table is back, backfill (re-send the rows
+    /// of the gap's window from the table through the pipeline, the window
+    /// starting --backfill-margin early, then stream on; the receiver
+    /// deduplicates).
     #[arg(long, env = "CDC_RELAY_ON_GAP", value_enum, default_value = "tell")]
     pub on_gap: crate::relay::OnGap,
-    /// How far before the last delivered commit a recovery backfill starts
-    /// (transactions that were long commit after their rows' insert time).
+    /// How far before the last delivered commit a recovery backfill starts,
+    /// and before a publication gap its window (transactions that were long
+    /// commit after their rows' insert time).
     #[arg(long, env = "CDC_RELAY_BACKFILL_MARGIN", default_value = "5m", value_parser = parse_duration)]
     pub backfill_margin: Duration,
     /// Column a recovery backfill orders the outbox rows by (their insert
