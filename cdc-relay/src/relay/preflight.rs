@@ -24,6 +24,7 @@ struct Early {
     wal_sender_timeout: std::time::Duration,
     slot: Option<SlotInfo>,
     parked: Vec<String>,
+    restreamed: std::collections::HashMap<(String, String), i64>,
 }
 
 impl Session<'_> {
@@ -55,18 +56,37 @@ impl Session<'_> {
                 let parked = dead_letter::parked_endpoints(&side)
                     .await
                     .map_err(|e| SourceError::sql("looking for parked dead letters", &e))?;
-                Ok::<_, SourceError>((wal_sender_timeout, slot, parked))
+                // Rows an earlier session wrote and did not confirm: their
+                // events stream again, and one delivered now supersedes
+                // its row.
+                let restreamed = match slot.as_ref().and_then(|s| s.confirmed_flush_lsn) {
+                    Some(confirmed) => dead_letter::restreamable(&side, confirmed)
+                        .await
+                        .unwrap_or_else(|e| {
+                            tracing::warn!(error = %crate::db_message(&e), "cannot read the dead letters of unconfirmed events: one delivered now keeps its row (a replay would send it again)");
+                            Default::default()
+                        }),
+                    None => Default::default(),
+                };
+                Ok::<_, SourceError>((wal_sender_timeout, slot, parked, restreamed))
             };
             // A read that waited past lock_timeout names who holds the lock.
-            let (wal_sender_timeout, slot, parked) = match reads.await {
+            let (wal_sender_timeout, slot, parked, restreamed) = match reads.await {
                 Ok(read) => read,
                 Err(e) => return Err(lock_wait::named(&side, e).await),
             };
-            Ok::<_, SourceError>((side, side_closed, server, wal_sender_timeout, slot, parked))
+            Ok::<_, SourceError>((
+                side,
+                side_closed,
+                server,
+                wal_sender_timeout,
+                slot,
+                (parked, restreamed),
+            ))
         };
         let tries = u32::try_from(cfg.conn.hosts.len()).unwrap_or(u32::MAX);
         let bound = cfg.conn.connect_timeout * tries.saturating_add(1);
-        let (side, side_closed, server, wal_sender_timeout, slot, parked) =
+        let (side, side_closed, server, wal_sender_timeout, slot, (parked, restreamed)) =
             tokio::time::timeout(bound, startup).await.map_err(|_| {
                 SourceError::Transient(format!(
                     "{}: no answer within {bound:?} while connecting",
@@ -80,6 +100,7 @@ impl Session<'_> {
             wal_sender_timeout,
             slot,
             parked,
+            restreamed,
         };
         // A check that waited past lock_timeout names who holds the lock.
         match self
@@ -109,6 +130,7 @@ impl Session<'_> {
             wal_sender_timeout,
             slot,
             parked,
+            restreamed,
         } = early;
         // The slot was recreated and the gap since the progress record
         // re-sent: the new slot is ahead of where this process left the old
@@ -285,6 +307,7 @@ impl Session<'_> {
             sql_ascii,
             row_filter,
             parked,
+            restreamed,
         }))
     }
 

@@ -56,6 +56,9 @@ pub(super) struct Prepared {
     pub(super) row_filter: Option<String>,
     /// Endpoints whose parked dead letters wait: they start parked.
     pub(super) parked: Vec<String>,
+    /// Dead-letter rows of events the slot streams again
+    /// ([`crate::dead_letter::restreamable`]).
+    pub(super) restreamed: std::collections::HashMap<(String, String), i64>,
 }
 
 impl Session<'_> {
@@ -72,7 +75,7 @@ impl Session<'_> {
         // A recovery backfill (`--on-slot-loss recreate-and-backfill`) is refused with a
         // routes file at start, so it always has the one endpoint here.
         let sink = &lanes[0].sink;
-        let Some(p) = self.prepare(left.as_ref(), sink, shutdown).await? else {
+        let Some(mut p) = self.prepare(left.as_ref(), sink, shutdown).await? else {
             return Ok(()); // shutdown during the recovery backfill
         };
         let start = p.slot.confirmed_flush_lsn.unwrap_or(Lsn::ZERO);
@@ -172,20 +175,11 @@ impl Session<'_> {
             retained: retained_wal(readings.clone()),
         });
         let window = Window::new(cfg.window_events, cfg.window_bytes);
-        // Rows an earlier session wrote and did not confirm: their events
-        // stream again, and one delivered now supersedes its row.
-        let restreamed = match p.slot.confirmed_flush_lsn {
-            Some(confirmed) => crate::dead_letter::restreamable(&p.side, confirmed)
-                .await
-                .unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "cannot read the dead letters of unconfirmed events: one delivered now keeps its row (a replay would send it again)");
-                    Default::default()
-                }),
-            None => Default::default(),
-        };
         let pipeline = Pipeline {
             unrouted: cfg.unrouted,
-            restreamed,
+            // Read in the preflight: once streaming, nothing may wait on
+            // the side connection outside the watchdog's bound.
+            restreamed: std::mem::take(&mut p.restreamed),
             wal_budget,
             window: Some(window.clone()),
             ..Pipeline::new(

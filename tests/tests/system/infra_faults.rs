@@ -723,12 +723,18 @@ async fn stranded_handshake_during_reconnect_is_bounded() -> anyhow::Result<()> 
     // query times out (5 s), and the relay reconnects into the blackhole.
     proxy.set_mode(Mode::Blackhole);
     let before = proxy.accepted();
-    wait_until(
+    if let Err(err) = wait_until(
         "the relay to open a new connection (held by the blackhole)",
         Duration::from_secs(30),
         || async { proxy.accepted() > before },
     )
-    .await?;
+    .await
+    {
+        panic!(
+            "{err:#}\n--- relay log tail ---\n{}",
+            tail(&relay.process.logs(), 20)
+        );
+    }
     // A firewall failover: the held connection's state is gone, new
     // connections work.
     proxy.strand_existing();
