@@ -193,12 +193,20 @@ async fn a_new_split_waits_while_the_old_one_streams_and_starts_once_it_stopped(
         held.values().all(Option::is_none),
         "a new shard slot is held while the old split streams: {held:?}"
     );
-    assert_eq!(
-        new.metrics()
-            .await?
-            .value("cdc_relay_standby", &[("shard", "0of2")]),
-        Some(1.0)
-    );
+    // Each shard says it stands by once its own checks ran (a standby runs
+    // the configuration checks before it waits: the shards get there one
+    // after the other).
+    for shard in ["0of2", "1of2"] {
+        wait_until(&format!("shard {shard} standing by"), CLAIM, || async {
+            anyhow::Ok(
+                new.metrics()
+                    .await?
+                    .value("cdc_relay_standby", &[("shard", shard)])
+                    == Some(1.0),
+            )
+        })
+        .await?;
+    }
 
     s.stop_relay().await?;
     let stopped = Instant::now();
