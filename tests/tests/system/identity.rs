@@ -953,7 +953,20 @@ async fn publication_dropped_and_recreated_under_a_stopped_relay_is_never_silent
             "names the recreated publication and the advance: {}",
             run.text()
         );
-        // The advance the message gives, as the relay's role.
+        // The advance the message gives, as the relay's role, once the
+        // exited relay's walsender has let the slot go (it ends a moment
+        // after the relay).
+        wait_until("the slot released", NOTICE, || async {
+            let active: bool =
+                s.db.query_one(
+                    "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&s.stack.slot],
+                )
+                .await?
+                .get(0);
+            anyhow::Ok(!active)
+        })
+        .await?;
         harness::connect(&s.stack.relay_url)
             .await?
             .batch_execute(&format!(
