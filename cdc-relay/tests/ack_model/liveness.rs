@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use stateright::Model;
 
-use crate::model::{AckModel, Action, State, Summary, render};
+use crate::model::{AckModel, Action, State};
+use crate::render::{Summary, render};
 use crate::rules::Rule;
 
 /// The explicit state graph of the recovery check.

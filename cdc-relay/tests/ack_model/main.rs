@@ -66,6 +66,7 @@
 
 mod liveness;
 mod model;
+mod render;
 mod rules;
 
 use std::collections::HashMap;
@@ -75,7 +76,8 @@ use cdc_relay::ack::AckTracker;
 use stateright::{Checker, Expectation, HasDiscoveries, Model, Path};
 
 use liveness::{check_liveness, check_recovery, moves_on_while_down};
-use model::{AckModel, Action, Item, State, render};
+use model::{AckModel, Action, Item, State};
+use render::render;
 use rules::{
     BatchDoneWithFirst, EagerKeepalive, FirstEndpointDone, HighestDone, NoKeepalive,
     ParkedBeforeRow, ParkedStaysPending, Rule,
