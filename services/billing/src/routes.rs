@@ -8,12 +8,12 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use deadpool_postgres::Pool;
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 use serde::Deserialize;
 use service_common::ServiceError;
 use service_common::body::{RawJsonBody, parse_json};
 use service_common::metrics::HttpMetrics;
+use service_common::pool::Pool;
 use service_common::server::Routes;
 use service_common::telemetry::{RequestSpan, Spans};
 

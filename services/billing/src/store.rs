@@ -11,10 +11,10 @@
 
 use std::collections::HashSet;
 
-use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::error::SqlState;
 use serde::Serialize;
 use service_common::ServiceError;
+use service_common::pool::Pool;
 use uuid::Uuid;
 
 use crate::event::OrderCreated;

@@ -29,7 +29,9 @@ use std::time::Duration;
 
 use deadpool_postgres::tokio_postgres::config::Host;
 use deadpool_postgres::tokio_postgres::{Config, NoTls};
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod, Runtime};
+
+use crate::pool::Pool;
 
 /// Database flags. The URL is never printed (`--help` hides its env value,
 /// `Debug` redacts it).
@@ -48,8 +50,9 @@ pub struct DbArgs {
     /// during a burst delays each request that waits for a new connection (a
     /// server process started and authenticated: milliseconds); the prefilled
     /// ones carry the first requests of a burst at once. The rest of the
-    /// pool, and any connection that fails later, open when requests need
-    /// them. 0: only the one connection that checks the database. Each
+    /// pool opens one connection at a time, ahead of need (two kept idle
+    /// while below `--pool-size`), so a burst never waits for a dozen
+    /// logins at once. 0: only the one connection that checks the database. Each
     /// prefilled connection is held for the service's life: count them
     /// against the server's `max_connections` (every instance of every
     /// service). Above `--pool-size`: exit 2.
@@ -179,13 +182,16 @@ impl DbArgs {
             },
         );
         let connect = Duration::from_millis(self.connect_timeout_ms);
-        Ok(Pool::builder(manager)
-            .max_size(usize::from(self.pool_size))
+        // Deadpool's limit starts at what the prefill opens; `Pool` raises
+        // it one connection at a time (see `crate::pool`).
+        let pool = deadpool_postgres::Pool::builder(manager)
+            .max_size(usize::from(self.prefill().max(1)))
             .wait_timeout(Some(Duration::from_millis(self.pool_wait_timeout_ms)))
             .create_timeout(Some(connect))
             .recycle_timeout(Some(connect))
             .runtime(Runtime::Tokio1)
-            .build()?)
+            .build()?;
+        Ok(Pool::new(pool, usize::from(self.pool_size)))
     }
 }
 
@@ -211,6 +217,7 @@ pub struct Prefilled {
 /// down, or refuses the password, is tried once, not `n` times. Those that
 /// fail to open are opened on demand later, as without a prefill.
 pub async fn prefill(pool: &Pool, n: u16) -> Prefilled {
+    let pool = pool.inner();
     let wanted = usize::from(n.max(1));
     let first = match pool.get().await {
         Ok(first) => first,

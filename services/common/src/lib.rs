@@ -29,6 +29,7 @@ pub mod error;
 pub mod idempotency;
 pub mod metrics;
 pub mod money;
+pub mod pool;
 pub mod server;
 pub mod service;
 pub mod telemetry;

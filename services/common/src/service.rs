@@ -7,8 +7,8 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::pool::Pool;
 use anyhow::Context;
-use deadpool_postgres::Pool;
 use tokio::net::TcpListener;
 
 use crate::cli::ServiceArgs;

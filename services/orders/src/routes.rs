@@ -7,11 +7,11 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use deadpool_postgres::Pool;
 use prometheus::IntCounter;
 use service_common::ServiceError;
 use service_common::body::JsonBody;
 use service_common::metrics::HttpMetrics;
+use service_common::pool::Pool;
 use service_common::telemetry::{RequestSpan, Spans};
 use uuid::Uuid;
 

@@ -12,7 +12,7 @@
 //! stored (and not expired) it returns no row: the transaction is rolled
 //! back and the stored answer is read instead.
 
-use deadpool_postgres::Pool;
+use service_common::pool::Pool;
 use std::time::Duration;
 
 use deadpool_postgres::tokio_postgres::error::SqlState;

@@ -8,13 +8,13 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use deadpool_postgres::Pool;
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 use serde::Deserialize;
 use service_common::ServiceError;
 use service_common::body::JsonBody;
 use service_common::idempotency::{IdempotencyKey, REPLAYED_HEADER};
 use service_common::metrics::HttpMetrics;
+use service_common::pool::Pool;
 use uuid::Uuid;
 
 use crate::charge::{self, Answer, NewCharge};

@@ -12,13 +12,13 @@
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::error::SqlState;
 use deadpool_postgres::tokio_postgres::types::ToSql;
 use serde::Serialize;
 use serde_json::Value;
 use service_common::ServiceError;
 use service_common::idempotency::{self, IdempotencyKey};
+use service_common::pool::Pool;
 use uuid::Uuid;
 
 use crate::charge::{Answer, NewCharge};

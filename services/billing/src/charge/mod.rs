@@ -28,8 +28,8 @@ pub mod store;
 pub mod verdict;
 pub mod worker;
 
-use deadpool_postgres::Pool;
 use prometheus::{IntCounterVec, Opts, Registry};
+use service_common::pool::Pool;
 use uuid::Uuid;
 
 pub use worker::{ChargeSettings, ChargeWorker};

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::types::ToSql;
+use service_common::pool::Pool;
 use uuid::Uuid;
 
 /// Claims the due invoices: each becomes `charging`, counts the attempt,

@@ -112,8 +112,9 @@ pub(crate) async fn latency_one(ctx: &mut Ctx, who: Contender, rate: u32) -> any
             .map(|(ms, at)| format!("{ms:.1} ms at +{:.2} s", (at - t0) as f64 / 1e6))
             .collect();
         ctx.results.note(format!(
-            "{scen} {col}{tag}: slowest of {} orders: {}",
+            "{scen} {col}{tag}: slowest of {} orders (first at {:.3} s, Unix time): {}",
             timeline.len(),
+            t0 as f64 / 1e6,
             slow.join(", ")
         ));
     }
