@@ -149,20 +149,6 @@ pub struct DeadLetterFilterArgs {
     pub endpoint: Option<String>,
 }
 
-impl DeadLetterFilterArgs {
-    /// The filter these flags describe.
-    pub fn filter(&self) -> crate::dead_letter::Filter {
-        crate::dead_letter::Filter {
-            event_type: self.event_type.clone(),
-            reason: self.reason.clone(),
-            since: self.since.clone(),
-            until: self.until.clone(),
-            aggregate: self.aggregate.clone(),
-            endpoint: self.endpoint.clone(),
-        }
-    }
-}
-
 /// Parses a rate in requests per second: `50`, `2.5`, `100/s`.
 fn parse_rate(s: &str) -> Result<f64, String> {
     let n: f64 = s

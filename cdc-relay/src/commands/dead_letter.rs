@@ -12,7 +12,7 @@ use tokio_postgres::Client;
 use super::{ConfigError, connect, outln};
 use crate::cli::{DeadLetterCommand, GlobalArgs};
 use crate::dead_letter::{self, Removal};
-use rows::DeadLetter;
+use rows::{DeadLetter, Filter};
 
 /// Runs one `dead-letter` subcommand.
 pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()> {
@@ -58,8 +58,8 @@ pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()>
 async fn checked(
     client: &Client,
     args: &crate::cli::DeadLetterFilterArgs,
-) -> anyhow::Result<dead_letter::Filter> {
-    let filter = args.filter();
+) -> anyhow::Result<Filter> {
+    let filter = Filter::of(args);
     for (flag, value) in [("--since", &filter.since), ("--until", &filter.until)] {
         if let Some(v) = value {
             crate::backfill::check_instant(client, flag, v)
@@ -77,11 +77,11 @@ async fn checked(
 /// `--all`, or a filter alone.
 enum Selection {
     Ids(Vec<i64>),
-    Filtered(dead_letter::Filter),
+    Filtered(Filter),
 }
 
 impl Selection {
-    fn new(ids: Vec<i64>, all: bool, filter: dead_letter::Filter) -> anyhow::Result<Self> {
+    fn new(ids: Vec<i64>, all: bool, filter: Filter) -> anyhow::Result<Self> {
         match (ids.is_empty(), all || !filter.is_empty()) {
             (false, false) => Ok(Self::Ids(ids)),
             (true, true) => Ok(Self::Filtered(filter)),
@@ -160,7 +160,7 @@ fn age(secs: i64) -> String {
 async fn list(
     client: &Client,
     json: bool,
-    filter: &dead_letter::Filter,
+    filter: &Filter,
     limit: Option<i64>,
 ) -> anyhow::Result<()> {
     let rows = rows::list(client, filter, limit).await?;

@@ -149,7 +149,7 @@ struct Source<'a> {
     /// Rows already read (named by id); empty once taken.
     read: Vec<DeadLetter>,
     /// A filter's rows after id `after`, unless `done`.
-    filter: Option<dead_letter::Filter>,
+    filter: Option<super::rows::Filter>,
     after: i64,
     done: bool,
     /// `--endpoint`: rows dead-lettered by another endpoint are not sent.

@@ -4,7 +4,78 @@
 use serde::Serialize;
 use tokio_postgres::Client;
 
-use crate::dead_letter::{FILTERED, Filter, query_traced};
+use crate::dead_letter::query_traced;
+
+/// Which dead letters a command works on: every condition given must hold
+/// (`None` is no condition). One filter serves `list`, `replay` and
+/// `discard`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// Event type: an exact name, or a glob where `*` matches any run of
+    /// characters (`Order*`).
+    pub event_type: Option<String>,
+    /// Text the row's error contains, case-insensitively (`http_422`,
+    /// `unreadable`, `order_already_invoiced`).
+    pub reason: Option<String>,
+    /// Dead-lettered at or after this instant (timestamptz text with a
+    /// UTC offset).
+    pub since: Option<String>,
+    /// Dead-lettered before this instant.
+    pub until: Option<String>,
+    /// Aggregate key (the ordering key column's value), exactly.
+    pub aggregate: Option<String>,
+    /// The routes file's endpoint that refused the event, exactly (rows of
+    /// one-endpoint mode, unrouted events and unreadable rows have none).
+    pub endpoint: Option<String>,
+}
+
+impl Filter {
+    /// The filter the `dead-letter` flags describe.
+    pub fn of(args: &crate::cli::DeadLetterFilterArgs) -> Filter {
+        Filter {
+            event_type: args.event_type.clone(),
+            reason: args.reason.clone(),
+            since: args.since.clone(),
+            until: args.until.clone(),
+            aggregate: args.aggregate.clone(),
+            endpoint: args.endpoint.clone(),
+        }
+    }
+
+    /// Whether no condition is set: every row matches.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// The `LIKE` pattern for the event-type glob: `*` becomes `%`, and
+    /// `%`, `_` and `\` match themselves.
+    pub fn type_pattern(&self) -> Option<String> {
+        self.event_type.as_ref().map(|t| {
+            let mut p = String::with_capacity(t.len());
+            for c in t.chars() {
+                match c {
+                    '*' => p.push('%'),
+                    '%' | '_' | '\\' => {
+                        p.push('\\');
+                        p.push(c);
+                    }
+                    c => p.push(c),
+                }
+            }
+            p
+        })
+    }
+}
+
+/// The conditions of a [`Filter`] on `cdc_relay_dead_letter`: parameters
+/// `$1` to `$6` are the type pattern, reason, since, until, aggregate and
+/// endpoint, in that order.
+pub const FILTERED: &str = "($1::text IS NULL OR event_type LIKE $1) \
+       AND ($2::text IS NULL OR strpos(lower(error), lower($2)) > 0) \
+       AND ($3::text IS NULL OR quarantined_at >= $3::text::timestamptz) \
+       AND ($4::text IS NULL OR quarantined_at < $4::text::timestamptz) \
+       AND ($5::text IS NULL OR aggregate_key = $5) \
+       AND ($6::text IS NULL OR endpoint = $6)";
 
 /// A row of the dead-letter table, as listed.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -176,6 +247,21 @@ pub async fn get_many(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn type_globs_become_like_patterns_that_match_only_what_they_say() {
+        let f = |t: &str| Filter {
+            event_type: Some(t.into()),
+            ..Filter::default()
+        };
+        assert_eq!(f("Order*").type_pattern().as_deref(), Some("Order%"));
+        assert_eq!(
+            f("OrderCreated").type_pattern().as_deref(),
+            Some("OrderCreated")
+        );
+        assert_eq!(f("a_b%c").type_pattern().as_deref(), Some("a\\_b\\%c"));
+        assert!(Filter::default().is_empty() && !f("x").is_empty());
+    }
 
     /// `query_traced` finds the trace column only by its token.
     #[test]
