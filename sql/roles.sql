@@ -97,7 +97,10 @@ $roles$;
 -- and create temporary tables. Nothing of ours uses them, so PUBLIC loses
 -- both; superusers are unaffected, and a non-superuser that needs one (a
 -- monitoring agent) gets an explicit GRANT CONNECT. Cluster-wide, like the
--- roles; re-runnable.
+-- roles; re-runnable. One exception: cdc_relay keeps CONNECT (only) on
+-- `postgres`: when a login to its own database waits behind a lock on a
+-- system catalog there, it reads the lock's holder from `postgres`, to name
+-- it (see docs/operations.md, troubleshooting).
 -- Only when something is granted: the same row changed by two sessions at
 -- once fails with "tuple concurrently updated" (every app database's run
 -- of this file touches these two), so a clash is retried.
@@ -114,10 +117,16 @@ BEGIN
                      aclexplode(coalesce(d.datacl, acldefault('d', d.datdba))) a
                 WHERE d.datname = db
                   AND (a.grantee = 0 OR a.grantee IN (SELECT oid FROM pg_roles
-                       WHERE rolname IN ('orders_app', 'billing_app', 'payments_app', 'cdc_relay'))));
+                       WHERE rolname IN ('orders_app', 'billing_app', 'payments_app', 'cdc_relay')))
+                  AND NOT (db = 'postgres' AND a.privilege_type = 'CONNECT'
+                           AND a.grantee = (SELECT oid FROM pg_roles WHERE rolname = 'cdc_relay')))
+              AND (db <> 'postgres' OR has_database_privilege('cdc_relay', db, 'CONNECT'));
             BEGIN
                 EXECUTE format('REVOKE CONNECT, TEMPORARY ON DATABASE %I FROM PUBLIC', db);
                 EXECUTE format('REVOKE ALL ON DATABASE %I FROM orders_app, billing_app, payments_app, cdc_relay', db);
+                IF db = 'postgres' THEN
+                    GRANT CONNECT ON DATABASE postgres TO cdc_relay;
+                END IF;
             EXCEPTION WHEN internal_error THEN
                 PERFORM pg_sleep(0.05 * attempt);
             END;

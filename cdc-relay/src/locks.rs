@@ -20,9 +20,40 @@ pub fn is_lock_wait(e: &tokio_postgres::Error) -> bool {
 /// statement) holds MODE on TABLE`, followed by the command that ends
 /// them; or why none could be named.
 pub async fn holders(client: &Client) -> String {
-    match client
+    let this = "(SELECT oid FROM pg_database WHERE datname = current_database())";
+    match held(client, &format!("l.database IN (0, {this})"), &[]).await {
+        Ok(None) => "no session holds a strong table lock now (it ended)".into(),
+        Ok(Some(named)) => named,
+        Err(e) => format!("who holds it could not be read: {}", crate::db_message(&e)),
+    }
+}
+
+/// The sessions holding a strong lock on a system catalog of database
+/// `dbname` (a relation OID below 16384, PostgreSQL's first user OID),
+/// read on `client`, a session of **another** database: a new session of
+/// `dbname` that must rebuild its catalog cache waits for such a lock
+/// before its login completes, so it cannot be read from there. System
+/// catalogs have the same OIDs in every database, so their names resolve
+/// here. As [`holders`]; `Ok(None)` when none is held.
+pub async fn catalog_holders(
+    client: &Client,
+    dbname: &str,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    let db = "l.database = (SELECT oid FROM pg_database WHERE datname = $1) AND l.relation < 16384";
+    held(client, db, &[&dbname]).await
+}
+
+/// The strong relation locks granted where `scope` (SQL over `pg_locks l`)
+/// holds, in words with the command that ends them; `None` when none.
+async fn held(
+    client: &Client,
+    scope: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Option<String>, tokio_postgres::Error> {
+    let rows = client
         .query(
-            "SELECT format('pid %s (%s, %s since %s: %s) holds %s on %s', l.pid, \
+            &format!(
+                "SELECT format('pid %s (%s, %s since %s: %s) holds %s on %s', l.pid, \
                     coalesce(nullif(a.application_name, ''), 'no application_name'), \
                     coalesce(a.state, '?'), \
                     coalesce(to_char(a.xact_start AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS+00'), '?'), \
@@ -31,20 +62,18 @@ pub async fn holders(client: &Client) -> String {
              FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
              WHERE l.granted AND l.locktype = 'relation' AND l.pid <> pg_backend_pid() \
                AND l.mode IN ('AccessExclusiveLock', 'ExclusiveLock', 'ShareRowExclusiveLock', 'ShareLock') \
-               AND l.database IN (0, (SELECT oid FROM pg_database WHERE datname = current_database())) \
-             ORDER BY a.xact_start NULLS LAST, l.pid LIMIT 5",
-            &[],
+               AND {scope} \
+             ORDER BY a.xact_start NULLS LAST, l.pid LIMIT 5"
+            ),
+            params,
         )
-        .await
-    {
-        Ok(rows) if rows.is_empty() => "no session holds a strong table lock now (it ended)".into(),
-        Ok(rows) => {
-            let held: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
-            format!(
-                "{}; end that transaction (SELECT pg_terminate_backend(pid)) or let it finish",
-                held.join("; ")
-            )
-        }
-        Err(e) => format!("who holds it could not be read: {}", crate::db_message(&e)),
+        .await?;
+    if rows.is_empty() {
+        return Ok(None);
     }
+    let named: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    Ok(Some(format!(
+        "{}; end that transaction (SELECT pg_terminate_backend(pid)) or let it finish",
+        named.join("; ")
+    )))
 }

@@ -172,9 +172,10 @@ async fn connect(g: &GlobalArgs) -> anyhow::Result<tokio_postgres::Client> {
     g.replication_conn().map_err(ConfigError)?;
     let client = source::connect_sql(&conn, "cdc-relay").await?;
     let bound = conn.connect_timeout * 2;
-    tokio::time::timeout(bound, source::lock_wait::bound(&client))
-        .await
-        .map_err(|_| source::login_stalled(&conn, bound))??;
+    match tokio::time::timeout(bound, source::lock_wait::bound(&client)).await {
+        Ok(bounded) => bounded?,
+        Err(_) => return Err(source::stalled_login_named(&conn, bound).await.into()),
+    };
     Ok(client)
 }
 

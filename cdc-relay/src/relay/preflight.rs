@@ -85,7 +85,10 @@ impl Session<'_> {
             ))
         };
         let tries = u32::try_from(cfg.conn.hosts.len()).unwrap_or(u32::MAX);
-        let bound = cfg.conn.connect_timeout * tries.saturating_add(1);
+        // Past the login's own bound (twice connect_timeout, then one more
+        // to name a catalog lock's holders: `source::stalled_login_named`),
+        // so that a stalled login is said as such, not as this bare bound.
+        let bound = cfg.conn.connect_timeout * tries.saturating_add(2);
         let (side, side_closed, server, wal_sender_timeout, slot, (parked, restreamed)) =
             tokio::time::timeout(bound, startup).await.map_err(|_| {
                 SourceError::Transient(format!(

@@ -171,12 +171,15 @@ async fn connect(
             // tokio-postgres bounds the TCP connect only; the login after it
             // can wait without end on the server ([`login_stalled`]).
             let bound = conn.connect_timeout * 2;
-            tokio::time::timeout(
+            match tokio::time::timeout(
                 bound,
                 connect_once(conn, application_name, notices, fallback),
             )
             .await
-            .unwrap_or_else(|_| Err(login_stalled(conn, bound)))
+            {
+                Ok(connected) => connected,
+                Err(_) => Err(stalled_login_named(conn, bound).await),
+            }
         }
     };
     match attempt(false).await {
@@ -205,6 +208,77 @@ pub fn login_stalled(conn: &ConnParams, bound: std::time::Duration) -> SourceErr
         conn.display(),
         conn.flag
     ))
+}
+
+/// [`login_stalled`], with the sessions that hold a strong lock on a
+/// system catalog of the database named when there are any: read over a
+/// connection to the `postgres` (or `template1`) database (a login to the locked database
+/// waits behind the same lock), within `connect_timeout`; or that none is
+/// held, or why it could not be read (a pooler that queues logins queues
+/// that one too). Nothing is added when the database is one of those.
+pub async fn stalled_login_named(conn: &ConnParams, bound: std::time::Duration) -> SourceError {
+    let stalled = login_stalled(conn, bound);
+    if MAINTENANCE_DBS.contains(&conn.dbname.as_str()) {
+        return stalled;
+    }
+    let read = async {
+        let mut refused = String::new();
+        for db in MAINTENANCE_DBS {
+            let mut other = conn.clone();
+            other.dbname = db.to_owned();
+            match connect_once(&other, "cdc-relay", None, false).await {
+                Ok((client, _closed)) => {
+                    return crate::locks::catalog_holders(&client, &conn.dbname)
+                        .await
+                        .map_err(|e| crate::db_message(&e));
+                }
+                // The server's words only: the hints of a refused login
+                // are about the relay's own database.
+                Err(e) => refused = server_words(&e.to_string()),
+            }
+        }
+        Err(refused)
+    };
+    let SourceError::Transient(stalled) = stalled else {
+        return stalled;
+    };
+    SourceError::Transient(
+        match tokio::time::timeout(conn.connect_timeout, read).await {
+            Ok(Ok(Some(holders))) => format!(
+                "{stalled}. A strong lock on a system catalog of {} is held now: {holders}",
+                conn.dbname
+            ),
+            Ok(Ok(None)) => format!(
+                "{stalled}. No session holds a strong lock on a system catalog of {} now",
+                conn.dbname
+            ),
+            Ok(Err(e)) => format!(
+                "{stalled}. (Who holds a catalog lock could not be read from the postgres or template1 database: {e})"
+            ),
+            Err(_) => format!(
+                "{stalled}. (Who holds a catalog lock could not be read from the postgres or template1 database: no answer within {:?} either)",
+                conn.connect_timeout
+            ),
+        },
+    )
+}
+
+/// The databases a login's lock holders are read from, in turn, when the
+/// login to the relay's own database waits: libpq's maintenance database,
+/// then the template every server has (CONNECT on `postgres` is often
+/// revoked from PUBLIC).
+const MAINTENANCE_DBS: [&str; 2] = ["postgres", "template1"];
+
+/// `message` up to its server error's `(SQLSTATE XXXXX)`, without the
+/// hint that follows.
+fn server_words(message: &str) -> String {
+    match message.find("(SQLSTATE ") {
+        Some(at) => message[..message[at..]
+            .find(')')
+            .map_or(message.len(), |e| at + e + 1)]
+            .to_owned(),
+        None => message.to_owned(),
+    }
 }
 
 async fn connect_once(

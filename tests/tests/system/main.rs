@@ -55,6 +55,7 @@
 
 mod backfill;
 mod batches;
+mod catalog_lock;
 mod chaos;
 mod cli;
 mod clock;
