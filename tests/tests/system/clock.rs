@@ -224,6 +224,58 @@ async fn a_clock_stepped_while_the_relay_runs_does_not_skew_delivery_latency() -
     Ok(())
 }
 
+/// `cdc-relay status` on a host whose clock is stepped ten minutes ahead,
+/// then behind: it reads the server's clock over its side connection and
+/// warns, naming the clock, the direction and NTP, in text and in
+/// `--json`'s `warnings`; on the true time it says nothing of the clock.
+///
+/// Before, only a running relay (its gauge and WARN) and the 401 hint
+/// named a stepped clock; `status` said "healthy" or named other things.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_a_clock_stepped_against_the_servers() -> anyhow::Result<()> {
+    let lib = faketime()?;
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let status = |args: &'static [&'static str], env: Vec<(String, String)>| {
+        let stack = &stack;
+        async move {
+            let env: Vec<(&str, &str)> =
+                env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            app::relay_command(stack, &stack.relay_url, args, &env).await
+        }
+    };
+    for (offset, way) in [("+10m", "ahead of"), ("-10m", "behind")] {
+        let out = status(&["status"], stepped(&lib, offset)).await?;
+        let line = out
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("warning: this machine's clock is"))
+            .unwrap_or_default();
+        assert!(
+            line.contains(&format!(" s {way} the database server's")) && line.contains("NTP"),
+            "{offset}: {}",
+            out.text()
+        );
+        let json = status(&["status", "--json"], stepped(&lib, offset)).await?;
+        let v: serde_json::Value = serde_json::from_str(&json.stdout)
+            .with_context(|| format!("status --json: {}", json.text()))?;
+        let warned = v["warnings"].as_array().is_some_and(|w| {
+            w.iter().any(|w| {
+                w.as_str()
+                    .is_some_and(|w| w.contains(&format!(" s {way} the database server's")))
+            })
+        });
+        assert!(warned, "{offset}: {}", json.stdout);
+    }
+    let out = status(&["status", "--json"], Vec::new()).await?;
+    assert!(
+        !out.stdout.contains("machine's clock"),
+        "on the true time: {}",
+        out.text()
+    );
+    Ok(())
+}
+
 /// The other half of the rule: Billing refusing a wrong event secret on
 /// the true time (its answer names the `webhook-timestamp` it signed
 /// over, without refusing it) gets the secret hint, not the clock's.

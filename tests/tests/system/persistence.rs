@@ -1,8 +1,10 @@
-//! Issue 30, item 6: a server-side state is named for what it is. An
-//! UNLOGGED outbox writes nothing to the WAL, so no slot ever decodes its
-//! rows; a `FOR ALL TABLES` publication skips it without a word. `status`,
-//! `run` and the running check must name the table's persistence and the
-//! command that fixes it, not "the table is in none of the publications".
+//! Issue 30, item 6: a server-side state of the outbox table is named for
+//! what it is. An UNLOGGED outbox writes nothing to the WAL, so no slot
+//! ever decodes its rows; a `FOR ALL TABLES` publication skips it without
+//! a word. `status`, `run` and the running check must name the table's
+//! persistence and the command that fixes it, not "the table is in none of
+//! the publications". Its ownership too: `setup` run by a role that does
+//! not own it names that, and the command that fixes it.
 //!
 //! Failed on `cb3ea2e`: both said the outbox is in none of the
 //! publications and suggested `ALTER PUBLICATION … ADD TABLE`, which the
@@ -108,5 +110,55 @@ async fn an_outbox_turned_unlogged_while_streaming_is_named_by_the_running_check
     )
     .await?;
     db.batch_execute("ALTER TABLE outbox SET LOGGED").await?;
+    Ok(())
+}
+
+/// `cdc-relay setup` run, as an operator might, by an administrator role
+/// that may create publications and slots (CONNECT and CREATE on the
+/// database, REPLICATION, the relay role's grants) but did not create the
+/// outbox, on a database without the publication yet: creating it `FOR
+/// TABLE outbox` needs the table's owner. It exits 1 naming the ownership
+/// in words, the connecting role, and the command that makes it the
+/// owner; that command, run, lets the same `setup` succeed.
+///
+/// Before, only a unit test covered the hint, whose command was
+/// `ALTER TABLE … OWNER TO the role that runs it`, neither table nor role
+/// named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_by_a_role_that_does_not_own_the_outbox_names_the_owner_fix() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let db = stack.orders_admin().await?;
+    // Roles are cluster-wide: a name of this stack's own.
+    let role = stack.orders_db.replacen("orders_", "dba_", 1);
+    db.batch_execute(&format!(
+        "CREATE ROLE {role} LOGIN REPLICATION PASSWORD 'dba-pw' IN ROLE cdc_relay; \
+         GRANT CONNECT, CREATE ON DATABASE {} TO {role}; DROP PUBLICATION {}",
+        stack.orders_db, stack.publication
+    ))
+    .await?;
+    let mut url = reqwest::Url::parse(&stack.orders_admin_url)?;
+    url.set_username(&role)
+        .and_then(|()| url.set_password(Some("dba-pw")))
+        .map_err(|()| anyhow::anyhow!("a user in {url}"))?;
+
+    let out = app::relay_command(&stack, url.as_str(), &["setup"], &[]).await?;
+    let text = out.text();
+    assert_eq!(out.code(), Some(1), "{text}");
+    let fix = format!("ALTER TABLE outbox OWNER TO {role}");
+    assert!(
+        text.contains("must be owner of table outbox")
+            && text.contains(&format!("({role}) does not own table outbox"))
+            && text.contains("only its owner (or a superuser) may do this")
+            && text.contains(&fix),
+        "{text}"
+    );
+    // The command it gives, as the administrator would run it.
+    db.batch_execute(&fix).await?;
+    let out = app::relay_command(&stack, url.as_str(), &["setup"], &[]).await?;
+    assert!(
+        out.success() && out.stdout.contains("created: publication"),
+        "{}",
+        out.text()
+    );
     Ok(())
 }

@@ -125,8 +125,9 @@ async fn a_server_withholding_the_stream_fails_readiness_and_says_why() -> anyho
 /// restarts (its walsender ended) and cannot pass its checks: within
 /// seconds it logs the lock's holder by pid with its query and the command
 /// that ends it, and tries again; `status` answers within seconds, naming
-/// the same, instead of hanging; once the transaction ends, everything
-/// committed meanwhile is delivered.
+/// the same, instead of hanging; `/readyz` answers 503 meanwhile; once
+/// the transaction ends, everything committed meanwhile is delivered and
+/// `/readyz` answers 200 again.
 ///
 /// Fails without the bound: the relay logged nothing for 25 s (`/readyz`
 /// "not streaming from the slot"), its check waited on the server with no
@@ -169,6 +170,13 @@ async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyho
             && log.contains("holds AccessExclusiveLock on pg_publication_namespace")
             && log.contains("LOCK TABLE pg_catalog.pg_publication_namespace")
             && log.contains("pg_terminate_backend")
+    })
+    .await?;
+    // The relay cannot stream meanwhile: it is not ready. (Checked on a
+    // condition: the session ends, then each new one fails its checks.)
+    wait_until("/readyz 503 while the lock holds", WAIT, || async {
+        let (code, body) = relay.get("/readyz").await?;
+        Ok::<_, anyhow::Error>(code == 503 && body.contains("not streaming"))
     })
     .await?;
     // What every session of the cluster waits on while status runs, for
@@ -232,6 +240,10 @@ async fn a_lock_on_a_catalog_the_relay_reads_is_named_with_its_holder() -> anyho
             events.iter().all(|e| got.contains(e))
         },
     )
+    .await?;
+    wait_until("/readyz 200 once the lock is gone", WAIT, || async {
+        Ok::<_, anyhow::Error>(relay.get("/readyz").await?.0 == 200)
+    })
     .await?;
     Ok(())
 }

@@ -34,7 +34,12 @@ pub async fn command(g: &GlobalArgs, a: SetupArgs) -> anyhow::Result<()> {
         shards: g.shards,
         slot_create_timeout: g.slot_create_timeout,
     };
-    for line in setup(&client, &plan).await? {
+    // A hint naming the role (ownership) names the side connection's.
+    let user = g.conn().map_err(anyhow::Error::msg)?.user;
+    for line in setup(&client, &plan)
+        .await
+        .map_err(|e| e.naming_role(&user))?
+    {
         outln!("{line}");
     }
     Ok(())

@@ -11,6 +11,7 @@ use crate::outbox::{OutboxColumns, TableName};
 use crate::source::catalog::{self, OtherSlot, SlotInfo};
 use crate::source::{self, SourceError, failover};
 
+mod clock;
 mod relays;
 mod render;
 pub(crate) use render::human_bytes;
@@ -65,6 +66,7 @@ async fn report(g: &GlobalArgs, a: StatusArgs, client: &Client) -> anyhow::Resul
         s.standbys.push(copy);
     }
     s.dead_letters_waiting = dead_letters_waiting(client).await?;
+    s.warnings.extend(clock::warning(client).await?);
     if let Some(message) = withheld(client, &g.slot).await? {
         s.problems.push(Problem {
             code: STREAM_WITHHELD,
@@ -308,7 +310,8 @@ pub struct Status {
     pub problems: Vec<Problem>,
     /// What does not stop delivery but fails elsewhere, one sentence each
     /// with its fix (the warnings `setup` and `run` log: a publication
-    /// publishing UPDATE/DELETE on an outbox without a replica identity).
+    /// publishing UPDATE/DELETE on an outbox without a replica identity;
+    /// this machine's clock 30 s or more from the server's).
     pub warnings: Vec<String>,
 }
 

@@ -30,6 +30,9 @@ pub struct ShardedStatus {
     pub healthy: bool,
     /// Every problem, the exit code's first.
     pub problems: Vec<Problem>,
+    /// What does not stop delivery but fails elsewhere, besides each
+    /// shard's own (this machine's clock far from the server's).
+    pub warnings: Vec<String>,
 }
 
 /// Prints the sharded status; returns the exit code.
@@ -97,6 +100,7 @@ pub(super) async fn command(
         relays,
         dead_letters_waiting: super::dead_letters_waiting(client).await?,
         problems,
+        warnings: super::clock::warning(client).await?.into_iter().collect(),
     };
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&status)?);
@@ -130,6 +134,9 @@ impl std::fmt::Display for ShardedStatus {
         }
         if let Some(n) = self.dead_letters_waiting {
             writeln!(f, "dead letters waiting: {n}")?;
+        }
+        for w in &self.warnings {
+            writeln!(f, "warning: {w}")?;
         }
         if self.healthy {
             writeln!(f, "healthy: nothing stops delivery on any shard")

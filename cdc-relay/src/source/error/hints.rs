@@ -49,13 +49,72 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
 }
 
 /// Where a hint names the role of the connection that failed; a
-/// replication connection's errors name it ([`super::SourceError::naming_role`]).
+/// replication connection's errors name it, and so do `setup`'s
+/// ([`super::SourceError::naming_role`]).
 pub(crate) const ROLE: &str = "<the URL's role>";
 
-/// What to grant for a privilege error (42501), by its words (`lower`, in
-/// lower case); `None` when they say nothing the relay knows. The
-/// REPLICATION hint holds [`ROLE`].
-pub(super) fn privilege_hint(lower: &str) -> Option<&'static str> {
+/// What to grant for a privilege error (42501), by its words (`msg`;
+/// `lower` is the same in lower case); `None` when they say nothing the
+/// relay knows. The REPLICATION and ownership hints hold [`ROLE`].
+pub(super) fn privilege_hint(msg: &str, lower: &str) -> Option<String> {
+    if let Some(at) = lower.find(NOT_OWNER) {
+        return Some(ownership_hint(&msg[at + NOT_OWNER.len()..]));
+    }
+    privilege_grant_hint(lower).map(str::to_owned)
+}
+
+/// PostgreSQL's words for an action only an object's owner may take
+/// (`must be owner of table outbox`; 42501).
+const NOT_OWNER: &str = "must be owner of ";
+
+/// The hint for `must be owner of <what>` (`what`: the kind and the name,
+/// `table outbox`, as the server gives them, then perhaps ` (SQLSTATE
+/// 42501)`): who may, and the two fixes, the second as the command that
+/// makes the connecting role the owner.
+fn ownership_hint(what: &str) -> String {
+    let what = what
+        .split(" (")
+        .next()
+        .unwrap_or_default()
+        .trim_end_matches(['.', ' ']);
+    let (kind, name) = what.split_once(' ').unwrap_or(("table", what));
+    let alter = match kind {
+        "table" | "relation" => Some("TABLE"),
+        "publication" => Some("PUBLICATION"),
+        "schema" => Some("SCHEMA"),
+        _ => None,
+    };
+    let give = match alter {
+        Some(stmt) => format!(
+            "or make the role that runs it the owner: ALTER {stmt} {} OWNER TO {ROLE}",
+            ident(name)
+        ),
+        None => format!("or make {ROLE} the owner of {what}"),
+    };
+    format!(
+        "The role this command connects as ({ROLE}) does not own {what}, and only its owner \
+         (or a superuser) may do this: run the command as the owner (for `cdc-relay setup`, \
+         the role that created the table), {give}"
+    )
+}
+
+/// `name` as SQL writes it: bare when it is a plain lower-case
+/// identifier, else double-quoted.
+pub(super) fn ident(name: &str) -> String {
+    let plain = !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && !name.starts_with(|c: char| c.is_ascii_digit());
+    if plain {
+        name.to_owned()
+    } else {
+        format!("\"{}\"", name.replace('"', "\"\""))
+    }
+}
+
+/// The grant that a privilege error other than ownership asks for.
+fn privilege_grant_hint(lower: &str) -> Option<&'static str> {
     // PostgreSQL 15: "must be superuser or replication role to start
     // walsender"; 16 and later: "permission denied to start WAL sender".
     if lower.contains("replication") || lower.contains("walsender") || lower.contains("wal sender")
@@ -64,11 +123,6 @@ pub(super) fn privilege_hint(lower: &str) -> Option<&'static str> {
             "The relay's role needs the REPLICATION attribute: ALTER ROLE <the URL's role> \
              REPLICATION (sql/roles.sql does it for cdc_relay), and a pg_hba.conf line that \
              admits it",
-        )
-    } else if lower.contains("must be owner") {
-        Some(
-            "Only the table's owner (or a superuser) may do this: run `cdc-relay setup` as the \
-             owner, or ALTER TABLE … OWNER TO the role that runs it",
         )
     } else if lower.contains("permission denied for") {
         Some(

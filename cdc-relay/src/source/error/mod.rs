@@ -205,17 +205,7 @@ impl SourceError {
     pub fn naming_role(self, user: &str) -> Self {
         match self {
             SourceError::Definite(m) if m.contains(hints::ROLE) => {
-                let plain = !user.is_empty()
-                    && user
-                        .chars()
-                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-                    && !user.starts_with(|c: char| c.is_ascii_digit());
-                let role = if plain {
-                    user.to_owned()
-                } else {
-                    format!("\"{}\"", user.replace('"', "\"\""))
-                };
-                SourceError::Definite(m.replace(hints::ROLE, &role))
+                SourceError::Definite(m.replace(hints::ROLE, &hints::ident(user)))
             }
             other => other,
         }
@@ -365,7 +355,7 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
         return SourceError::Definite(format!("{msg}. {AUTH_HINT}"));
     }
     match code {
-        Some("42501") => SourceError::Definite(match privilege_hint(&lower) {
+        Some("42501") => SourceError::Definite(match privilege_hint(&msg, &lower) {
             Some(hint) => format!("{msg}. {hint}"),
             None => msg,
         }),

@@ -53,8 +53,27 @@ fn privilege_errors_say_what_to_grant() {
         None,
     );
     assert!(e.to_string().contains("sql/roles.sql"), "{e}");
-    let e = classify(Some("42501"), "must be owner of table outbox".into(), None);
-    assert!(e.to_string().contains("owner"), "{e}");
+    let e = classify(
+        Some("42501"),
+        "creating the publication: must be owner of table Outbox (SQLSTATE 42501)".into(),
+        None,
+    );
+    let named = e.naming_role("dba").to_string();
+    assert!(
+        named.contains("(dba) does not own table Outbox")
+            && named.contains(r#"ALTER TABLE "Outbox" OWNER TO dba"#),
+        "{named}"
+    );
+    let e = classify(
+        Some("42501"),
+        "must be owner of publication p (SQLSTATE 42501)".into(),
+        None,
+    );
+    assert!(
+        e.to_string()
+            .contains("ALTER PUBLICATION p OWNER TO <the URL's role>"),
+        "{e}"
+    );
 }
 
 #[test]
