@@ -47,9 +47,9 @@ pub struct BackfillArgs {
 #[command(next_help_heading = "Prune")]
 pub struct PruneArgs {
     /// Retention window: rows whose time column is older than now minus
-    /// this may go (e.g. 7d, 36h). Keep it longer than any backfill you may
-    /// need (docs/operations.md, "Outbox retention").
-    #[arg(long, value_parser = parse_duration)]
+    /// this may go (e.g. 7d, 36h; above 0). Keep it longer than any
+    /// backfill you may need (docs/operations.md, "Outbox retention").
+    #[arg(long, value_parser = parse_retention)]
     pub older_than: Duration,
     /// Count what would go (rows, partitions) and delete nothing. Still
     /// records a prune mark, the proof a later run uses.

@@ -89,6 +89,21 @@ pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     }
 }
 
+/// Parses a retention window (`prune --older-than`, `run
+/// --prune-older-than`) as [`parse_duration`] does, above zero: a window of
+/// 0 would delete rows delivered a moment ago, which no retention means.
+pub(super) fn parse_retention(s: &str) -> Result<Duration, String> {
+    match parse_duration(s)? {
+        d if d.is_zero() => Err(
+            "must be above 0 (a window of 0 deletes rows delivered a moment \
+             ago): give the age rows must reach before they go, longer than any backfill you \
+             may need, e.g. 7d or 36h"
+                .into(),
+        ),
+        d => Ok(d),
+    }
+}
+
 /// Parses a byte size: `1048576`, `64KiB`, `64MiB`, `1GiB` (also kB/MB/GB as powers of 1024).
 pub fn parse_bytes(s: &str) -> Result<u32, String> {
     let v = parse_size(s)?;

@@ -203,12 +203,12 @@ pub struct RunArgs {
     /// payload bytes kept in payload_bytes) instead of being sent.
     #[arg(long, env = "CDC_RELAY_ALLOW_NON_UTF8")]
     pub allow_non_utf8: bool,
-    /// Opt-in retention: delete outbox rows older than this (e.g. 7d) and
-    /// proven delivered, at a low rate, from the relay itself (as
+    /// Opt-in retention: delete outbox rows older than this (e.g. 7d;
+    /// above 0) and proven delivered, at a low rate, from the relay itself (as
     /// `cdc-relay prune` does, rows only: partitions need the table's
     /// owner). The relay's role needs `GRANT DELETE ON <outbox> TO
     /// cdc_relay`. Unset: the relay never deletes.
-    #[arg(long, env = "CDC_RELAY_PRUNE_OLDER_THAN", value_parser = parse_duration, help_heading = "Retention")]
+    #[arg(long, env = "CDC_RELAY_PRUNE_OLDER_THAN", value_parser = parse_retention, help_heading = "Retention")]
     pub prune_older_than: Option<Duration>,
     /// Time between two prune ticks. An idle tick is one statement; keep it
     /// at a minute or more to stay within the idle budget. At least 1s.

@@ -237,6 +237,29 @@ fn sizes_and_durations_parse() {
 }
 
 #[test]
+fn a_zero_retention_window_is_refused_naming_the_flag() {
+    // A window of 0 deleted rows delivered a moment ago (it was accepted).
+    let prune = |age: &str| Cli::try_parse_from(["cdc-relay", "prune", "--older-than", age]);
+    for (flag, result) in [
+        ("--older-than", prune("0s")),
+        (
+            "--prune-older-than",
+            run_args(&["--prune-older-than", "0s"]),
+        ),
+    ] {
+        let err = result.unwrap_err();
+        assert_eq!(err.exit_code(), 2, "{flag}");
+        let err = err.to_string();
+        assert!(
+            err.contains(flag) && err.contains("must be above 0") && err.contains("7d"),
+            "{flag}: {err}"
+        );
+    }
+    assert!(prune("1s").is_ok());
+    assert!(run_args(&["--prune-older-than", "1s"]).is_ok());
+}
+
+#[test]
 fn a_bad_url_names_the_flag_it_came_from() {
     let good = "postgres://relay:pw@127.0.0.1:5432/orders";
     let bad = "postgres://relay:pw@127.0.0.1:5432/orders?sslmode=require&sslcrl=/crl.pem";

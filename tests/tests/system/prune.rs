@@ -16,6 +16,30 @@ use tokio_postgres::Client;
 /// Bound for deliveries and for the relay's own pruning.
 const DRAIN: Duration = Duration::from_secs(45);
 
+/// The window these tests prune with: the smallest whole one (a window of
+/// 0 is refused). Each waits for its rows to pass it ([`wait_past_window`])
+/// so that the proof alone decides which rows go.
+const WINDOW: &str = "1s";
+
+/// Waits until every outbox row is older than [`WINDOW`] by the server's
+/// clock (prune's cutoff is the server's `now()` minus the window).
+async fn wait_past_window(db: &Client) -> anyhow::Result<()> {
+    wait_until(
+        "every outbox row older than the prune window",
+        DRAIN,
+        || async {
+            db.query_one(
+                "SELECT coalesce(max(occurred_at) < now() - interval '1 second', true) FROM outbox",
+                &[],
+            )
+            .await
+            .map(|r| r.get::<_, bool>(0))
+            .map_err(anyhow::Error::from)
+        },
+    )
+    .await
+}
+
 /// `cdc-relay prune <args>` as the superuser (the table's owner).
 async fn prune(stack: &Stack, args: &[&str]) -> anyhow::Result<CommandOutput> {
     let mut argv = vec!["prune"];
@@ -82,8 +106,9 @@ async fn prune_never_deletes_an_undelivered_row_while_the_sink_is_down() -> anyh
     let delivered = insert_events(&s, 20, "Delivered").await?;
     wait_delivered(&s, &delivered).await?;
     s.settle().await?;
+    wait_past_window(&s.db).await?;
 
-    let dry = json(&prune(&s.stack, &["--older-than", "0s", "--dry-run", "--json"]).await?)?;
+    let dry = json(&prune(&s.stack, &["--older-than", WINDOW, "--dry-run", "--json"]).await?)?;
     assert_eq!(dry["rows_deleted"], 20, "{dry}");
     assert_eq!(dry["dry_run"], true);
     assert_eq!(outbox_rows(&s.db).await?, 20, "a dry run deletes nothing");
@@ -94,11 +119,13 @@ async fn prune_never_deletes_an_undelivered_row_while_the_sink_is_down() -> anyh
         s.sink().count() > 20
     })
     .await?;
+    // The pending rows too are past the window: only the proof keeps them.
+    wait_past_window(&s.db).await?;
     let out = prune(
         &s.stack,
         &[
             "--older-than",
-            "0s",
+            WINDOW,
             "--wait",
             "2s",
             "--batch",
@@ -124,7 +151,8 @@ async fn prune_never_deletes_an_undelivered_row_while_the_sink_is_down() -> anyh
     s.sink().set_status(204);
     wait_delivered(&s, &pending).await?;
     s.settle().await?;
-    let out = prune(&s.stack, &["--older-than", "0s"]).await?;
+    wait_past_window(&s.db).await?;
+    let out = prune(&s.stack, &["--older-than", WINDOW]).await?;
     assert!(out.success(), "{}", out.text());
     assert!(out.stdout.contains("deleted 10 row(s)"), "{}", out.text());
     assert_eq!(outbox_rows(&s.db).await?, 0);
@@ -155,8 +183,9 @@ async fn a_dead_lettered_row_is_kept_until_its_dead_letter_is_resolved() -> anyh
     })
     .await?;
     s.settle().await?;
+    wait_past_window(&s.db).await?;
 
-    let out = prune(&s.stack, &["--older-than", "0s", "--json"]).await?;
+    let out = prune(&s.stack, &["--older-than", WINDOW, "--json"]).await?;
     let done = json(&out)?;
     assert_eq!(done["rows_deleted"], 3, "{done}");
     assert_eq!(done["rows_kept_dead_lettered"], 1, "{done}");
@@ -181,7 +210,7 @@ async fn a_dead_lettered_row_is_kept_until_its_dead_letter_is_resolved() -> anyh
     )
     .await?;
     assert!(discard.success(), "{}", discard.text());
-    let out = prune(&s.stack, &["--older-than", "0s"]).await?;
+    let out = prune(&s.stack, &["--older-than", WINDOW]).await?;
     assert!(out.stdout.contains("deleted 1 row(s)"), "{}", out.text());
     assert_eq!(outbox_rows(&s.db).await?, 0);
     s.finish().await
@@ -196,8 +225,9 @@ async fn prune_refuses_when_delivery_cannot_be_proven() -> anyhow::Result<()> {
     let s = Scenario::start(Inbox::Scripted).await?;
     s.sink().set_status(503);
     let events = insert_events(&s, 3, "Undelivered").await?;
+    wait_past_window(&s.db).await?;
 
-    let out = prune(&s.stack, &["--older-than", "0s", "--wait", "1s"]).await?;
+    let out = prune(&s.stack, &["--older-than", WINDOW, "--wait", "1s"]).await?;
     assert_eq!(out.code(), Some(1), "{}", out.text());
     assert!(
         out.stderr.contains("cannot prove any outbox row delivered")
@@ -208,15 +238,59 @@ async fn prune_refuses_when_delivery_cannot_be_proven() -> anyhow::Result<()> {
     );
     assert_eq!(still_there(&s.db, &events).await?, 3);
 
-    let out = prune(&s.stack, &["--older-than", "0s", "--time-column", "nope"]).await?;
+    let out = prune(&s.stack, &["--older-than", WINDOW, "--time-column", "nope"]).await?;
     assert_eq!(out.code(), Some(3), "{}", out.text());
     assert!(out.stderr.contains("--time-column"), "{}", out.text());
 
     s.sink().set_status(204);
     wait_delivered(&s, &events).await?;
     s.settle().await?;
-    let out = prune(&s.stack, &["--older-than", "0s", "--wait", "0s"]).await?;
+    let out = prune(&s.stack, &["--older-than", WINDOW, "--wait", "0s"]).await?;
     assert!(out.stdout.contains("deleted 3 row(s)"), "{}", out.text());
+    s.finish().await
+}
+
+/// An outbox without a replica identity that a publication publishes
+/// deletes of (here another one than the relay's insert-only one, made
+/// `FOR TABLE outbox` with every action): the server refuses prune's
+/// DELETE, and prune names the cause in words with the commands that fix
+/// it (it showed the server's bare SQLSTATE 55000). Nothing is deleted
+/// (exit 1); once the publication publishes only inserts, as the message
+/// offers, the rows go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_names_a_missing_replica_identity_with_its_fixes() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let events = insert_events(&s, 3, "Delivered").await?;
+    wait_delivered(&s, &events).await?;
+    s.settle().await?;
+    let admin = s.stack.orders_admin().await?;
+    admin
+        .batch_execute(
+            "ALTER TABLE outbox REPLICA IDENTITY NOTHING; \
+             CREATE PUBLICATION audit_everything FOR TABLE outbox",
+        )
+        .await?;
+    wait_past_window(&s.db).await?;
+
+    let out = prune(&s.stack, &["--older-than", WINDOW]).await?;
+    assert_eq!(out.code(), Some(1), "{}", out.text());
+    for words in [
+        "has no replica identity",
+        "publishes deletes",
+        "ALTER TABLE outbox REPLICA IDENTITY DEFAULT",
+        "SET (publish = 'insert')",
+        "tablename = 'outbox' AND pubdelete",
+    ] {
+        assert!(out.stderr.contains(words), "{words}: {}", out.text());
+    }
+    assert_eq!(still_there(&s.db, &events).await?, 3);
+
+    admin
+        .batch_execute("ALTER PUBLICATION audit_everything SET (publish = 'insert')")
+        .await?;
+    let out = prune(&s.stack, &["--older-than", WINDOW]).await?;
+    assert!(out.stdout.contains("deleted 3 row(s)"), "{}", out.text());
+    assert_eq!(outbox_rows(&s.db).await?, 0);
     s.finish().await
 }
 
@@ -245,8 +319,9 @@ async fn a_recreated_slot_proves_nothing_about_rows_before_it() -> anyhow::Resul
     let after = insert_events(&s, 2, "AfterSetup").await?;
     wait_delivered(&s, &after).await?;
     s.settle().await?;
+    wait_past_window(&s.db).await?;
 
-    let done = json(&prune(&s.stack, &["--older-than", "0s", "--json"]).await?)?;
+    let done = json(&prune(&s.stack, &["--older-than", WINDOW, "--json"]).await?)?;
     assert_eq!(done["rows_deleted"], 2, "{done}");
     assert_eq!(
         still_there(&s.db, &lost).await?,
@@ -351,7 +426,7 @@ async fn the_relay_prunes_delivered_rows_at_a_low_rate_when_asked() -> anyhow::R
     let s = Scenario::plan(Inbox::Scripted)
         .relay_args(&[
             "--prune-older-than",
-            "0s",
+            WINDOW,
             "--prune-interval",
             "1s",
             "--prune-batch",

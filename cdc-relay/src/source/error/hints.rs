@@ -1,5 +1,6 @@
-//! What to change, for errors whose fix is a setting or a grant: TLS
-//! failures and refusals that depend on TLS, and privilege errors (42501).
+//! What to change, for errors whose fix is a setting, a grant or a
+//! table's state: TLS failures and refusals that depend on TLS, privilege
+//! errors (42501), and a table a statement needs otherwise (55000).
 
 /// What to change in the database URL for a TLS failure or a refusal
 /// that depends on TLS, by the words of the error (rustls's certificate
@@ -134,4 +135,43 @@ fn privilege_grant_hint(lower: &str) -> Option<&'static str> {
     } else {
         None
     }
+}
+
+/// What to change for an object not in the state a statement needs
+/// (55000), by its words (`msg`); `None` when they say nothing the relay
+/// knows.
+pub(super) fn state_hint(msg: &str) -> Option<String> {
+    replica_identity_hint(msg)
+}
+
+/// PostgreSQL's words for an UPDATE or DELETE on a table that has no
+/// replica identity while a publication that includes it publishes that
+/// statement: `cannot delete from table "outbox" because it does not have
+/// a replica identity and publishes deletes` (55000; its own hint, "set
+/// REPLICA IDENTITY using ALTER TABLE", does not reach the relay).
+const NO_REPLICA_IDENTITY: &str = "\" because it does not have a replica identity and publishes ";
+
+/// The hint for [`NO_REPLICA_IDENTITY`]: the cause in words and both
+/// fixes, a replica identity for the table or a publication that publishes
+/// only inserts (all the relay streams), with the query that finds which.
+fn replica_identity_hint(msg: &str) -> Option<String> {
+    let (head, tail) = msg.split_once(NO_REPLICA_IDENTITY)?;
+    let (_, name) = head.rsplit_once("table \"")?;
+    let (what, statement, column) = if tail.starts_with("updates") {
+        ("updates", "UPDATE", "pubupdate")
+    } else {
+        ("deletes", "DELETE", "pubdelete")
+    };
+    let table = ident(name);
+    let literal = name.replace('\'', "''");
+    Some(format!(
+        "The table {table} has no replica identity (no primary key, or REPLICA IDENTITY \
+         NOTHING) and a publication that includes it publishes {what}, so the server refuses \
+         every {statement} on it (pruning's included). Either give it a replica identity: \
+         ALTER TABLE {table} REPLICA IDENTITY DEFAULT, with a primary key (ALTER TABLE {table} \
+         ADD PRIMARY KEY (<its event id column>)); or publish only inserts, all the relay \
+         streams: ALTER PUBLICATION <name> SET (publish = 'insert') for each publication this \
+         lists: SELECT pubname FROM pg_publication_tables JOIN pg_publication USING (pubname) \
+         WHERE tablename = '{literal}' AND {column}"
+    ))
 }

@@ -12,8 +12,8 @@
 
 mod hints;
 
-use hints::privilege_hint;
 pub(crate) use hints::tls_hint;
+use hints::{privilege_hint, state_hint};
 use pgwire_replication::PgWireError;
 
 use crate::db_message;
@@ -356,6 +356,10 @@ fn classify(code: Option<&str>, msg: String, slot: Option<&str>) -> SourceError 
     }
     match code {
         Some("42501") => SourceError::Definite(match privilege_hint(&msg, &lower) {
+            Some(hint) => format!("{msg}. {hint}"),
+            None => msg,
+        }),
+        Some("55000") => SourceError::Definite(match state_hint(&msg) {
             Some(hint) => format!("{msg}. {hint}"),
             None => msg,
         }),

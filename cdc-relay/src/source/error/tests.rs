@@ -251,3 +251,42 @@ fn server_errors_map_to_slot_states() {
     );
     assert!(matches!(e, SourceError::Definite(_)), "{e:?}");
 }
+
+#[test]
+fn a_table_without_a_replica_identity_is_named_with_both_fixes() {
+    // The server's bare 55000 was all an operator got from `prune`.
+    let e = classify(
+        Some("55000"),
+        "deleting a batch of outbox rows: cannot delete from table \"outbox\" because it does \
+         not have a replica identity and publishes deletes (SQLSTATE 55000)"
+            .into(),
+        None,
+    );
+    assert!(e.is_definite(), "{e:?}");
+    let e = e.to_string();
+    for fix in [
+        "has no replica identity",
+        "ALTER TABLE outbox REPLICA IDENTITY DEFAULT",
+        "SET (publish = 'insert')",
+        "WHERE tablename = 'outbox' AND pubdelete",
+    ] {
+        assert!(e.contains(fix), "{fix}: {e}");
+    }
+    let e = classify(
+        Some("55000"),
+        "cannot update table \"it's\" because it does not have a replica identity and \
+         publishes updates (SQLSTATE 55000)"
+            .into(),
+        None,
+    )
+    .to_string();
+    assert!(
+        e.contains(r#"ALTER TABLE "it's" REPLICA IDENTITY"#)
+            && e.contains("refuses every UPDATE")
+            && e.contains("tablename = 'it''s' AND pubupdate"),
+        "{e}"
+    );
+    // Another 55000 keeps the server's words alone.
+    let e = classify(Some("55000"), "x (SQLSTATE 55000)".into(), None);
+    assert_eq!(e.to_string(), "x (SQLSTATE 55000)");
+}
