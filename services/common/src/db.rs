@@ -49,10 +49,11 @@ pub struct DbArgs {
     /// listening [default: 4, at most `--pool-size`]. A pool that grows
     /// during a burst delays each request that waits for a new connection (a
     /// server process started and authenticated: milliseconds); the prefilled
-    /// ones carry the first requests of a burst at once. The rest of the
-    /// pool opens one connection at a time, ahead of need (two kept idle
-    /// while below `--pool-size`), so a burst never waits for a dozen
-    /// logins at once. 0: only the one connection that checks the database. Each
+    /// ones carry the first requests of a burst at once. Past those the
+    /// pool grows one connection at a time toward `--pool-size` (room for
+    /// one more whenever fewer than two are idle and no login is under
+    /// way), so a burst never sets off a dozen logins at once. 0: only the
+    /// one connection that checks the database. Each
     /// prefilled connection is held for the service's life: count them
     /// against the server's `max_connections` (every instance of every
     /// service). Above `--pool-size`: exit 2.

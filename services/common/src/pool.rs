@@ -1,30 +1,31 @@
 //! The services' connection pool: deadpool's, grown one connection at a
-//! time ahead of need.
+//! time.
 //!
 //! A deadpool request that finds no idle connection, in a pool below its
 //! size, opens one itself and waits for it: a server process forked,
 //! authenticated (SCRAM) and its caches filled. After a hiccup in a burst
 //! (a WAL segment created, a scheduler delay) every request queued behind
-//! it does that at once: a dozen logins on a small server, and the stall
-//! they were queued behind grows to tens of milliseconds
-//! (`docs/benchmarks.md`, "Bursts and the services' pools": 13 backends
-//! started within 50 ms, the burst's five slowest orders among them).
+//! it did that at once: a dozen logins on a small server, and the stall
+//! they were queued behind grew to tens of milliseconds
+//! (`docs/benchmarks.md`, "Bursts: the services' pools grown one
+//! connection at a time": 13 backends started within 50 ms, the burst's
+//! five slowest orders among them).
 //!
 //! So deadpool's own limit starts at what was opened at start
-//! (`--pool-prefill`, at least 1) and only this module raises it, one
-//! connection at a time, toward `--pool-size`: [`Pool::get`] keeps
-//! [`SPARE`] connections idle by opening the next one in one background
-//! task. A request that finds none idle waits for the first one freed or
-//! opened, instead of logging in itself beside a dozen others. The server
-//! sees at most one login at a time from each service instance, and never
-//! more than `--pool-size` connections, so its `max_connections` budget is
-//! the same as before. A connection that fails to open is not retried by
-//! the task; the next request that wants growth tries again, and a request
-//! meanwhile waits at most `--pool-wait-timeout-ms` for a free one (503
-//! `pool_exhausted`).
+//! (`--pool-prefill`, at least 1), and [`Pool::get`] raises it by one, up
+//! to `--pool-size`, when fewer than [`SPARE`] connections are idle and
+//! every connection the limit allows is open: the request that takes the
+//! new room opens the connection (the first one waiting, or the next to
+//! come), and the limit rises again only once that login has completed.
+//! Raised before a request waits and after it got its connection, so
+//! growth goes on while requests queue, one login after another, never a
+//! dozen at once, and never past `--pool-size` (the server's
+//! `max_connections` budget is the same as before). Connections the
+//! server closes (a restart, `pg_terminate_backend`) leave room that
+//! requests fill as deadpool always did, each opening its own: the limit
+//! cannot be lowered without losing deadpool's count of them.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use deadpool_postgres::{Object, PoolError, Status};
 
@@ -33,15 +34,16 @@ use deadpool_postgres::{Object, PoolError, Status};
 /// and the one right after it both find a connection open.
 pub const SPARE: usize = 2;
 
-/// A deadpool-postgres pool that opens its next connection before a
-/// request has to wait for it, one at a time (module docs). Cheap to
-/// clone: clones share the pool.
+/// A deadpool-postgres pool grown one connection at a time (module docs).
+/// Cheap to clone: clones share the pool.
 #[derive(Clone, Debug)]
 pub struct Pool {
     inner: deadpool_postgres::Pool,
     /// `--pool-size`: deadpool's limit is raised up to this.
     limit: usize,
-    growing: Arc<AtomicBool>,
+    /// Held while the status is read and the limit raised, so that two
+    /// requests never both raise it for the same open connections.
+    raising: Arc<Mutex<()>>,
 }
 
 impl Pool {
@@ -52,18 +54,19 @@ impl Pool {
         Pool {
             inner,
             limit,
-            growing: Arc::new(AtomicBool::new(false)),
+            raising: Arc::new(Mutex::new(())),
         }
     }
 
-    /// A connection, as deadpool's `get`: an idle one, or the first freed
-    /// or opened within `--pool-wait-timeout-ms`. Then, if fewer than
-    /// [`SPARE`] are left idle and the pool is below `--pool-size`, opens
-    /// one more in the background. Errors: deadpool's (`Timeout` when none
-    /// came in time, `Backend` when one could not be opened).
+    /// A connection, as deadpool's `get`: an idle one, else a new one
+    /// where the limit leaves room, else the first one freed, within
+    /// `--pool-wait-timeout-ms`. The limit is raised (module docs) before
+    /// and after. Errors: deadpool's (`Timeout` when none came in time,
+    /// `Backend` when one could not be opened).
     pub async fn get(&self) -> Result<Object, PoolError> {
+        self.raise_if_wanted();
         let client = self.inner.get().await?;
-        self.grow_ahead();
+        self.raise_if_wanted();
         Ok(client)
     }
 
@@ -73,41 +76,30 @@ impl Pool {
         self.inner.status()
     }
 
-    /// The wrapped pool, for what must not start growth (the prefill).
+    /// The wrapped pool, for what must not raise the limit (the prefill).
     pub fn inner(&self) -> &deadpool_postgres::Pool {
         &self.inner
     }
 
-    fn grow_ahead(&self) {
-        if !wants_growth(self.inner.status(), self.limit)
-            || self.growing.swap(true, Ordering::AcqRel)
-        {
-            return;
+    fn raise_if_wanted(&self) {
+        // A poisoned lock only means a panic elsewhere while it was held;
+        // the status is read afresh under it.
+        let _raising = self
+            .raising
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let status = self.inner.status();
+        if wants_growth(status, self.limit) {
+            self.inner.resize(status.max_size + 1);
         }
-        let pool = self.inner.clone();
-        let limit = self.limit;
-        let growing = Arc::clone(&self.growing);
-        tokio::spawn(async move {
-            // Raised only when every allowed connection is open: a limit
-            // raised ahead of the connections would let each request that
-            // finds none idle open its own again.
-            let status = pool.status();
-            if status.size >= status.max_size && status.max_size < limit {
-                pool.resize(status.max_size + 1);
-            }
-            // With none idle this `get` opens the new connection (or a
-            // waiting request takes the permit and opens it: one login
-            // either way); dropped, it stays in the pool, idle.
-            drop(pool.get().await);
-            growing.store(false, Ordering::Release);
-        });
     }
 }
 
-/// Whether a pool in `status` should open one more connection: fewer than
-/// [`SPARE`] idle and its limit below `limit` (`--pool-size`).
+/// Whether a pool in `status` should allow one more connection: fewer than
+/// [`SPARE`] idle, every connection its limit allows open (no login under
+/// way), and its limit below `limit` (`--pool-size`).
 fn wants_growth(status: Status, limit: usize) -> bool {
-    status.available < SPARE && status.max_size < limit
+    status.available < SPARE && status.size >= status.max_size && status.max_size < limit
 }
 
 #[cfg(test)]
