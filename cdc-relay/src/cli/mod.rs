@@ -73,10 +73,21 @@ impl Cli {
     /// named by that variable, not by the flag the command line never had.
     pub fn parse_args() -> Cli {
         let command = Cli::command();
-        let matches = command.clone().try_get_matches().unwrap_or_else(|e| {
-            if let Some((env, flag)) = empty_env_behind(&command, &e) {
-                eprintln!("error: {env} is set but empty: unset it, or give it a value ({flag})");
-                std::process::exit(2);
+        let matches = command.clone().try_get_matches().unwrap_or_else(|mut e| {
+            if let Some((env, flag, value)) = env_behind(&command, &e) {
+                if value.is_empty() {
+                    eprintln!(
+                        "error: {env} is set but empty: unset it, or give it a value ({flag})"
+                    );
+                    std::process::exit(2);
+                }
+                use clap::error::{ContextKind, ContextValue};
+                e.insert(
+                    ContextKind::Suggested,
+                    ContextValue::StyledStrs(vec![
+                        format!("the value came from the environment variable {env} ({flag} was not given): fix or unset {env}").into(),
+                    ]),
+                );
             }
             e.exit()
         });
@@ -84,12 +95,16 @@ impl Cli {
     }
 }
 
-/// The environment variable, and its flag, behind clap's `error` when it
-/// refused an empty value of an argument whose variable is set and empty
-/// while the command line does not give that flag.
-fn empty_env_behind(command: &clap::Command, error: &clap::Error) -> Option<(String, String)> {
+/// The environment variable, its flag and its value behind clap's `error`
+/// when it refused a value (invalid, or empty) of an argument whose
+/// variable is set while the command line does not give that flag: clap
+/// names only the flag, which the operator never typed.
+fn env_behind(command: &clap::Command, error: &clap::Error) -> Option<(String, String, String)> {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    if error.kind() != ErrorKind::InvalidValue {
+    if !matches!(
+        error.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
         return None;
     }
     let Some(ContextValue::String(refused)) = error.get(ContextKind::InvalidArg) else {
@@ -107,8 +122,12 @@ fn empty_env_behind(command: &clap::Command, error: &clap::Error) -> Option<(Str
             let on_line = given
                 .iter()
                 .any(|a| a == &flag || a.starts_with(&format!("{flag}=")));
-            if named && !on_line && std::env::var_os(env).is_some_and(|v| v.is_empty()) {
-                return Some((env.to_string_lossy().into_owned(), flag));
+            if let (true, false, Some(value)) = (named, on_line, std::env::var_os(env)) {
+                return Some((
+                    env.to_string_lossy().into_owned(),
+                    flag,
+                    value.to_string_lossy().into_owned(),
+                ));
             }
         }
         pending.extend(cmd.get_subcommands());

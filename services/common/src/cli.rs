@@ -95,34 +95,54 @@ where
     A: Into<OsString> + Clone,
 {
     let mut cmd = command_with_env_prefix::<T>(env_prefix, default_listen, default_admin_listen);
+    let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
     let matches = cmd
-        .try_get_matches_from_mut(args)
-        .map_err(|e| with_env_tips(e, &cmd))?;
+        .try_get_matches_from_mut(args.clone())
+        .map_err(|e| with_env_tips(e, &cmd, &args))?;
     T::from_arg_matches(&matches).map_err(|e| e.format(&mut cmd))
 }
 
-/// A missing required flag's error, with a tip per flag naming the
-/// environment variable that also sets it (clap names only the flag).
-fn with_env_tips(mut err: clap::Error, cmd: &Command) -> clap::Error {
+/// clap's `err` with tips naming environment variables (clap names only
+/// flags): for a missing required flag, the variable that also sets it;
+/// for a refused value that came from a variable (its flag not in
+/// `args`), that variable.
+fn with_env_tips(mut err: clap::Error, cmd: &Command, args: &[OsString]) -> clap::Error {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    if err.kind() != ErrorKind::MissingRequiredArgument {
-        return err;
-    }
-    let Some(ContextValue::Strings(missing)) = err.get(ContextKind::InvalidArg) else {
-        return err;
+    let tips: Vec<clap::builder::StyledStr> = match (err.kind(), err.get(ContextKind::InvalidArg)) {
+        (ErrorKind::MissingRequiredArgument, Some(ContextValue::Strings(missing))) => cmd
+            .get_arguments()
+            .filter_map(|arg| {
+                let long = arg.get_long()?;
+                let var = arg.get_env()?.to_string_lossy();
+                let flag = format!("--{long}");
+                missing
+                    .iter()
+                    .any(|m| m.split_whitespace().next() == Some(flag.as_str()))
+                    .then(|| format!("set {flag} or the environment variable {var}").into())
+            })
+            .collect(),
+        (
+            ErrorKind::InvalidValue | ErrorKind::ValueValidation,
+            Some(ContextValue::String(refused)),
+        ) => cmd
+            .get_arguments()
+            .filter_map(|arg| {
+                let long = arg.get_long()?;
+                let var = arg.get_env()?;
+                let flag = format!("--{long}");
+                let named = refused == &flag || refused.starts_with(&format!("{flag} "));
+                let on_line = args.iter().any(|a| {
+                    let a = a.to_string_lossy();
+                    a == flag || a.starts_with(&format!("{flag}="))
+                });
+                (named && !on_line && std::env::var_os(var).is_some()).then(|| {
+                    let var = var.to_string_lossy();
+                    format!("the value came from the environment variable {var} ({flag} was not given): fix or unset {var}").into()
+                })
+            })
+            .collect(),
+        _ => Vec::new(),
     };
-    let tips: Vec<clap::builder::StyledStr> = cmd
-        .get_arguments()
-        .filter_map(|arg| {
-            let long = arg.get_long()?;
-            let var = arg.get_env()?.to_string_lossy();
-            let flag = format!("--{long}");
-            missing
-                .iter()
-                .any(|m| m.split_whitespace().next() == Some(flag.as_str()))
-                .then(|| format!("set {flag} or the environment variable {var}").into())
-        })
-        .collect();
     if !tips.is_empty() {
         err.insert(ContextKind::Suggested, ContextValue::StyledStrs(tips));
     }

@@ -202,6 +202,24 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         empty_file.text()
     );
 
+    // A bad value from the environment is named by its variable too.
+    let from_env = run(
+        &[],
+        &[
+            ("EVENT_SECRET", TEST_SECRET),
+            ("CDC_RELAY_MAX_IN_FLIGHT", "lots"),
+        ],
+    )
+    .await?;
+    assert_eq!(from_env.code(), Some(2), "{}", from_env.text());
+    assert!(
+        from_env.text().contains(
+            "the environment variable CDC_RELAY_MAX_IN_FLIGHT (--max-in-flight was not given)"
+        ),
+        "{}",
+        from_env.text()
+    );
+
     let bad_size = run(
         &["--max-pending-bytes", "lots"],
         &[("EVENT_SECRET", TEST_SECRET)],

@@ -623,3 +623,36 @@ async fn compressed_bodies_are_415_and_repeated_keys_400_in_both_services() {
     let orders_db = stack.orders_admin().await.unwrap();
     assert_eq!(count(&orders_db, "orders").await, 0);
 }
+
+/// A bad value from the environment (`BILLING_POOL_SIZE=abc` in an env
+/// file) is named by its variable: clap names only the flag, which the
+/// command line never had. Exit 2.
+#[tokio::test]
+async fn a_bad_value_from_the_environment_is_named_by_its_variable() {
+    let stack = stack().await;
+    let mut process = ServiceProcess::spawn(
+        bins::path("billing"),
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            &stack.billing_app_url,
+        ],
+        &[
+            ("EVENT_SECRET", "a-secret-of-some-length"),
+            ("BILLING_POOL_SIZE", "abc"),
+        ],
+    )
+    .unwrap();
+    let status = process.wait_exit(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(status.code(), Some(2), "{status:?}");
+    let line = process
+        .wait_for_line("BILLING_POOL_SIZE", Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        line.contains("the value came from the environment variable BILLING_POOL_SIZE (--pool-size was not given)"),
+        "{}",
+        process.logs()
+    );
+}
