@@ -77,14 +77,21 @@ async fn a_server_withholding_the_stream_fails_readiness_and_says_why() -> anyho
     assert!(sink.received().is_empty(), "delivered while withheld");
     let m = relay.metrics().await?;
     assert_eq!(m.value("cdc_relay_stream_withheld", &[]), Some(1.0));
-    let log = relay.process.logs();
-    assert!(
+    // Readiness fails first; the ERROR follows once the monitor has read
+    // the cause (one more query).
+    let named = || {
+        let log = relay.process.logs();
         log.contains("withholds changes")
             && log.contains("synchronized_standby_slots = 'gone_standby'")
             && log.contains("gone_standby (inactive")
-            && log.contains("pg_reload_conf"),
-        "{log}"
-    );
+            && log.contains("pg_reload_conf")
+    };
+    if wait_until("the log naming the cause", WAIT, || async { named() })
+        .await
+        .is_err()
+    {
+        panic!("{}", relay.process.logs());
+    }
     let status = app::relay_command(&stack, &stack.relay_url, &["status"], &[]).await?;
     assert_eq!(status.code(), Some(1), "{}", status.text());
     assert!(
