@@ -14,9 +14,11 @@
 //! So deadpool's own limit starts at what was opened at start
 //! (`--pool-prefill`, at least 1), and [`Pool::get`] raises it by one, up
 //! to `--pool-size`, when fewer than [`SPARE`] connections are idle and
-//! every connection the limit allows is open: the request that takes the
-//! new room opens the connection (the first one waiting, or the next to
-//! come), and the limit rises again only once that login has completed.
+//! every connection the limit allows is open. With no request queued, a
+//! task opens the new connection at once, ahead of need; with requests
+//! queued, the first of them takes the room and opens it (a task would
+//! queue behind them). The limit rises again only once that login has
+//! completed.
 //! Raised before a request waits and after it got its connection, so
 //! growth goes on while requests queue, one login after another, never a
 //! dozen at once, and never past `--pool-size` (the server's
@@ -89,8 +91,18 @@ impl Pool {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let status = self.inner.status();
-        if wants_growth(status, self.limit) {
-            self.inner.resize(status.max_size + 1);
+        if !wants_growth(status, self.limit) {
+            return;
+        }
+        self.inner.resize(status.max_size + 1);
+        if status.waiting == 0 {
+            // Nobody queued: open it now, ahead of the request that would
+            // otherwise log in itself. (With requests queued the first of
+            // them takes the room and opens it: a task asking behind them
+            // would wait its turn, and the pool would grow by one per
+            // queue drain.)
+            let pool = self.inner.clone();
+            tokio::spawn(async move { drop(pool.get().await) });
         }
     }
 }
