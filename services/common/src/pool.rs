@@ -25,7 +25,9 @@
 //! `max_connections` budget is the same as before). Connections the
 //! server closes (a restart, `pg_terminate_backend`) leave room that
 //! requests fill as deadpool always did, each opening its own: the limit
-//! cannot be lowered without losing deadpool's count of them.
+//! cannot be lowered without losing deadpool's count of them. The same
+//! holds for a prefill the server cut short (it says so at WARN): the
+//! limit is what was asked, and requests open the missing connections.
 
 use std::sync::{Arc, Mutex};
 
@@ -66,9 +68,9 @@ impl Pool {
     /// and after. Errors: deadpool's (`Timeout` when none came in time,
     /// `Backend` when one could not be opened).
     pub async fn get(&self) -> Result<Object, PoolError> {
-        self.raise_if_wanted();
+        self.raise_if_wanted(true);
         let client = self.inner.get().await?;
-        self.raise_if_wanted();
+        self.raise_if_wanted(false);
         Ok(client)
     }
 
@@ -83,7 +85,9 @@ impl Pool {
         &self.inner
     }
 
-    fn raise_if_wanted(&self) {
+    /// `before`: called by a request that has not asked deadpool yet (it
+    /// is not counted among the waiting).
+    fn raise_if_wanted(&self, before: bool) {
         // A poisoned lock only means a panic elsewhere while it was held;
         // the status is read afresh under it.
         let _raising = self
@@ -95,14 +99,21 @@ impl Pool {
             return;
         }
         self.inner.resize(status.max_size + 1);
-        if status.waiting == 0 {
+        // A request about to ask with none idle takes the room itself.
+        let caller_takes_it = before && status.available == 0;
+        if status.waiting == 0 && !caller_takes_it {
             // Nobody queued: open it now, ahead of the request that would
             // otherwise log in itself. (With requests queued the first of
             // them takes the room and opens it: a task asking behind them
             // would wait its turn, and the pool would grow by one per
-            // queue drain.)
+            // queue drain.) A login that fails here is met again, and
+            // answered, by the next request that needs the room.
             let pool = self.inner.clone();
-            tokio::spawn(async move { drop(pool.get().await) });
+            tokio::spawn(async move {
+                if let Err(e) = pool.get().await {
+                    tracing::debug!(error = %crate::db::PoolErrorReport(&e), "opening a connection ahead of need failed");
+                }
+            });
         }
     }
 }
