@@ -50,6 +50,25 @@ pub const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
 /// less), and a skew this size says the machine's time sync is off.
 pub const SKEW_WARN: Duration = Duration::from_secs(30);
 
+/// What a skew of `skew` seconds (positive: this machine ahead of the
+/// database server) means and how to fix it, one sentence for every
+/// place that names it (the running relay's WARN, `status`); `None` below
+/// [`SKEW_WARN`].
+pub fn skew_warning(skew: f64) -> Option<String> {
+    if skew.abs() < SKEW_WARN.as_secs_f64() {
+        return None;
+    }
+    let way = if skew > 0.0 { "ahead of" } else { "behind" };
+    Some(format!(
+        "this machine's clock is {:.0} s {way} the database server's: a relay on this machine \
+         signs each event's webhook-timestamp with it, and receivers refuse timestamps outside \
+         their tolerance (often 5 minutes) with a 401. Fix time synchronisation (NTP: chrony, \
+         systemd-timesyncd) on this machine or on the server; `chronyc tracking` or \
+         `timedatectl` shows whether it is synchronised",
+        skew.abs()
+    ))
+}
+
 /// Microseconds since the Unix epoch, now, on this machine's clock.
 pub fn unix_micros() -> i64 {
     SystemTime::now()

@@ -1,12 +1,12 @@
 //! The server's clock against this machine's, watched on every stream
 //! message (`crate::clock`): the `cdc_relay_clock_skew_seconds` gauge, and a
-//! WARN while they are [`SKEW_WARN`] or more apart.
+//! WARN while they are [`clock::SKEW_WARN`] or more apart.
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::clock::{self, SKEW_WARN};
+use crate::clock;
 
 /// How often the WARN repeats while the clocks stay apart.
 const WARN_EVERY: Duration = Duration::from_secs(600);
@@ -94,7 +94,7 @@ impl SkewWatch {
         let (steady, span) = self.take(Instant::now(), sample);
         let skew = steady + stepped;
         self.gauge.set(skew);
-        if skew.abs() < SKEW_WARN.as_secs_f64() {
+        let Some(warning) = clock::skew_warning(skew) else {
             if self.warned.take().is_some() {
                 tracing::info!(
                     clock_skew_s = skew,
@@ -102,16 +102,14 @@ impl SkewWatch {
                 );
             }
             return;
-        }
+        };
         if span < WARN_SPAN || self.warned.is_some_and(|t| t.elapsed() < WARN_EVERY) {
             return;
         }
         self.warned = Some(Instant::now());
-        let way = if skew > 0.0 { "ahead of" } else { "behind" };
         tracing::warn!(
             clock_skew_s = skew,
-            "this machine's clock is {:.0} s {way} the database server's: receivers refuse signatures whose webhook-timestamp is outside their tolerance (often 5 minutes) with a 401; delivery latency is measured on the server's clock meanwhile. Fix time synchronisation (NTP, chrony) here or on the server",
-            skew.abs()
+            "{warning}; delivery latency is measured on the server's clock meanwhile"
         );
     }
 }

@@ -1,11 +1,12 @@
 //! This machine's clock against the database server's, read once over the
 //! side connection: a relay on this machine signs with timestamps its
 //! receivers check against theirs, so a skew the running relay would warn
-//! about ([`SKEW_WARN`]) is a warning of `status` too.
+//! about ([`crate::clock::SKEW_WARN`]) is a warning of `status` too, in
+//! the same words ([`skew_warning`]).
 
 use tokio_postgres::Client;
 
-use crate::clock::{SKEW_WARN, unix_micros};
+use crate::clock::{skew_warning, unix_micros};
 use crate::source::SourceError;
 
 /// Seconds this machine's clock is ahead of the server's (negative:
@@ -27,22 +28,6 @@ async fn skew_seconds(client: &Client) -> Result<f64, SourceError> {
     Ok((local - server) as f64 / 1e6)
 }
 
-/// The warning for a skew of `skew` seconds; `None` below [`SKEW_WARN`].
-fn skew_warning(skew: f64) -> Option<String> {
-    if skew.abs() < SKEW_WARN.as_secs_f64() {
-        return None;
-    }
-    let way = if skew > 0.0 { "ahead of" } else { "behind" };
-    Some(format!(
-        "this machine's clock is {:.0} s {way} the database server's (its clock_timestamp()): \
-         a relay on this machine signs each event's webhook-timestamp with it, and receivers \
-         refuse timestamps outside their tolerance (often 5 minutes) with a 401. Fix time \
-         synchronisation (NTP: chrony, systemd-timesyncd) on this machine or on the server; \
-         `chronyc tracking` or `timedatectl` shows whether it is synchronised",
-        skew.abs()
-    ))
-}
-
 /// The clock warning `status` prints, if the clocks are apart.
 pub(super) async fn warning(client: &Client) -> Result<Option<String>, SourceError> {
     Ok(skew_warning(skew_seconds(client).await?))
@@ -50,7 +35,7 @@ pub(super) async fn warning(client: &Client) -> Result<Option<String>, SourceErr
 
 #[cfg(test)]
 mod tests {
-    use super::skew_warning;
+    use crate::clock::skew_warning;
 
     #[test]
     fn a_skew_past_the_relays_threshold_is_named_with_the_fix() {
