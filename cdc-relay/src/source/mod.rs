@@ -222,7 +222,9 @@ pub async fn stalled_login_named(conn: &ConnParams, bound: std::time::Duration) 
         return stalled;
     }
     let read = async {
-        let mut refused = String::new();
+        // The first refusal is the one to report: `postgres`, where
+        // sql/roles.sql grants cdc_relay CONNECT (its hint says so).
+        let mut refused = None;
         for db in MAINTENANCE_DBS {
             let mut other = conn.clone();
             other.dbname = db.to_owned();
@@ -232,12 +234,12 @@ pub async fn stalled_login_named(conn: &ConnParams, bound: std::time::Duration) 
                         .await
                         .map_err(|e| crate::db_message(&e));
                 }
-                // The server's words only: the hints of a refused login
-                // are about the relay's own database.
-                Err(e) => refused = server_words(&e.to_string()),
+                Err(e) => {
+                    refused.get_or_insert(e.to_string());
+                }
             }
         }
-        Err(refused)
+        Err(refused.unwrap_or_default())
     };
     let SourceError::Transient(stalled) = stalled else {
         return stalled;
@@ -268,18 +270,6 @@ pub async fn stalled_login_named(conn: &ConnParams, bound: std::time::Duration) 
 /// then the template every server has (CONNECT on `postgres` is often
 /// revoked from PUBLIC).
 const MAINTENANCE_DBS: [&str; 2] = ["postgres", "template1"];
-
-/// `message` up to its server error's `(SQLSTATE XXXXX)`, without the
-/// hint that follows.
-fn server_words(message: &str) -> String {
-    match message.find("(SQLSTATE ") {
-        Some(at) => message[..message[at..]
-            .find(')')
-            .map_or(message.len(), |e| at + e + 1)]
-            .to_owned(),
-        None => message.to_owned(),
-    }
-}
 
 async fn connect_once(
     conn: &ConnParams,
