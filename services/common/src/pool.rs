@@ -74,12 +74,6 @@ impl Pool {
         Ok(client)
     }
 
-    /// The pool's size, its current limit, idle connections and waiting
-    /// requests.
-    pub fn status(&self) -> Status {
-        self.inner.status()
-    }
-
     /// The wrapped pool, for what must not raise the limit (the prefill).
     pub fn inner(&self) -> &deadpool_postgres::Pool {
         &self.inner

@@ -20,6 +20,7 @@
 mod billing;
 mod billing_batches;
 mod charges;
+mod config;
 mod orders;
 mod payments;
 mod pool;
