@@ -9,7 +9,13 @@
 //! | prefer (default) | if the server offers it | not checked | not checked |
 //! | require | yes | checked only when a root certificate is known | not checked |
 //! | verify-ca | yes | checked | not checked |
-//! | verify-full | yes | checked | checked (DNS name or IP address SAN) |
+//! | verify-full | yes | checked | checked, as libpq matches it (below) |
+//!
+//! Host names (verify-full) are matched as libpq matches them: against the
+//! certificate's subjectAltName entries, and, when it has none of the
+//! host's type (DNS names for a host name, IP addresses for an IP
+//! address), against its common name, where `*.` stands for one leftmost
+//! label (`fe-secure-openssl.c`, `fe-secure-common.c`).
 //!
 //! Roots: `sslrootcert` (a PEM file, or `system`: the system's bundle, and
 //! then only verify-full), else `~/.postgresql/root.crt` when it exists;
@@ -21,14 +27,9 @@
 //! client certificate is used without a restart; a file that no longer
 //! loads keeps the copy that last loaded, and says so at ERROR.
 //!
-//! The side SQL connection uses [`client_config`] (tokio-postgres over
-//! rustls). The replication connection hands the same policy to its
-//! transport through [`replication_tls`]; the transport checks host names
-//! only, so for verify-ca (and `require` with a root) the relay first looks
-//! at the certificate the server presents, checking its chain with its own
-//! verifier, and then asks the transport to verify the chain against a name
-//! that certificate carries: the chain is checked twice, the name never
-//! against the URL's host.
+//! Both connections use the one rustls config of [`client_config`]: the
+//! side SQL connection through tokio-postgres, the replication connection
+//! through its transport ([`replication_tls`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -114,7 +115,7 @@ fn parse_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
         .map_err(|e| format!("not an unencrypted PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"))
 }
 
-fn root_store(root: &RootCert) -> Result<(RootCertStore, Loaded, PathBuf), TlsSetupError> {
+fn root_store(root: &RootCert) -> Result<(RootCertStore, PathBuf), TlsSetupError> {
     let path = root_file(root)?;
     let check = |b: &[u8]| {
         let mut store = RootCertStore::empty();
@@ -127,7 +128,7 @@ fn root_store(root: &RootCert) -> Result<(RootCertStore, Loaded, PathBuf), TlsSe
     let loaded = load("sslrootcert", &path, check)?;
     let mut store = RootCertStore::empty();
     store.add_parsable_certificates(parse_certs(&loaded.bytes).expect("checked when loaded"));
-    Ok((store, loaded, path))
+    Ok((store, path))
 }
 
 type ClientAuth = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
@@ -142,7 +143,7 @@ static LAST_PAIR: std::sync::LazyLock<Mutex<std::collections::HashMap<PairPaths,
 type PairPaths = (PathBuf, PathBuf);
 type PairBytes = (Vec<u8>, Vec<u8>);
 
-fn client_auth(c: &ClientCert) -> Result<(ClientAuth, Loaded, Loaded), TlsSetupError> {
+fn client_auth(c: &ClientCert) -> Result<ClientAuth, TlsSetupError> {
     let mut cert = load("sslcert", &c.cert, |b| parse_certs(b).map(drop))?;
     let mut key = load("sslkey", &c.key, |b| parse_key(b).map(drop))?;
     let pair_key = (c.cert.clone(), c.key.clone());
@@ -177,11 +178,10 @@ fn client_auth(c: &ClientCert) -> Result<(ClientAuth, Loaded, Loaded), TlsSetupE
             }
         },
     }
-    let auth = (
+    Ok((
         parse_certs(&cert.bytes).expect("checked when loaded"),
         parse_key(&key.bytes).expect("checked when loaded"),
-    );
-    Ok((auth, cert, key))
+    ))
 }
 
 /// Whether the private key in `key` belongs to the certificate in `cert`.
@@ -234,7 +234,7 @@ fn verifier(
     let mode = conn.sslmode;
     Ok(match &conn.ssl_root_cert {
         Some(root) if mode.checks_chain(Some(root)) => {
-            let (store, _, path) = root_store(root)?;
+            let (store, path) = root_store(root)?;
             let webpki =
                 WebPkiServerVerifier::builder_with_provider(Arc::new(store), Arc::clone(provider))
                     .build()
@@ -244,7 +244,7 @@ fn verifier(
                         reason: e.to_string(),
                     })?;
             if mode == SslMode::VerifyFull {
-                webpki
+                Arc::new(LibpqNames(webpki))
             } else {
                 Arc::new(ChainOnly(webpki))
             }
@@ -266,7 +266,7 @@ fn config_with(
         .with_custom_certificate_verifier(verifier);
     Ok(match &conn.ssl_client_cert {
         Some(c) => {
-            let ((chain, key), _, _) = client_auth(c)?;
+            let (chain, key) = client_auth(c)?;
             builder
                 .with_client_auth_cert(chain, key)
                 .map_err(|e| TlsSetupError {
@@ -279,176 +279,36 @@ fn config_with(
     })
 }
 
-/// What the replication transport's TLS needs from the relay: `Plain`,
-/// or a config ready to use.
-pub enum ReplicationTls {
-    /// No TLS on this attempt.
-    Plain,
-    /// This transport config.
-    Tls(pgwire_replication::TlsConfig),
-}
-
-/// The replication transport's TLS settings for `conn` (the same policy as
-/// [`client_config`]; `fallback` as there). For verify-ca this connects
-/// once to read the name on the server's certificate (see the module
-/// docs). Errors: as [`client_config`], and a verify-ca probe that fails
-/// (the server refused TLS, or its chain is not trusted), as text.
-pub async fn replication_tls(conn: &ConnParams, fallback: bool) -> Result<ReplicationTls, String> {
+/// The replication transport's TLS settings for `conn`: the rustls config
+/// of [`client_config`] (`fallback` as there) as it is, so the stream's
+/// connection checks certificates exactly as the side connection does.
+/// Errors: as [`client_config`].
+pub fn replication_tls(
+    conn: &ConnParams,
+    fallback: bool,
+) -> Result<pgwire_replication::TlsConfig, TlsSetupError> {
     use pgwire_replication::TlsConfig;
-    let mode = conn.sslmode;
-    if mode == SslMode::Disable || (mode == SslMode::Allow && !fallback) || over_unix_socket(conn) {
-        return Ok(ReplicationTls::Plain);
-    }
-    let mut tls = match &conn.ssl_root_cert {
-        Some(root) if mode.checks_chain(Some(root)) => {
-            let (_, loaded, path) = root_store(root).map_err(|e| e.to_string())?;
-            let ca = usable_path(&path, &loaded)?;
-            let name = if mode == SslMode::VerifyFull {
-                conn.host.clone()
-            } else {
-                presented_name(conn).await?
-            };
-            TlsConfig::verify_full(Some(ca)).with_sni_hostname(name)
-        }
-        _ if mode == SslMode::Prefer => TlsConfig {
-            mode: pgwire_replication::SslMode::Prefer,
-            ..TlsConfig::require()
-        },
-        _ => TlsConfig::require(),
+    let Some(config) = client_config(conn, fallback)? else {
+        return Ok(TlsConfig::disabled());
     };
-    if let Some(c) = &conn.ssl_client_cert {
-        let (_, cert, key) = client_auth(c).map_err(|e| e.to_string())?;
-        tls = tls.with_client_cert(usable_path(&c.cert, &cert)?, usable_path(&c.key, &key)?);
-    }
-    Ok(ReplicationTls::Tls(tls))
-}
-
-/// The path the transport should read for `loaded`: the file itself, or,
-/// when it no longer loads, a private copy of the one that last did.
-fn usable_path(path: &Path, loaded: &Loaded) -> Result<PathBuf, String> {
-    if loaded.kept.is_none() {
-        return Ok(path.to_owned());
-    }
-    use std::io::Write;
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-    let dir = std::env::temp_dir().join(format!("cdc-relay-{}-tls", std::process::id()));
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .recursive(true)
-        .create(&dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?;
-    let name = path
-        .to_string_lossy()
-        .replace(|c: char| !c.is_ascii_alphanumeric(), "_");
-    let copy = dir.join(name);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&copy)
-        .map_err(|e| format!("{}: {e}", copy.display()))?;
-    f.write_all(&loaded.bytes)
-        .map_err(|e| format!("{}: {e}", copy.display()))?;
-    Ok(copy)
-}
-
-/// Connects to `conn`, negotiates TLS checking the server's chain and
-/// returns a name its certificate carries: the first DNS name (a
-/// wildcard's first label made concrete) or IP address of its
-/// subjectAltName.
-async fn presented_name(conn: &ConnParams) -> Result<String, String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let seen = Arc::new(Mutex::new(None));
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let capture = Capture {
-        inner: verifier(conn, &provider).map_err(|e| e.to_string())?,
-        seen: Arc::clone(&seen),
+    let mode = match conn.sslmode {
+        SslMode::Prefer => pgwire_replication::SslMode::Prefer,
+        _ => pgwire_replication::SslMode::Require,
     };
-    let config = config_with(conn, provider, Arc::new(capture)).map_err(|e| e.to_string())?;
-    let probe = async {
-        let mut tcp = tokio::net::TcpStream::connect((conn.host.as_str(), conn.port))
-            .await
-            .map_err(|e| format!("connecting to {}:{}: {e}", conn.host, conn.port))?;
-        // SSLRequest (PostgreSQL docs, "Message Formats").
-        tcp.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut answer = [0u8; 1];
-        tcp.read_exact(&mut answer)
-            .await
-            .map_err(|e| e.to_string())?;
-        if answer[0] != b'S' {
-            return Err("server does not support TLS (SSLRequest refused)".to_owned());
-        }
-        let server_name = ServerName::try_from(conn.host.clone())
-            .unwrap_or_else(|_| ServerName::try_from("localhost").expect("a valid name"));
-        let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-            .connect(server_name, tcp)
-            .await
-            .map_err(|e| format!("TLS handshake failed: {e}"))?;
-        let _ = tls.shutdown().await;
-        Ok(())
-    };
-    tokio::time::timeout(conn.connect_timeout, probe)
-        .await
-        .map_err(|_| {
-            format!(
-                "no TLS handshake with {}:{} within {:?}",
-                conn.host, conn.port, conn.connect_timeout
-            )
-        })??;
-    let cert = seen
-        .lock()
-        .expect("never poisoned")
-        .take()
-        .ok_or("the server presented no certificate")?;
-    certificate_name(&cert).ok_or_else(|| {
-        "the server's certificate has no subjectAltName (DNS name or IP address); the relay \
-         checks names only there: reissue the certificate with one"
-            .to_owned()
-    })
+    Ok(TlsConfig {
+        mode,
+        ..TlsConfig::default()
+    }
+    .with_rustls_config(Arc::new(config)))
 }
 
-/// The first DNS name or IP address in `cert`'s subjectAltName, usable as
-/// a server name that the certificate is valid for.
-fn certificate_name(cert: &CertificateDer<'_>) -> Option<String> {
-    use x509_cert::der::Decode;
-    use x509_cert::ext::pkix::SubjectAltName;
-    use x509_cert::ext::pkix::name::GeneralName;
-    let cert = x509_cert::Certificate::from_der(cert.as_ref()).ok()?;
-    let (_, san) = cert.tbs_certificate.get::<SubjectAltName>().ok()??;
-    san.0.iter().find_map(|name| match name {
-        GeneralName::DnsName(n) => {
-            let n = n.as_str();
-            Some(match n.strip_prefix("*.") {
-                Some(rest) => format!("relay.{rest}"),
-                None => n.to_owned(),
-            })
-        }
-        GeneralName::IpAddress(octets) => {
-            let b = octets.as_bytes();
-            match b.len() {
-                4 => Some(std::net::Ipv4Addr::new(b[0], b[1], b[2], b[3]).to_string()),
-                16 => {
-                    let a: [u8; 16] = b.try_into().ok()?;
-                    Some(std::net::Ipv6Addr::from(a).to_string())
-                }
-                _ => None,
-            }
-        }
-        _ => None,
-    })
-}
-
-/// Records the end-entity certificate `inner` was asked to verify.
+/// verify-full: the chain and the subjectAltName as webpki checks them,
+/// and, where webpki finds no name for the host, libpq's fallback to the
+/// common name ([`common_name_matches`]).
 #[derive(Debug)]
-struct Capture {
-    inner: Arc<dyn ServerCertVerifier>,
-    seen: Arc<Mutex<Option<CertificateDer<'static>>>>,
-}
+struct LibpqNames(Arc<dyn ServerCertVerifier>);
 
-impl ServerCertVerifier for Capture {
+impl ServerCertVerifier for LibpqNames {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -457,9 +317,20 @@ impl ServerCertVerifier for Capture {
         ocsp: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        *self.seen.lock().expect("never poisoned") = Some(end_entity.clone().into_owned());
-        self.inner
+        // webpki checks the name last: a name error means the chain,
+        // validity and usage were accepted.
+        match self
+            .0
             .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. },
+            )) if common_name_matches(end_entity, server_name) => {
+                Ok(ServerCertVerified::assertion())
+            }
+            other => other,
+        }
     }
 
     fn verify_tls12_signature(
@@ -468,7 +339,7 @@ impl ServerCertVerifier for Capture {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls12_signature(message, cert, dss)
+        self.0.verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -477,12 +348,70 @@ impl ServerCertVerifier for Capture {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls13_signature(message, cert, dss)
+        self.0.verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.inner.supported_verify_schemes()
+        self.0.supported_verify_schemes()
     }
+}
+
+/// libpq's common-name fallback: whether `cert` has no subjectAltName entry
+/// of `host`'s type (an IP address for an IP host, else a DNS name) and
+/// its first common name matches `host` (ASCII case-insensitively, a
+/// leading `*.` standing for one label). PostgreSQL's
+/// `fe-secure-openssl.c`, "If there is no subjectAltName extension of the
+/// matching type, check the Common Name".
+fn common_name_matches(cert: &CertificateDer<'_>, host: &ServerName<'_>) -> bool {
+    use x509_cert::der::Decode;
+    use x509_cert::ext::pkix::SubjectAltName;
+    use x509_cert::ext::pkix::name::GeneralName;
+    const CN: x509_cert::der::oid::ObjectIdentifier =
+        x509_cert::der::oid::ObjectIdentifier::new_unwrap("2.5.4.3");
+    let Ok(cert) = x509_cert::Certificate::from_der(cert.as_ref()) else {
+        return false;
+    };
+    let by_ip = matches!(host, ServerName::IpAddress(_));
+    if let Ok(Some((_, san))) = cert.tbs_certificate.get::<SubjectAltName>() {
+        let same_type = |n: &GeneralName| match n {
+            GeneralName::IpAddress(_) => by_ip,
+            GeneralName::DnsName(_) => !by_ip,
+            _ => false,
+        };
+        if san.0.iter().any(same_type) {
+            return false;
+        }
+    }
+    let common_name = cert
+        .tbs_certificate
+        .subject
+        .0
+        .iter()
+        .flat_map(|rdn| rdn.0.iter())
+        .find(|atv| atv.oid == CN)
+        .and_then(|atv| std::str::from_utf8(atv.value.value()).ok());
+    common_name.is_some_and(|cn| name_matches(cn, &host.to_str()))
+}
+
+/// Whether the certificate name `pattern` stands for `host`: equal ignoring
+/// ASCII case, or `*.rest` where `host` is one label (no dot) followed by
+/// `.rest` (libpq's `wildcard_certificate_match`). A name holding a NUL
+/// matches nothing.
+fn name_matches(pattern: &str, host: &str) -> bool {
+    if pattern.contains('\0') {
+        return false;
+    }
+    if pattern.eq_ignore_ascii_case(host) {
+        return true;
+    }
+    let Some(rest) = pattern.strip_prefix('*') else {
+        return false;
+    };
+    if !rest.starts_with('.') || rest.len() < 2 || host.len() < rest.len() {
+        return false;
+    }
+    let (label, suffix) = host.split_at(host.len() - rest.len());
+    suffix.eq_ignore_ascii_case(rest) && !label.is_empty() && !label.contains('.')
 }
 
 /// verify-ca: the chain must lead to a trusted root; the name may differ.
@@ -579,5 +508,29 @@ impl ServerCertVerifier for NoVerification {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::name_matches;
+
+    #[test]
+    fn a_common_name_matches_as_libpq_matches_it() {
+        for (pattern, host, want) in [
+            ("db.example.com", "db.example.com", true),
+            ("DB.Example.com", "db.example.COM", true),
+            ("db.example.com", "db2.example.com", false),
+            ("127.0.0.1", "127.0.0.1", true),
+            ("*.example.com", "db.example.com", true),
+            ("*.example.com", "a.db.example.com", false),
+            ("*.example.com", "example.com", false),
+            ("*.example.com", ".example.com", false),
+            ("*example.com", "dbexample.com", false),
+            ("*.", "a.", false),
+            ("db.example.com\0.evil", "db.example.com", false),
+        ] {
+            assert_eq!(name_matches(pattern, host), want, "{pattern} for {host}");
+        }
     }
 }

@@ -113,11 +113,8 @@ where
     let once = |fallback: bool| {
         let attempt = &attempt;
         async move {
-            let tls = match tls::replication_tls(conn, fallback).await {
-                Ok(tls::ReplicationTls::Plain) => pgwire_replication::TlsConfig::disabled(),
-                Ok(tls::ReplicationTls::Tls(t)) => t,
-                Err(text) => return Err(SourceError::transport(&PgWireError::Tls(text), slot)),
-            };
+            let tls = tls::replication_tls(conn, fallback)
+                .map_err(|e| SourceError::transport(&PgWireError::Tls(e.to_string()), slot))?;
             attempt(tls).await
         }
     };

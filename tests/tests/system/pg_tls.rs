@@ -10,6 +10,10 @@
 //! `cert` method, and what the relay cannot do on both connections is
 //! refused at startup with exit 2 naming the parameter.
 //!
+//! Certificates without a subjectAltName of the host's type are matched
+//! by their common name, as libpq does (refused on `1532615`: the
+//! replication transport checked names only in the subjectAltName).
+//!
 //! Failed on `cb3ea2e`: verify-full to `127.0.0.1` exited 1 (the
 //! replication transport refused an IP host although the certificate has
 //! it in its SAN); verify-ca refused a certificate for another name;
@@ -227,6 +231,61 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
             "sslmode=require".into(),
             true,
             "",
+        ),
+    ])
+    .await?;
+
+    // Certificates without a subjectAltName of the host's type: libpq
+    // falls back to the common name (psql agrees or the test fails).
+    let cn_only = server(&ca, "localhost", &[], false)?;
+    let cn_ip_dns_san = server(&ca, "127.0.0.1", &["DNS:db.invalid"], false)?;
+    t.serve(&cn_only)?;
+    t.run(&[
+        case(
+            "verify-full by name, no SAN, the name is the CN",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "verify-full by IP, no SAN, the CN is another name",
+            "127.0.0.1",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            false,
+            "verify-ca",
+        ),
+        case(
+            "verify-ca, no SAN",
+            "127.0.0.1",
+            format!("sslmode=verify-ca&sslrootcert={ca_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "require with the root, no SAN",
+            "127.0.0.1",
+            format!("sslmode=require&sslrootcert={ca_pem}"),
+            true,
+            "",
+        ),
+    ])
+    .await?;
+    t.serve(&cn_ip_dns_san)?;
+    t.run(&[
+        case(
+            "verify-full by IP, only a DNS SAN, the IP is the CN",
+            "127.0.0.1",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "verify-full by name, a DNS SAN for another name: the CN is not looked at",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={ca_pem}"),
+            false,
+            "verify-ca",
         ),
     ])
     .await?;
