@@ -11,7 +11,7 @@
 //! | `services/billing.rs` | the Billing inbox and invoices API (no relay) |
 //! | `services/payments.rs` | the payment provider's `POST /charges`: one charge per `Idempotency-Key`, expiry, its test hooks |
 //! | `services/charges.rs` | Billing charging each invoice once at the provider: lost answers, 5xx, a crash between charge and record, declines |
-//! | `cli.rs` | `cdc-relay` as an operator types it: `setup`, `status`, start-up errors and exit codes |
+//! | `cli/` | `cdc-relay` as an operator types it: `setup`, `status`, start-up errors and exit codes (one file a topic) |
 //! | `identity.rs` | which relation is the outbox and whether the stream carries it: renames and swaps, publication membership (left, flapped, two publications, other tables), a slot older than its publication |
 //! | `row_shape.rs` | what a row may hold and how the table is declared: the payload column's type, a non-UTF-8 database, replica identity |
 //! | `routes.rs` | several endpoints from one slot (`run --routes`): fan-out, unrouted events, one endpoint down, `routes check`, dead letters per endpoint |
