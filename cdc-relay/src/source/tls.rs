@@ -243,11 +243,12 @@ fn verifier(
                         path: path.display().to_string(),
                         reason: e.to_string(),
                     })?;
-            if mode == SslMode::VerifyFull {
-                Arc::new(LibpqNames(webpki))
+            let names = if mode == SslMode::VerifyFull {
+                Names::AsLibpq
             } else {
-                Arc::new(ChainOnly(webpki))
-            }
+                Names::Ignored
+            };
+            Arc::new(Verify { webpki, names })
         }
         _ => Arc::new(NoVerification(Arc::clone(provider))),
     })
@@ -302,13 +303,25 @@ pub fn replication_tls(
     .with_rustls_config(Arc::new(config)))
 }
 
-/// verify-full: the chain and the subjectAltName as webpki checks them,
-/// and, where webpki finds no name for the host, libpq's fallback to the
-/// common name ([`common_name_matches`]).
+/// verify-ca and verify-full: the chain, validity and usage as webpki
+/// checks them, and the host name as `names` says.
 #[derive(Debug)]
-struct LibpqNames(Arc<dyn ServerCertVerifier>);
+struct Verify {
+    webpki: Arc<dyn ServerCertVerifier>,
+    names: Names,
+}
 
-impl ServerCertVerifier for LibpqNames {
+/// What a certificate webpki finds valid but not for the host's name gets.
+#[derive(Debug, Clone, Copy)]
+enum Names {
+    /// verify-ca: accepted (the chain is what is checked).
+    Ignored,
+    /// verify-full: accepted when libpq's common-name fallback matches
+    /// ([`common_name_matches`]).
+    AsLibpq,
+}
+
+impl ServerCertVerifier for Verify {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -320,13 +333,17 @@ impl ServerCertVerifier for LibpqNames {
         // webpki checks the name last: a name error means the chain,
         // validity and usage were accepted.
         match self
-            .0
+            .webpki
             .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
         {
             Err(rustls::Error::InvalidCertificate(
                 rustls::CertificateError::NotValidForName
                 | rustls::CertificateError::NotValidForNameContext { .. },
-            )) if common_name_matches(end_entity, server_name) => {
+            )) if match self.names {
+                Names::Ignored => true,
+                Names::AsLibpq => common_name_matches(end_entity, server_name),
+            } =>
+            {
                 Ok(ServerCertVerified::assertion())
             }
             other => other,
@@ -339,7 +356,7 @@ impl ServerCertVerifier for LibpqNames {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        self.webpki.verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -348,11 +365,11 @@ impl ServerCertVerifier for LibpqNames {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        self.webpki.verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.webpki.supported_verify_schemes()
     }
 }
 
@@ -412,54 +429,6 @@ fn name_matches(pattern: &str, host: &str) -> bool {
     }
     let (label, suffix) = host.split_at(host.len() - rest.len());
     suffix.eq_ignore_ascii_case(rest) && !label.is_empty() && !label.contains('.')
-}
-
-/// verify-ca: the chain must lead to a trusted root; the name may differ.
-#[derive(Debug)]
-struct ChainOnly(Arc<dyn ServerCertVerifier>);
-
-impl ServerCertVerifier for ChainOnly {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        intermediates: &[CertificateDer<'_>],
-        server_name: &ServerName<'_>,
-        ocsp: &[u8],
-        now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
-        {
-            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName))
-            | Err(rustls::Error::InvalidCertificate(
-                rustls::CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
-            other => other,
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
-    }
 }
 
 /// prefer/require: encryption without authentication, as libpq does.
