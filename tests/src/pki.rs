@@ -152,6 +152,91 @@ impl Ca {
     }
 }
 
+impl Ca {
+    /// An intermediate CA named `name`, signed by this one.
+    pub fn intermediate(&self, name: &str) -> anyhow::Result<Ca> {
+        let cert = self.dir.join(format!("{name}.pem"));
+        let key = self.dir.join(format!("{name}.key"));
+        let csr = self.dir.join(format!("{name}.csr"));
+        let extfile = self.dir.join(format!("{name}.ext"));
+        openssl(
+            &[
+                &["req", "-subj"][..],
+                &[&format!("/CN={name}")],
+                &EC,
+                &["-keyout", path_str(&key)?, "-out", path_str(&csr)?],
+            ]
+            .concat(),
+        )?;
+        std::fs::write(
+            &extfile,
+            "basicConstraints=critical,CA:TRUE\nkeyUsage=critical,keyCertSign,cRLSign\n",
+        )?;
+        openssl(&[
+            "x509",
+            "-req",
+            "-days",
+            "2",
+            "-in",
+            path_str(&csr)?,
+            "-CA",
+            path_str(&self.cert)?,
+            "-CAkey",
+            path_str(&self.key)?,
+            "-CAcreateserial",
+            "-extfile",
+            path_str(&extfile)?,
+            "-out",
+            path_str(&cert)?,
+        ])?;
+        Ok(Ca {
+            dir: self.dir.clone(),
+            name: name.to_owned(),
+            cert,
+            key,
+        })
+    }
+}
+
+impl Issued {
+    /// This certificate followed by `issuer`'s (one PEM file, as a server's
+    /// `ssl_cert_file` carries its chain), with the same key.
+    pub fn with_chain(&self, issuer: &Ca) -> anyhow::Result<Issued> {
+        let chain = self.cert.with_extension("chain.pem");
+        let mut pem = std::fs::read(&self.cert)?;
+        pem.extend(std::fs::read(&issuer.cert)?);
+        std::fs::write(&chain, pem)?;
+        Ok(Issued {
+            cert: chain,
+            key: self.key.clone(),
+        })
+    }
+}
+
+/// A self-signed server certificate for the common name `cn` in `dir`, as
+/// PostgreSQL's documentation makes one (`openssl req -new -x509 … -subj
+/// /CN=…`): no subjectAltName, and a CA (basicConstraints CA:TRUE), which
+/// the client then trusts by putting the certificate itself in its root
+/// file.
+pub fn self_signed_server(dir: &Path, cn: &str) -> anyhow::Result<Issued> {
+    use std::os::unix::fs::PermissionsExt;
+    let cert = dir.join(format!("self-{cn}.pem"));
+    let key = dir.join(format!("self-{cn}.key"));
+    openssl(
+        &[
+            &["req", "-new", "-x509", "-days", "2", "-subj"][..],
+            &[&format!("/CN={cn}")],
+            &EC,
+            &["-keyout", path_str(&key)?, "-out", path_str(&cert)?],
+            &["-addext", "basicConstraints=critical,CA:TRUE"],
+        ]
+        .concat(),
+    )?;
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::set_permissions(&cert, std::fs::Permissions::from_mode(0o644))?;
+    Ok(Issued { cert, key })
+}
+
 /// A copy of `key` that the PostgreSQL server accepts as `ssl_key_file`:
 /// mode 0600, owned by the user the harness runs the server as.
 pub fn server_key(key: &Path) -> anyhow::Result<PathBuf> {

@@ -75,21 +75,27 @@ pub async fn connect_sql(
 /// A connection to the first candidate host (in the URL's order) that
 /// answers and is not in recovery, the receiver that completes when it
 /// closes, and the parameters of that host alone (for the replication
-/// connection, which must go to the same server). Definite only when every
-/// host failed definitely (authentication, say); a host in recovery is a
-/// standby waiting for promotion: transient.
+/// connection, which must go to the same server). A host that refuses
+/// definitely (authentication, its certificate) ends the search with that
+/// error, as in libpq ("if authentication fails, the remaining hosts are
+/// not tried"); one that does not answer, or is in recovery (a standby
+/// waiting for promotion), is logged at WARN and the next is tried: all
+/// failing so is transient.
 pub async fn connect_primary(
     conn: &ConnParams,
     application_name: &str,
 ) -> Result<(tokio_postgres::Client, oneshot::Receiver<()>, ConnParams), SourceError> {
     let mut failures = Vec::new();
-    let mut all_definite = true;
+    let last = conn.hosts.len() - 1;
     for i in 0..conn.hosts.len() {
         let one = conn.at(i);
         let (client, closed) = match connect_sql_watched(&one, application_name).await {
             Ok(c) => c,
+            Err(e) if e.is_definite() => return Err(e),
             Err(e) => {
-                all_definite &= e.is_definite();
+                if i < last {
+                    tracing::warn!(error = %e, "host {} of {} failed; trying the next", i + 1, last + 1);
+                }
                 failures.push(e.to_string());
                 continue;
             }
@@ -102,7 +108,6 @@ pub async fn connect_primary(
         if !in_recovery {
             return Ok((client, closed, one));
         }
-        all_definite = false;
         failures.push(format!(
             "{}: in recovery (a standby; the relay streams only from a primary)",
             one.display()
@@ -119,11 +124,7 @@ pub async fn connect_primary(
             failures.join("; ")
         )
     };
-    Err(if all_definite {
-        SourceError::Definite(msg)
-    } else {
-        SourceError::Transient(msg)
-    })
+    Err(SourceError::Transient(msg))
 }
 
 /// The notices (warnings, infos) a connection received, oldest first, at
@@ -185,6 +186,7 @@ async fn connect(
     match attempt(false).await {
         // sslmode=allow: plain first, TLS when the server refuses plain.
         Err(e) if conn.sslmode == SslMode::Allow && e.refuses_plain() => attempt(true).await,
+        Err(e) if conn.sslmode == SslMode::Prefer && e.tls_failed() => attempt(true).await,
         other => other,
     }
 }

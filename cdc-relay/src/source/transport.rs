@@ -55,7 +55,7 @@ const TRANSPORT_BUFFER: usize = 64;
 /// until the server accepted `START_REPLICATION` (the slot is then held).
 /// Bounded by twice the connect timeout (per TLS attempt).
 pub async fn open(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationClient, SourceError> {
-    with_tls(conn, &s.slot, |tls| async move {
+    with_tls(conn, |tls| async move {
         let mut cfg = ReplicationConfig::new(
             conn.host.clone(),
             conn.user.clone(),
@@ -103,9 +103,10 @@ pub async fn open(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationCl
 }
 
 /// Runs `attempt` with the replication TLS settings of `conn`: once, or,
-/// for `sslmode=allow`, plain first and with TLS when the server refuses a
-/// plain connection (as libpq does).
-async fn with_tls<T, F, Fut>(conn: &ConnParams, slot: &str, attempt: F) -> Result<T, SourceError>
+/// as libpq does, a second time for `sslmode=allow` with TLS when the
+/// server refused plain text, and for `sslmode=prefer` in plain text when
+/// the TLS handshake failed.
+async fn with_tls<T, F, Fut>(conn: &ConnParams, attempt: F) -> Result<T, SourceError>
 where
     F: Fn(pgwire_replication::TlsConfig) -> Fut,
     Fut: std::future::Future<Output = Result<T, SourceError>>,
@@ -113,13 +114,17 @@ where
     let once = |fallback: bool| {
         let attempt = &attempt;
         async move {
-            let tls = tls::replication_tls(conn, fallback)
-                .map_err(|e| SourceError::transport(&PgWireError::Tls(e.to_string()), slot))?;
+            // A file that does not load is not a failed handshake: no
+            // fallback to plain text for prefer.
+            let tls = tls::replication_tls(conn, fallback).map_err(|e| {
+                SourceError::Definite(format!("replication connection to {}: {e}", conn.display()))
+            })?;
             attempt(tls).await
         }
     };
     match once(false).await {
         Err(e) if conn.sslmode == super::SslMode::Allow && e.refuses_plain() => once(true).await,
+        Err(e) if conn.sslmode == super::SslMode::Prefer && e.tls_failed() => once(true).await,
         other => other,
     }
     .map_err(|e| e.naming_role(&conn.user))
@@ -133,7 +138,7 @@ pub async fn replication_command(
     slot: &str,
     sql: &str,
 ) -> Result<Vec<pgwire_replication::QueryRow>, SourceError> {
-    with_tls(conn, slot, |tls| async move {
+    with_tls(conn, |tls| async move {
         let cfg = ReplicationConfig::new(
             conn.host.clone(),
             conn.user.clone(),

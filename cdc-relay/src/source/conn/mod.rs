@@ -15,7 +15,7 @@ use std::time::Duration;
 mod string;
 mod tls_params;
 
-use string::{query_param, strip_own_params};
+use string::{query_param, repeated_param, strip_own_params};
 use tls_params::TlsParams;
 
 /// libpq's `sslmode` (PostgreSQL docs, "SSL Support" → "Protection Provided
@@ -73,15 +73,15 @@ impl FromStr for SslMode {
 }
 
 impl SslMode {
-    /// Whether the server's certificate chain is checked: verify-ca and
-    /// verify-full, and `require` when a root certificate is known (libpq
-    /// keeps that for compatibility: "require" with a root CA file behaves
-    /// like verify-ca).
+    /// Whether the server's certificate chain is checked when TLS is used:
+    /// verify-ca and verify-full, and `require`, `prefer` and `allow` when
+    /// a root certificate is known (libpq verifies against a root CA file
+    /// whenever there is one: "require" with it behaves like verify-ca).
     pub fn checks_chain(self, root: Option<&RootCert>) -> bool {
         match self {
             SslMode::VerifyCa | SslMode::VerifyFull => true,
-            SslMode::Require => root.is_some(),
-            SslMode::Disable | SslMode::Allow | SslMode::Prefer => false,
+            SslMode::Require | SslMode::Prefer | SslMode::Allow => root.is_some(),
+            SslMode::Disable => false,
         }
     }
 }
@@ -187,6 +187,17 @@ impl ConnParams {
     /// Parses a libpq connection string or URL; `connect_timeout` applies
     /// unless the string sets its own.
     pub fn parse(url: &str, connect_timeout: Duration) -> Result<Self, BadUrl> {
+        if let Some((key, first, last)) = repeated_param(url) {
+            let values = if key.contains("password") {
+                String::new()
+            } else {
+                format!(" ({first}, then {last})")
+            };
+            return Err(BadUrl(format!(
+                "{key} is given twice{values}: libpq would take the last, and the relay refuses \
+                 to guess; give each parameter once"
+            )));
+        }
         let cfg = tokio_postgres::Config::from_str(&strip_own_params(url)).map_err(|e| {
             let why = std::error::Error::source(&e)
                 .map(|s| format!(": {s}"))

@@ -133,6 +133,33 @@ fn params(url: &str) -> Vec<(String, String)> {
     key_values(url).unwrap_or_default()
 }
 
+/// A parameter the connection string gives twice, as `(key, first value,
+/// last value)`: libpq takes the last value, tokio-postgres (which reads
+/// the rest of the string) another host or port for `host` and `port`,
+/// and this module the first, so the string is refused instead of read
+/// three ways. A URL's `host` or `port` in the query beside one in its
+/// authority (`postgresql://h:5432/db?host=other`) counts as given twice.
+pub(super) fn repeated_param(url: &str) -> Option<(String, String, String)> {
+    let mut seen: Vec<(String, String)> = Vec::new();
+    if let Some(rest) = url.split_once("://").map(|(_, r)| r) {
+        let authority = rest.split(['/', '?']).next().unwrap_or_default();
+        let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+        if !hosts.is_empty() {
+            seen.push(("host".into(), format!("{hosts} (in the URL's authority)")));
+            if hosts.contains("]:") || (!hosts.starts_with('[') && hosts.contains(':')) {
+                seen.push(("port".into(), format!("{hosts} (in the URL's authority)")));
+            }
+        }
+    }
+    for (k, v) in params(url) {
+        if let Some((_, first)) = seen.iter().find(|(s, _)| *s == k) {
+            return Some((k, first.clone(), v));
+        }
+        seen.push((k, v));
+    }
+    None
+}
+
 /// A parameter of the URL's query (`?a=b&c=d`) or of a key/value string
 /// (`a=b c='d e'`), decoded.
 pub(super) fn query_param(url: &str, key: &str) -> Option<String> {
@@ -148,6 +175,41 @@ mod tests {
 
     use super::super::{ConnParams, RootCert, SslMode};
     use super::*;
+
+    #[test]
+    fn a_parameter_given_twice_is_found() {
+        for (url, key) in [
+            (
+                "postgresql://u@h/d?sslmode=disable&sslrootcert=/ca.pem&sslmode=verify-full",
+                "sslmode",
+            ),
+            (
+                "postgresql://u@h/d?sslrootcert=/a&sslrootcert=/b",
+                "sslrootcert",
+            ),
+            ("postgresql://u@h:5432/d?host=127.0.0.1", "host"),
+            ("postgresql://u@h:5432/d?port=6000", "port"),
+            ("postgresql://u@[::1]:5432/d?port=6000", "port"),
+            ("host=a sslmode=disable host=b", "host"),
+            ("host=a sslmode=require sslmode='verify-full'", "sslmode"),
+        ] {
+            assert_eq!(
+                repeated_param(url).map(|(k, _, _)| k).as_deref(),
+                Some(key),
+                "{url}"
+            );
+        }
+        for url in [
+            "postgresql://u@h/d?sslmode=verify-full&sslrootcert=/ca.pem",
+            "postgresql://u@h1:5432,h2:5433/d?sslmode=require",
+            "postgresql://u@[::1]/d?port=6000",
+            "postgresql:///d?host=/var/run/postgresql&port=5433",
+            "postgresql://u@h/d?user=v",
+            "host=a port=1 sslmode=require",
+        ] {
+            assert_eq!(repeated_param(url), None, "{url}");
+        }
+    }
 
     #[test]
     fn key_value_strings_are_read_with_libpq_quoting() {

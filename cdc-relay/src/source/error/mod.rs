@@ -283,6 +283,14 @@ impl SourceError {
         self.to_string().contains("no encryption")
     }
 
+    /// Whether the TLS handshake failed (the server's certificate refused,
+    /// say): `sslmode=prefer` then tries again in plain text, as libpq
+    /// does.
+    pub fn tls_failed(&self) -> bool {
+        let text = self.to_string();
+        text.contains("TLS failed: ") || text.contains("error performing TLS handshake")
+    }
+
     /// A replication transport error while streaming `slot`.
     pub fn transport(e: &PgWireError, slot: &str) -> Self {
         let text = e.to_string();

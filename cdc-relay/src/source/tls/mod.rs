@@ -5,8 +5,8 @@
 //! | sslmode | encryption | certificate chain | host name |
 //! |---|---|---|---|
 //! | disable | no | — | — |
-//! | allow | only if the server refuses a plain connection | not checked | not checked |
-//! | prefer (default) | if the server offers it | not checked | not checked |
+//! | allow | only if the server refuses a plain connection | checked only when a root certificate is known | not checked |
+//! | prefer (default) | if the server offers it; plain text if the handshake fails | checked only when a root certificate is known | not checked |
 //! | require | yes | checked only when a root certificate is known | not checked |
 //! | verify-ca | yes | checked | not checked |
 //! | verify-full | yes | checked | checked, as libpq matches it (below) |
@@ -41,6 +41,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
 use super::conn::{ClientCert, ConnParams, RootCert, SslMode};
+
+mod names;
 use crate::reread::Loaded;
 
 /// A TLS file could not be used: `param` names the URL parameter
@@ -115,20 +117,41 @@ fn parse_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
         .map_err(|e| format!("not an unencrypted PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"))
 }
 
-fn root_store(root: &RootCert) -> Result<(RootCertStore, PathBuf), TlsSetupError> {
+/// What an `sslrootcert` file gives: its self-signed certificates as the
+/// trust anchors (a chain must end at one, as OpenSSL checks it for
+/// libpq: an intermediate alone in the file is not a root) and its other
+/// certificates, offered as intermediates a server may leave out.
+struct Roots {
+    store: RootCertStore,
+    anchors: Vec<CertificateDer<'static>>,
+    others: Vec<CertificateDer<'static>>,
+    path: PathBuf,
+}
+
+fn root_store(root: &RootCert) -> Result<Roots, TlsSetupError> {
     let path = root_file(root)?;
-    let check = |b: &[u8]| {
+    let split = |b: &[u8]| -> Result<_, String> {
+        let (anchors, others): (Vec<_>, Vec<_>) =
+            parse_certs(b)?.into_iter().partition(names::self_signed);
         let mut store = RootCertStore::empty();
-        let (added, _) = store.add_parsable_certificates(parse_certs(b)?);
+        let (added, _) = store.add_parsable_certificates(anchors.iter().cloned());
         if added == 0 {
-            return Err("no usable CA certificate in the file".to_owned());
+            return Err(
+                "no usable self-signed CA certificate in the file (a chain is trusted \
+                        only up to a self-signed root, as libpq trusts it): add the root CA"
+                    .to_owned(),
+            );
         }
-        Ok(())
+        Ok((store, anchors, others))
     };
-    let loaded = load("sslrootcert", &path, check)?;
-    let mut store = RootCertStore::empty();
-    store.add_parsable_certificates(parse_certs(&loaded.bytes).expect("checked when loaded"));
-    Ok((store, path))
+    let loaded = load("sslrootcert", &path, |b| split(b).map(drop))?;
+    let (store, anchors, others) = split(&loaded.bytes).expect("checked when loaded");
+    Ok(Roots {
+        store,
+        anchors,
+        others,
+        path,
+    })
 }
 
 type ClientAuth = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
@@ -210,15 +233,21 @@ fn over_unix_socket(conn: &ConnParams) -> bool {
 }
 
 /// A rustls client config for the side connection to `conn`, or `None`
-/// when it goes without TLS (`disable`, a Unix socket; `allow` asks for
-/// `fallback` to get the config of its second attempt). Errors: a root or
-/// client certificate file that does not load and never did.
+/// when it goes without TLS (`disable`, a Unix socket). `fallback` asks
+/// for the second attempt libpq makes: `allow`'s TLS after the server
+/// refused plain text, `prefer`'s plain text after a failed TLS handshake.
+/// Errors: a root or client certificate file that does not load and never
+/// did.
 pub fn client_config(
     conn: &ConnParams,
     fallback: bool,
 ) -> Result<Option<ClientConfig>, TlsSetupError> {
     let mode = conn.sslmode;
-    if mode == SslMode::Disable || (mode == SslMode::Allow && !fallback) || over_unix_socket(conn) {
+    if mode == SslMode::Disable
+        || (mode == SslMode::Allow && !fallback)
+        || (mode == SslMode::Prefer && fallback)
+        || over_unix_socket(conn)
+    {
         return Ok(None);
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -234,21 +263,30 @@ fn verifier(
     let mode = conn.sslmode;
     Ok(match &conn.ssl_root_cert {
         Some(root) if mode.checks_chain(Some(root)) => {
-            let (store, path) = root_store(root)?;
-            let webpki =
-                WebPkiServerVerifier::builder_with_provider(Arc::new(store), Arc::clone(provider))
-                    .build()
-                    .map_err(|e| TlsSetupError {
-                        param: "sslrootcert",
-                        path: path.display().to_string(),
-                        reason: e.to_string(),
-                    })?;
+            let roots = root_store(root)?;
+            let webpki = WebPkiServerVerifier::builder_with_provider(
+                Arc::new(roots.store),
+                Arc::clone(provider),
+            )
+            .build()
+            .map_err(|e| TlsSetupError {
+                param: "sslrootcert",
+                path: roots.path.display().to_string(),
+                reason: e.to_string(),
+            })?;
             let names = if mode == SslMode::VerifyFull {
-                Names::AsLibpq
+                Names::AsLibpq {
+                    host: conn.host.clone(),
+                }
             } else {
                 Names::Ignored
             };
-            Arc::new(Verify { webpki, names })
+            Arc::new(Verify {
+                webpki,
+                names,
+                anchors: roots.anchors,
+                intermediates: roots.others,
+            })
         }
         _ => Arc::new(NoVerification(Arc::clone(provider))),
     })
@@ -303,22 +341,30 @@ pub fn replication_tls(
     .with_rustls_config(Arc::new(config)))
 }
 
-/// verify-ca and verify-full: the chain, validity and usage as webpki
-/// checks them, and the host name as `names` says.
+/// A chain checked against `sslrootcert` (verify-ca, verify-full, and
+/// the weaker modes when a root is known, as libpq does): the chain,
+/// validity and usage as webpki checks them, with the file's other
+/// certificates as intermediates, and the host name as `names` says. A
+/// server presenting one of the file's own self-signed certificates
+/// (PostgreSQL's documented `openssl req -x509` recipe, which marks it a
+/// CA) is trusted as libpq trusts it, where webpki refuses a CA as an end
+/// entity.
 #[derive(Debug)]
 struct Verify {
     webpki: Arc<dyn ServerCertVerifier>,
     names: Names,
+    anchors: Vec<CertificateDer<'static>>,
+    intermediates: Vec<CertificateDer<'static>>,
 }
 
-/// What a certificate webpki finds valid but not for the host's name gets.
-#[derive(Debug, Clone, Copy)]
+/// How the host name is checked.
+#[derive(Debug)]
 enum Names {
-    /// verify-ca: accepted (the chain is what is checked).
+    /// Not at all (the chain is what is checked).
     Ignored,
-    /// verify-full: accepted when libpq's common-name fallback matches
-    /// ([`common_name_matches`]).
-    AsLibpq,
+    /// verify-full: as libpq matches `host`, the text of the URL's host
+    /// ([`names::check`]).
+    AsLibpq { host: String },
 }
 
 impl ServerCertVerifier for Verify {
@@ -330,23 +376,47 @@ impl ServerCertVerifier for Verify {
         ocsp: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        // webpki checks the name last: a name error means the chain,
-        // validity and usage were accepted.
+        use rustls::CertificateError::{NotValidForName, NotValidForNameContext, Other};
+        let with_file: Vec<CertificateDer<'_>>;
+        let intermediates = if self.intermediates.is_empty() {
+            intermediates
+        } else {
+            with_file = intermediates
+                .iter()
+                .chain(&self.intermediates)
+                .cloned()
+                .collect();
+            &with_file
+        };
+        // webpki checks the name last (after the chain, validity and
+        // usage) and a CA as an end entity after its validity: either
+        // error means what libpq checks of the chain has passed.
         match self
             .webpki
             .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
         {
-            Err(rustls::Error::InvalidCertificate(
-                rustls::CertificateError::NotValidForName
-                | rustls::CertificateError::NotValidForNameContext { .. },
-            )) if match self.names {
-                Names::Ignored => true,
-                Names::AsLibpq => common_name_matches(end_entity, server_name),
-            } =>
-            {
-                Ok(ServerCertVerified::assertion())
-            }
-            other => other,
+            Ok(_) | Err(rustls::Error::InvalidCertificate(NotValidForName)) => {}
+            Err(rustls::Error::InvalidCertificate(NotValidForNameContext { .. })) => {}
+            Err(rustls::Error::InvalidCertificate(Other(e)))
+                if matches!(
+                    e.0.downcast_ref::<webpki::Error>(),
+                    Some(webpki::Error::CaUsedAsEndEntity)
+                ) && self
+                    .anchors
+                    .iter()
+                    .any(|a| a.as_ref() == end_entity.as_ref()) => {}
+            Err(e) => return Err(e),
+        }
+        let Names::AsLibpq { host } = &self.names else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        match names::check(end_entity, host) {
+            Ok(()) => Ok(ServerCertVerified::assertion()),
+            Err(presented) => Err(rustls::Error::InvalidCertificate(NotValidForNameContext {
+                expected: ServerName::try_from(host.clone())
+                    .unwrap_or_else(|_| server_name.to_owned()),
+                presented,
+            })),
         }
     }
 
@@ -371,64 +441,6 @@ impl ServerCertVerifier for Verify {
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.webpki.supported_verify_schemes()
     }
-}
-
-/// libpq's common-name fallback: whether `cert` has no subjectAltName entry
-/// of `host`'s type (an IP address for an IP host, else a DNS name) and
-/// its first common name matches `host` (ASCII case-insensitively, a
-/// leading `*.` standing for one label). PostgreSQL's
-/// `fe-secure-openssl.c`, "If there is no subjectAltName extension of the
-/// matching type, check the Common Name".
-fn common_name_matches(cert: &CertificateDer<'_>, host: &ServerName<'_>) -> bool {
-    use x509_cert::der::Decode;
-    use x509_cert::ext::pkix::SubjectAltName;
-    use x509_cert::ext::pkix::name::GeneralName;
-    const CN: x509_cert::der::oid::ObjectIdentifier =
-        x509_cert::der::oid::ObjectIdentifier::new_unwrap("2.5.4.3");
-    let Ok(cert) = x509_cert::Certificate::from_der(cert.as_ref()) else {
-        return false;
-    };
-    let by_ip = matches!(host, ServerName::IpAddress(_));
-    if let Ok(Some((_, san))) = cert.tbs_certificate.get::<SubjectAltName>() {
-        let same_type = |n: &GeneralName| match n {
-            GeneralName::IpAddress(_) => by_ip,
-            GeneralName::DnsName(_) => !by_ip,
-            _ => false,
-        };
-        if san.0.iter().any(same_type) {
-            return false;
-        }
-    }
-    let common_name = cert
-        .tbs_certificate
-        .subject
-        .0
-        .iter()
-        .flat_map(|rdn| rdn.0.iter())
-        .find(|atv| atv.oid == CN)
-        .and_then(|atv| std::str::from_utf8(atv.value.value()).ok());
-    common_name.is_some_and(|cn| name_matches(cn, &host.to_str()))
-}
-
-/// Whether the certificate name `pattern` stands for `host`: equal ignoring
-/// ASCII case, or `*.rest` where `host` is one label (no dot) followed by
-/// `.rest` (libpq's `wildcard_certificate_match`). A name holding a NUL
-/// matches nothing.
-fn name_matches(pattern: &str, host: &str) -> bool {
-    if pattern.contains('\0') {
-        return false;
-    }
-    if pattern.eq_ignore_ascii_case(host) {
-        return true;
-    }
-    let Some(rest) = pattern.strip_prefix('*') else {
-        return false;
-    };
-    if !rest.starts_with('.') || rest.len() < 2 || host.len() < rest.len() {
-        return false;
-    }
-    let (label, suffix) = host.split_at(host.len() - rest.len());
-    suffix.eq_ignore_ascii_case(rest) && !label.is_empty() && !label.contains('.')
 }
 
 /// prefer/require: encryption without authentication, as libpq does.
@@ -477,29 +489,5 @@ impl ServerCertVerifier for NoVerification {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::name_matches;
-
-    #[test]
-    fn a_common_name_matches_as_libpq_matches_it() {
-        for (pattern, host, want) in [
-            ("db.example.com", "db.example.com", true),
-            ("DB.Example.com", "db.example.COM", true),
-            ("db.example.com", "db2.example.com", false),
-            ("127.0.0.1", "127.0.0.1", true),
-            ("*.example.com", "db.example.com", true),
-            ("*.example.com", "a.db.example.com", false),
-            ("*.example.com", "example.com", false),
-            ("*.example.com", ".example.com", false),
-            ("*example.com", "dbexample.com", false),
-            ("*.", "a.", false),
-            ("db.example.com\0.evil", "db.example.com", false),
-        ] {
-            assert_eq!(name_matches(pattern, host), want, "{pattern} for {host}");
-        }
     }
 }

@@ -1,0 +1,148 @@
+//! The server's certificate against the URL's host, as libpq matches them
+//! for `sslmode=verify-full` (PostgreSQL's `fe-secure-common.c` and
+//! `fe-secure-openssl.c`, "verify_peer_name_matches_certificate"):
+//!
+//! - every subjectAltName DNS name is compared with the host's text
+//!   (also when the host is an IP address), ASCII case-insensitively, a
+//!   leading `*.` standing for one label;
+//! - every subjectAltName IP address is compared, as an address, with the
+//!   host parsed as one (`0:0:0:0:0:0:0:1` is `::1`);
+//! - only when the certificate has no subjectAltName entry of the host's
+//!   type (IP addresses for an IP host, DNS names otherwise) is its first
+//!   common name compared, as text, like a DNS name.
+//!
+//! The host is the URL's text, not a normalised name: `db.example.` is not
+//! `db.example`, as in libpq.
+
+use std::net::IpAddr;
+
+use rustls::pki_types::CertificateDer;
+use x509_cert::der::Decode;
+use x509_cert::ext::pkix::SubjectAltName;
+use x509_cert::ext::pkix::name::GeneralName;
+
+/// The common name attribute (X.520 `id-at-commonName`).
+const COMMON_NAME: x509_cert::der::oid::ObjectIdentifier =
+    x509_cert::der::oid::ObjectIdentifier::new_unwrap("2.5.4.3");
+
+/// Whether `cert` carries `host` as libpq reads it; when it does not, the
+/// names it was compared with (DNS names, IP addresses, `common name X`),
+/// for the error.
+pub(super) fn check(cert: &CertificateDer<'_>, host: &str) -> Result<(), Vec<String>> {
+    let Ok(cert) = x509_cert::Certificate::from_der(cert.as_ref()) else {
+        return Err(Vec::new());
+    };
+    let host_ip: Option<IpAddr> = host.parse().ok();
+    let mut presented = Vec::new();
+    let mut check_cn = true;
+    if let Ok(Some((_, san))) = cert.tbs_certificate.get::<SubjectAltName>() {
+        for name in &san.0 {
+            match name {
+                GeneralName::DnsName(dns) => {
+                    let dns = dns.as_str();
+                    presented.push(dns.to_owned());
+                    check_cn &= host_ip.is_some();
+                    // libpq stops at a name with a NUL in it: no match.
+                    if dns.contains('\0') {
+                        return Err(presented);
+                    }
+                    if name_matches(dns, host) {
+                        return Ok(());
+                    }
+                }
+                GeneralName::IpAddress(octets) => {
+                    let ip = address(octets.as_bytes());
+                    presented.push(
+                        ip.map_or_else(|| "an unreadable IP address".into(), |a| a.to_string()),
+                    );
+                    check_cn &= host_ip.is_none();
+                    if ip.is_some() && ip == host_ip {
+                        return Ok(());
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    if check_cn {
+        let common_name = cert
+            .tbs_certificate
+            .subject
+            .0
+            .iter()
+            .flat_map(|rdn| rdn.0.iter())
+            .find(|atv| atv.oid == COMMON_NAME)
+            .map(|atv| String::from_utf8_lossy(atv.value.value()).into_owned());
+        if let Some(cn) = common_name {
+            if name_matches(&cn, host) {
+                return Ok(());
+            }
+            presented.push(format!("common name {cn}"));
+        }
+    }
+    Err(presented)
+}
+
+/// An IPv4 (4 bytes) or IPv6 (16 bytes) address.
+fn address(octets: &[u8]) -> Option<IpAddr> {
+    match octets.len() {
+        4 => Some(IpAddr::from(<[u8; 4]>::try_from(octets).ok()?)),
+        16 => Some(IpAddr::from(<[u8; 16]>::try_from(octets).ok()?)),
+        _ => None,
+    }
+}
+
+/// Whether the certificate name `pattern` stands for `host`: equal ignoring
+/// ASCII case, or `*.rest` where `host` is one label (no dot) followed by
+/// `.rest` (libpq's `wildcard_certificate_match`). A name holding a NUL
+/// matches nothing.
+fn name_matches(pattern: &str, host: &str) -> bool {
+    if pattern.contains('\0') {
+        return false;
+    }
+    if pattern.eq_ignore_ascii_case(host) {
+        return true;
+    }
+    let Some(rest) = pattern.strip_prefix('*') else {
+        return false;
+    };
+    if !rest.starts_with('.') || rest.len() < 2 || host.len() < rest.len() {
+        return false;
+    }
+    let (label, suffix) = host.split_at(host.len() - rest.len());
+    suffix.eq_ignore_ascii_case(rest) && !label.is_empty() && !label.contains('.')
+}
+
+/// Whether `cert` names itself as its issuer (a root, for the trust
+/// store); a certificate that does not parse is not.
+pub(super) fn self_signed(cert: &CertificateDer<'_>) -> bool {
+    x509_cert::Certificate::from_der(cert.as_ref())
+        .is_ok_and(|c| c.tbs_certificate.subject == c.tbs_certificate.issuer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::name_matches;
+
+    #[test]
+    fn a_name_matches_as_libpq_matches_it() {
+        for (pattern, host, want) in [
+            ("db.example.com", "db.example.com", true),
+            ("DB.Example.com", "db.example.COM", true),
+            ("db.example.com", "db2.example.com", false),
+            ("db.example.com", "db.example.com.", false),
+            ("db.example.com.", "db.example.com.", true),
+            ("127.0.0.1", "127.0.0.1", true),
+            ("::1", "0:0:0:0:0:0:0:1", false),
+            ("*.example.com", "db.example.com", true),
+            ("*.example.com", "a.db.example.com", false),
+            ("*.example.com", "example.com", false),
+            ("*.example.com", ".example.com", false),
+            ("*example.com", "dbexample.com", false),
+            ("*.", "a.", false),
+            ("db.example.com\0.evil", "db.example.com", false),
+        ] {
+            assert_eq!(name_matches(pattern, host), want, "{pattern} for {host}");
+        }
+    }
+}

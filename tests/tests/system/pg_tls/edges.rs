@@ -1,0 +1,189 @@
+//! Where libpq's TLS differs from a web browser's, tried by a newcomer
+//! against the relay after the common-name fallback landed (`c4a434c`),
+//! with psql as the oracle. Each case failed there:
+//!
+//! - PostgreSQL's documented self-signed server certificate (`openssl req
+//!   -x509`, a CA, no subjectAltName) trusted by putting it in
+//!   `sslrootcert`: psql accepts it in require, verify-ca and verify-full;
+//!   the relay refused it (`CaUsedAsEndEntity`);
+//! - an intermediate CA alone in `sslrootcert`: libpq (OpenSSL) trusts a
+//!   chain only up to a self-signed root and refuses; the relay accepted;
+//! - a DNS name in the subjectAltName that is the IP address the URL
+//!   names: libpq compares every DNS name with the host's text and
+//!   accepts; the relay refused;
+//! - `prefer` with a root that does not sign the server's certificate:
+//!   libpq checks the chain whenever a root is known, and on failure goes
+//!   on in plain text; the relay streamed over unverified TLS;
+//! - two hosts, the first presenting a certificate for another name:
+//!   libpq stops there; the relay went on to the second and streamed.
+
+use harness::app;
+use harness::pki::{self, Ca, Request, path_str};
+
+use super::{Case, Tries, ssl_cluster};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libpqs_own_rules_for_roots_names_and_fallbacks_hold_on_both_connections()
+-> anyhow::Result<()> {
+    let dir = pki::dir()?;
+    let root = Ca::new(dir.path(), "root")?;
+    let int = root.intermediate("int")?;
+    let other = Ca::new(dir.path(), "other")?;
+    let leaf = |ca: &Ca, name: &'static str, sans: &[&str]| {
+        ca.issue(&Request {
+            name,
+            sans,
+            client: false,
+            expired: false,
+        })
+    };
+    let by_int = leaf(&int, "by-int", &["DNS:localhost", "IP:127.0.0.1"])?;
+    let by_int_chain = by_int.with_chain(&int)?;
+    let self_signed = pki::self_signed_server(dir.path(), "localhost")?;
+    let ip_as_dns = leaf(&root, "ip-as-dns", &["DNS:127.0.0.1"])?;
+
+    let cluster = ssl_cluster(&root, &by_int_chain)?;
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let home = tempfile::tempdir()?;
+    let t = Tries {
+        cluster: &cluster,
+        stack: &stack,
+        home: home.path().to_owned(),
+        cert_file: None,
+    };
+    let case = |what, host, params: String, accept, names| Case {
+        what,
+        host,
+        params,
+        accept,
+        names,
+    };
+    let root_pem = path_str(&root.cert)?;
+    let int_pem = path_str(&int.cert)?;
+    let other_pem = path_str(&other.cert)?;
+    let both = dir.path().join("root-and-int.pem");
+    std::fs::write(
+        &both,
+        [std::fs::read(&root.cert)?, std::fs::read(&int.cert)?].concat(),
+    )?;
+    let both_pem = path_str(&both)?;
+
+    // The server presents its certificate and the intermediate.
+    t.run(&[
+        case(
+            "verify-full, the root in sslrootcert, the intermediate from the server",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={root_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "verify-ca, only the intermediate in sslrootcert",
+            "127.0.0.1",
+            format!("sslmode=verify-ca&sslrootcert={int_pem}"),
+            false,
+            "sslrootcert",
+        ),
+        case(
+            "prefer, a root that did not sign it: verification fails, then plain text",
+            "127.0.0.1",
+            format!("sslmode=prefer&sslrootcert={other_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "require, a root that did not sign it",
+            "127.0.0.1",
+            format!("sslmode=require&sslrootcert={other_pem}"),
+            false,
+            "sslrootcert",
+        ),
+    ])
+    .await?;
+
+    // The server presents its certificate alone.
+    t.serve(&by_int)?;
+    t.run(&[
+        case(
+            "verify-full, the intermediate missing from the server, root and intermediate in sslrootcert",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={both_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "verify-full, the intermediate missing everywhere",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={root_pem}"),
+            false,
+            "sslrootcert",
+        ),
+    ])
+    .await?;
+
+    // PostgreSQL's documented self-signed certificate, trusted as itself.
+    t.serve(&self_signed)?;
+    let self_pem = path_str(&self_signed.cert)?;
+    t.run(&[
+        case(
+            "self-signed, verify-full by its common name",
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={self_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "self-signed, verify-ca",
+            "127.0.0.1",
+            format!("sslmode=verify-ca&sslrootcert={self_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "self-signed, require with it as the root",
+            "127.0.0.1",
+            format!("sslmode=require&sslrootcert={self_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "self-signed, verify-full by another name",
+            "127.0.0.1",
+            format!("sslmode=verify-full&sslrootcert={self_pem}"),
+            false,
+            "verify-ca",
+        ),
+        case(
+            "self-signed, verify-ca against another root",
+            "127.0.0.1",
+            format!("sslmode=verify-ca&sslrootcert={root_pem}"),
+            false,
+            "sslrootcert",
+        ),
+    ])
+    .await?;
+
+    // A DNS name that is the URL's IP address, as text.
+    t.serve(&ip_as_dns)?;
+    let port = cluster.port();
+    let two_hosts: &'static str = Box::leak(format!("localhost:{port},127.0.0.1").into_boxed_str());
+    t.run(&[
+        case(
+            "verify-full by IP, the IP written as a DNS name",
+            "127.0.0.1",
+            format!("sslmode=verify-full&sslrootcert={root_pem}"),
+            true,
+            "",
+        ),
+        case(
+            "two hosts, the first refused by name: libpq stops there",
+            two_hosts,
+            format!("sslmode=verify-full&sslrootcert={root_pem}"),
+            false,
+            "verify-ca",
+        ),
+    ])
+    .await?;
+    Ok(())
+}
