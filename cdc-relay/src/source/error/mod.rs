@@ -291,6 +291,18 @@ impl SourceError {
         text.contains("TLS failed: ") || text.contains("error performing TLS handshake")
     }
 
+    /// This error of `prefer`'s plain-text attempt, saying the TLS attempt's
+    /// `first` before it (as libpq reports both), so a refused certificate
+    /// is not hidden behind `pg_hba.conf`'s "no encryption".
+    pub fn after_tls_failure(self, first: &SourceError) -> SourceError {
+        let both = |msg: String| format!("{msg} (the TLS attempt before it: {first})");
+        match self {
+            SourceError::Definite(msg) => SourceError::Definite(both(msg)),
+            SourceError::Transient(msg) => SourceError::Transient(both(msg)),
+            other => other,
+        }
+    }
+
     /// A replication transport error while streaming `slot`.
     pub fn transport(e: &PgWireError, slot: &str) -> Self {
         let text = e.to_string();

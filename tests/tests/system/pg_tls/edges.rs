@@ -15,7 +15,10 @@
 //!   libpq checks the chain whenever a root is known, and on failure goes
 //!   on in plain text; the relay streamed over unverified TLS;
 //! - two hosts, the first presenting a certificate for another name:
-//!   libpq stops there; the relay went on to the second and streamed.
+//!   libpq stops there; the relay went on to the second and streamed;
+//! - `prefer` whose TLS attempt fails and whose plain attempt is refused
+//!   by `pg_hba.conf`: the message said only "no encryption" (libpq
+//!   reports both attempts).
 
 use harness::app;
 use harness::pki::{self, Ca, Request, path_str};
@@ -185,5 +188,27 @@ async fn libpqs_own_rules_for_roots_names_and_fallbacks_hold_on_both_connections
         ),
     ])
     .await?;
+
+    // prefer whose TLS attempt fails, and whose plain attempt pg_hba.conf
+    // refuses: the refusal names the certificate, not only "no
+    // encryption" (libpq reports both attempts).
+    let hba = cluster.data_dir().join("pg_hba.conf");
+    let before = std::fs::read_to_string(&hba)?;
+    std::fs::write(
+        &hba,
+        format!("hostnossl all cdc_relay 127.0.0.1/32 reject\n{before}"),
+    )?;
+    cluster.psql("postgres", "SELECT pg_reload_conf()")?;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    t.run(&[case(
+        "prefer, a root that did not sign it, plain text refused",
+        "127.0.0.1",
+        format!("sslmode=prefer&sslrootcert={other_pem}"),
+        false,
+        "sslrootcert",
+    )])
+    .await?;
+    std::fs::write(&hba, before)?;
+    cluster.psql("postgres", "SELECT pg_reload_conf()")?;
     Ok(())
 }
