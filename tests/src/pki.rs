@@ -59,7 +59,9 @@ pub struct Issued {
 
 /// What to issue.
 pub struct Request<'a> {
-    /// File name stem and subject CN.
+    /// Subject CN, and file name stem (with `-expired` appended for an
+    /// expired certificate, so it does not replace a valid one of the
+    /// same name).
     pub name: &'a str,
     /// subjectAltName entries, e.g. `["DNS:localhost", "IP:127.0.0.1"]`
     /// (none for a client certificate).
@@ -97,7 +99,12 @@ impl Ca {
     /// Issues a certificate as `req` asks.
     pub fn issue(&self, req: &Request<'_>) -> anyhow::Result<Issued> {
         use std::os::unix::fs::PermissionsExt;
-        let p = |ext: &str| self.dir.join(format!("{}.{}.{ext}", self.name, req.name));
+        let stem = if req.expired {
+            format!("{}-expired", req.name)
+        } else {
+            req.name.to_owned()
+        };
+        let p = |ext: &str| self.dir.join(format!("{}.{stem}.{ext}", self.name));
         let (cert, key, csr, extfile) = (p("pem"), p("key"), p("csr"), p("ext"));
         openssl(
             &[

@@ -3,9 +3,16 @@
 //! errors (42501), and a table a statement needs otherwise (55000).
 
 /// What to change in the database URL for a TLS failure or a refusal
-/// that depends on TLS, by the words of the error (rustls's certificate
-/// errors, PostgreSQL's `pg_hba.conf` refusals); `None` for any other.
+/// that depends on TLS, by the words of the error (an alert the server
+/// sent about the relay's client certificate, rustls's verdicts on the
+/// server's certificate, PostgreSQL's `pg_hba.conf` refusals); `None` for
+/// any other.
 pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
+    // Before the words below: "received fatal alert: CertificateExpired"
+    // is about the relay's certificate, not the server's.
+    if let Some(hint) = client_cert_hint(msg) {
+        return Some(hint);
+    }
     let lower = msg.to_ascii_lowercase();
     let has = |s: &str| lower.contains(s);
     Some(if has("unknownissuer") || has("unknown issuer") {
@@ -46,6 +53,61 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
         "Fix the named file or the URL parameter that names it"
     } else {
         return None;
+    })
+}
+
+/// rustls's words for an alert the peer sent: `received fatal alert:
+/// UnknownCA`. An alert rustls sends itself (it refused the server's
+/// certificate) is reported as `invalid peer certificate: …` instead.
+const ALERT_RECEIVED: &str = "received fatal alert: ";
+
+/// What to change when the server refused the relay's client certificate
+/// (`sslcert`, `sslkey`): the alert OpenSSL, the server's TLS library,
+/// sends for it (`ssl_verify_alarm_type` in its `ssl/statem/statem_lib.c`
+/// maps each certificate verification error to one; DecryptError also
+/// answers a handshake signature that `sslkey` made but `sslcert` does not
+/// verify). `None` for any other error: no other alert the server sends
+/// is about a certificate (AccessDenied is not among them).
+pub(super) fn client_cert_hint(msg: &str) -> Option<&'static str> {
+    let (_, alert) = msg.split_once(ALERT_RECEIVED)?;
+    let alert = alert
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .next()
+        .unwrap_or_default();
+    Some(match alert {
+        "UnknownCA" => {
+            "The server refused the relay's client certificate (sslcert): it is not signed by a \
+             CA in the server's ssl_ca_file. Sign it with a CA in the server's ssl_ca_file (or \
+             add its CA there and reload the server's configuration); if an intermediate CA \
+             signed it, put the chain (the certificate, then each intermediate) in the sslcert \
+             file"
+        }
+        "CertificateExpired" => {
+            "The server refused the relay's client certificate (sslcert) as expired: renew it \
+             (a new sslcert and sslkey, signed by a CA in the server's ssl_ca_file); if it is \
+             not expired, check the server's clock"
+        }
+        "CertificateRevoked" => {
+            "The server refused the relay's client certificate (sslcert) as revoked (its \
+             ssl_crl_file or ssl_crl_dir lists it): issue the relay a new sslcert and sslkey, \
+             signed by a CA in the server's ssl_ca_file"
+        }
+        "UnsupportedCertificate" => {
+            "The server refused the relay's client certificate (sslcert) for its purpose: \
+             reissue it with extendedKeyUsage = clientAuth (or without extendedKeyUsage), \
+             signed by a CA in the server's ssl_ca_file"
+        }
+        "DecryptError" => {
+            "The server refused the relay's client certificate (sslcert): a signature did not \
+             verify. Check that sslkey is the key of sslcert, and that sslcert is signed by a \
+             CA in the server's ssl_ca_file"
+        }
+        "BadCertificate" | "CertificateUnknown" => {
+            "The server refused the relay's client certificate (sslcert); the server's log \
+             says why (not valid yet, malformed, not trusted). Issue the relay a certificate \
+             (sslcert, its key in sslkey) signed by a CA in the server's ssl_ca_file, valid now"
+        }
+        _ => return None,
     })
 }
 

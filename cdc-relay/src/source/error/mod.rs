@@ -13,7 +13,7 @@
 mod hints;
 
 pub(crate) use hints::tls_hint;
-use hints::{privilege_hint, state_hint};
+use hints::{client_cert_hint, privilege_hint, state_hint};
 use pgwire_replication::PgWireError;
 
 use crate::db_message;
@@ -253,8 +253,9 @@ impl SourceError {
     /// A connect that fails on the client's side before any server answer
     /// is definite when retrying cannot help: a missing password, a server
     /// that refuses TLS under `sslmode=require`, a certificate the trust
-    /// store refuses. A refused login (28000, 28P01) is definite too. Each
-    /// says which setting to change.
+    /// store refuses, a client certificate the server refuses. A refused
+    /// login (28000, 28P01) is definite too. Each says which setting to
+    /// change.
     pub fn sql(context: &str, e: &tokio_postgres::Error) -> Self {
         let code = e.code().map(|c| c.code());
         if code == Some("55P03") {
@@ -303,7 +304,9 @@ impl SourceError {
         }
     }
 
-    /// A replication transport error while streaming `slot`.
+    /// A replication transport error while streaming `slot`. TLS
+    /// failures, the server's alert refusing the relay's client
+    /// certificate and refused logins are definite.
     pub fn transport(e: &PgWireError, slot: &str) -> Self {
         let text = e.to_string();
         match e {
@@ -317,7 +320,13 @@ impl SourceError {
                 None => classify(sqlstate(msg), msg.clone(), Some(slot)),
             },
             PgWireError::Server(msg) => classify(sqlstate(msg), msg.clone(), Some(slot)),
-            _ => SourceError::Transient(text),
+            // Under TLS 1.3 the client's handshake ends before the server
+            // has checked the client's certificate: its refusal arrives on
+            // the first read, as an I/O error.
+            _ => match client_cert_hint(&text) {
+                Some(hint) => SourceError::Definite(format!("TLS failed: {text}. {hint}")),
+                None => SourceError::Transient(text),
+            },
         }
     }
 }

@@ -290,3 +290,58 @@ fn a_table_without_a_replica_identity_is_named_with_both_fixes() {
     let e = classify(Some("55000"), "x (SQLSTATE 55000)".into(), None);
     assert_eq!(e.to_string(), "x (SQLSTATE 55000)");
 }
+
+#[test]
+fn the_server_refusing_the_client_certificate_is_definite_and_names_sslcert() {
+    // Retried forever before (the alert read as a lost connection), and
+    // an expired client certificate got the server certificate's hint.
+    for (alert, names) in [
+        ("UnknownCA", "ssl_ca_file"),
+        ("CertificateExpired", "renew"),
+        ("CertificateRevoked", "ssl_crl_file"),
+        ("UnsupportedCertificate", "clientAuth"),
+        ("DecryptError", "sslkey"),
+        ("BadCertificate", "ssl_ca_file"),
+        ("CertificateUnknown", "ssl_ca_file"),
+    ] {
+        let words = format!("received fatal alert: {alert}");
+        // The side connection (tokio-postgres), and the replication
+        // transport: in the handshake (TLS 1.2) or on the first read
+        // after it (TLS 1.3).
+        let side = format!("connecting to h (--database-url): error communicating: {words}");
+        let hint = connect_hint(None, &side).unwrap_or_else(|| panic!("a hint for {side}"));
+        let io = PgWireError::Io(std::sync::Arc::new(std::io::Error::other(words.clone())));
+        let tls = PgWireError::Tls(format!("TLS handshake failed: {words}"));
+        for e in [
+            SourceError::transport(&io, "s"),
+            SourceError::transport(&tls, "s"),
+        ] {
+            assert!(e.is_definite(), "{e}");
+            assert!(e.to_string().ends_with(hint), "{e}");
+        }
+        assert!(
+            hint.contains("relay's client certificate (sslcert)") && hint.contains(names),
+            "{alert}: {hint}"
+        );
+        assert!(!hint.contains("server's certificate"), "{alert}: {hint}");
+    }
+    // rustls's verdict on the server's certificate keeps the server's hint.
+    let hint = tls_hint(
+        "invalid peer certificate: certificate expired: verification time 1 (UNIX), but \
+         certificate is not valid after 0 (1 seconds ago)",
+    )
+    .unwrap_or_default();
+    assert!(
+        hint.contains("renew it on the server (ssl_cert_file)") && !hint.contains("sslcert"),
+        "{hint}"
+    );
+    // Other alerts, and other I/O errors, say nothing of a certificate.
+    for words in [
+        "received fatal alert: HandshakeFailure",
+        "received fatal alert: InternalError",
+        "connection reset by peer",
+    ] {
+        let io = PgWireError::Io(std::sync::Arc::new(std::io::Error::other(words)));
+        assert!(!SourceError::transport(&io, "s").is_definite(), "{words}");
+    }
+}

@@ -10,6 +10,11 @@
 //! `cert` method, and what the relay cannot do on both connections is
 //! refused at startup with exit 2 naming the parameter.
 //!
+//! A client certificate the server refuses (from a CA its `ssl_ca_file`
+//! lacks, or expired) is refused at startup, naming `sslcert` (the relay
+//! reconnected without end on `c4a434c`, and blamed the server's
+//! certificate for an expired one).
+//!
 //! Certificates without a subjectAltName of the host's type are matched
 //! by their common name, as libpq does (refused on `1532615`: the
 //! replication transport checked names only in the subjectAltName).
@@ -83,12 +88,17 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
     let wrong = server(&ca, "wrong", &["DNS:db.invalid", "IP:10.255.0.1"], false)?;
     let expired = server(&ca, "expired", &right_names, true)?;
     let stranger = server(&unknown, "stranger", &right_names, false)?;
-    let client = ca.issue(&Request {
-        name: "cdc_relay",
-        sans: &[],
-        client: true,
-        expired: false,
-    })?;
+    let client_cert = |ca: &Ca, expired: bool| {
+        ca.issue(&Request {
+            name: "cdc_relay",
+            sans: &[],
+            client: true,
+            expired,
+        })
+    };
+    let client = client_cert(&ca, false)?;
+    let expired_client = client_cert(&ca, true)?;
+    let stranger_client = client_cert(&unknown, false)?;
 
     let cluster = ssl_cluster(&ca, &good)?;
     let stack = cluster.create_stack().await?;
@@ -395,11 +405,14 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
     )?;
     cluster.psql("postgres", "SELECT pg_reload_conf()")?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let certs = format!(
-        "sslcert={}&sslkey={}",
-        path_str(&client.cert)?,
-        path_str(&client.key)?
-    );
+    let certs_of = |c: &pki::Issued| -> anyhow::Result<String> {
+        Ok(format!(
+            "sslcert={}&sslkey={}",
+            path_str(&c.cert)?,
+            path_str(&c.key)?
+        ))
+    };
+    let certs = certs_of(&client)?;
     t.run(&[
         case(
             "client certificate, verify-full",
@@ -428,6 +441,28 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
             format!("sslmode=disable&{certs}"),
             false,
             "sslmode=require",
+        ),
+        // The server's alert: the relay retried forever on c4a434c (and
+        // blamed the server's certificate for the expired one).
+        case(
+            "client certificate from a CA the server does not trust",
+            "127.0.0.1",
+            format!(
+                "sslmode=verify-full&sslrootcert={ca_pem}&{}",
+                certs_of(&stranger_client)?
+            ),
+            false,
+            "the server's ssl_ca_file",
+        ),
+        case(
+            "expired client certificate",
+            "127.0.0.1",
+            format!(
+                "sslmode=verify-full&sslrootcert={ca_pem}&{}",
+                certs_of(&expired_client)?
+            ),
+            false,
+            "client certificate (sslcert) as expired",
         ),
     ])
     .await?;
