@@ -17,11 +17,14 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
     let has = |s: &str| lower.contains(s);
     Some(if has("unknownissuer") || has("unknown issuer") {
         "The server's certificate is not signed by a CA in sslrootcert: set sslrootcert in \
-         the URL to the CA certificate that issued it"
+         the URL to the CA certificate that issued it. If sslrootcert holds the root CA already, \
+         the server's ssl_cert_file may lack the intermediate CA certificates between them: \
+         put the chain in it (the server's certificate, then each intermediate)"
     } else if has("not valid for name") || has("notvalidforname") {
         "The server's certificate does not carry the URL's host name: connect by a name in \
-         its subjectAltName, reissue it for this host, or use sslmode=verify-ca to check the \
-         chain only"
+         its subjectAltName (or, when it has no subjectAltName entry of the host's type, DNS \
+         for a name and IP for an address, by its common name), reissue it for this host, or \
+         use sslmode=verify-ca to check the chain only"
     } else if has("expired") {
         "The server's certificate has expired: renew it on the server (ssl_cert_file) and \
          reload the server's configuration; if it is not expired, check this machine's clock"
@@ -36,6 +39,10 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
         "The server presents a CA certificate (basicConstraints CA:TRUE) as its own: issue \
          the server a leaf certificate signed by that CA (CA:FALSE, with a subjectAltName) \
          for ssl_cert_file, and keep the CA in sslrootcert"
+    } else if has("extended key usage") || has("invalidpurpose") {
+        "The server's certificate is not issued for server authentication (its \
+         extendedKeyUsage lacks serverAuth): reissue it with extendedKeyUsage = serverAuth \
+         and install it on the server (ssl_cert_file)"
     } else if has("badsignature") || has("invalid peer certificate") {
         "The server's certificate could not be verified: check sslrootcert and sslmode in the \
          URL"
@@ -43,8 +50,11 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
         "The server has ssl = off: connect with sslmode=disable (or allow, prefer), or enable \
          TLS on the server"
     } else if has("no encryption") {
-        "The server's pg_hba.conf admits this role from here only over TLS (hostssl): set \
-         sslmode=require (or stronger) in the URL"
+        "No line of the server's pg_hba.conf admits this role, from the address the server \
+         names, over a connection without TLS: if a hostssl line admits it from that address, \
+         set sslmode=require (or stronger) in the URL; if no line covers that address at all \
+         (a host name can resolve to ::1 where the lines name 127.0.0.1), add one for it to \
+         pg_hba.conf, or connect to an address a line names"
     } else if has("valid client certificate") || has("certificate authentication failed") {
         "The server's pg_hba.conf asks this role for a client certificate: set sslcert and \
          sslkey in the URL to a certificate whose common name is the role, signed by a CA \

@@ -345,3 +345,46 @@ fn the_server_refusing_the_client_certificate_is_definite_and_names_sslcert() {
         assert!(!SourceError::transport(&io, "s").is_definite(), "{words}");
     }
 }
+
+#[test]
+fn tls_hints_name_the_fix_of_the_case_at_hand() {
+    for (msg, names, not) in [
+        // Was "check sslrootcert and sslmode in the URL".
+        (
+            "invalid peer certificate: certificate does not allow extended key usage for \
+             server authentication, allows client authentication",
+            "extendedKeyUsage = serverAuth",
+            "sslrootcert",
+        ),
+        // Named only the subjectAltName.
+        (
+            "invalid peer certificate: certificate not valid for name \"127.0.0.1\"; \
+             certificate is not valid for any names (according to its subjectAltName \
+             extension)",
+            "by its common name",
+            "sslcert",
+        ),
+        // Said nothing of a missing intermediate.
+        (
+            "invalid peer certificate: UnknownIssuer",
+            "ssl_cert_file may lack the intermediate CA certificates",
+            "sslcert",
+        ),
+        // Said only "set sslmode=require", wrong when no line names ::1.
+        (
+            "no pg_hba.conf entry for host \"::1\", user \"cdc_relay\", database \"orders\", \
+             no encryption (SQLSTATE 28000)",
+            "add one for it to pg_hba.conf",
+            "sslcert",
+        ),
+        (
+            "no pg_hba.conf entry for host \"127.0.0.1\", user \"cdc_relay\", database \
+             \"orders\", no encryption (SQLSTATE 28000)",
+            "sslmode=require",
+            "sslcert",
+        ),
+    ] {
+        let hint = tls_hint(msg).unwrap_or_else(|| panic!("a hint for {msg}"));
+        assert!(hint.contains(names) && !hint.contains(not), "{msg}: {hint}");
+    }
+}

@@ -15,6 +15,12 @@
 //! reconnected without end on `c4a434c`, and blamed the server's
 //! certificate for an expired one).
 //!
+//! A server certificate for client authentication only (extendedKeyUsage
+//! clientAuth) is refused naming `serverAuth` (was: "check sslrootcert
+//! and sslmode"); `sslmode=disable` to `::1`, which no `pg_hba.conf` line
+//! names, says to add a line for it (was: "set sslmode=require", which
+//! fails again).
+//!
 //! Certificates without a subjectAltName of the host's type are matched
 //! by their common name, as libpq does (refused on `1532615`: the
 //! replication transport checked names only in the subjectAltName).
@@ -59,7 +65,7 @@ impl Outcome {
 struct Case {
     /// What is being tried.
     what: &'static str,
-    /// The URL's host: `127.0.0.1` or `localhost`.
+    /// The URL's host: `127.0.0.1`, `localhost` or `[::1]`.
     host: &'static str,
     /// The URL's TLS parameters (`sslmode=…&sslrootcert=…`).
     params: String,
@@ -99,6 +105,14 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
     let client = client_cert(&ca, false)?;
     let expired_client = client_cert(&ca, true)?;
     let stranger_client = client_cert(&unknown, false)?;
+    // A client certificate served as the server's: extendedKeyUsage
+    // clientAuth only.
+    let client_usage = ca.issue(&Request {
+        name: "client-usage",
+        sans: &right_names,
+        client: true,
+        expired: false,
+    })?;
 
     let cluster = ssl_cluster(&ca, &good)?;
     let stack = cluster.create_stack().await?;
@@ -189,6 +203,17 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
         ),
     ])
     .await?;
+    // An address no pg_hba.conf line names (as `localhost` resolving to
+    // ::1 while the lines name 127.0.0.1): the hint said "set
+    // sslmode=require", which fails again (`… SSL encryption`).
+    t.run(&[case(
+        "disable to ::1, which no pg_hba.conf line names",
+        "[::1]",
+        "sslmode=disable".into(),
+        false,
+        "add one for it to pg_hba.conf",
+    )])
+    .await?;
     // libpq's default root, ~/.postgresql/root.crt.
     let dot = home.path().join(".postgresql");
     std::fs::create_dir_all(&dot)?;
@@ -254,7 +279,7 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
             "127.0.0.1",
             format!("sslmode=verify-full&sslrootcert={ca_pem}"),
             false,
-            "verify-ca",
+            "by its common name",
         ),
         case(
             "verify-ca, no SAN",
@@ -346,6 +371,25 @@ async fn every_sslmode_behaves_as_libpq_on_both_connections() -> anyhow::Result<
             format!("sslmode=require&sslrootcert={ca_pem}"),
             false,
             "sslrootcert",
+        ),
+    ])
+    .await?;
+
+    t.serve(&client_usage)?;
+    t.run(&[
+        case(
+            "verify-ca, a certificate for client authentication only",
+            "127.0.0.1",
+            format!("sslmode=verify-ca&sslrootcert={ca_pem}"),
+            false,
+            "extendedKeyUsage = serverAuth",
+        ),
+        case(
+            "require, no root, a certificate for client authentication only",
+            "127.0.0.1",
+            "sslmode=require".into(),
+            true,
+            "",
         ),
     ])
     .await?;
@@ -494,6 +538,8 @@ fn ssl_cluster(ca: &Ca, cert: &pki::Issued) -> anyhow::Result<PgCluster> {
                 path_str(&pki::server_key(&cert.key)?)?.into(),
             ),
             ("ssl_ca_file".into(), path_str(&ca.cert)?.into()),
+            // ::1 too, which the harness's pg_hba.conf does not name.
+            ("listen_addresses".into(), "127.0.0.1,::1".into()),
         ],
         ..ClusterOptions::default()
     })
