@@ -92,7 +92,8 @@ pub async fn open(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationCl
         let bound = conn.connect_timeout * 2;
         match tokio::time::timeout(bound, connect).await {
             Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => Err(SourceError::transport(&e, &s.slot)),
+            Ok(Err(e)) => Err(SourceError::transport(&e, &s.slot)
+                .in_context(&format!("replication connection to {}", conn.display()))),
             Err(_) => Err(SourceError::Transient(format!(
                 "starting replication on {} timed out after {bound:?}",
                 conn.display()
@@ -161,7 +162,8 @@ pub async fn replication_command(
         let bound = conn.connect_timeout * 2;
         match tokio::time::timeout(bound, run).await {
             Ok(Ok(rows)) => Ok(rows),
-            Ok(Err(e)) => Err(SourceError::transport(&e, slot)),
+            Ok(Err(e)) => Err(SourceError::transport(&e, slot)
+                .in_context(&format!("replication connection to {}", conn.display()))),
             Err(_) => Err(SourceError::Transient(format!(
                 "{sql} on {} got no answer within {bound:?}",
                 conn.display()

@@ -292,6 +292,17 @@ impl SourceError {
         text.contains("TLS failed: ") || text.contains("error performing TLS handshake")
     }
 
+    /// A plain error (definite or transient) prefixed with `context`
+    /// (`replication connection to user@host:port/db`), as the side
+    /// connection's errors are; the typed ones name their subject already.
+    pub fn in_context(self, context: &str) -> SourceError {
+        match self {
+            SourceError::Definite(msg) => SourceError::Definite(format!("{context}: {msg}")),
+            SourceError::Transient(msg) => SourceError::Transient(format!("{context}: {msg}")),
+            other => other,
+        }
+    }
+
     /// This error of `prefer`'s plain-text attempt, saying the TLS attempt's
     /// `first` before it (as libpq reports both), so a refused certificate
     /// is not hidden behind `pg_hba.conf`'s "no encryption".
