@@ -126,33 +126,15 @@ impl Ca {
             ext.push_str(&format!("subjectAltName={}\n", req.sans.join(",")));
         }
         std::fs::write(&extfile, ext)?;
-        let args = [
-            "x509",
-            "-req",
-            "-days",
-            "2",
-            "-in",
-            path_str(&csr)?,
-            "-CA",
-            path_str(&self.cert)?,
-            "-CAkey",
-            path_str(&self.key)?,
-            "-CAcreateserial",
-            "-extfile",
-            path_str(&extfile)?,
-            "-out",
-            path_str(&cert)?,
-        ];
-        if req.expired {
+        let faked;
+        let env: &[(&str, &str)] = if req.expired {
             // Signed ten days ago for two days: expired for eight.
-            let lib = crate::debian::libfaketime()?;
-            openssl_with(
-                &args,
-                &[("LD_PRELOAD", path_str(&lib)?), ("FAKETIME", "-10d")],
-            )?;
+            faked = crate::debian::libfaketime()?;
+            &[("LD_PRELOAD", path_str(&faked)?), ("FAKETIME", "-10d")]
         } else {
-            openssl(&args)?;
-        }
+            &[]
+        };
+        self.sign(&csr, &extfile, &cert, env)?;
         std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))?;
         std::fs::set_permissions(&cert, std::fs::Permissions::from_mode(0o644))?;
         Ok(Issued { cert, key })
@@ -160,6 +142,37 @@ impl Ca {
 }
 
 impl Ca {
+    /// Signs the request `csr` with the extensions in `extfile` into
+    /// `out`, valid for two days (from the clock `env` gives openssl).
+    fn sign(
+        &self,
+        csr: &Path,
+        extfile: &Path,
+        out: &Path,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<()> {
+        openssl_with(
+            &[
+                "x509",
+                "-req",
+                "-days",
+                "2",
+                "-in",
+                path_str(csr)?,
+                "-CA",
+                path_str(&self.cert)?,
+                "-CAkey",
+                path_str(&self.key)?,
+                "-CAcreateserial",
+                "-extfile",
+                path_str(extfile)?,
+                "-out",
+                path_str(out)?,
+            ],
+            env,
+        )
+    }
+
     /// An intermediate CA named `name`, signed by this one.
     pub fn intermediate(&self, name: &str) -> anyhow::Result<Ca> {
         let cert = self.dir.join(format!("{name}.pem"));
@@ -179,23 +192,7 @@ impl Ca {
             &extfile,
             "basicConstraints=critical,CA:TRUE\nkeyUsage=critical,keyCertSign,cRLSign\n",
         )?;
-        openssl(&[
-            "x509",
-            "-req",
-            "-days",
-            "2",
-            "-in",
-            path_str(&csr)?,
-            "-CA",
-            path_str(&self.cert)?,
-            "-CAkey",
-            path_str(&self.key)?,
-            "-CAcreateserial",
-            "-extfile",
-            path_str(&extfile)?,
-            "-out",
-            path_str(&cert)?,
-        ])?;
+        self.sign(&csr, &extfile, &cert, &[])?;
         Ok(Ca {
             dir: self.dir.clone(),
             name: name.to_owned(),
