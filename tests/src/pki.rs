@@ -173,6 +173,15 @@ impl Ca {
         )
     }
 
+    /// This CA's own certificate and key, for a server that presents the
+    /// CA itself.
+    pub fn as_served(&self) -> Issued {
+        Issued {
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+        }
+    }
+
     /// An intermediate CA named `name`, signed by this one.
     pub fn intermediate(&self, name: &str) -> anyhow::Result<Ca> {
         let cert = self.dir.join(format!("{name}.pem"));

@@ -107,16 +107,12 @@ fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, Str
 /// `PGSSLMODE`, which both URLs read) is taken as given, and a Unix
 /// socket needs no TLS.
 fn weaker_tls(url: &str, replication: &ConnParams, side: &ConnParams) -> Result<(), String> {
-    use crate::source::SslMode;
-    let verifies = |m: SslMode| matches!(m, SslMode::VerifyCa | SslMode::VerifyFull);
+    // require, prefer and allow check the chain too when a root is known.
+    let verifies = |c: &ConnParams| c.sslmode.checks_chain(c.ssl_root_cert.as_ref());
     let silent = !url.contains("sslmode")
         && !url.contains("requiressl")
         && std::env::var_os("PGSSLMODE").is_none();
-    if silent
-        && !replication.host.starts_with('/')
-        && verifies(side.sslmode)
-        && !verifies(replication.sslmode)
-    {
+    if silent && !replication.host.starts_with('/') && verifies(side) && !verifies(replication) {
         return Err(format!(
             "--replication-url (CDC_RELAY_REPLICATION_URL) sets no sslmode, so the stream would \
              not check the server's certificate, while --database-url has sslmode={mode}: its TLS \
@@ -153,6 +149,10 @@ mod tests {
         let socket = "postgres:///orders?host=/var/run/postgresql&user=relay";
         assert_eq!(weaker_tls(socket, &parse(socket), &side), Ok(()));
         side.sslmode = SslMode::Require;
+        side.ssl_root_cert = None;
         assert_eq!(weaker_tls(direct, &parse(direct), &side), Ok(()));
+        // require with a root checks the chain (libpq's verify-ca).
+        side.ssl_root_cert = Some(crate::source::conn::RootCert::File("/ca.pem".into()));
+        assert!(weaker_tls(direct, &parse(direct), &side).is_err());
     }
 }

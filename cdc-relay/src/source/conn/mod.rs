@@ -15,7 +15,7 @@ use std::time::Duration;
 mod string;
 mod tls_params;
 
-use string::{query_param, repeated_param, strip_own_params};
+use string::{gives_port, query_param, repeated_param, strip_own_params};
 use tls_params::TlsParams;
 
 /// libpq's `sslmode` (PostgreSQL docs, "SSL Support" → "Protection Provided
@@ -183,6 +183,65 @@ impl fmt::Debug for ConnParams {
 #[error("{0}")]
 pub struct BadUrl(String);
 
+/// Refuses what libpq would take from its environment and the relay does
+/// not read: `PGSERVICE` (a service file's parameters) always, and
+/// `PGHOST`, `PGPORT`, `PGUSER`, `PGDATABASE` where the string lacks that
+/// parameter (libpq would fill it in, the relay would not, and connect
+/// elsewhere). `PGHOSTADDR` as `hostaddr`. The `PGSSL*` variables the
+/// relay does read (see `tls_params`).
+fn not_read_from_environment(
+    no_host: bool,
+    no_port: bool,
+    no_user: bool,
+    no_dbname: bool,
+) -> Result<(), BadUrl> {
+    let set = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    if let Some(service) = set("PGSERVICE") {
+        return Err(BadUrl(format!(
+            "PGSERVICE={service} is set, and the relay does not read connection service files \
+             (pg_service.conf): put the service's parameters in the URL and unset PGSERVICE"
+        )));
+    }
+    if set("PGHOSTADDR").is_some() {
+        return Err(BadUrl(
+            "PGHOSTADDR is set, and hostaddr is not supported: put the address in the URL's host \
+             and unset PGHOSTADDR"
+                .into(),
+        ));
+    }
+    for (missing, name, what) in [
+        (no_host, "PGHOST", "host"),
+        (no_port, "PGPORT", "port"),
+        (no_user, "PGUSER", "user"),
+        (no_dbname, "PGDATABASE", "dbname"),
+    ] {
+        if let Some(value) = set(name).filter(|_| missing) {
+            return Err(BadUrl(format!(
+                "the connection string gives no {what}, and {name}={value} is set: libpq would \
+                 use it, the relay does not read it; put {what}={value} in the URL"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a TCP host that TLS cannot name the server by: neither a DNS
+/// name nor an IP address written in full (`127.1`, `2130706433`,
+/// `127.000.000.001`, which libpq reads as `127.0.0.1`); the handshake
+/// would fail on the relay's side before reaching the server.
+fn named_for_tls(hosts: &[(String, u16)]) -> Result<(), BadUrl> {
+    for (host, _) in hosts.iter().filter(|(h, _)| !h.starts_with('/')) {
+        if rustls::pki_types::ServerName::try_from(host.as_str()).is_err() {
+            return Err(BadUrl(format!(
+                "host {host} is neither a DNS name nor an IP address written in full, and TLS \
+                 names the server by it: write the address in full (e.g. 127.0.0.1 for 127.1) or \
+                 use a host name, or sslmode=disable"
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl ConnParams {
     /// Parses a libpq connection string or URL; `connect_timeout` applies
     /// unless the string sets its own.
@@ -219,10 +278,32 @@ impl ConnParams {
                 tokio_postgres::config::Host::Unix(p) => p.to_string_lossy().into_owned(),
             })
             .collect();
+        let ports = cfg.get_ports();
+        not_read_from_environment(
+            names.is_empty(),
+            !gives_port(url),
+            cfg.get_user().is_none(),
+            cfg.get_dbname().is_none(),
+        )?;
         if names.is_empty() {
             return Err(BadUrl("no host given".into()));
         }
-        let ports = cfg.get_ports();
+        if let Some(several) = names.iter().find(|h| h.contains(',')) {
+            // The SQL client library reads a URL query's host=a,b as one host.
+            return Err(BadUrl(format!(
+                "host={several} in the URL's query names several hosts, which the relay would \
+                 read as one: put them in the URL's authority (postgres://user@a:5432,b:5432/db) \
+                 or use a key/value string (host=a,b port=5432)"
+            )));
+        }
+        if ports.len() > 1 && ports.len() != names.len() {
+            return Err(BadUrl(format!(
+                "{} ports for {} hosts: give one port for all, or one for each host (libpq \
+                 refuses this too)",
+                ports.len(),
+                names.len()
+            )));
+        }
         let hosts: Vec<(String, u16)> = names
             .into_iter()
             .enumerate()
@@ -249,6 +330,9 @@ impl ConnParams {
             .unwrap_or_default();
         let dbname = cfg.get_dbname().unwrap_or(&user).to_owned();
         let tls = TlsParams::parse(url, std::env::var_os("HOME").map(PathBuf::from))?;
+        if tls.sslmode != SslMode::Disable {
+            named_for_tls(&hosts)?;
+        }
         Ok(ConnParams {
             host: hosts[0].0.clone(),
             port: hosts[0].1,

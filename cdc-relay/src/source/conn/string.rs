@@ -141,14 +141,10 @@ fn params(url: &str) -> Vec<(String, String)> {
 /// authority (`postgresql://h:5432/db?host=other`) counts as given twice.
 pub(super) fn repeated_param(url: &str) -> Option<(String, String, String)> {
     let mut seen: Vec<(String, String)> = Vec::new();
-    if let Some(rest) = url.split_once("://").map(|(_, r)| r) {
-        let authority = rest.split(['/', '?']).next().unwrap_or_default();
-        let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-        if !hosts.is_empty() {
-            seen.push(("host".into(), format!("{hosts} (in the URL's authority)")));
-            if hosts.contains("]:") || (!hosts.starts_with('[') && hosts.contains(':')) {
-                seen.push(("port".into(), format!("{hosts} (in the URL's authority)")));
-            }
+    if let Some(hosts) = authority_hosts(url) {
+        seen.push(("host".into(), format!("{hosts} (in the URL's authority)")));
+        if with_port(hosts) {
+            seen.push(("port".into(), format!("{hosts} (in the URL's authority)")));
         }
     }
     for (k, v) in params(url) {
@@ -158,6 +154,26 @@ pub(super) fn repeated_param(url: &str) -> Option<(String, String, String)> {
         seen.push((k, v));
     }
     None
+}
+
+/// A URL's hosts as its authority gives them (`h1:5432,h2`), without the
+/// user; `None` for a key/value string or a URL without a host there.
+fn authority_hosts(url: &str) -> Option<&str> {
+    let rest = url.split_once("://")?.1;
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    (!hosts.is_empty()).then_some(hosts)
+}
+
+/// Whether an authority's hosts carry a port (`h:5432`, `[::1]:5432`).
+fn with_port(hosts: &str) -> bool {
+    hosts.contains("]:") || (!hosts.starts_with('[') && hosts.contains(':'))
+}
+
+/// Whether the connection string names a port: in a URL's authority, or
+/// as a `port` parameter.
+pub(super) fn gives_port(url: &str) -> bool {
+    authority_hosts(url).is_some_and(with_port) || query_param(url, "port").is_some()
 }
 
 /// A parameter of the URL's query (`?a=b&c=d`) or of a key/value string

@@ -348,7 +348,8 @@ pub fn replication_tls(
 /// server presenting one of the file's own self-signed certificates
 /// (PostgreSQL's documented `openssl req -x509` recipe, which marks it a
 /// CA) is trusted as libpq trusts it, where webpki refuses a CA as an end
-/// entity.
+/// entity, when its key usage allows a server's use (a CA certificate
+/// limited to signing certificates is refused, as OpenSSL refuses it).
 #[derive(Debug)]
 struct Verify {
     webpki: Arc<dyn ServerCertVerifier>,
@@ -404,7 +405,8 @@ impl ServerCertVerifier for Verify {
                 ) && self
                     .anchors
                     .iter()
-                    .any(|a| a.as_ref() == end_entity.as_ref()) => {}
+                    .any(|a| a.as_ref() == end_entity.as_ref())
+                    && names::usable_by_a_server(end_entity) => {}
             Err(e) => return Err(e),
         }
         let Names::AsLibpq { host } = &self.names else {

@@ -1,5 +1,6 @@
-//! The server's certificate against the URL's host, as libpq matches them
-//! for `sslmode=verify-full` (PostgreSQL's `fe-secure-common.c` and
+//! What libpq asks of the server's certificate itself: its names against
+//! the URL's host for `sslmode=verify-full`, and its purpose where webpki's
+//! check is skipped ([`usable_by_a_server`]). Names (PostgreSQL's `fe-secure-common.c` and
 //! `fe-secure-openssl.c`, "verify_peer_name_matches_certificate"):
 //!
 //! - every subjectAltName DNS name is compared with the host's text
@@ -111,6 +112,36 @@ fn name_matches(pattern: &str, host: &str) -> bool {
     }
     let (label, suffix) = host.split_at(host.len() - rest.len());
     suffix.eq_ignore_ascii_case(rest) && !label.is_empty() && !label.contains('.')
+}
+
+/// Whether `cert` may serve as a TLS server's certificate, as OpenSSL's
+/// `sslserver` purpose checks it for libpq: a keyUsage, when present,
+/// allows digital signatures, key encipherment or key agreement, and an
+/// extendedKeyUsage, when present, names serverAuth (or any purpose). A
+/// certificate that does not parse may not. Used where webpki's own usage
+/// checks are skipped: a server presenting the root file's own
+/// certificate.
+pub(super) fn usable_by_a_server(cert: &CertificateDer<'_>) -> bool {
+    use x509_cert::ext::pkix::{ExtendedKeyUsage, KeyUsage};
+    const SERVER_AUTH: x509_cert::der::oid::ObjectIdentifier =
+        x509_cert::der::oid::ObjectIdentifier::new_unwrap("1.3.6.1.5.5.7.3.1");
+    const ANY_PURPOSE: x509_cert::der::oid::ObjectIdentifier =
+        x509_cert::der::oid::ObjectIdentifier::new_unwrap("2.5.29.37.0");
+    let Ok(cert) = x509_cert::Certificate::from_der(cert.as_ref()) else {
+        return false;
+    };
+    let tbs = &cert.tbs_certificate;
+    let key_usage_allows = match tbs.get::<KeyUsage>() {
+        Ok(None) => true,
+        Ok(Some((_, ku))) => ku.digital_signature() || ku.key_encipherment() || ku.key_agreement(),
+        Err(_) => false,
+    };
+    let purpose_allows = match tbs.get::<ExtendedKeyUsage>() {
+        Ok(None) => true,
+        Ok(Some((_, eku))) => eku.0.iter().any(|p| *p == SERVER_AUTH || *p == ANY_PURPOSE),
+        Err(_) => false,
+    };
+    key_usage_allows && purpose_allows
 }
 
 /// Whether `cert` names itself as its issuer (a root, for the trust

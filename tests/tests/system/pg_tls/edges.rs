@@ -16,6 +16,9 @@
 //!   on in plain text; the relay streamed over unverified TLS;
 //! - two hosts, the first presenting a certificate for another name:
 //!   libpq stops there; the relay went on to the second and streamed;
+//! - the root CA itself (key usage: certificate signing) served as the
+//!   server's certificate: psql refuses its purpose; accepted by the first
+//!   version of the self-signed exception (a later newcomer's finding);
 //! - `prefer` whose TLS attempt fails and whose plain attempt is refused
 //!   by `pg_hba.conf`: the message said only "no encryption" (libpq
 //!   reports both attempts).
@@ -166,6 +169,18 @@ async fn libpqs_own_rules_for_roots_names_and_fallbacks_hold_on_both_connections
         ),
     ])
     .await?;
+    // A CA certificate whose key usage is certificate signing only, served
+    // as the server's own: OpenSSL refuses its purpose, although the root
+    // file holds it.
+    t.serve(&root.as_served())?;
+    t.run(&[case(
+        "the root CA itself (keyCertSign only) as the server's certificate",
+        "127.0.0.1",
+        format!("sslmode=verify-ca&sslrootcert={root_pem}"),
+        false,
+        "CaUsedAsEndEntity",
+    )])
+    .await?;
 
     // A DNS name that is the URL's IP address, as text.
     t.serve(&ip_as_dns)?;
@@ -210,5 +225,72 @@ async fn libpqs_own_rules_for_roots_names_and_fallbacks_hold_on_both_connections
     .await?;
     std::fs::write(&hba, before)?;
     cluster.psql("postgres", "SELECT pg_reload_conf()")?;
+    Ok(())
+}
+
+/// What libpq would read from its environment and the relay does not, and
+/// hosts and ports libpq reads another way, are refused with exit 2 naming
+/// them (a second newcomer's findings on `578c8e1`: `PGSERVICE` was
+/// ignored and the relay streamed unverified where psql refused;
+/// `PGPORT` was ignored and the relay retried port 5432 forever; `127.1`
+/// looped on "invalid dns name", and under `prefer` went plain text where
+/// psql used TLS; three hosts with two ports were cycled; a URL query's
+/// `host=a,b` was read as one host named `a,b`).
+/// What is tried, the URL, the environment, and what the refusal names.
+type Try<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_libpq_reads_another_way_exits_2_naming_it() -> anyhow::Result<()> {
+    let cluster = harness::PgCluster::shared();
+    let stack = cluster.create_stack().await?;
+    let port = cluster.port();
+    let url = &stack.relay_url;
+    let no_port = url.replacen(&format!(":{port}/"), "/", 1);
+    let short_ip = url.replacen("@127.0.0.1:", "@127.1:", 1);
+    let cycled = format!("host=127.0.0.1,localhost,localhost port={port},{port} user=cdc_relay");
+    let query_hosts =
+        format!("{no_port}?host=127.0.0.1,localhost").replacen("@127.0.0.1/", "@/", 1);
+    let tries: [Try<'_>; 6] = [
+        (
+            "PGSERVICE",
+            url,
+            &[("PGSERVICE", "relaysvc")],
+            "PGSERVICE=relaysvc",
+        ),
+        ("PGPORT", &no_port, &[("PGPORT", "1")], "PGPORT=1"),
+        (
+            "a short IPv4 address under prefer",
+            &short_ip,
+            &[],
+            "host 127.1",
+        ),
+        (
+            "two ports for three hosts",
+            &cycled,
+            &[],
+            "2 ports for 3 hosts",
+        ),
+        (
+            "several hosts in a URL query's host",
+            &query_hosts,
+            &[],
+            "names several hosts",
+        ),
+        (
+            "PGHOSTADDR",
+            url,
+            &[("PGHOSTADDR", "127.0.0.1")],
+            "PGHOSTADDR",
+        ),
+    ];
+    for (what, url, env, names) in tries {
+        let out = app::relay_command(&stack, url, &["status"], env).await?;
+        anyhow::ensure!(
+            out.code() == Some(2) && out.text().contains(names),
+            "{what}: expected exit 2 naming {names}, got {:?}: {}",
+            out.code(),
+            out.text()
+        );
+    }
     Ok(())
 }
