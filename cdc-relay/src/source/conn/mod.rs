@@ -15,7 +15,7 @@ use std::time::Duration;
 mod string;
 mod tls_params;
 
-use string::{gives_port, query_param, repeated_param, strip_own_params};
+use string::{gives_port, malformed_query, query_param, repeated_param, strip_own_params};
 use tls_params::TlsParams;
 
 /// libpq's `sslmode` (PostgreSQL docs, "SSL Support" → "Protection Provided
@@ -246,6 +246,9 @@ impl ConnParams {
     /// Parses a libpq connection string or URL; `connect_timeout` applies
     /// unless the string sets its own.
     pub fn parse(url: &str, connect_timeout: Duration) -> Result<Self, BadUrl> {
+        if let Some(what) = malformed_query(url) {
+            return Err(BadUrl(what));
+        }
         if let Some((key, first, last)) = repeated_param(url) {
             let values = if key.contains("password") {
                 String::new()

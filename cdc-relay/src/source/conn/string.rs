@@ -156,6 +156,27 @@ pub(super) fn repeated_param(url: &str) -> Option<(String, String, String)> {
     None
 }
 
+/// What is wrong with a URL's query that libpq refuses and the parsers
+/// would pass over: an empty parameter (`&&`, a trailing `&`) or one
+/// without `=` (`?sslmode`, which would leave the default in force).
+pub(super) fn malformed_query(url: &str) -> Option<String> {
+    let (_, query) = url.split_once("://")?.1.split_once('?')?;
+    if query.is_empty() {
+        return None;
+    }
+    query.split('&').find_map(|kv| {
+        if kv.is_empty() {
+            Some("an empty parameter (`&&` or a trailing `&`) in the URL's query".to_owned())
+        } else if !kv.contains('=') {
+            Some(format!(
+                "{kv} in the URL's query has no value: write {kv}=…"
+            ))
+        } else {
+            None
+        }
+    })
+}
+
 /// A URL's hosts as its authority gives them (`h1:5432,h2`), without the
 /// user; `None` for a key/value string or a URL without a host there.
 fn authority_hosts(url: &str) -> Option<&str> {
@@ -191,6 +212,25 @@ mod tests {
 
     use super::super::{ConnParams, RootCert, SslMode};
     use super::*;
+
+    #[test]
+    fn a_query_parameter_without_a_value_is_found() {
+        for url in [
+            "postgresql://u@h/d?sslmode",
+            "postgresql://u@h/d?sslmode=require&&sslrootcert=/a",
+            "postgresql://u@h/d?sslmode=require&",
+        ] {
+            assert!(malformed_query(url).is_some(), "{url}");
+        }
+        for url in [
+            "postgresql://u@h/d",
+            "postgresql://u@h/d?",
+            "postgresql://u@h/d?sslmode=require&application_name=",
+            "host=h sslmode",
+        ] {
+            assert_eq!(malformed_query(url), None, "{url}");
+        }
+    }
 
     #[test]
     fn a_parameter_given_twice_is_found() {

@@ -453,7 +453,7 @@ fn pooler_refused_login(code: Option<&str>, lower: &str) -> bool {
 fn connect_hint(code: Option<&str>, msg: &str) -> Option<&'static str> {
     const PASSWORD: &str = "Set the password with CDC_RELAY_DATABASE_PASSWORD \
         (--database-password) or CDC_RELAY_DATABASE_PASSWORD_FILE (--database-password-file), \
-        or in the URL";
+        or in the URL (the relay does not read PGPASSWORD, PGPASSFILE or ~/.pgpass)";
     if let Some(hint) = tls_hint(msg) {
         return Some(hint);
     }

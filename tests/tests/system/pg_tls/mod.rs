@@ -578,6 +578,9 @@ async fn what_cannot_be_honoured_on_both_connections_exits_2_naming_it() -> anyh
             "sslmode is given twice",
         ),
         ("host=localhost", "host is given twice"),
+        // libpq refuses a parameter without a value; passed over, it would
+        // leave the default (prefer) in force.
+        ("sslmode", "sslmode in the URL's query has no value"),
     ] {
         match t.relay("127.0.0.1", params).await? {
             Outcome::Refused {
