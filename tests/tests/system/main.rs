@@ -4,7 +4,7 @@
 //!
 //! | file | what belongs there |
 //! |---|---|
-//! | `harness.rs` | the harness itself: cluster settings, stacks, the roles and files in `sql/`, process supervision |
+//! | `harness/` | the harness itself: cluster settings, stacks, the files in `sql/` (`mod.rs`), the roles (`roles.rs`), process supervision (`processes.rs`) |
 //! | `oracle.rs` | the harness's oracles (the ledger's peek at the slot) can pass and fail |
 //! | `upgrade.rs` | `sql/` applied over databases made by the previous release (`tests/fixtures/sql-*`), with data |
 //! | `services/orders.rs` | the Orders API as its clients see it (no relay) |
