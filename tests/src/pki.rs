@@ -75,19 +75,49 @@ pub struct Request<'a> {
 impl Ca {
     /// A new CA named `name` in `dir` (which must exist), valid for two days.
     pub fn new(dir: &Path, name: &str) -> anyhow::Result<Ca> {
+        Ca::self_signed(
+            dir,
+            name,
+            &[
+                "basicConstraints=critical,CA:TRUE",
+                "keyUsage=critical,keyCertSign,cRLSign",
+            ],
+            None,
+        )
+    }
+
+    /// A self-signed certificate named `name` with the extensions `exts`
+    /// (`-addext` values), made under `faketime` (e.g. `-10d`: expired for
+    /// eight days) when given: a root the relay must or must not trust.
+    pub fn self_signed(
+        dir: &Path,
+        name: &str,
+        exts: &[&str],
+        faketime: Option<&str>,
+    ) -> anyhow::Result<Ca> {
         let cert = dir.join(format!("{name}.pem"));
         let key = dir.join(format!("{name}.key"));
-        openssl(
-            &[
-                &["req", "-x509", "-days", "2", "-subj"][..],
-                &[&format!("/CN={name}")],
-                &EC,
-                &["-keyout", path_str(&key)?, "-out", path_str(&cert)?],
-                &["-addext", "basicConstraints=critical,CA:TRUE"],
-                &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-            ]
-            .concat(),
-        )?;
+        let subject = format!("/CN={name}");
+        let mut args: Vec<&str> = [
+            &["req", "-x509", "-days", "2", "-subj"][..],
+            &[&subject],
+            &EC,
+            &["-keyout", path_str(&key)?, "-out", path_str(&cert)?],
+        ]
+        .concat();
+        for ext in exts {
+            args.extend(["-addext", ext]);
+        }
+        match faketime {
+            Some(offset) => {
+                let lib = crate::debian::libfaketime()?;
+                openssl_with(
+                    &args,
+                    &[("LD_PRELOAD", path_str(&lib)?), ("FAKETIME", offset)],
+                )?;
+            }
+            None => openssl(&args)?,
+        }
         Ok(Ca {
             dir: dir.to_owned(),
             name: name.to_owned(),

@@ -109,8 +109,8 @@ fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, Str
 fn weaker_tls(url: &str, replication: &ConnParams, side: &ConnParams) -> Result<(), String> {
     // require, prefer and allow check the chain too when a root is known.
     let verifies = |c: &ConnParams| c.sslmode.checks_chain(c.ssl_root_cert.as_ref());
-    let silent = !url.contains("sslmode")
-        && !url.contains("requiressl")
+    let silent = !crate::source::conn::names_param(url, "sslmode")
+        && !crate::source::conn::names_param(url, "requiressl")
         && std::env::var_os("PGSSLMODE").is_none();
     if silent && !replication.host.starts_with('/') && verifies(side) && !verifies(replication) {
         return Err(format!(

@@ -186,9 +186,15 @@ async fn connect(
     match attempt(false).await {
         // sslmode=allow: plain first, TLS when the server refuses plain.
         Err(e) if conn.sslmode == SslMode::Allow && e.refuses_plain() => attempt(true).await,
-        Err(e) if conn.sslmode == SslMode::Prefer && e.tls_failed() => attempt(true)
-            .await
-            .map_err(|plain| plain.after_tls_failure(&e)),
+        Err(e) if conn.sslmode == SslMode::Prefer && e.tls_failed() => {
+            tracing::warn!(
+                error = %e,
+                "sslmode=prefer: the TLS handshake failed; going on in plain text, as libpq does"
+            );
+            attempt(true)
+                .await
+                .map_err(|plain| plain.after_tls_failure(&e))
+        }
         other => other,
     }
 }

@@ -125,9 +125,15 @@ where
     };
     match once(false).await {
         Err(e) if conn.sslmode == super::SslMode::Allow && e.refuses_plain() => once(true).await,
-        Err(e) if conn.sslmode == super::SslMode::Prefer && e.tls_failed() => once(true)
-            .await
-            .map_err(|plain| plain.after_tls_failure(&e)),
+        Err(e) if conn.sslmode == super::SslMode::Prefer && e.tls_failed() => {
+            tracing::warn!(
+                error = %e,
+                "sslmode=prefer: the TLS handshake failed; going on in plain text, as libpq does"
+            );
+            once(true)
+                .await
+                .map_err(|plain| plain.after_tls_failure(&e))
+        }
         other => other,
     }
     .map_err(|e| e.naming_role(&conn.user))

@@ -183,12 +183,20 @@ impl fmt::Debug for ConnParams {
 #[error("{0}")]
 pub struct BadUrl(String);
 
+/// Whether the connection string `url` (a URL or a key/value string) gives
+/// the parameter `key` a value.
+pub fn names_param(url: &str, key: &str) -> bool {
+    query_param(url, key).is_some()
+}
+
 /// Refuses what libpq would take from its environment and the relay does
 /// not read: `PGSERVICE` (a service file's parameters) always, and
 /// `PGHOST`, `PGPORT`, `PGUSER`, `PGDATABASE` where the string lacks that
 /// parameter (libpq would fill it in, the relay would not, and connect
-/// elsewhere). `PGHOSTADDR` as `hostaddr`. The `PGSSL*` variables the
-/// relay does read (see `tls_params`).
+/// elsewhere). `PGHOSTADDR` as `hostaddr`; `PGOPTIONS` and the TLS
+/// protocol bounds, which it would ignore; `PGTARGETSESSIONATTRS` and
+/// `PGGSSENCMODE=require`, which it cannot honour. The `PGSSL*` variables
+/// the relay does read (see `tls_params`).
 fn not_read_from_environment(
     no_host: bool,
     no_port: bool,
@@ -201,6 +209,33 @@ fn not_read_from_environment(
             "PGSERVICE={service} is set, and the relay does not read connection service files \
              (pg_service.conf): put the service's parameters in the URL and unset PGSERVICE"
         )));
+    }
+    for name in [
+        "PGOPTIONS",
+        "PGSSLMINPROTOCOLVERSION",
+        "PGSSLMAXPROTOCOLVERSION",
+    ] {
+        if let Some(value) = set(name) {
+            return Err(BadUrl(format!(
+                "{name}={value} is set, and the relay does not read it (it sets its own session \
+                 options, and speaks TLS 1.2 and 1.3): unset {name}"
+            )));
+        }
+    }
+    if let Some(value) = set("PGTARGETSESSIONATTRS")
+        .filter(|v| !matches!(v.as_str(), "any" | "read-write" | "primary"))
+    {
+        return Err(BadUrl(format!(
+            "PGTARGETSESSIONATTRS={value} is set: the relay streams only from a primary; unset it \
+             (or set primary, read-write, any)"
+        )));
+    }
+    if set("PGGSSENCMODE").is_some_and(|v| v == "require") {
+        return Err(BadUrl(
+            "PGGSSENCMODE=require is set, and the relay has no GSSAPI encryption: unset it and use \
+             TLS (sslmode)"
+                .into(),
+        ));
     }
     if set("PGHOSTADDR").is_some() {
         return Err(BadUrl(
@@ -266,6 +301,15 @@ impl ConnParams {
                 .unwrap_or_default();
             BadUrl(format!("{e}{why}"))
         })?;
+        for dropped in ["options", "load_balance_hosts"] {
+            if query_param(url, dropped).is_some() {
+                return Err(BadUrl(format!(
+                    "{dropped} is not supported: the relay sets its own session options and \
+                     tries hosts in order; remove it (set server parameters on the role instead: \
+                     ALTER ROLE … SET …)"
+                )));
+            }
+        }
         if query_param(url, "hostaddr").is_some() {
             return Err(BadUrl(
                 "hostaddr is not supported: put the address in host (with sslmode=verify-full \

@@ -9,6 +9,35 @@ pub(super) fn percent_decode(v: &str) -> String {
         .into_owned()
 }
 
+/// Whether `s` is a libpq URI (`postgresql://` or `postgres://`, as libpq
+/// recognises one); anything else is a key/value string, even with `://`
+/// inside a value.
+pub(super) fn is_url(s: &str) -> bool {
+    s.starts_with("postgresql://") || s.starts_with("postgres://")
+}
+
+/// A URL split as libpq splits it: the part before the query, the hosts of
+/// its authority (without the credentials), and the query. Credentials
+/// run to an `@` before the first `/`, so a `?` or `/`-free `@` inside a
+/// password does not start the query. `None` for a key/value string.
+fn url_parts(url: &str) -> Option<(&str, &str, Option<&str>)> {
+    if !is_url(url) {
+        return None;
+    }
+    let scheme_end = url.find("://")? + 3;
+    let rest = &url[scheme_end..];
+    let after_credentials = match rest.find(['@', '/']) {
+        Some(i) if rest[i..].starts_with('@') => scheme_end + i + 1,
+        _ => scheme_end,
+    };
+    let tail = &url[after_credentials..];
+    let hosts = tail.split(['/', '?']).next().unwrap_or_default();
+    match tail.find('?') {
+        Some(q) => Some((&url[..after_credentials + q], hosts, Some(&tail[q + 1..]))),
+        None => Some((url, hosts, None)),
+    }
+}
+
 /// Parameters read here that tokio-postgres would reject (or read
 /// differently).
 const OWN_PARAMS: [&str; 12] = [
@@ -30,9 +59,9 @@ const OWN_PARAMS: [&str; 12] = [
 /// libpq's quoting).
 pub(super) fn strip_own_params(url: &str) -> String {
     let own = |k: &str| OWN_PARAMS.contains(&k);
-    if url.contains("://") {
-        return match url.split_once('?') {
-            Some((base, q)) => {
+    if let Some((base, _, query)) = url_parts(url) {
+        return match query {
+            Some(q) => {
                 let rest: Vec<&str> = q
                     .split('&')
                     .filter(|kv| !own(&percent_decode(kv.split('=').next().unwrap_or(""))))
@@ -120,8 +149,8 @@ pub(super) fn key_values(s: &str) -> Option<Vec<(String, String)>> {
 /// The connection string's parameters: a URL's query (percent-decoded) or
 /// a key/value string's pairs.
 fn params(url: &str) -> Vec<(String, String)> {
-    if url.contains("://") {
-        let Some((_, q)) = url.split_once('?') else {
+    if let Some((_, _, query)) = url_parts(url) {
+        let Some(q) = query else {
             return Vec::new();
         };
         return q
@@ -160,7 +189,7 @@ pub(super) fn repeated_param(url: &str) -> Option<(String, String, String)> {
 /// would pass over: an empty parameter (`&&`, a trailing `&`) or one
 /// without `=` (`?sslmode`, which would leave the default in force).
 pub(super) fn malformed_query(url: &str) -> Option<String> {
-    let (_, query) = url.split_once("://")?.1.split_once('?')?;
+    let query = url_parts(url)?.2?;
     if query.is_empty() {
         return None;
     }
@@ -180,9 +209,7 @@ pub(super) fn malformed_query(url: &str) -> Option<String> {
 /// A URL's hosts as its authority gives them (`h1:5432,h2`), without the
 /// user; `None` for a key/value string or a URL without a host there.
 fn authority_hosts(url: &str) -> Option<&str> {
-    let rest = url.split_once("://")?.1;
-    let authority = rest.split(['/', '?']).next().unwrap_or_default();
-    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let hosts = url_parts(url)?.1;
     (!hosts.is_empty()).then_some(hosts)
 }
 
@@ -212,6 +239,20 @@ mod tests {
 
     use super::super::{ConnParams, RootCert, SslMode};
     use super::*;
+
+    #[test]
+    fn urls_and_key_value_strings_are_told_apart_and_split_as_libpq_does() {
+        // A value holding :// does not make a key/value string a URL.
+        let kv = "host=h sslmode=require application_name=a://b";
+        assert_eq!(query_param(kv, "sslmode").as_deref(), Some("require"));
+        // A ? in the password is not the query's start.
+        let url = "postgres://q:p?w@h:5432/d?sslmode=require";
+        assert_eq!(query_param(url, "sslmode").as_deref(), Some("require"));
+        assert_eq!(authority_hosts(url), Some("h:5432"));
+        assert_eq!(strip_own_params(url), "postgres://q:p?w@h:5432/d");
+        assert_eq!(query_param("postgres://h/d?a=1", "a").as_deref(), Some("1"));
+        assert_eq!(authority_hosts("postgres:///d?host=/tmp"), None);
+    }
 
     #[test]
     fn a_query_parameter_without_a_value_is_found() {

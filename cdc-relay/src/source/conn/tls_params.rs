@@ -22,12 +22,16 @@ pub(super) struct TlsParams {
 
 impl TlsParams {
     pub(super) fn parse(url: &str, home: Option<PathBuf>) -> Result<TlsParams, BadUrl> {
+        // An empty value is no value, as in libpq (PGSSLROOTCERT= keeps the
+        // default root file).
         let param = |k: &str| {
-            query_param(url, k).or_else(|| {
-                env_name(k)
-                    .and_then(std::env::var_os)
-                    .map(|v| v.to_string_lossy().into_owned())
-            })
+            query_param(url, k)
+                .or_else(|| {
+                    env_name(k)
+                        .and_then(std::env::var_os)
+                        .map(|v| v.to_string_lossy().into_owned())
+                })
+                .filter(|v| !v.is_empty())
         };
         let dot_pg = |name: &str| home.as_ref().map(|h| h.join(".postgresql").join(name));
         let root = match param("sslrootcert").as_deref() {

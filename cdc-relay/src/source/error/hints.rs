@@ -43,6 +43,14 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
         "The server's certificate is not issued for server authentication (its \
          extendedKeyUsage lacks serverAuth): reissue it with extendedKeyUsage = serverAuth \
          and install it on the server (ssl_cert_file)"
+    } else if has("handshakefailure") || has("peerincompatible") || has("peer is incompatible") {
+        "The server and the relay share no TLS version, cipher suite, key exchange group or \
+         signature scheme (the relay speaks TLS 1.2 and 1.3 with AEAD cipher suites, X25519, \
+         P-256 and P-384, and RSA, ECDSA P-256/P-384 or Ed25519 server keys): check the \
+         server's ssl_ciphers, ssl_ecdh_curve, ssl_min_protocol_version and its key's type"
+    } else if has("keyusage") {
+        "The server's certificate is not issued for a TLS server: reissue it with keyUsage \
+         digitalSignature (and keyEncipherment for RSA) and extendedKeyUsage serverAuth"
     } else if has("badsignature") || has("invalid peer certificate") {
         "The server's certificate could not be verified: check sslrootcert and sslmode in the \
          URL"

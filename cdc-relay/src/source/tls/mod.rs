@@ -117,39 +117,59 @@ fn parse_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
         .map_err(|e| format!("not an unencrypted PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"))
 }
 
-/// What an `sslrootcert` file gives: its self-signed certificates as the
-/// trust anchors (a chain must end at one, as OpenSSL checks it for
-/// libpq: an intermediate alone in the file is not a root) and its other
-/// certificates, offered as intermediates a server may leave out.
+/// What an `sslrootcert` file gives, read now: its self-signed
+/// certificates usable as roots (a chain must end at one, as OpenSSL checks
+/// it for libpq: an intermediate alone in the file is no root, nor is an
+/// expired one, one that is not a CA, or one whose usage forbids signing
+/// certificates), all its self-signed certificates (`own`: one of them
+/// presented by the server itself is trusted as libpq trusts it), its
+/// other certificates (intermediates a server may leave out), why each
+/// self-signed one that is no root is not, and whether any constrains
+/// names.
 struct Roots {
     store: RootCertStore,
-    anchors: Vec<CertificateDer<'static>>,
+    own: Vec<CertificateDer<'static>>,
     others: Vec<CertificateDer<'static>>,
+    unusable: Vec<String>,
+    constrained: bool,
     path: PathBuf,
 }
 
 fn root_store(root: &RootCert) -> Result<Roots, TlsSetupError> {
     let path = root_file(root)?;
-    let split = |b: &[u8]| -> Result<_, String> {
-        let (anchors, others): (Vec<_>, Vec<_>) =
-            parse_certs(b)?.into_iter().partition(names::self_signed);
-        let mut store = RootCertStore::empty();
-        let (added, _) = store.add_parsable_certificates(anchors.iter().cloned());
-        if added == 0 {
+    let check = |b: &[u8]| {
+        if !parse_certs(b)?.iter().any(names::self_signed) {
             return Err(
-                "no usable self-signed CA certificate in the file (a chain is trusted \
-                        only up to a self-signed root, as libpq trusts it): add the root CA"
+                "no self-signed CA certificate in the file (a chain is trusted only up \
+                        to a self-signed root, as libpq trusts it): add the root CA"
                     .to_owned(),
             );
         }
-        Ok((store, anchors, others))
+        Ok(())
     };
-    let loaded = load("sslrootcert", &path, |b| split(b).map(drop))?;
-    let (store, anchors, others) = split(&loaded.bytes).expect("checked when loaded");
+    let loaded = load("sslrootcert", &path, check)?;
+    let certs = parse_certs(&loaded.bytes).expect("checked when loaded");
+    let constrained = certs.iter().any(names::constrains_names);
+    let (own, others): (Vec<_>, Vec<_>) = certs.into_iter().partition(names::self_signed);
+    let now = UnixTime::now();
+    let mut store = RootCertStore::empty();
+    let mut unusable = Vec::new();
+    for cert in &own {
+        match names::unusable_as_root(cert, now) {
+            None => {
+                if let Err(e) = store.add(cert.clone()) {
+                    unusable.push(e.to_string());
+                }
+            }
+            Some(why) => unusable.push(why),
+        }
+    }
     Ok(Roots {
         store,
-        anchors,
+        own,
         others,
+        unusable,
+        constrained,
         path,
     })
 }
@@ -264,16 +284,24 @@ fn verifier(
     Ok(match &conn.ssl_root_cert {
         Some(root) if mode.checks_chain(Some(root)) => {
             let roots = root_store(root)?;
-            let webpki = WebPkiServerVerifier::builder_with_provider(
-                Arc::new(roots.store),
-                Arc::clone(provider),
-            )
-            .build()
-            .map_err(|e| TlsSetupError {
-                param: "sslrootcert",
-                path: roots.path.display().to_string(),
-                reason: e.to_string(),
-            })?;
+            // No usable root: only a server presenting one of the file's
+            // own certificates can be trusted.
+            let webpki = if roots.store.is_empty() {
+                None
+            } else {
+                Some(
+                    WebPkiServerVerifier::builder_with_provider(
+                        Arc::new(roots.store),
+                        Arc::clone(provider),
+                    )
+                    .build()
+                    .map_err(|e| TlsSetupError {
+                        param: "sslrootcert",
+                        path: roots.path.display().to_string(),
+                        reason: e.to_string(),
+                    })? as Arc<dyn ServerCertVerifier>,
+                )
+            };
             let names = if mode == SslMode::VerifyFull {
                 Names::AsLibpq {
                     host: conn.host.clone(),
@@ -283,9 +311,12 @@ fn verifier(
             };
             Arc::new(Verify {
                 webpki,
+                signatures: NoVerification(Arc::clone(provider)),
                 names,
-                anchors: roots.anchors,
+                own: roots.own,
                 intermediates: roots.others,
+                unusable: roots.unusable,
+                constrained: roots.constrained,
             })
         }
         _ => Arc::new(NoVerification(Arc::clone(provider))),
@@ -343,19 +374,27 @@ pub fn replication_tls(
 
 /// A chain checked against `sslrootcert` (verify-ca, verify-full, and
 /// the weaker modes when a root is known, as libpq does): the chain,
-/// validity and usage as webpki checks them, with the file's other
-/// certificates as intermediates, and the host name as `names` says. A
-/// server presenting one of the file's own self-signed certificates
-/// (PostgreSQL's documented `openssl req -x509` recipe, which marks it a
-/// CA) is trusted as libpq trusts it, where webpki refuses a CA as an end
-/// entity, when its key usage allows a server's use (a CA certificate
-/// limited to signing certificates is refused, as OpenSSL refuses it).
+/// validity and extended key usage as webpki checks them, with the file's
+/// other certificates as intermediates; the server certificate's key
+/// usage as OpenSSL's `sslserver` purpose checks it; and the host name as
+/// `names` says. A server presenting one of the file's own self-signed
+/// certificates (PostgreSQL's documented `openssl req -x509` recipe) is
+/// trusted as libpq trusts it, within its validity, where webpki refuses a
+/// CA as an end entity or finds no root for it.
 #[derive(Debug)]
 struct Verify {
-    webpki: Arc<dyn ServerCertVerifier>,
+    /// webpki over the usable roots; `None` when the file has none.
+    webpki: Option<Arc<dyn ServerCertVerifier>>,
+    /// The handshake signatures, checked with the presented key.
+    signatures: NoVerification,
     names: Names,
-    anchors: Vec<CertificateDer<'static>>,
+    own: Vec<CertificateDer<'static>>,
     intermediates: Vec<CertificateDer<'static>>,
+    /// Why the file's self-signed certificates that are no root are not.
+    unusable: Vec<String>,
+    /// A certificate of the file constrains names (the common name, which
+    /// name constraints do not cover, is then not compared).
+    constrained: bool,
 }
 
 /// How the host name is checked.
@@ -368,16 +407,26 @@ enum Names {
     AsLibpq { host: String },
 }
 
-impl ServerCertVerifier for Verify {
-    fn verify_server_cert(
+impl Verify {
+    /// The chain as webpki and OpenSSL check it, the name aside.
+    fn chain(
         &self,
         end_entity: &CertificateDer<'_>,
         intermediates: &[CertificateDer<'_>],
         server_name: &ServerName<'_>,
         ocsp: &[u8],
         now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        use rustls::CertificateError::{NotValidForName, NotValidForNameContext, Other};
+    ) -> Result<(), rustls::Error> {
+        use rustls::CertificateError::{
+            NotValidForName, NotValidForNameContext, Other, UnknownIssuer,
+        };
+        let own = || {
+            self.own.iter().any(|c| c.as_ref() == end_entity.as_ref())
+                && names::valid_at(end_entity, now)
+        };
+        let Some(webpki) = &self.webpki else {
+            return if own() { Ok(()) } else { Err(self.no_root()) };
+        };
         let with_file: Vec<CertificateDer<'_>>;
         let intermediates = if self.intermediates.is_empty() {
             intermediates
@@ -390,35 +439,76 @@ impl ServerCertVerifier for Verify {
             &with_file
         };
         // webpki checks the name last (after the chain, validity and
-        // usage) and a CA as an end entity after its validity: either
+        // usage) and a CA as an end entity after its validity: a name
         // error means what libpq checks of the chain has passed.
-        match self
-            .webpki
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
-        {
-            Ok(_) | Err(rustls::Error::InvalidCertificate(NotValidForName)) => {}
-            Err(rustls::Error::InvalidCertificate(NotValidForNameContext { .. })) => {}
+        match webpki.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
+            Ok(_) => Ok(()),
+            Err(rustls::Error::InvalidCertificate(
+                NotValidForName | NotValidForNameContext { .. },
+            )) => Ok(()),
             Err(rustls::Error::InvalidCertificate(Other(e)))
                 if matches!(
                     e.0.downcast_ref::<webpki::Error>(),
                     Some(webpki::Error::CaUsedAsEndEntity)
-                ) && self
-                    .anchors
-                    .iter()
-                    .any(|a| a.as_ref() == end_entity.as_ref())
-                    && names::usable_by_a_server(end_entity) => {}
-            Err(e) => return Err(e),
+                ) && own() =>
+            {
+                Ok(())
+            }
+            Err(rustls::Error::InvalidCertificate(UnknownIssuer)) if own() => Ok(()),
+            Err(rustls::Error::InvalidCertificate(UnknownIssuer)) if !self.unusable.is_empty() => {
+                Err(self.no_root())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// No usable root for the presented chain, naming the file's
+    /// self-signed certificates that are no root and why.
+    fn no_root(&self) -> rustls::Error {
+        rustls::Error::General(format!(
+            "invalid peer certificate: UnknownIssuer (sslrootcert's self-signed certificates \
+             that cannot be roots: {})",
+            if self.unusable.is_empty() {
+                "none".to_owned()
+            } else {
+                self.unusable.join("; ")
+            }
+        ))
+    }
+}
+
+impl ServerCertVerifier for Verify {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        self.chain(end_entity, intermediates, server_name, ocsp, now)?;
+        if !names::usable_by_a_server(end_entity) {
+            return Err(rustls::Error::General(
+                "invalid peer certificate: its keyUsage or extendedKeyUsage does not allow a TLS \
+                 server's use (keyUsage digitalSignature, keyEncipherment or keyAgreement; \
+                 extendedKeyUsage serverAuth)"
+                    .into(),
+            ));
         }
         let Names::AsLibpq { host } = &self.names else {
             return Ok(ServerCertVerified::assertion());
         };
-        match names::check(end_entity, host) {
+        let common_name_allowed =
+            !self.constrained && !intermediates.iter().any(names::constrains_names);
+        match names::check(end_entity, host, common_name_allowed) {
             Ok(()) => Ok(ServerCertVerified::assertion()),
-            Err(presented) => Err(rustls::Error::InvalidCertificate(NotValidForNameContext {
-                expected: ServerName::try_from(host.clone())
-                    .unwrap_or_else(|_| server_name.to_owned()),
-                presented,
-            })),
+            Err(presented) => Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForNameContext {
+                    expected: ServerName::try_from(host.clone())
+                        .unwrap_or_else(|_| server_name.to_owned()),
+                    presented,
+                },
+            )),
         }
     }
 
@@ -428,7 +518,7 @@ impl ServerCertVerifier for Verify {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.webpki.verify_tls12_signature(message, cert, dss)
+        self.signatures.verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -437,11 +527,11 @@ impl ServerCertVerifier for Verify {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.webpki.verify_tls13_signature(message, cert, dss)
+        self.signatures.verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.webpki.supported_verify_schemes()
+        self.signatures.supported_verify_schemes()
     }
 }
 

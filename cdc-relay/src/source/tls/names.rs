@@ -17,10 +17,18 @@
 
 use std::net::IpAddr;
 
-use rustls::pki_types::CertificateDer;
+use rustls::pki_types::{CertificateDer, UnixTime};
 use x509_cert::der::Decode;
 use x509_cert::ext::pkix::SubjectAltName;
 use x509_cert::ext::pkix::name::GeneralName;
+
+/// The serverAuth extended key usage (RFC 5280, `id-kp-serverAuth`).
+const SERVER_AUTH: x509_cert::der::oid::ObjectIdentifier =
+    x509_cert::der::oid::ObjectIdentifier::new_unwrap("1.3.6.1.5.5.7.3.1");
+
+/// Any extended key usage (RFC 5280, `anyExtendedKeyUsage`).
+const ANY_PURPOSE: x509_cert::der::oid::ObjectIdentifier =
+    x509_cert::der::oid::ObjectIdentifier::new_unwrap("2.5.29.37.0");
 
 /// The common name attribute (X.520 `id-at-commonName`).
 const COMMON_NAME: x509_cert::der::oid::ObjectIdentifier =
@@ -29,14 +37,24 @@ const COMMON_NAME: x509_cert::der::oid::ObjectIdentifier =
 /// Whether `cert` carries `host` as libpq reads it; when it does not, the
 /// names it was compared with (DNS names, IP addresses, `common name X`),
 /// for the error.
-pub(super) fn check(cert: &CertificateDer<'_>, host: &str) -> Result<(), Vec<String>> {
+pub(super) fn check(
+    cert: &CertificateDer<'_>,
+    host: &str,
+    common_name_allowed: bool,
+) -> Result<(), Vec<String>> {
     let Ok(cert) = x509_cert::Certificate::from_der(cert.as_ref()) else {
         return Err(Vec::new());
     };
     let host_ip: Option<IpAddr> = host.parse().ok();
     let mut presented = Vec::new();
     let mut check_cn = true;
-    if let Ok(Some((_, san))) = cert.tbs_certificate.get::<SubjectAltName>() {
+    let san = match cert.tbs_certificate.get::<SubjectAltName>() {
+        Ok(san) => san.map(|(_, san)| san),
+        // libpq stops at a subjectAltName it cannot read: no match, and
+        // no common name either.
+        Err(_) => return Err(vec!["an unreadable subjectAltName".into()]),
+    };
+    if let Some(san) = san {
         for name in &san.0 {
             match name {
                 GeneralName::DnsName(dns) => {
@@ -65,7 +83,13 @@ pub(super) fn check(cert: &CertificateDer<'_>, host: &str) -> Result<(), Vec<Str
             }
         }
     }
-    if check_cn {
+    if check_cn && !common_name_allowed {
+        presented.push(
+            "its common name, not compared: a CA of the chain constrains names, which the common \
+             name would escape"
+                .into(),
+        );
+    } else if check_cn {
         let common_name = cert
             .tbs_certificate
             .subject
@@ -123,10 +147,6 @@ fn name_matches(pattern: &str, host: &str) -> bool {
 /// certificate.
 pub(super) fn usable_by_a_server(cert: &CertificateDer<'_>) -> bool {
     use x509_cert::ext::pkix::{ExtendedKeyUsage, KeyUsage};
-    const SERVER_AUTH: x509_cert::der::oid::ObjectIdentifier =
-        x509_cert::der::oid::ObjectIdentifier::new_unwrap("1.3.6.1.5.5.7.3.1");
-    const ANY_PURPOSE: x509_cert::der::oid::ObjectIdentifier =
-        x509_cert::der::oid::ObjectIdentifier::new_unwrap("2.5.29.37.0");
     let Ok(cert) = x509_cert::Certificate::from_der(cert.as_ref()) else {
         return false;
     };
@@ -144,11 +164,95 @@ pub(super) fn usable_by_a_server(cert: &CertificateDer<'_>) -> bool {
     key_usage_allows && purpose_allows
 }
 
-/// Whether `cert` names itself as its issuer (a root, for the trust
-/// store); a certificate that does not parse is not.
+/// Whether `cert` is its own issuer, as OpenSSL's `X509_check_issued(x,
+/// x)` decides it: its subject is its issuer and, when it carries both, its
+/// authority key identifier is its subject key identifier (a certificate
+/// that only names itself, signed by another key, is not); a certificate
+/// that does not parse is not.
 pub(super) fn self_signed(cert: &CertificateDer<'_>) -> bool {
+    use x509_cert::ext::pkix::{AuthorityKeyIdentifier, SubjectKeyIdentifier};
+    let Ok(c) = x509_cert::Certificate::from_der(cert.as_ref()) else {
+        return false;
+    };
+    let tbs = &c.tbs_certificate;
+    let akid = tbs
+        .get::<AuthorityKeyIdentifier>()
+        .ok()
+        .flatten()
+        .and_then(|(_, a)| a.key_identifier);
+    let skid = tbs
+        .get::<SubjectKeyIdentifier>()
+        .ok()
+        .flatten()
+        .map(|(_, s)| s.0);
+    tbs.subject == tbs.issuer
+        && match (akid, skid) {
+            (Some(a), Some(s)) => a == s,
+            _ => true,
+        }
+}
+
+/// Why `cert`, a self-signed certificate of the root file, cannot be a
+/// root at `now`, as OpenSSL checks the top of a chain for libpq: outside
+/// its validity, not a CA (basicConstraints), a keyUsage without
+/// keyCertSign, or an extendedKeyUsage without serverAuth. `None` when it
+/// can.
+pub(super) fn unusable_as_root(cert: &CertificateDer<'_>, now: UnixTime) -> Option<String> {
+    use x509_cert::ext::pkix::{BasicConstraints, ExtendedKeyUsage, KeyUsage};
+    let Ok(c) = x509_cert::Certificate::from_der(cert.as_ref()) else {
+        return Some("does not parse".into());
+    };
+    let tbs = &c.tbs_certificate;
+    let subject = tbs.subject.to_string();
+    if let Some(why) = outside_validity(&c, now) {
+        return Some(format!("{subject}: {why}"));
+    }
+    let is_ca = matches!(tbs.get::<BasicConstraints>(), Ok(Some((_, bc))) if bc.ca);
+    if !is_ca {
+        return Some(format!(
+            "{subject}: not a CA (basicConstraints CA:TRUE missing)"
+        ));
+    }
+    if let Ok(Some((_, ku))) = tbs.get::<KeyUsage>()
+        && !ku.key_cert_sign()
+    {
+        return Some(format!("{subject}: its keyUsage lacks keyCertSign"));
+    }
+    if let Ok(Some((_, eku))) = tbs.get::<ExtendedKeyUsage>()
+        && !eku.0.iter().any(|p| *p == SERVER_AUTH || *p == ANY_PURPOSE)
+    {
+        return Some(format!("{subject}: its extendedKeyUsage lacks serverAuth"));
+    }
+    None
+}
+
+/// Why `cert` is not valid at `now` (expired, not valid yet), or `None`.
+fn outside_validity(cert: &x509_cert::Certificate, now: UnixTime) -> Option<String> {
+    let validity = &cert.tbs_certificate.validity;
+    let now = std::time::Duration::from_secs(now.as_secs());
+    if now < validity.not_before.to_unix_duration() {
+        return Some(format!("not valid before {}", validity.not_before));
+    }
+    if now > validity.not_after.to_unix_duration() {
+        return Some(format!("expired on {}", validity.not_after));
+    }
+    None
+}
+
+/// Whether `cert` is valid at `now` (a certificate that does not parse is
+/// not).
+pub(super) fn valid_at(cert: &CertificateDer<'_>, now: UnixTime) -> bool {
     x509_cert::Certificate::from_der(cert.as_ref())
-        .is_ok_and(|c| c.tbs_certificate.subject == c.tbs_certificate.issuer)
+        .is_ok_and(|c| outside_validity(&c, now).is_none())
+}
+
+/// Whether `cert` constrains the names below it (a nameConstraints
+/// extension); one that does not parse is taken to.
+pub(super) fn constrains_names(cert: &CertificateDer<'_>) -> bool {
+    use x509_cert::ext::pkix::NameConstraints;
+    x509_cert::Certificate::from_der(cert.as_ref()).map_or(true, |c| {
+        !matches!(c.tbs_certificate.get::<NameConstraints>(), Ok(None))
+    })
 }
 
 #[cfg(test)]

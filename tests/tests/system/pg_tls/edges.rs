@@ -19,6 +19,9 @@
 //! - the root CA itself (key usage: certificate signing) served as the
 //!   server's certificate: psql refuses its purpose; accepted by the first
 //!   version of the self-signed exception (a later newcomer's finding);
+//! - roots OpenSSL does not end a chain at (expired, not a CA) and a
+//!   subjectAltName that does not read, beside a common name that matches
+//!   (a third newcomer's findings on `a67f052`: all accepted);
 //! - `prefer` whose TLS attempt fails and whose plain attempt is refused
 //!   by `pg_hba.conf`: the message said only "no encryption" (libpq
 //!   reports both attempts).
@@ -178,7 +181,52 @@ async fn libpqs_own_rules_for_roots_names_and_fallbacks_hold_on_both_connections
         "127.0.0.1",
         format!("sslmode=verify-ca&sslrootcert={root_pem}"),
         false,
-        "CaUsedAsEndEntity",
+        "keyUsage",
+    )])
+    .await?;
+
+    // Roots OpenSSL will not end a chain at: expired, not a CA. A
+    // subjectAltName that does not read (raw UTF-8 where IA5 belongs):
+    // libpq stops there and never looks at the common name.
+    let expired_root = Ca::self_signed(
+        dir.path(),
+        "expired-root",
+        &[
+            "basicConstraints=critical,CA:TRUE",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ],
+        Some("-10d"),
+    )?;
+    let not_a_ca = Ca::self_signed(
+        dir.path(),
+        "not-a-ca-root",
+        &["basicConstraints=critical,CA:FALSE"],
+        None,
+    )?;
+    for (bad, what) in [
+        (
+            &expired_root,
+            "verify-full, the root in sslrootcert expired",
+        ),
+        (&not_a_ca, "verify-full, the root in sslrootcert not a CA"),
+    ] {
+        t.serve(&leaf(bad, "by-bad-root", &["DNS:localhost"])?)?;
+        t.run(&[case(
+            what,
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={}", path_str(&bad.cert)?),
+            false,
+            "sslrootcert",
+        )])
+        .await?;
+    }
+    t.serve(&leaf(&root, "unreadable-san", &["DNS:b\u{e9}.example"])?)?;
+    t.run(&[case(
+        "verify-full, an unreadable subjectAltName beside a matching common name",
+        "localhost",
+        format!("sslmode=verify-full&sslrootcert={root_pem}"),
+        false,
+        "verify-ca",
     )])
     .await?;
 
@@ -235,7 +283,9 @@ async fn libpqs_own_rules_for_roots_names_and_fallbacks_hold_on_both_connections
 /// `PGPORT` was ignored and the relay retried port 5432 forever; `127.1`
 /// looped on "invalid dns name", and under `prefer` went plain text where
 /// psql used TLS; three hosts with two ports were cycled; a URL query's
-/// `host=a,b` was read as one host named `a,b`).
+/// `host=a,b` was read as one host named `a,b`; and, from a third, on
+/// `a67f052`: `PGOPTIONS`, `PGSSLMINPROTOCOLVERSION`,
+/// `PGTARGETSESSIONATTRS` and a URL's `options` were dropped silently).
 /// What is tried, the URL, the environment, and what the refusal names.
 type Try<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str);
 
@@ -248,9 +298,10 @@ async fn what_libpq_reads_another_way_exits_2_naming_it() -> anyhow::Result<()> 
     let no_port = url.replacen(&format!(":{port}/"), "/", 1);
     let short_ip = url.replacen("@127.0.0.1:", "@127.1:", 1);
     let cycled = format!("host=127.0.0.1,localhost,localhost port={port},{port} user=cdc_relay");
+    let with_options = format!("{url}?options=-cnosuch%3D1");
     let query_hosts =
         format!("{no_port}?host=127.0.0.1,localhost").replacen("@127.0.0.1/", "@/", 1);
-    let tries: [Try<'_>; 6] = [
+    let tries: [Try<'_>; 10] = [
         (
             "PGSERVICE",
             url,
@@ -281,6 +332,30 @@ async fn what_libpq_reads_another_way_exits_2_naming_it() -> anyhow::Result<()> 
             url,
             &[("PGHOSTADDR", "127.0.0.1")],
             "PGHOSTADDR",
+        ),
+        (
+            "PGOPTIONS",
+            url,
+            &[("PGOPTIONS", "-cnosuch=1")],
+            "PGOPTIONS",
+        ),
+        (
+            "PGSSLMINPROTOCOLVERSION",
+            url,
+            &[("PGSSLMINPROTOCOLVERSION", "TLSv1.3")],
+            "PGSSLMINPROTOCOLVERSION",
+        ),
+        (
+            "PGTARGETSESSIONATTRS=standby",
+            url,
+            &[("PGTARGETSESSIONATTRS", "standby")],
+            "PGTARGETSESSIONATTRS=standby",
+        ),
+        (
+            "options in the URL",
+            &with_options,
+            &[],
+            "options is not supported",
         ),
     ];
     for (what, url, env, names) in tries {
