@@ -197,6 +197,24 @@ async fn database_password_root_and_client_certificate_rotate_without_a_restart(
         );
     }
     assert!(relay.process.try_status().is_none(), "the relay exited");
+
+    // A rotated key readable by others: libpq refuses it at each
+    // connection, and so does the relay, keeping the pair that last loaded
+    // (it was used silently: a fourth newcomer's finding on 98e6b8e).
+    put(&client2.cert, &cert)?;
+    put(&client2.key, &key)?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644))?;
+    }
+    cut().await?;
+    delivered(app::insert_order_event(&db).await?).await?;
+    let log = relay.process.logs();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("ERROR") && l.contains("sslkey") && l.contains("mode 0644")),
+        "no ERROR refusing the key readable by others:\n{log}"
+    );
     std::fs::write(&hba, before)?;
     cluster.psql("postgres", "SELECT pg_reload_conf()")?;
     Ok(())

@@ -13,7 +13,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 mod string;
-mod tls_params;
+pub(crate) mod tls_params;
 
 use string::{gives_port, malformed_query, query_param, repeated_param, strip_own_params};
 use tls_params::TlsParams;

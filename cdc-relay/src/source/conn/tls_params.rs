@@ -177,7 +177,7 @@ impl TlsParams {
 /// libpq's check of a private key file: owned by us and not readable by
 /// group or others (0600), or owned by root and at most group-readable
 /// (0640).
-fn check_key_file(key: &std::path::Path) -> Result<(), BadUrl> {
+pub(crate) fn check_key_file(key: &std::path::Path) -> Result<(), BadUrl> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(key).map_err(|e| {
         BadUrl(format!(
@@ -195,6 +195,15 @@ fn check_key_file(key: &std::path::Path) -> Result<(), BadUrl> {
         )));
     }
     Ok(())
+}
+
+/// `~/.postgresql/NAME` when it exists now: libpq's default root
+/// (`root.crt`) and client certificate (`postgresql.crt`, `.key`), looked
+/// for again at each new connection, as libpq does.
+pub(crate) fn default_file(name: &str) -> Option<PathBuf> {
+    std::env::var_os("HOME")
+        .map(|h| PathBuf::from(h).join(".postgresql").join(name))
+        .filter(|p| p.exists())
 }
 
 /// The environment variable libpq reads for a TLS parameter the URL does

@@ -43,6 +43,8 @@ use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme
 use super::conn::{ClientCert, ConnParams, RootCert, SslMode};
 
 mod names;
+
+use super::conn::tls_params::default_file as tls_params_default;
 use crate::reread::Loaded;
 
 /// A TLS file could not be used: `param` names the URL parameter
@@ -191,15 +193,20 @@ fn client_auth(c: &ClientCert) -> Result<ClientAuth, TlsSetupError> {
     let mut key = load("sslkey", &c.key, |b| parse_key(b).map(drop))?;
     let pair_key = (c.cert.clone(), c.key.clone());
     let mut pairs = LAST_PAIR.lock().expect("never poisoned");
-    match keys_match(&cert.bytes, &key.bytes) {
+    // The key's mode is checked at each load, as libpq checks it at each
+    // connection: a rotated key readable by others is not used.
+    let verdict = super::conn::tls_params::check_key_file(&c.key)
+        .map_err(|e| e.to_string())
+        .and_then(|()| keys_match(&cert.bytes, &key.bytes));
+    match verdict {
         Ok(()) => {
             pairs.insert(pair_key, (cert.bytes.clone(), key.bytes.clone()));
         }
         Err(reason) => match pairs.get(&pair_key) {
             Some((good_cert, good_key)) => {
                 tracing::error!(
-                    "sslkey={} does not match sslcert={} ({reason}); new connections keep using \
-                     the copy that last loaded until both files match",
+                    "sslkey={} cannot be used with sslcert={} ({reason}); new connections keep \
+                     using the pair that last loaded until both files are right",
                     c.key.display(),
                     c.cert.display()
                 );
@@ -281,7 +288,10 @@ fn verifier(
     provider: &Arc<rustls::crypto::CryptoProvider>,
 ) -> Result<Arc<dyn ServerCertVerifier>, TlsSetupError> {
     let mode = conn.sslmode;
-    Ok(match &conn.ssl_root_cert {
+    // libpq's default root, looked for again at each connection.
+    let default_root = || tls_params_default("root.crt").map(RootCert::File);
+    let root = conn.ssl_root_cert.clone().or_else(default_root);
+    Ok(match &root {
         Some(root) if mode.checks_chain(Some(root)) => {
             let roots = root_store(root)?;
             // No usable root: only a server presenting one of the file's
@@ -334,7 +344,14 @@ fn config_with(
         .expect("ring supports the default protocol versions")
         .dangerous()
         .with_custom_certificate_verifier(verifier);
-    Ok(match &conn.ssl_client_cert {
+    let default_client = || {
+        Some(ClientCert {
+            cert: tls_params_default("postgresql.crt")?,
+            key: tls_params_default("postgresql.key")?,
+        })
+    };
+    let client = conn.ssl_client_cert.clone().or_else(default_client);
+    Ok(match &client {
         Some(c) => {
             let (chain, key) = client_auth(c)?;
             builder
