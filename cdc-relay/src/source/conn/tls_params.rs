@@ -1,7 +1,7 @@
 //! The TLS parameters of a connection string, resolved as libpq resolves
 //! them, from the URL or libpq's environment variables.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use super::string::query_param;
 use super::{BadUrl, ChannelBinding, ClientCert, RootCert, SslMode};
@@ -37,9 +37,7 @@ impl TlsParams {
         let root = match param("sslrootcert").as_deref() {
             Some("system") => Some(RootCert::System),
             Some(path) => Some(RootCert::File(path.into())),
-            None => dot_pg("root.crt")
-                .filter(|p| p.exists())
-                .map(RootCert::File),
+            None => default_in(home.as_deref(), "root.crt").map(RootCert::File),
         };
         let sslmode = match (param("sslmode"), &root) {
             (Some(m), _) => m.parse()?,
@@ -95,8 +93,7 @@ impl TlsParams {
                     )));
                 }
             },
-            (None, None) => dot_pg("postgresql.crt")
-                .filter(|p| p.exists())
+            (None, None) => default_in(home.as_deref(), "postgresql.crt")
                 .zip(dot_pg("postgresql.key"))
                 .map(|(cert, key)| ClientCert { cert, key }),
         };
@@ -201,8 +198,12 @@ pub(crate) fn check_key_file(key: &std::path::Path) -> Result<(), BadUrl> {
 /// (`root.crt`) and client certificate (`postgresql.crt`, `.key`), looked
 /// for again at each new connection, as libpq does.
 pub(crate) fn default_file(name: &str) -> Option<PathBuf> {
-    std::env::var_os("HOME")
-        .map(|h| PathBuf::from(h).join(".postgresql").join(name))
+    default_in(std::env::var_os("HOME").map(PathBuf::from).as_deref(), name)
+}
+
+/// `HOME/.postgresql/NAME` when it exists.
+fn default_in(home: Option<&Path>, name: &str) -> Option<PathBuf> {
+    home.map(|h| h.join(".postgresql").join(name))
         .filter(|p| p.exists())
 }
 

@@ -296,9 +296,15 @@ impl SourceError {
     /// (`replication connection to user@host:port/db`), as the side
     /// connection's errors are; the typed ones name their subject already.
     pub fn in_context(self, context: &str) -> SourceError {
+        self.map_message(|msg| format!("{context}: {msg}"))
+    }
+
+    /// A plain error's message rewritten by `f`, its kind kept; the typed
+    /// errors unchanged.
+    fn map_message(self, f: impl FnOnce(String) -> String) -> SourceError {
         match self {
-            SourceError::Definite(msg) => SourceError::Definite(format!("{context}: {msg}")),
-            SourceError::Transient(msg) => SourceError::Transient(format!("{context}: {msg}")),
+            SourceError::Definite(msg) => SourceError::Definite(f(msg)),
+            SourceError::Transient(msg) => SourceError::Transient(f(msg)),
             other => other,
         }
     }
@@ -307,12 +313,7 @@ impl SourceError {
     /// `first` before it (as libpq reports both), so a refused certificate
     /// is not hidden behind `pg_hba.conf`'s "no encryption".
     pub fn after_tls_failure(self, first: &SourceError) -> SourceError {
-        let both = |msg: String| format!("{msg} (the TLS attempt before it: {first})");
-        match self {
-            SourceError::Definite(msg) => SourceError::Definite(both(msg)),
-            SourceError::Transient(msg) => SourceError::Transient(both(msg)),
-            other => other,
-        }
+        self.map_message(|msg| format!("{msg} (the TLS attempt before it: {first})"))
     }
 
     /// A replication transport error while streaming `slot`. TLS

@@ -1,0 +1,223 @@
+//! The certificate verifiers the rustls config of [`super::client_config`]
+//! holds: [`Verify`] where a root is known (the chain as webpki checks it,
+//! the rest as libpq does), [`NoVerification`] where libpq checks nothing.
+
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, SignatureScheme};
+
+use super::names;
+
+/// A chain checked against `sslrootcert` (verify-ca, verify-full, and
+/// the weaker modes when a root is known, as libpq does): the chain,
+/// validity and extended key usage as webpki checks them, with the file's
+/// other certificates as intermediates; the server certificate's key
+/// usage as OpenSSL's `sslserver` purpose checks it; and the host name as
+/// `names` says. A server presenting one of the file's own self-signed
+/// certificates (PostgreSQL's documented `openssl req -x509` recipe) is
+/// trusted as libpq trusts it, within its validity, where webpki refuses a
+/// CA as an end entity or finds no root for it.
+#[derive(Debug)]
+pub(super) struct Verify {
+    /// webpki over the usable roots; `None` when the file has none.
+    pub(super) webpki: Option<Arc<dyn ServerCertVerifier>>,
+    /// The handshake signatures, checked with the presented key.
+    pub(super) signatures: NoVerification,
+    pub(super) names: Names,
+    pub(super) own: Vec<CertificateDer<'static>>,
+    pub(super) intermediates: Vec<CertificateDer<'static>>,
+    /// Why the file's self-signed certificates that are no root are not.
+    pub(super) unusable: Vec<String>,
+    /// A certificate of the file constrains names (the common name, which
+    /// name constraints do not cover, is then not compared).
+    pub(super) constrained: bool,
+}
+
+/// How the host name is checked.
+#[derive(Debug)]
+pub(super) enum Names {
+    /// Not at all (the chain is what is checked).
+    Ignored,
+    /// verify-full: as libpq matches `host`, the text of the URL's host
+    /// ([`names::check`]).
+    AsLibpq { host: String },
+}
+
+impl Verify {
+    /// The chain as webpki and OpenSSL check it, the name aside.
+    fn chain(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<(), rustls::Error> {
+        use rustls::CertificateError::{
+            NotValidForName, NotValidForNameContext, Other, UnknownIssuer,
+        };
+        let own = || {
+            self.own.iter().any(|c| c.as_ref() == end_entity.as_ref())
+                && names::valid_at(end_entity, now)
+        };
+        let Some(webpki) = &self.webpki else {
+            return if own() { Ok(()) } else { Err(self.no_root()) };
+        };
+        let with_file: Vec<CertificateDer<'_>>;
+        let intermediates = if self.intermediates.is_empty() {
+            intermediates
+        } else {
+            with_file = intermediates
+                .iter()
+                .chain(&self.intermediates)
+                .cloned()
+                .collect();
+            &with_file
+        };
+        // webpki checks the name last (after the chain, validity and
+        // usage) and a CA as an end entity after its validity: a name
+        // error means what libpq checks of the chain has passed.
+        match webpki.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
+            Ok(_) => Ok(()),
+            Err(rustls::Error::InvalidCertificate(
+                NotValidForName | NotValidForNameContext { .. },
+            )) => Ok(()),
+            Err(rustls::Error::InvalidCertificate(Other(e)))
+                if matches!(
+                    e.0.downcast_ref::<webpki::Error>(),
+                    Some(webpki::Error::CaUsedAsEndEntity)
+                ) && own() =>
+            {
+                Ok(())
+            }
+            Err(rustls::Error::InvalidCertificate(UnknownIssuer)) if own() => Ok(()),
+            Err(rustls::Error::InvalidCertificate(UnknownIssuer)) if !self.unusable.is_empty() => {
+                Err(self.no_root())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// No usable root for the presented chain, naming the file's
+    /// self-signed certificates that are no root and why.
+    fn no_root(&self) -> rustls::Error {
+        rustls::Error::General(format!(
+            "invalid peer certificate: UnknownIssuer (sslrootcert's self-signed certificates \
+             that cannot be roots: {})",
+            if self.unusable.is_empty() {
+                "none".to_owned()
+            } else {
+                self.unusable.join("; ")
+            }
+        ))
+    }
+}
+
+impl ServerCertVerifier for Verify {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        self.chain(end_entity, intermediates, server_name, ocsp, now)?;
+        if !names::usable_by_a_server(end_entity) {
+            return Err(rustls::Error::General(
+                "invalid peer certificate: its keyUsage or extendedKeyUsage does not allow a TLS \
+                 server's use (keyUsage digitalSignature, keyEncipherment or keyAgreement; \
+                 extendedKeyUsage serverAuth)"
+                    .into(),
+            ));
+        }
+        let Names::AsLibpq { host } = &self.names else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        let common_name_allowed =
+            !self.constrained && !intermediates.iter().any(names::constrains_names);
+        match names::check(end_entity, host, common_name_allowed) {
+            Ok(()) => Ok(ServerCertVerified::assertion()),
+            Err(presented) => Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForNameContext {
+                    expected: ServerName::try_from(host.clone())
+                        .unwrap_or_else(|_| server_name.to_owned()),
+                    presented,
+                },
+            )),
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.signatures.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.signatures.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.signatures.supported_verify_schemes()
+    }
+}
+
+/// prefer/require: encryption without authentication, as libpq does.
+#[derive(Debug)]
+pub(super) struct NoVerification(pub(super) Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for NoVerification {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
