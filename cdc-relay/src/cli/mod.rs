@@ -373,7 +373,9 @@ pub struct GlobalArgs {
     )]
     pub slot_create_timeout: Duration,
     /// A standby to check the slot's failover copy on (PostgreSQL 17+),
-    /// libpq URL; repeat or comma-separate for several. A listed server out
+    /// libpq URL or key/value string; repeat for several, or separate
+    /// URLs with a comma or space (a comma inside one URL, as in
+    /// `postgres://a,b/db`, stays part of it). A listed server out
     /// of recovery is a primary and is skipped, so list every server of the
     /// cluster. `status` shows each copy; `run` exports
     /// cdc_relay_failover_ready and nudges the primary
@@ -383,7 +385,6 @@ pub struct GlobalArgs {
         long,
         env = "CDC_RELAY_STANDBY_URLS",
         global = true,
-        value_delimiter = ',',
         hide_env_values = true
     )]
     pub standby_url: Vec<String>,

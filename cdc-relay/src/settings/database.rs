@@ -72,24 +72,52 @@ impl GlobalArgs {
     /// env or file when their URL has none.
     pub fn standbys(&self) -> Result<Vec<ConnParams>, String> {
         let password = self.conn().ok().map(|c| c.password);
+        const FLAG: &str = "--standby-url (CDC_RELAY_STANDBY_URLS)";
         self.standby_url
             .iter()
+            .flat_map(|value| split_urls(value))
             // Empty is unset (`CDC_RELAY_STANDBY_URLS=`), as is an empty
             // item of the list.
             .filter(|url| !url.trim().is_empty())
             .map(|url| {
-                let mut c = ConnParams::parse(url, self.connect_timeout)
-                    .map_err(|e| format!("invalid --standby-url (CDC_RELAY_STANDBY_URLS): {e}"))?;
-                c.flag = "--standby-url (CDC_RELAY_STANDBY_URLS)";
+                let mut c = ConnParams::parse(url.trim(), self.connect_timeout)
+                    .map_err(|e| format!("invalid {FLAG}: {e}"))?;
+                c.flag = FLAG;
                 if c.password.is_empty()
                     && let Some(p) = &password
                 {
                     c.password = p.clone();
                 }
+                // Its TLS files load now, as the other URLs' do: a
+                // mismatched pair would otherwise surface only as a copy
+                // that is never read.
+                crate::source::tls::client_config(&c, true)
+                    .map_err(|e| format!("invalid {FLAG}: {e}"))?;
                 Ok(c)
             })
             .collect()
     }
+}
+
+/// Splits one `--standby-url` value into its URLs: at a comma or
+/// whitespace that a `postgres://` or `postgresql://` URL follows, and
+/// nowhere else, so a multi-host URL (`postgres://a,b/db`), a key/value
+/// string (`host=a,b port=5432`) and a password with a comma stay whole.
+fn split_urls(value: &str) -> Vec<&str> {
+    let starts_url = |rest: &str| {
+        let rest = rest.trim_start_matches(|c: char| c == ',' || c.is_whitespace());
+        crate::source::conn::is_url(rest)
+    };
+    let mut urls = Vec::new();
+    let mut start = 0;
+    for (i, c) in value.char_indices() {
+        if (c == ',' || c.is_whitespace()) && i > start && starts_url(&value[i..]) {
+            urls.push(&value[start..i]);
+            start = i + 1;
+        }
+    }
+    urls.push(&value[start..]);
+    urls
 }
 
 fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, String> {
@@ -103,22 +131,29 @@ fn read_secret_file(path: &std::path::Path, setting: &str) -> Result<String, Str
 /// default, `prefer`: the server's certificate unchecked) while
 /// `--database-url` verifies the server: the stream carries every outbox
 /// row, and its TLS parameters are its own, as in libpq, so the weaker
-/// mode would be an oversight, not a choice. An explicit `sslmode` (or
-/// `PGSSLMODE`, which both URLs read) is taken as given, and a Unix
-/// socket needs no TLS.
+/// mode would be an oversight, not a choice. An `sslmode` in the URL is
+/// taken as given; `PGSSLMODE`, which both URLs read and the side URL's
+/// own sslmode overrides, is not; a Unix socket needs no TLS.
 fn weaker_tls(url: &str, replication: &ConnParams, side: &ConnParams) -> Result<(), String> {
     // require, prefer and allow check the chain too when a root is known.
     let verifies = |c: &ConnParams| c.sslmode.checks_chain(c.ssl_root_cert.as_ref());
     let silent = !crate::source::conn::names_param(url, "sslmode")
-        && !crate::source::conn::names_param(url, "requiressl")
-        && std::env::var_os("PGSSLMODE").is_none();
+        && !crate::source::conn::names_param(url, "requiressl");
     if silent && !replication.host.starts_with('/') && verifies(side) && !verifies(replication) {
+        // PGSSLMODE is read by both URLs; the side connection's own
+        // sslmode overrode it, so a weaker one there is not a choice made
+        // for the stream either.
+        let from_env = std::env::var("PGSSLMODE")
+            .ok()
+            .filter(|v| !v.is_empty())
+            .map(|v| format!(" (PGSSLMODE={v} in the environment applies to it)"))
+            .unwrap_or_default();
         return Err(format!(
-            "--replication-url (CDC_RELAY_REPLICATION_URL) sets no sslmode, so the stream would \
-             not check the server's certificate, while --database-url has sslmode={mode}: its TLS \
-             parameters are its own, as in libpq. Add sslmode={mode} and sslrootcert=… to \
-             --replication-url (or an explicit sslmode=prefer to leave the stream unverified on \
-             purpose)",
+            "--replication-url (CDC_RELAY_REPLICATION_URL) sets no sslmode{from_env}, so the \
+             stream would not check the server's certificate, while --database-url has \
+             sslmode={mode}: its TLS parameters are its own, as in libpq. Add sslmode={mode} and \
+             sslrootcert=… to --replication-url (or an explicit sslmode=prefer to leave the \
+             stream unverified on purpose)",
             mode = side.sslmode.as_str()
         ));
     }
@@ -130,6 +165,36 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    #[test]
+    fn standby_urls_split_only_where_a_url_starts() {
+        for (value, urls) in [
+            ("postgres://a/db", &["postgres://a/db"][..]),
+            ("postgres://a,b:5433/db", &["postgres://a,b:5433/db"]),
+            (
+                "postgres://a/db,postgresql://b/db",
+                &["postgres://a/db", "postgresql://b/db"],
+            ),
+            (
+                "postgres://a/db, postgres://b/db",
+                &["postgres://a/db", " postgres://b/db"],
+            ),
+            (
+                "postgres://a/db postgres://b/db",
+                &["postgres://a/db", "postgres://b/db"],
+            ),
+            (
+                "postgres://u:p,w@a/db,postgres://b/db",
+                &["postgres://u:p,w@a/db", "postgres://b/db"],
+            ),
+            (
+                "host=a,b port=5432 dbname=orders",
+                &["host=a,b port=5432 dbname=orders"],
+            ),
+        ] {
+            assert_eq!(split_urls(value), urls, "{value}");
+        }
+    }
 
     #[test]
     fn a_replication_url_silent_about_tls_beside_a_verifying_side_is_refused() {

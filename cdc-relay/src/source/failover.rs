@@ -175,6 +175,9 @@ pub async fn watch_copies(
     mut readings: watch::Receiver<SlotReading>,
 ) {
     let mut clients: Vec<Option<Client>> = settings.standbys.iter().map(|_| None).collect();
+    // Each standby's last connection error: said at WARN when it changes,
+    // not at every pass (every 5 s while the copy is not ready).
+    let mut failing: Vec<Option<String>> = settings.standbys.iter().map(|_| None).collect();
     let mut last_nudge: Option<tokio::time::Instant> = None;
     loop {
         let confirmed = readings
@@ -182,15 +185,18 @@ pub async fn watch_copies(
             .as_ref()
             .and_then(|(_, info)| info.confirmed_flush_lsn);
         let mut copies = Vec::new();
-        for (conn, client) in settings.standbys.iter().zip(clients.iter_mut()) {
+        for ((conn, client), failed) in settings
+            .standbys
+            .iter()
+            .zip(clients.iter_mut())
+            .zip(failing.iter_mut())
+        {
             if client.as_ref().is_none_or(Client::is_closed) {
-                *client = super::connect_sql(conn, "cdc-relay-failover-check")
-                    .await
-                    .ok();
+                *client = connect_standby(conn, failed).await;
             }
             let copy = match client {
                 Some(c) => read_copy(c, &conn.display(), &settings.slot, confirmed).await,
-                None => StandbyCopy::unread(&conn.display(), Some("cannot connect".into())),
+                None => StandbyCopy::unread(&conn.display(), failed.clone()),
             };
             // A listed server out of recovery is a primary (the one the
             // relay streams from, after a failover): no standby to count.
@@ -221,6 +227,34 @@ pub async fn watch_copies(
             NUDGE_INTERVAL
         };
         tokio::time::sleep(next).await;
+    }
+}
+
+/// Connects to one `--standby-url` server. A failure is logged at WARN
+/// with its cause when it differs from this standby's last one (`failed`
+/// keeps it), and a recovery at INFO: an operator who listed a standby
+/// learns at the default log level why its copy stays unread.
+async fn connect_standby(conn: &ConnParams, failed: &mut Option<String>) -> Option<Client> {
+    match super::connect_sql(conn, "cdc-relay-failover-check").await {
+        Ok(client) => {
+            if failed.take().is_some() {
+                tracing::info!(standby = %conn.display(), "connected to the standby again");
+            }
+            Some(client)
+        }
+        Err(e) => {
+            let cause = format!("cannot connect: {e}");
+            if failed.as_deref() != Some(cause.as_str()) {
+                tracing::warn!(
+                    standby = %conn.display(),
+                    error = %e,
+                    "cannot connect to a --standby-url server: its copy of the slot is unread \
+                     and cdc_relay_failover_ready stays 0 (retried every 5s)"
+                );
+            }
+            *failed = Some(cause);
+            None
+        }
     }
 }
 

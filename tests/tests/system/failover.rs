@@ -257,4 +257,46 @@ async fn a_standby_url_naming_a_primary_is_skipped_not_counted_as_a_copy() -> an
     Ok(())
 }
 
+/// A `--standby-url` the relay cannot reach is said at WARN with its
+/// cause (it was logged only at debug: the operator saw
+/// `cdc_relay_failover_ready 0` and no reason), and a multi-host URL is
+/// one standby (it was split at its comma into two broken URLs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_standby_is_warned_about_with_its_cause() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let dead = || -> anyhow::Result<u16> {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        Ok(l.local_addr()?.port())
+    };
+    let (head, tail) = stack
+        .relay_url
+        .split_once("@127.0.0.1:")
+        .expect("the stack's URL names 127.0.0.1");
+    let (_, database) = tail
+        .split_once('/')
+        .expect("the stack's URL names a database");
+    let standby = format!(
+        "{head}@127.0.0.1:{},127.0.0.1:{}/{database}",
+        dead()?,
+        dead()?
+    );
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &["--standby-url", &standby]).await?;
+    app::wait_streaming(&relay).await?;
+    wait_until("the unreachable standby said at WARN", DRAIN, || async {
+        let logs = relay.process.logs();
+        logs.contains("cannot connect to a --standby-url server") && logs.contains("WARN")
+    })
+    .await?;
+    let logs = relay.process.logs();
+    assert!(
+        logs.contains("Connection refused") || logs.contains("connection refused"),
+        "the cause is named: {logs}"
+    );
+    assert_eq!(relay.gauge("cdc_relay_failover_standbys").await?, Some(1.0));
+    assert_eq!(relay.gauge("cdc_relay_failover_ready").await?, Some(0.0));
+    Ok(())
+}
+
 mod drill;

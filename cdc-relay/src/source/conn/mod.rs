@@ -15,6 +15,7 @@ use std::time::Duration;
 mod string;
 pub(crate) mod tls_params;
 
+pub use string::is_url;
 use string::{gives_port, malformed_query, query_param, repeated_param, strip_own_params};
 use tls_params::TlsParams;
 

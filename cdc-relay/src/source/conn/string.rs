@@ -12,7 +12,7 @@ pub(super) fn percent_decode(v: &str) -> String {
 /// Whether `s` is a libpq URI (`postgresql://` or `postgres://`, as libpq
 /// recognises one); anything else is a key/value string, even with `://`
 /// inside a value.
-pub(super) fn is_url(s: &str) -> bool {
+pub fn is_url(s: &str) -> bool {
     s.starts_with("postgresql://") || s.starts_with("postgres://")
 }
 

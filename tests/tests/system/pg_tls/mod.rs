@@ -614,6 +614,61 @@ async fn what_cannot_be_honoured_on_both_connections_exits_2_naming_it() -> anyh
         "{}",
         silent.text()
     );
+    // PGSSLMODE=disable, which the --database-url's own sslmode overrides,
+    // is no choice made for the stream either (it passed the guard and the
+    // stream went plain text): refused, naming the variable.
+    let from_env = app::relay_command(
+        &stack,
+        &verifying,
+        &["status", "--replication-url", &stack.relay_url],
+        &[("PGSSLMODE", "disable")],
+    )
+    .await?;
+    assert!(
+        from_env.code() == Some(2)
+            && from_env.text().contains("--replication-url")
+            && from_env.text().contains("PGSSLMODE=disable"),
+        "{}",
+        from_env.text()
+    );
+
+    // A --standby-url's client certificate and key are loaded at startup,
+    // as the other URLs' are: a mismatched pair is exit 2 naming the flag
+    // (was: accepted, and the standby's copy never read).
+    let (one, other) = (
+        ca.issue(&Request {
+            name: "standby-one",
+            sans: &[],
+            client: true,
+            expired: false,
+        })?,
+        ca.issue(&Request {
+            name: "standby-other",
+            sans: &[],
+            client: true,
+            expired: false,
+        })?,
+    );
+    let standby = t.url(
+        "127.0.0.1",
+        &format!(
+            "sslmode=require&sslcert={}&sslkey={}",
+            path_str(&one.cert)?,
+            path_str(&other.key)?
+        ),
+    );
+    let mismatched = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &["status", "--standby-url", &standby],
+        &[],
+    )
+    .await?;
+    assert!(
+        mismatched.code() == Some(2) && mismatched.text().contains("--standby-url"),
+        "{}",
+        mismatched.text()
+    );
     Ok(())
 }
 
