@@ -51,6 +51,11 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
     } else if has("keyusage") {
         "The server's certificate is not issued for a TLS server: reissue it with keyUsage \
          digitalSignature (and keyEncipherment for RSA) and extendedKeyUsage serverAuth"
+    } else if has("pathlenconstraint") {
+        "The server's chain has more intermediate CA certificates below the root than the \
+         root's pathLenConstraint allows (as OpenSSL refuses it): reissue the root with a \
+         larger pathlen, or none, or issue the server's certificate from a CA fewer levels \
+         below the root"
     } else if has("badsignature") || has("invalid peer certificate") {
         "The server's certificate could not be verified: check sslrootcert and sslmode in the \
          URL"

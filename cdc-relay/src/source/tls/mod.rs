@@ -45,7 +45,7 @@ use super::conn::{ClientCert, ConnParams, RootCert, SslMode};
 mod names;
 mod verify;
 
-use verify::{Names, NoVerification, Verify};
+use verify::{Names, NoVerification, PathLimit, Verify};
 
 use super::conn::tls_params::default_file as tls_params_default;
 use crate::reread::Loaded;
@@ -133,6 +133,8 @@ fn parse_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
 /// names.
 struct Roots {
     store: RootCertStore,
+    /// The usable roots that limit the CA certificates below them.
+    limits: Vec<PathLimit>,
     own: Vec<CertificateDer<'static>>,
     others: Vec<CertificateDer<'static>>,
     unusable: Vec<String>,
@@ -159,18 +161,28 @@ fn root_store(root: &RootCert) -> Result<Roots, TlsSetupError> {
     let now = UnixTime::now();
     let mut store = RootCertStore::empty();
     let mut unusable = Vec::new();
+    let mut limits = Vec::new();
     for cert in &own {
         match names::unusable_as_root(cert, now) {
-            None => {
-                if let Err(e) = store.add(cert.clone()) {
-                    unusable.push(e.to_string());
+            None => match webpki::anchor_from_trusted_cert(cert) {
+                Ok(anchor) => {
+                    if let Some(max) = names::path_len(cert) {
+                        limits.push(PathLimit {
+                            subject: anchor.subject.to_vec(),
+                            spki: anchor.subject_public_key_info.to_vec(),
+                            max,
+                        });
+                    }
+                    store.roots.push(anchor.to_owned());
                 }
-            }
+                Err(e) => unusable.push(format!("{e:?}")),
+            },
             Some(why) => unusable.push(why),
         }
     }
     Ok(Roots {
         store,
+        limits,
         own,
         others,
         unusable,
@@ -297,6 +309,7 @@ fn verifier(
     Ok(match &root {
         Some(root) if mode.checks_chain(Some(root)) => {
             let roots = root_store(root)?;
+            let anchors = roots.store.roots.clone();
             // No usable root: only a server presenting one of the file's
             // own certificates can be trusted.
             let webpki = if roots.store.is_empty() {
@@ -324,6 +337,8 @@ fn verifier(
             };
             Arc::new(Verify {
                 webpki,
+                limits: roots.limits,
+                anchors,
                 signatures: NoVerification(Arc::clone(provider)),
                 names,
                 own: roots.own,

@@ -226,6 +226,18 @@ pub(super) fn unusable_as_root(cert: &CertificateDer<'_>, now: UnixTime) -> Opti
     None
 }
 
+/// The pathLenConstraint of `cert`'s basicConstraints: how many CA
+/// certificates may follow it down a chain (RFC 5280, 4.2.1.9), `None`
+/// when unlimited or unreadable.
+pub(super) fn path_len(cert: &CertificateDer<'_>) -> Option<u8> {
+    use x509_cert::ext::pkix::BasicConstraints;
+    let c = x509_cert::Certificate::from_der(cert.as_ref()).ok()?;
+    match c.tbs_certificate.get::<BasicConstraints>() {
+        Ok(Some((_, bc))) if bc.ca => bc.path_len_constraint,
+        _ => None,
+    }
+}
+
 /// Why `cert` is not valid at `now` (expired, not valid yet), or `None`.
 fn outside_validity(cert: &x509_cert::Certificate, now: UnixTime) -> Option<String> {
     let validity = &cert.tbs_certificate.validity;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, ServerName, TrustAnchor, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
 
 use super::names;
@@ -23,6 +23,11 @@ use super::names;
 pub(super) struct Verify {
     /// webpki over the usable roots; `None` when the file has none.
     pub(super) webpki: Option<Arc<dyn ServerCertVerifier>>,
+    /// The usable roots, for [`Verify::path_lengths`].
+    pub(super) anchors: Vec<TrustAnchor<'static>>,
+    /// The roots whose pathLenConstraint webpki does not apply (it reads
+    /// none from a trust anchor; OpenSSL does).
+    pub(super) limits: Vec<PathLimit>,
     /// The handshake signatures, checked with the presented key.
     pub(super) signatures: NoVerification,
     pub(super) names: Names,
@@ -33,6 +38,16 @@ pub(super) struct Verify {
     /// A certificate of the file constrains names (the common name, which
     /// name constraints do not cover, is then not compared).
     pub(super) constrained: bool,
+}
+
+/// A root's pathLenConstraint, the root named by its subject and public
+/// key as webpki's trust anchor holds them (DER contents).
+#[derive(Debug)]
+pub(super) struct PathLimit {
+    pub(super) subject: Vec<u8>,
+    pub(super) spki: Vec<u8>,
+    /// CA certificates allowed below the root.
+    pub(super) max: u8,
 }
 
 /// How the host name is checked.
@@ -80,10 +95,10 @@ impl Verify {
         // usage) and a CA as an end entity after its validity: a name
         // error means what libpq checks of the chain has passed.
         match webpki.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
-            Ok(_) => Ok(()),
-            Err(rustls::Error::InvalidCertificate(
+            Ok(_)
+            | Err(rustls::Error::InvalidCertificate(
                 NotValidForName | NotValidForNameContext { .. },
-            )) => Ok(()),
+            )) => self.path_lengths(end_entity, intermediates, now),
             Err(rustls::Error::InvalidCertificate(Other(e)))
                 if matches!(
                     e.0.downcast_ref::<webpki::Error>(),
@@ -97,6 +112,55 @@ impl Verify {
                 Err(self.no_root())
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// Refuses a chain webpki accepted when every path it finds passes
+    /// more CA certificates below a root than the root's pathLenConstraint
+    /// allows (`pathlen:0` above an intermediate), as OpenSSL, and so
+    /// libpq, refuses it. Runs only when a root has such a limit.
+    fn path_lengths(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<(), rustls::Error> {
+        if self.limits.is_empty() {
+            return Ok(());
+        }
+        let Ok(cert) = webpki::EndEntityCert::try_from(end_entity) else {
+            return Ok(()); // webpki parsed it a moment ago
+        };
+        let exceeded = std::cell::Cell::new(None);
+        let within = |path: &webpki::VerifiedPath<'_>| {
+            let below = path.intermediate_certificates().count();
+            let anchor = path.anchor();
+            match self.limits.iter().find(|l| {
+                l.subject == anchor.subject.as_ref()
+                    && l.spki == anchor.subject_public_key_info.as_ref()
+            }) {
+                Some(l) if below > usize::from(l.max) => {
+                    exceeded.set(Some((l.max, below)));
+                    Err(webpki::Error::PathLenConstraintViolated)
+                }
+                _ => Ok(()),
+            }
+        };
+        let verified = cert.verify_for_usage(
+            self.signatures.0.signature_verification_algorithms.all,
+            &self.anchors,
+            intermediates,
+            now,
+            webpki::KeyUsage::server_auth(),
+            None,
+            Some(&within),
+        );
+        match (verified, exceeded.get()) {
+            (Err(_), Some((max, below))) => Err(rustls::Error::General(format!(
+                "invalid peer certificate: PathLenConstraintViolated (sslrootcert's root allows \
+                 {max} CA certificate(s) below it, pathlen:{max}; the server's chain has {below})"
+            ))),
+            _ => Ok(()),
         }
     }
 

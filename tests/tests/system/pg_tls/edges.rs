@@ -220,6 +220,45 @@ async fn libpqs_own_rules_for_roots_names_and_fallbacks_hold_on_both_connections
         )])
         .await?;
     }
+    // A root whose pathLenConstraint allows no CA below it, above an
+    // intermediate: OpenSSL refuses the chain (webpki reads no limit from
+    // a trust anchor, and the relay accepted it); one level more allowed
+    // is accepted by both.
+    for (pathlen, accepted, what) in [
+        (
+            0,
+            false,
+            "verify-full, a root with pathlen:0 above an intermediate",
+        ),
+        (
+            1,
+            true,
+            "verify-full, a root with pathlen:1 above an intermediate",
+        ),
+    ] {
+        let limited = Ca::self_signed(
+            dir.path(),
+            &format!("pathlen{pathlen}-root"),
+            &[
+                &format!("basicConstraints=critical,CA:TRUE,pathlen:{pathlen}"),
+                "keyUsage=critical,keyCertSign,cRLSign",
+            ],
+            None,
+        )?;
+        let below = limited.intermediate(&format!("under-pathlen{pathlen}"))?;
+        t.serve(&leaf(&below, "by-limited", &["DNS:localhost"])?.with_chain(&below)?)?;
+        t.run(&[case(
+            what,
+            "localhost",
+            format!(
+                "sslmode=verify-full&sslrootcert={}",
+                path_str(&limited.cert)?
+            ),
+            accepted,
+            if accepted { "" } else { "pathlen" },
+        )])
+        .await?;
+    }
     t.serve(&leaf(&root, "unreadable-san", &["DNS:b\u{e9}.example"])?)?;
     t.run(&[case(
         "verify-full, an unreadable subjectAltName beside a matching common name",
