@@ -12,6 +12,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{LazyLock, Mutex};
 
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
 /// A file's contents as loaded.
 #[derive(Clone, Debug)]
 pub struct Loaded {
@@ -69,6 +72,56 @@ pub fn first_line(bytes: &[u8]) -> Result<String, String> {
     Ok(first.to_owned())
 }
 
+/// The certificates of a PEM file (a chain, a CA bundle), in file order.
+/// Errors, in words: not PEM (naming the fault), no certificate.
+pub fn pem_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("not a PEM certificate file: {}", pem_problem(&e)))?;
+    if certs.is_empty() {
+        return Err("no certificate in the file".into());
+    }
+    Ok(certs)
+}
+
+/// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1). Errors, in
+/// words: encrypted (the relay takes no passphrase), not PEM, no key.
+pub fn pem_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
+    let text = String::from_utf8_lossy(pem);
+    if text.contains("ENCRYPTED PRIVATE KEY") || text.contains("Proc-Type: 4,ENCRYPTED") {
+        return Err(
+            "the private key is encrypted with a passphrase, which the relay does not \
+                    take (nor libpq's sslpassword): store it decrypted, readable by the \
+                    relay's user only (openssl pkey -in KEY -out PLAIN; chmod 600 PLAIN)"
+                .into(),
+        );
+    }
+    PrivateKeyDer::from_pem_slice(pem).map_err(|e| {
+        format!(
+            "not an unencrypted PEM private key (PKCS#8, PKCS#1 or SEC1): {}",
+            pem_problem(&e)
+        )
+    })
+}
+
+/// What is wrong with a PEM file, in words (rustls's own show the markers
+/// as byte arrays).
+fn pem_problem(e: &rustls::pki_types::pem::Error) -> String {
+    use rustls::pki_types::pem::Error;
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    match e {
+        Error::MissingSectionEnd { end_marker } => format!(
+            "a section has no -----END {}----- line (is the file cut short?)",
+            text(end_marker)
+        ),
+        Error::IllegalSectionStart { line } => {
+            format!("a malformed -----BEGIN line: {}", text(line))
+        }
+        Error::NoItemsFound => "no PEM section of that kind in the file".into(),
+        other => other.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,5 +150,23 @@ mod tests {
         assert_eq!(l.bytes, b"two\n");
         assert!(l.kept.is_some());
         assert_eq!(first_line(b"pw\r\nrest").unwrap(), "pw");
+    }
+
+    #[test]
+    fn pem_faults_are_said_in_words() {
+        let cut = b"-----BEGIN CERTIFICATE-----\nMIIB\n";
+        let err = pem_certs(cut).unwrap_err();
+        assert!(err.contains("no -----END CERTIFICATE----- line"), "{err}");
+        assert_eq!(pem_certs(b"").unwrap_err(), "no certificate in the file");
+        for encrypted in [
+            &b"-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n"[..],
+            b"-----BEGIN EC PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-256-CBC,00\n\nMIIB\n-----END EC PRIVATE KEY-----\n",
+        ] {
+            let err = pem_key(encrypted).unwrap_err();
+            assert!(err.contains("encrypted with a passphrase"), "{err}");
+        }
+        let err =
+            pem_key(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n").unwrap_err();
+        assert!(err.contains("no PEM section of that kind"), "{err}");
     }
 }

@@ -30,7 +30,7 @@ impl GlobalArgs {
         }
         // The TLS files must load once at startup (later, a file that stops
         // loading keeps its last good copy).
-        crate::source::tls::client_config(&conn, true)
+        crate::source::tls::check_files(&conn)
             .map_err(|e| format!("invalid --database-url (CDC_RELAY_DATABASE_URL): {e}"))?;
         Ok(conn)
     }
@@ -64,7 +64,7 @@ impl GlobalArgs {
             c.password = side.password;
             c.password_file = side.password_file;
         }
-        crate::source::tls::client_config(&c, true).map_err(|e| format!("invalid {FLAG}: {e}"))?;
+        crate::source::tls::check_files(&c).map_err(|e| format!("invalid {FLAG}: {e}"))?;
         Ok(Some(c))
     }
 
@@ -91,7 +91,7 @@ impl GlobalArgs {
                 // Its TLS files load now, as the other URLs' do: a
                 // mismatched pair would otherwise surface only as a copy
                 // that is never read.
-                crate::source::tls::client_config(&c, true)
+                crate::source::tls::check_files(&c)
                     .map_err(|e| format!("invalid {FLAG}: {e}"))?;
                 Ok(c)
             })

@@ -14,8 +14,7 @@ use rustls::client::ResolvesClientCert;
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::sign::CertifiedKey;
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
@@ -108,19 +107,9 @@ fn webpki_roots_store() -> RootCertStore {
     roots
 }
 
-fn certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
-    let certs = CertificateDer::pem_slice_iter(pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("not a PEM certificate file: {e}"))?;
-    if certs.is_empty() {
-        return Err("no certificate in the file".into());
-    }
-    Ok(certs)
-}
-
 fn check_roots(pem: &[u8]) -> Result<(), String> {
     let mut store = RootCertStore::empty();
-    if store.add_parsable_certificates(certs(pem)?).0 == 0 {
+    if store.add_parsable_certificates(reread::pem_certs(pem)?).0 == 0 {
         return Err("no usable certificate in the file".into());
     }
     Ok(())
@@ -132,7 +121,7 @@ fn verifier(
     pem: &[u8],
 ) -> Result<Arc<WebPkiServerVerifier>, String> {
     let mut roots = webpki_roots_store();
-    roots.add_parsable_certificates(certs(pem)?);
+    roots.add_parsable_certificates(reread::pem_certs(pem)?);
     WebPkiServerVerifier::builder_with_provider(Arc::new(roots), Arc::clone(provider))
         .build()
         .map_err(|e| e.to_string())
@@ -282,14 +271,10 @@ impl ClientCert {
 }
 
 fn load_pair(cert: &std::path::Path, key: &std::path::Path) -> Result<(Vec<u8>, Vec<u8>), String> {
-    let c = reread::load(CERT_FLAG, cert, |b| certs(b).map(drop))
+    let c = reread::load(CERT_FLAG, cert, |b| reread::pem_certs(b).map(drop))
         .map_err(|r| format!("{CERT_FLAG} {}: {r}", cert.display()))?;
-    let k = reread::load(KEY_FLAG, key, |b| {
-        PrivateKeyDer::from_pem_slice(b)
-            .map(drop)
-            .map_err(|e| format!("not an unencrypted PEM private key: {e}"))
-    })
-    .map_err(|r| format!("{KEY_FLAG} {}: {r}", key.display()))?;
+    let k = reread::load(KEY_FLAG, key, |b| reread::pem_key(b).map(drop))
+        .map_err(|r| format!("{KEY_FLAG} {}: {r}", key.display()))?;
     Ok((c.bytes, k.bytes))
 }
 
@@ -298,8 +283,8 @@ fn certified(
     cert: &[u8],
     key: &[u8],
 ) -> Result<Arc<CertifiedKey>, String> {
-    let chain = certs(cert)?;
-    let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| e.to_string())?;
+    let chain = reread::pem_certs(cert)?;
+    let key = reread::pem_key(key)?;
     let key = provider
         .key_provider
         .load_private_key(key)

@@ -168,6 +168,9 @@ pub struct ConnParams {
     /// The setting the URL came from, for messages, e.g. `--database-url
     /// (CDC_RELAY_DATABASE_URL)` (the default of [`ConnParams::parse`]).
     pub flag: &'static str,
+    /// TLS parameters taken from libpq's environment, with their variables
+    /// (`("sslrootcert", "PGSSLROOTCERT")`), for messages.
+    pub tls_from_env: Vec<(&'static str, &'static str)>,
 }
 
 impl fmt::Debug for ConnParams {
@@ -393,6 +396,7 @@ impl ConnParams {
             ssl_root_cert: tls.root,
             ssl_client_cert: tls.client,
             channel_binding: tls.channel_binding,
+            tls_from_env: tls.from_env,
             connect_timeout: cfg
                 .get_connect_timeout()
                 .copied()

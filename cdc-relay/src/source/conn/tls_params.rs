@@ -18,10 +18,67 @@ pub(super) struct TlsParams {
     pub(super) root: Option<RootCert>,
     pub(super) client: Option<ClientCert>,
     pub(super) channel_binding: ChannelBinding,
+    /// The parameters taken from libpq's environment (the URL lacks them),
+    /// with their variables: messages name the variable, not the URL.
+    pub(super) from_env: Vec<(&'static str, &'static str)>,
+}
+
+/// The TLS parameters libpq also reads from the environment, and their
+/// variables, when `url` lacks them and the variable is set (not empty).
+fn from_env(url: &str) -> Vec<(&'static str, &'static str)> {
+    [
+        "sslmode",
+        "sslrootcert",
+        "sslcert",
+        "sslkey",
+        "channel_binding",
+        "sslnegotiation",
+    ]
+    .into_iter()
+    .filter(|k| query_param(url, k).is_none_or(|v| v.is_empty()))
+    .filter_map(|k| env_name(k).map(|var| (k, var)))
+    .filter(|(_, var)| std::env::var_os(var).is_some_and(|v| !v.is_empty()))
+    .collect()
+}
+
+/// `message` with each `param=` written `VAR=` for the parameters in
+/// `from_env` (an operator who set `PGSSLROOTCERT` looks for that, not a
+/// URL parameter they never wrote).
+pub(crate) fn name_env(message: &str, from_env: &[(&'static str, &'static str)]) -> String {
+    let mut out = message.to_owned();
+    for (param, var) in from_env {
+        let said = format!("{param}=");
+        // Whole words only: `sslcert=` is not inside `xsslcert=`.
+        let mut renamed = String::with_capacity(out.len());
+        let mut rest = out.as_str();
+        while let Some(i) = rest.find(&said) {
+            let word_start = rest[..i]
+                .chars()
+                .next_back()
+                .is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'));
+            renamed.push_str(&rest[..i]);
+            renamed.push_str(if word_start { var } else { param });
+            renamed.push('=');
+            rest = &rest[i + said.len()..];
+        }
+        renamed.push_str(rest);
+        out = renamed;
+    }
+    out
 }
 
 impl TlsParams {
     pub(super) fn parse(url: &str, home: Option<PathBuf>) -> Result<TlsParams, BadUrl> {
+        let from_env = from_env(url);
+        Self::parse_named(url, home, from_env.clone())
+            .map_err(|BadUrl(m)| BadUrl(name_env(&m, &from_env)))
+    }
+
+    fn parse_named(
+        url: &str,
+        home: Option<PathBuf>,
+        from_env: Vec<(&'static str, &'static str)>,
+    ) -> Result<TlsParams, BadUrl> {
         // An empty value is no value, as in libpq (PGSSLROOTCERT= keeps the
         // default root file).
         let param = |k: &str| {
@@ -167,6 +224,7 @@ impl TlsParams {
             root,
             client,
             channel_binding,
+            from_env,
         })
     }
 }
@@ -227,6 +285,25 @@ fn env_name(param: &str) -> Option<&'static str> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_value_from_the_environment_is_named_by_its_variable() {
+        let env = [("sslrootcert", "PGSSLROOTCERT"), ("sslmode", "PGSSLMODE")];
+        assert_eq!(
+            name_env(
+                "sslrootcert=/ca.pem: no such file; set sslrootcert=…",
+                &env[..1]
+            ),
+            "PGSSLROOTCERT=/ca.pem: no such file; set PGSSLROOTCERT=…"
+        );
+        assert_eq!(
+            name_env("sslmode=verify-full needs sslrootcert", &env[1..]),
+            "PGSSLMODE=verify-full needs sslrootcert"
+        );
+        // Whole words only, and nothing from the environment: unchanged.
+        assert_eq!(name_env("xsslmode=1", &env), "xsslmode=1");
+        assert_eq!(name_env("sslmode=require", &[]), "sslmode=require");
+    }
     use std::time::Duration;
 
     use super::super::ConnParams;

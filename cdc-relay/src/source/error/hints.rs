@@ -15,7 +15,15 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
     }
     let lower = msg.to_ascii_lowercase();
     let has = |s: &str| lower.contains(s);
-    Some(if has("unknownissuer") || has("unknown issuer") {
+    // The root file's own self-signed certificates could not be roots
+    // (expired, not a CA, …; the message says which and why): the file is
+    // what to fix, not the server's chain.
+    let roots_unusable = has("cannot be roots:") && !has("cannot be roots: none");
+    Some(if roots_unusable {
+        "No certificate in sslrootcert can be a root (the message says why for each: expired, \
+         not yet valid, not a CA, a keyUsage without keyCertSign or an extendedKeyUsage \
+         without serverAuth): put a valid root CA certificate in the file sslrootcert names"
+    } else if has("unknownissuer") || has("unknown issuer") {
         "The server's certificate is not signed by a CA in sslrootcert: set sslrootcert in \
          the URL to the CA certificate that issued it. If sslrootcert holds the root CA already, \
          the server's ssl_cert_file may lack the intermediate CA certificates between them: \

@@ -370,6 +370,19 @@ fn tls_hints_name_the_fix_of_the_case_at_hand() {
             "ssl_cert_file may lack the intermediate CA certificates",
             "sslcert",
         ),
+        // An expired root got the missing-intermediates hint.
+        (
+            "invalid peer certificate: UnknownIssuer (sslrootcert's self-signed certificates \
+             that cannot be roots: CN=root: expired on 2026-12-01)",
+            "put a valid root CA certificate in the file",
+            "intermediate",
+        ),
+        (
+            "invalid peer certificate: PathLenConstraintViolated (sslrootcert's root allows 0 \
+             CA certificate(s) below it, pathlen:0; the server's chain has 1)",
+            "pathLenConstraint allows",
+            "sslcert",
+        ),
         // Said only "set sslmode=require", wrong when no line names ::1.
         (
             "no pg_hba.conf entry for host \"::1\", user \"cdc_relay\", database \"orders\", \

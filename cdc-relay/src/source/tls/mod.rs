@@ -36,7 +36,6 @@ use std::sync::{Arc, Mutex};
 
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::ServerCertVerifier;
-use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::{ClientConfig, RootCertStore};
 
@@ -51,14 +50,32 @@ use super::conn::tls_params::default_file as tls_params_default;
 use crate::reread::Loaded;
 
 /// A TLS file could not be used: `param` names the URL parameter
-/// (`sslrootcert`, `sslcert`, `sslkey`).
-#[derive(Debug, thiserror::Error)]
-#[error("{param}={path}: {reason}")]
+/// (`sslrootcert`, `sslcert`, `sslkey`), or `env` libpq's environment
+/// variable it came from (`PGSSLROOTCERT=/etc/ca.pem: …`).
+#[derive(Debug)]
 pub struct TlsSetupError {
     param: &'static str,
+    env: Option<&'static str>,
     path: String,
     reason: String,
 }
+
+impl std::fmt::Display for TlsSetupError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            param,
+            env,
+            path,
+            reason,
+        } = self;
+        match env {
+            Some(var) => write!(f, "{var}={path} (the environment's {param}): {reason}"),
+            None => write!(f, "{param}={path}: {reason}"),
+        }
+    }
+}
+
+impl std::error::Error for TlsSetupError {}
 
 /// Where the system's trusted roots are looked for when
 /// `sslrootcert=system` and `SSL_CERT_FILE` is unset (Debian/Ubuntu,
@@ -84,6 +101,7 @@ fn root_file(root: &RootCert) -> Result<PathBuf, TlsSetupError> {
                     .find(|p| p.exists())
             })
             .ok_or_else(|| TlsSetupError {
+                env: None,
                 param: "sslrootcert",
                 path: "system".into(),
                 reason: "no system CA bundle found: install the ca-certificates package or set \
@@ -101,25 +119,11 @@ fn load(
     check: impl Fn(&[u8]) -> Result<(), String>,
 ) -> Result<Loaded, TlsSetupError> {
     crate::reread::load(param, path, check).map_err(|reason| TlsSetupError {
+        env: None,
         param,
         path: path.display().to_string(),
         reason,
     })
-}
-
-fn parse_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
-    let certs = CertificateDer::pem_slice_iter(pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("not a PEM certificate file: {e}"))?;
-    if certs.is_empty() {
-        return Err("no certificate in the file".into());
-    }
-    Ok(certs)
-}
-
-fn parse_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
-    PrivateKeyDer::from_pem_slice(pem)
-        .map_err(|e| format!("not an unencrypted PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"))
 }
 
 /// What an `sslrootcert` file gives, read now: its self-signed
@@ -145,7 +149,7 @@ struct Roots {
 fn root_store(root: &RootCert) -> Result<Roots, TlsSetupError> {
     let path = root_file(root)?;
     let check = |b: &[u8]| {
-        if !parse_certs(b)?.iter().any(names::self_signed) {
+        if !crate::reread::pem_certs(b)?.iter().any(names::self_signed) {
             return Err(
                 "no self-signed CA certificate in the file (a chain is trusted only up \
                         to a self-signed root, as libpq trusts it): add the root CA"
@@ -155,7 +159,7 @@ fn root_store(root: &RootCert) -> Result<Roots, TlsSetupError> {
         Ok(())
     };
     let loaded = load("sslrootcert", &path, check)?;
-    let certs = parse_certs(&loaded.bytes).expect("checked when loaded");
+    let certs = crate::reread::pem_certs(&loaded.bytes).expect("checked when loaded");
     let constrained = certs.iter().any(names::constrains_names);
     let (own, others): (Vec<_>, Vec<_>) = certs.into_iter().partition(names::self_signed);
     let now = UnixTime::now();
@@ -204,8 +208,10 @@ type PairPaths = (PathBuf, PathBuf);
 type PairBytes = (Vec<u8>, Vec<u8>);
 
 fn client_auth(c: &ClientCert) -> Result<ClientAuth, TlsSetupError> {
-    let mut cert = load("sslcert", &c.cert, |b| parse_certs(b).map(drop))?;
-    let mut key = load("sslkey", &c.key, |b| parse_key(b).map(drop))?;
+    let mut cert = load("sslcert", &c.cert, |b| {
+        crate::reread::pem_certs(b).map(drop)
+    })?;
+    let mut key = load("sslkey", &c.key, |b| crate::reread::pem_key(b).map(drop))?;
     let pair_key = (c.cert.clone(), c.key.clone());
     let mut pairs = LAST_PAIR.lock().expect("never poisoned");
     // The key's mode is checked at each load, as libpq checks it at each
@@ -236,6 +242,7 @@ fn client_auth(c: &ClientCert) -> Result<ClientAuth, TlsSetupError> {
             }
             None => {
                 return Err(TlsSetupError {
+                    env: None,
                     param: "sslkey",
                     path: c.key.display().to_string(),
                     reason: format!("does not match sslcert={}: {reason}", c.cert.display()),
@@ -244,15 +251,15 @@ fn client_auth(c: &ClientCert) -> Result<ClientAuth, TlsSetupError> {
         },
     }
     Ok((
-        parse_certs(&cert.bytes).expect("checked when loaded"),
-        parse_key(&key.bytes).expect("checked when loaded"),
+        crate::reread::pem_certs(&cert.bytes).expect("checked when loaded"),
+        crate::reread::pem_key(&key.bytes).expect("checked when loaded"),
     ))
 }
 
 /// Whether the private key in `key` belongs to the certificate in `cert`.
 fn keys_match(cert: &[u8], key: &[u8]) -> Result<(), String> {
-    let chain = parse_certs(cert)?;
-    let key = parse_key(key)?;
+    let chain = crate::reread::pem_certs(cert)?;
+    let key = crate::reread::pem_key(key)?;
     let provider = rustls::crypto::ring::default_provider();
     let signing = provider
         .key_provider
@@ -293,8 +300,28 @@ pub fn client_config(
         return Ok(None);
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let verifier = verifier(conn, &provider)?;
-    config_with(conn, provider, verifier).map(Some)
+    verifier(conn, &provider)
+        .and_then(|verifier| config_with(conn, provider, verifier))
+        .map(Some)
+        .map_err(|mut e| {
+            e.reason = super::conn::tls_params::name_env(&e.reason, &conn.tls_from_env);
+            e.env = conn
+                .tls_from_env
+                .iter()
+                .find(|(param, _)| *param == e.param)
+                .map(|(_, var)| *var);
+            e
+        })
+}
+
+/// Loads every TLS file either of libpq's attempts for `conn` would use
+/// (`prefer` tries TLS first, `allow` second), so a file that never loads
+/// is a configuration error at startup, not a failed connection later.
+/// Errors: as [`client_config`].
+pub fn check_files(conn: &ConnParams) -> Result<(), TlsSetupError> {
+    client_config(conn, false)?;
+    client_config(conn, true)?;
+    Ok(())
 }
 
 /// The verifier `conn`'s sslmode and root certificate ask for.
@@ -322,6 +349,7 @@ fn verifier(
                     )
                     .build()
                     .map_err(|e| TlsSetupError {
+                        env: None,
                         param: "sslrootcert",
                         path: roots.path.display().to_string(),
                         reason: e.to_string(),
@@ -375,6 +403,7 @@ fn config_with(
             builder
                 .with_client_auth_cert(chain, key)
                 .map_err(|e| TlsSetupError {
+                    env: None,
                     param: "sslkey",
                     path: c.key.display().to_string(),
                     reason: format!("does not match sslcert={}: {e}", c.cert.display()),

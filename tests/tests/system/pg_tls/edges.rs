@@ -340,7 +340,7 @@ async fn what_libpq_reads_another_way_exits_2_naming_it() -> anyhow::Result<()> 
     let with_options = format!("{url}?options=-cnosuch%3D1");
     let query_hosts =
         format!("{no_port}?host=127.0.0.1,localhost").replacen("@127.0.0.1/", "@/", 1);
-    let tries: [Try<'_>; 10] = [
+    let tries: [Try<'_>; 11] = [
         (
             "PGSERVICE",
             url,
@@ -395,6 +395,14 @@ async fn what_libpq_reads_another_way_exits_2_naming_it() -> anyhow::Result<()> 
             &with_options,
             &[],
             "options is not supported",
+        ),
+        // A file named by libpq's environment is named by its variable
+        // (was: as the URL parameter sslrootcert, which the URL lacks).
+        (
+            "PGSSLROOTCERT naming a missing file",
+            url,
+            &[("PGSSLROOTCERT", "/nonexistent/root.crt")],
+            "PGSSLROOTCERT=/nonexistent/root.crt",
         ),
     ];
     for (what, url, env, names) in tries {
