@@ -78,4 +78,14 @@ fi
 # receivers are built on, under target/ (tests/tests/system/interop.rs).
 tests/interop/install.sh
 
+# psql and the relays the tests start read libpq's defaults from
+# ~/.postgresql (root.crt, postgresql.crt and .key): an empty home keeps
+# this machine's own files out of every test (tests that exercise those
+# defaults set HOME themselves). Cargo and rustup keep their own homes.
+export CARGO_HOME="${CARGO_HOME:-$HOME/.cargo}" RUSTUP_HOME="${RUSTUP_HOME:-$HOME/.rustup}"
+test_home="$PWD/target/test-home"
+rm -rf "$test_home"
+mkdir -p "$test_home"
+export HOME="$test_home"
+
 exec cargo test --workspace --locked "$@"
