@@ -7,6 +7,8 @@
 //! loads (missing, empty, not PEM) keeps the copy that last loaded, logged
 //! at ERROR each time it is read, so a rotation that goes wrong does not
 //! take the relay down; connections already open keep what they used.
+//! [`pem_certs`] and [`pem_key`] read the PEM files, for the database and
+//! the sinks alike.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

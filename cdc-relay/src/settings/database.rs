@@ -91,8 +91,7 @@ impl GlobalArgs {
                 // Its TLS files load now, as the other URLs' do: a
                 // mismatched pair would otherwise surface only as a copy
                 // that is never read.
-                crate::source::tls::check_files(&c)
-                    .map_err(|e| format!("invalid {FLAG}: {e}"))?;
+                crate::source::tls::check_files(&c).map_err(|e| format!("invalid {FLAG}: {e}"))?;
                 Ok(c)
             })
             .collect()

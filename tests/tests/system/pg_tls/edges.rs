@@ -29,7 +29,7 @@
 use harness::app;
 use harness::pki::{self, Ca, Request, path_str};
 
-use super::{Case, Tries, ssl_cluster};
+use super::tries::{Case, Tries, ssl_cluster};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libpqs_own_rules_for_roots_names_and_fallbacks_hold_on_both_connections()
