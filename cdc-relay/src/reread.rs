@@ -77,6 +77,7 @@ pub fn first_line(bytes: &[u8]) -> Result<String, String> {
 /// The certificates of a PEM file (a chain, a CA bundle), in file order.
 /// Errors, in words: not PEM (naming the fault), no certificate.
 pub fn pem_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
+    let pem = without_bom(pem);
     let certs = CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("not a PEM certificate file: {}", pem_problem(&e)))?;
@@ -89,6 +90,7 @@ pub fn pem_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
 /// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1). Errors, in
 /// words: encrypted (the relay takes no passphrase), not PEM, no key.
 pub fn pem_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
+    let pem = without_bom(pem);
     let text = String::from_utf8_lossy(pem);
     if text.contains("ENCRYPTED PRIVATE KEY") || text.contains("Proc-Type: 4,ENCRYPTED") {
         return Err(
@@ -104,6 +106,13 @@ pub fn pem_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
             pem_problem(&e)
         )
     })
+}
+
+/// `pem` without a leading UTF-8 byte order mark, which editors on some
+/// systems write and OpenSSL (so libpq) reads past; the PEM parser would
+/// skip the first section behind it.
+fn without_bom(pem: &[u8]) -> &[u8] {
+    pem.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(pem)
 }
 
 /// What is wrong with a PEM file, in words (rustls's own show the markers
@@ -160,6 +169,10 @@ mod tests {
         let err = pem_certs(cut).unwrap_err();
         assert!(err.contains("no -----END CERTIFICATE----- line"), "{err}");
         assert_eq!(pem_certs(b"").unwrap_err(), "no certificate in the file");
+        // A leading byte order mark hides no section (OpenSSL reads past it).
+        let one = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+        let bom = [&b"\xEF\xBB\xBF"[..], one.as_bytes(), one.as_bytes()].concat();
+        assert_eq!(pem_certs(&bom).map(|c| c.len()), Ok(2));
         for encrypted in [
             &b"-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n"[..],
             b"-----BEGIN EC PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-256-CBC,00\n\nMIIB\n-----END EC PRIVATE KEY-----\n",

@@ -288,7 +288,8 @@ async fn connect_once(
     fallback: bool,
 ) -> Result<(tokio_postgres::Client, oneshot::Receiver<()>), SourceError> {
     let context = format!("connecting to {} ({})", conn.display(), conn.flag);
-    let sql_error = |e: tokio_postgres::Error| SourceError::sql(&context, &e);
+    let sql_error =
+        |e: tokio_postgres::Error| SourceError::sql(&context, &e).noting_env(&conn.tls_from_env);
     let mut config = conn.sql_config(application_name);
     let tls = tls::client_config(conn, fallback)
         .map_err(|e| SourceError::Definite(format!("{context}: {e}")))?;

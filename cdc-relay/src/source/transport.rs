@@ -93,7 +93,8 @@ pub async fn open(conn: &ConnParams, s: &StreamSettings) -> Result<ReplicationCl
         match tokio::time::timeout(bound, connect).await {
             Ok(Ok(c)) => Ok(c),
             Ok(Err(e)) => Err(SourceError::transport(&e, &s.slot)
-                .in_context(&format!("replication connection to {}", conn.display()))),
+                .in_context(&format!("replication connection to {}", conn.display()))
+                .noting_env(&conn.tls_from_env)),
             Err(_) => Err(SourceError::Transient(format!(
                 "starting replication on {} timed out after {bound:?}",
                 conn.display()
@@ -169,7 +170,8 @@ pub async fn replication_command(
         match tokio::time::timeout(bound, run).await {
             Ok(Ok(rows)) => Ok(rows),
             Ok(Err(e)) => Err(SourceError::transport(&e, slot)
-                .in_context(&format!("replication connection to {}", conn.display()))),
+                .in_context(&format!("replication connection to {}", conn.display()))
+                .noting_env(&conn.tls_from_env)),
             Err(_) => Err(SourceError::Transient(format!(
                 "{sql} on {} got no answer within {bound:?}",
                 conn.display()

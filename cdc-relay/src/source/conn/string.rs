@@ -187,8 +187,21 @@ pub(super) fn repeated_param(url: &str) -> Option<(String, String, String)> {
 
 /// What is wrong with a URL's query that libpq refuses and the parsers
 /// would pass over: an empty parameter (`&&`, a trailing `&`) or one
-/// without `=` (`?sslmode`, which would leave the default in force).
+/// without `=` (`?sslmode`, which would leave the default in force); or
+/// a key/value string libpq cannot read (an unterminated quote, a word
+/// without `=`), whose TLS parameters would otherwise be lost and a
+/// neighbouring one blamed.
 pub(super) fn malformed_query(url: &str) -> Option<String> {
+    if !is_url(url) {
+        return key_values(url).is_none().then(|| {
+            "the key/value connection string does not read as libpq reads it: a quoted value \
+             without its closing ', a trailing \\, or a word without =value"
+                .to_owned()
+        });
+    }
+    if url.contains("%00") {
+        return Some("a percent-encoded NUL (%00) in the URL, which libpq refuses".to_owned());
+    }
     let query = url_parts(url)?.2?;
     if query.is_empty() {
         return None;
@@ -260,6 +273,8 @@ mod tests {
             "postgresql://u@h/d?sslmode",
             "postgresql://u@h/d?sslmode=require&&sslrootcert=/a",
             "postgresql://u@h/d?sslmode=require&",
+            "host=h sslmode",
+            "postgresql://u@h/d?sslmode=disable%00",
         ] {
             assert!(malformed_query(url).is_some(), "{url}");
         }
@@ -267,7 +282,6 @@ mod tests {
             "postgresql://u@h/d",
             "postgresql://u@h/d?",
             "postgresql://u@h/d?sslmode=require&application_name=",
-            "host=h sslmode",
         ] {
             assert_eq!(malformed_query(url), None, "{url}");
         }
@@ -318,6 +332,12 @@ mod tests {
         assert_eq!(query_param(kv, "sslcert").as_deref(), Some("/a b/c.pem"));
         assert_eq!(query_param(kv, "dbname").as_deref(), Some("d"));
         assert!(key_values("host='unterminated").is_none());
+        let unterminated = "host=h sslmode=verify-full sslrootcert='/ca.pem";
+        assert!(
+            malformed_query(unterminated).is_some_and(|m| m.contains("closing '")),
+            "{unterminated}"
+        );
+        assert_eq!(malformed_query("host=h sslrootcert='/a b.pem'"), None);
         let q = r"host=h user=u sslmode=verify-ca sslrootcert='/tmp/x y/ca.pem' application_name='a \'b\''";
         assert_eq!(query_param(q, "application_name").as_deref(), Some("a 'b'"));
         let stripped = strip_own_params(q);

@@ -205,9 +205,10 @@ impl TlsParams {
             Some("disable") => ChannelBinding::Disable,
             Some("require") => {
                 return Err(BadUrl(
-                    "channel_binding=require: the replication connection cannot bind SCRAM \
-                     authentication to the TLS channel (no SCRAM-SHA-256-PLUS), so the relay \
-                     refuses rather than connect without it; remove channel_binding (or set \
+                    "channel_binding=require: the relay's replication connection cannot bind \
+                     SCRAM authentication to the TLS channel (no SCRAM-SHA-256-PLUS), and every \
+                     URL the relay takes (database, replication, standby) follows one rule, so \
+                     it refuses rather than connect without it; remove channel_binding (or set \
                      prefer) and authenticate the server with sslmode=verify-full"
                         .into(),
                 ));
@@ -241,8 +242,11 @@ pub(crate) fn check_key_file(key: &std::path::Path) -> Result<(), BadUrl> {
         ))
     })?;
     let mode = meta.mode() & 0o777;
-    let allowed = if meta.uid() == 0 { 0o640 } else { 0o600 };
-    if mode & !allowed != 0 {
+    // libpq's test (fe-secure-openssl.c): no group or other bits for a
+    // file of another owner than root; root's may be group-readable. The
+    // owner's own bits do not matter (0700 passes).
+    let forbidden = if meta.uid() == 0 { 0o037 } else { 0o077 };
+    if mode & forbidden != 0 {
         return Err(BadUrl(format!(
             "sslkey={}: the private key has mode {mode:04o}; it must not be readable by others \
              (chmod 0600, or 0640 when owned by root)",
@@ -285,6 +289,46 @@ fn env_name(param: &str) -> Option<&'static str> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_key_file_mode_is_judged_as_libpq_judges_it() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = std::env::temp_dir().join(format!("cdc-relay-keymode-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let key = dir.join("client.key");
+        std::fs::write(&key, b"k").expect("write");
+        let owner = std::fs::metadata(&key).expect("stat").uid();
+        // The owner's own bits never matter; group and others do.
+        let cases: &[(u32, bool)] = if owner == 0 {
+            &[
+                (0o600, true),
+                (0o700, true),
+                (0o640, true),
+                (0o400, true),
+                (0o660, false),
+                (0o604, false),
+                (0o650, false),
+            ]
+        } else {
+            &[
+                (0o600, true),
+                (0o700, true),
+                (0o400, true),
+                (0o640, false),
+                (0o604, false),
+            ]
+        };
+        for &(mode, ok) in cases {
+            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(mode)).expect("chmod");
+            let got = super::check_key_file(&key);
+            assert_eq!(
+                got.is_ok(),
+                ok,
+                "mode {mode:04o} (owner uid {owner}): {got:?}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
 
     #[test]
     fn a_value_from_the_environment_is_named_by_its_variable() {

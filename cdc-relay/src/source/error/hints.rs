@@ -18,7 +18,7 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
     // The root file's own self-signed certificates could not be roots
     // (expired, not a CA, …; the message says which and why): the file is
     // what to fix, not the server's chain.
-    let roots_unusable = has("cannot be roots:") && !has("cannot be roots: none");
+    let roots_unusable = has("has no usable root");
     Some(if roots_unusable {
         "No certificate in sslrootcert can be a root (the message says why for each: expired, \
          not yet valid, not a CA, a keyUsage without keyCertSign or an extendedKeyUsage \
@@ -64,7 +64,16 @@ pub(crate) fn tls_hint(msg: &str) -> Option<&'static str> {
          root's pathLenConstraint allows (as OpenSSL refuses it): reissue the root with a \
          larger pathlen, or none, or issue the server's certificate from a CA fewer levels \
          below the root"
-    } else if has("badsignature") || has("invalid peer certificate") {
+    } else if has("unsupportedsignaturealgorithm") {
+        "Reissue the server's certificate (or the CA certificate named) with a SHA-256 (or \
+         stronger) signature and an RSA key of at least 2048 bits, an ECDSA P-256 or P-384 key, \
+         or an Ed25519 key"
+    } else if has("badsignature") {
+        "A signature of the server's chain or handshake did not verify: most often a key the \
+         relay's TLS library refuses (RSA below 2048 bits; P-521 and Ed448 keys), else a \
+         certificate altered or not issued by the CA it names. Check the server's ssl_cert_file \
+         and ssl_key_file (openssl x509 -noout -text) and reissue with a supported key"
+    } else if has("invalid peer certificate") {
         "The server's certificate could not be verified: check sslrootcert and sslmode in the \
          URL"
     } else if has("server does not support tls") || has("sslrequest refused") {

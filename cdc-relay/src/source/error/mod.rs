@@ -299,6 +299,26 @@ impl SourceError {
         self.map_message(|msg| format!("{context}: {msg}"))
     }
 
+    /// This error, saying which of the TLS parameters it names came from
+    /// libpq's environment (`from_env`: parameter and variable, as
+    /// [`crate::source::ConnParams::tls_from_env`] holds them): a hint to
+    /// set `sslrootcert` in the URL misleads an operator who set
+    /// `PGSSLROOTCERT`.
+    pub fn noting_env(self, from_env: &[(&'static str, &'static str)]) -> SourceError {
+        self.map_message(|msg| {
+            let named: Vec<String> = from_env
+                .iter()
+                .filter(|(param, _)| msg.contains(param))
+                .map(|(param, var)| format!("{param} came from {var} in the environment"))
+                .collect();
+            if named.is_empty() {
+                msg
+            } else {
+                format!("{msg} ({})", named.join("; "))
+            }
+        })
+    }
+
     /// A plain error's message rewritten by `f`, its kind kept; the typed
     /// errors unchanged.
     fn map_message(self, f: impl FnOnce(String) -> String) -> SourceError {

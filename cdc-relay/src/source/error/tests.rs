@@ -372,10 +372,32 @@ fn tls_hints_name_the_fix_of_the_case_at_hand() {
         ),
         // An expired root got the missing-intermediates hint.
         (
-            "invalid peer certificate: UnknownIssuer (sslrootcert's self-signed certificates \
-             that cannot be roots: CN=root: expired on 2026-12-01)",
+            "invalid peer certificate: UnknownIssuer (sslrootcert has no usable root: its \
+             self-signed certificates cannot be roots: CN=root: expired on 2026-12-01)",
             "put a valid root CA certificate in the file",
             "intermediate",
+        ),
+        // Was a kilobyte of algorithm identifiers and "check sslrootcert".
+        (
+            "invalid peer certificate: UnsupportedSignatureAlgorithm (a certificate of the \
+             chain is signed with an algorithm, or by a key, the relay's TLS library does not \
+             accept: SHA-1, RSA below 2048 bits, P-521 or Ed448)",
+            "SHA-256 (or stronger) signature",
+            "check sslrootcert",
+        ),
+        (
+            "invalid peer certificate: BadSignature",
+            "RSA below 2048 bits",
+            "check sslrootcert",
+        ),
+        // Usable roots beside unusable ones (a system bundle with expired
+        // roots): the issuer is missing, not every root.
+        (
+            "invalid peer certificate: UnknownIssuer (none of sslrootcert's 140 usable roots \
+             issued the server's chain; its self-signed certificates that cannot be roots: \
+             CN=old: expired on 2020-01-01)",
+            "not signed by a CA in sslrootcert",
+            "put a valid root CA",
         ),
         (
             "invalid peer certificate: PathLenConstraintViolated (sslrootcert's root allows 0 \
@@ -400,4 +422,20 @@ fn tls_hints_name_the_fix_of_the_case_at_hand() {
         let hint = tls_hint(msg).unwrap_or_else(|| panic!("a hint for {msg}"));
         assert!(hint.contains(names) && !hint.contains(not), "{msg}: {hint}");
     }
+}
+
+#[test]
+fn a_tls_parameter_from_the_environment_is_noted_where_the_message_names_it() {
+    let env = [("sslrootcert", "PGSSLROOTCERT"), ("sslcert", "PGSSLCERT")];
+    let e = SourceError::Definite(
+        "invalid peer certificate: UnknownIssuer. set sslrootcert in the URL".into(),
+    )
+    .noting_env(&env);
+    assert_eq!(
+        e.to_string(),
+        "invalid peer certificate: UnknownIssuer. set sslrootcert in the URL (sslrootcert came \
+         from PGSSLROOTCERT in the environment)"
+    );
+    let plain = SourceError::Transient("connection refused".into()).noting_env(&env);
+    assert_eq!(plain.to_string(), "connection refused");
 }

@@ -44,7 +44,7 @@ use super::conn::{ClientCert, ConnParams, RootCert, SslMode};
 mod names;
 mod verify;
 
-use verify::{Names, NoVerification, PathLimit, Verify};
+use verify::{Names, NoVerification, PathLimit, Unverified, Verify};
 
 use super::conn::tls_params::default_file as tls_params_default;
 use crate::reread::Loaded;
@@ -375,7 +375,7 @@ fn verifier(
                 constrained: roots.constrained,
             })
         }
-        _ => Arc::new(NoVerification(Arc::clone(provider))),
+        _ => Arc::new(Unverified(Arc::clone(provider))),
     })
 }
 

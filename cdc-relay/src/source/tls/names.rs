@@ -207,6 +207,12 @@ pub(super) fn unusable_as_root(cert: &CertificateDer<'_>, now: UnixTime) -> Opti
     if let Some(why) = outside_validity(&c, now) {
         return Some(format!("{subject}: {why}"));
     }
+    if let Some(key) = unsupported_key(&tbs.subject_public_key_info) {
+        return Some(format!(
+            "{subject}: its {key} key is one the relay's TLS library cannot verify with (RSA, \
+             ECDSA P-256/P-384 and Ed25519 it can)"
+        ));
+    }
     let is_ca = matches!(tbs.get::<BasicConstraints>(), Ok(Some((_, bc))) if bc.ca);
     if !is_ca {
         return Some(format!(
@@ -236,6 +242,24 @@ pub(super) fn path_len(cert: &CertificateDer<'_>) -> Option<u8> {
         Ok(Some((_, bc))) if bc.ca => bc.path_len_constraint,
         _ => None,
     }
+}
+
+/// The name of a public key type OpenSSL verifies with and webpki does
+/// not (P-521, Ed448), or `None`.
+fn unsupported_key(spki: &x509_cert::spki::SubjectPublicKeyInfoOwned) -> Option<&'static str> {
+    use x509_cert::der::oid::ObjectIdentifier as Oid;
+    const EC_PUBLIC_KEY: Oid = Oid::new_unwrap("1.2.840.10045.2.1");
+    const SECP521R1: Oid = Oid::new_unwrap("1.3.132.0.35");
+    const ED448: Oid = Oid::new_unwrap("1.3.101.113");
+    let alg = &spki.algorithm;
+    if alg.oid == ED448 {
+        return Some("Ed448");
+    }
+    let curve = alg
+        .parameters
+        .as_ref()
+        .and_then(|p| p.decode_as::<Oid>().ok());
+    (alg.oid == EC_PUBLIC_KEY && curve == Some(SECP521R1)).then_some("P-521")
 }
 
 /// Why `cert` is not valid at `now` (expired, not valid yet), or `None`.
@@ -270,6 +294,50 @@ pub(super) fn constrains_names(cert: &CertificateDer<'_>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::name_matches;
+
+    /// A self-signed CA certificate made by `openssl` with `key` (`-newkey`
+    /// argument) and `opt` (`-pkeyopt`, if any), as DER.
+    fn openssl_ca(key: &str, opt: Option<&str>) -> rustls::pki_types::CertificateDer<'static> {
+        let dir = std::env::temp_dir().join(format!(
+            "cdc-relay-names-{}-{}",
+            std::process::id(),
+            key.replace(':', "-")
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let (pem, k) = (dir.join("ca.pem"), dir.join("ca.key"));
+        let mut args = vec!["req", "-x509", "-nodes", "-days", "2", "-subj", "/CN=ca"];
+        args.extend(["-newkey", key]);
+        if let Some(o) = opt {
+            args.extend(["-pkeyopt", o]);
+        }
+        let (pem_s, k_s) = (pem.to_str().expect("utf-8"), k.to_str().expect("utf-8"));
+        args.extend(["-keyout", k_s, "-out", pem_s, "-outform", "DER"]);
+        let made = std::process::Command::new("openssl")
+            .args(&args)
+            .output()
+            .expect("openssl runs");
+        assert!(
+            made.status.success(),
+            "{}",
+            String::from_utf8_lossy(&made.stderr)
+        );
+        let der = std::fs::read(&pem).expect("read");
+        std::fs::remove_dir_all(&dir).expect("clean up");
+        rustls::pki_types::CertificateDer::from(der)
+    }
+
+    #[test]
+    fn a_root_with_a_key_webpki_cannot_use_is_no_root() {
+        let now = rustls::pki_types::UnixTime::now();
+        let p521 = openssl_ca("ec", Some("ec_paramgen_curve:P-521"));
+        let why = super::unusable_as_root(&p521, now).expect("P-521 is no root here");
+        assert!(why.contains("P-521"), "{why}");
+        let ed448 = openssl_ca("ed448", None);
+        let why = super::unusable_as_root(&ed448, now).expect("Ed448 is no root here");
+        assert!(why.contains("Ed448"), "{why}");
+        let p256 = openssl_ca("ec", Some("ec_paramgen_curve:P-256"));
+        assert_eq!(super::unusable_as_root(&p256, now), None);
+    }
 
     #[test]
     fn a_name_matches_as_libpq_matches_it() {

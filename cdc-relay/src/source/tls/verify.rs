@@ -1,6 +1,6 @@
 //! The certificate verifiers the rustls config of [`super::client_config`]
 //! holds: [`Verify`] where a root is known (the chain as webpki checks it,
-//! the rest as libpq does), [`NoVerification`] where libpq checks nothing.
+//! the rest as libpq does), [`Unverified`] where libpq checks nothing.
 
 use std::sync::Arc;
 
@@ -72,6 +72,7 @@ impl Verify {
     ) -> Result<(), rustls::Error> {
         use rustls::CertificateError::{
             NotValidForName, NotValidForNameContext, Other, UnknownIssuer,
+            UnsupportedSignatureAlgorithmContext, UnsupportedSignatureAlgorithmForPublicKeyContext,
         };
         let own = || {
             self.own.iter().any(|c| c.as_ref() == end_entity.as_ref())
@@ -107,6 +108,15 @@ impl Verify {
             {
                 Ok(())
             }
+            Err(rustls::Error::InvalidCertificate(
+                UnsupportedSignatureAlgorithmContext { .. }
+                | UnsupportedSignatureAlgorithmForPublicKeyContext { .. },
+            )) => Err(rustls::Error::General(
+                "invalid peer certificate: UnsupportedSignatureAlgorithm (a certificate of the \
+                 chain is signed with an algorithm, or by a key, the relay's TLS library does \
+                 not accept: SHA-1, RSA below 2048 bits, P-521 or Ed448)"
+                    .into(),
+            )),
             Err(rustls::Error::InvalidCertificate(UnknownIssuer)) if own() => Ok(()),
             Err(rustls::Error::InvalidCertificate(UnknownIssuer)) if !self.unusable.is_empty() => {
                 Err(self.no_root())
@@ -165,17 +175,38 @@ impl Verify {
     }
 
     /// No usable root for the presented chain, naming the file's
-    /// self-signed certificates that are no root and why.
+    /// self-signed certificates that are no root and why (the first few):
+    /// the file has no usable root at all, or none of its roots issued
+    /// the chain.
     fn no_root(&self) -> rustls::Error {
-        rustls::Error::General(format!(
-            "invalid peer certificate: UnknownIssuer (sslrootcert's self-signed certificates \
-             that cannot be roots: {})",
-            if self.unusable.is_empty() {
-                "none".to_owned()
-            } else {
-                self.unusable.join("; ")
-            }
-        ))
+        const SHOWN: usize = 3;
+        let mut why = self
+            .unusable
+            .iter()
+            .take(SHOWN)
+            .cloned()
+            .collect::<Vec<_>>();
+        if self.unusable.len() > SHOWN {
+            why.push(format!("and {} more", self.unusable.len() - SHOWN));
+        }
+        let why = if why.is_empty() {
+            "none".to_owned()
+        } else {
+            why.join("; ")
+        };
+        rustls::Error::General(if self.anchors.is_empty() {
+            format!(
+                "invalid peer certificate: UnknownIssuer (sslrootcert has no usable root: its \
+                 self-signed certificates cannot be roots: {why})"
+            )
+        } else {
+            format!(
+                "invalid peer certificate: UnknownIssuer (none of sslrootcert's {} usable roots \
+                 issued the server's chain; its self-signed certificates that cannot be roots: \
+                 {why})",
+                self.anchors.len()
+            )
+        })
     }
 }
 
@@ -237,9 +268,55 @@ impl ServerCertVerifier for Verify {
     }
 }
 
-/// prefer/require: encryption without authentication, as libpq does.
+/// The handshake signatures checked with the presented key, and nothing
+/// of the certificate: the part of [`Verify`] that webpki does not do.
 #[derive(Debug)]
 pub(super) struct NoVerification(pub(super) Arc<rustls::crypto::CryptoProvider>);
+
+/// No root known (prefer, allow, require without `sslrootcert`):
+/// encryption without authentication, as libpq does. Nothing of the
+/// server's certificate is checked, nor the handshake signature made with
+/// its key: an unauthenticated key proves nothing, and checking it would
+/// refuse keys and certificates libpq takes here (RSA below 2048 bits, an
+/// unknown critical extension, a curve the TLS library lacks), which under
+/// `prefer` sent the stream in plain text where libpq encrypts it.
+#[derive(Debug)]
+pub(super) struct Unverified(pub(super) Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for Unverified {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _: &[u8],
+        _: &CertificateDer<'_>,
+        _: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        Ok(HandshakeSignatureValid::assertion())
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        _: &[u8],
+        _: &CertificateDer<'_>,
+        _: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        Ok(HandshakeSignatureValid::assertion())
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
 
 impl ServerCertVerifier for NoVerification {
     fn verify_server_cert(

@@ -259,6 +259,55 @@ async fn libpqs_own_rules_for_roots_names_and_fallbacks_hold_on_both_connections
         )])
         .await?;
     }
+    // Where libpq checks nothing (require, prefer without a root), the
+    // relay checked the handshake signature with the certificate's key and
+    // parsed the certificate: one with an unknown critical extension
+    // failed the handshake, and under prefer the relay went on in plain
+    // text where psql encrypts.
+    let critical = Ca::self_signed(
+        dir.path(),
+        "critical-ext",
+        &[
+            "basicConstraints=critical,CA:FALSE",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "1.3.6.1.4.1.55555.1=critical,ASN1:UTF8String:unknown",
+        ],
+        None,
+    )?;
+    t.serve(&critical.as_served())?;
+    t.run(&[
+        case(
+            "require without a root, an unknown critical extension",
+            "127.0.0.1",
+            "sslmode=require".into(),
+            true,
+            "",
+        ),
+        case(
+            "prefer without a root, an unknown critical extension",
+            "127.0.0.1",
+            "sslmode=prefer".into(),
+            true,
+            "",
+        ),
+    ])
+    .await?;
+    // A root file that starts with a UTF-8 byte order mark: OpenSSL reads
+    // past it; the relay lost the certificate behind it.
+    t.serve(&leaf(&root, "for-bom", &["DNS:localhost"])?)?;
+    let bom = dir.path().join("root-bom.pem");
+    std::fs::write(
+        &bom,
+        [&b"\xEF\xBB\xBF"[..], &std::fs::read(&root.cert)?].concat(),
+    )?;
+    t.run(&[case(
+        "verify-full, a root file starting with a byte order mark",
+        "localhost",
+        format!("sslmode=verify-full&sslrootcert={}", path_str(&bom)?),
+        true,
+        "",
+    )])
+    .await?;
     t.serve(&leaf(&root, "unreadable-san", &["DNS:b\u{e9}.example"])?)?;
     t.run(&[case(
         "verify-full, an unreadable subjectAltName beside a matching common name",
