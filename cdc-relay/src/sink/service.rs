@@ -497,7 +497,17 @@ fn request_error(e: &hyper_util::client::legacy::Error) -> Attempt {
         if source_is_timeout(e) {
             Attempt::Timeout
         } else if source_is_tls(e) {
-            Attempt::Tls(crate::error_chain(e))
+            let chain = crate::error_chain(e);
+            // rustls's words for a first record that is no TLS record: an
+            // https:// URL reaching a plain-HTTP listener.
+            if chain.contains("InvalidContentType") {
+                Attempt::Tls(format!(
+                    "{chain} (the endpoint answered in plain text: it does not speak TLS on \
+                     that port; use http:// in the URL, or enable TLS on the endpoint)"
+                ))
+            } else {
+                Attempt::Tls(chain)
+            }
         } else {
             Attempt::Connect(crate::error_chain(e))
         }

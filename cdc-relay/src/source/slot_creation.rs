@@ -187,6 +187,19 @@ pub async fn create(
     };
     match row {
         Ok(row) => Ok(row.get(0)),
+        // Cancelled otherwise than by statement_timeout (pg_cancel_backend,
+        // a signal to its backend): not the timeout's doing.
+        Err(e)
+            if e.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED)
+                && !crate::db_message(&e).contains("statement timeout") =>
+        {
+            Err(SourceError::Definite(format!(
+                "creating slot {slot:?} was cancelled on the server ({}), while it waited for \
+                 {}. No slot was left behind; run this again",
+                crate::db_message(&e),
+                describe(&last_seen)
+            )))
+        }
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED) => {
             Err(SourceError::Definite(format!(
                 "creating slot {slot:?} gave up after {} (--slot-create-timeout): the server was still waiting for {}. No slot was left behind. End those transactions (or wait for them), then run this again, or raise --slot-create-timeout",

@@ -207,6 +207,29 @@ async fn a_slot_creation_that_waits_says_for_what_and_gives_up_leaving_nothing()
     })
     .await?;
 
+    // Cancelled on the server (pg_cancel_backend, or a signal to its
+    // backend): said so (it was blamed on --slot-create-timeout, which had
+    // not run out).
+    let mut cancelled = spawn_setup(&stack)?;
+    cancelled
+        .wait_for_line("creating the slot waits for", WAIT)
+        .await?;
+    admin
+        .execute(
+            "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
+             WHERE application_name = 'cdc-relay-create-slot'",
+            &[],
+        )
+        .await?;
+    let exit = cancelled.wait_exit(WAIT).await?;
+    let logs = cancelled.logs();
+    assert!(
+        !exit.success()
+            && logs.contains("was cancelled on the server")
+            && !logs.contains("gave up after"),
+        "{logs}"
+    );
+
     blocker.batch_execute("COMMIT").await?;
     let done = setup(&stack, &[]).await?;
     assert!(

@@ -408,3 +408,35 @@ impl Pki {
         })
     }
 }
+
+/// An `https://` sink URL that reaches a plain-HTTP listener: the retry's
+/// detail says the endpoint does not speak TLS and what to change (it
+/// said only "received corrupt message of type InvalidContentType"), and
+/// the event stays pending, then is delivered once the URL is right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_url_to_a_plain_http_endpoint_says_so() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = harness::sink::ScriptedSink::start().await?;
+    let https = sink.url.replacen("http://", "https://", 1);
+    let relay = app::start_relay(&stack, &https, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    let id = app::insert_order_event(&db).await?.to_string();
+    wait_until("the plain-text answer named", WAIT, || async {
+        relay.process.logs().contains("does not speak TLS")
+    })
+    .await?;
+    assert!(
+        !harness::oracle::arrival_ids(&sink.delivered()).contains(&id),
+        "nothing reached the plain-HTTP sink over TLS"
+    );
+    drop(relay);
+    let fixed = app::start_relay(&stack, &sink.url, &[]).await?;
+    wait_until("the event delivered over http://", WAIT, || async {
+        harness::oracle::arrival_ids(&sink.delivered()).contains(&id)
+    })
+    .await?;
+    drop(fixed);
+    Ok(())
+}

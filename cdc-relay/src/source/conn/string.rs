@@ -202,6 +202,20 @@ pub(super) fn malformed_query(url: &str) -> Option<String> {
     if url.contains("%00") {
         return Some("a percent-encoded NUL (%00) in the URL, which libpq refuses".to_owned());
     }
+    let bytes = url.as_bytes();
+    let bad_escape = bytes.iter().enumerate().any(|(i, &b)| {
+        b == b'%'
+            && !(bytes.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+                && bytes.get(i + 2).is_some_and(u8::is_ascii_hexdigit))
+    });
+    if bad_escape {
+        // The text is not repeated: the escape may be in the password.
+        return Some(
+            "a % in the URL not followed by two hexadecimal digits (libpq refuses it): write a \
+             literal % as %25"
+                .to_owned(),
+        );
+    }
     let query = url_parts(url)?.2?;
     if query.is_empty() {
         return None;
@@ -275,6 +289,8 @@ mod tests {
             "postgresql://u@h/d?sslmode=require&",
             "host=h sslmode",
             "postgresql://u@h/d?sslmode=disable%00",
+            "postgresql://u:p%zz@h/d",
+            "postgresql://u@h/d?application_name=a%2",
         ] {
             assert!(malformed_query(url).is_some(), "{url}");
         }
@@ -282,6 +298,7 @@ mod tests {
             "postgresql://u@h/d",
             "postgresql://u@h/d?",
             "postgresql://u@h/d?sslmode=require&application_name=",
+            "postgresql://u:p%25w@h/d?application_name=a%20b",
         ] {
             assert_eq!(malformed_query(url), None, "{url}");
         }
