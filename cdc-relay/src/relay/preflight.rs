@@ -296,6 +296,16 @@ impl Session<'_> {
                 publication: cfg.publications.join(", "),
             });
         }
+        // Read last before the stream starts: the monitor compares its
+        // first reading with it (a flap in between is a gap to heal).
+        let membership = catalog::membership(
+            &side,
+            &cfg.publications,
+            &cfg.table,
+            &cfg.columns.names(),
+            row_filter.as_deref(),
+        )
+        .await?;
         let sql_ascii = self.check_encoding(&side).await?;
         if cfg.conn.hosts.len() > 1 {
             tracing::info!(server = %server.display(), "connected to the primary");
@@ -309,6 +319,7 @@ impl Session<'_> {
             table,
             sql_ascii,
             row_filter,
+            membership,
             parked,
             restreamed,
         }))

@@ -54,6 +54,10 @@ pub(super) struct Prepared {
     /// The row filter the shard's publication must keep (as the server
     /// printed it when the session started); `None` unsharded.
     pub(super) row_filter: Option<String>,
+    /// The outbox's publication membership read just before the stream
+    /// starts: the monitor's first reading is compared with it when the
+    /// progress record holds none, so a flap in between is a gap.
+    pub(super) membership: catalog::Membership,
     /// Endpoints whose parked dead letters wait: they start parked.
     pub(super) parked: Vec<String>,
     /// Dead-letter rows of events the slot streams again
@@ -124,6 +128,7 @@ impl Session<'_> {
                 interval: cfg.slot_stats_interval,
                 holder: self.holder.to_owned(),
                 backfill_margin: cfg.backfill_margin,
+                at_start: Some(p.membership.clone()),
             },
             MonitorOutputs {
                 metrics: self.metrics.clone(),

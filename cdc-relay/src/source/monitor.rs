@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::catalog::{self, SlotInfo};
+use super::catalog::{self, Membership, SlotInfo};
 use super::error::SourceError;
 use super::membership::{Change, MembershipWatch};
 use super::withheld::{self, Verdict, WithheldWatch};
@@ -52,6 +52,10 @@ pub struct MonitorSettings {
     /// `--backfill-margin`: how much earlier than a gap an owed gap's
     /// backfill starts (`--on-gap tell`).
     pub backfill_margin: Duration,
+    /// The membership read before the stream started (the table in):
+    /// what the first reading is compared with when the progress record
+    /// holds none, so a flap before that reading is a gap.
+    pub at_start: Option<Membership>,
 }
 
 /// Where the monitor reports.
@@ -116,6 +120,7 @@ pub async fn monitor_slot(
         interval,
         holder,
         backfill_margin,
+        at_start,
     } = settings;
     let recorded = match progress::read_membership(&side, &slot).await {
         Ok(r) => r,
@@ -158,7 +163,7 @@ pub async fn monitor_slot(
     // Whether the owed gap is in the table (an older schema cannot hold
     // it: then only this process reports it).
     let mut owed_recorded = true;
-    let mut membership = MembershipWatch::new(start, started_at, recorded);
+    let mut membership = MembershipWatch::new(start, started_at, recorded.or(at_start));
     // Why the outbox is out, as last logged: a later reading that
     // explains it otherwise is logged again.
     let mut told: Option<String> = None;

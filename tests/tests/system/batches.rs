@@ -392,8 +392,22 @@ async fn each_aggregate_keeps_commit_order_across_batches_retries_and_splits() -
     sink.set_status(503);
     sink.set_delay(Duration::from_millis(5));
     s.restart_relay(&args).await?;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
     let sink = s.sink();
+    // Refused until a batch was refused and sent again (a slept 1.5 s was
+    // not always enough on a loaded machine: no batch had been refused).
+    wait_until("a batch refused and sent again", DRAIN, || async {
+        let refused: Vec<Vec<String>> = sink
+            .received()
+            .iter()
+            .filter(|r| r.status == 503 && r.ids().len() > 1)
+            .map(|r| r.ids())
+            .collect();
+        refused
+            .iter()
+            .enumerate()
+            .any(|(i, batch)| refused[i + 1..].iter().any(|again| again == batch))
+    })
+    .await?;
     sink.set_status(204);
     wait_until("every event taken", DRAIN, || async {
         let taken: std::collections::HashSet<String> =

@@ -47,19 +47,25 @@ async fn a_schema_publication_that_stops_covering_the_outbox_heals_too() -> anyh
 }
 
 /// With `--on-gap backfill`: the publication changed by `ALTER PUBLICATION
-/// … {before}` (in one statement, the outbox never out), then `{out}`
+/// … {before}` before the relay starts (a change under a running relay
+/// counts as a gap: its readings cannot tell it from a flap), then `{out}`
 /// while an event is inserted and `{back}` after the relay noticed; every
 /// event is invoiced once and the gap counted as healed.
 async fn out_and_back(before: Option<&str>, out: &str, back: &str) -> anyhow::Result<()> {
+    let stack = harness::PgCluster::shared().create_stack().await?;
+    if let Some(before) = before {
+        stack
+            .orders_admin()
+            .await?
+            .batch_execute(&format!("ALTER PUBLICATION {} {before}", stack.publication))
+            .await?;
+    }
     let s = Scenario::plan(Inbox::Billing)
+        .on(stack)
         .relay_args(&["--on-gap", "backfill"])
         .start()
         .await?;
     let (stack, db, relay) = (&s.stack, &s.db, &s.relay);
-    if let Some(before) = before {
-        db.batch_execute(&format!("ALTER PUBLICATION {} {before}", stack.publication))
-            .await?;
-    }
     app::insert_order_event(db).await?;
     oracle::wait_ledger_clean(stack, 1, DRAIN).await?;
 
