@@ -44,7 +44,7 @@ use super::conn::{ClientCert, ConnParams, RootCert, SslMode};
 mod names;
 mod verify;
 
-use verify::{Names, NoVerification, PathLimit, Unverified, Verify};
+use verify::{Names, PathLimit, Unverified, Verify};
 
 use super::conn::tls_params::default_file as tls_params_default;
 use crate::reread::Loaded;
@@ -367,7 +367,7 @@ fn verifier(
                 webpki,
                 limits: roots.limits,
                 anchors,
-                signatures: NoVerification(Arc::clone(provider)),
+                provider: Arc::clone(provider),
                 names,
                 own: roots.own,
                 intermediates: roots.others,

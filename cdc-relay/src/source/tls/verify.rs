@@ -28,8 +28,9 @@ pub(super) struct Verify {
     /// The roots whose pathLenConstraint webpki does not apply (it reads
     /// none from a trust anchor; OpenSSL does).
     pub(super) limits: Vec<PathLimit>,
-    /// The handshake signatures, checked with the presented key.
-    pub(super) signatures: NoVerification,
+    /// Its signature algorithms check the handshake's signature with the
+    /// presented key (and webpki's paths, for [`Verify::path_lengths`]).
+    pub(super) provider: Arc<rustls::crypto::CryptoProvider>,
     pub(super) names: Names,
     pub(super) own: Vec<CertificateDer<'static>>,
     pub(super) intermediates: Vec<CertificateDer<'static>>,
@@ -157,7 +158,7 @@ impl Verify {
             }
         };
         let verified = cert.verify_for_usage(
-            self.signatures.0.signature_verification_algorithms.all,
+            self.provider.signature_verification_algorithms.all,
             &self.anchors,
             intermediates,
             now,
@@ -251,7 +252,12 @@ impl ServerCertVerifier for Verify {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.signatures.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn verify_tls13_signature(
@@ -260,18 +266,20 @@ impl ServerCertVerifier for Verify {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.signatures.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.signatures.supported_verify_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
-
-/// The handshake signatures checked with the presented key, and nothing
-/// of the certificate: the part of [`Verify`] that webpki does not do.
-#[derive(Debug)]
-pub(super) struct NoVerification(pub(super) Arc<rustls::crypto::CryptoProvider>);
 
 /// No root known (prefer, allow, require without `sslrootcert`):
 /// encryption without authentication, as libpq does. Nothing of the
@@ -311,51 +319,6 @@ impl ServerCertVerifier for Unverified {
         _: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
         Ok(HandshakeSignatureValid::assertion())
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
-}
-
-impl ServerCertVerifier for NoVerification {
-    fn verify_server_cert(
-        &self,
-        _: &CertificateDer<'_>,
-        _: &[CertificateDer<'_>],
-        _: &ServerName<'_>,
-        _: &[u8],
-        _: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
