@@ -33,13 +33,13 @@ pub struct SinkArgs {
     /// arrives can finish.
     #[arg(long, env = "CDC_RELAY_REQUEST_TIMEOUT", default_value = "4s", value_parser = parse_timeout)]
     pub request_timeout: Duration,
-    /// Maximum age of a pooled sink connection: once a connection is this
+    /// Maximum age of a kept-alive sink connection: once a connection is this
     /// old it takes no new request, and the next one opens a new connection
     /// with a fresh DNS lookup (a blue/green switch behind one name is
     /// followed within this time). At least 1s.
     #[arg(long, env = "CDC_RELAY_SINK_CONNECTION_MAX_AGE", default_value = "60s", value_parser = parse_duration)]
     pub sink_connection_max_age: Duration,
-    /// A pooled sink connection idle for this long is closed by the relay,
+    /// A kept-alive sink connection idle for this long is closed by the relay,
     /// before a load balancer's idle timeout (commonly 60 s) can close it
     /// under a request. At least 1s.
     #[arg(long, env = "CDC_RELAY_SINK_IDLE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]

@@ -1,139 +1,401 @@
-//! Sink connections with an identity: the connector wraps each new
-//! connection so that every request on it can tell which connection it
-//! met. An HTTP/2 connection that refuses several streams, or drains with a
-//! GOAWAY while several are in flight, is then counted once
-//! (`cdc_relay_sink_connection_events_total`), however many requests it
-//! sent back (`docs/architecture.md#response-classes`).
+//! The sink's connections, kept by the relay itself.
+//!
+//! An HTTP/1.1 connection carries one request at a time, so the attempt
+//! that holds it also drives it: the request is written, the response read
+//! and the connection's state advanced in the attempt's own task, with no
+//! connection task to wake and no pool lookup per request (issue 29's
+//! lever, `docs/benchmarks.md`). Idle HTTP/1.1 connections wait in a stack
+//! (the most recently used is taken first, so a lull lets the others age
+//! out). An HTTP/2 connection (a TLS sink that chose `h2` by ALPN) carries
+//! every request at once: one is shared, driven by its own task.
+//!
+//! A connection takes no request once it is `--sink-connection-max-age`
+//! old (the next one looks the name up again) or after
+//! `--sink-idle-timeout` without one; a reaper, started with the first
+//! idle connection, closes those that wait past either limit.
+//!
+//! Each connection knows whether it has answered (an HTTP/1.1 connection
+//! that answered and was then found closed met the server closing an idle
+//! connection, not refusing a new one) and whether it has refused a
+//! request before (one refusing HTTP/2 connection is one connection event
+//! however many streams it sends back), `docs/architecture.md#response-classes`.
 
-use std::future::Future;
-use std::io;
+use std::future::{Future, poll_fn};
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::Poll;
+use std::time::{Duration, Instant};
 
-use http::Uri;
-use hyper::rt::{Read, ReadBufCursor, Write};
-use hyper_util::client::legacy::connect::{Connected, Connection};
+use bytes::Bytes;
+use http::{Request, Response, Uri};
+use http_body_util::Full;
+use hyper::body::{Body as _, Incoming};
+use hyper::client::conn::{http1, http2};
+use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
+use hyper_util::client::legacy::connect::{Connection as _, HttpConnector};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tower_service::Service as _;
 
-/// One connection's identity, found in [`Connected::get_extras`] (and in
-/// the extensions of every response that came back on it).
-#[derive(Clone, Debug, Default)]
-pub struct ConnectionTag {
-    /// Set once a request met this connection refusing it.
-    refused: Arc<AtomicBool>,
-    /// Set once a response came back on this connection.
-    answered: Arc<AtomicBool>,
+/// Makes a TCP (and, for `https`, TLS) connection to the sink.
+pub type Connector = HttpsConnector<HttpConnector>;
+
+/// An error from the connector or a connection.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+type Stream = MaybeHttpsStream<TokioIo<tokio::net::TcpStream>>;
+type Body = Full<Bytes>;
+
+/// Every connection to one sink.
+pub struct Connections {
+    connector: Connector,
+    /// Where the connector connects (scheme, host, port).
+    uri: Uri,
+    idle_timeout: Duration,
+    max_age: Duration,
+    /// Idle HTTP/1.1 connections, the most recently used last.
+    idle: Mutex<Vec<Http1>>,
+    /// The shared HTTP/2 connection, once the sink chose `h2`.
+    shared: Mutex<Option<Http2>>,
+    reaping: AtomicBool,
 }
 
-impl ConnectionTag {
-    /// The tag of the connection `connected` describes, if it has one.
-    pub fn of(connected: &Connected) -> Option<ConnectionTag> {
-        let mut extensions = http::Extensions::new();
-        connected.get_extras(&mut extensions);
-        extensions.get::<ConnectionTag>().cloned()
+impl std::fmt::Debug for Connections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connections")
+            .field("uri", &self.uri)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("max_age", &self.max_age)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One HTTP/1.1 connection, driven by the attempt that holds it.
+pub struct Http1 {
+    sender: http1::SendRequest<Body>,
+    driver: Pin<Box<http1::Connection<Stream, Body>>>,
+    born: Instant,
+    idle_since: Instant,
+    answered: bool,
+    refused: bool,
+}
+
+/// The shared HTTP/2 connection: a handle to it (its task drives it).
+#[derive(Clone)]
+pub struct Http2 {
+    sender: http2::SendRequest<Body>,
+    born: Instant,
+    /// When a request last took it: milliseconds after `born`.
+    used_ms: Arc<AtomicU64>,
+    refused: Arc<AtomicBool>,
+}
+
+impl Http2 {
+    fn touch(&self) {
+        let ms = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.used_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn idle_for(&self) -> Duration {
+        self.born
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.used_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// A connection an attempt holds.
+pub enum Conn {
+    /// Its own HTTP/1.1 connection.
+    Http1(Http1),
+    /// A handle to the shared HTTP/2 connection.
+    Http2(Http2),
+}
+
+/// The answer read off a connection: the response head and up to the
+/// limit of its body.
+pub struct Exchange {
+    /// The response head (its body taken).
+    pub head: Response<()>,
+    /// The body's first bytes, up to the limit.
+    pub body: Vec<u8>,
+}
+
+impl Connections {
+    /// No connection yet: the first attempt opens one.
+    pub fn new(connector: Connector, uri: Uri, idle_timeout: Duration, max_age: Duration) -> Self {
+        Connections {
+            connector,
+            uri,
+            idle_timeout,
+            max_age,
+            idle: Mutex::new(Vec::new()),
+            shared: Mutex::new(None),
+            reaping: AtomicBool::new(false),
+        }
+    }
+
+    /// A connection for the next request: the shared HTTP/2 one, an idle
+    /// HTTP/1.1 one that is still open, young enough and not idle too long,
+    /// or a new one. Errors: the connector's (TCP connect, its timeout,
+    /// TLS) or the HTTP/2 handshake's.
+    pub async fn checkout(&self) -> Result<Conn, BoxError> {
+        {
+            let mut shared = self
+                .shared
+                .lock()
+                .expect("connections lock is never poisoned");
+            if let Some(h2) = shared.as_ref() {
+                if self.takes_requests(h2) {
+                    h2.touch();
+                    return Ok(Conn::Http2(h2.clone()));
+                }
+                *shared = None;
+            }
+        }
+        loop {
+            let popped = self
+                .idle
+                .lock()
+                .expect("connections lock is never poisoned")
+                .pop();
+            let Some(mut h1) = popped else { break };
+            if self.usable(&h1) && h1.ready().await {
+                return Ok(Conn::Http1(h1));
+            }
+        }
+        self.connect().await
+    }
+
+    async fn connect(&self) -> Result<Conn, BoxError> {
+        let mut connector = self.connector.clone();
+        poll_fn(|cx| connector.poll_ready(cx)).await?;
+        let stream = connector.call(self.uri.clone()).await?;
+        if stream.connected().is_negotiated_h2() {
+            let (sender, driver) = http2::Builder::new(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .handshake(stream)
+                .await?;
+            tokio::spawn(async move {
+                let _ = driver.await;
+            });
+            let h2 = Http2 {
+                sender,
+                born: Instant::now(),
+                used_ms: Arc::default(),
+                refused: Arc::default(),
+            };
+            *self
+                .shared
+                .lock()
+                .expect("connections lock is never poisoned") = Some(h2.clone());
+            Ok(Conn::Http2(h2))
+        } else {
+            let (sender, driver) = http1::handshake(stream).await?;
+            let now = Instant::now();
+            Ok(Conn::Http1(Http1 {
+                sender,
+                driver: Box::pin(driver),
+                born: now,
+                idle_since: now,
+                answered: false,
+                refused: false,
+            }))
+        }
+    }
+
+    /// Gives back an HTTP/1.1 connection whose response was read to its
+    /// end; it waits for the next request.
+    pub fn checkin(self: &Arc<Self>, conn: Conn) {
+        let Conn::Http1(mut h1) = conn else { return };
+        h1.idle_since = Instant::now();
+        self.idle
+            .lock()
+            .expect("connections lock is never poisoned")
+            .push(h1);
+        if !self.reaping.swap(true, Ordering::Relaxed) {
+            tokio::spawn(reap(Arc::downgrade(self)));
+        }
+    }
+
+    /// The HTTP/2 connection `conn` refused or drained: later requests go
+    /// to a new one. (An HTTP/1.1 connection that failed is dropped by its
+    /// holder.)
+    pub fn discard(&self, conn: &Conn) {
+        let Conn::Http2(h2) = conn else { return };
+        let mut shared = self
+            .shared
+            .lock()
+            .expect("connections lock is never poisoned");
+        if shared
+            .as_ref()
+            .is_some_and(|s| Arc::ptr_eq(&s.refused, &h2.refused))
+        {
+            *shared = None;
+        }
+    }
+
+    fn usable(&self, h1: &Http1) -> bool {
+        h1.born.elapsed() < self.max_age && h1.idle_since.elapsed() < self.idle_timeout
+    }
+
+    fn takes_requests(&self, h2: &Http2) -> bool {
+        !h2.sender.is_closed()
+            && h2.born.elapsed() < self.max_age
+            && h2.idle_for() < self.idle_timeout
+    }
+}
+
+/// Closes idle connections past their idle timeout or age while no
+/// request comes to take them; ends with the sink.
+async fn reap(connections: Weak<Connections>) {
+    let period = match connections.upgrade() {
+        Some(c) => (c.idle_timeout.min(c.max_age) / 2).max(Duration::from_millis(100)),
+        None => return,
+    };
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(c) = connections.upgrade() else {
+            return;
+        };
+        let expired: Vec<Http1> = {
+            let mut idle = c.idle.lock().expect("connections lock is never poisoned");
+            let (keep, expired) = std::mem::take(&mut *idle)
+                .into_iter()
+                .partition(|h1| c.usable(h1));
+            *idle = keep;
+            expired
+        };
+        drop(expired);
+        let mut shared = c.shared.lock().expect("connections lock is never poisoned");
+        if shared.as_ref().is_some_and(|h2| !c.takes_requests(h2)) {
+            *shared = None;
+        }
+    }
+}
+
+impl Http1 {
+    /// Whether the connection is open and takes a request: drives it until
+    /// it is ready (it has finished the previous exchange) or closed.
+    async fn ready(&mut self) -> bool {
+        let Http1 { sender, driver, .. } = self;
+        poll_fn(|cx| {
+            if driver.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(false);
+            }
+            sender.poll_ready(cx).map(|r| r.is_ok())
+        })
+        .await
+    }
+}
+
+impl Conn {
+    /// Whether this is an HTTP/1.1 connection (the request then carries
+    /// `Host` and an origin-form target).
+    pub fn is_http1(&self) -> bool {
+        matches!(self, Conn::Http1(_))
+    }
+
+    /// Whether the connection was known to be live when a request met it
+    /// closed or refused: an HTTP/1.1 connection that had answered before,
+    /// or an HTTP/2 one (TLS and ALPN completed).
+    pub fn was_live(&self) -> bool {
+        match self {
+            Conn::Http1(h1) => h1.answered,
+            Conn::Http2(_) => true,
+        }
     }
 
     /// Marks the connection as having refused a request: `true` the first
     /// time only, so one connection is one event.
-    pub fn first_refusal(&self) -> bool {
-        !self.refused.swap(true, Ordering::Relaxed)
+    pub fn first_refusal(&mut self) -> bool {
+        match self {
+            Conn::Http1(h1) => !std::mem::replace(&mut h1.refused, true),
+            Conn::Http2(h2) => !h2.refused.swap(true, Ordering::Relaxed),
+        }
     }
 
-    /// A response came back on this connection.
-    pub fn mark_answered(&self) {
-        self.answered.store(true, Ordering::Relaxed);
-    }
-
-    /// Whether a response came back on this connection: an HTTP/1.1
-    /// connection then went back to the pool, and a request that finds it
-    /// closed met the server closing an idle connection, not refusing one.
-    pub fn has_answered(&self) -> bool {
-        self.answered.load(Ordering::Relaxed)
+    /// Sends `request` and reads the response, its body up to
+    /// `limit(status)` bytes. `Ok((exchange, reusable))`: reusable when the body was read
+    /// to its end (an HTTP/1.1 connection may then take the next request).
+    /// Errors: hyper's for the request or the response head; a body that
+    /// breaks after the head ends the read (the status stands).
+    pub async fn exchange(
+        &mut self,
+        request: Request<Body>,
+        limit: fn(u16) -> usize,
+    ) -> Result<(Exchange, bool), hyper::Error> {
+        match self {
+            Conn::Http2(h2) => {
+                let response = h2.sender.send_request(request).await?;
+                Ok(read(response, limit, &mut None).await)
+            }
+            Conn::Http1(h1) => {
+                let Http1 { sender, driver, .. } = h1;
+                let mut sending = std::pin::pin!(sender.send_request(request));
+                let mut open = true;
+                let response = poll_fn(|cx| {
+                    if open && driver.as_mut().poll(cx).is_ready() {
+                        open = false;
+                    }
+                    sending.as_mut().poll(cx)
+                })
+                .await?;
+                h1.answered = true;
+                let mut driving = open.then_some(h1.driver.as_mut());
+                let (exchange, to_end) = read(response, limit, &mut driving).await;
+                Ok((exchange, to_end && driving.is_some()))
+            }
+        }
     }
 }
 
-/// A connector that tags every connection `C` makes.
-#[derive(Clone, Debug)]
-pub struct Tagging<C>(pub C);
-
-/// A connection with its tag; reads and writes go straight through.
-#[derive(Debug)]
-pub struct Tagged<T> {
-    inner: T,
-    tag: ConnectionTag,
-}
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-impl<C> tower_service::Service<Uri> for Tagging<C>
-where
-    C: tower_service::Service<Uri> + Send + 'static,
-    C::Error: Into<BoxError>,
-    C::Future: Send + 'static,
-{
-    type Response = Tagged<C::Response>;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.0.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, dst: Uri) -> Self::Future {
-        let connecting = self.0.call(dst);
-        Box::pin(async move {
-            let inner = connecting.await.map_err(Into::into)?;
-            Ok(Tagged {
-                inner,
-                tag: ConnectionTag::default(),
-            })
+/// Reads `response`'s body up to `limit(status)` bytes, driving the HTTP/1.1
+/// connection (when given) meanwhile; `true` when it was read to its end.
+/// The driver is set to `None` if the connection closed.
+async fn read(
+    response: Response<Incoming>,
+    limit: fn(u16) -> usize,
+    driver: &mut Option<Pin<&mut http1::Connection<Stream, Body>>>,
+) -> (Exchange, bool) {
+    let (head, mut body) = response.into_parts();
+    let limit = limit(head.status.as_u16());
+    let mut bytes = Vec::new();
+    let mut to_end = false;
+    loop {
+        let frame = poll_fn(|cx| {
+            if let Some(d) = driver.as_mut()
+                && d.as_mut().poll(cx).is_ready()
+            {
+                *driver = None;
+            }
+            Pin::new(&mut body).poll_frame(cx)
         })
+        .await;
+        match frame {
+            Some(Ok(frame)) => {
+                if let Some(chunk) = frame.data_ref() {
+                    let room = limit.saturating_sub(bytes.len());
+                    bytes.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                    if bytes.len() >= limit {
+                        break;
+                    }
+                }
+            }
+            None => {
+                to_end = true;
+                break;
+            }
+            // The status arrived; a broken body does not change it.
+            Some(Err(_)) => break,
+        }
     }
-}
-
-impl<T: Connection> Connection for Tagged<T> {
-    fn connected(&self) -> Connected {
-        self.inner.connected().extra(self.tag.clone())
-    }
-}
-
-impl<T: Read + Unpin> Read for Tagged<T> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: ReadBufCursor<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl<T: Write + Unpin> Write for Tagged<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
+    (
+        Exchange {
+            head: Response::from_parts(head, ()),
+            body: bytes,
+        },
+        to_end,
+    )
 }

@@ -1,16 +1,15 @@
 //! The HTTP client that performs one delivery attempt.
 //!
-//! One pooled client per relay: hyper-util's legacy client (keep-alive
-//! pool, HTTP/1.1, HTTP/2 when a TLS sink offers it through ALPN) over
-//! rustls. A pooled connection idle for `--sink-idle-timeout` is closed,
-//! and none is reused past `--sink-connection-max-age`: the client (with
-//! its pool) is replaced by a new one once it is that old, so the next
-//! requests look the name up again and follow a DNS change; requests on the
-//! old connections finish there.
+//! One set of connections per sink ([`crate::sink::connection`]): the
+//! relay's own keep-alive HTTP/1.1 connections, each driven by the attempt
+//! that holds it, or one shared HTTP/2 connection when a TLS sink chooses
+//! `h2` by ALPN, over rustls. A connection idle for `--sink-idle-timeout`
+//! is closed, and none takes a request past `--sink-connection-max-age`,
+//! so the next connection looks the name up again and follows a DNS change.
 //!
-//! A request the sink never processed — canceled on a pooled connection
+//! A request the sink never processed — canceled on an idle connection
 //! that had closed, an HTTP/2 stream refused (`REFUSED_STREAM`) or above a
-//! GOAWAY's last stream id — is sent again at once on a new connection, once: it is a
+//! GOAWAY's last stream id — is sent again at once on another connection, once: it is a
 //! connection event, not a sink failure. Whatever the second try gives is
 //! the attempt's result (the breaker judges the second). A request canceled
 //! on a brand-new HTTP/1.1 connection is not sent again: a front that
@@ -36,22 +35,19 @@
 //! `docs/architecture.md#response-classes`); proxy environment
 //! variables are not read.
 
-use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
-use bytes::Bytes;
 use http::header::{AUTHORIZATION, CONTENT_TYPE, HOST, RETRY_AFTER, USER_AGENT};
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
-use http_body_util::{BodyExt, Full};
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
-use hyper_util::client::legacy::Client;
+use http_body_util::Full;
+use hyper_rustls::HttpsConnectorBuilder;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::outbox::OutboxEvent;
 use crate::sink::answers::ANSWERS_BYTES;
-use crate::sink::connection::{ConnectionTag, Tagging};
+use crate::sink::connection::Connections;
 use crate::sink::encoder::{self, Prepared};
 use crate::sink::signature::Signing;
 use crate::sink::{Sink, TraceHeaders};
@@ -95,20 +91,19 @@ pub enum SinkError {
 
 pub use super::attempt::{Attempt, EXCERPT_BYTES};
 
-type Connector = Tagging<HttpsConnector<HttpConnector>>;
-
-type Pool = Client<Connector, Full<Bytes>>;
-
 /// What every request reuses, built once.
 #[derive(Debug)]
 struct Target {
     url: url::Url,
+    /// The absolute URL without credentials or fragment: the target of
+    /// an HTTP/2 request (`:scheme`, `:authority`, `:path`).
     uri: Uri,
-    /// `Host` for a plain-HTTP sink, made once (the client would format it
-    /// for every request). `None` for HTTPS: a connection may speak HTTP/2
-    /// there (ALPN), which carries `:authority` instead, and some front
-    /// ends reset a stream that has both; the client adds it for HTTP/1.1.
-    host: Option<HeaderValue>,
+    /// Its path and query: the target of an HTTP/1.1 request (RFC 9112
+    /// §3.2.1, origin-form).
+    origin_form: Uri,
+    /// `Host` of an HTTP/1.1 request, made once. An HTTP/2 request carries
+    /// `:authority` instead (some front ends reset a stream that has both).
+    host: HeaderValue,
     authorization: Option<HeaderValue>,
     request_timeout: Duration,
     /// What the URL carries that must not be shown ([`url_secrets`]):
@@ -152,71 +147,10 @@ fn masked(text: String, secrets: &[String]) -> String {
         .fold(text, |t, s| t.replace(s.as_str(), "***"))
 }
 
-/// The pooled client and what it takes to make a new one.
-struct Clients {
-    connector: Connector,
-    idle_timeout: Duration,
-    max_age: Duration,
-    /// The client in use and when it was made.
-    current: RwLock<(Pool, Instant)>,
-}
-
-impl std::fmt::Debug for Clients {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Clients")
-            .field("idle_timeout", &self.idle_timeout)
-            .field("max_age", &self.max_age)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Clients {
-    fn new(connector: Connector, idle_timeout: Duration, max_age: Duration) -> Self {
-        let client = build_client(connector.clone(), idle_timeout);
-        Clients {
-            connector,
-            idle_timeout,
-            max_age,
-            current: RwLock::new((client, Instant::now())),
-        }
-    }
-
-    /// The client for the next request: a new one (an empty pool) once the
-    /// current one is `max_age` old. The old one lives on in the requests
-    /// that hold it, and its connections close when the last one ends.
-    fn get(&self) -> Pool {
-        {
-            let current = self.current.read().expect("client lock is never poisoned");
-            if current.1.elapsed() < self.max_age {
-                return current.0.clone();
-            }
-        }
-        let mut current = self.current.write().expect("client lock is never poisoned");
-        if current.1.elapsed() >= self.max_age {
-            *current = (
-                build_client(self.connector.clone(), self.idle_timeout),
-                Instant::now(),
-            );
-        }
-        current.0.clone()
-    }
-}
-
-fn build_client(connector: Connector, idle_timeout: Duration) -> Pool {
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(idle_timeout)
-        .pool_timer(TokioTimer::new())
-        .timer(TokioTimer::new())
-        // Our own single retry on a new connection replaces hyper-util's,
-        // which loops for as long as it finds closed pooled connections.
-        .retry_canceled_requests(false)
-        .build(connector)
-}
-
 /// The HTTP sink: shared by all deliveries; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct HttpSink {
-    clients: Arc<Clients>,
+    connections: Arc<Connections>,
     target: Arc<Target>,
     signing: Signing,
     metrics: Option<crate::metrics::Metrics>,
@@ -236,7 +170,6 @@ impl HttpSink {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(tcp);
-        let clients = Clients::new(Tagging(connector), cfg.idle_timeout, cfg.connection_max_age);
 
         let mut bare = cfg.url.clone();
         let mut basic_token = None;
@@ -262,13 +195,23 @@ impl HttpSink {
             .parse()
             .map_err(|e: http::uri::InvalidUri| SinkError::Client(format!("sink URL: {e}")))?;
         let host = host_header(&uri)?;
+        let origin_form = uri
+            .path_and_query()
+            .map_or_else(|| Uri::from_static("/"), |p| Uri::from(p.clone()));
+        let connections = Connections::new(
+            connector,
+            uri.clone(),
+            cfg.idle_timeout,
+            cfg.connection_max_age,
+        );
         Ok(HttpSink {
-            clients: Arc::new(clients),
+            connections: Arc::new(connections),
             metrics: None,
             target: Arc::new(Target {
                 secrets: url_secrets(&cfg.url, basic_token.as_deref()),
                 url: cfg.url,
                 uri,
+                origin_form,
                 host,
                 authorization,
                 request_timeout: cfg.request_timeout,
@@ -313,14 +256,18 @@ impl HttpSink {
         let timestamp = unix_seconds();
         let standard = signer.standard(&id, timestamp, &request.body);
         let key = HeaderValue::from_str(&id).expect("header_safe output is a valid header value");
-        let build = || {
+        let build = |http1: bool| {
             let mut req = Request::new(Full::new(request.body.clone()));
             *req.method_mut() = Method::POST;
-            *req.uri_mut() = self.target.uri.clone();
+            *req.uri_mut() = if http1 {
+                self.target.origin_form.clone()
+            } else {
+                self.target.uri.clone()
+            };
             let headers = req.headers_mut();
             headers.reserve(8);
-            if let Some(host) = &self.target.host {
-                headers.insert(HOST, host.clone());
+            if http1 {
+                headers.insert(HOST, self.target.host.clone());
             }
             headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
             if let Some(signature) = &legacy {
@@ -347,71 +294,54 @@ impl HttpSink {
             }
             req
         };
-        let resp = match self.clients.get().request(build()).await {
-            Ok(r) => r,
-            Err(e) if never_processed(&e) && met_a_live_connection(&e) => {
-                // Not a sink failure: the same request once more, at once,
-                // on a new connection (the one it met is not reused).
-                let connection = e.connect_info();
-                if let Some(connected) = connection {
-                    connected.poison();
-                }
-                if let Some(m) = &self.metrics {
-                    m.sink_fresh_connection_retries.inc();
-                    // One refusing connection is one event, however many
-                    // of its requests come back.
-                    let tag = connection.and_then(ConnectionTag::of);
-                    if tag.is_none_or(|t| t.first_refusal()) {
-                        m.sink_connection_events.inc();
+        let mut retried = false;
+        let exchange = loop {
+            let mut conn = match self.connections.checkout().await {
+                Ok(conn) => conn,
+                Err(e) => return connect_error(&*e),
+            };
+            match conn.exchange(build(conn.is_http1()), excerpt_limit).await {
+                Ok((exchange, to_end)) => {
+                    // Read to the end: the connection takes the next
+                    // request. Longer than the limit: it is dropped.
+                    if to_end {
+                        self.connections.checkin(conn);
                     }
+                    break exchange;
                 }
-                tracing::debug!(event_id = %id, error = %crate::error_chain(&e), "the sink did not process the request; sending it again on a new connection");
-                match self.clients.get().request(build()).await {
-                    Ok(r) => r,
-                    Err(e) => return request_error(&e),
+                Err(e) if !retried && never_processed(&e) && conn.was_live() => {
+                    // Not a sink failure: the same request once more, at
+                    // once, on another connection (this one is not reused).
+                    self.connections.discard(&conn);
+                    if let Some(m) = &self.metrics {
+                        m.sink_fresh_connection_retries.inc();
+                        // One refusing connection is one event, however
+                        // many of its requests come back.
+                        if conn.first_refusal() {
+                            m.sink_connection_events.inc();
+                        }
+                    }
+                    tracing::debug!(event_id = %id, error = %crate::error_chain(&e), "the sink did not process the request; sending it again on another connection");
+                    retried = true;
+                }
+                Err(e) => {
+                    self.connections.discard(&conn);
+                    return Attempt::Transport(crate::error_chain(&e));
                 }
             }
-            Err(e) => return request_error(&e),
         };
-        if let Some(tag) = resp.extensions().get::<ConnectionTag>() {
-            tag.mark_answered();
-        }
-        let status = resp.status().as_u16();
-        let retry_after = resp
+        let status = exchange.head.status().as_u16();
+        let retry_after = exchange
+            .head
             .headers()
             .get(RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| parse_retry_after(v, SystemTime::now()));
-        let mut body = resp.into_body();
-        let mut excerpt = Vec::new();
-        // A 207 may carry each event's answer: read all of it.
-        let limit = if status == 207 {
-            ANSWERS_BYTES
-        } else {
-            EXCERPT_BYTES
-        };
-        // Read to the end (the connection goes back to the pool) unless the
-        // body is longer than the limit: then the connection is dropped.
-        while let Some(frame) = body.frame().await {
-            match frame {
-                Ok(frame) => {
-                    if let Some(chunk) = frame.data_ref() {
-                        let room = limit.saturating_sub(excerpt.len());
-                        excerpt.extend_from_slice(&chunk[..chunk.len().min(room)]);
-                        if excerpt.len() >= limit {
-                            break;
-                        }
-                    }
-                }
-                // The status arrived; a broken body does not change it.
-                Err(_) => break,
-            }
-        }
         Attempt::Response {
             status,
             retry_after,
             excerpt: masked(
-                String::from_utf8_lossy(&excerpt).into_owned(),
+                String::from_utf8_lossy(&exchange.body).into_owned(),
                 &self.target.secrets,
             ),
         }
@@ -459,24 +389,23 @@ const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 const USER_AGENT_VALUE: &str = concat!("cdc-relay/", env!("CARGO_PKG_VERSION"));
 
-/// The `Host` header of requests to a plain-HTTP `uri` (always HTTP/1.1:
-/// the client is not made HTTP/2-only): its host, and its port when that
-/// is not 80 (RFC 9110 §7.2), as the client would write it. `None` for any
-/// other scheme (see `Target::host`).
-fn host_header(uri: &Uri) -> Result<Option<HeaderValue>, SinkError> {
-    if uri.scheme_str() != Some("http") {
-        return Ok(None);
-    }
+/// The `Host` header of HTTP/1.1 requests to `uri`: its host, and its
+/// port when that is not the scheme's default (80 for `http`, 443 for
+/// `https`; RFC 9110 §7.2).
+fn host_header(uri: &Uri) -> Result<HeaderValue, SinkError> {
     let host = uri
         .host()
         .ok_or_else(|| SinkError::Client("sink URL: no host".into()))?;
+    let default = if uri.scheme_str() == Some("https") {
+        443
+    } else {
+        80
+    };
     let value = match uri.port_u16() {
-        Some(port) if port != 80 => format!("{host}:{port}"),
+        Some(port) if port != default => format!("{host}:{port}"),
         _ => host.to_owned(),
     };
-    HeaderValue::from_str(&value)
-        .map(Some)
-        .map_err(|e| SinkError::Client(format!("sink URL's host: {e}")))
+    HeaderValue::from_str(&value).map_err(|e| SinkError::Client(format!("sink URL's host: {e}")))
 }
 
 /// `webhook-timestamp`: seconds since the Unix epoch, now.
@@ -492,27 +421,37 @@ fn percent_decode(s: &str) -> String {
         .into_owned()
 }
 
-fn request_error(e: &hyper_util::client::legacy::Error) -> Attempt {
-    if e.is_connect() {
-        if source_is_timeout(e) {
-            Attempt::Timeout
-        } else if source_is_tls(e) {
-            let chain = crate::error_chain(e);
-            // rustls's words for a first record that is no TLS record: an
-            // https:// URL reaching a plain-HTTP listener.
-            if chain.contains("InvalidContentType") {
-                Attempt::Tls(format!(
-                    "{chain} (the endpoint answered in plain text: it does not speak TLS on \
+/// How much of a response body is read: all of a 207's (it may carry each
+/// event's answer) up to [`ANSWERS_BYTES`], else an excerpt. A longer body
+/// is cut there and its connection dropped.
+fn excerpt_limit(status: u16) -> usize {
+    if status == 207 {
+        ANSWERS_BYTES
+    } else {
+        EXCERPT_BYTES
+    }
+}
+
+/// An attempt that got no connection: the connect timeout, a TLS failure
+/// (with a word for a plain-HTTP endpoint behind an `https` URL), or the
+/// connect error itself.
+fn connect_error(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Attempt {
+    if source_is_timeout(e) {
+        Attempt::Timeout
+    } else if source_is_tls(e) {
+        let chain = crate::error_chain(e);
+        // rustls's words for a first record that is no TLS record: an
+        // https:// URL reaching a plain-HTTP listener.
+        if chain.contains("InvalidContentType") {
+            Attempt::Tls(format!(
+                "{chain} (the endpoint answered in plain text: it does not speak TLS on \
                      that port; use http:// in the URL, or enable TLS on the endpoint)"
-                ))
-            } else {
-                Attempt::Tls(chain)
-            }
+            ))
         } else {
-            Attempt::Connect(crate::error_chain(e))
+            Attempt::Tls(chain)
         }
     } else {
-        Attempt::Transport(crate::error_chain(e))
+        Attempt::Connect(crate::error_chain(e))
     }
 }
 
@@ -523,7 +462,7 @@ fn request_error(e: &hyper_util::client::legacy::Error) -> Attempt {
 /// processed). A stream at or below that id cut by the connection closing
 /// may have been processed: h2 reports it as a broken pipe, a transport
 /// failure like any other.
-fn never_processed(e: &hyper_util::client::legacy::Error) -> bool {
+fn never_processed(e: &hyper::Error) -> bool {
     std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| {
         e.source()
     })
@@ -534,19 +473,6 @@ fn never_processed(e: &hyper_util::client::legacy::Error) -> bool {
         err.downcast_ref::<h2::Error>().is_some_and(|h| {
             h.reason() == Some(h2::Reason::REFUSED_STREAM) || (h.is_go_away() && h.is_remote())
         })
-    })
-}
-
-/// Whether the connection a never-processed request met was a live one:
-/// it had answered before (an HTTP/1.1 connection back from the pool that
-/// the server closed while idle), or speaks HTTP/2 (the server completed
-/// TLS and ALPN, then refused streams or drained). A request canceled on a
-/// brand-new HTTP/1.1 connection met a front that closes or resets new
-/// connections, which is a dead sink: a failure for the breaker, not a
-/// reason to send the request again at once.
-fn met_a_live_connection(e: &hyper_util::client::legacy::Error) -> bool {
-    e.connect_info().is_some_and(|c| {
-        c.is_negotiated_h2() || ConnectionTag::of(c).is_some_and(|t| t.has_answered())
     })
 }
 

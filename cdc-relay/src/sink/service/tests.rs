@@ -2,6 +2,7 @@
 //! credentials, statuses, excerpts, refused connections, timeouts, bad CA
 //! files.
 
+use bytes::Bytes;
 use event_secret::{CURRENT, EventKeys, Key};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -119,16 +120,16 @@ async fn posts_the_wire_headers_and_url_credentials_as_basic_auth() {
 }
 
 #[test]
-fn the_host_header_is_made_once_for_plain_http_only() {
-    let host = |url: &str| host_header(&url.parse().unwrap()).unwrap();
-    let value = |url: &str| host(url).expect("a Host header for http");
+fn the_host_header_names_a_port_that_is_not_the_schemes_default() {
+    let value = |url: &str| host_header(&url.parse().unwrap()).unwrap();
     assert_eq!(value("http://billing/inbox"), "billing");
     assert_eq!(value("http://billing:80/inbox"), "billing");
     assert_eq!(value("http://127.0.0.1:8080/inbox"), "127.0.0.1:8080");
     assert_eq!(value("http://[::1]:9000/inbox"), "[::1]:9000");
-    // HTTPS may be HTTP/2 (`:authority`): the client decides.
-    assert_eq!(host("https://billing/inbox"), None);
-    assert_eq!(host("https://billing:8443/inbox"), None);
+    assert_eq!(value("https://billing/inbox"), "billing");
+    assert_eq!(value("https://billing:443/inbox"), "billing");
+    assert_eq!(value("https://billing:8443/inbox"), "billing:8443");
+    assert_eq!(value("https://billing:80/inbox"), "billing:80");
 }
 
 #[tokio::test]
