@@ -22,7 +22,7 @@
 
 use std::future::{Future, poll_fn};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -57,6 +57,15 @@ pub struct Connections {
     idle: Mutex<Vec<Http1>>,
     /// The shared HTTP/2 connection, once the sink chose `h2`.
     shared: Mutex<Option<Http2>>,
+    /// Told when a connection goes idle, if anyone waits for one.
+    returned: tokio::sync::Notify,
+    /// How many checkouts wait for a new connection or a returned one.
+    waiting: AtomicUsize,
+    /// The sink chose `h2` on a connection: it speaks HTTP/2, and one
+    /// connection carries every request.
+    speaks_h2: AtomicBool,
+    /// An HTTP/2 connection is being made: others wait for it.
+    h2_connecting: AtomicBool,
     reaping: AtomicBool,
 }
 
@@ -130,15 +139,81 @@ impl Connections {
             max_age,
             idle: Mutex::new(Vec::new()),
             shared: Mutex::new(None),
+            returned: tokio::sync::Notify::new(),
+            waiting: AtomicUsize::new(0),
+            speaks_h2: AtomicBool::new(false),
+            h2_connecting: AtomicBool::new(false),
             reaping: AtomicBool::new(false),
         }
     }
 
     /// A connection for the next request: the shared HTTP/2 one, an idle
-    /// HTTP/1.1 one that is still open, young enough and not idle too long,
-    /// or a new one. Errors: the connector's (TCP connect, its timeout,
-    /// TLS) or the HTTP/2 handshake's.
-    pub async fn checkout(&self) -> Result<Conn, BoxError> {
+    /// HTTP/1.1 one that is open, ready, young enough and not idle too
+    /// long, or a new one. While a new one is being made, a connection
+    /// another request gives back first is taken instead (a sink slow to
+    /// accept, with a short listen queue, must not make each request wait
+    /// for its own connection); the new one then waits idle. To a sink
+    /// that speaks HTTP/2 one connection is made at a time, and every
+    /// request waits for it. Errors: the connector's (TCP connect, its
+    /// timeout, TLS) or the HTTP/2 handshake's.
+    pub async fn checkout(self: &Arc<Self>) -> Result<Conn, BoxError> {
+        if let Some(conn) = self.reuse() {
+            return Ok(conn);
+        }
+        let _waiting = Waiting::enter(&self.waiting);
+        let mut made = None;
+        loop {
+            let returned = self.returned.notified();
+            if let Some(conn) = self.reuse() {
+                return Ok(conn);
+            }
+            if made.is_none() {
+                let h2 = self.speaks_h2.load(Ordering::SeqCst);
+                if !h2 || !self.h2_connecting.swap(true, Ordering::SeqCst) {
+                    made = Some(self.spawn_connect(h2));
+                }
+            }
+            match made.as_mut() {
+                Some(made) => tokio::select! {
+                    result = made => {
+                        return result.unwrap_or_else(|_| Err("the connection task ended".into()));
+                    }
+                    () = returned => {}
+                },
+                None => returned.await,
+            }
+        }
+    }
+
+    /// Makes a connection in a task of its own: the checkout that asked
+    /// may take another meanwhile, and then the new one goes idle.
+    /// `owns_h2_flag`: this is the one HTTP/2 connection being made.
+    fn spawn_connect(
+        self: &Arc<Self>,
+        owns_h2_flag: bool,
+    ) -> tokio::sync::oneshot::Receiver<Result<Conn, BoxError>> {
+        let (made_tx, made) = tokio::sync::oneshot::channel();
+        let connections = Arc::clone(self);
+        tokio::spawn(async move {
+            let result = connections.connect().await;
+            if owns_h2_flag {
+                connections.h2_connecting.store(false, Ordering::SeqCst);
+            }
+            // Those waiting for the HTTP/2 connection try again if it failed.
+            connections.wake_waiting();
+            if let Err(Ok(conn)) = made_tx.send(result) {
+                connections.checkin(conn);
+            }
+        });
+        made
+    }
+
+    /// The shared HTTP/2 connection or an idle HTTP/1.1 one that takes a
+    /// request now, if there is one. An idle one that is closed, not
+    /// ready at once (still busy with an earlier exchange, e.g. a body
+    /// the sink answered before reading), too old or idle too long is
+    /// dropped.
+    fn reuse(&self) -> Option<Conn> {
         {
             let mut shared = self
                 .shared
@@ -147,7 +222,7 @@ impl Connections {
             if let Some(h2) = shared.as_ref() {
                 if self.takes_requests(h2) {
                     h2.touch();
-                    return Ok(Conn::Http2(h2.clone()));
+                    return Some(Conn::Http2(h2.clone()));
                 }
                 *shared = None;
             }
@@ -158,19 +233,19 @@ impl Connections {
                 .lock()
                 .expect("connections lock is never poisoned")
                 .pop();
-            let Some(mut h1) = popped else { break };
-            if self.usable(&h1) && h1.ready().await {
-                return Ok(Conn::Http1(h1));
+            let mut h1 = popped?;
+            if self.usable(&h1) && h1.ready_now() {
+                return Some(Conn::Http1(h1));
             }
         }
-        self.connect().await
     }
 
-    async fn connect(&self) -> Result<Conn, BoxError> {
+    async fn connect(self: &Arc<Self>) -> Result<Conn, BoxError> {
         let mut connector = self.connector.clone();
         poll_fn(|cx| connector.poll_ready(cx)).await?;
         let stream = connector.call(self.uri.clone()).await?;
         if stream.connected().is_negotiated_h2() {
+            self.speaks_h2.store(true, Ordering::SeqCst);
             let (sender, driver) = http2::Builder::new(TokioExecutor::new())
                 .timer(TokioTimer::new())
                 .handshake(stream)
@@ -188,6 +263,7 @@ impl Connections {
                 .shared
                 .lock()
                 .expect("connections lock is never poisoned") = Some(h2.clone());
+            self.start_reaper();
             Ok(Conn::Http2(h2))
         } else {
             let (sender, driver) = http1::handshake(stream).await?;
@@ -212,6 +288,11 @@ impl Connections {
             .lock()
             .expect("connections lock is never poisoned")
             .push(h1);
+        self.wake_waiting();
+        self.start_reaper();
+    }
+
+    fn start_reaper(self: &Arc<Self>) {
         if !self.reaping.swap(true, Ordering::Relaxed) {
             tokio::spawn(reap(Arc::downgrade(self)));
         }
@@ -234,6 +315,22 @@ impl Connections {
         }
     }
 
+    /// Tells the checkouts waiting for a connection that one is there.
+    fn wake_waiting(&self) {
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.returned.notify_waiters();
+        }
+    }
+
+    /// How many HTTP/1.1 connections wait idle.
+    #[cfg(test)]
+    pub fn idle_count(&self) -> usize {
+        self.idle
+            .lock()
+            .expect("connections lock is never poisoned")
+            .len()
+    }
+
     fn usable(&self, h1: &Http1) -> bool {
         h1.born.elapsed() < self.max_age && h1.idle_since.elapsed() < self.idle_timeout
     }
@@ -245,11 +342,35 @@ impl Connections {
     }
 }
 
-/// Closes idle connections past their idle timeout or age while no
-/// request comes to take them; ends with the sink.
+/// A checkout waiting for a connection, counted while it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn enter(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Waiting(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// How often the reaper looks at idle connections at most: a connection
+/// the sink closed while idle is closed on the relay's side within about
+/// this long (not left half-closed until the idle timeout).
+const REAP_PERIOD: Duration = Duration::from_secs(1);
+
+/// Closes idle connections that the sink closed, or that are past their
+/// idle timeout or age, while no request comes to take them; ends with
+/// the sink.
 async fn reap(connections: Weak<Connections>) {
     let period = match connections.upgrade() {
-        Some(c) => (c.idle_timeout.min(c.max_age) / 2).max(Duration::from_millis(100)),
+        Some(c) => {
+            (c.idle_timeout.min(c.max_age) / 2).clamp(Duration::from_millis(100), REAP_PERIOD)
+        }
         None => return,
     };
     let mut tick = tokio::time::interval(period);
@@ -261,10 +382,14 @@ async fn reap(connections: Weak<Connections>) {
         };
         let expired: Vec<Http1> = {
             let mut idle = c.idle.lock().expect("connections lock is never poisoned");
-            let (keep, expired) = std::mem::take(&mut *idle)
-                .into_iter()
-                .partition(|h1| c.usable(h1));
-            *idle = keep;
+            let mut expired = Vec::new();
+            for mut h1 in std::mem::take(&mut *idle) {
+                if c.usable(&h1) && h1.open() {
+                    idle.push(h1);
+                } else {
+                    expired.push(h1);
+                }
+            }
             expired
         };
         drop(expired);
@@ -276,17 +401,22 @@ async fn reap(connections: Weak<Connections>) {
 }
 
 impl Http1 {
-    /// Whether the connection is open and takes a request: drives it until
-    /// it is ready (it has finished the previous exchange) or closed.
-    async fn ready(&mut self) -> bool {
-        let Http1 { sender, driver, .. } = self;
-        poll_fn(|cx| {
-            if driver.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(false);
-            }
-            sender.poll_ready(cx).map(|r| r.is_ok())
-        })
-        .await
+    /// Whether the connection takes a request now: driven once (it reads
+    /// a close the sink sent meanwhile), it is open and ready for the next
+    /// request. Not waited for: one that is not ready at once is busy.
+    fn ready_now(&mut self) -> bool {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if self.driver.as_mut().poll(&mut cx).is_ready() {
+            return false;
+        }
+        matches!(self.sender.poll_ready(&mut cx), Poll::Ready(Ok(())))
+    }
+
+    /// Whether the idle connection is still open (the sink has not closed
+    /// it): driven once, without waiting.
+    fn open(&mut self) -> bool {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        self.driver.as_mut().poll(&mut cx).is_pending()
     }
 }
 
@@ -351,7 +481,12 @@ impl Conn {
     }
 }
 
-/// Reads `response`'s body up to `limit(status)` bytes, driving the HTTP/1.1
+/// How much of a response body past its excerpt is read, when it has
+/// arrived, to keep the connection: a longer one is cut and its connection
+/// dropped.
+const DRAIN_BYTES: usize = 64 * 1024;
+
+/// Reads `response`'s body, keeping `limit(status)` bytes of it, driving the HTTP/1.1
 /// connection (when given) meanwhile; `true` when it was read to its end.
 /// The driver is set to `None` if the connection closed.
 async fn read(
@@ -362,33 +497,43 @@ async fn read(
     let (head, mut body) = response.into_parts();
     let limit = limit(head.status.as_u16());
     let mut bytes = Vec::new();
+    let mut read = 0;
     let mut to_end = false;
     loop {
+        let full = bytes.len() >= limit;
         let frame = poll_fn(|cx| {
             if let Some(d) = driver.as_mut()
                 && d.as_mut().poll(cx).is_ready()
             {
                 *driver = None;
             }
-            Pin::new(&mut body).poll_frame(cx)
+            match Pin::new(&mut body).poll_frame(cx) {
+                // Past the limit, only what has arrived is read (to keep
+                // the connection): the answer is not waited for longer.
+                Poll::Pending if full => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(frame) => Poll::Ready(Some(frame)),
+            }
         })
         .await;
         match frame {
-            Some(Ok(frame)) => {
+            Some(Some(Ok(frame))) => {
                 if let Some(chunk) = frame.data_ref() {
+                    read += chunk.len();
                     let room = limit.saturating_sub(bytes.len());
                     bytes.extend_from_slice(&chunk[..chunk.len().min(room)]);
-                    if bytes.len() >= limit {
+                    if read > limit.max(DRAIN_BYTES) {
                         break;
                     }
                 }
             }
-            None => {
+            Some(None) => {
                 to_end = true;
                 break;
             }
-            // The status arrived; a broken body does not change it.
-            Some(Err(_)) => break,
+            // The status arrived; a broken body, or one that has not all
+            // arrived past the limit, does not change it.
+            Some(Some(Err(_))) | None => break,
         }
     }
     (

@@ -47,7 +47,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 
 use crate::outbox::OutboxEvent;
 use crate::sink::answers::ANSWERS_BYTES;
-use crate::sink::connection::Connections;
+use crate::sink::connection::{Conn, Connections};
 use crate::sink::encoder::{self, Prepared};
 use crate::sink::signature::Signing;
 use crate::sink::{Sink, TraceHeaders};
@@ -309,7 +309,11 @@ impl HttpSink {
                     }
                     break exchange;
                 }
-                Err(e) if !retried && never_processed(&e) && conn.was_live() => {
+                Err(e)
+                    if !retried
+                        && conn.was_live()
+                        && (never_processed(&e) || closed_under(&e, &conn)) =>
+                {
                     // Not a sink failure: the same request once more, at
                     // once, on another connection (this one is not reused).
                     self.connections.discard(&conn);
@@ -474,6 +478,31 @@ fn never_processed(e: &hyper::Error) -> bool {
             h.reason() == Some(h2::Reason::REFUSED_STREAM) || (h.is_go_away() && h.is_remote())
         })
     })
+}
+
+/// Whether an HTTP/1.1 connection that had answered before closed (or
+/// was reset) under the next request before any of its answer: the sink
+/// closed it while idle and the request met the close (a server that
+/// closes after each answer without `Connection: close`, or one whose
+/// idle timeout ran out as the request left). The request most likely
+/// never reached the application; if it did, sending it again is what
+/// at-least-once allows (the `Idempotency-Key` is the same).
+fn closed_under(e: &hyper::Error, conn: &Conn) -> bool {
+    conn.is_http1()
+        && (e.is_incomplete_message()
+            || std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| {
+                e.source()
+            })
+            .any(|err| {
+                err.downcast_ref::<std::io::Error>().is_some_and(|io| {
+                    matches!(
+                        io.kind(),
+                        std::io::ErrorKind::ConnectionReset
+                            | std::io::ErrorKind::ConnectionAborted
+                            | std::io::ErrorKind::BrokenPipe
+                    )
+                })
+            }))
 }
 
 /// A connect error whose cause is the TCP connect timeout.

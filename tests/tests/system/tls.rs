@@ -202,6 +202,65 @@ async fn http2_goaway_with_streams_in_flight_is_a_connection_event() -> anyhow::
     Ok(())
 }
 
+/// An HTTP/2 sink's one connection is closed by the relay once idle for
+/// `--sink-idle-timeout`, and once the relay knows the sink speaks h2 a
+/// burst waits for one new connection instead of each request opening its
+/// own. Fails without it: the idle connection stayed open (no reaper ran
+/// for HTTP/2), and bursts after an idle close opened one TLS connection
+/// per request in flight (193 for three bursts of 500 in a tester's run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_sink_gets_one_connection_per_burst_closed_when_idle() -> anyhow::Result<()> {
+    let pki = Pki::generate()?;
+    let stack = harness::PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = H2Sink::plain(&pki).await?;
+    let relay = app::start_relay(
+        &stack,
+        &sink.url,
+        &[
+            "--sink-ca-file",
+            path_str(&pki.ca)?,
+            "--sink-idle-timeout",
+            "1s",
+        ],
+    )
+    .await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    app::insert_order_event(&db).await?;
+    wait_until("the first event over h2", WAIT, || async {
+        sink.state().delivered.len() == 1
+    })
+    .await?;
+    wait_until(
+        "the idle h2 connection closed by the relay",
+        WAIT,
+        || async { sink.state().closed == 1 },
+    )
+    .await?;
+    let mut sql = String::from("BEGIN;");
+    for _ in 0..40 {
+        let (order, event) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+        sql.push_str(&format!(
+            "INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 1, 'EUR'); \
+             INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{event}', '{order}', \
+             'OrderCreated', '{{}}');"
+        ));
+    }
+    sql.push_str("COMMIT;");
+    db.batch_execute(&sql).await?;
+    wait_until("the burst delivered", WAIT, || async {
+        sink.state().delivered.len() == 41
+    })
+    .await?;
+    let state = sink.state();
+    assert_eq!(
+        state.connections, 2,
+        "one connection for the first event, one for the burst: {state:?}"
+    );
+    Ok(())
+}
+
 /// What the [`H2Sink`] saw.
 #[derive(Debug, Clone)]
 struct H2State {
@@ -215,6 +274,8 @@ struct H2State {
     goaway_at: Option<std::time::Instant>,
     /// When the last 204 went out.
     last_delivery: std::time::Instant,
+    /// Connections the relay closed (or that ended).
+    closed: usize,
 }
 
 /// An HTTP/2 inbox (h2 over tokio-rustls, ALPN `h2`). Its first connection
@@ -222,7 +283,7 @@ struct H2State {
 /// answers it 100 ms later) and refuses the others (`REFUSED_STREAM`);
 /// with three refused it drains like a server shutting down (GOAWAY, the
 /// taken stream finished, the connection closed). Every other connection
-/// answers 204.
+/// answers 204. [`H2Sink::plain`] answers 204 on every connection.
 struct H2Sink {
     url: String,
     state: std::sync::Arc<std::sync::Mutex<H2State>>,
@@ -237,6 +298,15 @@ impl Drop for H2Sink {
 
 impl H2Sink {
     async fn start(pki: &Pki) -> anyhow::Result<H2Sink> {
+        Self::start_with(pki, true).await
+    }
+
+    /// An HTTP/2 inbox that answers 204 on every connection.
+    async fn plain(pki: &Pki) -> anyhow::Result<H2Sink> {
+        Self::start_with(pki, false).await
+    }
+
+    async fn start_with(pki: &Pki, draining_first: bool) -> anyhow::Result<H2Sink> {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};
         let certs = CertificateDer::pem_file_iter(&pki.cert)?.collect::<Result<Vec<_>, _>>()?;
@@ -257,6 +327,7 @@ impl H2Sink {
             refused: 0,
             goaway_at: None,
             last_delivery: std::time::Instant::now(),
+            closed: 0,
         }));
         let shared = std::sync::Arc::clone(&state);
         let accept = tokio::spawn(async move {
@@ -267,9 +338,13 @@ impl H2Sink {
                 let first = {
                     let mut s = shared.lock().expect("h2 sink lock");
                     s.connections += 1;
-                    s.connections == 1
+                    s.connections == 1 && draining_first
                 };
-                tokio::spawn(serve_h2(tls, first, std::sync::Arc::clone(&shared)));
+                let state = std::sync::Arc::clone(&shared);
+                tokio::spawn(async move {
+                    serve_h2(tls, first, std::sync::Arc::clone(&state)).await;
+                    state.lock().expect("h2 sink lock").closed += 1;
+                });
             }
         });
         Ok(H2Sink {

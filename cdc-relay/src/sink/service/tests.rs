@@ -365,3 +365,248 @@ fn a_rustls_error_however_wrapped_is_tls_and_a_refusal_is_not() {
     let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
     assert!(!source_is_tls(&std::io::Error::other(refused)));
 }
+
+/// A sink slow to take new connections (its listen queue is full, so the
+/// kernel drops the SYNs of new ones): requests take the connection another
+/// request gives back instead of each waiting for its own. A Python
+/// `ThreadingHTTPServer` (a listen queue of 5) met by a burst of 64 is such
+/// a sink.
+///
+/// Fails without it: seven of the eight requests waited for a connection
+/// that never completed and timed out (sent again later: duplicates at
+/// the sink when a slow connect did complete).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_takes_a_connection_given_back_while_new_ones_cannot_connect() {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(1).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(2));
+    let first = tokio::spawn({
+        let s = s.clone();
+        async move { s.post("e", &prepared(&s), None).await }
+    });
+    // The one connection the server ever takes, served keep-alive.
+    let (sock, _) = listener.accept().await.unwrap();
+    tokio::spawn(serve_keep_alive(sock));
+    let got = first.await.unwrap();
+    assert!(
+        matches!(got, Attempt::Response { status: 204, .. }),
+        "{got:?}"
+    );
+    // Fill the listen queue: no further connection completes.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let connect = tokio::net::TcpStream::connect(addr);
+        if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_millis(200), connect).await {
+            held.push(c);
+        }
+    }
+    let posts: Vec<_> = (0..8)
+        .map(|_| {
+            let s = s.clone();
+            tokio::spawn(async move { s.post("e", &prepared(&s), None).await })
+        })
+        .collect();
+    for post in posts {
+        let got = post.await.unwrap();
+        assert!(
+            matches!(got, Attempt::Response { status: 204, .. }),
+            "{got:?}"
+        );
+    }
+}
+
+const NO_CONTENT: &[u8] = b"HTTP/1.1 204 No Content\r\n\r\n";
+
+/// Answers every request on `sock` with a 204, keeping the connection.
+async fn serve_keep_alive(sock: tokio::net::TcpStream) {
+    serve_answering(sock, NO_CONTENT).await;
+}
+
+/// Answers every request on `sock` with `answer`, keeping the connection.
+async fn serve_answering(mut sock: tokio::net::TcpStream, answer: &'static [u8]) {
+    use tokio::io::AsyncWriteExt;
+    let mut buf = Vec::new();
+    while read_request(&mut sock, &mut buf, true).await {
+        if sock.write_all(answer).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Reads one request off `sock` (its head, and its body when `body`);
+/// `false` when the connection ended first.
+async fn read_request(sock: &mut tokio::net::TcpStream, buf: &mut Vec<u8>, body: bool) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut chunk = [0u8; 8192];
+    let head_end = loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end;
+        }
+        match sock.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    if !body {
+        return true;
+    }
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse().unwrap());
+    let total = head_end + 4 + length;
+    while buf.len() < total {
+        match sock.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    buf.drain(..total);
+    true
+}
+
+/// A listener whose `n`th connection (from 1) `serve` is given; it counts
+/// the connections it accepted.
+async fn listener<F, Fut>(serve: F) -> (String, Arc<std::sync::atomic::AtomicUsize>)
+where
+    F: Fn(usize, tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let n = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            tokio::spawn(serve(n, sock));
+        }
+    });
+    (format!("http://{addr}/inbox"), accepted)
+}
+
+fn is_204(got: &Attempt) -> bool {
+    matches!(got, Attempt::Response { status: 204, .. })
+}
+
+/// A kept-alive connection that the sink closes under the next request
+/// (it answered once, then reads the next request and closes without an
+/// answer, as a server does that closes after each answer without saying
+/// `Connection: close`): the request is sent again at once on another
+/// connection, a connection event, not a failure for the breaker.
+///
+/// Fails without it: the second attempt was a transport failure
+/// ("connection closed before message completed"); a tester's sink of
+/// that kind opened the circuit 57 times in a backlog of 2,000.
+#[tokio::test]
+async fn a_request_meeting_the_close_of_a_kept_alive_connection_is_sent_again() {
+    let (url, accepted) = listener(|n, mut sock| async move {
+        if n > 1 {
+            return serve_keep_alive(sock).await;
+        }
+        use tokio::io::AsyncWriteExt;
+        let mut buf = Vec::new();
+        if read_request(&mut sock, &mut buf, true).await {
+            let _ = sock.write_all(NO_CONTENT).await;
+            // The next request is read and the connection closed.
+            read_request(&mut sock, &mut buf, false).await;
+        }
+    })
+    .await;
+    let s = sink(&url, Duration::from_secs(5));
+    for _ in 0..2 {
+        let got = s.post("e", &prepared(&s), None).await;
+        assert!(is_204(&got), "{got:?}");
+    }
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// A sink that answers before it has read the request's body (and then
+/// reads no more): the connection is still busy writing that body, so the
+/// next request takes a new connection instead of waiting for it.
+///
+/// Fails without it: the next attempt waited on the busy connection until
+/// its request timeout ("request timed out", though nothing was sent).
+#[tokio::test]
+async fn a_connection_still_writing_a_body_answered_early_takes_no_request() {
+    let (url, accepted) = listener(|n, mut sock| async move {
+        if n > 1 {
+            return serve_keep_alive(sock).await;
+        }
+        use tokio::io::AsyncWriteExt;
+        let mut buf = Vec::new();
+        if read_request(&mut sock, &mut buf, false).await {
+            let _ = sock.write_all(NO_CONTENT).await;
+            // Holds the connection, reading nothing more.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
+    })
+    .await;
+    let s = sink(&url, Duration::from_secs(2));
+    let big = Prepared::signed(Bytes::from(vec![b' '; 8 << 20]), s.signing().current());
+    let got = s.post("big", &big, None).await;
+    assert!(is_204(&got), "{got:?}");
+    let got = s.post("e", &prepared(&s), None).await;
+    assert!(is_204(&got), "{got:?}");
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// An answer with a body longer than the excerpt (a JSON acknowledgement)
+/// keeps its connection when the body has arrived: read, not kept.
+///
+/// Fails without it: every such answer cost a new connection (5 for 5).
+#[tokio::test]
+async fn an_answer_with_a_body_past_the_excerpt_keeps_its_connection() {
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{}",
+        "x".repeat(1000)
+    );
+    let answer: &'static [u8] = Box::leak(answer.into_bytes().into_boxed_slice());
+    let (url, accepted) = listener(move |_, sock| serve_answering(sock, answer)).await;
+    let s = sink(&url, Duration::from_secs(5));
+    for _ in 0..5 {
+        let got = s.post("e", &prepared(&s), None).await;
+        match got {
+            Attempt::Response {
+                status: 200,
+                excerpt,
+                ..
+            } => assert_eq!(excerpt.len(), EXCERPT_BYTES),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// An idle connection the sink closes is closed on the relay's side too
+/// within about a second (not left half-closed until the idle timeout).
+///
+/// Fails without it: it stayed in the idle stack for the reaper's period
+/// of 15 s (half the 30 s idle timeout).
+#[tokio::test]
+async fn an_idle_connection_the_sink_closes_is_dropped_within_a_second() {
+    let (url, _) = listener(|_, mut sock| async move {
+        use tokio::io::AsyncWriteExt;
+        let mut buf = Vec::new();
+        if read_request(&mut sock, &mut buf, true).await {
+            let _ = sock.write_all(NO_CONTENT).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let s = sink(&url, Duration::from_secs(5));
+    let got = s.post("e", &prepared(&s), None).await;
+    assert!(is_204(&got), "{got:?}");
+    assert_eq!(s.connections.idle_count(), 1);
+    let started = std::time::Instant::now();
+    while s.connections.idle_count() > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the closed connection is still idle after 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
