@@ -175,14 +175,16 @@ pub struct Metrics {
     /// Times a sink's `Retry-After` paused every delivery (a later pause
     /// that extends one counts again).
     pub sink_pauses: IntCounter,
-    /// Requests the sink never processed (an HTTP/2 stream refused or above
-    /// a GOAWAY's last stream, a request canceled on a pooled connection
-    /// that had closed) and that were sent again at once on a new
-    /// connection: at most once per attempt, and not sink failures.
+    /// Requests sent again at once on a new connection: the sink never
+    /// processed them (an HTTP/2 stream refused or above a GOAWAY's last
+    /// stream, a request canceled on an idle connection that had closed),
+    /// or a kept-alive connection closed under them before any answer. At
+    /// most once per attempt, and not sink failures.
     pub sink_fresh_connection_retries: IntCounter,
-    /// Connections that refused requests they never processed (an HTTP/2
-    /// GOAWAY or `REFUSED_STREAM`, a closed pooled connection): one per
-    /// connection, however many requests it refused.
+    /// Connections that refused requests (an HTTP/2 GOAWAY or
+    /// `REFUSED_STREAM`) or closed under them (an HTTP/1.1 connection that
+    /// had answered before): one per connection, however many requests it
+    /// refused.
     pub sink_connection_events: IntCounter,
     /// `cdc_relay_pruned_rows_total`: outbox rows deleted by the relay's
     /// opt-in pruning (`run --prune-older-than`).
@@ -502,12 +504,12 @@ impl Metrics {
             sink_fresh_connection_retries: counter(
                 &r,
                 "cdc_relay_sink_fresh_connection_retries_total",
-                "Requests the sink never processed (refused stream, GOAWAY, closed pooled connection) sent again at once on a new connection",
+                "Requests sent again at once on a new connection: the sink never processed them (refused stream, GOAWAY, an idle connection found closed) or a kept-alive connection closed under them before any answer",
             ),
             sink_connection_events: counter(
                 &r,
                 "cdc_relay_sink_connection_events_total",
-                "Sink connections that refused requests they never processed (GOAWAY, REFUSED_STREAM, closed while pooled), once per connection",
+                "Sink connections that refused requests (GOAWAY, REFUSED_STREAM) or closed under them (an HTTP/1.1 connection that had answered before), once per connection",
             ),
             pruned_rows: counter(
                 &r,

@@ -152,7 +152,7 @@ impl Connections {
     /// long, or a new one. While a new one is being made, a connection
     /// another request gives back first is taken instead (a sink slow to
     /// accept, with a short listen queue, must not make each request wait
-    /// for its own connection); the new one then waits idle. To a sink
+    /// for its own connection), and the new one is abandoned. To a sink
     /// that speaks HTTP/2 one connection is made at a time, and every
     /// request waits for it. Errors: the connector's (TCP connect, its
     /// timeout, TLS) or the HTTP/2 handshake's.
@@ -164,6 +164,10 @@ impl Connections {
         let mut made = None;
         loop {
             let returned = self.returned.notified();
+            // Taking a given-back connection ends our own attempt (the
+            // guard aborts it): a connection made for nobody would join
+            // the idle stack, and one the sink never accepted (its listen
+            // queue full) would take the next request into silence.
             if let Some(conn) = self.reuse() {
                 return Ok(conn);
             }
@@ -175,7 +179,7 @@ impl Connections {
             }
             match made.as_mut() {
                 Some(made) => tokio::select! {
-                    result = made => {
+                    result = &mut made.result => {
                         return result.unwrap_or_else(|_| Err("the connection task ended".into()));
                     }
                     () = returned => {}
@@ -185,27 +189,37 @@ impl Connections {
         }
     }
 
-    /// Makes a connection in a task of its own: the checkout that asked
-    /// may take another meanwhile, and then the new one goes idle.
+    /// A new connection for a request sent again because the connection
+    /// it met was closed under it: not an idle one, which may have been
+    /// closed the same way. To a sink that speaks HTTP/2, the one shared
+    /// connection (the refusing one was discarded).
+    pub async fn checkout_new(self: &Arc<Self>) -> Result<Conn, BoxError> {
+        if self.speaks_h2.load(Ordering::SeqCst) {
+            return self.checkout().await;
+        }
+        self.connect().await
+    }
+
+    /// Makes a connection in a task of its own, so that the checkout that
+    /// asked may take one given back meanwhile; dropping the handle (the
+    /// checkout took another, or was cancelled by its timeout) aborts it.
     /// `owns_h2_flag`: this is the one HTTP/2 connection being made.
-    fn spawn_connect(
-        self: &Arc<Self>,
-        owns_h2_flag: bool,
-    ) -> tokio::sync::oneshot::Receiver<Result<Conn, BoxError>> {
-        let (made_tx, made) = tokio::sync::oneshot::channel();
+    fn spawn_connect(self: &Arc<Self>, owns_h2_flag: bool) -> Connecting {
+        let (made_tx, result) = tokio::sync::oneshot::channel();
         let connections = Arc::clone(self);
-        tokio::spawn(async move {
-            let result = connections.connect().await;
-            if owns_h2_flag {
-                connections.h2_connecting.store(false, Ordering::SeqCst);
-            }
-            // Those waiting for the HTTP/2 connection try again if it failed.
-            connections.wake_waiting();
-            if let Err(Ok(conn)) = made_tx.send(result) {
-                connections.checkin(conn);
-            }
+        let task = tokio::spawn(async move {
+            // Runs when the attempt ends, made, failed or aborted: those
+            // waiting for the HTTP/2 connection try again if there is none.
+            let _done = Connected {
+                connections: Arc::clone(&connections),
+                owns_h2_flag,
+            };
+            let _ = made_tx.send(connections.connect().await);
         });
-        made
+        Connecting {
+            result,
+            task: task.abort_handle(),
+        }
     }
 
     /// The shared HTTP/2 connection or an idle HTTP/1.1 one that takes a
@@ -339,6 +353,37 @@ impl Connections {
         !h2.sender.is_closed()
             && h2.born.elapsed() < self.max_age
             && h2.idle_for() < self.idle_timeout
+    }
+}
+
+/// A connection being made for a checkout: its result, and the task that
+/// makes it, aborted when this is dropped.
+struct Connecting {
+    result: tokio::sync::oneshot::Receiver<Result<Conn, BoxError>>,
+    task: tokio::task::AbortHandle,
+}
+
+impl Drop for Connecting {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The end of a connection attempt, however it ended: the HTTP/2 flag it
+/// held is released and the waiting checkouts are told.
+struct Connected {
+    connections: Arc<Connections>,
+    owns_h2_flag: bool,
+}
+
+impl Drop for Connected {
+    fn drop(&mut self) {
+        if self.owns_h2_flag {
+            self.connections
+                .h2_connecting
+                .store(false, Ordering::SeqCst);
+        }
+        self.connections.wake_waiting();
     }
 }
 

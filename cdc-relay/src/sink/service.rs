@@ -296,7 +296,12 @@ impl HttpSink {
         };
         let mut retried = false;
         let exchange = loop {
-            let mut conn = match self.connections.checkout().await {
+            let conn = if retried {
+                self.connections.checkout_new().await
+            } else {
+                self.connections.checkout().await
+            };
+            let mut conn = match conn {
                 Ok(conn) => conn,
                 Err(e) => return connect_error(&*e),
             };

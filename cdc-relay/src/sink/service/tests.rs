@@ -374,14 +374,28 @@ fn a_rustls_error_however_wrapped_is_tls_and_a_refusal_is_not() {
 ///
 /// Fails without it: seven of the eight requests waited for a connection
 /// that never completed and timed out (sent again later: duplicates at
-/// the sink when a slow connect did complete).
+/// the sink when a slow connect did complete). And the attempts of those
+/// that took a connection given back must end: left running, they
+/// completed once the queue drained and joined the idle stack (8 where 1
+/// was needed; with syncookies, connections the sink never accepted,
+/// which then took requests into silence).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_takes_a_connection_given_back_while_new_ones_cannot_connect() {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let listener = socket.listen(1).unwrap();
     let addr = listener.local_addr().unwrap();
-    let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(2));
+    // A connect timeout past the kernel's SYN retries (1 s, 3 s).
+    let s = HttpSink::new(SinkConfig {
+        url: format!("http://{addr}/inbox").parse().unwrap(),
+        signing: Signing::new(signer(SignatureScheme::Both, KEY, None)),
+        connect_timeout: Duration::from_secs(10),
+        request_timeout: Duration::from_secs(2),
+        connection_max_age: Duration::from_secs(60),
+        idle_timeout: Duration::from_secs(30),
+        tls: Default::default(),
+    })
+    .unwrap();
     let first = tokio::spawn({
         let s = s.clone();
         async move { s.post("e", &prepared(&s), None).await }
@@ -415,6 +429,17 @@ async fn a_request_takes_a_connection_given_back_while_new_ones_cannot_connect()
             "{got:?}"
         );
     }
+    // The queue drains: a connection attempt still running would now
+    // complete (at the kernel's next SYN retry) and join the idle stack, a
+    // connection nobody asked for. None is left running.
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            tokio::spawn(serve_keep_alive(sock));
+        }
+    });
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(3500)).await; // the SYN retries' window is the subject
+    assert_eq!(s.connections.idle_count(), 1);
 }
 
 const NO_CONTENT: &[u8] = b"HTTP/1.1 204 No Content\r\n\r\n";
@@ -606,6 +631,89 @@ async fn an_idle_connection_the_sink_closes_is_dropped_within_a_second() {
         assert!(
             started.elapsed() < Duration::from_secs(5),
             "the closed connection is still idle after 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The connection a request was sent again on after a kept-alive
+/// connection closed under it is a new one, not another idle one that
+/// may have been closed the same way (two connections that each answered
+/// once and close at the next request).
+///
+/// Fails without it: the second try took the other stale connection and
+/// the attempt was a transport failure.
+#[tokio::test]
+async fn a_request_sent_again_goes_to_a_new_connection_not_another_idle_one() {
+    let (url, accepted) = listener(|n, mut sock| async move {
+        if n > 2 {
+            return serve_keep_alive(sock).await;
+        }
+        use tokio::io::AsyncWriteExt;
+        let mut buf = Vec::new();
+        if read_request(&mut sock, &mut buf, true).await {
+            // Slow enough that both first requests are in flight at once,
+            // each on its own connection.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let _ = sock.write_all(NO_CONTENT).await;
+            read_request(&mut sock, &mut buf, false).await;
+        }
+    })
+    .await;
+    let s = sink(&url, Duration::from_secs(5));
+    let request = prepared(&s);
+    let (a, b) = tokio::join!(s.post("a", &request, None), s.post("b", &request, None));
+    assert!(is_204(&a) && is_204(&b), "{a:?} {b:?}");
+    assert_eq!(s.connections.idle_count(), 2);
+    let got = s.post("c", &prepared(&s), None).await;
+    assert!(is_204(&got), "{got:?}");
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
+}
+
+/// An attempt that times out ends its connection attempt with it: an
+/// `https` sink behind a front that accepts TCP and never speaks TLS keeps
+/// no socket of the relay's once the attempt is over.
+///
+/// Fails without it: each timed-out attempt left its TLS handshake waiting
+/// in a task of its own, one held socket per attempt (and, for a sink that
+/// speaks HTTP/2, every later request waited for that one handshake).
+#[tokio::test]
+async fn an_attempt_that_times_out_ends_its_connection_attempt() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ended = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&ended);
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let count = Arc::clone(&count);
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt;
+                let mut buf = [0u8; 4096];
+                // The ClientHello is read and never answered; the read that
+                // returns 0 is the relay closing the socket.
+                while let Ok(n) = sock.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            });
+        }
+    });
+    let s = sink(
+        &format!("https://localhost:{}/inbox", addr.port()),
+        Duration::from_millis(300),
+    );
+    for _ in 0..3 {
+        let got = s.post("e", &prepared(&s), None).await;
+        assert_eq!(got, Attempt::Timeout);
+    }
+    let started = std::time::Instant::now();
+    while ended.load(std::sync::atomic::Ordering::SeqCst) < 3 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the relay still holds {} of its 3 handshakes after 5 s",
+            3 - ended.load(std::sync::atomic::Ordering::SeqCst)
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
