@@ -328,14 +328,16 @@ mod tests {
 
     #[test]
     fn a_root_with_a_key_webpki_cannot_use_is_no_root() {
-        let now = rustls::pki_types::UnixTime::now();
         let p521 = openssl_ca("ec", Some("ec_paramgen_curve:P-521"));
+        let ed448 = openssl_ca("ed448", None);
+        let p256 = openssl_ca("ec", Some("ec_paramgen_curve:P-256"));
+        // After the certificates are made: each is valid from the second it
+        // was made in (read before, `now` could precede it).
+        let now = rustls::pki_types::UnixTime::now();
         let why = super::unusable_as_root(&p521, now).expect("P-521 is no root here");
         assert!(why.contains("P-521"), "{why}");
-        let ed448 = openssl_ca("ed448", None);
         let why = super::unusable_as_root(&ed448, now).expect("Ed448 is no root here");
         assert!(why.contains("Ed448"), "{why}");
-        let p256 = openssl_ca("ec", Some("ec_paramgen_curve:P-256"));
         assert_eq!(super::unusable_as_root(&p256, now), None);
     }
 
