@@ -494,6 +494,22 @@ pub async fn insert_order_event(db: &tokio_postgres::Client) -> anyhow::Result<u
     Ok(event)
 }
 
+/// One transaction of `n` orders and their events, as SQL for
+/// `batch_execute`: the relay reads them together, all in flight at once.
+pub fn order_events_sql(n: usize) -> String {
+    let mut sql = String::from("BEGIN;");
+    for _ in 0..n {
+        let (order, event) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+        sql.push_str(&format!(
+            "INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 1, 'EUR'); \
+             INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{event}', '{order}', \
+             'OrderCreated', jsonb_build_object('order_id', '{order}'::uuid, 'amount_cents', 1, 'currency', 'EUR'));"
+        ));
+    }
+    sql.push_str("COMMIT;");
+    sql
+}
+
 /// [`insert_order_event`] with the event id chosen by the caller (to script
 /// a sink's answer for it before it is committed).
 pub async fn insert_order_event_with_id(

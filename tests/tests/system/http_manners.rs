@@ -84,7 +84,7 @@ async fn retry_after_pauses_every_request_to_the_sink_probes_included() -> anyho
     sink.set_status(503);
     sink.set_retry_after(Some(&date));
     let asked = sink.count();
-    s.db.batch_execute(&many_events(5)).await?;
+    s.db.batch_execute(&app::order_events_sql(5)).await?;
     wait_until("the batch answered with Retry-After", WAIT, || async {
         sink.count() > asked
     })
@@ -384,7 +384,7 @@ async fn a_relay_starting_or_taking_over_during_an_outage_sends_at_most_two_requ
     let db = stack.orders_admin().await?;
     let outage = |n: usize| {
         front.set_mode(Mode::Reset);
-        many_events(n)
+        app::order_events_sql(n)
     };
     let heal = |total: usize| {
         front.set_mode(Mode::Pass);
@@ -597,18 +597,4 @@ fn asked_once_each(received: &[harness::sink::Received], events: usize) -> Optio
         .iter()
         .position(|r| seen.insert(r.id()) && seen.len() == events)
         .map(|i| i + 1)
-}
-
-fn many_events(n: usize) -> String {
-    let mut sql = String::from("BEGIN;");
-    for _ in 0..n {
-        let (order, event) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
-        sql.push_str(&format!(
-            "INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 1, 'EUR'); \
-             INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{event}', '{order}', \
-             'OrderCreated', jsonb_build_object('order_id', '{order}'::uuid, 'amount_cents', 1, 'currency', 'EUR'));"
-        ));
-    }
-    sql.push_str("COMMIT;");
-    sql
 }

@@ -142,7 +142,7 @@ async fn http2_goaway_with_streams_in_flight_is_a_connection_event() -> anyhow::
     .await?;
     // Ten events of ten orders in one transaction: all in flight at once,
     // multiplexed on the one h2 connection.
-    insert_events_in_one_transaction(&db, 10).await?;
+    db.batch_execute(&app::order_events_sql(10)).await?;
     wait_until("the ten events delivered", WAIT, || async {
         sink.state().delivered.len() == 11
     })
@@ -228,7 +228,7 @@ async fn an_http2_sink_gets_one_connection_per_burst_closed_when_idle() -> anyho
         || async { sink.state().closed == 1 },
     )
     .await?;
-    insert_events_in_one_transaction(&db, 40).await?;
+    db.batch_execute(&app::order_events_sql(40)).await?;
     wait_until("the burst delivered", WAIT, || async {
         sink.state().delivered.len() == 41
     })
@@ -238,26 +238,6 @@ async fn an_http2_sink_gets_one_connection_per_burst_closed_when_idle() -> anyho
         state.connections, 2,
         "one connection for the first event, one for the burst: {state:?}"
     );
-    Ok(())
-}
-
-/// Commits `n` orders and their events in one transaction (all in flight
-/// at once when the relay reads it).
-async fn insert_events_in_one_transaction(
-    db: &tokio_postgres::Client,
-    n: usize,
-) -> anyhow::Result<()> {
-    let mut sql = String::from("BEGIN;");
-    for _ in 0..n {
-        let (order, event) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
-        sql.push_str(&format!(
-            "INSERT INTO orders (id, amount_cents, currency) VALUES ('{order}', 1, 'EUR'); \
-             INSERT INTO outbox (id, aggregate_id, event_type, payload) VALUES ('{event}', '{order}', \
-             'OrderCreated', '{{}}');"
-        ));
-    }
-    sql.push_str("COMMIT;");
-    db.batch_execute(&sql).await?;
     Ok(())
 }
 
