@@ -28,7 +28,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{Request, Response, Uri};
+use http::{Request, Response, StatusCode, Uri};
 use http_body_util::Full;
 use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::{http1, http2};
@@ -494,16 +494,20 @@ impl Conn {
     /// Sends `request` and reads the response, its body up to
     /// `limit(status)` bytes. `Ok((exchange, reusable))`: reusable when the body was read
     /// to its end (an HTTP/1.1 connection may then take the next request).
-    /// Errors: hyper's for the request or the response head; a body that
-    /// breaks after the head ends the read (the status stands).
+    /// `answered` is set to the status as soon as the head arrives (the
+    /// caller's timeout may end the body's read). Errors: hyper's for the
+    /// request or the response head; a body that breaks after the head ends
+    /// the read (the status stands).
     pub async fn exchange(
         &mut self,
         request: Request<Body>,
         limit: fn(u16) -> usize,
+        answered: &mut Option<StatusCode>,
     ) -> Result<(Exchange, bool), hyper::Error> {
         match self {
             Conn::Http2(h2) => {
                 let response = h2.sender.send_request(request).await?;
+                *answered = Some(response.status());
                 Ok(read(response, limit, &mut None).await)
             }
             Conn::Http1(h1) => {
@@ -518,6 +522,7 @@ impl Conn {
                 })
                 .await?;
                 h1.answered = true;
+                *answered = Some(response.status());
                 let mut driving = open.then_some(h1.driver.as_mut());
                 let (exchange, to_end) = read(response, limit, &mut driving).await;
                 Ok((exchange, to_end && driving.is_some()))

@@ -40,7 +40,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use http::header::{AUTHORIZATION, CONTENT_TYPE, HOST, RETRY_AFTER, USER_AGENT};
-use http::{HeaderName, HeaderValue, Method, Request, Uri};
+use http::{HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
 use http_body_util::Full;
 use hyper_rustls::HttpsConnectorBuilder;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -63,10 +63,12 @@ pub struct SinkConfig {
     /// TCP connect timeout.
     pub connect_timeout: Duration,
     /// Whole-attempt timeout: connect, TLS, send, and the response up to the
-    /// end of its body (or [`EXCERPT_BYTES`] of it).
+    /// end of its body (or [`EXCERPT_BYTES`] of it). A 2xx other than 207
+    /// whose body has not all arrived when it runs out is the sink's answer
+    /// all the same: only a 207's body carries the outcome.
     pub request_timeout: Duration,
-    /// Age after which a pooled connection takes no new request (the
-    /// client and its pool are replaced).
+    /// Age after which a connection takes no new request: it is closed
+    /// when its request ends (and an idle one when the reaper finds it).
     pub connection_max_age: Duration,
     /// Idle time after which a pooled connection is closed.
     pub idle_timeout: Duration,
@@ -248,6 +250,7 @@ impl HttpSink {
         event_id: &str,
         request: &Prepared,
         trace: Option<&TraceHeaders>,
+        answered: &mut Option<StatusCode>,
     ) -> Attempt {
         let id = encoder::header_safe(event_id);
         // One read per attempt: a reload during it changes the next one.
@@ -305,7 +308,10 @@ impl HttpSink {
                 Ok(conn) => conn,
                 Err(e) => return connect_error(&*e),
             };
-            match conn.exchange(build(conn.is_http1()), excerpt_limit).await {
+            match conn
+                .exchange(build(conn.is_http1()), excerpt_limit, answered)
+                .await
+            {
                 Ok((exchange, to_end)) => {
                     // Read to the end: the connection takes the next
                     // request. Longer than the limit: it is dropped.
@@ -377,10 +383,23 @@ impl Sink for HttpSink {
         trace: Option<&TraceHeaders>,
     ) -> Attempt {
         let timeout = self.target.request_timeout;
-        let attempt = self.attempt(event_id, request, trace);
+        let mut answered = None;
+        let attempt = self.attempt(event_id, request, trace, &mut answered);
         match tokio::time::timeout(timeout, attempt).await {
             Ok(attempt) => attempt,
-            Err(_) => Attempt::Timeout,
+            // The status line said 2xx and the body is late: the sink took
+            // the event, as when a 2xx's body is cut. A 207's body is its
+            // answer (per event), so a late one is no answer.
+            Err(_) => match answered {
+                Some(status) if status.is_success() && status != StatusCode::MULTI_STATUS => {
+                    Attempt::Response {
+                        status: status.as_u16(),
+                        retry_after: None,
+                        excerpt: String::new(),
+                    }
+                }
+                _ => Attempt::Timeout,
+            },
         }
     }
 }

@@ -356,3 +356,48 @@ async fn an_attempt_that_times_out_ends_its_connection_attempt() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A 2xx whose body stalls after its first bytes is the sink's answer:
+/// the event is delivered when the request timeout runs out (as when such
+/// a body is cut), not sent again. A 207's body is its per-event answer,
+/// so a stalled one is a timeout. Either way the connection is not reused.
+///
+/// Fails without it: the 200 came back as `Attempt::Timeout` (retried,
+/// while the same 200 with its body cut counted as delivered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_2xx_whose_body_stalls_is_delivered_and_a_207_is_a_timeout() {
+    for (status, want) in [("200 OK", Some(200)), ("207 Multi-Status", None)] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut sock, _)) = listener.accept().await {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut buf = vec![0u8; 64 * 1024];
+                let _ = sock.read(&mut buf).await;
+                let head = format!("HTTP/1.1 {status}\r\ncontent-length: 100\r\n\r\n0123456789");
+                sock.write_all(head.as_bytes()).await.unwrap();
+                held.push(sock);
+            }
+        });
+        let s = sink(&format!("http://{addr}/inbox"), Duration::from_millis(300));
+        for _ in 0..2 {
+            let got = s.post("e", &prepared(&s), None).await;
+            match want {
+                Some(code) => assert!(
+                    matches!(got, Attempt::Response { status, .. } if status == code),
+                    "{status}: {got:?}"
+                ),
+                None => assert_eq!(got, Attempt::Timeout, "{status}"),
+            }
+        }
+        assert_eq!(
+            accepted.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "{status}: a connection whose body never ended is not reused"
+        );
+    }
+}
