@@ -82,6 +82,14 @@ impl ServiceProcess {
     /// 127.0.0.1:0`) unless the command sets one: their fixed default
     /// would collide between tests running at once.
     pub fn from_command(mut command: Command) -> anyhow::Result<ServiceProcess> {
+        // A process group of its own: a paused (SIGSTOP) service whose
+        // group became orphaned (a bench or test started with nohup in the
+        // background, its launching shell gone) is sent SIGHUP and SIGCONT
+        // by the kernel when a process of that group exits (POSIX's rule
+        // for orphaned groups with stopped members): a frozen sink resumed
+        // within 2 s. Its own group has its parent, this process, outside
+        // it in the same session, so it is not orphaned while we live.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
         let program = Path::new(command.get_program()).to_path_buf();
         let name = program
             .file_name()

@@ -118,6 +118,17 @@ impl RecordingSink {
         kill(Pid::from_raw(pid), Signal::SIGSTOP).context("SIGSTOP to the sink")
     }
 
+    /// Whether the worker is still stopped (`T` in `/proc/<pid>/stat`):
+    /// a frozen run whose sink was resumed measured nothing.
+    pub(crate) fn frozen(&self) -> anyhow::Result<bool> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.process.pid()))?;
+        // pid (comm) state ...: the state follows the last ')'.
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next());
+        Ok(state == Some("T"))
+    }
+
     /// Events answered so far.
     pub(crate) async fn count(&self, http: &reqwest::Client) -> anyhow::Result<u64> {
         let text = http

@@ -222,6 +222,10 @@ async fn measure(ctx: &Ctx, stack: &Stack, run: Run) -> anyhow::Result<Outcome> 
     let (ids, achieved, errors) =
         post_at_rate(&ctx.http, &orders.url, ctx.cfg.iso_rate, window).await?;
     anyhow::ensure!(errors == 0, "{errors} orders failed");
+    anyhow::ensure!(
+        !run.frozen() || sinks[0].frozen()?,
+        "billing's sink was resumed during the window (SIGCONT from elsewhere): the run measured no freeze"
+    );
     let expected = (warm.len() + ids.len()) as u64;
     if let Err(err) = wait_counts(ctx, answering, expected, DRAIN_CAP).await {
         eprintln!("    {err:#}");
