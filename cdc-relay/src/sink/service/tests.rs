@@ -191,18 +191,12 @@ async fn refused_is_connect_and_silence_is_timeout() {
 /// closed before it could take the request.
 #[tokio::test]
 async fn a_front_resetting_every_new_connection_gets_one_per_attempt() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = Arc::clone(&accepted);
-    tokio::spawn(async move {
-        while let Ok((sock, _)) = listener.accept().await {
-            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            #[allow(deprecated)] // SO_LINGER 0: close with a reset
-            let _ = sock.set_linger(Some(Duration::ZERO));
-            drop(sock);
-        }
-    });
+    let (addr, accepted) = listener(|_, sock| async move {
+        #[allow(deprecated)] // SO_LINGER 0: close with a reset
+        let _ = sock.set_linger(Some(Duration::ZERO));
+        drop(sock);
+    })
+    .await;
     let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(5));
     for n in 1..=40 {
         let got = s.post("e", &prepared(&s), None).await;
@@ -364,6 +358,26 @@ fn a_rustls_error_however_wrapped_is_tls_and_a_refusal_is_not() {
     assert!(source_is_tls(&rustls::Error::General("x".into())));
     let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
     assert!(!source_is_tls(&std::io::Error::other(refused)));
+}
+
+/// A listener whose `n`th connection (from 1) `serve` is given; it counts
+/// the connections it accepted (each counted before it is served).
+async fn listener<F, Fut>(serve: F) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>)
+where
+    F: Fn(usize, tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let n = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            tokio::spawn(serve(n, sock));
+        }
+    });
+    (addr, accepted)
 }
 
 mod connections;

@@ -131,26 +131,6 @@ async fn read_request(sock: &mut tokio::net::TcpStream, buf: &mut Vec<u8>, body:
     true
 }
 
-/// A listener whose `n`th connection (from 1) `serve` is given; it counts
-/// the connections it accepted.
-async fn listener<F, Fut>(serve: F) -> (String, Arc<std::sync::atomic::AtomicUsize>)
-where
-    F: Fn(usize, tokio::net::TcpStream) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = Arc::clone(&accepted);
-    tokio::spawn(async move {
-        while let Ok((sock, _)) = listener.accept().await {
-            let n = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-            tokio::spawn(serve(n, sock));
-        }
-    });
-    (format!("http://{addr}/inbox"), accepted)
-}
-
 fn is_204(got: &Attempt) -> bool {
     matches!(got, Attempt::Response { status: 204, .. })
 }
@@ -166,7 +146,7 @@ fn is_204(got: &Attempt) -> bool {
 /// that kind opened the circuit 57 times in a backlog of 2,000.
 #[tokio::test]
 async fn a_request_meeting_the_close_of_a_kept_alive_connection_is_sent_again() {
-    let (url, accepted) = listener(|n, mut sock| async move {
+    let (addr, accepted) = listener(|n, mut sock| async move {
         if n > 1 {
             return serve_keep_alive(sock).await;
         }
@@ -179,7 +159,7 @@ async fn a_request_meeting_the_close_of_a_kept_alive_connection_is_sent_again() 
         }
     })
     .await;
-    let s = sink(&url, Duration::from_secs(5));
+    let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(5));
     for _ in 0..2 {
         let got = s.post("e", &prepared(&s), None).await;
         assert!(is_204(&got), "{got:?}");
@@ -195,7 +175,7 @@ async fn a_request_meeting_the_close_of_a_kept_alive_connection_is_sent_again() 
 /// its request timeout ("request timed out", though nothing was sent).
 #[tokio::test]
 async fn a_connection_still_writing_a_body_answered_early_takes_no_request() {
-    let (url, accepted) = listener(|n, mut sock| async move {
+    let (addr, accepted) = listener(|n, mut sock| async move {
         if n > 1 {
             return serve_keep_alive(sock).await;
         }
@@ -208,7 +188,7 @@ async fn a_connection_still_writing_a_body_answered_early_takes_no_request() {
         }
     })
     .await;
-    let s = sink(&url, Duration::from_secs(2));
+    let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(2));
     let big = Prepared::signed(Bytes::from(vec![b' '; 8 << 20]), s.signing().current());
     let got = s.post("big", &big, None).await;
     assert!(is_204(&got), "{got:?}");
@@ -228,8 +208,8 @@ async fn an_answer_with_a_body_past_the_excerpt_keeps_its_connection() {
         "x".repeat(1000)
     );
     let answer: &'static [u8] = Box::leak(answer.into_bytes().into_boxed_slice());
-    let (url, accepted) = listener(move |_, sock| serve_answering(sock, answer)).await;
-    let s = sink(&url, Duration::from_secs(5));
+    let (addr, accepted) = listener(move |_, sock| serve_answering(sock, answer)).await;
+    let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(5));
     for _ in 0..5 {
         let got = s.post("e", &prepared(&s), None).await;
         match got {
@@ -251,7 +231,7 @@ async fn an_answer_with_a_body_past_the_excerpt_keeps_its_connection() {
 /// of 15 s (half the 30 s idle timeout).
 #[tokio::test]
 async fn an_idle_connection_the_sink_closes_is_dropped_within_a_second() {
-    let (url, _) = listener(|_, mut sock| async move {
+    let (addr, _) = listener(|_, mut sock| async move {
         use tokio::io::AsyncWriteExt;
         let mut buf = Vec::new();
         if read_request(&mut sock, &mut buf, true).await {
@@ -260,7 +240,7 @@ async fn an_idle_connection_the_sink_closes_is_dropped_within_a_second() {
         }
     })
     .await;
-    let s = sink(&url, Duration::from_secs(5));
+    let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(5));
     let got = s.post("e", &prepared(&s), None).await;
     assert!(is_204(&got), "{got:?}");
     assert_eq!(s.connections.idle_count(), 1);
@@ -283,7 +263,7 @@ async fn an_idle_connection_the_sink_closes_is_dropped_within_a_second() {
 /// the attempt was a transport failure.
 #[tokio::test]
 async fn a_request_sent_again_goes_to_a_new_connection_not_another_idle_one() {
-    let (url, accepted) = listener(|n, mut sock| async move {
+    let (addr, accepted) = listener(|n, mut sock| async move {
         if n > 2 {
             return serve_keep_alive(sock).await;
         }
@@ -298,7 +278,7 @@ async fn a_request_sent_again_goes_to_a_new_connection_not_another_idle_one() {
         }
     })
     .await;
-    let s = sink(&url, Duration::from_secs(5));
+    let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(5));
     let request = prepared(&s);
     let (a, b) = tokio::join!(s.post("a", &request, None), s.post("b", &request, None));
     assert!(is_204(&a) && is_204(&b), "{a:?} {b:?}");
@@ -317,27 +297,24 @@ async fn a_request_sent_again_goes_to_a_new_connection_not_another_idle_one() {
 /// speaks HTTP/2, every later request waited for that one handshake).
 #[tokio::test]
 async fn an_attempt_that_times_out_ends_its_connection_attempt() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let ended = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let count = Arc::clone(&ended);
-    tokio::spawn(async move {
-        while let Ok((mut sock, _)) = listener.accept().await {
-            let count = Arc::clone(&count);
-            tokio::spawn(async move {
-                use tokio::io::AsyncReadExt;
-                let mut buf = [0u8; 4096];
-                // The ClientHello is read and never answered; the read that
-                // returns 0 is the relay closing the socket.
-                while let Ok(n) = sock.read(&mut buf).await {
-                    if n == 0 {
-                        break;
-                    }
+    let (addr, _) = listener(move |_, mut sock| {
+        let count = Arc::clone(&count);
+        async move {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 4096];
+            // The ClientHello is read and never answered; the read that
+            // returns 0 is the relay closing the socket.
+            while let Ok(n) = sock.read(&mut buf).await {
+                if n == 0 {
+                    break;
                 }
-                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            });
+            }
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
-    });
+    })
+    .await;
     let s = sink(
         &format!("https://localhost:{}/inbox", addr.port()),
         Duration::from_millis(300),
@@ -367,22 +344,17 @@ async fn an_attempt_that_times_out_ends_its_connection_attempt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_2xx_whose_body_stalls_is_delivered_and_a_207_is_a_timeout() {
     for (status, want) in [("200 OK", Some(200)), ("207 Multi-Status", None)] {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let count = Arc::clone(&accepted);
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((mut sock, _)) = listener.accept().await {
-                use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let mut buf = vec![0u8; 64 * 1024];
-                let _ = sock.read(&mut buf).await;
+        let (addr, accepted) = listener(move |_, mut sock| async move {
+            use tokio::io::AsyncWriteExt;
+            let mut buf = Vec::new();
+            if read_request(&mut sock, &mut buf, true).await {
                 let head = format!("HTTP/1.1 {status}\r\ncontent-length: 100\r\n\r\n0123456789");
-                sock.write_all(head.as_bytes()).await.unwrap();
-                held.push(sock);
+                let _ = sock.write_all(head.as_bytes()).await;
+                // Holds the connection, the rest of the body never sent.
+                tokio::time::sleep(Duration::from_secs(60)).await;
             }
-        });
+        })
+        .await;
         let s = sink(&format!("http://{addr}/inbox"), Duration::from_millis(300));
         for _ in 0..2 {
             let got = s.post("e", &prepared(&s), None).await;
