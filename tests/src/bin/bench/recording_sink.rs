@@ -118,15 +118,12 @@ impl RecordingSink {
         kill(Pid::from_raw(pid), Signal::SIGSTOP).context("SIGSTOP to the sink")
     }
 
-    /// Whether the worker is still stopped (`T` in `/proc/<pid>/stat`):
-    /// a frozen run whose sink was resumed measured nothing.
+    /// Whether the worker is still stopped (state `T` in `/proc/<pid>/stat`,
+    /// read as `harness::pg` reads a zombie): a frozen run whose sink was
+    /// resumed measured nothing.
     pub(crate) fn frozen(&self) -> anyhow::Result<bool> {
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.process.pid()))?;
-        // pid (comm) state ...: the state follows the last ')'.
-        let state = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next());
-        Ok(state == Some("T"))
+        Ok(stat.contains(") T "))
     }
 
     /// Events answered so far.
