@@ -104,9 +104,6 @@ ALTER TABLE cdc_relay_dead_letter ADD COLUMN IF NOT EXISTS endpoint text;
 -- continues the event's trace. Added after 0.2.0; re-runnable.
 ALTER TABLE cdc_relay_dead_letter ADD COLUMN IF NOT EXISTS trace_context text;
 
-CREATE INDEX IF NOT EXISTS cdc_relay_dead_letter_event_id_idx
-    ON cdc_relay_dead_letter (event_id);
-
 -- Who removed what from the dead-letter table, and when. A discard deletes
 -- the quarantined row, so `entry` keeps a copy of it (as JSON).
 CREATE TABLE IF NOT EXISTS cdc_relay_dead_letter_audit (
@@ -153,6 +150,13 @@ BEGIN
     END IF;
 END
 $$;
+
+-- The unique index leads with event_id, so it serves every lookup by event
+-- id; the plain index on event_id that earlier versions made only cost
+-- each dead-letter insert one more B-tree entry at a random place (and,
+-- after every checkpoint, a full-page image for each page first touched: a
+-- parked endpoint writes hundreds of rows a second). Re-runnable.
+DROP INDEX IF EXISTS cdc_relay_dead_letter_event_id_idx;
 
 -- Where each slot's relay got to, written by the relay itself at most every
 -- few seconds while it delivers (never while idle): the end LSN it confirmed,

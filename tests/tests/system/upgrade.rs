@@ -179,6 +179,37 @@ async fn sql_upgrades_in_place_from_the_previous_release_with_data() {
         .get(0);
     assert_eq!(kept, "0/16B3748");
 
+    // The plain event-id index of 0.1.0 is gone: the unique index on
+    // (event id, endpoint) serves a lookup by event id instead.
+    let plain: Option<String> = orders
+        .query_one(
+            "SELECT to_regclass('cdc_relay_dead_letter_event_id_idx')::text",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(plain, None, "the plain event-id index is dropped");
+    let plan: Vec<String> = orders
+        .simple_query(
+            "SET enable_seqscan = off; \
+             EXPLAIN SELECT id FROM cdc_relay_dead_letter WHERE event_id = 'e1'; \
+             RESET enable_seqscan",
+        )
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        plan.iter()
+            .any(|l| l.contains("cdc_relay_dead_letter_event_endpoint_key")),
+        "a lookup by event id uses the unique index: {plan:?}"
+    );
+
     // 0.2.0: a dead letter written by a backfill has no commit LSN.
     orders
         .batch_execute(
