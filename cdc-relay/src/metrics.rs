@@ -494,7 +494,7 @@ impl Metrics {
             dead_letters_waiting: gauge(
                 &r,
                 "cdc_relay_dead_letters_waiting",
-                "Rows in cdc_relay_dead_letter: events neither replayed nor discarded yet (counted by the slot monitor)",
+                "Rows in cdc_relay_dead_letter: events neither replayed nor discarded yet (read by the slot monitor: exact below 10000, PostgreSQL's live-row count above)",
             ),
             sink_pauses: counter(
                 &r,

@@ -157,7 +157,8 @@ fn slot_at_risk(s: &Status) -> Option<Problem> {
     })
 }
 
-/// Rows in `cdc_relay_dead_letter`; `None` when the table does not exist.
+/// Rows in `cdc_relay_dead_letter`, as the slot monitor counts them
+/// ([`catalog::dead_letters_waiting`]); `None` when the table does not exist.
 async fn dead_letters_waiting(client: &Client) -> Result<Option<i64>, SourceError> {
     let read = |e| SourceError::sql("counting the dead letters (cdc_relay_dead_letter)", &e);
     let exists: bool = client
@@ -173,7 +174,7 @@ async fn dead_letters_waiting(client: &Client) -> Result<Option<i64>, SourceErro
     }
     Ok(Some(
         client
-            .query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+            .query_one(&format!("SELECT {}", catalog::dead_letters_waiting()), &[])
             .await
             .map_err(read)?
             .get(0),

@@ -26,7 +26,10 @@ mod settings;
 mod slots;
 
 pub use membership::{Membership, membership, membership_problem};
-pub use monitor::{MonitorReading, dead_letter_table_exists, monitor_reading};
+pub use monitor::{
+    DEAD_LETTERS_COUNTED, MonitorReading, dead_letter_table_exists, dead_letters_waiting,
+    monitor_reading,
+};
 pub use outbox::{
     OutboxTable, check_outbox_table, check_stream_config, partition_root, payload_type_message,
     publication_warnings, relation_name, table_oid,

@@ -9,6 +9,30 @@ use super::membership::{MEMBERSHIP_SQL, Membership, membership_from_row};
 use super::slots::{INVALIDATION_REASON, REPLY_AGE, SlotInfo, WALSENDER, slot_from_row};
 use crate::outbox::TableName;
 
+/// Dead-letter rows counted one by one before [`dead_letters_waiting`]
+/// takes the statistics' count instead.
+pub const DEAD_LETTERS_COUNTED: i64 = 10_000;
+
+/// The rows of `cdc_relay_dead_letter`, as a scalar subquery (`bigint`),
+/// at a cost that does not grow with the table: counted exactly while
+/// fewer than [`DEAD_LETTERS_COUNTED`] (at most that many rows read); from
+/// there on, the larger of that figure and PostgreSQL's live-row count
+/// (`pg_stat_user_tables.n_live_tup`: rows inserted minus rows deleted, as
+/// they commit; an `ANALYZE` replaces it with its estimate, and it starts
+/// from zero after a crash or a statistics reset). A parked endpoint
+/// writes hundreds of rows a second and the slot monitor reads this every
+/// `--slot-stats-interval`: a plain `count(*)` would read the whole table
+/// each time.
+pub fn dead_letters_waiting() -> String {
+    format!(
+        "(SELECT CASE WHEN c.n < {DEAD_LETTERS_COUNTED} THEN c.n \
+           ELSE greatest(c.n, (SELECT n_live_tup FROM pg_stat_user_tables \
+                               WHERE relid = 'cdc_relay_dead_letter'::regclass)) END \
+         FROM (SELECT count(*) AS n \
+               FROM (SELECT FROM cdc_relay_dead_letter LIMIT {DEAD_LETTERS_COUNTED}) l) c)"
+    )
+}
+
 /// What the slot monitor reads every interval ([`monitor_reading`]).
 #[derive(Debug)]
 pub struct MonitorReading {
@@ -18,7 +42,8 @@ pub struct MonitorReading {
     pub membership: Membership,
     /// The other logical slots of this database, by name.
     pub others: Vec<String>,
-    /// The rows of `cdc_relay_dead_letter`; `None` when not counted.
+    /// The rows of `cdc_relay_dead_letter` ([`dead_letters_waiting`]);
+    /// `None` when not counted.
     pub dead_letters: Option<i64>,
     /// The server backend that answered (`pg_backend_pid()`): constant for
     /// a session of its own, so a change means the side connection goes
@@ -33,7 +58,7 @@ pub struct MonitorReading {
 ///
 /// The same statement lists the other logical slots of this database,
 /// names the backend that answered and, with `count_dead_letters`, counts
-/// the rows of `cdc_relay_dead_letter`. `row_filter` as for
+/// the rows of `cdc_relay_dead_letter` ([`dead_letters_waiting`]). `row_filter` as for
 /// [`membership`](super::membership()).
 pub async fn monitor_reading(
     client: &Client,
@@ -45,9 +70,9 @@ pub async fn monitor_reading(
     count_dead_letters: bool,
 ) -> Result<MonitorReading, SourceError> {
     let dead_letters = if count_dead_letters {
-        "(SELECT count(*) FROM cdc_relay_dead_letter)"
+        dead_letters_waiting()
     } else {
-        "NULL::bigint"
+        "NULL::bigint".to_owned()
     };
     let sql = format!(
         "WITH m AS ({MEMBERSHIP_SQL}) \
