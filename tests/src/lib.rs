@@ -66,6 +66,6 @@ pub mod wait;
 pub use pg::{ClusterOptions, PgCluster, StopMode};
 pub use process::ServiceProcess;
 pub use scenario::{Inbox, Scenario};
-pub use stack::{Stack, StackOptions, connect};
+pub use stack::{Stack, StackOptions, connect, first_column};
 pub use standby::{Standby, StandbyOptions};
 pub use wait::wait_until;

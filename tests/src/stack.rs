@@ -357,6 +357,23 @@ pub async fn connect(url: &str) -> anyhow::Result<Client> {
     Ok(client)
 }
 
+/// The first column of every row that `sql` returns, as text, in order:
+/// the statements run over the simple query protocol, so `sql` may hold
+/// several (`SET …; EXPLAIN …; RESET …`) and every result is text (an
+/// `EXPLAIN`'s lines, its JSON). A NULL is left out.
+pub async fn first_column(client: &Client, sql: &str) -> anyhow::Result<Vec<String>> {
+    Ok(client
+        .simple_query(sql)
+        .await
+        .with_context(|| format!("running {sql:?}"))?
+        .into_iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        })
+        .collect())
+}
+
 fn read_sql(file: &str) -> anyhow::Result<String> {
     let path = sql_dir().join(file);
     std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))

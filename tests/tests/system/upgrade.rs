@@ -190,20 +190,14 @@ async fn sql_upgrades_in_place_from_the_previous_release_with_data() {
         .unwrap()
         .get(0);
     assert_eq!(plain, None, "the plain event-id index is dropped");
-    let plan: Vec<String> = orders
-        .simple_query(
-            "SET enable_seqscan = off; \
-             EXPLAIN SELECT id FROM cdc_relay_dead_letter WHERE event_id = 'e1'; \
-             RESET enable_seqscan",
-        )
-        .await
-        .unwrap()
-        .into_iter()
-        .filter_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
-            _ => None,
-        })
-        .collect();
+    let plan = harness::first_column(
+        &orders,
+        "SET enable_seqscan = off; \
+         EXPLAIN SELECT id FROM cdc_relay_dead_letter WHERE event_id = 'e1'; \
+         RESET enable_seqscan",
+    )
+    .await
+    .unwrap();
     assert!(
         plan.iter()
             .any(|l| l.contains("cdc_relay_dead_letter_event_endpoint_key")),
