@@ -145,6 +145,10 @@ struct Parked {
     why: Option<String>,
     /// The most written in one second (by `quarantined_at`).
     busiest_second: Option<i64>,
+    /// Per statement that wrote them: its start (`quarantined_at`, the
+    /// statement's `now()`) and commit (`pg_xact_commit_timestamp`), Unix
+    /// µs, and its rows; in start order.
+    statements: Vec<(i64, i64, i64)>,
 }
 
 pub(crate) async fn isolation(ctx: &mut Ctx, run: u32) -> anyhow::Result<()> {
@@ -371,17 +375,35 @@ async fn parked(db: &Client) -> anyhow::Result<Parked> {
         )
         .await
         .context("counting billing's parked dead letters")?;
+    let statements = db
+        .query(
+            "SELECT floor(extract(epoch FROM quarantined_at) * 1e6)::int8,
+                    floor(extract(epoch FROM pg_xact_commit_timestamp(xmin)) * 1e6)::int8,
+                    count(*)
+             FROM cdc_relay_dead_letter
+             WHERE endpoint = 'billing' AND error LIKE 'parked:%'
+             GROUP BY 1, 2 ORDER BY 1",
+            &[],
+        )
+        .await
+        .context("reading the parked dead letters' statements")?
+        .iter()
+        .map(|r| (r.get(0), r.get::<_, Option<i64>>(1).unwrap_or(0), r.get(2)))
+        .collect();
     Ok(Parked {
         count: row.get::<_, i64>(0) as u64,
         first: row.get(1),
         why: row.get(2),
         busiest_second: row.get(3),
+        statements,
     })
 }
 
 /// `--iso-raw DIR`: each answering endpoint's latencies (`<tag>-<endpoint>.tsv`:
-/// commit time in seconds from the freeze, ms) and the readings
-/// (`<tag>-readings.tsv`), for a closer look than the figures give.
+/// commit time in seconds from the freeze, ms), the readings
+/// (`<tag>-readings.tsv`) and, in a frozen run, the statements that wrote
+/// billing's parked rows (`<tag>-parked.tsv`: start and commit in seconds
+/// from the freeze, rows), for a closer look than the figures give.
 fn write_raw(dir: &Path, tag: &str, o: &Outcome) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     for (endpoint, lat) in ENDPOINTS.iter().zip(&o.latency) {
@@ -404,6 +426,14 @@ fn write_raw(dir: &Path, tag: &str, o: &Outcome) -> anyhow::Result<()> {
         ));
     }
     std::fs::write(dir.join(format!("{tag}-readings.tsv")), text)?;
+    if !o.parked.statements.is_empty() {
+        let s = |us: i64| (us - o.freeze_at) as f64 / 1e6;
+        let mut text = String::from("start_s\tcommit_s\trows\n");
+        for (start, commit, rows) in &o.parked.statements {
+            text.push_str(&format!("{:.6}\t{:.6}\t{rows}\n", s(*start), s(*commit)));
+        }
+        std::fs::write(dir.join(format!("{tag}-parked.tsv")), text)?;
+    }
     Ok(())
 }
 
