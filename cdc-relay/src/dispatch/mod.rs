@@ -174,14 +174,23 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
     }
     scheduler.drain(dead_letter_lane, true);
     loop {
+        // A round hands at most PER_ROUND jobs to the writer: the moment
+        // an endpoint is parked its whole backlog (thousands of events)
+        // is ready to go, and the other lanes' events and answers wait
+        // only for one round of it, not for all (the rest go in the next
+        // rounds, in the same order).
+        let mut handed_off = 0;
         if !stopping.is_cancelled() {
             for (i, lane) in lanes.iter().enumerate() {
                 scheduler.drain(i, lane.park.is_parked());
             }
             for i in 0..=dead_letter_lane {
                 if scheduler.is_draining(i) {
-                    while let Some((ticket, job)) = scheduler.hand_off(i) {
+                    while handed_off < PER_ROUND
+                        && let Some((ticket, job)) = scheduler.hand_off(i)
+                    {
                         writes.push(write(&lanes, &pipeline, ticket, job));
+                        handed_off += 1;
                     }
                 }
             }
@@ -264,6 +273,9 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
                 resumes.ended(lane);
                 r?;
             }
+            // More to hand off: the next round, after whatever else is
+            // ready now.
+            _ = tokio::task::yield_now(), if handed_off == PER_ROUND => {}
             // Stopping: wake up to stop starting and to see whether the
             // attempts on the wire are all done.
             _ = stopping.cancelled(), if !stopping.is_cancelled() => {}
@@ -285,9 +297,10 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
     }
 }
 
-/// Items, or finished deliveries, taken in one round of [`run`]'s loop at
-/// most: enough to share the round's bookkeeping, few enough that the
-/// other side (answers, or new items) waits a bounded time.
+/// Items, finished deliveries, or jobs handed to the dead-letter writer,
+/// taken in one round of [`run`]'s loop at most: enough to share the
+/// round's bookkeeping, few enough that the other side (answers, or new
+/// items) waits a bounded time.
 const PER_ROUND: usize = 64;
 
 /// Books a delivery's end: its job done, handed to the dead-letter

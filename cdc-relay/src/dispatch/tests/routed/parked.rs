@@ -190,6 +190,80 @@ async fn an_endpoint_started_parked_is_never_tried() {
     );
 }
 
+/// The moment an endpoint is parked, its backlog goes to the dead-letter
+/// writer a round at a time ([`PER_ROUND`] jobs), the dispatcher yielding
+/// between rounds, so the other lanes' events and answers wait for one
+/// round, not for the whole backlog. Seen from a task that runs between
+/// the dispatcher's polls (time is paused and stands still meanwhile):
+/// the rows queued for the writer grow a round at a time, and every event
+/// is parked once.
+///
+/// Broken on purpose once: with the whole backlog handed off in one round
+/// (no bound), the task saw the 1,996 queued events arrive in one step.
+#[tokio::test(start_paused = true)]
+async fn a_parked_endpoints_backlog_goes_to_the_writer_a_round_at_a_time() {
+    const N: usize = 2_000;
+    let a = ScriptedSink::new(|_, _| (Duration::from_secs(3600), 503));
+    let b = ScriptedSink::new(|_, _| (Duration::from_millis(1), 204));
+    let park = park::Park::default();
+    let mut r = Routed::start_parked(
+        vec![
+            ("a", Arc::clone(&a), vec!["*"]),
+            ("b", Arc::clone(&b), vec!["*"]),
+        ],
+        Unrouted::DeadLetter,
+        &[],
+        None,
+        vec![park.clone(), park::Park::default()],
+        false,
+    );
+    r.tx((0..N).map(|i| typed(&format!("e{i}"), "T", None)).collect())
+        .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(ids(&b, 204).len(), N, "b took every event");
+    assert!(r.store.0.lock().unwrap().is_empty(), "a holds its backlog");
+
+    let store = Arc::clone(&r.store);
+    let watcher = tokio::spawn(async move {
+        let mut seen = vec![0];
+        // Bounded, should the rows never all come: the assertions say so.
+        for _ in 0..100_000 {
+            let n = store.0.lock().unwrap().len();
+            if n != seen[seen.len() - 1] {
+                seen.push(n);
+            }
+            if n >= N {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        seen
+    });
+    assert!(park.throw("parked by the test".into()));
+    let seen = watcher.await.unwrap();
+    assert_eq!(
+        seen.last(),
+        Some(&N),
+        "every event queued for the writer: {seen:?}"
+    );
+    let largest = seen.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    // Between two looks the dispatcher may run a couple of hand-off
+    // rounds, and a round for the answers of the attempts the parking
+    // stopped (196 rows at most, seen in twenty runs).
+    assert!(
+        largest <= 4 * PER_ROUND,
+        "at most a few rounds between two looks, {largest} rows at once: {seen:?}"
+    );
+
+    let (last, rows, _) = r.finish().await;
+    assert_eq!(last, Lsn::new(100), "every event done");
+    let mut parked = rows_at(&rows, "a");
+    parked.sort();
+    let mut want: Vec<String> = (0..N).map(|i| format!("e{i}")).collect();
+    want.sort();
+    assert_eq!(parked, want, "each event parked once");
+}
+
 /// A parked endpoint's events hold their room in the window until their
 /// rows are committed: with the writer unable to write, the window fills
 /// with them and the source waits (the events stay pending, in bounded
