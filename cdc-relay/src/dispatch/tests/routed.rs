@@ -72,6 +72,28 @@ impl Routed {
         )
     }
 
+    /// Endpoints `a` and `b`, each taking every event type, `a` behind
+    /// the parking switch `park_a` (b has its own), no `max_lag`, no WAL
+    /// budget; `auto_resume` as in [`Self::start_parked`].
+    fn a_and_b(
+        a: &Arc<ScriptedSink>,
+        b: &Arc<ScriptedSink>,
+        park_a: park::Park,
+        auto_resume: bool,
+    ) -> Self {
+        Self::start_parked(
+            vec![
+                ("a", Arc::clone(a), vec!["*"]),
+                ("b", Arc::clone(b), vec!["*"]),
+            ],
+            Unrouted::DeadLetter,
+            &[],
+            None,
+            vec![park_a, park::Park::default()],
+            auto_resume,
+        )
+    }
+
     /// As [`Self::start_parked`], events admitted through `window`.
     fn start_windowed(
         lanes: Vec<(&str, Arc<ScriptedSink>, Vec<&str>)>,

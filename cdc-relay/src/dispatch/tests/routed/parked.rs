@@ -158,17 +158,7 @@ async fn an_endpoint_started_parked_is_never_tried() {
     let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
     let parked = park::Park::default();
     parked.throw("its earlier parked events wait in the dead-letter table".into());
-    let mut r = Routed::start_parked(
-        vec![
-            ("a", Arc::clone(&a), vec!["*"]),
-            ("b", Arc::clone(&b), vec!["*"]),
-        ],
-        Unrouted::DeadLetter,
-        &[],
-        None,
-        vec![parked, park::Park::default()],
-        false,
-    );
+    let mut r = Routed::a_and_b(&a, &b, parked, false);
     r.tx(vec![
         typed("e1", "T", Some("k")),
         typed("e2", "T", Some("k")),
@@ -206,17 +196,7 @@ async fn a_parked_endpoints_backlog_goes_to_the_writer_a_round_at_a_time() {
     let a = ScriptedSink::new(|_, _| (Duration::from_secs(3600), 503));
     let b = ScriptedSink::new(|_, _| (Duration::from_millis(1), 204));
     let park = park::Park::default();
-    let mut r = Routed::start_parked(
-        vec![
-            ("a", Arc::clone(&a), vec!["*"]),
-            ("b", Arc::clone(&b), vec!["*"]),
-        ],
-        Unrouted::DeadLetter,
-        &[],
-        None,
-        vec![park.clone(), park::Park::default()],
-        false,
-    );
+    let mut r = Routed::a_and_b(&a, &b, park.clone(), false);
     r.tx((0..N).map(|i| typed(&format!("e{i}"), "T", None)).collect())
         .await;
     tokio::time::sleep(Duration::from_secs(5)).await;

@@ -233,17 +233,7 @@ async fn an_endpoint_started_parked_with_nothing_left_goes_live() {
     let b = ScriptedSink::new(|_, _| (Duration::from_millis(5), 204));
     let parked = park::Park::default();
     parked.throw("its earlier parked events wait in the dead-letter table".into());
-    let mut r = Routed::start_parked(
-        vec![
-            ("a", Arc::clone(&a), vec!["*"]),
-            ("b", Arc::clone(&b), vec!["*"]),
-        ],
-        Unrouted::DeadLetter,
-        &[],
-        None,
-        vec![parked.clone(), park::Park::default()],
-        true,
-    );
+    let mut r = Routed::a_and_b(&a, &b, parked.clone(), true);
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(!parked.is_parked(), "live again");
     r.tx(vec![event_n(0), event_n(1)]).await;
