@@ -26,7 +26,8 @@
 //! | `shards/` | hash-sharded slots (issue 16): `setup`/`status`/`run --shards`, shards spread over relays with a spare taking over (`mod.rs`); the coverage proof refusing a split that loses or doubles rows (`coverage.rs`); resharding under load through `--stop-at-lsn`, and two splits never streaming at once (`resharding.rs`) |
 //! | `infra_faults.rs` | PostgreSQL or the network misbehaves: walsender killed, restarts, link faults (and `/readyz` on a silent stream), standby takeover, invalidated slot, reconnects |
 //! | `redaction.rs` | secrets in URLs (a sink's `user:password@`, a `?token=`) on every output surface: logs, admin endpoint, `status`, `routes check`, refusals, rows, `application_name` |
-//! | `observability.rs` | what an operator watches: `/metrics` (gauges against the real state, read at a bounded cost), `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
+//! | `observability.rs` | what an operator watches: `/metrics` (gauges against the real state), `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
+//! | `slot_monitor.rs` | what the slot monitor reads every interval, at a cost that does not grow with the tables it describes |
 //! | `tls.rs` | TLS to PostgreSQL and to the sink |
 //! | `clock.rs` | the relay's clock stepped against the database's (libfaketime): the skew measured and named, latency on the server's clock, Billing's 401 named as the clock |
 //! | `standby.rs` | what failover tests stand on: the server's library path, `PgCluster::kill`, a streaming standby, promotion, failover-slot sync (17+) |
@@ -86,6 +87,7 @@ mod shards;
 mod signatures;
 mod sink_failures;
 mod slot_creation;
+mod slot_monitor;
 mod slot_persistence;
 mod standby;
 mod stream;
