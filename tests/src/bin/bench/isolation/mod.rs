@@ -388,7 +388,9 @@ async fn parked(db: &Client) -> anyhow::Result<Parked> {
         .await
         .context("reading the parked dead letters' statements")?
         .iter()
-        .map(|r| (r.get(0), r.get::<_, Option<i64>>(1).unwrap_or(0), r.get(2)))
+        // A row without a commit timestamp (committed before
+        // track_commit_timestamp was on) has no place in the timeline.
+        .filter_map(|r| Some((r.get(0), r.get::<_, Option<i64>>(1)?, r.get(2))))
         .collect();
     Ok(Parked {
         count: row.get::<_, i64>(0) as u64,
