@@ -187,6 +187,9 @@ struct Rejection {
 #[derive(Default)]
 struct Script {
     status: AtomicU16,
+    /// Status for a request carrying several events (an array body of two
+    /// or more); 0: as for any other request.
+    batch_status: AtomicU16,
     delay_ms: AtomicU64,
     received: Mutex<Vec<Received>>,
     /// Requests being handled now.
@@ -252,6 +255,15 @@ impl ScriptedSink {
     /// Answer every following request with `status`.
     pub fn set_status(&self, status: u16) {
         self.script.status.store(status, Ordering::SeqCst);
+    }
+
+    /// Answer `status` to every following request that carries several
+    /// events (a batch of two or more) and has no per-event rejection;
+    /// `None`: batches are answered as any other request.
+    pub fn set_batch_status(&self, status: Option<u16>) {
+        self.script
+            .batch_status
+            .store(status.unwrap_or(0), Ordering::SeqCst);
     }
 
     /// Wait `delay` before answering each following request.
@@ -425,6 +437,10 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> (u16, Byt
         Ok(one) => one["id"].as_str().map(str::to_owned).into_iter().collect(),
         Err(_) => Vec::new(),
     };
+    let batch_status = match script.batch_status.load(Ordering::SeqCst) {
+        0 => None,
+        status => (ids.len() > 1).then_some(status),
+    };
     let rejected = ids.into_iter().find_map(|id| {
         let mut rejections = script.rejections.lock().expect("sink lock");
         let r = rejections.get_mut(&id)?;
@@ -438,8 +454,10 @@ async fn answer(script: &Script, headers: &HeaderMap, body: &Bytes) -> (u16, Byt
         }
         Some(answer)
     });
-    let (scripted, response) =
-        rejected.unwrap_or_else(|| (script.status.load(Ordering::SeqCst), Bytes::new()));
+    let (scripted, response) = rejected.unwrap_or_else(|| {
+        let status = batch_status.unwrap_or_else(|| script.status.load(Ordering::SeqCst));
+        (status, Bytes::new())
+    });
     let Some((client, url)) = &script.upstream else {
         return (scripted, response);
     };

@@ -348,10 +348,14 @@ async fn a_lone_event_answered_207_is_judged_by_its_own_answer() -> anyhow::Resu
 
 /// Each aggregate's events reach the sink in commit order across batches,
 /// retries and splits: a backlog over six aggregates goes in batches of
-/// up to 8 (4 at once) while the sink first fails every request (503:
-/// batches retried whole, then split), then takes them. Over the whole
-/// received sequence (each request's events in body order), no aggregate
-/// ever goes back in commit order.
+/// up to 8 (4 at once) while the sink first fails every batch (503:
+/// retried whole, then split) and takes single events, then takes
+/// everything. Over the whole received sequence (each request's events in
+/// body order), no aggregate ever goes back in commit order.
+///
+/// Only batches fail at first: when every request failed, the first four
+/// requests could each carry one event (a slot was free as each arrived),
+/// retry for ever, and leave no slot for a batch to form in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_aggregate_keeps_commit_order_across_batches_retries_and_splits() -> anyhow::Result<()>
 {
@@ -373,7 +377,7 @@ async fn each_aggregate_keeps_commit_order_across_batches_retries_and_splits() -
         aggregates.push(harness::oracle::expected::insert_order(&s.db).await?);
     }
     let mut events = Vec::new();
-    for n in 0..240 {
+    for n in 0..600 {
         let e = harness::oracle::expected::insert_event(
             &s.db,
             aggregates[n % 6],
@@ -389,12 +393,14 @@ async fn each_aggregate_keeps_commit_order_across_batches_retries_and_splits() -
         .map(|(n, e)| (e.id.clone(), (n, e.aggregate.clone())))
         .collect();
     let sink = s.sink();
-    sink.set_status(503);
-    sink.set_delay(Duration::from_millis(5));
+    sink.set_batch_status(Some(503));
+    // Slow enough that single events leave most of the backlog for the
+    // batches taken at the end.
+    sink.set_delay(Duration::from_millis(10));
     s.restart_relay(&args).await?;
     let sink = s.sink();
-    // Refused until a batch was refused and sent again (a slept 1.5 s was
-    // not always enough on a loaded machine: no batch had been refused).
+    // Batches refused until one was refused and sent again (a slept 1.5 s
+    // was not always enough on a loaded machine: no batch had been refused).
     wait_until("a batch refused and sent again", DRAIN, || async {
         let refused: Vec<Vec<String>> = sink
             .received()
@@ -408,7 +414,7 @@ async fn each_aggregate_keeps_commit_order_across_batches_retries_and_splits() -
             .any(|(i, batch)| refused[i + 1..].iter().any(|again| again == batch))
     })
     .await?;
-    sink.set_status(204);
+    sink.set_batch_status(None);
     wait_until("every event taken", DRAIN, || async {
         let taken: std::collections::HashSet<String> =
             sink.delivered().iter().flat_map(|r| r.ids()).collect();
