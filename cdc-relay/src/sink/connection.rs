@@ -10,8 +10,10 @@
 //! every request at once: one is shared, driven by its own task.
 //!
 //! A connection takes no request once it is `--sink-connection-max-age`
-//! old (the next one looks the name up again) or after
-//! `--sink-idle-timeout` without one; a reaper, started with the first
+//! old (the next one looks the name up again), after
+//! `--sink-idle-timeout` without one, or once a request on it timed out
+//! (an HTTP/1.1 attempt drops its own; the shared HTTP/2 one is
+//! discarded, [`Connections::discard_h2`]); a reaper, started with the first
 //! idle connection, closes those that wait past either limit.
 //!
 //! Each connection knows whether it has answered (an HTTP/1.1 connection
@@ -316,7 +318,15 @@ impl Connections {
     /// to a new one. (An HTTP/1.1 connection that failed is dropped by its
     /// holder.)
     pub fn discard(&self, conn: &Conn) {
-        let Conn::Http2(h2) = conn else { return };
+        if let Conn::Http2(h2) = conn {
+            self.discard_h2(h2);
+        }
+    }
+
+    /// The shared HTTP/2 connection `h2` takes no new request (if it is
+    /// still the shared one): the next checkout makes another. Streams in
+    /// flight on it finish there.
+    pub fn discard_h2(&self, h2: &Http2) {
         let mut shared = self
             .shared
             .lock()

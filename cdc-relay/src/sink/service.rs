@@ -47,7 +47,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 
 use crate::outbox::OutboxEvent;
 use crate::sink::answers::ANSWERS_BYTES;
-use crate::sink::connection::{Conn, Connections};
+use crate::sink::connection::{Conn, Connections, Http2};
 use crate::sink::encoder::{self, Prepared};
 use crate::sink::signature::Signing;
 use crate::sink::{Sink, TraceHeaders};
@@ -251,6 +251,7 @@ impl HttpSink {
         request: &Prepared,
         trace: Option<&TraceHeaders>,
         answered: &mut Option<StatusCode>,
+        on_h2: &mut Option<Http2>,
     ) -> Attempt {
         let id = encoder::header_safe(event_id);
         // One read per attempt: a reload during it changes the next one.
@@ -308,6 +309,9 @@ impl HttpSink {
                 Ok(conn) => conn,
                 Err(e) => return connect_error(&*e),
             };
+            if let Conn::Http2(h2) = &conn {
+                *on_h2 = Some(h2.clone());
+            }
             match conn
                 .exchange(build(conn.is_http1()), excerpt_limit, answered)
                 .await
@@ -384,23 +388,44 @@ impl Sink for HttpSink {
     ) -> Attempt {
         let timeout = self.target.request_timeout;
         let mut answered = None;
-        let attempt = self.attempt(event_id, request, trace, &mut answered);
+        let mut on_h2 = None;
+        let attempt = self.attempt(event_id, request, trace, &mut answered, &mut on_h2);
         match tokio::time::timeout(timeout, attempt).await {
             Ok(attempt) => attempt,
-            // The status line said 2xx and the body is late: the sink took
-            // the event, as when a 2xx's body is cut. A 207's body is its
-            // answer (per event), so a late one is no answer.
-            Err(_) => match answered {
-                Some(status) if status.is_success() && status != StatusCode::MULTI_STATUS => {
-                    Attempt::Response {
-                        status: status.as_u16(),
-                        retry_after: None,
-                        excerpt: String::new(),
-                    }
-                }
-                _ => Attempt::Timeout,
-            },
+            Err(_) => timed_out(&self.connections, answered, on_h2),
         }
+    }
+}
+
+/// The attempt's result when its timeout ran out. A timed-out request
+/// leaves its connection, as an HTTP/1.1 attempt drops its own: the
+/// shared HTTP/2 connection it went on takes no new request, so one
+/// connection gone silent (a hung worker, a half-open path after a
+/// failover) costs one timeout, not every request until its
+/// `--sink-connection-max-age`.
+fn timed_out(
+    connections: &Connections,
+    answered: Option<StatusCode>,
+    on_h2: Option<Http2>,
+) -> Attempt {
+    if let Some(h2) = on_h2 {
+        connections.discard_h2(&h2);
+        tracing::debug!(
+            "a request timed out on the sink's HTTP/2 connection: the next requests go on a new connection"
+        );
+    }
+    match answered {
+        // The status line said 2xx and the body is late: the sink took
+        // the event, as when a 2xx's body is cut. A 207's body is its
+        // answer (per event), so a late one is no answer.
+        Some(status) if status.is_success() && status != StatusCode::MULTI_STATUS => {
+            Attempt::Response {
+                status: status.as_u16(),
+                retry_after: None,
+                excerpt: String::new(),
+            }
+        }
+        _ => Attempt::Timeout,
     }
 }
 

@@ -2,7 +2,7 @@
 //! the relay's two PostgreSQL connections with `sslmode=verify-full`, and
 //! delivery to an https sink trusted through `--sink-ca-file`; and an
 //! HTTP/2 sink that sends GOAWAY with streams in flight (issue 14, HTTP
-//! manners 3).
+//! manners 3), one whose connection goes silent, and one closed when idle.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -192,6 +192,58 @@ async fn http2_goaway_with_streams_in_flight_is_a_connection_event() -> anyhow::
     Ok(())
 }
 
+/// An HTTP/2 sink's connection that goes silent (open, never read or
+/// answered again: a hung worker, a half-open path after a failover)
+/// costs one request timeout: the requests that timed out on it go again
+/// on a new connection, which the sink serves, long before the silent one
+/// reaches its maximum age. Fails without it: the relay kept sending every
+/// request and probe down the silent connection until
+/// `--sink-connection-max-age` (a tester's run: 64 s for 200 events at the
+/// defaults; here the age is 10 minutes and the wait 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_http2_connection_costs_one_timeout_not_its_whole_age() -> anyhow::Result<()> {
+    let pki = Pki::generate()?;
+    let stack = harness::PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let sink = H2Sink::start_with(&pki, First::Silent).await?;
+    let relay = app::start_relay(
+        &stack,
+        &sink.url,
+        &[
+            "--sink-ca-file",
+            path_str(&pki.ca)?,
+            "--request-timeout",
+            "1s",
+            "--sink-connection-max-age",
+            "10m",
+        ],
+    )
+    .await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    app::insert_order_event(&db).await?;
+    wait_until("the first event over h2", WAIT, || async {
+        sink.state().delivered.len() == 1
+    })
+    .await?;
+    db.batch_execute(&app::order_events_sql(10)).await?;
+    wait_until(
+        "the ten events delivered on another connection",
+        WAIT,
+        || async { sink.state().delivered.len() == 11 },
+    )
+    .await?;
+    let state = sink.state();
+    assert!(state.connections >= 2, "{state:?}");
+    let m = relay.metrics().await?;
+    let reasons = m.label_values("cdc_relay_retries_total", "reason");
+    assert!(
+        reasons.contains("timeout"),
+        "the silent connection was met: {reasons:?}"
+    );
+    Ok(())
+}
+
 /// An HTTP/2 sink's one connection is closed by the relay once idle for
 /// `--sink-idle-timeout`, and once the relay knows the sink speaks h2 a
 /// burst waits for one new connection instead of each request opening its
@@ -259,11 +311,8 @@ struct H2State {
 }
 
 /// An HTTP/2 inbox (h2 over tokio-rustls, ALPN `h2`). Its first connection
-/// answers the first request; of the next ones it takes the first (and
-/// answers it 100 ms later) and refuses the others (`REFUSED_STREAM`);
-/// with three refused it drains like a server shutting down (GOAWAY, the
-/// taken stream finished, the connection closed). Every other connection
-/// answers 204. [`H2Sink::plain`] answers 204 on every connection.
+/// answers the first request, then behaves as its [`First`] says; every
+/// other connection answers 204.
 struct H2Sink {
     url: String,
     state: std::sync::Arc<std::sync::Mutex<H2State>>,
@@ -277,16 +326,17 @@ impl Drop for H2Sink {
 }
 
 impl H2Sink {
+    /// Its first connection drains after the first request ([`First::Draining`]).
     async fn start(pki: &Pki) -> anyhow::Result<H2Sink> {
-        Self::start_with(pki, true).await
+        Self::start_with(pki, First::Draining).await
     }
 
     /// An HTTP/2 inbox that answers 204 on every connection.
     async fn plain(pki: &Pki) -> anyhow::Result<H2Sink> {
-        Self::start_with(pki, false).await
+        Self::start_with(pki, First::Plain).await
     }
 
-    async fn start_with(pki: &Pki, draining_first: bool) -> anyhow::Result<H2Sink> {
+    async fn start_with(pki: &Pki, first_mode: First) -> anyhow::Result<H2Sink> {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};
         let certs = CertificateDer::pem_file_iter(&pki.cert)?.collect::<Result<Vec<_>, _>>()?;
@@ -318,7 +368,11 @@ impl H2Sink {
                 let first = {
                     let mut s = shared.lock().expect("h2 sink lock");
                     s.connections += 1;
-                    s.connections == 1 && draining_first
+                    if s.connections == 1 {
+                        first_mode
+                    } else {
+                        First::Plain
+                    }
                 };
                 let state = std::sync::Arc::clone(&shared);
                 tokio::spawn(async move {
@@ -339,9 +393,24 @@ impl H2Sink {
     }
 }
 
+/// What an [`H2Sink`]'s first connection does after its first request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum First {
+    /// Answers 204, as every other connection.
+    Plain,
+    /// Of the next requests it takes the first (and answers it 100 ms
+    /// later) and refuses the others (`REFUSED_STREAM`); with three
+    /// refused it drains like a server shutting down (GOAWAY, the taken
+    /// stream finished, the connection closed).
+    Draining,
+    /// Goes silent at the next request: the connection stays open and is
+    /// never read or answered again (a hung worker, a half-open path).
+    Silent,
+}
+
 async fn serve_h2(
     tls: tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
-    first: bool,
+    first: First,
     state: std::sync::Arc<std::sync::Mutex<H2State>>,
 ) {
     let Ok(mut conn) = h2::server::handshake(tls).await else {
@@ -355,13 +424,20 @@ async fn serve_h2(
     let mut draining = false;
     while let Some(Ok((request, mut respond))) = conn.accept().await {
         let warmed = !state.lock().expect("h2 sink lock").delivered.is_empty();
-        if !(first && warmed) {
+        if first == First::Plain || !warmed {
             tokio::spawn(answer_204(
                 request,
                 respond,
                 std::sync::Arc::clone(&state),
                 Duration::ZERO,
             ));
+            continue;
+        }
+        if first == First::Silent {
+            // Nothing on this connection is read or answered again; it
+            // stays open until the relay closes it.
+            let _held = (request, respond);
+            std::future::pending::<()>().await;
             continue;
         }
         // The batch on the first connection: the first stream is taken and
