@@ -40,6 +40,9 @@
 //! Storm guard: when poison verdicts hit `storm_threshold` distinct events in
 //! a row (no 2xx between), the sink is more likely broken than the events:
 //! dead-lettering stops, the circuit opens, and the events wait for a 2xx.
+//! Only a 2xx to a request admitted after the run's first verdict counts
+//! ([`Admission`] is numbered): one sent before it and answered late says
+//! nothing of the sink now.
 //!
 //! Retired: a 410 Gone says the endpoint was retired on purpose (the
 //! Standard Webhooks convention). The circuit opens as for a configuration
@@ -113,6 +116,11 @@ struct State {
     next_place: u64,
     /// Distinct events with a poison verdict since the last 2xx.
     poison_run: HashSet<String>,
+    /// Admissions given so far ([`Admission`]'s number).
+    admitted: u64,
+    /// The last admission number given before the run's first poison
+    /// verdict: a 2xx to a request admitted up to then is stale.
+    run_after: u64,
     storm: bool,
     /// No attempt may start before this instant (a sink's `Retry-After`).
     paused_until: Option<Instant>,
@@ -139,6 +147,15 @@ struct State {
 }
 
 impl State {
+    /// The next admission, numbered.
+    fn admission(&mut self, probe: bool) -> Admission {
+        self.admitted += 1;
+        Admission {
+            probe,
+            number: self.admitted,
+        }
+    }
+
     /// Puts delivery `seq` in the queue of waiting deliveries, at `place`
     /// when it has one, else at the end (and records that place in
     /// `place`); returns its place.
@@ -211,14 +228,45 @@ struct Shared {
     endpoint: String,
 }
 
-/// How a delivery was admitted.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Admission {
-    /// The circuit is closed.
-    Normal,
+/// How a delivery was admitted, and when: admissions are numbered in the
+/// order [`Breaker::admit`] gave them (the storm guard tells a 2xx to a
+/// request sent before a run of refusals began from one sent after).
+/// Two admissions are equal when of the same kind.
+#[derive(Copy, Clone, Debug)]
+pub struct Admission {
+    probe: bool,
+    number: u64,
+}
+
+impl PartialEq for Admission {
+    fn eq(&self, other: &Self) -> bool {
+        self.probe == other.probe
+    }
+}
+
+impl Eq for Admission {}
+
+impl Admission {
     /// The only attempt allowed now: the circuit is open, or the sink has
     /// not answered since the last failure or since start (slow start).
-    Probe,
+    /// `false`: the circuit is closed.
+    pub fn is_probe(self) -> bool {
+        self.probe
+    }
+}
+
+#[cfg(test)]
+impl Admission {
+    /// Admitted with the circuit closed, after every other admission.
+    pub const NORMAL: Admission = Admission {
+        probe: false,
+        number: u64::MAX,
+    };
+    /// A probe, admitted after every other admission.
+    pub const PROBE: Admission = Admission {
+        probe: true,
+        number: u64::MAX,
+    };
 }
 
 impl Breaker {
@@ -256,6 +304,8 @@ impl Breaker {
                 waiting: BTreeMap::new(),
                 next_place: 0,
                 poison_run: HashSet::new(),
+                admitted: 0,
+                run_after: 0,
                 storm: false,
                 paused_until: None,
                 proven: false,
@@ -343,7 +393,7 @@ impl Breaker {
                             s.waiting.remove(&p);
                         }
                         s.unanswered_since.get_or_insert(now);
-                        return Admission::Normal;
+                        return s.admission(false);
                     }
                     // Open, or closed in slow start: the delivery waiting
                     // longest goes alone. Paced (one per probe interval)
@@ -361,7 +411,7 @@ impl Breaker {
                         s.probe_in_flight = true;
                         s.waiting.remove(&mine);
                         s.unanswered_since.get_or_insert(now);
-                        return Admission::Probe;
+                        return s.admission(true);
                     } else {
                         s.next_probe_at
                     }
@@ -392,7 +442,7 @@ impl Breaker {
     /// stopping, or its endpoint was parked meanwhile): a probe's turn
     /// passes to the next waiting delivery, with nothing recorded.
     pub fn release(&self, admission: Admission) {
-        if admission == Admission::Probe {
+        if admission.is_probe() {
             self.lock().probe_in_flight = false;
             self.shared.changed.notify_waiters();
         }
@@ -401,12 +451,21 @@ impl Breaker {
     /// Records an attempt's outcome.
     pub fn record(&self, admission: Admission, signal: Signal, reason: &str) {
         let mut s = self.lock();
-        if admission == Admission::Probe {
+        if admission.is_probe() {
             s.probe_in_flight = false;
         }
         // An answer, or a failure the relay saw: not silence.
         s.unanswered_since = None;
         match signal {
+            // A 2xx to a request admitted before the run of refusals began
+            // says the sink took events then, not now (it may have turned
+            // on every event since): an answer, but it neither ends the
+            // run nor the storm, nor closes the circuit.
+            Signal::Success if !s.poison_run.is_empty() && admission.number <= s.run_after => {
+                s.proven = true;
+                s.answered = true;
+                s.consecutive_failures = 0;
+            }
             Signal::Success => {
                 s.proven = true;
                 s.answered = true;
@@ -487,7 +546,7 @@ impl Breaker {
             signal,
             Signal::Transient | Signal::ConfigFault(_) | Signal::Retired
         );
-        if admission == Admission::Probe
+        if admission.is_probe()
             && failed
             && s.circuit == CircuitState::Open
             && let Some((open_for, probes)) =
@@ -501,7 +560,7 @@ impl Breaker {
                 "circuit still open: the sink keeps failing; dispatch stays paused, probing"
             );
         }
-        if admission == Admission::Probe && (s.circuit == CircuitState::Open || !s.answered) {
+        if admission.is_probe() && (s.circuit == CircuitState::Open || !s.answered) {
             // The next paced attempt: a probe interval after this one ended.
             s.next_probe_at = Instant::now() + self.jittered_interval(s.retired);
         }
@@ -530,6 +589,9 @@ impl Breaker {
         let mut s = self.lock();
         if s.storm {
             return false;
+        }
+        if s.poison_run.is_empty() {
+            s.run_after = s.admitted;
         }
         s.poison_run.insert(event_id.to_owned());
         if s.poison_run.len() >= self.shared.cfg.storm_threshold as usize {

@@ -302,9 +302,10 @@ pub struct DeliveryArgs {
     /// answers 2xx again. At least 1s.
     #[arg(long, env = "CDC_RELAY_RETIRED_PROBE_INTERVAL", default_value = "60s", value_parser = parse_duration)]
     pub retired_probe_interval: Duration,
-    /// Poison verdicts on this many distinct events in a row (no 2xx between)
-    /// mean the sink is broken, not the events: stop dead-lettering and open
-    /// the circuit.
+    /// Poison verdicts on this many distinct events in a row (no 2xx between,
+    /// counting only 2xx to requests sent after the first of them) mean the
+    /// sink is broken, not the events: stop dead-lettering and open the
+    /// circuit.
     #[arg(long, env = "CDC_RELAY_POISON_STORM_THRESHOLD", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
     pub poison_storm_threshold: u32,
 }
