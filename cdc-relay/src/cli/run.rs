@@ -293,7 +293,7 @@ pub struct DeliveryArgs {
     /// Consecutive transient failures that open the circuit breaker.
     #[arg(long, env = "CDC_RELAY_FAILURE_THRESHOLD", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     pub failure_threshold: u32,
-    /// While the circuit is open, one probe (the oldest pending event) goes
+    /// While the circuit is open, one probe (the delivery waiting longest) goes
     /// out per interval (plus up to 20 % jitter).
     #[arg(long, env = "CDC_RELAY_PROBE_INTERVAL", default_value = "500ms", value_parser = parse_duration)]
     pub probe_interval: Duration,

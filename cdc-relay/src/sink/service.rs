@@ -350,12 +350,17 @@ impl HttpSink {
             }
         };
         let status = exchange.head.status().as_u16();
-        let retry_after = exchange
-            .head
-            .headers()
-            .get(RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| parse_retry_after(v, SystemTime::now()));
+        let retry_after = exchange.head.headers().get(RETRY_AFTER).and_then(|v| {
+            let parsed = v
+                .to_str()
+                .ok()
+                .and_then(|v| parse_retry_after(v, SystemTime::now()));
+            if parsed.is_none() {
+                tracing::debug!(event_id = %id, status, value = ?v,
+                    "the sink's Retry-After is neither delay-seconds nor an HTTP-date: ignored");
+            }
+            parsed
+        });
         Attempt::Response {
             status,
             retry_after,
@@ -578,11 +583,16 @@ fn source_is_tls(e: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// Parses `Retry-After` (RFC 9110 §10.2.3): delay-seconds or an HTTP-date
-/// (a date in the past means zero).
+/// (a date in the past means zero). Delay-seconds too large for a `u64`
+/// mean "a very long time" (as RFC 9111 §1.2.2 reads an overflowing
+/// delta-seconds), `u64::MAX` seconds, for the caller's cap. `None`: not
+/// a `Retry-After` value (a sign, a fraction, words).
 pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
-    if let Ok(secs) = value.parse::<u64>() {
-        return Some(Duration::from_secs(secs));
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(Duration::from_secs(
+            value.parse::<u64>().unwrap_or(u64::MAX),
+        ));
     }
     let at = httpdate::parse_http_date(value).ok()?;
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))

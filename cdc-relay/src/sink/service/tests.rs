@@ -342,6 +342,12 @@ fn retry_after_forms() {
         Some(Duration::ZERO)
     );
     assert_eq!(parse_retry_after("-1", now), None);
+    assert_eq!(
+        parse_retry_after("99999999999999999999999", now),
+        Some(Duration::from_secs(u64::MAX)),
+        "overflowing delay-seconds: a very long time, not none"
+    );
+    assert_eq!(parse_retry_after("+5", now), None);
     assert_eq!(parse_retry_after("soon", now), None);
 }
 
