@@ -345,7 +345,7 @@ impl HttpSink {
                 }
                 Err(e) => {
                     self.connections.discard(&conn);
-                    return Attempt::Transport(crate::error_chain(&e));
+                    return Attempt::Transport(transport_detail(&e));
                 }
             }
         };
@@ -510,6 +510,21 @@ fn connect_error(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Attempt
         }
     } else {
         Attempt::Connect(crate::error_chain(e))
+    }
+}
+
+/// A transport failure's detail: hyper's error chain, and for a response
+/// head too large to read what it means (the answer may be a 2xx: the
+/// event is sent again, and the receiver's inbox deduplicates it).
+fn transport_detail(e: &hyper::Error) -> String {
+    let chain = crate::error_chain(e);
+    if e.is_parse_too_large() {
+        format!(
+            "{chain}: the sink's response head is larger than the relay reads (HTTP/1.1: 100 header fields or about 400 KiB), \
+             so its status is unknown; check what adds headers in front of the sink"
+        )
+    } else {
+        chain
     }
 }
 

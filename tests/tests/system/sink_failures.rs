@@ -1,7 +1,8 @@
 //! The sink misbehaves (PostgreSQL and the network are fine; see
 //! `infra_faults` for those): poison events and the dead-letter table, the
 //! circuit breaker with probe, the storm guard, configuration faults,
-//! unreadable rows, poison answers whose bodies are any bytes, and the
+//! unreadable rows, poison answers whose bodies are any bytes, an answer
+//! whose head is too large to read, and the
 //! dead-letter commands (`backfill` is in `backfill.rs`). Each ends in a
 //! ledger check.
 
@@ -795,4 +796,59 @@ async fn poison_answer_of_100_kib_of_random_bytes_is_dead_lettered() -> anyhow::
 async fn poison_answer_of_invalid_utf8_is_dead_lettered() -> anyhow::Result<()> {
     poison_answer_with_body_is_dead_lettered(b"\xc3\x28 refused \xff\xfe \xed\xa0\x80".to_vec())
         .await
+}
+
+/// A 2xx whose head the relay cannot read (150 header fields, over the
+/// HTTP/1.1 client's 100) is a transport failure, retried (the sink may
+/// have taken the event; its inbox deduplicates), and the log says what
+/// happened and where to look, not only "message head is too large".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_head_too_large_to_read_is_named_in_the_log() -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}/inbox", listener.local_addr()?);
+    let sink = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut request = vec![0_u8; 64 * 1024];
+                // The head is answered before the rest of the request is
+                // read: the relay's client reads the answer either way.
+                let _ = stream.read(&mut request).await;
+                let mut answer = String::from("HTTP/1.1 200 OK\r\n");
+                for n in 0..150 {
+                    answer.push_str(&format!("x-padding-{n}: a\r\n"));
+                }
+                answer.push_str("content-length: 0\r\n\r\n");
+                let _ = stream.write_all(answer.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let relay = app::start_relay(&stack, &url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    app::insert_order_event(&db).await?;
+    wait_until(
+        "the unreadable answer named in the log",
+        Duration::from_secs(30),
+        || async {
+            relay
+                .process
+                .logs()
+                .contains("response head is larger than the relay reads")
+        },
+    )
+    .await?;
+    let m = relay.metrics().await?;
+    assert_eq!(m.sum("cdc_relay_events_delivered_total"), 0.0);
+    assert!(
+        m.label_values("cdc_relay_retries_total", "reason")
+            .contains("transport"),
+        "{:?}",
+        m.label_values("cdc_relay_retries_total", "reason")
+    );
+    sink.abort();
+    Ok(())
 }
