@@ -127,19 +127,8 @@ async fn tls_to_postgres_and_to_the_sink_with_a_private_ca() -> anyhow::Result<(
 /// after their backoff.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_goaway_with_streams_in_flight_is_a_connection_event() -> anyhow::Result<()> {
-    let pki = Pki::generate()?;
-    let stack = harness::PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = H2Sink::start(&pki).await?;
-    let relay =
-        app::start_relay(&stack, &sink.url, &["--sink-ca-file", path_str(&pki.ca)?]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
-    app::insert_order_event(&db).await?;
-    wait_until("the first event over h2", WAIT, || async {
-        sink.state().delivered.len() == 1
-    })
-    .await?;
+    let run = H2Run::first_delivered(First::Draining, &[]).await?;
+    let (sink, relay, db) = (&run.sink, &run.relay, &run.db);
     // Ten events of ten orders in one transaction: all in flight at once,
     // multiplexed on the one h2 connection.
     db.batch_execute(&app::order_events_sql(10)).await?;
@@ -202,16 +191,9 @@ async fn http2_goaway_with_streams_in_flight_is_a_connection_event() -> anyhow::
 /// defaults; here the age is 10 minutes and the wait 30 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_http2_connection_costs_one_timeout_not_its_whole_age() -> anyhow::Result<()> {
-    let pki = Pki::generate()?;
-    let stack = harness::PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = H2Sink::start_with(&pki, First::Silent).await?;
-    let relay = app::start_relay(
-        &stack,
-        &sink.url,
+    let run = H2Run::first_delivered(
+        First::Silent,
         &[
-            "--sink-ca-file",
-            path_str(&pki.ca)?,
             "--request-timeout",
             "1s",
             "--sink-connection-max-age",
@@ -219,13 +201,7 @@ async fn a_silent_http2_connection_costs_one_timeout_not_its_whole_age() -> anyh
         ],
     )
     .await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
-    app::insert_order_event(&db).await?;
-    wait_until("the first event over h2", WAIT, || async {
-        sink.state().delivered.len() == 1
-    })
-    .await?;
+    let (sink, relay, db) = (&run.sink, &run.relay, &run.db);
     db.batch_execute(&app::order_events_sql(10)).await?;
     wait_until(
         "the ten events delivered on another connection",
@@ -252,28 +228,8 @@ async fn a_silent_http2_connection_costs_one_timeout_not_its_whole_age() -> anyh
 /// per request in flight (193 for three bursts of 500 in a tester's run).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_sink_gets_one_connection_per_burst_closed_when_idle() -> anyhow::Result<()> {
-    let pki = Pki::generate()?;
-    let stack = harness::PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let sink = H2Sink::plain(&pki).await?;
-    let relay = app::start_relay(
-        &stack,
-        &sink.url,
-        &[
-            "--sink-ca-file",
-            path_str(&pki.ca)?,
-            "--sink-idle-timeout",
-            "1s",
-        ],
-    )
-    .await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
-    app::insert_order_event(&db).await?;
-    wait_until("the first event over h2", WAIT, || async {
-        sink.state().delivered.len() == 1
-    })
-    .await?;
+    let run = H2Run::first_delivered(First::Plain, &["--sink-idle-timeout", "1s"]).await?;
+    let (sink, db) = (&run.sink, &run.db);
     wait_until(
         "the idle h2 connection closed by the relay",
         WAIT,
@@ -291,6 +247,44 @@ async fn an_http2_sink_gets_one_connection_per_burst_closed_when_idle() -> anyho
         "one connection for the first event, one for the burst: {state:?}"
     );
     Ok(())
+}
+
+/// A relay delivering to an [`H2Sink`] whose first connection behaves as
+/// `first` says, with its first event delivered on that connection.
+struct H2Run {
+    sink: H2Sink,
+    relay: app::Running,
+    db: tokio_postgres::Client,
+    _stack: harness::Stack,
+    _pki: Pki,
+}
+
+impl H2Run {
+    /// Starts the sink and a relay trusting its CA (plus `args`), and
+    /// delivers one event.
+    async fn first_delivered(first: First, args: &[&str]) -> anyhow::Result<H2Run> {
+        let pki = Pki::generate()?;
+        let stack = harness::PgCluster::shared().create_stack().await?;
+        app::relay_setup(&stack).await?;
+        let sink = H2Sink::start_with(&pki, first).await?;
+        let mut relay_args = vec!["--sink-ca-file", path_str(&pki.ca)?];
+        relay_args.extend_from_slice(args);
+        let relay = app::start_relay(&stack, &sink.url, &relay_args).await?;
+        app::wait_streaming(&relay).await?;
+        let db = stack.orders_admin().await?;
+        app::insert_order_event(&db).await?;
+        wait_until("the first event over h2", WAIT, || async {
+            sink.state().delivered.len() == 1
+        })
+        .await?;
+        Ok(H2Run {
+            sink,
+            relay,
+            db,
+            _stack: stack,
+            _pki: pki,
+        })
+    }
 }
 
 /// What the [`H2Sink`] saw.
@@ -326,16 +320,6 @@ impl Drop for H2Sink {
 }
 
 impl H2Sink {
-    /// Its first connection drains after the first request ([`First::Draining`]).
-    async fn start(pki: &Pki) -> anyhow::Result<H2Sink> {
-        Self::start_with(pki, First::Draining).await
-    }
-
-    /// An HTTP/2 inbox that answers 204 on every connection.
-    async fn plain(pki: &Pki) -> anyhow::Result<H2Sink> {
-        Self::start_with(pki, First::Plain).await
-    }
-
     async fn start_with(pki: &Pki, first_mode: First) -> anyhow::Result<H2Sink> {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};
