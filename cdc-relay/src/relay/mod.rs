@@ -157,7 +157,25 @@ pub async fn run(
                         tracing::info!(slot = %cfg.slot, other_slot = %other, active_pid = %crate::shown(pid), "a slot of another split streams (a reshard: the old split must stop first); waiting as hot standby");
                     }
                     _ => {
-                        tracing::info!(slot = %cfg.slot, active_pid = %crate::shown(pid), "slot is held by another process; waiting as hot standby");
+                        let name = match pid {
+                            Some(pid) => standby::holder_name(&cfg, &mut poller, *pid).await,
+                            None => None,
+                        };
+                        match name {
+                            Some(name) if name != cfg.application_name => {
+                                // Not this deployment's relays (they share
+                                // the application_name): a consumer that
+                                // confirms what it reads takes the events
+                                // from every relay for good.
+                                tracing::warn!(slot = %cfg.slot, active_pid = %crate::shown(pid), holder_application_name = %name, application_name = %cfg.application_name,
+                                    "slot is held by a process whose application_name is not this relay's: if it is not a cdc-relay of this deployment \
+                                     (pg_recvlogical, another tool given this slot), every event it reads and confirms is never delivered; stop it \
+                                     (SELECT pg_terminate_backend(active_pid)) and backfill from when it started (docs/operations.md#ha-standby). Waiting as hot standby");
+                            }
+                            _ => {
+                                tracing::info!(slot = %cfg.slot, active_pid = %crate::shown(pid), "slot is held by another process; waiting as hot standby");
+                            }
+                        }
                     }
                 }
                 standby_logged = true;

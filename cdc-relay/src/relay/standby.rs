@@ -38,6 +38,36 @@ pub(super) async fn blocked(
         }))
 }
 
+/// The `application_name` of the walsender `pid` (the slot's holder), read
+/// on the hot standby's poll connection (made if there is none); `None`
+/// when it cannot be read (the walsender ended, the connection failed).
+pub(super) async fn holder_name(
+    cfg: &RelayConfig,
+    poller: &mut Option<tokio_postgres::Client>,
+    pid: i32,
+) -> Option<String> {
+    if poller.as_ref().is_none_or(|c| c.is_closed()) {
+        let connect = source::connect_primary(&cfg.conn, &cfg.application_name);
+        let (client, _closed, _server) =
+            tokio::time::timeout(cfg.conn.connect_timeout * 2, connect)
+                .await
+                .ok()?
+                .ok()?;
+        *poller = Some(client);
+    }
+    let client = poller.as_ref()?;
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&pid];
+    let read = client.query_opt(
+        "SELECT application_name FROM pg_stat_replication WHERE pid = $1",
+        &params,
+    );
+    let row = tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .ok()?
+        .ok()??;
+    row.get(0)
+}
+
 /// A hot standby's wait: polls [`blocked`] every 250-750 ms on one kept
 /// connection (not a new one per poll) and returns once nothing blocks,
 /// at shutdown, or when the poll fails (the next session attempt then

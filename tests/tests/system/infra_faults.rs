@@ -388,6 +388,59 @@ async fn postgres_link_reset_for_5s_under_load() -> anyhow::Result<()> {
     postgres_link_fault(PgCluster::shared(), Mode::Reset).await
 }
 
+/// A slot held by a process that is not one of this deployment's relays
+/// (here `pg_recvlogical`, which confirms what it reads: those events are
+/// never delivered, and no relay can later tell them from delivered ones)
+/// is named at once in a WARN with the holder's `application_name`. A
+/// relay of ours holding it gives the INFO line, as in the next test.
+/// Fails without: one INFO line, "waiting as hot standby", as behind a
+/// relay (a tester lost 20 of 20 events that way, `status` healthy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_held_by_pg_recvlogical_is_named_in_a_warning() -> anyhow::Result<()> {
+    let cluster = PgCluster::shared();
+    let stack = cluster.create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let publications = format!("publication_names={}", stack.publication);
+    let mut holder = cluster
+        .command("pg_recvlogical")
+        .args(["-d", &stack.relay_url, "-S", &stack.slot, "--start"])
+        .args(["-o", "proto_version=1", "-o", &publications])
+        .args(["-f", "/dev/null", "--no-loop"])
+        .spawn()
+        .context("starting pg_recvlogical")?;
+    let db = stack.orders_admin().await?;
+    let held = wait_until("pg_recvlogical to hold the slot", RECOVERY, || async {
+        let row = db
+            .query_opt(
+                "SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r \
+                 ON r.pid = s.active_pid \
+                 WHERE s.slot_name = $1 AND r.application_name = 'pg_recvlogical'",
+                &[&stack.slot],
+            )
+            .await?;
+        anyhow::Ok(row.is_some())
+    })
+    .await;
+    let warned = match held {
+        Ok(()) => {
+            let relay = app::start_relay(&stack, "http://127.0.0.1:9/inbox", &[]).await?;
+            relay
+                .process
+                .wait_for_line("application_name is not this relay's", RECOVERY)
+                .await
+        }
+        Err(e) => Err(e),
+    };
+    let _ = holder.kill();
+    let _ = holder.wait();
+    let line = warned?;
+    assert!(
+        line.contains("WARN") && line.contains("pg_recvlogical"),
+        "{line}"
+    );
+    Ok(())
+}
+
 /// The README's standby promise ("takes over within about a second of the
 /// active one dying"), with margin for a loaded CI machine.
 const TAKEOVER_BOUND: Duration = Duration::from_secs(2);
