@@ -224,7 +224,7 @@ impl Session<'_> {
             mapper: {
                 let mut m =
                     OutboxMapper::new(cfg.table.clone(), cfg.columns.clone(), Some(p.table.oid));
-                m.seed_layout(&p.table.columns);
+                m.seed_layout(&p.table.columns, p.table.never_dropped);
                 m
             },
             side: Arc::clone(&p.side),

@@ -26,6 +26,11 @@ struct Positions {
     aggregate_key: Option<usize>,
     /// The trace context column, when configured and present.
     trace: Option<usize>,
+    /// The catalog's layout of a table no column was ever dropped from
+    /// ([`OutboxMapper::seed_layout`]): the WAL describes any earlier
+    /// version of it as its first columns (columns are only ever added at
+    /// the end).
+    appended_only: bool,
 }
 
 /// What a Relation message means for the relay.
@@ -142,8 +147,12 @@ impl OutboxMapper {
     /// order, dropped and generated columns left out). The WAL may describe
     /// the table with a column under an older name (renamed since, e.g.
     /// renamed away and back while events were committed): with the same
-    /// shape, the column at the same position is followed.
-    pub fn seed_layout(&mut self, columns: &[(String, u32)]) {
+    /// shape, the column at the same position is followed. With
+    /// `never_dropped` (no column of the table was ever dropped), so is a
+    /// WAL description whose shape is the first columns' (columns added
+    /// since: the older description lists the columns it had, which keep
+    /// their positions).
+    pub fn seed_layout(&mut self, columns: &[(String, u32)], never_dropped: bool) {
         let Some(oid) = self.start_oid else { return };
         let seed = Relation {
             oid,
@@ -160,7 +169,8 @@ impl OutboxMapper {
                 })
                 .collect(),
         };
-        if let Ok(p) = self.resolve(&seed) {
+        if let Ok(mut p) = self.resolve(&seed) {
+            p.appended_only = never_dropped;
             self.outbox.insert(oid, Ok(p));
         }
     }
@@ -181,6 +191,9 @@ impl OutboxMapper {
         // name missing now was renamed, and its column is still there.
         let before = match self.outbox.get(&rel.oid) {
             Some(Ok(p)) if p.types == types => Some(p),
+            // An older description of a table only ever added to: its
+            // columns are the first ones, at the same positions.
+            Some(Ok(p)) if p.appended_only && p.types.starts_with(&types) => Some(p),
             _ => None,
         };
         let configured = self.columns.names();
@@ -190,7 +203,10 @@ impl OutboxMapper {
                 return Ok(i);
             }
             match old {
-                Some(i) if !configured.iter().any(|c| *c == rel.columns[i].name) => {
+                Some(i)
+                    if i < rel.columns.len()
+                        && !configured.iter().any(|c| *c == rel.columns[i].name) =>
+                {
                     followed
                         .borrow_mut()
                         .push((column.to_owned(), rel.columns[i].name.clone()));
@@ -238,6 +254,7 @@ impl OutboxMapper {
                 None => None,
             },
             followed: followed.take(),
+            appended_only: false,
         })
     }
 

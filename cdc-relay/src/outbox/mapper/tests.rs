@@ -279,18 +279,83 @@ fn a_renamed_column_of_the_same_shape_is_followed_by_position() {
     );
 }
 
+/// A table no column was ever dropped from, with a column added since the
+/// WAL's description: that description is the catalog's first columns,
+/// so a renamed column is followed at its position. With a dropped column
+/// somewhere (positions may have shifted) it is not, and a configured
+/// column the older description lacks is missing, not an index past its
+/// end.
+#[test]
+fn a_table_only_added_to_lets_an_older_description_follow_a_rename() {
+    let now = [
+        ("id".into(), 25),
+        ("aggregate_id".into(), 25),
+        ("event_type".into(), 25),
+        ("payload".into(), 3802),
+        ("note".into(), 25),
+    ];
+    let older = |m: &mut OutboxMapper| {
+        m.on_relation(&rel(
+            1,
+            "outbox",
+            &["id", "aggregate_id", "etype", "payload"],
+        ));
+    };
+    let mut m = mapper();
+    m.seed_layout(&now, true);
+    older(&mut m);
+    let e = event(
+        &m,
+        &insert(1, &[Some("e1"), Some("a"), Some("FromWal"), Some("{}")]),
+    );
+    assert_eq!(e.event_type, "FromWal");
+    let mut m = mapper();
+    m.seed_layout(&now, false);
+    older(&mut m);
+    assert!(
+        m.on_insert(&insert(1, &[Some("e"), None, None, None]), TX)
+            .is_err(),
+        "a column was dropped: positions are not known"
+    );
+    // The configured type column is the fifth now: the older description
+    // (four columns) has none at that position.
+    let mut m = mapper();
+    m.seed_layout(
+        &[
+            ("id".into(), 25),
+            ("aggregate_id".into(), 25),
+            ("etype".into(), 25),
+            ("payload".into(), 3802),
+            ("event_type".into(), 25),
+        ],
+        true,
+    );
+    m.on_relation(&rel(
+        1,
+        "outbox",
+        &["id", "aggregate_id", "kind", "payload"],
+    ));
+    assert!(
+        m.on_insert(&insert(1, &[Some("e"), None, None, None]), TX)
+            .is_err()
+    );
+}
+
 /// The catalog's layout seeds the outbox: a session whose first Relation
 /// message names a column as it was before a rename (renamed back since)
 /// still maps it.
 #[test]
 fn the_catalog_layout_lets_a_session_follow_an_older_column_name() {
     let mut m = mapper();
-    m.seed_layout(&[
-        ("id".into(), 25),
-        ("aggregate_id".into(), 25),
-        ("event_type".into(), 25),
-        ("payload".into(), 3802),
-    ]);
+    m.seed_layout(
+        &[
+            ("id".into(), 25),
+            ("aggregate_id".into(), 25),
+            ("event_type".into(), 25),
+            ("payload".into(), 3802),
+        ],
+        false,
+    );
     m.on_relation(&rel(
         1,
         "outbox",
@@ -303,12 +368,15 @@ fn the_catalog_layout_lets_a_session_follow_an_older_column_name() {
     assert_eq!(e.event_type, "FromWal");
     // A different payload type in the seed: not the same shape.
     let mut m = mapper();
-    m.seed_layout(&[
-        ("id".into(), 25),
-        ("aggregate_id".into(), 25),
-        ("event_type".into(), 25),
-        ("payload".into(), 25),
-    ]);
+    m.seed_layout(
+        &[
+            ("id".into(), 25),
+            ("aggregate_id".into(), 25),
+            ("event_type".into(), 25),
+            ("payload".into(), 25),
+        ],
+        false,
+    );
     m.on_relation(&rel(
         1,
         "outbox",

@@ -20,6 +20,10 @@ pub struct OutboxTable {
     /// Its columns as pgoutput describes them: name and type OID in attnum
     /// order, dropped and generated columns left out.
     pub columns: Vec<(String, u32)>,
+    /// No column of it was ever dropped (`pg_attribute` keeps a dropped
+    /// column for good): every column it ever had is in `columns`, in the
+    /// order they were added.
+    pub never_dropped: bool,
 }
 
 /// Type OIDs a trace context column may have (`pg_type.dat`): `text`,
@@ -39,7 +43,9 @@ pub async fn check_outbox_table(
     let row = client
         .query_opt(
             "SELECT c.oid, c.relkind::text, c.relreplident::text, \
-                    EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary) \
+                    EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
+                    NOT EXISTS (SELECT 1 FROM pg_attribute a \
+                                WHERE a.attrelid = c.oid AND a.attnum > 0 AND a.attisdropped) \
              FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
              WHERE n.nspname = $1 AND c.relname = $2",
             &[&t.schema, &t.name],
@@ -57,6 +63,7 @@ pub async fn check_outbox_table(
         replica_identity: row.get(2),
         has_primary_key: row.get(3),
         columns: Vec::new(),
+        never_dropped: row.get(4),
     };
     let rows = client
         .query(
