@@ -328,13 +328,8 @@ async fn ensure_slot(
                 &plan.slot, pid, &blockers,
             )))
         }
+        // A slot of another plugin was refused by `slot_info`.
         Some(s) => {
-            if s.plugin.as_deref() != Some("pgoutput") {
-                return Err(SourceError::Definite(format!(
-                    "slot {:?} exists with plugin {:?}, not pgoutput; drop it or choose another --slot",
-                    plan.slot, s.plugin
-                )));
-            }
             report.push(format!(
                 "exists: slot {:?} (pgoutput, confirmed_flush_lsn {})",
                 plan.slot,

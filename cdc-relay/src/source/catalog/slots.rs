@@ -133,6 +133,10 @@ pub async fn slot_held_by(
 }
 
 /// Reads the slot's row; `None` when it does not exist. One statement.
+/// Errors: [`SourceError::NeedsSetup`] for a slot of that name that is not
+/// a pgoutput one (another output plugin, or a physical slot): nothing the
+/// relay does with it could work, and asking it for pgoutput's options
+/// fails with only "option \"proto_version\" is unknown".
 pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, SourceError> {
     let sql = format!(
         "SELECT s.plugin::text, s.database::text, s.active, s.active_pid, \
@@ -149,7 +153,20 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
         .query_opt(&sql, &[&slot])
         .await
         .map_err(|e| SourceError::sql("reading the slot", &e))?;
-    Ok(row.map(|r| slot_from_row(&r, 0)))
+    let info = row.map(|r| slot_from_row(&r, 0));
+    if let Some(i) = &info
+        && i.plugin.as_deref() != Some("pgoutput")
+    {
+        let what = match &i.plugin {
+            Some(plugin) => format!("a logical slot of the output plugin {plugin:?}"),
+            None => "a physical slot".to_owned(),
+        };
+        return Err(SourceError::NeedsSetup(format!(
+            "slot {slot:?} (--slot) is {what}, not pgoutput: the relay cannot read it. Choose another --slot, \
+             or, if nothing else uses it, drop it (SELECT pg_drop_replication_slot('{slot}')) and run `cdc-relay setup`"
+        )));
+    }
+    Ok(info)
 }
 
 /// The walsender's wait event, how far it sent, and the server's flushed
