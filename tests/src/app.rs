@@ -284,6 +284,27 @@ impl CommandOutput {
     }
 }
 
+/// `cdc-relay run <args>` as a command against `db_url`, delivering to a
+/// sink nobody listens on (`http://127.0.0.1:9/inbox`) with an ephemeral
+/// admin port, until it exits: for a start that must refuse (its exit code
+/// and words). `env` as for [`relay_command`] (the secret included).
+pub async fn refused_run(
+    stack: &Stack,
+    db_url: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> anyhow::Result<CommandOutput> {
+    let mut argv = vec![
+        "run",
+        "--sink-url",
+        "http://127.0.0.1:9/inbox",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ];
+    argv.extend_from_slice(args);
+    relay_command(stack, db_url, &argv, env).await
+}
+
 /// Runs `cdc-relay <stack's --slot and --publication> <args>` as a CLI
 /// command against `db_url` and waits (bounded) for it to exit. The test's
 /// own `EVENT_SECRET` is not passed on; `env` adds variables (the secret,

@@ -35,16 +35,10 @@ async fn an_unlogged_outbox_is_named_with_the_command_that_fixes_it() -> anyhow:
         "{}",
         status.text()
     );
-    let run = app::relay_command(
+    let run = app::refused_run(
         &stack,
         &stack.relay_url,
-        &[
-            "run",
-            "--sink-url",
-            "http://127.0.0.1:9/inbox",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ],
+        &[],
         &[("EVENT_SECRET", TEST_SECRET)],
     )
     .await?;
@@ -188,16 +182,10 @@ async fn a_slot_of_another_output_plugin_is_named_by_run_setup_and_status() -> a
             && out.text().contains("--slot")
             && !out.text().contains("proto_version")
     };
-    let run = app::relay_command(
+    let run = app::refused_run(
         &stack,
         &stack.relay_url,
-        &[
-            "run",
-            "--sink-url",
-            "http://127.0.0.1:9/inbox",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ],
+        &[],
         &[("EVENT_SECRET", TEST_SECRET)],
     )
     .await?;

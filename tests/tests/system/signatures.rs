@@ -486,19 +486,7 @@ async fn relay_and_billing_refuse_the_same_bad_secrets_naming_the_setting() -> a
         ),
     ];
     for (env, message) in cases {
-        let relay = app::relay_command(
-            &stack,
-            &stack.relay_url,
-            &[
-                "run",
-                "--sink-url",
-                "http://127.0.0.1:9/inbox",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ],
-            &env,
-        )
-        .await?;
+        let relay = app::refused_run(&stack, &stack.relay_url, &[], &env).await?;
         assert_eq!(
             relay.code(),
             Some(2),

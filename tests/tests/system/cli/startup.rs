@@ -38,17 +38,7 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
     let stack = PgCluster::shared().create_stack().await?;
     let run = |extra: &'static [&'static str], env: &'static [(&'static str, &'static str)]| {
         let stack = stack.clone();
-        async move {
-            let mut args = vec![
-                "run",
-                "--sink-url",
-                "http://127.0.0.1:9/inbox",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ];
-            args.extend_from_slice(extra);
-            app::relay_command(&stack, &stack.relay_url, &args, env).await
-        }
+        async move { app::refused_run(&stack, &stack.relay_url, extra, env).await }
     };
     // Every configuration error exits 2, as a command line clap refuses.
     let no_secret = run(&[], &[]).await?;
@@ -148,16 +138,10 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         unreachable.text()
     );
 
-    let wrong_password = app::relay_command(
+    let wrong_password = app::refused_run(
         &stack,
         &stack.relay_url,
-        &[
-            "run",
-            "--sink-url",
-            "http://127.0.0.1:9/inbox",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ],
+        &[],
         &[
             ("EVENT_SECRET", TEST_SECRET),
             ("CDC_RELAY_DATABASE_PASSWORD", "wrong"),
@@ -217,19 +201,7 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         let mut env = env;
         env.push(("EVENT_SECRET", TEST_SECRET));
         let started = std::time::Instant::now();
-        let out = app::relay_command(
-            &stack,
-            db_url,
-            &[
-                "run",
-                "--sink-url",
-                "http://127.0.0.1:9/inbox",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ],
-            &env,
-        )
-        .await?;
+        let out = app::refused_run(&stack, db_url, &[], &env).await?;
         assert_eq!(out.code(), Some(code), "{db_url}: {}", out.text());
         assert!(out.text().contains(names), "{db_url}: {}", out.text());
         assert!(

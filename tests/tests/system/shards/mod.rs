@@ -53,26 +53,18 @@ async fn admin_command(stack: &Stack, args: &[&str]) -> anyhow::Result<CommandOu
 /// `cdc-relay run --sink-url <unreachable> <args>` as the relay role, which
 /// must exit within [`REFUSAL`].
 async fn refused_run(stack: &Stack, args: &[&str]) -> anyhow::Result<CommandOutput> {
-    let mut argv = vec![
-        "run",
-        "--sink-url",
-        "http://127.0.0.1:9/inbox",
-        "--admin-listen",
-        "127.0.0.1:0",
-    ];
-    argv.extend_from_slice(args);
     tokio::time::timeout(
         REFUSAL,
-        app::relay_command(
+        app::refused_run(
             stack,
             &stack.relay_url,
-            &argv,
+            args,
             &[("EVENT_SECRET", TEST_SECRET)],
         ),
     )
     .await
     .with_context(|| {
-        format!("cdc-relay {argv:?} still runs after {REFUSAL:?}: it did not refuse")
+        format!("cdc-relay run {args:?} still runs after {REFUSAL:?}: it did not refuse")
     })?
 }
 
