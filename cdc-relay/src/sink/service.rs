@@ -39,7 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
-use http::header::{AUTHORIZATION, CONTENT_TYPE, HOST, RETRY_AFTER, USER_AGENT};
+use http::header::{AUTHORIZATION, CONTENT_TYPE, HOST, LOCATION, RETRY_AFTER, USER_AGENT};
 use http::{HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
 use http_body_util::Full;
 use hyper_rustls::HttpsConnectorBuilder;
@@ -361,13 +361,19 @@ impl HttpSink {
             }
             parsed
         });
+        let mut excerpt = String::from_utf8_lossy(&exchange.body).into_owned();
+        // A redirect's target is what the operator must put in --sink-url:
+        // shown first (without userinfo or query values).
+        if (300..400).contains(&status)
+            && let Some(location) = exchange.head.headers().get(LOCATION)
+        {
+            let location = crate::redact::url(&String::from_utf8_lossy(location.as_bytes()));
+            excerpt = format!("Location: {location} {excerpt}");
+        }
         Attempt::Response {
             status,
             retry_after,
-            excerpt: masked(
-                String::from_utf8_lossy(&exchange.body).into_owned(),
-                &self.target.secrets,
-            ),
+            excerpt: masked(excerpt, &self.target.secrets),
         }
     }
 }

@@ -798,38 +798,51 @@ async fn poison_answer_of_invalid_utf8_is_dead_lettered() -> anyhow::Result<()> 
         .await
 }
 
+/// A sink on a loopback port that answers every request with `answer`
+/// (raw bytes of a whole HTTP/1.1 response) once it has read the first
+/// part of the request, then closes; stops when the handle is aborted.
+async fn raw_sink(answer: String) -> anyhow::Result<(String, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}/inbox", listener.local_addr()?);
+    let sink = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut request = vec![0_u8; 64 * 1024];
+                let _ = stream.read(&mut request).await;
+                let _ = stream.write_all(answer.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    Ok((url, sink))
+}
+
+/// Starts a relay delivering to `url` and commits one event.
+async fn one_event_to(url: &str) -> anyhow::Result<(Stack, Running)> {
+    let stack = PgCluster::shared().create_stack().await?;
+    app::relay_setup(&stack).await?;
+    let relay = app::start_relay(&stack, url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    let db = stack.orders_admin().await?;
+    app::insert_order_event(&db).await?;
+    Ok((stack, relay))
+}
+
 /// A 2xx whose head the relay cannot read (150 header fields, over the
 /// HTTP/1.1 client's 100) is a transport failure, retried (the sink may
 /// have taken the event; its inbox deduplicates), and the log says what
 /// happened and where to look, not only "message head is too large".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_head_too_large_to_read_is_named_in_the_log() -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}/inbox", listener.local_addr()?);
-    let sink = tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                let mut request = vec![0_u8; 64 * 1024];
-                // The head is answered before the rest of the request is
-                // read: the relay's client reads the answer either way.
-                let _ = stream.read(&mut request).await;
-                let mut answer = String::from("HTTP/1.1 200 OK\r\n");
-                for n in 0..150 {
-                    answer.push_str(&format!("x-padding-{n}: a\r\n"));
-                }
-                answer.push_str("content-length: 0\r\n\r\n");
-                let _ = stream.write_all(answer.as_bytes()).await;
-                let _ = stream.shutdown().await;
-            });
-        }
-    });
-    let stack = PgCluster::shared().create_stack().await?;
-    app::relay_setup(&stack).await?;
-    let relay = app::start_relay(&stack, &url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    let db = stack.orders_admin().await?;
-    app::insert_order_event(&db).await?;
+    let mut answer = String::from("HTTP/1.1 200 OK\r\n");
+    for n in 0..150 {
+        answer.push_str(&format!("x-padding-{n}: a\r\n"));
+    }
+    answer.push_str("content-length: 0\r\n\r\n");
+    let (url, sink) = raw_sink(answer).await?;
+    let (_stack, relay) = one_event_to(&url).await?;
     wait_until(
         "the unreadable answer named in the log",
         Duration::from_secs(30),
@@ -843,12 +856,37 @@ async fn a_response_head_too_large_to_read_is_named_in_the_log() -> anyhow::Resu
     .await?;
     let m = relay.metrics().await?;
     assert_eq!(m.sum("cdc_relay_events_delivered_total"), 0.0);
-    assert!(
-        m.label_values("cdc_relay_retries_total", "reason")
-            .contains("transport"),
-        "{:?}",
-        m.label_values("cdc_relay_retries_total", "reason")
-    );
+    let reasons = m.label_values("cdc_relay_retries_total", "reason");
+    assert!(reasons.contains("transport"), "{reasons:?}");
+    sink.abort();
+    Ok(())
+}
+
+/// A redirect is a configuration fault (retried, never dead-lettered), and
+/// the log shows where it points: the URL the operator must put in
+/// `--sink-url`, without its query values. Before, it said only "the sink
+/// redirects".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redirect_shows_its_location_in_the_log() -> anyhow::Result<()> {
+    let (url, sink) = raw_sink(
+        "HTTP/1.1 307 Temporary Redirect\r\n\
+         location: http://127.0.0.1:1/final-inbox?token=abc\r\n\
+         content-length: 0\r\n\r\n"
+            .to_owned(),
+    )
+    .await?;
+    let (_stack, relay) = one_event_to(&url).await?;
+    let line = relay
+        .process
+        .wait_for_line(
+            "Location: http://127.0.0.1:1/final-inbox",
+            Duration::from_secs(30),
+        )
+        .await?;
+    assert!(!line.contains("abc"), "a query value is not logged: {line}");
+    let m = relay.metrics().await?;
+    assert_eq!(m.sum("cdc_relay_events_delivered_total"), 0.0);
+    assert_eq!(m.sum("cdc_relay_events_dead_lettered_total"), 0.0);
     sink.abort();
     Ok(())
 }
