@@ -194,13 +194,10 @@ pub const SLOT_AT_RISK: u8 = 9;
 /// Asks each admin endpoint and adds what stops delivery to `s.problems`
 /// (after the database's own, which are more fundamental).
 async fn relay_checks(s: &mut Status, a: &StatusArgs) {
-    let foreign = foreign_holder(s);
-    // A hot standby waiting behind a process that is not a relay is not
-    // what an HA pair looks like.
-    let active = s.active && foreign.is_none();
-    if let Some(p) = unheld(s).or(foreign) {
+    if let Some(p) = unheld(s) {
         s.problems.push(p);
     }
+    let active = s.active;
     ask_relays(a, active, &mut s.relays, &mut s.problems).await;
     s.healthy = s.problems.is_empty();
 }
@@ -258,35 +255,6 @@ fn unheld(s: &Status) -> Option<Problem> {
     })
 }
 
-/// The application_name this deployment's relays stream under: `run`'s
-/// `--application-name`, read as `run` reads it (`CDC_RELAY_APPLICATION_NAME`,
-/// else `cdc-relay`).
-fn relay_application_name() -> String {
-    std::env::var("CDC_RELAY_APPLICATION_NAME")
-        .ok()
-        .filter(|v| !v.is_empty())
-        .unwrap_or_else(|| "cdc-relay".into())
-}
-
-/// The exit-8 problem of a usable slot held by a walsender whose
-/// `application_name` is not a relay's (`pg_recvlogical`, another tool
-/// given this slot): nothing delivers, and what it confirms never will be.
-fn foreign_holder(s: &Status) -> Option<Problem> {
-    let relay = relay_application_name();
-    let name = s.holder_name.as_ref().filter(|n| **n != relay)?;
-    (s.exists && s.active && s.problems.is_empty()).then(|| Problem {
-        code: NOT_DELIVERING,
-        message: format!(
-            "slot {} is held by {} (walsender pid {}), whose application_name {name:?} is not a relay's ({relay:?}): \
-             if it is not a cdc-relay of this deployment, every event it reads and confirms is never delivered; stop it \
-             (SELECT pg_terminate_backend(pid)) and backfill from when it started (docs/operations.md#ha-standby)",
-            s.slot,
-            s.held_by.as_deref().unwrap_or("?"),
-            crate::shown(&s.active_pid),
-        ),
-    })
-}
-
 /// Something that stops delivery.
 #[derive(Debug, Serialize, PartialEq, Eq)]
 pub struct Problem {
@@ -311,9 +279,6 @@ pub struct Status {
     /// Who streams from that walsender: its `application_name` and client
     /// address (`cdc-relay from 10.0.0.7`).
     pub held_by: Option<String>,
-    /// That walsender's `application_name` alone.
-    #[serde(skip)]
-    pub holder_name: Option<String>,
     /// The relay that last recorded delivery progress for this slot
     /// (`application_name@host:pid`, from `cdc_relay_progress`).
     pub last_progress_by: Option<String>,
@@ -461,18 +426,18 @@ pub async fn status(
             .to_string(),
         );
     }
-    let (held_by, holder_name) = match info.as_ref().and_then(|i| i.active_pid) {
+    let held_by = match info.as_ref().and_then(|i| i.active_pid) {
         Some(pid) => client
             .query_opt(
                 "SELECT coalesce(nullif(application_name, ''), '?') || ' from ' || \
-                        coalesce(host(client_addr), 'a local socket'), application_name \
+                        coalesce(host(client_addr), 'a local socket') \
                  FROM pg_stat_replication WHERE pid = $1",
                 &[&pid],
             )
             .await
             .map_err(|e| SourceError::sql("reading pg_stat_replication", &e))?
-            .map_or((None, None), |r| (r.get(0), r.get(1))),
-        None => (None, None),
+            .map(|r| r.get::<_, String>(0)),
+        None => None,
     };
     if let Some(gap) = source::progress::read_owed(client, slot).await? {
         problem(1, gap.to_string());
@@ -486,7 +451,6 @@ pub async fn status(
         active: info.as_ref().is_some_and(|i| i.active),
         active_pid: info.as_ref().and_then(|i| i.active_pid),
         held_by,
-        holder_name,
         last_progress_by,
         confirmed_flush_lsn: info
             .as_ref()
