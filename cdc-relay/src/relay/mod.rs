@@ -170,7 +170,7 @@ pub async fn run(
                                 tracing::warn!(slot = %cfg.slot, active_pid = %crate::shown(pid), holder_application_name = %name, application_name = %cfg.application_name,
                                     "slot is held by a process whose application_name is not this relay's: if it is not a cdc-relay of this deployment \
                                      (pg_recvlogical, another tool given this slot), every event it reads and confirms is never delivered; stop it \
-                                     (SELECT pg_terminate_backend(active_pid)) and backfill from when it started (docs/operations.md#ha-standby). Waiting as hot standby");
+                                     (SELECT pg_terminate_backend(active_pid)) and backfill from when it started (docs/operations.md#ha-standby); waiting as hot standby");
                             }
                             _ => {
                                 tracing::info!(slot = %cfg.slot, active_pid = %crate::shown(pid), "slot is held by another process; waiting as hot standby");
