@@ -46,16 +46,7 @@ pub(super) async fn holder_name(
     poller: &mut Option<tokio_postgres::Client>,
     pid: i32,
 ) -> Option<String> {
-    if poller.as_ref().is_none_or(|c| c.is_closed()) {
-        let connect = source::connect_primary(&cfg.conn, &cfg.application_name);
-        let (client, _closed, _server) =
-            tokio::time::timeout(cfg.conn.connect_timeout * 2, connect)
-                .await
-                .ok()?
-                .ok()?;
-        *poller = Some(client);
-    }
-    let client = poller.as_ref()?;
+    let client = poll_client(cfg, poller).await?;
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&pid];
     let read = client.query_opt(
         "SELECT application_name FROM pg_stat_replication WHERE pid = $1",
@@ -66,6 +57,24 @@ pub(super) async fn holder_name(
         .ok()?
         .ok()??;
     row.get(0)
+}
+
+/// The hot standby's poll connection, made when there is none (or it
+/// closed); `None` when it cannot be made within twice the connect timeout.
+async fn poll_client<'a>(
+    cfg: &RelayConfig,
+    poller: &'a mut Option<tokio_postgres::Client>,
+) -> Option<&'a tokio_postgres::Client> {
+    if poller.as_ref().is_none_or(|c| c.is_closed()) {
+        let connect = source::connect_primary(&cfg.conn, &cfg.application_name);
+        let (client, _closed, _server) =
+            tokio::time::timeout(cfg.conn.connect_timeout * 2, connect)
+                .await
+                .ok()?
+                .ok()?;
+        *poller = Some(client);
+    }
+    poller.as_ref()
 }
 
 /// A hot standby's wait: polls [`blocked`] every 250-750 ms on one kept
@@ -84,14 +93,7 @@ pub(super) async fn wait_while_blocked(
             _ = tokio::time::sleep(pause) => {}
             _ = shutdown.cancelled() => return false,
         }
-        if poller.as_ref().is_none_or(|c| c.is_closed()) {
-            let connect = source::connect_primary(&cfg.conn, &cfg.application_name);
-            match tokio::time::timeout(cfg.conn.connect_timeout * 2, connect).await {
-                Ok(Ok((client, _closed, _server))) => *poller = Some(client),
-                _ => return true,
-            }
-        }
-        let Some(client) = poller.as_ref() else {
+        let Some(client) = poll_client(cfg, poller).await else {
             return true;
         };
         match tokio::time::timeout(Duration::from_secs(5), blocked(client, cfg)).await {
