@@ -51,6 +51,7 @@ use crate::sink::connection::{Conn, Connections, Http2};
 use crate::sink::encoder::{self, Prepared};
 use crate::sink::signature::Signing;
 use crate::sink::{Sink, TraceHeaders};
+use failure::{closed_under, connect_error, never_processed, transport_detail};
 
 /// How to reach the sink.
 #[derive(Clone, Debug)]
@@ -496,113 +497,6 @@ fn excerpt_limit(status: u16) -> usize {
     }
 }
 
-/// An attempt that got no connection: the connect timeout, a TLS failure
-/// (with a word for a plain-HTTP endpoint behind an `https` URL), or the
-/// connect error itself.
-fn connect_error(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Attempt {
-    if source_is_timeout(e) {
-        Attempt::Timeout
-    } else if source_is_tls(e) {
-        let chain = crate::error_chain(e);
-        // rustls's words for a first record that is no TLS record: an
-        // https:// URL reaching a plain-HTTP listener.
-        if chain.contains("InvalidContentType") {
-            Attempt::Tls(format!(
-                "{chain} (the endpoint answered in plain text: it does not speak TLS on \
-                     that port; use http:// in the URL, or enable TLS on the endpoint)"
-            ))
-        } else {
-            Attempt::Tls(chain)
-        }
-    } else {
-        Attempt::Connect(crate::error_chain(e))
-    }
-}
-
-/// A transport failure's detail: hyper's error chain, and for a response
-/// head too large to read what it means (the answer may be a 2xx: the
-/// event is sent again, and the receiver's inbox deduplicates it).
-fn transport_detail(e: &hyper::Error) -> String {
-    let chain = crate::error_chain(e);
-    if e.is_parse_too_large() {
-        format!(
-            "{chain}: the sink's response head is larger than the relay reads (HTTP/1.1: 100 header fields or about 400 KiB), \
-             so its status is unknown; check what adds headers in front of the sink"
-        )
-    } else {
-        chain
-    }
-}
-
-/// Whether the sink cannot have processed the request: it was canceled
-/// before it was written (a pooled connection found closed), or its HTTP/2
-/// stream was refused (`REFUSED_STREAM`, RFC 9113 §8.7) or reset by the
-/// peer's GOAWAY (§6.8: streams above its last stream id were not
-/// processed). A stream at or below that id cut by the connection closing
-/// may have been processed: h2 reports it as a broken pipe, a transport
-/// failure like any other.
-fn never_processed(e: &hyper::Error) -> bool {
-    std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| {
-        e.source()
-    })
-    .any(|err| {
-        if let Some(h) = err.downcast_ref::<hyper::Error>() {
-            return h.is_canceled();
-        }
-        err.downcast_ref::<h2::Error>().is_some_and(|h| {
-            h.reason() == Some(h2::Reason::REFUSED_STREAM) || (h.is_go_away() && h.is_remote())
-        })
-    })
-}
-
-/// Whether an HTTP/1.1 connection that had answered before closed (or
-/// was reset) under the next request before any of its answer: the sink
-/// closed it while idle and the request met the close (a server that
-/// closes after each answer without `Connection: close`, or one whose
-/// idle timeout ran out as the request left). The request most likely
-/// never reached the application; if it did, sending it again is what
-/// at-least-once allows (the `Idempotency-Key` is the same).
-fn closed_under(e: &hyper::Error, conn: &Conn) -> bool {
-    conn.is_http1()
-        && (e.is_incomplete_message()
-            || std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| {
-                e.source()
-            })
-            .any(|err| {
-                err.downcast_ref::<std::io::Error>().is_some_and(|io| {
-                    matches!(
-                        io.kind(),
-                        std::io::ErrorKind::ConnectionReset
-                            | std::io::ErrorKind::ConnectionAborted
-                            | std::io::ErrorKind::BrokenPipe
-                    )
-                })
-            }))
-}
-
-/// A connect error whose cause is the TCP connect timeout.
-fn source_is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
-    std::iter::successors(Some(e), |e| e.source()).any(|err| {
-        err.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
-    })
-}
-
-/// A connect error whose cause is the TLS handshake: a rustls error, on
-/// its own or wrapped in `io::Error`s (the TLS stream reports it in one and
-/// the connector wraps that in another; `io::Error::source` skips both, so
-/// their payloads are followed with `get_ref`).
-fn source_is_tls(e: &(dyn std::error::Error + 'static)) -> bool {
-    std::iter::successors(Some(e), |e| e.source()).any(|err| {
-        std::iter::successors(Some(err), |e| {
-            e.downcast_ref::<std::io::Error>()
-                .and_then(std::io::Error::get_ref)
-                .map(|inner| inner as &(dyn std::error::Error + 'static))
-        })
-        .any(|e| e.is::<rustls::Error>())
-    })
-}
-
 /// Parses `Retry-After` (RFC 9110 §10.2.3): delay-seconds or an HTTP-date
 /// (a date in the past means zero). Delay-seconds too large for a `u64`
 /// mean "a very long time" (as RFC 9111 §1.2.2 reads an overflowing
@@ -619,5 +513,6 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
+mod failure;
 #[cfg(test)]
 mod tests;

@@ -7,6 +7,7 @@ use event_secret::{CURRENT, EventKeys, Key};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use super::failure::source_is_tls;
 use super::*;
 use crate::sink::signature::{SignatureScheme, Signer};
 
