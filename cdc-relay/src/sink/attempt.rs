@@ -17,9 +17,14 @@ pub enum Attempt {
         /// 207 (per-event answers, [`super::answers`]) [`ANSWERS_BYTES`](super::answers::ANSWERS_BYTES).
         excerpt: String,
     },
-    /// No complete response within the request timeout (or the TCP connect
-    /// timeout).
+    /// No complete response within `--request-timeout`, on a connection
+    /// that was made.
     Timeout,
+    /// No connection: the TCP connect did not complete within
+    /// `--sink-connect-timeout`, or (for `https`) the TLS handshake after it
+    /// not within `--request-timeout`. Counted as a timeout
+    /// (`reason="timeout"`); its detail says no request was sent.
+    ConnectTimeout,
     /// Could not connect (refused, DNS).
     Connect(String),
     /// The TLS handshake failed (certificate, protocol).
@@ -46,6 +51,11 @@ impl Attempt {
                 }
             }
             Attempt::Timeout => "request timed out".into(),
+            Attempt::ConnectTimeout => {
+                "timed out connecting: the TCP connect (or, for https, the TLS \
+                 handshake after it) did not complete in time; no request was sent"
+                    .into()
+            }
             Attempt::Connect(e) | Attempt::Tls(e) | Attempt::Transport(e) => e.clone(),
         }
     }

@@ -197,7 +197,9 @@ impl StatusPolicy {
 pub fn classify(attempt: &Attempt, policy: &StatusPolicy) -> Disposition {
     let status = match attempt {
         Attempt::Response { status, .. } => *status,
-        Attempt::Timeout => return Disposition::Retry(reason(ReasonLabel::Timeout, None)),
+        Attempt::Timeout | Attempt::ConnectTimeout => {
+            return Disposition::Retry(reason(ReasonLabel::Timeout, None));
+        }
         Attempt::Connect(_) => return Disposition::Retry(reason(ReasonLabel::Connect, None)),
         Attempt::Tls(_) => return Disposition::Retry(reason(ReasonLabel::Tls, None)),
         Attempt::Transport(_) => return Disposition::Retry(reason(ReasonLabel::Transport, None)),
@@ -396,6 +398,7 @@ mod tests {
         }
         for a in [
             Attempt::Timeout,
+            Attempt::ConnectTimeout,
             Attempt::Connect("refused".into()),
             Attempt::Tls("unknown issuer".into()),
             Attempt::Transport("reset".into()),
@@ -451,6 +454,7 @@ mod tests {
         let mut seen = std::collections::BTreeSet::new();
         let attempts = (100..=999).map(resp).chain([
             Attempt::Timeout,
+            Attempt::ConnectTimeout,
             Attempt::Connect(String::new()),
             Attempt::Tls(String::new()),
             Attempt::Transport(String::new()),

@@ -39,6 +39,8 @@ use hyper_util::client::legacy::connect::{Connection as _, HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tower_service::Service as _;
 
+mod reaper;
+
 /// Makes a TCP (and, for `https`, TLS) connection to the sink.
 pub type Connector = HttpsConnector<HttpConnector>;
 
@@ -310,7 +312,7 @@ impl Connections {
 
     fn start_reaper(self: &Arc<Self>) {
         if !self.reaping.swap(true, Ordering::Relaxed) {
-            tokio::spawn(reap(Arc::downgrade(self)));
+            tokio::spawn(reaper::reap(Arc::downgrade(self)));
         }
     }
 
@@ -410,48 +412,6 @@ impl<'a> Waiting<'a> {
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// How often the reaper looks at idle connections at most: a connection
-/// the sink closed while idle is closed on the relay's side within about
-/// this long (not left half-closed until the idle timeout).
-const REAP_PERIOD: Duration = Duration::from_secs(1);
-
-/// Closes idle connections that the sink closed, or that are past their
-/// idle timeout or age, while no request comes to take them; ends with
-/// the sink.
-async fn reap(connections: Weak<Connections>) {
-    let period = match connections.upgrade() {
-        Some(c) => {
-            (c.idle_timeout.min(c.max_age) / 2).clamp(Duration::from_millis(100), REAP_PERIOD)
-        }
-        None => return,
-    };
-    let mut tick = tokio::time::interval(period);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let Some(c) = connections.upgrade() else {
-            return;
-        };
-        let expired: Vec<Http1> = {
-            let mut idle = c.idle.lock().expect("connections lock is never poisoned");
-            let mut expired = Vec::new();
-            for mut h1 in std::mem::take(&mut *idle) {
-                if c.usable(&h1) && h1.open() {
-                    idle.push(h1);
-                } else {
-                    expired.push(h1);
-                }
-            }
-            expired
-        };
-        drop(expired);
-        let mut shared = c.shared.lock().expect("connections lock is never poisoned");
-        if shared.as_ref().is_some_and(|h2| !c.takes_requests(h2)) {
-            *shared = None;
-        }
     }
 }
 

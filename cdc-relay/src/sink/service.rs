@@ -251,8 +251,7 @@ impl HttpSink {
         event_id: &str,
         request: &Prepared,
         trace: Option<&TraceHeaders>,
-        answered: &mut Option<StatusCode>,
-        on_h2: &mut Option<Http2>,
+        reached: &mut Reached,
     ) -> Attempt {
         let id = encoder::header_safe(event_id);
         // One read per attempt: a reload during it changes the next one.
@@ -310,11 +309,12 @@ impl HttpSink {
                 Ok(conn) => conn,
                 Err(e) => return connect_error(&*e),
             };
+            reached.connected = true;
             if let Conn::Http2(h2) = &conn {
-                *on_h2 = Some(h2.clone());
+                reached.on_h2 = Some(h2.clone());
             }
             match conn
-                .exchange(build(conn.is_http1()), excerpt_limit, answered)
+                .exchange(build(conn.is_http1()), excerpt_limit, &mut reached.answered)
                 .await
             {
                 Ok((exchange, to_end)) => {
@@ -399,12 +399,11 @@ impl Sink for HttpSink {
         trace: Option<&TraceHeaders>,
     ) -> Attempt {
         let timeout = self.target.request_timeout;
-        let mut answered = None;
-        let mut on_h2 = None;
-        let attempt = self.attempt(event_id, request, trace, &mut answered, &mut on_h2);
+        let mut reached = Reached::default();
+        let attempt = self.attempt(event_id, request, trace, &mut reached);
         match tokio::time::timeout(timeout, attempt).await {
             Ok(attempt) => attempt,
-            Err(_) => timed_out(&self.connections, answered, on_h2),
+            Err(_) => timed_out(&self.connections, reached),
         }
     }
 }
@@ -415,18 +414,14 @@ impl Sink for HttpSink {
 /// connection gone silent (a hung worker, a half-open path after a
 /// failover) costs one timeout, not every request until its
 /// `--sink-connection-max-age`.
-fn timed_out(
-    connections: &Connections,
-    answered: Option<StatusCode>,
-    on_h2: Option<Http2>,
-) -> Attempt {
-    if let Some(h2) = on_h2 {
+fn timed_out(connections: &Connections, reached: Reached) -> Attempt {
+    if let Some(h2) = reached.on_h2 {
         connections.discard_h2(&h2);
         tracing::debug!(
             "a request timed out on the sink's HTTP/2 connection: the next requests go on a new connection"
         );
     }
-    match answered {
+    match reached.answered {
         // The status line said 2xx and the body is late: the sink took
         // the event, as when a 2xx's body is cut. A 207's body is its
         // answer (per event), so a late one is no answer.
@@ -437,8 +432,22 @@ fn timed_out(
                 excerpt: String::new(),
             }
         }
+        // A TLS handshake that never completes (a listener that accepts
+        // and then says nothing) is no slow answer: the detail says so.
+        _ if !reached.connected => Attempt::ConnectTimeout,
         _ => Attempt::Timeout,
     }
+}
+
+/// How far an attempt got, read when its timeout ends it.
+#[derive(Default)]
+struct Reached {
+    /// A connection was made (or taken from the idle ones).
+    connected: bool,
+    /// The shared HTTP/2 connection it went on.
+    on_h2: Option<Http2>,
+    /// The status line that arrived, if any.
+    answered: Option<StatusCode>,
 }
 
 // The wire format's own headers, made once: a name given as `&str` is

@@ -10,7 +10,7 @@ use crate::sink::connection::Conn;
 /// connect error itself.
 pub(super) fn connect_error(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Attempt {
     if source_is_timeout(e) {
-        Attempt::Timeout
+        Attempt::ConnectTimeout
     } else if source_is_tls(e) {
         let chain = crate::error_chain(e);
         // rustls's words for a first record that is no TLS record: an

@@ -290,7 +290,8 @@ async fn a_request_sent_again_goes_to_a_new_connection_not_another_idle_one() {
 
 /// An attempt that times out ends its connection attempt with it: an
 /// `https` sink behind a front that accepts TCP and never speaks TLS keeps
-/// no socket of the relay's once the attempt is over.
+/// no socket of the relay's once the attempt is over. Such an attempt is a
+/// timeout connecting, not a request that timed out.
 ///
 /// Fails without it: each timed-out attempt left its TLS handshake waiting
 /// in a task of its own, one held socket per attempt (and, for a sink that
@@ -321,7 +322,9 @@ async fn an_attempt_that_times_out_ends_its_connection_attempt() {
     );
     for _ in 0..3 {
         let got = s.post("e", &prepared(&s), None).await;
-        assert_eq!(got, Attempt::Timeout);
+        // No slow answer: no request went (the detail says so).
+        assert_eq!(got, Attempt::ConnectTimeout);
+        assert!(got.detail().contains("TLS"), "{}", got.detail());
     }
     let started = std::time::Instant::now();
     while ended.load(std::sync::atomic::Ordering::SeqCst) < 3 {
