@@ -32,7 +32,8 @@ const ERROR_CHARS: usize = 500;
 /// One event's answer in a 207.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EventAnswer {
-    /// The HTTP status the receiver gives this event (100–599).
+    /// The HTTP status the receiver gives this event: a 2xx other than
+    /// 207, a 4xx or a 5xx.
     pub status: u16,
     /// Its `error` as text (a JSON string's value, any other JSON as
     /// written), at most 500 characters; empty when absent.
@@ -41,8 +42,8 @@ pub struct EventAnswer {
 
 /// Reads a 207 body: each named event id with its answer. An error says
 /// what does not match the shape (not JSON, no `results` array, an element
-/// without a string `id` or with a `status` outside 100–599, an id named
-/// twice).
+/// without a string `id` or without a `status` that is an event's outcome
+/// ([`is_outcome`]), an id named twice).
 pub fn parse(body: &str) -> Result<HashMap<String, EventAnswer>, String> {
     let value: Value =
         serde_json::from_str(body).map_err(|e| format!("the body is not JSON ({e})"))?;
@@ -57,8 +58,14 @@ pub fn parse(body: &str) -> Result<HashMap<String, EventAnswer>, String> {
         let status = result
             .get("status")
             .and_then(Value::as_u64)
-            .filter(|s| (100..=599).contains(s))
-            .ok_or_else(|| format!("results[{i}] has no \"status\" between 100 and 599"))?;
+            .ok_or_else(|| format!("results[{i}] has no \"status\" number"))?;
+        // 207 would say "taken" of nothing, 1xx and 3xx are no event's
+        // outcome: read as one, a per-event 207 was taken as a 2xx.
+        if !is_outcome(status) {
+            return Err(format!(
+                "results[{i}] has status {status}, which is no event's outcome (a 2xx other than 207, a 4xx or a 5xx)"
+            ));
+        }
         let error = match result.get("error") {
             None | Some(Value::Null) => String::new(),
             Some(Value::String(s)) => s.chars().take(ERROR_CHARS).collect(),
@@ -73,6 +80,14 @@ pub fn parse(body: &str) -> Result<HashMap<String, EventAnswer>, String> {
         }
     }
     Ok(answers)
+}
+
+/// Whether `status` can be one event's outcome: a 2xx other than 207
+/// (taken), a 4xx or a 5xx (refused, judged as a response to the event
+/// alone would be). A 207 inside a 207 says nothing was taken, and 1xx
+/// and 3xx are about a response, not an event.
+fn is_outcome(status: u64) -> bool {
+    matches!(status, 200..=299 | 400..=599) && status != 207
 }
 
 #[cfg(test)]
@@ -121,11 +136,25 @@ mod tests {
             ),
             (
                 r#"{"results":[{"id":"a","status":99}]}"#,
-                "between 100 and 599",
+                "status 99, which is no event's outcome",
             ),
             (
                 r#"{"results":[{"id":"a","status":600}]}"#,
-                "between 100 and 599",
+                "status 600, which is no event's outcome",
+            ),
+            // A 207 per event would have been taken as a 2xx: the event
+            // confirmed though nothing said it was taken.
+            (
+                r#"{"results":[{"id":"a","status":201},{"id":"b","status":207}]}"#,
+                "results[1] has status 207, which is no event's outcome",
+            ),
+            (
+                r#"{"results":[{"id":"a","status":102}]}"#,
+                "status 102, which",
+            ),
+            (
+                r#"{"results":[{"id":"a","status":302}]}"#,
+                "status 302, which",
             ),
             (
                 r#"{"results":[{"id":"a","status":200},{"id":"a","status":422}]}"#,

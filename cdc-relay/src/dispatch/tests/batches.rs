@@ -227,6 +227,9 @@ async fn a_single_event_answered_207_per_event_is_judged_by_its_own_answer() {
                 ("busy", 1) => 503,
                 ("unnamed", 1) => UNNAMED,
                 ("garbled", 1) => GARBLED,
+                // A tester's: a 207 per event was taken as a 2xx.
+                ("itself", 1) => 207,
+                ("moved", 1) => 302,
                 ("refused", _) => 422,
                 _ => 201,
             };
@@ -234,14 +237,16 @@ async fn a_single_event_answered_207_per_event_is_judged_by_its_own_answer() {
         });
         sink.per_event.store(true, Ordering::Relaxed);
         // One aggregate: one event at a time, each alone.
-        let txs = ["busy", "unnamed", "garbled", "refused", "fine"]
-            .iter()
-            .map(|id| vec![event(id, Some("k"))])
-            .collect();
+        let txs = [
+            "busy", "unnamed", "garbled", "itself", "moved", "refused", "fine",
+        ]
+        .iter()
+        .map(|id| vec![event(id, Some("k"))])
+        .collect();
         let metrics = Metrics::new();
         let (last, dead) =
             dispatch_all_counted(batching(1, batch), Arc::clone(&sink), txs, metrics.clone()).await;
-        assert_eq!(last, Lsn::new(500), "batch {batch}: every transaction done");
+        assert_eq!(last, Lsn::new(700), "batch {batch}: every transaction done");
         let calls = sink.calls();
         assert!(
             calls.iter().all(|c| c.members.is_empty()),
@@ -259,13 +264,23 @@ async fn a_single_event_answered_207_per_event_is_judged_by_its_own_answer() {
             2,
             "batch {batch}: a 207 that is not per-event answers is not done"
         );
+        assert_eq!(
+            times("itself"),
+            2,
+            "batch {batch}: a 207 per event says nothing was taken"
+        );
+        assert_eq!(
+            times("moved"),
+            2,
+            "batch {batch}: a 3xx per event is no event's outcome"
+        );
         assert_eq!(times("refused"), 1, "batch {batch}");
         assert_eq!(times("fine"), 1, "batch {batch}");
         assert_eq!(dead.len(), 1, "batch {batch}: {dead:?}");
         assert_eq!(dead[0].event_id.as_deref(), Some("refused"));
         assert_eq!(dead[0].http_status, Some(422), "its own answer's status");
         assert!(dead[0].error.contains("scripted"), "{}", dead[0].error);
-        assert_eq!(metrics.events_delivered.get(), 4);
+        assert_eq!(metrics.events_delivered.get(), 6);
         assert_eq!(metrics.retries.with_label_values(&["http_5xx"]).get(), 1);
     }
 }
