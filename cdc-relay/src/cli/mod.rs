@@ -41,8 +41,9 @@ pub use run::{DeliveryArgs, RunArgs, SecretArgs, SinkArgs};
 /// publication (recreate it and backfill); 7 the slot is ahead of where this
 /// relay left it with events undelivered (recreated, or a failover): backfill
 /// from the time the message gives. `status` exits with the same codes, 8
-/// when the database is fine but no relay delivers, and 9 when the slot is
-/// about to be invalidated (wal_status unreserved).
+/// when the database is fine but no relay delivers, 9 when the slot is
+/// about to be invalidated (wal_status unreserved), and 10 when an endpoint
+/// of a routes file is parked or its circuit is open (the others deliver).
 #[derive(Debug, Parser)]
 #[command(name = "cdc-relay", version = crate::VERSION, about, long_about)]
 pub struct Cli {

@@ -212,6 +212,20 @@ async fn three_endpoints_fan_out_unrouted_and_one_down_then_back() {
         "{}",
         status.text()
     );
+    // Not "healthy": one endpoint gets nothing (it was exit 0).
+    assert_eq!(status.code(), Some(10), "{}", status.text());
+    assert!(
+        status.text().contains("problem (exit 10): relay at"),
+        "{}",
+        status.text()
+    );
+    assert!(
+        status
+            .text()
+            .contains("endpoint shipping's circuit is open"),
+        "{}",
+        status.text()
+    );
     let slot = oracle::slot_position(&db, &stack.slot).await.unwrap();
     assert!(
         slot.confirmed < after,

@@ -79,6 +79,11 @@ async fn report(g: &GlobalArgs, a: StatusArgs, client: &Client) -> anyhow::Resul
         s.problems.push(p);
         s.healthy = false;
     }
+    let held = endpoints_held(&s.relays);
+    if !held.is_empty() {
+        s.problems.extend(held);
+        s.healthy = false;
+    }
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&s)?);
     } else {
@@ -190,6 +195,42 @@ pub const NOT_DELIVERING: u8 = 8;
 /// invalidated (`wal_status` unreserved). A problem found before it (the
 /// database's, then "nothing delivers") gives its own code instead.
 pub const SLOT_AT_RISK: u8 = 9;
+
+/// Exit code of `status` when the relay delivers but one endpoint of its
+/// routes file does not get its events: it is parked (they go to the
+/// dead-letter table) or its circuit is open. The problems above come
+/// first.
+pub const ENDPOINT_HELD: u8 = 10;
+
+/// The exit-10 problems: each parked endpoint, and each other endpoint
+/// of a routes file whose circuit is open, of the relays that answered.
+fn endpoints_held(relays: &[RelayEndpoint]) -> Vec<Problem> {
+    let mut out = Vec::new();
+    for r in relays {
+        for name in &r.parked {
+            out.push(Problem {
+                code: ENDPOINT_HELD,
+                message: format!(
+                    "relay at {}: endpoint {name} is parked: its events are written to cdc_relay_dead_letter (reason parked) instead of being sent, until it answers again (resume = \"auto\") or an operator replays them (docs/operations.md#a-parked-endpoint); the log's `endpoint parked` line says why",
+                    r.url
+                ),
+            });
+        }
+        let routed = r.endpoint_circuits.keys().any(|name| name != "default");
+        for (name, state) in &r.endpoint_circuits {
+            if routed && *state == 1.0 && !r.parked.contains(name) {
+                out.push(Problem {
+                    code: ENDPOINT_HELD,
+                    message: format!(
+                        "relay at {}: endpoint {name}'s circuit is open: its events wait (the other endpoints deliver); the log's `circuit opened` line and cdc_relay_endpoint_retries_total{{endpoint=\"{name}\"}} say why",
+                        r.url
+                    ),
+                });
+            }
+        }
+    }
+    out
+}
 
 /// Asks each admin endpoint and adds what stops delivery to `s.problems`
 /// (after the database's own, which are more fundamental).

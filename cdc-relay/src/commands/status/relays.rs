@@ -23,6 +23,9 @@ pub struct RelayEndpoint {
     /// read. With a routes file these are the circuits; the relay-wide
     /// gauge belongs to the single `--sink-url` endpoint (`default`).
     pub endpoint_circuits: std::collections::BTreeMap<String, f64>,
+    /// The endpoints whose `cdc_relay_endpoint_parked` is 1 (on any
+    /// shard), by name: their events go to the dead-letter table.
+    pub parked: Vec<String>,
     /// `cdc_relay_oldest_unconfirmed_event_age_seconds`, when read.
     pub oldest_unconfirmed_event_age_secs: Option<f64>,
     /// `cdc_relay_standby` is 1: a hot standby waiting for the slot another
@@ -96,6 +99,7 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
         detail: String::new(),
         circuit_state: None,
         endpoint_circuits: std::collections::BTreeMap::new(),
+        parked: Vec::new(),
         oldest_unconfirmed_event_age_secs: None,
         standby: false,
     };
@@ -119,6 +123,11 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
         };
         e.circuit_state = value("cdc_relay_circuit_state");
         e.endpoint_circuits = endpoint_circuits(&text);
+        e.parked = endpoint_series(&text, "cdc_relay_endpoint_parked")
+            .into_iter()
+            .filter(|(_, parked)| *parked == 1.0)
+            .map(|(name, _)| name)
+            .collect();
         e.oldest_unconfirmed_event_age_secs =
             value("cdc_relay_oldest_unconfirmed_event_age_seconds");
         // A sharded relay labels each shard's series: a standby for every
@@ -133,6 +142,13 @@ async fn ask_relay(url: &str) -> RelayEndpoint {
 /// `cdc_relay_endpoint_circuit_state{…endpoint="NAME"…} STATE` series, the
 /// worst state per name (open 1, then probing 2, then closed 0).
 pub(super) fn endpoint_circuits(metrics: &str) -> std::collections::BTreeMap<String, f64> {
+    endpoint_series(metrics, "cdc_relay_endpoint_circuit_state")
+}
+
+/// The `metric{…endpoint="NAME"…} VALUE` series of `metrics` text, the
+/// worst value per name (1, then 2, then any other: open, probing,
+/// closed for a circuit; parked, then not for the parked gauge).
+fn endpoint_series(metrics: &str, metric: &str) -> std::collections::BTreeMap<String, f64> {
     let rank = |state: f64| match state {
         1.0 => 2,
         2.0 => 1,
@@ -140,7 +156,7 @@ pub(super) fn endpoint_circuits(metrics: &str) -> std::collections::BTreeMap<Str
     };
     let mut out = std::collections::BTreeMap::new();
     for line in metrics.lines() {
-        let Some(rest) = line.strip_prefix("cdc_relay_endpoint_circuit_state{") else {
+        let Some(rest) = line.strip_prefix(metric).and_then(|r| r.strip_prefix('{')) else {
             continue;
         };
         let Some((labels, value)) = rest.split_once("} ") else {

@@ -171,9 +171,14 @@ pub(super) fn write_relay(f: &mut std::fmt::Formatter<'_>, r: &RelayEndpoint) ->
         r.circuit_state
             .map_or(String::new(), |state| format!(", circuit {}", said(state)))
     };
+    let parked = if r.parked.is_empty() {
+        String::new()
+    } else {
+        format!(", parked: {}", r.parked.join(", "))
+    };
     writeln!(
         f,
-        "relay {}: {}{circuit}{}",
+        "relay {}: {}{circuit}{parked}{}",
         r.url,
         if r.ready {
             "ready"
