@@ -49,6 +49,7 @@ pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
 pub fn exit_code(e: &StreamError) -> u8 {
     match e {
         StreamError::Source(e) if e.is_misconnection() => 2,
+        StreamError::Source(SourceError::ParkedUnrouted(_)) => 2,
         StreamError::Source(SourceError::SlotMissing { .. } | SourceError::NeedsSetup(_)) => 3,
         StreamError::Source(SourceError::SlotInvalidated { .. }) => 4,
         StreamError::Decode(_)

@@ -197,6 +197,17 @@ impl Session<'_> {
                 stop.clone(),
             )
         };
+        // Parked rows of an endpoint no lane has would wait for ever, and
+        // a lane that is that endpoint renamed would overtake them.
+        let unrouted: Vec<String> = p
+            .parked
+            .iter()
+            .filter(|name| !lanes.iter().any(|l| &l.name == *name))
+            .cloned()
+            .collect();
+        if !unrouted.is_empty() {
+            return Err(SourceError::ParkedUnrouted(unrouted).into());
+        }
         for lane in lanes {
             // The session's deliveries start afresh; the breaker's circuit
             // and storm carry over.

@@ -313,6 +313,40 @@ async fn a_dead_endpoint_is_parked_the_slot_moves_and_it_comes_back_in_order() {
     );
     drop(relay);
 
+    // billing renamed in the routes file while its events are parked: the
+    // relay refuses to start, naming it (it went live under the new name,
+    // ahead of the parked rows, which nothing resumed: a tester's).
+    let renamed = dir.path().join("renamed.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(
+        &renamed,
+        text.replace("name = \"billing\"", "name = \"billing2\""),
+    )
+    .unwrap();
+    let refused = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &[
+            "run",
+            "--routes",
+            renamed.to_str().unwrap(),
+            "--admin-listen",
+            "127.0.0.1:0",
+        ],
+        &SECRETS,
+    )
+    .await
+    .unwrap();
+    assert_eq!(refused.code(), Some(2), "{}", refused.text());
+    assert!(
+        refused.text().contains(
+            "parked events of endpoint(s) \"billing\" that the routes file no longer has"
+        ),
+        "{}",
+        refused.text()
+    );
+    assert_eq!(sinks[0].count(), tried, "nothing went to billing2");
+
     // billing is back and events were committed while no relay ran: a
     // restarted relay must not send these live before the parked ones of
     // their aggregates are replayed.

@@ -76,6 +76,15 @@ pub enum SourceError {
     /// names the flag or the command.
     #[error("{0}")]
     NeedsSetup(String),
+    /// The dead-letter table holds parked events of endpoints the routes
+    /// file (or `--sink-url`'s `default`) no longer has: nothing would
+    /// resume them, and a renamed endpoint would get their aggregates'
+    /// later events first. The names, in the order read.
+    #[error(
+        "the dead-letter table holds parked events of endpoint(s) {} that the routes file no longer has (renamed or removed): no relay would resume them, and under a new name the endpoint would get their aggregates' later events before them. Put the endpoint back under its old name (it resumes them first, then goes live), or deliver them yourself (`cdc-relay dead-letter replay --all --endpoint NAME --reason parked --sink-url URL`), or drop them on purpose (`cdc-relay dead-letter discard --all --endpoint NAME --reason parked --note WHY`), then start (docs/operations.md#a-parked-endpoint)",
+        .0.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ")
+    )]
+    ParkedUnrouted(Vec<String>),
     /// The outbox's payload column is not `json`/`jsonb` at start (rows
     /// streamed while it had another type are checked one by one instead).
     #[error("{0}")]
@@ -190,6 +199,7 @@ impl SourceError {
                 | SourceError::SlotPredatesPublication { .. }
                 | SourceError::SlotJumped { .. }
                 | SourceError::NeedsSetup(_)
+                | SourceError::ParkedUnrouted(_)
                 | SourceError::PayloadType(_)
                 | SourceError::Unconvertible(_)
                 | SourceError::ThroughPooler { .. }
@@ -235,6 +245,7 @@ impl SourceError {
             SourceError::SlotPredatesPublication { .. } => "slot_predates_publication",
             SourceError::SlotJumped { .. } => "slot_jumped",
             SourceError::NeedsSetup(_) => "needs_setup",
+            SourceError::ParkedUnrouted(_) => "parked_unrouted",
             SourceError::PayloadType(_) => "payload_type",
             SourceError::Unconvertible(_) => "unconvertible",
             SourceError::ThroughPooler { .. } => "pooler",
