@@ -371,6 +371,9 @@ async fn reload_secrets_on_sighup(reload: Reload, signings: Vec<Signing>, metric
         return;
     };
     while hangup.recv().await.is_some() {
+        if let Reload::Routes(started, _) = &reload {
+            warn_of_routes_changes(started);
+        }
         // All or nothing: one endpoint's bad secret keeps every endpoint's keys.
         match reload.signers() {
             Ok(signers) => {
@@ -391,9 +394,98 @@ async fn reload_secrets_on_sighup(reload: Reload, signings: Vec<Signing>, metric
     }
 }
 
+/// SIGHUP re-reads secrets only: a routes file edited since the start
+/// (an endpoint's URL, a new endpoint) is not applied, and the operator
+/// who sent SIGHUP to apply it is told so, with what differs.
+fn warn_of_routes_changes(started: &crate::routes::RoutesFile) {
+    match crate::routes::RoutesFile::load(&started.path) {
+        Err(e) => tracing::warn!(
+            path = %started.path.display(), error = %e,
+            "SIGHUP: the routes file no longer loads; the relay goes on with the file it started with (secrets are re-read from its references). Fix the file before the next restart"
+        ),
+        Ok(now) => {
+            if let Some(changes) = routes_changes(started, &now) {
+                tracing::warn!(
+                    path = %started.path.display(), %changes,
+                    "SIGHUP: the routes file changed since the start, and SIGHUP applies only the event secrets (re-read from the references the relay started with): restart the relay to apply the rest"
+                );
+            }
+        }
+    }
+}
+
+/// What differs between the routes file the relay started with and the
+/// file now, in words (`added: c; removed: a; changed: b`), or `None`.
+fn routes_changes(
+    started: &crate::routes::RoutesFile,
+    now: &crate::routes::RoutesFile,
+) -> Option<String> {
+    let names = |f: &crate::routes::RoutesFile| -> Vec<String> {
+        f.endpoints.iter().map(|e| e.name.clone()).collect()
+    };
+    let (before, after) = (names(started), names(now));
+    let mut parts = Vec::new();
+    let added: Vec<&str> = after
+        .iter()
+        .filter(|n| !before.contains(n))
+        .map(String::as_str)
+        .collect();
+    let removed: Vec<&str> = before
+        .iter()
+        .filter(|n| !after.contains(n))
+        .map(String::as_str)
+        .collect();
+    let changed: Vec<&str> = started
+        .endpoints
+        .iter()
+        .filter(|e| now.endpoint(&e.name).is_some_and(|n| n != *e))
+        .map(|e| e.name.as_str())
+        .collect();
+    for (what, list) in [("added", added), ("removed", removed), ("changed", changed)] {
+        if !list.is_empty() {
+            parts.push(format!("{what}: {}", list.join(", ")));
+        }
+    }
+    if started.unrouted != now.unrouted {
+        parts.push("unrouted changed".into());
+    }
+    if parts.is_empty() && before != after {
+        parts.push("endpoints reordered".into());
+    }
+    (!parts.is_empty()).then(|| parts.join("; "))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_routes_file_edited_since_the_start_is_described() {
+        let path =
+            std::env::temp_dir().join(format!("cdc-relay-routes-{}.toml", std::process::id()));
+        let entry = |name: &str, url: &str| {
+            format!(
+                "[[endpoint]]\nname = \"{name}\"\nurl = \"{url}\"\nevent_types = [\"*\"]\nsecret_env = \"S\"\n\n"
+            )
+        };
+        let load = |text: String| {
+            std::fs::write(&path, text).unwrap();
+            crate::routes::RoutesFile::load(&path).unwrap()
+        };
+        let started = load(entry("a", "http://a/in") + &entry("b", "http://b/in"));
+        assert_eq!(routes_changes(&started, &started.clone()), None);
+        let now = load(entry("b", "http://b2/in") + &entry("c", "http://c/in"));
+        assert_eq!(
+            routes_changes(&started, &now).as_deref(),
+            Some("added: c; removed: a; changed: b")
+        );
+        let now = load(entry("b", "http://b/in") + &entry("a", "http://a/in"));
+        assert_eq!(
+            routes_changes(&started, &now).as_deref(),
+            Some("endpoints reordered")
+        );
+        std::fs::remove_file(&path).unwrap();
+    }
 
     #[test]
     fn the_listening_line_follows_the_log_format() {

@@ -142,6 +142,31 @@ async fn sighup_rereads_a_routes_files_secret_files() -> anyhow::Result<()> {
         [vec![0], vec![1]],
         "the new key first, then the previous one"
     );
+    assert!(
+        !relay.process.logs().contains("routes file changed"),
+        "the file did not change: {}",
+        relay.process.logs()
+    );
+
+    // The file edited (another URL) and SIGHUP sent to apply it: only the
+    // secrets are reloaded, and the relay says so (it said "event secrets
+    // reloaded" and nothing else: a tester's).
+    let text = std::fs::read_to_string(&routes)?;
+    std::fs::write(
+        &routes,
+        text.replace(&sink.url, "http://127.0.0.1:9/elsewhere"),
+    )?;
+    relay.process.sighup();
+    let line = relay
+        .process
+        .wait_for_line(
+            "the routes file changed since the start",
+            std::time::Duration::from_secs(10),
+        )
+        .await?;
+    assert!(line.contains("changed: billing"), "{line}");
+    assert!(line.contains("restart the relay"), "{line}");
+    wait_delivered(&sink, app::insert_order_event(&db).await?).await?;
     Ok(())
 }
 
