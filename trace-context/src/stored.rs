@@ -19,8 +19,9 @@
 //! were NULL.
 //!
 //! `tracestate` is bounded where it enters (W3C Trace Context, "tracestate
-//! Limits"): members that are not `key=value` in printable ASCII are
-//! dropped, at most 32 are kept, and beyond [`MAX_STATE`] bytes members
+//! Limits"): members that break the W3C grammar are dropped one by one
+//! (not the whole state), a key is kept once (its first, the latest),
+//! at most 32 members are kept, and beyond [`MAX_STATE`] bytes members
 //! longer than 128 bytes go first, then members from the end. A producer
 //! cannot make an outbox row's context, or a request's header, larger
 //! than that.
@@ -74,11 +75,19 @@ fn extract(parent: &str, state: Option<&str>) -> Option<SpanContext> {
 
 /// `state` within the limits of the module doc.
 fn bounded(state: &str) -> String {
-    let printable = |s: &str| s.bytes().all(|b| (0x20..=0x7e).contains(&b));
+    let mut keys: Vec<&str> = Vec::new();
     let mut members: Vec<&str> = state
         .split(',')
         .map(|m| m.trim_matches([' ', '\t']))
-        .filter(|m| !m.is_empty() && printable(m) && m.contains('='))
+        .filter(|m| {
+            // The first of a key is the latest (W3C: a vendor puts its
+            // member first), and keys are unique.
+            member_key(m).is_some_and(|k| {
+                let fresh = !keys.contains(&k);
+                keys.push(k);
+                fresh
+            })
+        })
         .take(32)
         .collect();
     let len = |m: &[&str]| {
@@ -94,6 +103,38 @@ fn bounded(state: &str) -> String {
         members.pop();
     }
     members.join(",")
+}
+
+/// The key of a `tracestate` list member that follows the W3C grammar
+/// (W3C Trace Context, "tracestate Header Field Values": a simple key, or
+/// `tenant@system`; a value of printable ASCII without `,` and `=`, not
+/// ending in a space); `None` for any other member. One member that breaks
+/// it is dropped alone: the propagator would drop the whole state.
+fn member_key(member: &str) -> Option<&str> {
+    let (key, value) = member.split_once('=')?;
+    let key_char = |b: u8| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'*' | b'/');
+    let part = |s: &str, max: usize, alpha_first: bool| {
+        let b = s.as_bytes();
+        !b.is_empty()
+            && b.len() <= max
+            && (if alpha_first {
+                b[0].is_ascii_lowercase()
+            } else {
+                b[0].is_ascii_lowercase() || b[0].is_ascii_digit()
+            })
+            && b.iter().all(|&c| key_char(c))
+    };
+    let key_ok = match key.split_once('@') {
+        None => part(key, 256, true),
+        Some((tenant, system)) => part(tenant, 241, false) && part(system, 14, true),
+    };
+    let value_ok = !value.is_empty()
+        && value.len() <= 256
+        && !value.ends_with(' ')
+        && value
+            .bytes()
+            .all(|b| (0x20..=0x7e).contains(&b) && b != b',' && b != b'=');
+    (key_ok && value_ok).then_some(key)
 }
 
 /// The stored form of `cx`; `None` when it is not a valid context.
@@ -228,9 +269,28 @@ mod tests {
         assert!(!kept.contains("big="), "the long member goes first: {kept}");
         assert!(!kept.contains("bad=") && !kept.contains("tab="), "{kept}");
         assert!(kept.starts_with("k0=v0,k1=v1"), "{kept}");
-        assert_eq!(kept.split(',').count(), 31, "32 members at most: {kept}");
+        // The long member's value is past 256 bytes: not a member at all.
+        assert_eq!(kept.split(',').count(), 32, "32 members at most: {kept}");
         let huge = format!("{PARENT} a={}", "y".repeat(100_000));
         assert_eq!(parse(&huge).unwrap().trace_state().header(), "");
+    }
+
+    #[test]
+    fn a_tracestate_member_that_breaks_the_grammar_goes_alone_and_keys_are_unique() {
+        // A tester's: a duplicated key went on unchanged, and one bad
+        // member cost every other member.
+        for (state, kept) in [
+            ("a=1,b=2,a=3", "a=1,b=2"),
+            ("a=1,Bad=2,c=3", "a=1,c=3"),
+            ("a=1,b=x=y,c=3", "a=1,c=3"),
+            ("t@sys=1,1t@s=2,t@Sys=3,@s=4", "t@sys=1,1t@s=2"),
+            // Spaces around a member are the list's, not the value's.
+            ("a=1, b=2 ,c=3", "a=1,b=2,c=3"),
+            ("a=,b=2", "b=2"),
+        ] {
+            let cx = parse(&format!("{PARENT} {state}")).expect("valid");
+            assert_eq!(cx.trace_state().header(), kept, "{state}");
+        }
     }
 
     #[test]
