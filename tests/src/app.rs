@@ -48,6 +48,18 @@ pub struct Running {
 }
 
 impl Running {
+    /// `cdc-relay status --admin-url <this relay>` against `stack`'s
+    /// database, as the relay's role.
+    pub async fn status(&self, stack: &Stack) -> anyhow::Result<CommandOutput> {
+        relay_command(
+            stack,
+            &stack.relay_url,
+            &["status", "--admin-url", &self.url],
+            &[],
+        )
+        .await
+    }
+
     /// A relay (or any process with one listener) at `url`.
     pub fn single(process: ServiceProcess, url: String) -> Running {
         Running {

@@ -296,14 +296,7 @@ async fn a_dead_endpoint_is_parked_the_slot_moves_and_it_comes_back_in_order() {
     assert_eq!(sinks[0].count(), tried, "a parked endpoint is not tried");
     // `status` says so (a tester's: "healthy: nothing stops delivery",
     // exit 0, while billing was parked).
-    let status = app::relay_command(
-        &stack,
-        &stack.relay_url,
-        &["status", "--admin-url", &relay.url],
-        &[],
-    )
-    .await
-    .unwrap();
+    let status = relay.status(&stack).await.unwrap();
     assert_eq!(status.code(), Some(10), "{}", status.text());
     assert!(
         status.text().contains("parked: billing")

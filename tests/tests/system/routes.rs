@@ -197,14 +197,7 @@ async fn three_endpoints_fan_out_unrouted_and_one_down_then_back() {
     })
     .await
     .unwrap();
-    let status = app::relay_command(
-        &stack,
-        &stack.relay_url,
-        &["status", "--admin-url", &relay.url],
-        &[],
-    )
-    .await
-    .unwrap();
+    let status = relay.status(&stack).await.unwrap();
     assert!(
         status
             .text()

@@ -257,13 +257,7 @@ async fn status_names_the_relay_holding_the_slot_and_shows_readable_sizes() -> a
     })
     .await?;
 
-    let human = app::relay_command(
-        &stack,
-        &stack.relay_url,
-        &["status", "--admin-url", &relay.url],
-        &[],
-    )
-    .await?;
+    let human = relay.status(&stack).await?;
     let text = human.text();
     assert_eq!(human.code(), Some(0), "{text}");
     assert!(
