@@ -308,6 +308,9 @@ impl Stream {
                     );
                 }
                 self.relation(kind, &rel).await?;
+                if !self.mapper.lacking(rel.oid).is_empty() {
+                    self.past_shape(&rel).await?;
+                }
             }
             LogicalMessage::Insert(ins) => {
                 let tx = self.tx.ok_or_else(|| {
@@ -382,6 +385,30 @@ impl Stream {
                     }
                 }
             }
+        }
+    }
+
+    /// A description of the outbox that lacks configured columns: when the
+    /// catalog shows the table has every one of them now, the description
+    /// is of the past (a column dropped, then added back, before the relay
+    /// read the rows committed between), and those rows are dead-lettered
+    /// rather than wedging the slot on every start. Otherwise the table
+    /// lacks them now, and the first insert stops the stream (exit 5),
+    /// nothing of it acknowledged.
+    async fn past_shape(&mut self, rel: &Relation) -> Result<(), StreamError> {
+        let table = self.mapper.table().clone();
+        let now = catalog::check_outbox_table(&self.side, &table, self.mapper.columns()).await;
+        match now {
+            Ok(now) if now.oid == rel.oid.0 => {
+                let missing = self.mapper.lacking(rel.oid).join(", ");
+                tracing::warn!(table = %table, missing = %missing, "the WAL describes {table} without column(s) {missing}, which it has now (dropped, then added back): rows committed in between cannot become events and are dead-lettered with the columns they have");
+                self.mapper.accept_past_shape(rel.oid);
+                Ok(())
+            }
+            // The table lacks them now (or is another relation): an insert
+            // of this description stops the stream.
+            Ok(_) | Err(SourceError::NeedsSetup(_) | SourceError::PayloadType(_)) => Ok(()),
+            Err(e) => Err(e.into()),
         }
     }
 

@@ -210,6 +210,81 @@ async fn payload_turned_text_while_streaming_is_checked_row_by_row_and_never_wed
     Ok(())
 }
 
+/// The payload column dropped, rows committed, the column added back.
+/// While the table lacks it, the first such row stops the relay (exit 5)
+/// with nothing of it acknowledged; once it is back, the restarted relay
+/// dead-letters the row committed without it (naming the column, keeping
+/// its id and type) and delivers what follows, instead of stopping on
+/// that row at every start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_committed_while_the_payload_column_was_dropped_are_dead_lettered_once_it_is_back()
+-> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Scripted).await?;
+    let agg = s.insert_order().await?;
+    let first = s.insert_event(agg, "Before", Some(r#"{"b":1}"#)).await?;
+    s.expect_exactly(std::slice::from_ref(&first)).await?;
+
+    s.db.batch_execute("ALTER TABLE outbox DROP COLUMN payload")
+        .await?;
+    let gap: String =
+        s.db.query_one(
+            "INSERT INTO outbox (id, aggregate_id, event_type) \
+             VALUES (gen_random_uuid(), $1, 'NoPayload') RETURNING id::text",
+            &[&agg],
+        )
+        .await?
+        .get(0);
+    let after = oracle::wal_position(&s.db).await?;
+    let status = s.wait_refusal(after).await?;
+    let logs = s.relay.process.logs();
+    assert_eq!(status.code(), Some(5), "{logs}");
+    assert!(
+        logs.contains("no column \"payload\" (set by --payload-column)"),
+        "{logs}"
+    );
+    s.assert_held(&["outbox"]).await?;
+
+    s.db.batch_execute("ALTER TABLE outbox ADD COLUMN payload jsonb")
+        .await?;
+    let later = s.insert_event(agg, "After", Some(r#"{"a":1}"#)).await?;
+    s.restart_relay(&[]).await?;
+    wait_until("the row without a payload dead-lettered", DRAIN, || async {
+        s.db.query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+            .await
+            .is_ok_and(|r| r.get::<_, i64>(0) == 1)
+    })
+    .await?;
+    wait_until("the event after it delivered", DRAIN, || async {
+        s.sink().delivered().iter().any(|r| r.id() == later.id)
+    })
+    .await?;
+    let dead =
+        s.db.query_one(
+            "SELECT event_id, event_type, payload, error FROM cdc_relay_dead_letter",
+            &[],
+        )
+        .await?;
+    assert_eq!(dead.get::<_, Option<String>>(0), Some(gap.clone()));
+    assert_eq!(
+        dead.get::<_, Option<String>>(1).as_deref(),
+        Some("NoPayload")
+    );
+    assert_eq!(dead.get::<_, Option<String>>(2), None);
+    let error: String = dead.get(3);
+    assert!(error.contains("no column \"payload\""), "{error}");
+    assert!(
+        !s.sink().received().iter().any(|r| r.id() == gap),
+        "never sent"
+    );
+    let logs = s.relay.process.logs();
+    assert!(
+        logs.contains("which it has now (dropped, then added back)"),
+        "{logs}"
+    );
+    assert_eq!(app::sessions(&s.relay), 1, "no stop, no restart loop");
+    Ok(())
+}
+
 fn assert_bodies_are_json(received: &[harness::sink::Received]) {
     for r in received {
         assert!(

@@ -705,7 +705,8 @@ async fn a_named_trace_column_dropped_while_streaming_stops_the_relay_naming_it(
     s.db.batch_execute("ALTER TABLE outbox DROP COLUMN tc")
         .await?;
     let aggregate = s.insert_order().await?;
-    s.insert_event(aggregate, "OrderCreated", Some("{}"))
+    let gap = s
+        .insert_event(aggregate, "OrderCreated", Some("{}"))
         .await?;
     let after = oracle::wal_position(&s.db).await?;
     let status = s.wait_refusal(after).await?;
@@ -716,6 +717,13 @@ async fn a_named_trace_column_dropped_while_streaming_stops_the_relay_naming_it(
         "{logs}"
     );
     s.assert_held(&["outbox"]).await?;
+
+    // The column back: the row committed without it is of the past, and
+    // is delivered untraced (its content is whole), not refused again.
+    s.db.batch_execute("ALTER TABLE outbox ADD COLUMN tc text")
+        .await?;
+    s.restart_relay(&["--trace-column", "tc"]).await?;
+    s.expect_exactly(&[gap]).await?;
     Ok(())
 }
 

@@ -33,6 +33,36 @@ struct Positions {
     appended_only: bool,
 }
 
+/// A description of the outbox that lacks configured columns.
+#[derive(Clone, Debug)]
+struct Lacking {
+    /// The first missing column, as the error that stops the stream.
+    error: OutboxError,
+    /// Every configured column it lacks.
+    missing: Vec<String>,
+    columns: usize,
+    id: Option<usize>,
+    event_type: Option<usize>,
+    payload: Option<usize>,
+    aggregate_key: Option<usize>,
+    /// When the only column missing is a required trace context column:
+    /// the positions without it (a past row is then delivered untraced).
+    untraced: Option<Positions>,
+    /// The caller found the table has every configured column now
+    /// ([`OutboxMapper::accept_past_shape`]): the description is of the
+    /// past, its rows are dead-lettered instead of stopping the stream.
+    past: bool,
+}
+
+/// The outbox's latest description, against the settings.
+#[derive(Clone, Debug)]
+enum Shape {
+    /// Every configured column is there.
+    Fits(Positions),
+    /// Some are not.
+    Lacks(Box<Lacking>),
+}
+
 /// What a Relation message means for the relay.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RelationKind {
@@ -74,8 +104,8 @@ pub struct OutboxMapper {
     /// The OID the configured name resolved to when the session started.
     start_oid: Option<RelationId>,
     /// Relations that are or were the outbox, with their latest positions
-    /// (`Err` when the latest Relation message does not fit the settings).
-    outbox: HashMap<RelationId, Result<Positions, OutboxError>>,
+    /// (or what the latest Relation message lacks of the settings).
+    outbox: HashMap<RelationId, Shape>,
     /// Every relation described in this session, by OID: `schema.name`.
     names: HashMap<RelationId, String>,
 }
@@ -169,9 +199,9 @@ impl OutboxMapper {
                 })
                 .collect(),
         };
-        if let Ok(mut p) = self.resolve(&seed) {
+        if let Shape::Fits(mut p) = self.resolve(&seed) {
             p.appended_only = never_dropped;
-            self.outbox.insert(oid, Ok(p));
+            self.outbox.insert(oid, Shape::Fits(p));
         }
     }
 
@@ -179,101 +209,151 @@ impl OutboxMapper {
     /// otherwise, followed by position: `(configured, name now)`.
     pub fn followed_renames(&self, oid: RelationId) -> &[(String, String)] {
         match self.outbox.get(&oid) {
-            Some(Ok(p)) => &p.followed,
+            Some(Shape::Fits(p)) => &p.followed,
             _ => &[],
         }
     }
 
-    fn resolve(&self, rel: &Relation) -> Result<Positions, OutboxError> {
+    /// The configured columns the latest Relation message of `oid` lacks,
+    /// while its inserts would stop the stream (empty when it fits, or
+    /// after [`OutboxMapper::accept_past_shape`]).
+    pub fn lacking(&self, oid: RelationId) -> &[String] {
+        match self.outbox.get(&oid) {
+            Some(Shape::Lacks(l)) if !l.past => &l.missing,
+            _ => &[],
+        }
+    }
+
+    /// The caller found that the outbox has every configured column now,
+    /// so the latest Relation message of `oid`, which lacks some, describes
+    /// the table as it was when its rows were committed (a column dropped,
+    /// then added back before the relay read them). Those rows cannot
+    /// become events: each is dead-lettered as an [`UnreadableRow`] with
+    /// the columns it has (a row that lacks only a required trace context
+    /// column is delivered untraced). Without this call they stop the
+    /// stream ([`OutboxError::MissingColumn`]).
+    pub fn accept_past_shape(&mut self, oid: RelationId) {
+        let Some(Shape::Lacks(l)) = self.outbox.get_mut(&oid) else {
+            return;
+        };
+        match l.untraced.take() {
+            Some(p) => {
+                self.outbox.insert(oid, Shape::Fits(p));
+            }
+            None => l.past = true,
+        }
+    }
+
+    /// The configured column names and the settings that name them.
+    pub fn columns(&self) -> &OutboxColumns {
+        &self.columns
+    }
+
+    fn resolve(&self, rel: &Relation) -> Shape {
         let types: Vec<u32> = rel.columns.iter().map(|c| c.type_oid).collect();
         // The positions this relation had when last described, when its
         // shape (every column's type, in order) is unchanged: a configured
         // name missing now was renamed, and its column is still there.
         let before = match self.outbox.get(&rel.oid) {
-            Some(Ok(p)) if p.types == types => Some(p),
+            Some(Shape::Fits(p)) if p.types == types => Some(p),
             // An older description of a table only ever added to: its
             // columns are the first ones, at the same positions.
-            Some(Ok(p)) if p.appended_only && p.types.starts_with(&types) => Some(p),
+            Some(Shape::Fits(p)) if p.appended_only && p.types.starts_with(&types) => Some(p),
             _ => None,
         };
         let configured = self.columns.names();
-        let followed = std::cell::RefCell::new(Vec::new());
-        let find = |column: &str, setting: &'static str, old: Option<usize>| {
+        let mut followed = Vec::new();
+        let mut missing: Vec<(String, &'static str)> = Vec::new();
+        let mut find = |column: &str, setting: &'static str, old: Option<usize>| {
             if let Some(i) = rel.columns.iter().position(|c| c.name == column) {
-                return Ok(i);
+                return Some(i);
             }
             match old {
                 Some(i)
                     if i < rel.columns.len()
                         && !configured.iter().any(|c| *c == rel.columns[i].name) =>
                 {
-                    followed
-                        .borrow_mut()
-                        .push((column.to_owned(), rel.columns[i].name.clone()));
-                    Ok(i)
+                    followed.push((column.to_owned(), rel.columns[i].name.clone()));
+                    Some(i)
                 }
-                _ => Err(OutboxError::MissingColumn {
-                    table: self.table.to_string(),
-                    column: column.to_owned(),
-                    setting,
-                }),
+                _ => {
+                    missing.push((column.to_owned(), setting));
+                    None
+                }
             }
         };
+        let id = find(&self.columns.id, "--id-column", before.map(|b| b.id));
+        let event_type = find(
+            &self.columns.event_type,
+            "--type-column",
+            before.map(|b| b.event_type),
+        );
         let payload = find(
             &self.columns.payload,
             "--payload-column",
             before.map(|b| b.payload),
-        )?;
-        let payload_type = rel.columns[payload].type_oid;
-        Ok(Positions {
-            types: types.clone(),
-            payload_type,
+        );
+        let aggregate_key = self.columns.aggregate_key.as_ref().map(|c| {
+            find(
+                c,
+                "--aggregate-column",
+                before.and_then(|b| b.aggregate_key),
+            )
+        });
+        let trace = match &self.columns.trace {
+            Some(t) if t.required => find(&t.name, "--trace-column", before.and_then(|b| b.trace)),
+            Some(t) => rel.columns.iter().position(|c| c.name == t.name),
+            None => None,
+        };
+        let essentials = match (id, event_type, payload, aggregate_key) {
+            (Some(id), Some(event_type), Some(payload), None | Some(Some(_))) => Some(Positions {
+                types: types.clone(),
+                followed: followed.clone(),
+                columns: rel.columns.len(),
+                id,
+                event_type,
+                payload,
+                payload_type: rel.columns[payload].type_oid,
+                aggregate_key: aggregate_key.flatten(),
+                trace,
+                appended_only: false,
+            }),
+            _ => None,
+        };
+        let Some((column, setting)) = missing.first().cloned() else {
+            return Shape::Fits(essentials.expect("no configured column is missing"));
+        };
+        // Only a required trace column missing: the rest maps.
+        let untraced = essentials.filter(|_| missing.len() == 1);
+        Shape::Lacks(Box::new(Lacking {
+            error: OutboxError::MissingColumn {
+                table: self.table.to_string(),
+                column,
+                setting,
+            },
+            missing: missing.into_iter().map(|(c, _)| c).collect(),
             columns: rel.columns.len(),
-            id: find(&self.columns.id, "--id-column", before.map(|b| b.id))?,
-            event_type: find(
-                &self.columns.event_type,
-                "--type-column",
-                before.map(|b| b.event_type),
-            )?,
+            id,
+            event_type,
             payload,
-            aggregate_key: match &self.columns.aggregate_key {
-                Some(c) => Some(find(
-                    c,
-                    "--aggregate-column",
-                    before.and_then(|b| b.aggregate_key),
-                )?),
-                None => None,
-            },
-            trace: match &self.columns.trace {
-                Some(t) if t.required => Some(find(
-                    &t.name,
-                    "--trace-column",
-                    before.and_then(|b| b.trace),
-                )?),
-                Some(t) => rel.columns.iter().position(|c| c.name == t.name),
-                None => None,
-            },
-            followed: followed.take(),
-            appended_only: false,
-        })
+            aggregate_key: aggregate_key.flatten(),
+            untraced,
+            past: false,
+        }))
     }
 
     /// Maps an insert into an event, an unreadable row, or nothing (another
     /// table). Errors when the outbox no longer matches the configuration.
     pub fn on_insert(&self, ins: &Insert, tx: TxContext) -> Result<Mapped, OutboxError> {
         let pos = match self.outbox.get(&ins.relation) {
-            Some(Ok(pos)) => pos,
-            Some(Err(e)) => return Err(e.clone()),
+            Some(Shape::Fits(pos)) => pos,
+            Some(Shape::Lacks(l)) if l.past => return past_row(l, ins, tx),
+            Some(Shape::Lacks(l)) => return Err(l.error.clone()),
             None if self.names.contains_key(&ins.relation) => return Ok(Mapped::OtherTable),
             None => return Err(OutboxError::UnknownRelation(ins.relation.0)),
         };
         let values = ins.new.values();
-        if values.len() != pos.columns {
-            return Err(OutboxError::ColumnCount {
-                expected: pos.columns,
-                got: values.len(),
-            });
-        }
+        check_count(values, pos.columns)?;
         Ok(match self.event(values, pos, tx) {
             Ok(event) => Mapped::Event(event),
             Err(problem) => Mapped::Unreadable(unreadable(values, pos, tx, problem)),
@@ -342,6 +422,39 @@ impl OutboxMapper {
     }
 }
 
+fn check_count(values: &[ColumnValue], expected: usize) -> Result<(), OutboxError> {
+    if values.len() != expected {
+        return Err(OutboxError::ColumnCount {
+            expected,
+            got: values.len(),
+        });
+    }
+    Ok(())
+}
+
+/// A row committed while the outbox lacked configured columns that it has
+/// again now: dead-lettered with the columns it has.
+fn past_row(l: &Lacking, ins: &Insert, tx: TxContext) -> Result<Mapped, OutboxError> {
+    let values = ins.new.values();
+    check_count(values, l.columns)?;
+    let missing = l
+        .missing
+        .iter()
+        .map(|c| format!("{c:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let problem = format!(
+        "the outbox had no column {missing} when this row was committed (dropped, and added again \
+         before the relay read the row): the row cannot become an event"
+    );
+    Ok(Mapped::Unreadable(readable(
+        values,
+        [l.id, l.aggregate_key, l.event_type, l.payload],
+        tx,
+        problem,
+    )))
+}
+
 /// What is readable of an unreadable row, lossily.
 fn unreadable(
     values: &[ColumnValue],
@@ -349,16 +462,36 @@ fn unreadable(
     tx: TxContext,
     problem: String,
 ) -> UnreadableRow {
-    let raw = |i: usize| match values.get(i) {
+    readable(
+        values,
+        [
+            Some(pos.id),
+            pos.aggregate_key,
+            Some(pos.event_type),
+            Some(pos.payload),
+        ],
+        tx,
+        problem,
+    )
+}
+
+/// The values at `[id, aggregate key, type, payload]`, lossily.
+fn readable(
+    values: &[ColumnValue],
+    [id, aggregate_key, event_type, payload]: [Option<usize>; 4],
+    tx: TxContext,
+    problem: String,
+) -> UnreadableRow {
+    let raw = |i: Option<usize>| match values.get(i?) {
         Some(ColumnValue::Text(b)) | Some(ColumnValue::Binary(b)) => Some(b.clone()),
         _ => None,
     };
-    let lossy = |i: usize| raw(i).map(|b| String::from_utf8_lossy(&b).into_owned());
+    let lossy = |i: Option<usize>| raw(i).map(|b| String::from_utf8_lossy(&b).into_owned());
     UnreadableRow {
-        event_id: lossy(pos.id),
-        aggregate_key: pos.aggregate_key.and_then(lossy),
-        event_type: lossy(pos.event_type),
-        payload: raw(pos.payload),
+        event_id: lossy(id),
+        aggregate_key: lossy(aggregate_key),
+        event_type: lossy(event_type),
+        payload: raw(payload),
         commit_lsn: tx.commit_lsn,
         problem,
     }

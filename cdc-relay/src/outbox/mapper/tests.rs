@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::lsn::Lsn;
+use crate::outbox::TraceColumn;
 use crate::pgoutput::{Column, ColumnFlags, ReplicaIdentity, TupleData};
 use bytes::Bytes;
 
@@ -386,4 +387,98 @@ fn the_catalog_layout_lets_a_session_follow_an_older_column_name() {
         m.on_insert(&insert(1, &[Some("e"), None, None, None]), TX)
             .is_err()
     );
+}
+
+/// A description of the outbox that lacks configured columns stops the
+/// stream, until the caller has found that the table has them again now:
+/// the description is then of the past, and its rows are dead-lettered
+/// with the columns they have. A later description that fits maps again.
+#[test]
+fn rows_of_a_past_description_lacking_columns_are_dead_lettered_once_accepted() {
+    let mut m = mapper();
+    m.on_relation(&rel(1, "outbox", &["id", "aggregate_id", "event_type"]));
+    assert_eq!(m.lacking(RelationId(1)), ["payload"]);
+    let ins = insert(1, &[Some("e1"), Some("a"), Some("T")]);
+    let err = m.on_insert(&ins, TX).unwrap_err();
+    assert!(
+        matches!(&err, OutboxError::MissingColumn { column, setting: "--payload-column", .. } if column == "payload"),
+        "{err:?}"
+    );
+
+    m.accept_past_shape(RelationId(1));
+    assert!(m.lacking(RelationId(1)).is_empty());
+    let Ok(Mapped::Unreadable(row)) = m.on_insert(&ins, TX) else {
+        panic!("a row of an accepted past description is dead-lettered")
+    };
+    assert_eq!(row.event_id.as_deref(), Some("e1"));
+    assert_eq!(row.aggregate_key.as_deref(), Some("a"));
+    assert_eq!(row.event_type.as_deref(), Some("T"));
+    assert_eq!(row.payload, None);
+    assert_eq!(row.commit_lsn, Some(Lsn::new(7)));
+    assert!(
+        row.problem.contains("no column \"payload\"") && row.problem.contains("added again"),
+        "{}",
+        row.problem
+    );
+    // A tuple that does not fit that description is still an error.
+    assert_eq!(
+        m.on_insert(&insert(1, &[Some("e1")]), TX).unwrap_err(),
+        OutboxError::ColumnCount {
+            expected: 3,
+            got: 1
+        }
+    );
+
+    // The column added back (at the end): rows map again.
+    m.on_relation(&rel(
+        1,
+        "outbox",
+        &["id", "aggregate_id", "event_type", "payload"],
+    ));
+    let e = event(
+        &m,
+        &insert(1, &[Some("e2"), Some("a"), Some("T"), Some("{}")]),
+    );
+    assert_eq!(e.payload.as_deref(), Some(&b"{}"[..]));
+
+    // Two columns missing: both named; the id's absence leaves no id.
+    m.on_relation(&rel(1, "outbox", &["aggregate_id", "event_type"]));
+    assert_eq!(m.lacking(RelationId(1)), ["id", "payload"]);
+    m.accept_past_shape(RelationId(1));
+    let Ok(Mapped::Unreadable(row)) = m.on_insert(&insert(1, &[Some("a"), Some("T")]), TX) else {
+        panic!("dead-lettered")
+    };
+    assert_eq!(row.event_id, None);
+    assert_eq!(row.event_type.as_deref(), Some("T"));
+    assert!(
+        row.problem.contains("\"id\", \"payload\""),
+        "{}",
+        row.problem
+    );
+}
+
+/// A required trace context column (`--trace-column`) missing from a past
+/// description costs its rows their trace, not their delivery; while not
+/// accepted it stops the stream like any configured column.
+#[test]
+fn a_past_description_lacking_only_the_trace_column_delivers_untraced() {
+    let mut m = OutboxMapper::new(
+        "public.outbox".parse().unwrap(),
+        OutboxColumns {
+            trace: Some(TraceColumn {
+                name: "tc".into(),
+                required: true,
+            }),
+            ..OutboxColumns::default()
+        },
+        Some(1),
+    );
+    m.on_relation(&rel(1, "outbox", &COLUMNS));
+    assert_eq!(m.lacking(RelationId(1)), ["tc"]);
+    let ins = insert(1, &[Some("e1"), Some("a"), Some("T"), Some("{}")]);
+    let err = m.on_insert(&ins, TX).unwrap_err();
+    assert!(err.to_string().contains("--trace-column"), "{err}");
+    m.accept_past_shape(RelationId(1));
+    let e = event(&m, &ins);
+    assert_eq!((e.id.as_str(), e.trace), ("e1", None));
 }
