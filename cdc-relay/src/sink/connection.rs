@@ -47,6 +47,15 @@ pub type Connector = HttpsConnector<HttpConnector>;
 /// An error from the connector or a connection.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The largest answer head (status line and header fields) the relay
+/// reads over HTTP/2, in bytes of the decoded header list (RFC 9113
+/// §6.5.2, `SETTINGS_MAX_HEADER_LIST_SIZE`): what HTTP/1.1 reads too
+/// (hyper's read buffer, 8 KiB plus 100 fields of 4 KiB). The h2
+/// library's default, 16 KiB, is exceeded by answers that pass behind
+/// proxies adding cookies or long policy headers; over it the stream is
+/// reset and its status never read.
+pub const MAX_RESPONSE_HEAD: u32 = 8 * 1024 + 100 * 4 * 1024;
+
 type Stream = MaybeHttpsStream<TokioIo<tokio::net::TcpStream>>;
 type Body = Full<Bytes>;
 
@@ -266,6 +275,7 @@ impl Connections {
             self.speaks_h2.store(true, Ordering::SeqCst);
             let (sender, driver) = http2::Builder::new(TokioExecutor::new())
                 .timer(TokioTimer::new())
+                .max_header_list_size(MAX_RESPONSE_HEAD)
                 .handshake(stream)
                 .await?;
             tokio::spawn(async move {

@@ -181,6 +181,33 @@ async fn http2_goaway_with_streams_in_flight_is_a_connection_event() -> anyhow::
     Ok(())
 }
 
+/// An HTTP/2 sink whose answer head is 40 KiB of header fields (over the
+/// h2 library's default limit of 16 KiB, under the 400 KiB the relay reads
+/// over HTTP/1.1) is read like any other: the event is delivered at once,
+/// no retry. Before, the relay's h2 library reset each such stream
+/// ("unspecific protocol error") and the event was sent again for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_answer_head_over_16_kib_is_read() -> anyhow::Result<()> {
+    let run = H2Run::first_delivered(First::LargeHead, &[]).await?;
+    app::insert_order_event(&run.db).await?;
+    wait_until("the second event delivered", WAIT, || async {
+        run.relay
+            .metrics()
+            .await
+            .is_ok_and(|m| m.sum("cdc_relay_events_delivered_total") == 2.0)
+    })
+    .await?;
+    let m = run.relay.metrics().await?;
+    assert_eq!(
+        m.sum("cdc_relay_retries_total"),
+        0.0,
+        "{:?}",
+        m.label_values("cdc_relay_retries_total", "reason")
+    );
+    assert_eq!(run.sink.state().delivered.len(), 2);
+    Ok(())
+}
+
 /// An HTTP/2 sink's connection that goes silent (open, never read or
 /// answered again: a hung worker, a half-open path after a failover)
 /// costs one request timeout: the requests that timed out on it go again
@@ -390,6 +417,9 @@ enum First {
     /// Goes silent at the next request: the connection stays open and is
     /// never read or answered again (a hung worker, a half-open path).
     Silent,
+    /// Answers 204 with a head of 40 KiB of header fields (cookies and
+    /// policies a proxy adds), over the h2 library's default 16 KiB.
+    LargeHead,
 }
 
 async fn serve_h2(
@@ -409,11 +439,22 @@ async fn serve_h2(
     while let Some(Ok((request, mut respond))) = conn.accept().await {
         let warmed = !state.lock().expect("h2 sink lock").delivered.is_empty();
         if first == First::Plain || !warmed {
-            tokio::spawn(answer_204(
+            tokio::spawn(answer(
                 request,
                 respond,
                 std::sync::Arc::clone(&state),
                 Duration::ZERO,
+                0,
+            ));
+            continue;
+        }
+        if first == First::LargeHead {
+            tokio::spawn(answer(
+                request,
+                respond,
+                std::sync::Arc::clone(&state),
+                Duration::ZERO,
+                40,
             ));
             continue;
         }
@@ -452,23 +493,25 @@ async fn serve_h2(
         }
         conn.graceful_shutdown();
         if let Some((request, respond)) = held.take() {
-            tokio::spawn(answer_204(
+            tokio::spawn(answer(
                 request,
                 respond,
                 std::sync::Arc::clone(&state),
                 Duration::from_millis(100),
+                0,
             ));
         }
     }
 }
 
-/// Reads the request's body and answers 204 after `delay`, recording the
-/// event id.
-async fn answer_204(
+/// Reads the request's body and answers 204 after `delay`, with
+/// `padding_kib` header fields of 1 KiB each, recording the event id.
+async fn answer(
     request: axum::http::Request<h2::RecvStream>,
     mut respond: h2::server::SendResponse<bytes::Bytes>,
     state: std::sync::Arc<std::sync::Mutex<H2State>>,
     delay: Duration,
+    padding_kib: usize,
 ) {
     let mut body = request.into_body();
     let mut bytes = Vec::new();
@@ -481,10 +524,11 @@ async fn answer_204(
         .ok()
         .and_then(|v| v["id"].as_str().map(str::to_owned))
         .unwrap_or_default();
-    let response = axum::http::Response::builder()
-        .status(204)
-        .body(())
-        .expect("a valid response");
+    let mut response = axum::http::Response::builder().status(204);
+    for n in 0..padding_kib {
+        response = response.header(format!("x-padding-{n}"), "a".repeat(1024));
+    }
+    let response = response.body(()).expect("a valid response");
     if respond.send_response(response, true).is_ok() {
         let mut s = state.lock().expect("h2 sink lock");
         s.delivered.push(id);

@@ -38,9 +38,27 @@ pub(super) fn transport_detail(e: &hyper::Error) -> String {
             "{chain}: the sink's response head is larger than the relay reads (HTTP/1.1: 100 header fields or about 400 KiB), \
              so its status is unknown; check what adds headers in front of the sink"
         )
+    } else if h2_error(e).is_some_and(|h| {
+        h.is_library() && h.is_reset() && h.reason() == Some(h2::Reason::PROTOCOL_ERROR)
+    }) {
+        // What the h2 library reports for an answer it cannot take: most
+        // often a header list over its limit.
+        format!(
+            "{chain}: the relay reset the HTTP/2 stream because the sink's answer broke the protocol as it reads it, \
+             most often a response head larger than it reads (about 400 KiB of header fields), so its status is unknown; \
+             check what adds headers in front of the sink"
+        )
     } else {
         chain
     }
+}
+
+/// The h2 error in `e`'s chain, if any.
+fn h2_error(e: &hyper::Error) -> Option<&h2::Error> {
+    std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| {
+        e.source()
+    })
+    .find_map(|err| err.downcast_ref::<h2::Error>())
 }
 
 /// Whether the sink cannot have processed the request: it was canceled
@@ -59,7 +77,7 @@ pub(super) fn never_processed(e: &hyper::Error) -> bool {
             return h.is_canceled();
         }
         err.downcast_ref::<h2::Error>().is_some_and(|h| {
-            h.reason() == Some(h2::Reason::REFUSED_STREAM) || (h.is_go_away() && h.is_remote())
+            h.is_remote() && (h.reason() == Some(h2::Reason::REFUSED_STREAM) || h.is_go_away())
         })
     })
 }

@@ -302,14 +302,16 @@ async fn an_attempt_after_a_reload_signs_with_the_new_keys() {
     );
 }
 
-fn not_a_certificate() -> std::path::PathBuf {
-    let p = std::env::temp_dir().join(format!("cdc-relay-not-a-cert-{}", std::process::id()));
-    std::fs::write(&p, b"not a certificate").unwrap();
-    p
+/// A file that holds no certificate, removed when dropped.
+fn not_a_certificate() -> tempfile::NamedTempFile {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), b"not a certificate").unwrap();
+    f
 }
 
 #[test]
 fn a_ca_file_without_certificates_is_refused() {
+    let file = not_a_certificate();
     let err = HttpSink::new(SinkConfig {
         url: "https://localhost/inbox".parse().unwrap(),
         signing: Signing::new(signer(SignatureScheme::Both, KEY, None)),
@@ -318,7 +320,7 @@ fn a_ca_file_without_certificates_is_refused() {
         connection_max_age: Duration::from_secs(60),
         idle_timeout: Duration::from_secs(30),
         tls: crate::sink::SinkTls {
-            ca_file: Some(not_a_certificate()),
+            ca_file: Some(file.path().to_owned()),
             client_cert: None,
         },
     })
