@@ -139,9 +139,8 @@ mod tests {
 
     #[test]
     fn a_file_that_stops_loading_keeps_its_last_good_copy() {
-        let dir = std::env::temp_dir().join(format!("cdc-relay-reread-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("secret");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
         let check = |b: &[u8]| first_line(b).map(drop);
         // Never loaded: the error.
         assert!(load("--x", &path, check).is_err());

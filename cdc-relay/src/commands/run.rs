@@ -461,8 +461,8 @@ mod tests {
 
     #[test]
     fn a_routes_file_edited_since_the_start_is_described() {
-        let path =
-            std::env::temp_dir().join(format!("cdc-relay-routes-{}.toml", std::process::id()));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("routes.toml");
         let entry = |name: &str, url: &str| {
             format!(
                 "[[endpoint]]\nname = \"{name}\"\nurl = \"{url}\"\nevent_types = [\"*\"]\nsecret_env = \"S\"\n\n"
@@ -484,7 +484,6 @@ mod tests {
             routes_changes(&started, &now).as_deref(),
             Some("endpoints reordered")
         );
-        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

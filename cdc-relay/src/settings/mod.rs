@@ -472,8 +472,8 @@ mod tests {
         let secrets = &mut run.sink.secrets;
         secrets.event_secret = None;
         assert!(secrets.keys().unwrap_err().contains("EVENT_SECRET"));
-        let dir = tempfile_dir();
-        let path = dir.join("secret");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
         std::fs::write(&path, "s3cret-s3cret-s3cret-s3cret-s3cret\n").unwrap();
         secrets.event_secret_file = Some(path.clone());
         assert_eq!(
@@ -486,13 +486,6 @@ mod tests {
             err.starts_with("EVENT_SECRET_PREVIOUS contains a comma"),
             "{err}"
         );
-        std::fs::remove_dir_all(dir).unwrap();
-    }
-
-    fn tempfile_dir() -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("cdc-relay-secret-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
     }
 
     #[test]

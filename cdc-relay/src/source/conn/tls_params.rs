@@ -293,9 +293,8 @@ mod tests {
     #[test]
     fn a_key_file_mode_is_judged_as_libpq_judges_it() {
         use std::os::unix::fs::{MetadataExt, PermissionsExt};
-        let dir = std::env::temp_dir().join(format!("cdc-relay-keymode-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let key = dir.join("client.key");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let key = dir.path().join("client.key");
         std::fs::write(&key, b"k").expect("write");
         let owner = std::fs::metadata(&key).expect("stat").uid();
         // The owner's own bits never matter; group and others do.
@@ -327,7 +326,6 @@ mod tests {
                 "mode {mode:04o} (owner uid {owner}): {got:?}"
             );
         }
-        std::fs::remove_dir_all(&dir).expect("clean up");
     }
 
     #[test]
@@ -353,11 +351,10 @@ mod tests {
     use super::super::ConnParams;
     use super::*;
 
-    /// A private home directory for one test.
-    fn home(name: &str) -> PathBuf {
-        let h = std::env::temp_dir().join(format!("cdc-relay-conn-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&h);
-        std::fs::create_dir_all(h.join(".postgresql")).unwrap();
+    /// A private home directory for one test, removed when dropped.
+    fn home() -> tempfile::TempDir {
+        let h = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(h.path().join(".postgresql")).unwrap();
         h
     }
     fn tls(url: &str, home: &std::path::Path) -> Result<TlsParams, String> {
@@ -365,10 +362,11 @@ mod tests {
     }
     #[test]
     fn tls_parameters_resolve_as_libpq_does() {
-        let h = home("resolve");
+        let dir = home();
+        let h = dir.path();
         let u = "postgres://u@h/d";
         // Nothing in ~/.postgresql: prefer, no root, no client certificate.
-        let t = tls(u, &h).unwrap();
+        let t = tls(u, h).unwrap();
         assert_eq!(
             (t.sslmode, &t.root, &t.client),
             (SslMode::Prefer, &None, &None)
@@ -376,7 +374,7 @@ mod tests {
         assert!(!t.sslmode.checks_chain(t.root.as_ref()));
         // verify-ca / verify-full need a root certificate.
         for mode in ["verify-ca", "verify-full"] {
-            let err = tls(&format!("{u}?sslmode={mode}"), &h).unwrap_err();
+            let err = tls(&format!("{u}?sslmode={mode}"), h).unwrap_err();
             assert!(
                 err.contains(&format!("sslmode={mode}")) && err.contains("sslrootcert"),
                 "{err}"
@@ -384,18 +382,18 @@ mod tests {
         }
         // ~/.postgresql/root.crt is the default root, and makes require check the chain.
         std::fs::write(h.join(".postgresql/root.crt"), "x").unwrap();
-        let t = tls(&format!("{u}?sslmode=require"), &h).unwrap();
+        let t = tls(&format!("{u}?sslmode=require"), h).unwrap();
         assert_eq!(t.root, Some(RootCert::File(h.join(".postgresql/root.crt"))));
         assert!(t.sslmode.checks_chain(t.root.as_ref()));
-        assert!(tls(&format!("{u}?sslmode=verify-ca"), &h).is_ok());
+        assert!(tls(&format!("{u}?sslmode=verify-ca"), h).is_ok());
         // sslrootcert=system: verify-full by default, nothing weaker.
-        let t = tls(&format!("{u}?sslrootcert=system"), &h).unwrap();
+        let t = tls(&format!("{u}?sslrootcert=system"), h).unwrap();
         assert_eq!(
             (t.sslmode, t.root),
             (SslMode::VerifyFull, Some(RootCert::System))
         );
         for mode in ["require", "verify-ca", "prefer"] {
-            let err = tls(&format!("{u}?sslrootcert=system&sslmode={mode}"), &h).unwrap_err();
+            let err = tls(&format!("{u}?sslrootcert=system&sslmode={mode}"), h).unwrap_err();
             assert!(
                 err.contains("sslrootcert=system") && err.contains("verify-full"),
                 "{err}"
@@ -404,7 +402,7 @@ mod tests {
         // A percent-encoded path is decoded.
         let t = tls(
             &format!("{u}?sslmode=verify-ca&sslrootcert=%2Fetc%2Fca.pem"),
-            &h,
+            h,
         )
         .unwrap();
         assert_eq!(t.root, Some(RootCert::File("/etc/ca.pem".into())));
@@ -412,7 +410,8 @@ mod tests {
     #[test]
     fn client_certificates_resolve_and_keys_must_be_private() {
         use std::os::unix::fs::PermissionsExt;
-        let h = home("client");
+        let dir = home();
+        let h = dir.path();
         let u = "postgres://u@h/d";
         let cert = h.join("c.pem");
         let key = h.join("c.key");
@@ -420,7 +419,7 @@ mod tests {
         std::fs::write(&key, "x").unwrap();
         std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
         let url = format!("{u}?sslcert={}&sslkey={}", cert.display(), key.display());
-        let t = tls(&url, &h).unwrap();
+        let t = tls(&url, h).unwrap();
         assert_eq!(
             t.client,
             Some(ClientCert {
@@ -429,12 +428,12 @@ mod tests {
             })
         );
         std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let err = tls(&url, &h).unwrap_err();
+        let err = tls(&url, h).unwrap_err();
         assert!(
             err.contains("sslkey=") && err.contains("0644") && err.contains("chmod 0600"),
             "{err}"
         );
-        let err = tls(&format!("{u}?sslcert=/nonexistent/c.pem"), &h).unwrap_err();
+        let err = tls(&format!("{u}?sslcert=/nonexistent/c.pem"), h).unwrap_err();
         assert!(err.contains("sslcert=/nonexistent/c.pem"), "{err}");
         // The defaults in ~/.postgresql.
         let dot = h.join(".postgresql");
@@ -445,7 +444,7 @@ mod tests {
             std::fs::Permissions::from_mode(0o600),
         )
         .unwrap();
-        let t = tls(u, &h).unwrap();
+        let t = tls(u, h).unwrap();
         assert_eq!(
             t.client,
             Some(ClientCert {
@@ -456,7 +455,8 @@ mod tests {
     }
     #[test]
     fn what_the_relay_cannot_do_on_both_connections_is_refused_by_name() {
-        let h = home("refused");
+        let dir = home();
+        let h = dir.path();
         let u = "postgres://u@h/d?sslmode=require";
         for (param, names) in [
             ("channel_binding=require", "channel_binding=require"),
@@ -469,7 +469,7 @@ mod tests {
             ("sslsni=0", "sslsni=0"),
             ("requiressl=1", "requiressl"),
         ] {
-            let err = tls(&format!("{u}&{param}"), &h).unwrap_err();
+            let err = tls(&format!("{u}&{param}"), h).unwrap_err();
             assert!(err.contains(names), "{param}: {err}");
             // The same through ConnParams, which leaves naming the flag
             // to its caller (the URL may be --replication-url's).
@@ -484,7 +484,7 @@ mod tests {
             "sslnegotiation=postgres",
             "sslsni=1",
         ] {
-            assert!(tls(&format!("{u}&{ok}"), &h).is_ok(), "{ok}");
+            assert!(tls(&format!("{u}&{ok}"), h).is_ok(), "{ok}");
             assert!(
                 ConnParams::parse(&format!("{u}&{ok}"), Duration::from_secs(1)).is_ok(),
                 "{ok}"

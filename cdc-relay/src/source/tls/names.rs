@@ -298,13 +298,8 @@ mod tests {
     /// A self-signed CA certificate made by `openssl` with `key` (`-newkey`
     /// argument) and `opt` (`-pkeyopt`, if any), as DER.
     fn openssl_ca(key: &str, opt: Option<&str>) -> rustls::pki_types::CertificateDer<'static> {
-        let dir = std::env::temp_dir().join(format!(
-            "cdc-relay-names-{}-{}",
-            std::process::id(),
-            key.replace(':', "-")
-        ));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let (pem, k) = (dir.join("ca.pem"), dir.join("ca.key"));
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (pem, k) = (dir.path().join("ca.pem"), dir.path().join("ca.key"));
         let mut args = vec!["req", "-x509", "-nodes", "-days", "2", "-subj", "/CN=ca"];
         args.extend(["-newkey", key]);
         if let Some(o) = opt {
@@ -322,7 +317,6 @@ mod tests {
             String::from_utf8_lossy(&made.stderr)
         );
         let der = std::fs::read(&pem).expect("read");
-        std::fs::remove_dir_all(&dir).expect("clean up");
         rustls::pki_types::CertificateDer::from(der)
     }
 
