@@ -3,18 +3,21 @@
 
 use std::process::ExitCode;
 
-use cdc_relay::cli::{Cli, Command, GlobalArgs, LogFormat};
+use cdc_relay::cli::{Cli, Command, GlobalArgs, LogFormat, default_worker_threads};
 use cdc_relay::commands;
 
 fn main() -> ExitCode {
     let cli = Cli::parse_args();
     init_tracing(&cli.global, matches!(cli.command, Command::Backfill(_)));
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Command::Run(a) = &cli.command
-        && let Some(n) = a.worker_threads
-    {
-        builder.worker_threads(usize::from(n));
+    let threads = match &cli.command {
+        Command::Run(a) => a.worker_threads.map(usize::from),
+        _ => None,
     }
+    .unwrap_or_else(|| {
+        default_worker_threads(std::thread::available_parallelism().map_or(1, |n| n.get()))
+    });
+    builder.worker_threads(threads);
     let runtime = builder.enable_all().build().expect("tokio runtime");
     // The command runs as a task on the worker threads, not inside
     // `block_on` on the main thread: there every wake-up from a worker (one

@@ -23,7 +23,7 @@ pub use dead_letter::{DeadLetterCommand, DeadLetterFilterArgs, ReplayArgs};
 pub use maintenance::{BackfillArgs, PruneArgs, SetupArgs, StatusArgs};
 use parse::*;
 pub use parse::{parse_batch_bytes, parse_bytes, parse_duration, parse_size, parse_timeout};
-pub use run::{DeliveryArgs, RunArgs, SecretArgs, SinkArgs};
+pub use run::{DeliveryArgs, RunArgs, SecretArgs, SinkArgs, default_worker_threads};
 
 /// Streams a PostgreSQL outbox table through a pgoutput logical replication
 /// slot and POSTs each committed insert, HMAC-signed, to an HTTP inbox. The

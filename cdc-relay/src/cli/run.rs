@@ -83,6 +83,16 @@ pub struct SecretArgs {
     pub signature_scheme: crate::sink::SignatureScheme,
 }
 
+/// The runtime's worker threads when `--worker-threads` is not given, for
+/// a machine with `cpus` CPUs: one per CPU but one, at least one. The
+/// relay runs beside PostgreSQL, whose walsender decodes the stream on a
+/// CPU of its own; on a 2-CPU machine shared with the database and a
+/// receiver, one thread delivered more for less CPU per event than two
+/// (`docs/benchmarks.md`, "Runtime threads beside PostgreSQL").
+pub fn default_worker_threads(cpus: usize) -> usize {
+    cpus.saturating_sub(1).max(1)
+}
+
 /// `cdc-relay run`.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Relay")]
@@ -226,8 +236,9 @@ pub struct RunArgs {
     #[arg(long, env = "CDC_RELAY_PRUNE_PAUSE", default_value = "1s", value_parser = parse_duration, help_heading = "Retention")]
     pub prune_pause: Duration,
     /// Runtime worker threads (CPU cores the relay may keep busy). Default:
-    /// one per available CPU. Running beside PostgreSQL on a small machine,
-    /// 1 leaves the other cores to the database.
+    /// one per available CPU but one, at least one (1 on a 2-CPU machine):
+    /// the relay runs beside PostgreSQL, whose walsender decodes what it
+    /// streams. On a machine of its own, set it to the CPU count.
     #[arg(long, env = "CDC_RELAY_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub worker_threads: Option<u16>,
     /// The sink.

@@ -365,3 +365,11 @@ fn names_no_database_object_could_have_are_bad_configuration() {
     assert_eq!(cli.global.aggregate_column, "");
     assert_eq!(cli.global.trace_column.as_deref(), Some(""));
 }
+
+#[test]
+fn the_default_runtime_leaves_one_cpu_to_postgresql() {
+    assert_eq!(
+        [0, 1, 2, 3, 8].map(super::default_worker_threads),
+        [1, 1, 1, 2, 7]
+    );
+}
