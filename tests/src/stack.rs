@@ -286,6 +286,28 @@ impl Stack {
         connect(&self.billing_admin_url).await
     }
 
+    /// Replaces the (empty) outbox with one partitioned by hash of its id
+    /// into two leaves, `outbox_p0` and `outbox_p1`, published without
+    /// `publish_via_partition_root`: the server streams each insert under
+    /// its leaf's name and OID. The old table stays as `outbox_plain`.
+    pub async fn partition_outbox_by_leaf(&self) -> anyhow::Result<()> {
+        self.orders_admin()
+            .await?
+            .batch_execute(&format!(
+                "ALTER PUBLICATION {p} DROP TABLE outbox; \
+                 ALTER TABLE outbox RENAME TO outbox_plain; \
+                 CREATE TABLE outbox (LIKE outbox_plain INCLUDING DEFAULTS, PRIMARY KEY (id)) \
+                   PARTITION BY HASH (id); \
+                 CREATE TABLE outbox_p0 PARTITION OF outbox FOR VALUES WITH (MODULUS 2, REMAINDER 0); \
+                 CREATE TABLE outbox_p1 PARTITION OF outbox FOR VALUES WITH (MODULUS 2, REMAINDER 1); \
+                 GRANT SELECT, INSERT ON outbox TO orders_app; GRANT SELECT ON outbox TO cdc_relay; \
+                 ALTER PUBLICATION {p} ADD TABLE outbox",
+                p = self.publication
+            ))
+            .await?;
+        Ok(())
+    }
+
     /// Applies the `sql/` files to both databases, exactly as
     /// [`PgCluster::create_stack`] does; every file is re-runnable, so
     /// calling this again changes nothing.

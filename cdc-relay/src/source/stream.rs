@@ -397,19 +397,24 @@ impl Stream {
     /// nothing of it acknowledged.
     async fn past_shape(&mut self, rel: &Relation) -> Result<(), StreamError> {
         let table = self.mapper.table().clone();
-        let now = catalog::check_outbox_table(&self.side, &table, self.mapper.columns()).await;
-        match now {
-            Ok(now) if now.oid == rel.oid.0 => {
-                let missing = self.mapper.lacking(rel.oid).join(", ");
-                tracing::warn!(table = %table, missing = %missing, "the WAL describes {table} without column(s) {missing}, which it has now (dropped, then added back): rows committed in between cannot become events and are dead-lettered with the columns they have");
-                self.mapper.accept_past_shape(rel.oid);
-                Ok(())
-            }
-            // The table lacks them now (or is another relation): an insert
-            // of this description stops the stream.
-            Ok(_) | Err(SourceError::NeedsSetup(_) | SourceError::PayloadType(_)) => Ok(()),
-            Err(e) => Err(e.into()),
+        let now = match catalog::check_outbox_table(&self.side, &table, self.mapper.columns()).await
+        {
+            Ok(now) => now,
+            // The table lacks them now: an insert of this description
+            // stops the stream.
+            Err(SourceError::NeedsSetup(_) | SourceError::PayloadType(_)) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        // The outbox itself, or one of its partitions streamed under its
+        // own name; not a relation that stopped being the outbox.
+        let ours = now.oid == rel.oid.0
+            || catalog::partition_root(&self.side, rel.oid.0).await? == Some(now.oid);
+        if ours {
+            let missing = self.mapper.lacking(rel.oid).join(", ");
+            tracing::warn!(table = %table, missing = %missing, "the WAL describes {table} without column(s) {missing}, which it has now (dropped, then added back): rows committed in between cannot become events and are dead-lettered with the columns they have");
+            self.mapper.accept_past_shape(rel.oid);
         }
+        Ok(())
     }
 
     fn ignore(&mut self, relation: RelationId, kind: &'static str) {

@@ -688,21 +688,7 @@ fn log_lines_naming(relay: &Running, words: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_outbox_published_by_leaf_is_delivered_as_the_outbox() -> anyhow::Result<()> {
     let stack = PgCluster::shared().create_stack().await?;
-    stack
-        .orders_admin()
-        .await?
-        .batch_execute(&format!(
-            "ALTER PUBLICATION {p} DROP TABLE outbox; \
-             ALTER TABLE outbox RENAME TO outbox_plain; \
-             CREATE TABLE outbox (LIKE outbox_plain INCLUDING DEFAULTS, PRIMARY KEY (id)) \
-               PARTITION BY HASH (id); \
-             CREATE TABLE outbox_p0 PARTITION OF outbox FOR VALUES WITH (MODULUS 2, REMAINDER 0); \
-             CREATE TABLE outbox_p1 PARTITION OF outbox FOR VALUES WITH (MODULUS 2, REMAINDER 1); \
-             GRANT SELECT, INSERT ON outbox TO orders_app; GRANT SELECT ON outbox TO cdc_relay; \
-             ALTER PUBLICATION {p} ADD TABLE outbox",
-            p = stack.publication
-        ))
-        .await?;
+    stack.partition_outbox_by_leaf().await?;
     let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
     let agg = s.insert_order().await?;
     // Event ids are random, so which partition a row lands in is chance:

@@ -219,7 +219,21 @@ async fn payload_turned_text_while_streaming_is_checked_row_by_row_and_never_wed
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_committed_while_the_payload_column_was_dropped_are_dead_lettered_once_it_is_back()
 -> anyhow::Result<()> {
-    let mut s = Scenario::start(Inbox::Scripted).await?;
+    payload_dropped_and_added_back(Scenario::start(Inbox::Scripted).await?).await
+}
+
+/// The same with a partitioned outbox whose leaves stream under their own
+/// names (`publish_via_partition_root` off): the description that lacks
+/// the column is a leaf's, and the leaf is the outbox's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_payload_column_added_back_is_the_past_for_a_partition_too() -> anyhow::Result<()>
+{
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox_by_leaf().await?;
+    payload_dropped_and_added_back(Scenario::plan(Inbox::Scripted).on(stack).start().await?).await
+}
+
+async fn payload_dropped_and_added_back(mut s: Scenario) -> anyhow::Result<()> {
     let agg = s.insert_order().await?;
     let first = s.insert_event(agg, "Before", Some(r#"{"b":1}"#)).await?;
     s.expect_exactly(std::slice::from_ref(&first)).await?;
