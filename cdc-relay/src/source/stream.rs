@@ -405,10 +405,15 @@ impl Stream {
             Err(SourceError::NeedsSetup(_) | SourceError::PayloadType(_)) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
-        // The outbox itself, or one of its partitions streamed under its
-        // own name; not a relation that stopped being the outbox.
+        // The outbox itself, one of its partitions streamed under its own
+        // name, or a former outbox dropped since (recreated under the
+        // name: nothing will ever be written to the old one again); not a
+        // relation that still exists under another name.
         let ours = now.oid == rel.oid.0
-            || catalog::partition_root(&self.side, rel.oid.0).await? == Some(now.oid);
+            || catalog::partition_root(&self.side, rel.oid.0).await? == Some(now.oid)
+            || catalog::relation_name(&self.side, rel.oid.0)
+                .await?
+                .is_none();
         if ours {
             let missing = self.mapper.lacking(rel.oid).join(", ");
             tracing::warn!(table = %table, missing = %missing, "the WAL describes {table} without column(s) {missing}, which it has now (dropped, then added back): rows committed in between cannot become events and are dead-lettered with the columns they have");

@@ -233,6 +233,61 @@ async fn a_dropped_payload_column_added_back_is_the_past_for_a_partition_too() -
     payload_dropped_and_added_back(Scenario::plan(Inbox::Scripted).on(stack).start().await?).await
 }
 
+/// The payload column dropped and a row committed, then the table dropped
+/// and created again (the schema applied anew) instead of the column added
+/// back: the description without the column is of a relation that no
+/// longer exists, so it is the past too: its row is dead-lettered and the
+/// new table's events flow, where every start stopped on it before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_of_a_dropped_outbox_that_lacked_the_payload_is_dead_lettered_once_it_is_recreated()
+-> anyhow::Result<()> {
+    let mut s = Scenario::start(Inbox::Scripted).await?;
+    let agg = s.insert_order().await?;
+    s.stop_relay().await?;
+    s.db.batch_execute("ALTER TABLE outbox DROP COLUMN payload")
+        .await?;
+    let gap = insert_without_payload(&s, agg).await?;
+    s.db.batch_execute("DROP TABLE outbox").await?;
+    s.stack.apply_schema().await?;
+    let later = s.insert_event(agg, "Recreated", Some(r#"{"r":1}"#)).await?;
+    s.restart_relay(&[]).await?;
+    wait_until("the event of the new table delivered", DRAIN, || async {
+        s.sink().delivered().iter().any(|r| r.id() == later.id)
+    })
+    .await?;
+    wait_until("the row without a payload dead-lettered", DRAIN, || async {
+        s.db.query_one(
+            "SELECT count(*) FROM cdc_relay_dead_letter WHERE event_id = $1",
+            &[&gap],
+        )
+        .await
+        .is_ok_and(|r| r.get::<_, i64>(0) == 1)
+    })
+    .await?;
+    let error: String =
+        s.db.query_one(
+            "SELECT error FROM cdc_relay_dead_letter WHERE event_id = $1",
+            &[&gap],
+        )
+        .await?
+        .get(0);
+    assert!(error.contains("no column \"payload\""), "{error}");
+    assert_eq!(app::sessions(&s.relay), 1, "no stop, no restart loop");
+    Ok(())
+}
+
+/// Commits an outbox row without the (dropped) payload column; its id.
+async fn insert_without_payload(s: &Scenario, agg: uuid::Uuid) -> anyhow::Result<String> {
+    Ok(s.db
+        .query_one(
+            "INSERT INTO outbox (id, aggregate_id, event_type) \
+             VALUES (gen_random_uuid(), $1, 'NoPayload') RETURNING id::text",
+            &[&agg],
+        )
+        .await?
+        .get(0))
+}
+
 async fn payload_dropped_and_added_back(mut s: Scenario) -> anyhow::Result<()> {
     let agg = s.insert_order().await?;
     let first = s.insert_event(agg, "Before", Some(r#"{"b":1}"#)).await?;
@@ -240,14 +295,7 @@ async fn payload_dropped_and_added_back(mut s: Scenario) -> anyhow::Result<()> {
 
     s.db.batch_execute("ALTER TABLE outbox DROP COLUMN payload")
         .await?;
-    let gap: String =
-        s.db.query_one(
-            "INSERT INTO outbox (id, aggregate_id, event_type) \
-             VALUES (gen_random_uuid(), $1, 'NoPayload') RETURNING id::text",
-            &[&agg],
-        )
-        .await?
-        .get(0);
+    let gap = insert_without_payload(&s, agg).await?;
     let after = oracle::wal_position(&s.db).await?;
     let status = s.wait_refusal(after).await?;
     let logs = s.relay.process.logs();

@@ -187,6 +187,15 @@ async fn a_shard_filter_changed_while_streaming_fails_readiness_names_the_backfi
     )
     .await
     .map_err(|e| anyhow::anyhow!("{e:#}\nthe relay's log:\n{}", relay.process.logs()))?;
+    // Readiness fails as the line is written: the log, read from the
+    // relay's stderr by another task, may be a moment behind.
+    wait_until(
+        "the relay to name the changed filter",
+        Duration::from_secs(10),
+        || async { relay.process.logs().contains("not this shard's") },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e:#}\nthe relay's log:\n{}", relay.process.logs()))?;
     let logs = relay.process.logs();
     let line = logs
         .lines()
