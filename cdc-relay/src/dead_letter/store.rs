@@ -138,6 +138,22 @@ pub async fn resume_lock(client: &Client, endpoint: &str, take: bool) -> Result<
     }
 }
 
+/// Takes the lock of `cdc-relay dead-letter replay` itself, held by
+/// `client`'s session until it closes; `Ok(false)`: another replay holds
+/// it. Two replays at once would each send (and remove) the same rows.
+pub async fn manual_replay_lock(client: &Client) -> Result<bool, StoreError> {
+    match client
+        .query_one(
+            "SELECT pg_try_advisory_lock(hashtextextended('cdc_relay_dead_letter_replay', 0))",
+            &[],
+        )
+        .await
+    {
+        Ok(r) => Ok(r.get(0)),
+        Err(e) => Err(StoreError::of(client, &e).await),
+    }
+}
+
 /// A dead-letter row's column values as stored: text made [`storable`], a
 /// payload that is not UTF-8 or holds a NUL in `payload_bytes` as it is,
 /// the commit LSN as text (the statement casts it to `pg_lsn`), the first

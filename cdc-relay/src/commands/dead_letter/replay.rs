@@ -372,6 +372,13 @@ pub(super) async fn replay(client: Client, a: ReplayArgs) -> anyhow::Result<()> 
     let lane = lane.map(|l| l.traced(export.as_ref().map(|e| e.tracer().clone())));
     let endpoint = a.filter.endpoint.clone();
     if lane.is_some() {
+        let free = dead_letter::manual_replay_lock(&client)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot take the replay lock: {e}"))?;
+        anyhow::ensure!(
+            free,
+            "another `cdc-relay dead-letter replay` runs against this database; two at once would send the same rows twice and out of order: wait for it to finish, then run this one again"
+        );
         lock_parked(&client, endpoint.as_deref()).await?;
     }
     let mut filter = checked(&client, &a.filter).await?;
