@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Each event is judged by its own `status` as a response to it alone
-//! would be ([`classify`](super::classify)); `error` (optional) becomes the
+//! would be ([`classify`](fn@super::classify)); `error` (optional) becomes the
 //! dead-letter row's detail. An event the answer does not name is not
 //! done. A 207 that does not read as this shape is no answer per event:
 //! the relay splits the batch ([`crate::dispatch`]). A 207 to one event's

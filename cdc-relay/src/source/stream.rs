@@ -388,13 +388,9 @@ impl Stream {
         }
     }
 
-    /// A description of the outbox that lacks configured columns: when the
-    /// catalog shows the table has every one of them now, the description
-    /// is of the past (a column dropped, then added back, before the relay
-    /// read the rows committed between), and those rows are dead-lettered
-    /// rather than wedging the slot on every start. Otherwise the table
-    /// lacks them now, and the first insert stops the stream (exit 5),
-    /// nothing of it acknowledged.
+    /// A description of the outbox that lacks configured columns: the past
+    /// when the table has them all now (`docs/architecture.md`, "lacks a
+    /// configured column"; [`OutboxMapper::accept_past_shape`]).
     async fn past_shape(&mut self, rel: &Relation) -> Result<(), StreamError> {
         let table = self.mapper.table().clone();
         let now = match catalog::check_outbox_table(&self.side, &table, self.mapper.columns()).await
@@ -405,10 +401,8 @@ impl Stream {
             Err(SourceError::NeedsSetup(_) | SourceError::PayloadType(_)) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
-        // The outbox itself, one of its partitions streamed under its own
-        // name, or a former outbox dropped since (recreated under the
-        // name: nothing will ever be written to the old one again); not a
-        // relation that still exists under another name.
+        // The outbox, a partition of it, or a former outbox dropped since;
+        // never a relation that still exists under another name.
         let ours = now.oid == rel.oid.0
             || catalog::partition_root(&self.side, rel.oid.0).await? == Some(now.oid)
             || catalog::relation_name(&self.side, rel.oid.0)
