@@ -346,6 +346,75 @@ pub async fn relay_command(
     })
 }
 
+/// [`relay_command`], and the command's peak resident set in KiB: the
+/// largest `VmHWM` its `/proc/<pid>/status` showed, read every 5 ms
+/// while it ran. `VmHWM` is the process's own high-water mark since its
+/// `exec` (a child's `ru_maxrss` from `wait4` is not: it starts from the
+/// parent's), and it only grows, so a late read still sees an early peak;
+/// only growth in the last milliseconds before the exit can be missed.
+/// For a test that bounds what a command holds in memory (a count, not a
+/// time).
+pub async fn relay_command_peak_rss(
+    stack: &Stack,
+    db_url: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> anyhow::Result<(CommandOutput, u64)> {
+    let child = tokio::process::Command::new(bins::path("cdc-relay"))
+        .args(relay_globals(stack))
+        .args(args)
+        .env("CDC_RELAY_DATABASE_URL", db_url)
+        .env_remove("EVENT_SECRET")
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("running cdc-relay {args:?}"))?;
+    let status_file = format!("/proc/{}/status", child.id().context("no pid")?);
+    let mut peak = 0;
+    let output = child.wait_with_output();
+    tokio::pin!(output);
+    let out = tokio::time::timeout(COMMAND_TIMEOUT, async {
+        loop {
+            if let Ok(status) = std::fs::read_to_string(&status_file) {
+                peak = peak.max(high_water_kib(&status).unwrap_or(0));
+            }
+            tokio::select! {
+                out = &mut output => return out,
+                () = tokio::time::sleep(Duration::from_millis(5)) => {}
+            }
+        }
+    })
+    .await
+    .with_context(|| format!("cdc-relay {args:?} still running after {COMMAND_TIMEOUT:?}"))?
+    .with_context(|| format!("running cdc-relay {args:?}"))?;
+    anyhow::ensure!(
+        peak > 0,
+        "cdc-relay {args:?}: no VmHWM read from {status_file}"
+    );
+    Ok((
+        CommandOutput {
+            status: out.status,
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        },
+        peak,
+    ))
+}
+
+/// The `VmHWM` (peak resident set, KiB) of a `/proc/<pid>/status` text.
+fn high_water_kib(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// Posts one order through the Orders API; returns `(order_id, event_id)`.
 pub async fn post_order(
     http: &reqwest::Client,

@@ -15,8 +15,9 @@ pub enum DeadLetterCommand {
         /// Which rows.
         #[command(flatten)]
         filter: DeadLetterFilterArgs,
-        /// At most this many rows (the oldest).
-        #[arg(long)]
+        /// At most this many rows (the oldest); 1 or more. Without it,
+        /// every row, read and printed a page at a time.
+        #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
         limit: Option<i64>,
     },
     /// Show one dead-lettered event as JSON, its payload as JSON.

@@ -12,7 +12,7 @@ use tokio_postgres::Client;
 use super::{ConfigError, connect, outln};
 use crate::cli::{DeadLetterCommand, GlobalArgs};
 use crate::dead_letter::{self, Removal};
-use rows::{DeadLetter, Filter};
+use rows::{DeadLetter, Filter, Payloads};
 
 /// Runs one `dead-letter` subcommand.
 pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()> {
@@ -97,15 +97,17 @@ impl Selection {
         }
     }
 
-    /// The rows, with their payloads: the ids' rows in the order given
-    /// (every one must exist), or the filter's rows oldest first.
+    /// The rows: the ids' rows in the order given, with their payloads
+    /// (every one must exist), or the filter's rows oldest first, without
+    /// them (only `discard` reads a filter's rows whole; `replay` pages
+    /// them).
     async fn rows(&self, client: &Client) -> anyhow::Result<Vec<DeadLetter>> {
         match self {
             Self::Filtered(f) => {
                 let mut rows = Vec::new();
                 let mut after = 0;
                 loop {
-                    let page = rows::page(client, f, after, 10_000).await?;
+                    let page = rows::page(client, f, after, 10_000, Payloads::Without).await?;
                     let Some(last) = page.last() else {
                         return Ok(rows);
                     };
@@ -157,48 +159,131 @@ fn age(secs: i64) -> String {
     }
 }
 
+/// Rows `list` reads per statement: a listing of any length holds one
+/// page in memory, and its first rows print before the last are read.
+const LIST_PAGE: i64 = 1_000;
+
+/// `dead-letter list`: the rows `filter` selects, oldest first, at most
+/// `limit`, as a table or a JSON array, read and printed a page at a time
+/// (rows written meanwhile may appear, rows removed meanwhile may not:
+/// the listing is not one snapshot).
 async fn list(
     client: &Client,
     json: bool,
     filter: &Filter,
     limit: Option<i64>,
 ) -> anyhow::Result<()> {
-    let rows = rows::list(client, filter, limit).await?;
-    if json {
-        outln!("{}", serde_json::to_string_pretty(&rows)?);
-        return Ok(());
-    }
-    outln!(
-        "{:>6}  {:<36}  {:<16}  {:<12}  {:>6}  {:>8}  {:>10}  error",
-        "id",
-        "event_id",
-        "type",
-        "endpoint",
-        "status",
-        "attempts",
-        "age"
-    );
-    for r in &rows {
+    let mut array = json.then(JsonArray::default);
+    if !json {
         outln!(
-            "{:>6}  {:<36}  {:<16}  {:<12}  {:>6}  {:>8}  {:>10}  {}",
-            r.id,
-            printable(r.event_id.as_deref().unwrap_or("(none)")),
-            printable(r.event_type.as_deref().unwrap_or("(none)")),
-            printable(r.endpoint.as_deref().unwrap_or("-")),
-            r.http_status.map_or("-".into(), |s| s.to_string()),
-            r.attempts,
-            age(r.age_secs),
-            printable(&r.error.chars().take(80).collect::<String>())
+            "{:>6}  {:<36}  {:<16}  {:<12}  {:>6}  {:>8}  {:>10}  error",
+            "id",
+            "event_id",
+            "type",
+            "endpoint",
+            "status",
+            "attempts",
+            "age"
         );
     }
-    match limit {
-        Some(l) if i64::try_from(rows.len()).unwrap_or(i64::MAX) >= l => outln!(
-            "{} dead-lettered event(s) shown, the first --limit {l}: there may be more (`cdc-relay status` counts them all)",
-            rows.len()
+    let (mut listed, mut after) = (0_i64, 0_i64);
+    loop {
+        let want = limit.map_or(LIST_PAGE, |l| (l - listed).min(LIST_PAGE));
+        if want <= 0 {
+            break;
+        }
+        let page = rows::page(client, filter, after, want, Payloads::Without).await?;
+        let Some(last) = page.last() else { break };
+        after = last.id;
+        let read = i64::try_from(page.len()).unwrap_or(i64::MAX);
+        listed += read;
+        match &mut array {
+            Some(array) => {
+                if let Some(text) = array.push(&page)? {
+                    outln!("{text}");
+                }
+            }
+            None => outln!("{}", table_rows(&page)),
+        }
+        if read < want {
+            break;
+        }
+    }
+    match (array, limit) {
+        (Some(array), _) => outln!("{}", array.finish()),
+        (None, Some(l)) if listed >= l => outln!(
+            "{listed} dead-lettered event(s) shown, the first --limit {l}: there may be more (`cdc-relay status` counts them all)"
         ),
-        _ => outln!("{} dead-lettered event(s)", rows.len()),
+        (None, _) => outln!("{listed} dead-lettered event(s)"),
     }
     Ok(())
+}
+
+/// `rows` as lines of `list`'s table (no final line break).
+fn table_rows(rows: &[DeadLetter]) -> String {
+    let lines: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{:>6}  {:<36}  {:<16}  {:<12}  {:>6}  {:>8}  {:>10}  {}",
+                r.id,
+                printable(r.event_id.as_deref().unwrap_or("(none)")),
+                printable(r.event_type.as_deref().unwrap_or("(none)")),
+                printable(r.endpoint.as_deref().unwrap_or("-")),
+                r.http_status.map_or("-".into(), |s| s.to_string()),
+                r.attempts,
+                age(r.age_secs),
+                printable(&r.error.chars().take(80).collect::<String>())
+            )
+        })
+        .collect();
+    lines.join("\n")
+}
+
+/// A JSON array printed a page at a time, laid out as
+/// `serde_json::to_string_pretty` lays out the whole array: each element
+/// but the last is followed by a comma, so the last element read is held
+/// until the next page (or the end) says whether it was the last.
+#[derive(Default)]
+struct JsonArray {
+    /// `[` has been printed.
+    opened: bool,
+    /// The last element read, indented, not yet printed.
+    held: Option<String>,
+}
+
+impl JsonArray {
+    /// The lines to print now (no final line break; `None`: nothing yet):
+    /// the held element and all of `rows` but the last, which it holds.
+    fn push(&mut self, rows: &[DeadLetter]) -> serde_json::Result<Option<String>> {
+        let mut lines = Vec::with_capacity(rows.len() + 1);
+        if !self.opened && !rows.is_empty() {
+            self.opened = true;
+            lines.push("[".to_owned());
+        }
+        for r in rows {
+            // A JSON text's strings escape line breaks: every line break
+            // in the pretty form is the layout's.
+            let element = serde_json::to_string_pretty(r)?
+                .lines()
+                .map(|l| format!("  {l}"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            if let Some(previous) = self.held.replace(element) {
+                lines.push(previous + ",");
+            }
+        }
+        Ok((!lines.is_empty()).then(|| lines.join("\n")))
+    }
+
+    /// The last lines: the held element and the array's end (`[]` when
+    /// nothing was pushed).
+    fn finish(self) -> String {
+        match (self.opened, self.held) {
+            (true, Some(last)) => format!("{last}\n]"),
+            _ => "[]".to_owned(),
+        }
+    }
 }
 
 /// `text` for one line of a terminal table: control characters (a line
@@ -315,6 +400,53 @@ mod tests {
         assert_eq!(age(61), "1 min");
         assert_eq!(age(7_500), "2 h 5 min");
         assert_eq!(age(3 * 86_400 + 4 * 3600 + 5), "3 d 4 h");
+    }
+
+    /// Pages of any size print what one `to_string_pretty` of the whole
+    /// array prints.
+    #[test]
+    fn a_json_array_printed_by_pages_reads_as_one() {
+        let row = |id: i64| DeadLetter {
+            id,
+            event_id: Some(format!("e-{id}")),
+            aggregate_key: None,
+            event_type: Some("Order\nPaid".into()),
+            payload: None,
+            payload_bytes_hex: None,
+            commit_lsn: Some("0/16B3748".into()),
+            http_status: Some(422),
+            error: "http_422: no".into(),
+            response_excerpt: None,
+            attempts: 1,
+            dead_lettered_at: "2026-12-07T09:00:00.000000Z".into(),
+            age_secs: 5,
+            endpoint: None,
+            trace_context: None,
+        };
+        let all: Vec<DeadLetter> = (1..=7).map(row).collect();
+        for sizes in [
+            &[][..],
+            &[0],
+            &[1],
+            &[7],
+            &[0, 3, 0, 4],
+            &[1, 1, 5],
+            &[2, 2, 2, 1],
+        ] {
+            let mut array = JsonArray::default();
+            let mut printed = Vec::new();
+            let mut at = 0;
+            for n in sizes {
+                printed.extend(array.push(&all[at..at + n]).unwrap());
+                at += n;
+            }
+            printed.push(array.finish());
+            assert_eq!(
+                printed.join("\n"),
+                serde_json::to_string_pretty(&all[..at]).unwrap(),
+                "{sizes:?}"
+            );
+        }
     }
 
     #[test]

@@ -167,7 +167,7 @@ impl Source<'_> {
         if self.done {
             return Ok(Vec::new());
         }
-        let rows = rows::page(self.client, filter, self.after, PAGE).await?;
+        let rows = rows::page(self.client, filter, self.after, PAGE, rows::Payloads::With).await?;
         self.done = rows.len() < usize::try_from(PAGE).unwrap_or(usize::MAX);
         if let Some(last) = rows.last() {
             self.after = last.id;

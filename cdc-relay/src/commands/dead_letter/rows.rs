@@ -168,45 +168,40 @@ async fn query_filtered(
     query_traced(client, sql, &params).await
 }
 
-/// The payload columns, after [`COLUMNS`], for the reads that need them
-/// ([`page`], [`get_many`]).
+/// The payload columns, after [`COLUMNS`], for the reads that need them.
 const WITH_PAYLOAD: &str = "payload, payload_bytes";
 
-/// The rows `filter` selects, oldest first, at most `limit`, without
-/// payloads. A `since`/`until` PostgreSQL cannot read as a time is an
-/// error (22007/22008).
-pub async fn list(
-    client: &Client,
-    filter: &Filter,
-    limit: Option<i64>,
-) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    let rows = query_filtered(
-        client,
-        filter,
-        &format!(
-            "SELECT {COLUMNS} FROM cdc_relay_dead_letter WHERE {FILTERED} ORDER BY id LIMIT $7"
-        ),
-        &[&limit],
-    )
-    .await?;
-    Ok(rows.iter().map(|r| from_row(r, None, None)).collect())
+/// Whether a read carries each row's payload (`show`, `replay`) or leaves
+/// it out (`list`, `discard`, which never print it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Payloads {
+    /// Read `payload` and `payload_bytes` too.
+    With,
+    /// The listed columns only.
+    Without,
 }
 
 /// The next `limit` rows `filter` selects after row id `after`, oldest
-/// first, with their payloads: one page of a keyset scan, so a replay of
-/// any number of rows reads them a page per round trip and never holds
-/// them all.
+/// first: one page of a keyset scan, so a command over any number of rows
+/// reads them a page per round trip and never holds them all. A
+/// `since`/`until` PostgreSQL cannot read as a time is an error
+/// (22007/22008).
 pub async fn page(
     client: &Client,
     filter: &Filter,
     after: i64,
     limit: i64,
+    payloads: Payloads,
 ) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
+    let columns = match payloads {
+        Payloads::With => format!("{COLUMNS}, {WITH_PAYLOAD}"),
+        Payloads::Without => COLUMNS.to_owned(),
+    };
     let rows = query_filtered(
         client,
         filter,
         &format!(
-            "SELECT {COLUMNS}, {WITH_PAYLOAD} FROM cdc_relay_dead_letter \
+            "SELECT {columns} FROM cdc_relay_dead_letter \
              WHERE {FILTERED} AND id > $7 ORDER BY id LIMIT $8"
         ),
         &[&after, &limit],
@@ -214,7 +209,10 @@ pub async fn page(
     .await?;
     Ok(rows
         .iter()
-        .map(|r| from_row(r, r.get(13), r.get(14)))
+        .map(|r| match payloads {
+            Payloads::With => from_row(r, r.get(13), r.get(14)),
+            Payloads::Without => from_row(r, None, None),
+        })
         .collect())
 }
 
