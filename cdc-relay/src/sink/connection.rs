@@ -326,9 +326,9 @@ impl Connections {
         }
     }
 
-    /// The HTTP/2 connection `conn` refused or drained: later requests go
-    /// to a new one. (An HTTP/1.1 connection that failed is dropped by its
-    /// holder.)
+    /// The HTTP/2 connection `conn` refused, drained or failed (not a
+    /// stream reset that ends one request): later requests go to a new
+    /// one. (An HTTP/1.1 connection that failed is dropped by its holder.)
     pub fn discard(&self, conn: &Conn) {
         if let Conn::Http2(h2) = conn {
             self.discard_h2(h2);

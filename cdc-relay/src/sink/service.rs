@@ -14,7 +14,9 @@
 //! the attempt's result (the breaker judges the second). A request canceled
 //! on a brand-new HTTP/1.1 connection is not sent again: a front that
 //! closes or resets every new connection is a dead sink, and each attempt
-//! must stay one request there (`docs/architecture.md#circuit-breaker`). The URI, the `Authorization` header from URL credentials and the
+//! must stay one request there (`docs/architecture.md#circuit-breaker`).
+//! An HTTP/2 stream reset for another reason (`INTERNAL_ERROR`, `CANCEL`,
+//! …) is a failed attempt that leaves the shared connection in service. The URI, the `Authorization` header from URL credentials and the
 //! fixed headers are built once; each attempt POSTs the exact body with
 //! (`--signature-scheme both`, the default):
 //!
@@ -51,7 +53,7 @@ use crate::sink::connection::{Conn, Connections, Http2};
 use crate::sink::encoder::{self, Prepared};
 use crate::sink::signature::Signing;
 use crate::sink::{Sink, TraceHeaders};
-use failure::{closed_under, connect_error, never_processed, transport_detail};
+use failure::{closed_under, connect_error, never_processed, stream_reset, transport_detail};
 
 /// How to reach the sink.
 #[derive(Clone, Debug)]
@@ -345,7 +347,9 @@ impl HttpSink {
                     retried = true;
                 }
                 Err(e) => {
-                    self.connections.discard(&conn);
+                    if !stream_reset(&e) {
+                        self.connections.discard(&conn);
+                    }
                     return Attempt::Transport(transport_detail(&e));
                 }
             }

@@ -5,7 +5,7 @@
 //! backoff starts no new attempt and exits within 5 s (4); a relay that
 //! starts or takes over while the sink is dead sends it at most 2 requests
 //! per second from its first one (6). Item 3 (HTTP/2 GOAWAY) is in
-//! `tls.rs`, which has the https peer; item 6 per fault kind, across relay
+//! `http2.rs`, which has the h2 peer; item 6 per fault kind, across relay
 //! kills, in `chaos.rs`. A 410 Gone retires the endpoint: events kept,
 //! probed at most once a minute, `/readyz` and a metric say so (issue 30).
 

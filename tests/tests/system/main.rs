@@ -14,6 +14,7 @@
 //! | `cli/` | `cdc-relay` as an operator types it: `setup`, `status`, start-up errors and exit codes (one file a topic) |
 //! | `identity.rs` | which relation is the outbox and whether the stream carries it: renames and swaps, publication membership (left, flapped, two publications, other tables), a slot older than its publication |
 //! | `row_shape.rs` | what a row may hold and how the table is declared: the payload column's type, a non-UTF-8 database, replica identity |
+//! | `dropped_column.rs` | a configured column dropped while rows are committed: stop while it is missing, dead letters once it is back or the table recreated |
 //! | `routes.rs` | several endpoints from one slot (`run --routes`): fan-out, unrouted events, one endpoint down, `routes check`, dead letters per endpoint |
 //! | `relay.rs` | the relay end to end on a healthy stack: delivery, wire format, acknowledgement, restarts, WAL retention, memory |
 //! | `stream/` | unusual replication streams (`transactions`, `decoding`) and `payloads`, checked event by event |
@@ -21,7 +22,9 @@
 //! | `sink_failures.rs` | the sink misbehaves: poison and dead letters (whatever bytes the answer holds), circuit breaker, storm guard, configuration faults, the dead-letter commands |
 //! | `backfill.rs` | `cdc-relay backfill`: re-sending after a lost slot, refused bounds, dry run, stopping early and resuming |
 //! | `prune.rs` | outbox retention (issue 17): `cdc-relay prune` and `run --prune-older-than` delete only old, proven-delivered rows; dead letters, refusal, partitions, the idle budget |
-//! | `dead_letters.rs` | the dead-letter row builder and store against the real table, with arbitrary content |
+//! | `dead_letters.rs` | `dead-letter replay`: each aggregate's order, a refused batch split down, removed only once committed, one replay at a time |
+//! | `dead_letter_list.rs` | `dead-letter list` over many rows: every row once, a page at a time, within a memory bound |
+//! | `dead_letter_store.rs` | the dead-letter row builder and store against the real table, with arbitrary content |
 //! | `failover.rs` | trusting the slot's position: several hosts, a slot that jumped ahead, recreate-and-backfill, the progress record, `--standby-url` naming a primary; `failover/drill.rs`: the failover drill (primary SIGKILLed under load, standby promoted, per-failover ledger) |
 //! | `shards/` | hash-sharded slots (issue 16): `setup`/`status`/`run --shards`, shards spread over relays with a spare taking over (`mod.rs`); the coverage proof refusing a split that loses or doubles rows (`coverage.rs`); resharding under load through `--stop-at-lsn`, and two splits never streaming at once (`resharding.rs`) |
 //! | `infra_faults.rs` | PostgreSQL or the network misbehaves: walsender killed, restarts, link faults (and `/readyz` on a silent stream), standby takeover, invalidated slot, reconnects |
@@ -29,6 +32,7 @@
 //! | `observability.rs` | what an operator watches: `/metrics` (gauges against the real state), `/readyz`, logs without secrets, the dashboards and alerts in `deploy/` |
 //! | `slot_monitor.rs` | what the slot monitor reads every interval, at a cost that does not grow with the tables it describes |
 //! | `tls.rs` | TLS to PostgreSQL and to the sink |
+//! | `http2.rs` | HTTP/2 sinks: draining with streams in flight, large answer heads, stream resets, a silent connection, one connection per burst |
 //! | `clock.rs` | the relay's clock stepped against the database's (libfaketime): the skew measured and named, latency on the server's clock, Billing's 401 named as the clock |
 //! | `standby.rs` | what failover tests stand on: the server's library path, `PgCluster::kill`, a streaming standby, promotion, failover-slot sync (17+) |
 //! | `signatures.rs` | the signature headers on the wire, secret rotation by SIGHUP (relay and Billing), the secret syntax both refuse alike |
@@ -60,11 +64,14 @@ mod catalog_lock;
 mod chaos;
 mod cli;
 mod clock;
+mod dead_letter_list;
 mod dead_letter_store;
 mod dead_letters;
+mod dropped_column;
 mod failover;
 mod gaps;
 mod harness;
+mod http2;
 mod http_manners;
 mod identity;
 mod infra_faults;

@@ -1,6 +1,7 @@
 //! What a failed attempt's error means: a connection never made (the
 //! connect timeout, TLS), a request the sink cannot have processed (sent
-//! again at once on another connection), and a transport failure's detail.
+//! again at once on another connection), a reset that ends one HTTP/2
+//! stream and not its connection, and a transport failure's detail.
 
 use crate::sink::Attempt;
 use crate::sink::connection::Conn;
@@ -80,6 +81,18 @@ pub(super) fn never_processed(e: &hyper::Error) -> bool {
             h.is_remote() && (h.reason() == Some(h2::Reason::REFUSED_STREAM) || h.is_go_away())
         })
     })
+}
+
+/// Whether `e` ended only its own HTTP/2 stream: a `RST_STREAM` (RFC 9113
+/// §6.4) from the sink, or from the relay's h2 library for an answer it
+/// cannot read, other than `REFUSED_STREAM`. The connection is sound and
+/// goes on carrying the other requests (retiring it would cost the sink a
+/// TLS handshake per reset). A refused stream still retires it: the sink
+/// is shutting it down or shedding load on it, and the request goes again
+/// at once on another ([`never_processed`]); so do a GOAWAY and an I/O
+/// error.
+pub(super) fn stream_reset(e: &hyper::Error) -> bool {
+    h2_error(e).is_some_and(|h| h.is_reset() && h.reason() != Some(h2::Reason::REFUSED_STREAM))
 }
 
 /// Whether an HTTP/1.1 connection that had answered before closed (or
