@@ -20,11 +20,11 @@
 //!                                                     charge; SIGKILLed; dies between its charge and its answer)
 //! ```
 //!
-//! The [`Front`](front::Front)s are stable TCP forwarders whose upstream is
+//! The [`front::Front`]s are stable TCP forwarders whose upstream is
 //! re-pointed when Orders or Billing comes back on a new port, so the load
 //! and the sink never learn a new address.
 //!
-//! The faults come from a [`Schedule`](schedule::Schedule) drawn from the
+//! The faults come from a [`schedule::Schedule`] drawn from the
 //! seed (printed first, with the schedule). After the fault phase the load
 //! stops, every fault is lifted, and the run waits (bounded) for every
 //! committed outbox event to reach Billing's inbox. Then

@@ -487,7 +487,7 @@ impl PgCluster {
 
     /// Why the server may be refusing connections, for an error message:
     /// the free space where its files are, the log lines that tell of a
-    /// crash or a full disk (the last [`CRASH_LINES`]), then the log's last
+    /// crash or a full disk (the last `CRASH_LINES`), then the log's last
     /// lines.
     pub fn health_report(&self) -> String {
         let contents = self.log_contents();

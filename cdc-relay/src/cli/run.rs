@@ -51,7 +51,7 @@ pub struct SinkArgs {
 
 /// The event secrets and which signature headers carry them
 /// (docs/architecture.md#wire-format). One secret per setting: a plain
-/// secret of at least 32 bytes, or whsec_<base64> of at least 24 decoded
+/// secret of at least 32 bytes, or `whsec_<base64>` of at least 24 decoded
 /// bytes. `run` reads the files again on SIGHUP.
 #[derive(Clone, Debug, Args)]
 #[command(next_help_heading = "Signing")]

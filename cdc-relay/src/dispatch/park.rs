@@ -11,7 +11,7 @@
 //! and one endpoint alone holds more than its share of it (the one holding
 //! the most), which is what gives each endpoint its own window share.
 //! [`verdict`] decides, free of I/O; [`Park`] is the switch the dispatcher
-//! throws and the endpoint's deliveries watch; [`Parking`] is the
+//! throws and the endpoint's deliveries watch; `Parking` is the
 //! dispatcher's side, which gathers each endpoint's state once a second and
 //! throws the switches.
 //!

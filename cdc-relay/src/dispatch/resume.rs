@@ -31,7 +31,7 @@
 //! commit order: the lane goes live. A relay that dies in between starts
 //! the endpoint parked again while any parked row is left.
 //!
-//! [`Resume::run`] is the task's side; [`Resumes`] the dispatcher's (the tasks it
+//! `Resume::run` is the task's side; `Resumes` the dispatcher's (the tasks it
 //! started, and the holds and releases it carries out). One session at a
 //! time replays an endpoint's rows (an advisory lock, for the relays of
 //! several shards and `dead-letter replay`).

@@ -9,7 +9,7 @@
 //! then a child of the producer's. An event without a stored context is
 //! delivered as before: no span, no header.
 //!
-//! A batch's attempt ([`BatchSpans`]), with an exporter: each traced event
+//! A batch's attempt (`BatchSpans`), with an exporter: each traced event
 //! of it gets its `outbox.deliver` span in its own trace, as a single
 //! attempt does, and the request is a span `outbox.deliver_batch` that
 //! starts a trace of its own, linked to those spans; the request's

@@ -43,7 +43,7 @@ pub struct EventAnswer {
 /// Reads a 207 body: each named event id with its answer. An error says
 /// what does not match the shape (not JSON, no `results` array, an element
 /// without a string `id` or without a `status` that is an event's outcome
-/// ([`is_outcome`]), an id named twice).
+/// (`is_outcome`), an id named twice).
 pub fn parse(body: &str) -> Result<HashMap<String, EventAnswer>, String> {
     let value: Value =
         serde_json::from_str(body).map_err(|e| format!("the body is not JSON ({e})"))?;

@@ -32,7 +32,7 @@ pub struct BillingArgs {
     #[command(flatten)]
     pub service: ServiceArgs,
     /// The secret events are signed with (one secret: a plain one of at
-    /// least 32 bytes, or whsec_<base64>). Prefer the environment or the
+    /// least 32 bytes, or `whsec_<base64>`). Prefer the environment or the
     /// file over the command line, which `ps` shows.
     #[arg(long, env = "EVENT_SECRET", hide_env_values = true)]
     pub event_secret: Option<String>,

@@ -8,7 +8,7 @@
 //! ids, nothing more (no phantom), nothing less (no loss).
 //! [`Accounting::assert_held`] is the end state of a scenario that stopped
 //! on purpose (the relay refused to go on): every row not done is still in
-//! the slot, proven by peeking at it ([`held`](super::held)).
+//! the slot, proven by peeking at it ([`super::held`]).
 
 use std::collections::BTreeSet;
 

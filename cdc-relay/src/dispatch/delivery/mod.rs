@@ -25,7 +25,7 @@
 //! and its event stays pending (unconfirmed, so it is sent again after a
 //! restart); an attempt already on the wire finishes.
 //!
-//! Deliveries run on [`Workers`]: per lane, tasks that live as long as the
+//! Deliveries run on `Workers`: per lane, tasks that live as long as the
 //! pipeline and deliver one job at a time.
 
 use std::collections::VecDeque;

@@ -47,7 +47,7 @@ pub struct SlotInfo {
     /// The slot decodes this connection's database (a slot of the same name
     /// may belong to another database of the cluster).
     pub local: bool,
-    /// Why the server invalidated the slot (see [`INVALIDATION_REASON`]);
+    /// Why the server invalidated the slot (see `INVALIDATION_REASON`);
     /// `None` while it is valid or when the server does not say.
     pub invalidation_reason: Option<String>,
     /// The walsender's `pg_stat_activity.wait_event` (e.g.
