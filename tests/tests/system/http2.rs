@@ -91,14 +91,7 @@ async fn http2_goaway_with_streams_in_flight_is_a_connection_event() -> anyhow::
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_answer_head_over_16_kib_is_read() -> anyhow::Result<()> {
     let run = H2Run::first_delivered(First::LargeHead, &[]).await?;
-    app::insert_order_event(&run.db).await?;
-    wait_until("the second event delivered", WAIT, || async {
-        run.relay
-            .metrics()
-            .await
-            .is_ok_and(|m| m.sum("cdc_relay_events_delivered_total") == 2.0)
-    })
-    .await?;
+    run.second_delivered().await?;
     let m = run.relay.metrics().await?;
     assert_eq!(
         m.sum("cdc_relay_retries_total"),
@@ -118,11 +111,7 @@ async fn an_http2_answer_head_over_16_kib_is_read() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_stream_reset_keeps_the_connection() -> anyhow::Result<()> {
     let run = H2Run::first_delivered(First::ResetOnce, &[]).await?;
-    app::insert_order_event(&run.db).await?;
-    wait_until("the reset event delivered", WAIT, || async {
-        run.sink.state().delivered.len() == 2
-    })
-    .await?;
+    run.second_delivered().await?;
     let state = run.sink.state();
     assert_eq!(state.reset, 1, "the scenario happened: {state:?}");
     assert_eq!(state.connections, 1, "{state:?}");
@@ -238,6 +227,16 @@ impl H2Run {
             _stack: stack,
             _pki: pki,
         })
+    }
+
+    /// Commits one more event and waits until the sink has taken it (its
+    /// second).
+    async fn second_delivered(&self) -> anyhow::Result<()> {
+        app::insert_order_event(&self.db).await?;
+        wait_until("the second event delivered", WAIT, || async {
+            self.sink.state().delivered.len() == 2
+        })
+        .await
     }
 }
 
@@ -370,49 +369,44 @@ async fn serve_h2(
     let mut waiting = Vec::new();
     let mut draining = false;
     while let Some(Ok((request, mut respond))) = conn.accept().await {
-        let warmed = !state.lock().expect("h2 sink lock").delivered.is_empty();
-        if first == First::Plain || !warmed {
-            tokio::spawn(answer(
-                request,
-                respond,
-                std::sync::Arc::clone(&state),
-                Duration::ZERO,
-                0,
-            ));
-            continue;
-        }
-        if first == First::LargeHead {
-            tokio::spawn(answer(
-                request,
-                respond,
-                std::sync::Arc::clone(&state),
-                Duration::ZERO,
-                40,
-            ));
-            continue;
-        }
-        if first == First::ResetOnce {
+        let mode = {
             let mut s = state.lock().expect("h2 sink lock");
-            if s.reset == 0 {
-                s.reset += 1;
+            match first {
+                _ if s.delivered.is_empty() => First::Plain,
+                First::ResetOnce if s.reset == 0 => {
+                    s.reset += 1;
+                    First::ResetOnce
+                }
+                First::ResetOnce => First::Plain,
+                other => other,
+            }
+        };
+        // Answered at once, with this many KiB of header fields; `None`:
+        // the draining batch, below.
+        let answered = match mode {
+            First::Plain => Some(0),
+            First::LargeHead => Some(40),
+            First::ResetOnce => {
                 respond.send_reset(h2::Reason::INTERNAL_ERROR);
                 continue;
             }
-            drop(s);
+            First::Silent => {
+                // Nothing on this connection is read or answered again; it
+                // stays open until the relay closes it.
+                let _held = (request, respond);
+                std::future::pending::<()>().await;
+                continue;
+            }
+            First::Draining => None,
+        };
+        if let Some(padding_kib) = answered {
             tokio::spawn(answer(
                 request,
                 respond,
                 std::sync::Arc::clone(&state),
                 Duration::ZERO,
-                0,
+                padding_kib,
             ));
-            continue;
-        }
-        if first == First::Silent {
-            // Nothing on this connection is read or answered again; it
-            // stays open until the relay closes it.
-            let _held = (request, respond);
-            std::future::pending::<()>().await;
             continue;
         }
         // The batch on the first connection: the first stream is taken and
