@@ -17,7 +17,7 @@ pub enum DeadLetterCommand {
         filter: DeadLetterFilterArgs,
         /// At most this many rows (the oldest); 1 or more. Without it,
         /// every row, read and printed a page at a time.
-        #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+        #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(1..))]
         limit: Option<i64>,
     },
     /// Show one dead-lettered event as JSON, its payload as JSON.

@@ -40,14 +40,13 @@ pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()>
             yes,
         } => {
             let selection = Selection::new(ids, all, checked(&client, &filter).await?)?;
-            let rows = selection.rows(&client).await?;
             let how = Discard {
                 reason: &note,
                 actor: actor.as_deref(),
                 yes,
                 dry_run,
             };
-            discard(&mut client, rows, &how).await?
+            discard(&mut client, &selection, &how).await?
         }
     }
     Ok(())
@@ -97,22 +96,25 @@ impl Selection {
         }
     }
 
-    /// The rows: the ids' rows in the order given, with their payloads
-    /// (every one must exist), or the filter's rows oldest first, without
-    /// them (only `discard` reads a filter's rows whole; `replay` pages
-    /// them).
-    async fn rows(&self, client: &Client) -> anyhow::Result<Vec<DeadLetter>> {
+    /// Calls `each` with every row, in order: the ids' rows in the order
+    /// given, with their payloads (every one must exist), or the filter's
+    /// rows oldest first, without them, read a page at a time and never
+    /// held together.
+    async fn visit(
+        &self,
+        client: &Client,
+        mut each: impl FnMut(&DeadLetter),
+    ) -> anyhow::Result<()> {
         match self {
             Self::Filtered(f) => {
-                let mut rows = Vec::new();
                 let mut after = 0;
                 loop {
-                    let page = rows::page(client, f, after, 10_000, Payloads::Without).await?;
+                    let page = rows::page(client, f, after, 1_000, Payloads::Without).await?;
                     let Some(last) = page.last() else {
-                        return Ok(rows);
+                        return Ok(());
                     };
                     after = last.id;
-                    rows.extend(page);
+                    page.iter().for_each(&mut each);
                 }
             }
             Self::Ids(ids) => {
@@ -122,15 +124,22 @@ impl Selection {
                         .into_iter()
                         .map(|r| (r.id, r))
                         .collect();
-                ids.iter()
-                    .map(|id| {
-                        found.remove(id).with_context(|| {
-                            format!("no dead-letter row {id}; nothing was changed")
-                        })
-                    })
-                    .collect()
+                for id in ids {
+                    let row = found
+                        .remove(id)
+                        .with_context(|| format!("no dead-letter row {id}; nothing was changed"))?;
+                    each(&row);
+                }
+                Ok(())
             }
         }
+    }
+
+    /// The rows [`Selection::visit`] visits, together (`replay` of ids).
+    async fn rows(&self, client: &Client) -> anyhow::Result<Vec<DeadLetter>> {
+        let mut rows = Vec::new();
+        self.visit(client, |r| rows.push(r.clone())).await?;
+        Ok(rows)
     }
 }
 
@@ -319,49 +328,59 @@ struct Discard<'a> {
     dry_run: bool,
 }
 
-/// Removes `rows` without sending them, after a confirmation (unless
-/// `yes`), recording the reason and actor in the audit table.
+/// Removes the selected rows without sending them, after a confirmation
+/// (unless `yes`), recording the reason and actor in the audit table, in
+/// one transaction. The rows are described as they are read (on stdout for
+/// a dry run, on stderr for the question) and only their ids are kept.
 async fn discard(
     client: &mut Client,
-    rows: Vec<DeadLetter>,
+    selection: &Selection,
     how: &Discard<'_>,
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
         !how.reason.trim().is_empty(),
         "--note is empty: say why the events are dropped (it is kept in the audit table)"
     );
+    // The outbox's writers chose these fields: escaped, as in `list`, so
+    // a row cannot forge a line of the list being confirmed.
     let describe = |r: &DeadLetter| {
         format!(
             "row {}: {} {} ({})",
             r.id,
-            r.event_type.as_deref().unwrap_or("(no type)"),
-            r.event_id.as_deref().unwrap_or("(no id)"),
-            r.error.chars().take(80).collect::<String>()
+            printable(r.event_type.as_deref().unwrap_or("(no type)")),
+            printable(r.event_id.as_deref().unwrap_or("(no id)")),
+            printable(&r.error.chars().take(80).collect::<String>())
         )
     };
+    let ask = !how.dry_run && !how.yes && std::io::stdin().is_terminal();
+    let mut ids = Vec::new();
+    selection
+        .visit(client, |r| {
+            ids.push(r.id);
+            if how.dry_run {
+                outln!("would discard {}", describe(r));
+            } else if ask {
+                eprintln!("  {}", describe(r));
+            }
+        })
+        .await?;
     if how.dry_run {
-        for r in &rows {
-            outln!("would discard {}", describe(r));
-        }
-        outln!("discard (dry run): {} row(s); nothing removed", rows.len());
+        outln!("discard (dry run): {} row(s); nothing removed", ids.len());
         return Ok(());
     }
-    if rows.is_empty() {
+    if ids.is_empty() {
         outln!("no dead-letter row matches; nothing discarded");
         return Ok(());
     }
     if !how.yes {
         anyhow::ensure!(
-            std::io::stdin().is_terminal(),
+            ask,
             "discarding drops {} event(s) for good: confirm with --yes (stdin is not a terminal to ask on)",
-            rows.len()
+            ids.len()
         );
-        for r in &rows {
-            eprintln!("  {}", describe(r));
-        }
         eprint!(
             "discard these {} event(s) without sending them? [y/N] ",
-            rows.len()
+            ids.len()
         );
         std::io::stderr().flush()?;
         let mut answer = String::new();
@@ -372,7 +391,6 @@ async fn discard(
         );
     }
     // One transaction: every row goes (each with its audit row) or none.
-    let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
     let tx = client.transaction().await?;
     let removed =
         dead_letter::remove_many(&tx, &ids, Removal::Discard, Some(how.reason), how.actor).await?;
@@ -380,11 +398,8 @@ async fn discard(
         anyhow::bail!("dead-letter row {gone} was removed meanwhile; nothing was discarded");
     }
     tx.commit().await?;
-    for r in &rows {
-        outln!(
-            "discarded dead-letter row {} (kept in cdc_relay_dead_letter_audit)",
-            r.id
-        );
+    for id in &ids {
+        outln!("discarded dead-letter row {id} (kept in cdc_relay_dead_letter_audit)");
     }
     Ok(())
 }

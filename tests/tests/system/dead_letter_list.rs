@@ -1,6 +1,6 @@
-//! `dead-letter list` over more rows than it reads at once: every row once,
-//! oldest first, in a table or one JSON array, `--limit` across pages, and
-//! a memory bound that holding every row would break.
+//! `dead-letter list` and `discard` over more rows than they read at once:
+//! every row once, oldest first, in a table or one JSON array, `--limit`
+//! across pages, and a memory bound that holding every row would break.
 
 use ::harness::{Inbox, Scenario, app};
 
@@ -85,8 +85,64 @@ async fn a_long_list_is_read_a_page_at_a_time() -> anyhow::Result<()> {
         limited.stdout.lines().last().unwrap_or("")
     );
 
-    let (zero, _) = run(&["dead-letter", "list", "--limit", "0"]).await?;
-    assert_eq!(zero.code(), Some(2), "{}", zero.text());
-    assert!(zero.stderr.contains("--limit"), "{}", zero.stderr);
+    for bad in [
+        &["dead-letter", "list", "--limit", "0"][..],
+        &["dead-letter", "list", "--limit", "-1"],
+    ] {
+        let (out, _) = run(bad).await?;
+        assert_eq!(out.code(), Some(2), "{bad:?}: {}", out.text());
+        assert!(out.stderr.contains("--limit"), "{bad:?}: {}", out.stderr);
+    }
+
+    // `discard` reads the same pages and keeps only the ids: a dry run
+    // over every row, then the removal, within the same bound. A row's
+    // own line break cannot forge a line of the list being confirmed.
+    admin
+        .execute(
+            "UPDATE cdc_relay_dead_letter \
+             SET event_type = E'Forged\\nwould discard row 1: OrderCreated (harmless)' WHERE id = $1",
+            &[&ids[0]],
+        )
+        .await?;
+    let (dry, peak) = run(&[
+        "dead-letter",
+        "discard",
+        "--all",
+        "--dry-run",
+        "--note",
+        "t",
+    ])
+    .await?;
+    assert!(dry.success(), "{}", dry.stderr);
+    let described = dry
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("would discard row "))
+        .count();
+    assert_eq!(described, ids.len(), "one line a row");
+    assert!(
+        dry.stdout.contains("Forged\\nwould discard row 1"),
+        "the forged line break is escaped"
+    );
+    assert!(peak < PEAK_KIB, "the dry run peaked at {peak} KiB");
+    let (gone, peak) = run(&["dead-letter", "discard", "--all", "--yes", "--note", "t"]).await?;
+    assert!(gone.success(), "{}", gone.stderr);
+    let left: i64 = admin
+        .query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+        .await?
+        .get(0);
+    let audited: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM cdc_relay_dead_letter_audit WHERE action = 'discard'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(
+        (left, audited),
+        (0, ROWS),
+        "every row discarded, each audited"
+    );
+    assert!(peak < PEAK_KIB, "the discard peaked at {peak} KiB");
     Ok(())
 }
