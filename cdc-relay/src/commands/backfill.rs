@@ -44,6 +44,19 @@ pub async fn command(g: &GlobalArgs, a: BackfillArgs) -> anyhow::Result<()> {
     let Some((dispatch, sink)) = delivery else {
         return dry_run(&reader, &plan, a.json).await;
     };
+    // Said, not refused: a publication gap a relay owes (`--on-gap tell`)
+    // is backfilled beside it by design.
+    if let Some((slot, pid)) =
+        crate::source::shards::blocker(&reader, &g.slot, &g.slot, None).await?
+    {
+        eprintln!(
+            "warning: slot {slot} is streamed by a relay (walsender pid {}): the rows this backfill re-sends \
+             may reach the sink after newer events of the same aggregates, which the relay delivers meanwhile. \
+             To keep each aggregate's order, stop the relay(s) and start them after the backfill \
+             (docs/operations.md, \"An invalidated slot\")",
+            pid.map_or("unknown".to_owned(), |p| p.to_string())
+        );
+    }
     let store = Arc::new(connect(g).await?);
     // The server's time before any row is read: only a publication gap
     // that had ended by then is covered by what this backfill reads.
