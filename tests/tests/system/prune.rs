@@ -99,7 +99,9 @@ fn json(out: &CommandOutput) -> anyhow::Result<serde_json::Value> {
 /// The sink goes down with events pending: prune deletes the delivered rows
 /// a mark proves and not one row of the pending events; a dry run before
 /// deletes nothing. Once the sink is back the pending events are delivered,
-/// and only then pruned.
+/// and only then pruned. On a slot without its birth row (as an earlier
+/// version left it) prune warns that rows older than the slot cannot be
+/// told apart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prune_never_deletes_an_undelivered_row_while_the_sink_is_down() -> anyhow::Result<()> {
     let s = Scenario::start(Inbox::Scripted).await?;
@@ -108,7 +110,9 @@ async fn prune_never_deletes_an_undelivered_row_while_the_sink_is_down() -> anyh
     s.settle().await?;
     wait_past_window(&s.db).await?;
 
-    let dry = json(&prune(&s.stack, &["--older-than", WINDOW, "--dry-run", "--json"]).await?)?;
+    let out = prune(&s.stack, &["--older-than", WINDOW, "--dry-run", "--json"]).await?;
+    assert!(!out.stderr.contains("no birth record"), "{}", out.stderr);
+    let dry = json(&out)?;
     assert_eq!(dry["rows_deleted"], 20, "{dry}");
     assert_eq!(dry["dry_run"], true);
     assert_eq!(outbox_rows(&s.db).await?, 20, "a dry run deletes nothing");
@@ -156,6 +160,24 @@ async fn prune_never_deletes_an_undelivered_row_while_the_sink_is_down() -> anyh
     assert!(out.success(), "{}", out.text());
     assert!(out.stdout.contains("deleted 10 row(s)"), "{}", out.text());
     assert_eq!(outbox_rows(&s.db).await?, 0);
+
+    // A slot as an earlier version left it, without its birth row: prune
+    // cannot tell rows older than the slot, and says so.
+    s.db.execute(
+        "DELETE FROM cdc_relay_prune_mark WHERE kind = 'birth' AND slot_name = $1",
+        &[&s.stack.slot],
+    )
+    .await?;
+    let out = prune(&s.stack, &["--older-than", WINDOW, "--dry-run"]).await?;
+    assert!(out.success(), "{}", out.text());
+    assert!(
+        out.stderr.contains(&format!(
+            "warning: slot {} has no birth record",
+            s.stack.slot
+        )),
+        "{}",
+        out.stderr
+    );
     s.finish().await
 }
 
