@@ -107,13 +107,12 @@ impl Selection {
     ) -> anyhow::Result<()> {
         match self {
             Self::Filtered(f) => {
-                let mut after = 0;
+                let mut pages = rows::Pages::new(client, f.clone(), Payloads::Without, None);
                 loop {
-                    let page = rows::page(client, f, after, 1_000, Payloads::Without).await?;
-                    let Some(last) = page.last() else {
+                    let page = pages.next().await?;
+                    if page.is_empty() {
                         return Ok(());
-                    };
-                    after = last.id;
+                    }
                     page.iter().for_each(&mut each);
                 }
             }
@@ -168,14 +167,9 @@ fn age(secs: i64) -> String {
     }
 }
 
-/// Rows `list` reads per statement: a listing of any length holds one
-/// page in memory, and its first rows print before the last are read.
-const LIST_PAGE: i64 = 1_000;
-
 /// `dead-letter list`: the rows `filter` selects, oldest first, at most
 /// `limit`, as a table or a JSON array, read and printed a page at a time
-/// (rows written meanwhile may appear, rows removed meanwhile may not:
-/// the listing is not one snapshot).
+/// ([`rows::Pages`]).
 async fn list(
     client: &Client,
     json: bool,
@@ -195,17 +189,14 @@ async fn list(
             "age"
         );
     }
-    let (mut listed, mut after) = (0_i64, 0_i64);
+    let mut pages = rows::Pages::new(client, filter.clone(), Payloads::Without, limit);
+    let mut listed = 0_i64;
     loop {
-        let want = limit.map_or(LIST_PAGE, |l| (l - listed).min(LIST_PAGE));
-        if want <= 0 {
+        let page = pages.next().await?;
+        if page.is_empty() {
             break;
         }
-        let page = rows::page(client, filter, after, want, Payloads::Without).await?;
-        let Some(last) = page.last() else { break };
-        after = last.id;
-        let read = i64::try_from(page.len()).unwrap_or(i64::MAX);
-        listed += read;
+        listed += i64::try_from(page.len()).unwrap_or(i64::MAX);
         match &mut array {
             Some(array) => {
                 if let Some(text) = array.push(&page)? {
@@ -213,9 +204,6 @@ async fn list(
                 }
             }
             None => outln!("{}", table_rows(&page)),
-        }
-        if read < want {
-            break;
         }
     }
     match (array, limit) {

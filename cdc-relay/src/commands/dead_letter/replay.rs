@@ -38,9 +38,6 @@ use crate::metrics::Metrics;
 use crate::outbox::OutboxEvent;
 use crate::sink::{HttpSink, StatusPolicy};
 
-/// Rows read per round trip.
-const PAGE: i64 = 2000;
-
 /// What became of a row (the `outcome` of `--json`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -148,10 +145,8 @@ struct Source<'a> {
     args: &'a ReplayArgs,
     /// Rows already read (named by id); empty once taken.
     read: Vec<DeadLetter>,
-    /// A filter's rows after id `after`, unless `done`.
-    filter: Option<super::rows::Filter>,
-    after: i64,
-    done: bool,
+    /// A filter's rows, a page at a time.
+    pages: Option<rows::Pages<'a>>,
     /// `--endpoint`: rows dead-lettered by another endpoint are not sent.
     endpoint: Option<String>,
     /// Rows settled without sending.
@@ -161,18 +156,10 @@ struct Source<'a> {
 impl Source<'_> {
     /// The next rows, oldest first; empty when there are no more.
     async fn next_rows(&mut self) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-        let Some(filter) = &self.filter else {
-            return Ok(std::mem::take(&mut self.read));
-        };
-        if self.done {
-            return Ok(Vec::new());
+        match &mut self.pages {
+            Some(pages) => pages.next().await,
+            None => Ok(std::mem::take(&mut self.read)),
         }
-        let rows = rows::page(self.client, filter, self.after, PAGE, rows::Payloads::With).await?;
-        self.done = rows.len() < usize::try_from(PAGE).unwrap_or(usize::MAX);
-        if let Some(last) = rows.last() {
-            self.after = last.id;
-        }
-        Ok(rows)
     }
 
     /// The event to send for `row`, or why it is not sent (recorded).
@@ -391,14 +378,14 @@ pub(super) async fn replay(client: Client, a: ReplayArgs) -> anyhow::Result<()> 
         client: &client,
         args: &a,
         read: Vec::new(),
-        filter: None,
-        after: 0,
-        done: false,
+        pages: None,
         endpoint,
         settled: Vec::new(),
     };
     match selection {
-        Selection::Filtered(f) => source.filter = Some(f),
+        Selection::Filtered(f) => {
+            source.pages = Some(rows::Pages::new(&client, f, rows::Payloads::With, None));
+        }
         ids @ Selection::Ids(_) => source.read = ids.rows(&client).await?,
     }
     let mut done: Vec<Replayed> = Vec::new();

@@ -181,39 +181,73 @@ pub enum Payloads {
     Without,
 }
 
-/// The next `limit` rows `filter` selects after row id `after`, oldest
-/// first: one page of a keyset scan, so a command over any number of rows
-/// reads them a page per round trip and never holds them all. A
-/// `since`/`until` PostgreSQL cannot read as a time is an error
-/// (22007/22008).
-pub async fn page(
-    client: &Client,
-    filter: &Filter,
-    after: i64,
-    limit: i64,
+/// Rows a command reads per statement: a listing, discard or replay of any
+/// length holds one page of rows at a time.
+pub const PAGE: i64 = 1_000;
+
+/// A keyset walk over the rows a [`Filter`] selects, oldest first, a
+/// [`PAGE`] per statement (at most what `limit` leaves): `list`, `discard`
+/// and `replay` never hold all the rows. Not one snapshot: a row written
+/// during the walk may appear, one removed meanwhile may not.
+pub struct Pages<'a> {
+    client: &'a Client,
+    filter: Filter,
     payloads: Payloads,
-) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
-    let columns = match payloads {
-        Payloads::With => format!("{COLUMNS}, {WITH_PAYLOAD}"),
-        Payloads::Without => COLUMNS.to_owned(),
-    };
-    let rows = query_filtered(
-        client,
-        filter,
-        &format!(
-            "SELECT {columns} FROM cdc_relay_dead_letter \
-             WHERE {FILTERED} AND id > $7 ORDER BY id LIMIT $8"
-        ),
-        &[&after, &limit],
-    )
-    .await?;
-    Ok(rows
-        .iter()
-        .map(|r| match payloads {
-            Payloads::With => from_row(r, r.get(13), r.get(14)),
-            Payloads::Without => from_row(r, None, None),
-        })
-        .collect())
+    /// Rows still to read (`None`: no limit).
+    left: Option<i64>,
+    /// The last row id read.
+    after: i64,
+    done: bool,
+}
+
+impl<'a> Pages<'a> {
+    /// The walk over `filter`'s rows, at most `limit` of them.
+    pub fn new(client: &'a Client, filter: Filter, payloads: Payloads, limit: Option<i64>) -> Self {
+        Pages {
+            client,
+            filter,
+            payloads,
+            left: limit,
+            after: 0,
+            done: false,
+        }
+    }
+
+    /// The next page; empty once every row is read. A `since`/`until`
+    /// PostgreSQL cannot read as a time is an error (22007/22008).
+    pub async fn next(&mut self) -> Result<Vec<DeadLetter>, tokio_postgres::Error> {
+        let want = self.left.map_or(PAGE, |l| l.min(PAGE));
+        if self.done || want <= 0 {
+            return Ok(Vec::new());
+        }
+        let columns = match self.payloads {
+            Payloads::With => format!("{COLUMNS}, {WITH_PAYLOAD}"),
+            Payloads::Without => COLUMNS.to_owned(),
+        };
+        let rows = query_filtered(
+            self.client,
+            &self.filter,
+            &format!(
+                "SELECT {columns} FROM cdc_relay_dead_letter \
+                 WHERE {FILTERED} AND id > $7 ORDER BY id LIMIT $8"
+            ),
+            &[&self.after, &want],
+        )
+        .await?;
+        let read = i64::try_from(rows.len()).unwrap_or(i64::MAX);
+        self.done = read < want;
+        self.left = self.left.map(|l| l - read);
+        if let Some(last) = rows.last() {
+            self.after = last.get(0);
+        }
+        Ok(rows
+            .iter()
+            .map(|r| match self.payloads {
+                Payloads::With => from_row(r, r.get(13), r.get(14)),
+                Payloads::Without => from_row(r, None, None),
+            })
+            .collect())
+    }
 }
 
 /// One row with its payload.
