@@ -21,7 +21,7 @@
 //! | `http_manners.rs` | the sink client toward real HTTP infrastructure (issue 14): Retry-After pauses, connection age and idle timeout, SIGTERM during backoff, at most 2 requests/s to a dead sink from a relay that starts or takes over |
 //! | `sink_failures.rs` | the sink misbehaves: poison and dead letters (whatever bytes the answer holds), circuit breaker, storm guard, configuration faults, the dead-letter commands |
 //! | `backfill.rs` | `cdc-relay backfill`: re-sending after a lost slot, refused bounds, dry run, stopping early and resuming |
-//! | `prune.rs` | outbox retention (issue 17): `cdc-relay prune` and `run --prune-older-than` delete only old, proven-delivered rows; dead letters, refusal, partitions, the idle budget |
+//! | `prune.rs` | outbox retention (issue 17): `cdc-relay prune` deletes only old, proven-delivered rows; dead letters, refusal, partitions, a slot without its birth row; `prune/periodic.rs`: `run --prune-older-than` and the idle budget |
 //! | `dead_letters.rs` | `dead-letter replay`: each aggregate's order, a refused batch split down, removed only once committed, one replay at a time |
 //! | `dead_letter_list.rs` | `dead-letter list` over many rows: every row once, a page at a time, within a memory bound |
 //! | `dead_letter_store.rs` | the dead-letter row builder and store against the real table, with arbitrary content |
