@@ -114,12 +114,7 @@ async fn prune_table(g: &GlobalArgs, a: &PruneArgs) -> anyhow::Result<()> {
         plan.table, probe.cutoff, proof.xid_horizon, proof.wal_lsn, proof.taken_at, probe.confirmed
     );
     if proof.birth_horizon.is_none() {
-        eprintln!(
-            "warning: slot {} has no birth record (it was created before cdc-relay recorded one): rows \
-             inserted before the slot existed cannot be told from delivered ones and go with them once \
-             past the window; keep --older-than longer than the slot's age (docs/operations.md, \"Outbox retention\")",
-            g.slot
-        );
+        eprintln!("warning: {}", prune::birthless_warning(&g.slot));
     }
     let mut summary = Summary {
         dry_run: a.dry_run,

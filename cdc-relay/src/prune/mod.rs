@@ -27,7 +27,9 @@ pub use partitions::{
     PartitionVerdict, Target, count_deletable, drop_partition, partition_verdict,
     range_upper_bound, table_bytes, targets,
 };
-pub use proof::{Probe, Proof, check, count_dead_lettered, probe, unproven_message};
+pub use proof::{
+    Probe, Proof, birthless_warning, check, count_dead_lettered, probe, unproven_message,
+};
 pub use schedule::{FIRST_TICK, Schedule, keep_pruning};
 
 /// What to prune.

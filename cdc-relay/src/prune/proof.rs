@@ -46,6 +46,18 @@ pub struct Proof {
     pub birth_horizon: Option<String>,
 }
 
+/// What a proof without the slot's birth record ([`Proof::birth_horizon`]
+/// `None`) cannot tell, and what to do: one sentence for the `prune`
+/// command's warning and the relay's periodic pruning alike.
+pub fn birthless_warning(slot: &str) -> String {
+    format!(
+        "slot {slot} has no birth record (it was created before cdc-relay recorded one): rows \
+         inserted before the slot existed cannot be told from delivered ones and go with them once \
+         past the window; keep the retention window longer than the slot's age (docs/operations.md, \
+         \"Outbox retention\")"
+    )
+}
+
 /// One look at the slot and the marks ([`probe`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Probe {

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::batches::delete_rows;
 use super::partitions::targets;
-use super::proof::probe;
+use super::proof::{birthless_warning, probe};
 use super::{PruneError, PrunePlan};
 use crate::metrics::Metrics;
 use crate::source::{self, ConnParams};
@@ -52,6 +52,9 @@ pub async fn keep_pruning(
     // failure at the next tick; its one setting is made when it opens, so
     // an idle tick stays one statement.
     let mut client = open(&conn, &metrics).await;
+    // The proof's missing birth record is said once: it stays missing
+    // until the slot is made again.
+    let mut birthless_said = false;
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -61,7 +64,9 @@ pub async fn keep_pruning(
             client = open(&conn, &metrics).await;
         }
         let Some(c) = &client else { continue };
-        let error = match tick_once(c, &schedule.plan, &metrics, &shutdown).await {
+        let error = match tick_once(c, &schedule.plan, &metrics, &shutdown, &mut birthless_said)
+            .await
+        {
             Ok(0) => continue,
             Ok(rows) => {
                 tracing::info!(rows, table = %schedule.plan.table, "prune: deleted delivered outbox rows older than the window");
@@ -92,15 +97,23 @@ async fn open(conn: &ConnParams, metrics: &Metrics) -> Option<Client> {
         .ok()
 }
 
-/// One tick of [`keep_pruning`]; returns the rows deleted.
+/// One tick of [`keep_pruning`]; returns the rows deleted. Warns once
+/// (`birthless_said`) when the proof has no birth record for the slot.
 async fn tick_once(
     c: &Client,
     plan: &PrunePlan,
     metrics: &Metrics,
     shutdown: &CancellationToken,
+    birthless_said: &mut bool,
 ) -> Result<u64, PruneError> {
     let probe = probe(c, plan, true).await?;
     metrics.outbox_table_bytes.set(probe.table_bytes);
+    if let Some(proof) = &probe.proof
+        && proof.birth_horizon.is_none()
+        && !std::mem::replace(birthless_said, true)
+    {
+        tracing::warn!(slot = %plan.slot, "prune: {}", birthless_warning(&plan.slot));
+    }
     let (Some(proof), Some(true)) = (&probe.proof, probe.prunable) else {
         tracing::debug!(confirmed = %probe.confirmed, proven = probe.proof.is_some(), "prune: nothing to delete");
         return Ok(0);

@@ -1,6 +1,7 @@
 //! Outbox retention done by the relay itself (`run --prune-older-than`):
 //! delivered rows deleted in batches at a low rate, a pending event's row
-//! kept while the sink is down, and the idle statement budget kept.
+//! kept while the sink is down, a slot without its birth record warned
+//! of once, and the idle statement budget kept.
 
 use std::time::Duration;
 
@@ -100,6 +101,42 @@ async fn the_relay_prunes_delivered_rows_at_a_low_rate_when_asked() -> anyhow::R
         outbox_rows(&s.db).await.map(|n| n == 0)
     })
     .await?;
+
+    // A slot this version made has its birth record: no warning. Without
+    // it (a slot made before cdc-relay recorded one), the relay's pruning
+    // says what it cannot tell, once, and goes on.
+    const BIRTHLESS: &str = "has no birth record";
+    assert!(
+        !s.relay.process.logs().contains(BIRTHLESS),
+        "{}",
+        s.relay.process.logs()
+    );
+    s.db.execute(
+        "DELETE FROM cdc_relay_prune_mark WHERE kind = 'birth' AND slot_name = $1",
+        &[&s.stack.slot],
+    )
+    .await?;
+    s.relay
+        .process
+        .wait_for_line_where(
+            "the relay's pruning to warn of the missing birth record",
+            |l| l.contains(BIRTHLESS) && l.contains(&s.stack.slot) && l.contains("WARN"),
+            Duration::from_secs(30),
+        )
+        .await?;
+    let later = insert_events(&s, 3, "Birthless").await?;
+    wait_delivered(&s, &later).await?;
+    wait_until(
+        "the relay to prune without the birth record",
+        DRAIN,
+        || async { outbox_rows(&s.db).await.map(|n| n == 0) },
+    )
+    .await?;
+    assert_eq!(
+        s.relay.process.logs().matches(BIRTHLESS).count(),
+        1,
+        "said once, not at every tick"
+    );
     s.finish().await
 }
 
