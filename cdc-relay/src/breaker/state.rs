@@ -128,7 +128,7 @@ impl OpenSpell {
 }
 
 /// How a delivery was admitted, and when: admissions are numbered in the
-/// order [`Breaker::admit`] gave them (the storm guard tells a 2xx to a
+/// order [`Breaker::admit`](super::Breaker::admit) gave them (the storm guard tells a 2xx to a
 /// request sent before a run of refusals began from one sent after).
 /// Two admissions are equal when of the same kind.
 #[derive(Copy, Clone, Debug)]
