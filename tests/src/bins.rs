@@ -1,6 +1,9 @@
 //! The workspace binaries (`orders`, `billing`, `payments`, `cdc-relay`), built once per
 //! process with the profile of the running test executable, so a test never
-//! runs a stale binary.
+//! runs a stale binary. A test harness of the `dev` profile builds every
+//! target of the workspace (what `cargo test --workspace` builds, features
+//! unified the same way, so after it nothing is compiled); the demo, the
+//! bench and release tests build the binaries alone.
 //!
 //! The target directory comes from the executable's own path
 //! (`<target>/<profile-dir>/deps/<test>-<hash>`), or `CARGO_TARGET_DIR`.
@@ -25,6 +28,10 @@ struct Layout {
     profile: String,
     /// `<target_dir>/<profile-dir>`, where cargo puts the binaries.
     out_dir: PathBuf,
+    /// The running executable is a test harness (in `deps/`, built by
+    /// `cargo test`) of the `dev` profile, not a binary such as the demo
+    /// or the bench.
+    test_harness: bool,
 }
 
 /// Path of workspace binary `name` (one of [`WORKSPACE_BINS`]), building all
@@ -64,11 +71,22 @@ fn build() -> Result<Layout, String> {
     }
     command
         .current_dir(&workspace)
-        .args(["build", "--bins", "--profile", &layout.profile])
+        .args(["build", "--profile", &layout.profile])
         .arg("--target-dir")
         .arg(&layout.target_dir);
-    for bin in WORKSPACE_BINS {
-        command.args(["-p", bin]);
+    if layout.test_harness {
+        // What `cargo test --workspace` (tests/run.sh) built: the binaries
+        // with the features unified over every target (tokio's test-util,
+        // reqwest's json), so this build finds them done. `--bins` alone
+        // resolves features without the dev-dependencies and compiled a
+        // second copy of tokio and all above it (two minutes on 2 vCPUs from
+        // a fresh clone).
+        command.args(["--workspace", "--all-targets"]);
+    } else {
+        command.arg("--bins");
+        for bin in WORKSPACE_BINS {
+            command.args(["-p", bin]);
+        }
     }
     eprintln!(
         "harness: building {WORKSPACE_BINS:?} ({} profile)",
@@ -123,6 +141,7 @@ fn layout(exe: &Path, cargo_target_dir: Option<&Path>) -> Result<Layout, String>
     let parent = exe
         .parent()
         .ok_or_else(|| format!("{} has no parent", exe.display()))?;
+    let in_deps = parent.file_name().and_then(|n| n.to_str()) == Some("deps");
     let profile_dir = match parent.file_name().and_then(|n| n.to_str()) {
         Some("deps" | "examples") => parent.parent().unwrap_or(parent),
         _ => parent,
@@ -143,6 +162,7 @@ fn layout(exe: &Path, cargo_target_dir: Option<&Path>) -> Result<Layout, String>
         out_dir: target_dir.join(dir_name),
         profile: profile.to_owned(),
         target_dir,
+        test_harness: in_deps && profile == "dev",
     })
 }
 
@@ -187,7 +207,19 @@ mod tests {
                 target_dir: PathBuf::from("/w/target"),
                 profile: "dev".to_owned(),
                 out_dir: PathBuf::from("/w/target/debug"),
+                test_harness: true,
             }
+        );
+    }
+
+    #[test]
+    fn only_a_dev_test_harness_builds_every_target() {
+        let demo = layout(Path::new("/w/target/debug/demo"), None).unwrap();
+        assert!(!demo.test_harness, "the demo builds the binaries alone");
+        let release = layout(Path::new("/w/target/release/deps/system-0123abcd"), None).unwrap();
+        assert!(
+            !release.test_harness,
+            "a release test builds the binaries alone"
         );
     }
 
@@ -208,5 +240,6 @@ mod tests {
         let got = layout(Path::new("/w/target/bench/throwaway-pg"), None).unwrap();
         assert_eq!(got.profile, "bench");
         assert_eq!(got.out_dir, PathBuf::from("/w/target/bench"));
+        assert!(!got.test_harness);
     }
 }
