@@ -88,10 +88,18 @@ rm -rf "$test_home"
 mkdir -p "$test_home"
 export HOME="$test_home"
 
-# Four test threads, not one per CPU: the system tests mostly wait on
-# servers (two at a time left these 2 vCPUs about 70 % idle), so four at once
-# take half the time (321 system tests on 2 vCPUs, 2026-12-07: 860 s with two,
-# 446 s with four, none failing). RUST_TEST_THREADS set by the caller wins.
-export RUST_TEST_THREADS="${RUST_TEST_THREADS:-4}"
+# At least four test threads (one per CPU above that): the system tests
+# mostly wait on servers (two at a time left these 2 vCPUs about 70 % idle),
+# so four at once take half the time (321 system tests on 2 vCPUs,
+# 2026-12-07: 860 s with two, 446 s with four, none failing).
+# RUST_TEST_THREADS set by the caller wins.
+cpus=$(nproc 2>/dev/null || echo 1)
+export RUST_TEST_THREADS="${RUST_TEST_THREADS:-$((cpus > 4 ? cpus : 4))}"
+
+# The whole suite builds every target: the harness's own build of the
+# binaries then asks for the same and compiles nothing (tests/src/bins.rs).
+if [ $# -eq 0 ]; then
+    export CDC_RELAY_BUILD_EVERY_TARGET=1
+fi
 
 exec cargo test --workspace --locked "$@"

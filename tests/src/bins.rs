@@ -1,9 +1,10 @@
 //! The workspace binaries (`orders`, `billing`, `payments`, `cdc-relay`), built once per
 //! process with the profile of the running test executable, so a test never
-//! runs a stale binary. A test harness of the `dev` profile builds every
-//! target of the workspace (what `cargo test --workspace` builds, features
-//! unified the same way, so after it nothing is compiled); the demo, the
-//! bench and release tests build the binaries alone.
+//! runs a stale binary. Under the whole suite (`tests/run.sh` with no
+//! arguments sets [`EVERY_TARGET_ENV`]) a test builds every target of the
+//! workspace, which `cargo test --workspace` has just built with the same
+//! features, so nothing is compiled; otherwise (a filtered run, the demo,
+//! the bench) it builds the four binaries alone.
 //!
 //! The target directory comes from the executable's own path
 //! (`<target>/<profile-dir>/deps/<test>-<hash>`), or `CARGO_TARGET_DIR`.
@@ -18,6 +19,15 @@ pub const WORKSPACE_BINS: [&str; 4] = ["orders", "billing", "payments", "cdc-rel
 
 /// Set to `1` to use whatever binaries are in the target directory.
 pub const SKIP_BUILD_ENV: &str = "CDC_RELAY_SKIP_BUILD";
+
+/// Set to `1` (by `tests/run.sh` running the whole suite) when the outer
+/// `cargo test --workspace` builds every target: the nested build asks for
+/// the same (`--workspace --all-targets`, the binaries with the features
+/// unified over the dev-dependencies: tokio's `test-util`, reqwest's `json`)
+/// and finds it done. The binaries alone (`--bins`) resolve features
+/// without the dev-dependencies: a second copy of tokio and everything
+/// above it, two minutes on 2 vCPUs from a fresh clone.
+pub const EVERY_TARGET_ENV: &str = "CDC_RELAY_BUILD_EVERY_TARGET";
 
 /// Where the binaries of the current profile are, and how to build them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,13 +84,8 @@ fn build() -> Result<Layout, String> {
         .args(["build", "--profile", &layout.profile])
         .arg("--target-dir")
         .arg(&layout.target_dir);
-    if layout.test_harness {
-        // What `cargo test --workspace` (tests/run.sh) built: the binaries
-        // with the features unified over every target (tokio's test-util,
-        // reqwest's json), so this build finds them done. `--bins` alone
-        // resolves features without the dev-dependencies and compiled a
-        // second copy of tokio and all above it (two minutes on 2 vCPUs from
-        // a fresh clone).
+    let every_target = layout.test_harness && std::env::var(EVERY_TARGET_ENV).as_deref() == Ok("1");
+    if every_target {
         command.args(["--workspace", "--all-targets"]);
     } else {
         command.arg("--bins");
@@ -89,7 +94,12 @@ fn build() -> Result<Layout, String> {
         }
     }
     eprintln!(
-        "harness: building {WORKSPACE_BINS:?} ({} profile)",
+        "harness: building {} ({} profile)",
+        if every_target {
+            "every workspace target".to_owned()
+        } else {
+            format!("{WORKSPACE_BINS:?}")
+        },
         layout.profile
     );
     let output = command

@@ -53,8 +53,8 @@ pub fn birthless_warning(slot: &str) -> String {
     format!(
         "slot {slot} has no birth record (it was created before cdc-relay recorded one): rows \
          inserted before the slot existed cannot be told from delivered ones and go with them once \
-         past the window; keep the retention window longer than the slot's age (docs/operations.md, \
-         \"Outbox retention\")"
+         past the window; keep the retention window (--older-than, run's --prune-older-than) longer \
+         than the slot's age (docs/operations.md, \"Outbox retention\")"
     )
 }
 
