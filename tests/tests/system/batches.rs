@@ -16,6 +16,35 @@ use harness::{Inbox, Scenario, wait_until};
 const DRAIN: Duration = Duration::from_secs(60);
 const BACKLOG: usize = 300;
 
+/// Starts the relay again with Billing paused (SIGSTOP) until the relay has
+/// read `events` events of the backlog: they then wait ready, so batches
+/// form however slowly the box decodes. (On a loaded box a backlog the
+/// walsender decoded more slowly than Billing answered went one event per
+/// request, and the batch assertions failed.)
+async fn restart_holding_billing(
+    s: &mut Scenario,
+    args: &[&str],
+    events: usize,
+) -> anyhow::Result<()> {
+    s.billing().process.pause();
+    let read = async {
+        s.restart_relay(args).await?;
+        wait_until("the relay to read the backlog", DRAIN, || async {
+            anyhow::Ok(
+                s.relay
+                    .metrics()
+                    .await?
+                    .sum("cdc_relay_events_received_total")
+                    >= events as f64,
+            )
+        })
+        .await
+    }
+    .await;
+    s.billing().process.resume();
+    read
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_goes_in_batches_and_a_refused_event_is_dead_lettered_alone() -> anyhow::Result<()>
 {
@@ -54,7 +83,7 @@ async fn a_backlog_goes_in_batches_and_a_refused_event_is_dead_lettered_alone() 
         ("route", "/inbox"),
         "route",
     );
-    s.restart_relay(&batch).await?;
+    restart_holding_billing(&mut s, &batch, BACKLOG + 1).await?;
     wait_until(
         "every order invoiced and the refused event dead-lettered",
         DRAIN,
@@ -145,7 +174,7 @@ async fn a_batch_larger_than_billing_takes_is_split_until_it_fits() -> anyhow::R
         ))
         .await?;
     }
-    s.restart_relay(&batch).await?;
+    restart_holding_billing(&mut s, &batch, EVENTS).await?;
     wait_until("every order invoiced", DRAIN, || async {
         anyhow::Ok(Ledger::read(&s.stack).await?.invoices == EVENTS)
     })
