@@ -96,10 +96,25 @@ export HOME="$test_home"
 cpus=$(nproc 2>/dev/null || echo 1)
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-$((cpus > 4 ? cpus : 4))}"
 
-# The whole suite builds every target: the harness's own build of the
-# binaries then asks for the same and compiles nothing (tests/src/bins.rs).
-if [ $# -eq 0 ]; then
+# Without a package or target selection `cargo test --workspace` builds
+# every target (test name filters after `--` only choose what runs): the
+# harness's own build of the binaries then asks for the same and compiles
+# nothing (tests/src/bins.rs). With a selection it builds the four binaries.
+every_target=1
+for arg in "$@"; do
+    case "$arg" in
+    --) break ;;
+    -p | -p?* | --package | --package=* | --exclude | --exclude=* | --lib | --bin | --bin=* | --bins | \
+        --test | --test=* | --tests | --example | --example=* | --examples | --bench | --bench=* | \
+        --benches | --doc | --all-targets)
+        every_target=
+        ;;
+    esac
+done
+if [ -n "$every_target" ]; then
     export CDC_RELAY_BUILD_EVERY_TARGET=1
+else
+    unset CDC_RELAY_BUILD_EVERY_TARGET
 fi
 
 exec cargo test --workspace --locked "$@"

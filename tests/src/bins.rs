@@ -1,7 +1,7 @@
 //! The workspace binaries (`orders`, `billing`, `payments`, `cdc-relay`), built once per
 //! process with the profile of the running test executable, so a test never
-//! runs a stale binary. Under the whole suite (`tests/run.sh` with no
-//! arguments sets [`EVERY_TARGET_ENV`]) a test builds every target of the
+//! runs a stale binary. Under the whole suite (`tests/run.sh` without a
+//! package or target selection sets [`EVERY_TARGET_ENV`]) a test builds every target of the
 //! workspace, which `cargo test --workspace` has just built with the same
 //! features, so nothing is compiled; otherwise (a filtered run, the demo,
 //! the bench) it builds the four binaries alone.
@@ -10,6 +10,7 @@
 //! (`<target>/<profile-dir>/deps/<test>-<hash>`), or `CARGO_TARGET_DIR`.
 //! `CDC_RELAY_SKIP_BUILD=1` skips the build (e.g. when CI built them already).
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -20,7 +21,7 @@ pub const WORKSPACE_BINS: [&str; 4] = ["orders", "billing", "payments", "cdc-rel
 /// Set to `1` to use whatever binaries are in the target directory.
 pub const SKIP_BUILD_ENV: &str = "CDC_RELAY_SKIP_BUILD";
 
-/// Set to `1` (by `tests/run.sh` running the whole suite) when the outer
+/// Set to `1` (by `tests/run.sh` given no package or target selection) when the outer
 /// `cargo test --workspace` builds every target: the nested build asks for
 /// the same (`--workspace --all-targets`, the binaries with the features
 /// unified over the dev-dependencies: tokio's `test-util`, reqwest's `json`)
@@ -93,7 +94,10 @@ fn build() -> Result<Layout, String> {
             command.args(["-p", bin]);
         }
     }
-    eprintln!(
+    // On the terminal, not in the test's captured output: a first run
+    // sits here for minutes.
+    let _ = writeln!(
+        std::io::stderr(),
         "harness: building {} ({} profile)",
         if every_target {
             "every workspace target".to_owned()
