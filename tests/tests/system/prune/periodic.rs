@@ -9,19 +9,30 @@ use harness::{Inbox, PgCluster, Scenario, wait_until};
 
 use super::{DRAIN, WINDOW, insert_events, outbox_rows, still_there, wait_delivered};
 
-/// `run --prune-older-than`: the relay deletes delivered rows itself, in
-/// batches (debug log per batch), counts them, exports the table's size,
-/// and leaves a pending event's row alone while the sink is down.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_relay_prunes_delivered_rows_at_a_low_rate_when_asked() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
+/// A relay started with `args` on `stack`, its role allowed to delete
+/// outbox rows (`run --prune-older-than` needs it), delivering to a
+/// scripted sink.
+async fn relay_pruning(stack: harness::Stack, args: &[&str]) -> anyhow::Result<Scenario> {
     stack
         .orders_admin()
         .await?
         .batch_execute("GRANT DELETE ON outbox TO cdc_relay")
         .await?;
-    let s = Scenario::plan(Inbox::Scripted)
-        .relay_args(&[
+    Scenario::plan(Inbox::Scripted)
+        .relay_args(args)
+        .on(stack)
+        .start()
+        .await
+}
+
+/// `run --prune-older-than`: the relay deletes delivered rows itself, in
+/// batches (debug log per batch), counts them, exports the table's size,
+/// and leaves a pending event's row alone while the sink is down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_prunes_delivered_rows_at_a_low_rate_when_asked() -> anyhow::Result<()> {
+    let s = relay_pruning(
+        PgCluster::shared().create_stack().await?,
+        &[
             "--prune-older-than",
             WINDOW,
             "--prune-interval",
@@ -30,10 +41,9 @@ async fn the_relay_prunes_delivered_rows_at_a_low_rate_when_asked() -> anyhow::R
             "5",
             "--prune-pause",
             "10ms",
-        ])
-        .on(stack)
-        .start()
-        .await?;
+        ],
+    )
+    .await?;
     let delivered = insert_events(&s, 30, "Delivered").await?;
     wait_delivered(&s, &delivered).await?;
     wait_until("the relay to prune the delivered rows", DRAIN, || async {
@@ -166,24 +176,18 @@ struct Statements {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pruning_keeps_the_idle_statement_budget() -> anyhow::Result<()> {
     let cluster = PgCluster::shared();
-    let stack = cluster.create_stack().await?;
-    stack
-        .orders_admin()
-        .await?
-        .batch_execute("GRANT DELETE ON outbox TO cdc_relay")
-        .await?;
-    let s = Scenario::plan(Inbox::Scripted)
-        .relay_args(&[
+    let s = relay_pruning(
+        cluster.create_stack().await?,
+        &[
             "--prune-older-than",
             "7d",
             "--prune-interval",
             "1h",
             "--prune-first-tick",
             "20s",
-        ])
-        .on(stack)
-        .start()
-        .await?;
+        ],
+    )
+    .await?;
     let events = insert_events(&s, 3, "Recent").await?;
     wait_delivered(&s, &events).await?;
     s.settle().await?;
