@@ -51,7 +51,7 @@ pub struct Proof {
 /// command's warning and the relay's periodic pruning alike.
 pub fn birthless_warning(slot: &str) -> String {
     format!(
-        "slot {slot} has no birth record (it was created before cdc-relay recorded one): rows \
+        "slot {slot} has no birth record (made before cdc-relay recorded one, or the record was removed): rows \
          inserted before the slot existed cannot be told from delivered ones and go with them once \
          past the window; keep the retention window (--older-than, run's --prune-older-than) longer \
          than the slot's age (docs/operations.md, \"Outbox retention\")"

@@ -112,7 +112,7 @@ async fn tick_once(
         && proof.birth_horizon.is_none()
         && !std::mem::replace(birthless_said, true)
     {
-        tracing::warn!(slot = %plan.slot, "prune: {}", birthless_warning(&plan.slot));
+        tracing::warn!("prune: {}", birthless_warning(&plan.slot));
     }
     let (Some(proof), Some(true)) = (&probe.proof, probe.prunable) else {
         tracing::debug!(confirmed = %probe.confirmed, proven = probe.proof.is_some(), "prune: nothing to delete");
