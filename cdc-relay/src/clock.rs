@@ -40,6 +40,21 @@ pub fn within_max_setting(d: Duration) -> Result<Duration, String> {
     }
 }
 
+/// A duration setting in humantime syntax (`500ms`, `2s`, `1m 30s`, `7d`),
+/// at most [`MAX_SETTING`]. The error says what is wrong without the
+/// setting's name (the caller adds it): a negative value, a value that is
+/// not a duration, or one above the longest accepted.
+pub fn parse_setting(s: &str) -> Result<Duration, String> {
+    if s.trim_start().starts_with('-') {
+        return Err(format!(
+            "{s:?} is negative; a duration is 0 or more (examples: 500ms, 2s, 1m)"
+        ));
+    }
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration: {e} (examples: 500ms, 2s, 1m)"))
+        .and_then(within_max_setting)
+}
+
 /// 2000-01-01 00:00:00 UTC, PostgreSQL's epoch, in microseconds since the
 /// Unix epoch.
 pub const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;

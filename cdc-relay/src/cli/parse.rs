@@ -75,9 +75,7 @@ pub(super) fn parse_optional_column_name(s: &str) -> Result<String, String> {
 /// Parses `500ms`, `2s`, `1m 30s` (humantime syntax), at most
 /// [`crate::clock::MAX_SETTING`].
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s)
-        .map_err(|e| format!("{e} (examples: 500ms, 2s, 1m)"))
-        .and_then(crate::clock::within_max_setting)
+    crate::clock::parse_setting(s)
 }
 
 /// Parses a duration as [`parse_duration`] does, above zero: a timeout of

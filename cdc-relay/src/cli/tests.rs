@@ -219,6 +219,14 @@ fn sizes_and_durations_parse() {
     let err = parse_duration("3651d").unwrap_err();
     assert!(err.contains("3650 days"), "{err}");
     assert!(parse_timeout("500000000y").is_err());
+    // A negative value says so (humantime's own words were "expected
+    // number at 0"), as does a value that is no duration at all.
+    for negative in ["-1s", " -5m"] {
+        let err = parse_duration(negative).unwrap_err();
+        assert!(err.contains("is negative"), "{negative}: {err}");
+    }
+    let err = parse_duration("soon").unwrap_err();
+    assert!(err.contains("\"soon\" is not a duration"), "{err}");
     let argv = [
         "cdc-relay",
         "run",

@@ -513,15 +513,10 @@ fn int(t: &Table, key: &'static str, min: i64, max: i64) -> Result<Option<i64>, 
 fn duration(t: &Table, key: &'static str, min: Duration) -> Result<Option<Duration>, KeyError> {
     match t.get(key) {
         None => Ok(None),
-        Some(Value::String(s)) => match humantime::parse_duration(s) {
-            Ok(d) if d >= min => crate::clock::within_max_setting(d)
-                .map(Some)
-                .map_err(|e| (key, e)),
+        Some(Value::String(s)) => match crate::clock::parse_setting(s) {
+            Ok(d) if d >= min => Ok(Some(d)),
             Ok(_) => Err((key, format!("{s:?} is below the minimum {min:?}"))),
-            Err(err) => Err((
-                key,
-                format!("{s:?} is not a duration ({err}); write e.g. \"4s\" or \"500ms\""),
-            )),
+            Err(err) => Err((key, err)),
         },
         Some(v) => Err((
             key,

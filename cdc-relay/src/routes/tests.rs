@@ -92,7 +92,7 @@ fn an_inline_secret_is_refused_with_what_to_write() {
 
 #[test]
 fn each_mistake_names_the_endpoint_and_the_key() {
-    let cases: [(&str, Option<&str>, Option<&str>, &str); 15] = [
+    let cases: [(&str, Option<&str>, Option<&str>, &str); 16] = [
         ("not toml [", None, None, "not valid TOML"),
         (
             "unrouted = \"drop\"",
@@ -130,6 +130,12 @@ fn each_mistake_names_the_endpoint_and_the_key() {
             Some("endpoint \"a\""),
             Some("request_timeout"),
             "not a duration",
+        ),
+        (
+            &with("max_lag = \"-10s\""),
+            Some("endpoint \"a\""),
+            Some("max_lag"),
+            "is negative",
         ),
         (
             &with("request_timeout = 4"),

@@ -372,12 +372,14 @@ impl RunArgs {
     /// The relay's opt-in pruning (`--prune-older-than`), `None` when off;
     /// the error names the flag.
     pub fn prune_schedule(&self, g: &GlobalArgs) -> Result<Option<Schedule>, String> {
-        let Some(older_than) = self.prune_older_than else {
-            return Ok(None);
-        };
+        // Checked with or without --prune-older-than: a bad value is an
+        // error when given, not when it would first be used.
         if self.prune_interval < Duration::from_secs(1) {
             return Err("--prune-interval must be at least 1s".into());
         }
+        let Some(older_than) = self.prune_older_than else {
+            return Ok(None);
+        };
         Ok(Some(Schedule {
             plan: PrunePlan {
                 table: g.table.clone(),

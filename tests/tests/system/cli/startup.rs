@@ -110,6 +110,20 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         bad_size.text()
     );
 
+    // A retention flag's bad value is refused even while retention is off
+    // (it was accepted and ignored without --prune-older-than).
+    let prune_interval = run(
+        &["--prune-interval", "0s"],
+        &[("EVENT_SECRET", TEST_SECRET)],
+    )
+    .await?;
+    assert_eq!(prune_interval.code(), Some(2), "{}", prune_interval.text());
+    assert!(
+        prune_interval.text().contains("--prune-interval"),
+        "{}",
+        prune_interval.text()
+    );
+
     // `status --json` that cannot answer still prints an object for a
     // script: the error and the exit code. (It printed nothing on stdout.)
     let mut closed = reqwest::Url::parse(&stack.relay_url)?;
