@@ -108,6 +108,7 @@ pub struct RunArgs {
     #[arg(long, env = "CDC_RELAY_SHUTDOWN_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
     /// Cap of the reconnect backoff after a lost replication connection.
+    /// At least 100ms (the first delay).
     #[arg(long, env = "CDC_RELAY_RECONNECT_MAX", default_value = "5s", value_parser = parse_duration)]
     pub reconnect_max: Duration,
     /// How often the side connection reads the slot's lag and wal_status
@@ -125,7 +126,7 @@ pub struct RunArgs {
     #[arg(long, env = "CDC_RELAY_ADMIN_MAX_CONNECTIONS", default_value_t = 16)]
     pub admin_max_connections: usize,
     /// /readyz fails when events are pending and the confirmed LSN has not
-    /// advanced for this long.
+    /// advanced for this long. At least 1s.
     #[arg(long, env = "CDC_RELAY_READY_WINDOW", default_value = "60s", value_parser = parse_duration)]
     pub ready_window: Duration,
     /// After an error that needs an operator (exit codes 3-7): `exit` at

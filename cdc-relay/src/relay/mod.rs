@@ -42,7 +42,7 @@ use standby::wait_while_blocked;
 
 /// First reconnect delay ceiling; doubles per failed session up to
 /// `--reconnect-max`.
-const RECONNECT_BASE: Duration = Duration::from_millis(100);
+pub const RECONNECT_BASE: Duration = Duration::from_millis(100);
 
 /// Runs sessions until `shutdown` is cancelled (returns `Ok`) or a definite
 /// error occurs, delivering to `lanes` (whose breakers live as long as the

@@ -273,6 +273,15 @@ impl RunArgs {
         if self.slot_stats_interval < Duration::from_secs(1) {
             return Err("--slot-stats-interval must be at least 1s (it must not turn the relay into a poller)".into());
         }
+        if self.reconnect_max < crate::relay::RECONNECT_BASE {
+            return Err(format!(
+                "--reconnect-max must be at least {:?}, the first reconnect delay (below it every retry is immediate: hundreds of connection attempts a second)",
+                crate::relay::RECONNECT_BASE
+            ));
+        }
+        if self.ready_window < Duration::from_secs(1) {
+            return Err("--ready-window must be at least 1s (below it /readyz fails whenever an event waits)".into());
+        }
         let dispatch = self.delivery.dispatch()?;
         let conn = g.conn()?;
         let replication = g.replication_conn()?;

@@ -730,6 +730,70 @@ async fn partitioned_outbox_published_by_leaf_is_delivered_as_the_outbox() -> an
     s.finish().await
 }
 
+/// A publication that lists some partitions of a partitioned outbox, not
+/// the table itself nor every leaf: the others' inserts would never be
+/// streamed, so it carries nothing. `run` refuses it (exit 3) naming a
+/// partition left out and the statement that fixes it; `setup` adds the
+/// partitioned table, after which every partition's event is delivered.
+/// (It counted as carrying the outbox: a tester's inserts into the other
+/// partitions were never sent while status said healthy.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_of_some_partitions_carries_nothing_until_setup_adds_the_table()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox_by_leaf().await?;
+    let admin = stack.orders_admin().await?;
+    let p = &stack.publication;
+    admin
+        .batch_execute(&format!("ALTER PUBLICATION {p} SET TABLE outbox_p0"))
+        .await?;
+    admin
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&stack.slot],
+        )
+        .await?;
+    let sink = ScriptedSink::start().await?;
+    let run = run_once(&stack, &sink).await?;
+    assert_eq!(run.code(), Some(3), "{}", run.text());
+    for words in [
+        "carries only some partitions of public.outbox",
+        "outbox_p1",
+        &format!("ALTER PUBLICATION {p} ADD TABLE public.outbox"),
+    ] {
+        assert!(
+            run.text().contains(words),
+            "says {words:?}:\n{}",
+            run.text()
+        );
+    }
+    let setup = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(setup.success(), "{}", setup.text());
+    assert!(
+        setup.text().contains("added: public.outbox"),
+        "{}",
+        setup.text()
+    );
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    // Ids are random: insert until both partitions hold an event.
+    for _ in 0..64 {
+        app::insert_order_event(&admin).await?;
+        let partitions: i64 = admin
+            .query_one("SELECT count(DISTINCT tableoid) FROM outbox", &[])
+            .await?
+            .get(0);
+        if partitions == 2 {
+            break;
+        }
+    }
+    let n: i64 = admin
+        .query_one("SELECT count(*) FROM outbox", &[])
+        .await?
+        .get(0);
+    assert_balanced_at_sink(&stack, &admin, &sink, usize::try_from(n)?).await
+}
+
 /// A row filter added to the only publication while streaming: the
 /// publication no longer carries every insert, so it stops counting — the
 /// relay says which publication and what to change, `/readyz` fails, and a

@@ -1,6 +1,7 @@
 //! Whether the outbox is in its publications, as the catalog says now:
-//! which publications carry its inserts completely, and why the others do
-//! not. (Watching it change over time is `source::membership`.)
+//! which publications carry its inserts completely (every partition of a
+//! partitioned outbox, through the root or each leaf), and why the others
+//! do not. (Watching it change over time is `source::membership`.)
 
 use tokio_postgres::Client;
 
@@ -12,8 +13,9 @@ use crate::outbox::TableName;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Membership {
     /// The publications that carry the outbox's inserts completely
-    /// (inserts published, no row filter, no column list leaving out a
-    /// configured column), each as a token of its identity: name, OID,
+    /// (inserts published, every leaf partition listed or under a listed
+    /// ancestor, no row filter, no column list leaving out a configured
+    /// column), each as a token of its identity: name, OID,
     /// `publish_via_partition_root`, `FOR ALL TABLES`, the OIDs of its
     /// `pg_publication_rel` / `pg_publication_namespace` rows for the table,
     /// and its row's `xmin` (changed by any `ALTER PUBLICATION`).
@@ -76,14 +78,26 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
          p AS (SELECT oid, xmin::text AS pxmin, pubname, puballtables, pubinsert, pubviaroot \
                FROM pg_publication \
                WHERE pubname = ANY($2)), \
+         leaves AS (SELECT relid FROM pg_partition_tree((SELECT oid FROM t)) WHERE isleaf \
+                    UNION ALL SELECT oid FROM t \
+                    WHERE NOT EXISTS (SELECT 1 FROM pg_partition_tree((SELECT oid FROM t)))), \
          listed AS (SELECT p.oid, p.pxmin, p.pubname, p.pubinsert, p.pubviaroot, p.puballtables, \
-                           pt.rowfilter, pt.attnames \
+                           pt.rowfilter, pt.attnames, pc.oid AS reloid \
                     FROM p JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
                     JOIN pg_namespace pn ON pn.nspname = pt.schemaname \
                     JOIN pg_class pc ON pc.relnamespace = pn.oid AND pc.relname = pt.tablename, t \
                     WHERE coalesce(pg_partition_root(pc.oid), pc.oid)::oid = t.oid), \
+         uncovered AS (SELECT l.oid AS pubid, count(*) AS n, \
+                              array_to_string((array_agg(lf.relid::regclass::text \
+                                               ORDER BY lf.relid::regclass::text))[1:3], ', ') AS names \
+                       FROM (SELECT DISTINCT oid FROM listed) l, leaves lf \
+                       WHERE NOT EXISTS (SELECT 1 FROM listed l2 WHERE l2.oid = l.oid \
+                                         AND (l2.reloid = lf.relid OR l2.reloid IN \
+                                              (SELECT relid FROM pg_partition_ancestors(lf.relid)))) \
+                       GROUP BY l.oid), \
          carriers AS (SELECT DISTINCT oid, pxmin, pubname, pubviaroot, puballtables FROM listed \
                       WHERE pubinsert AND rowfilter IS NOT DISTINCT FROM $6::text \
+                        AND oid NOT IN (SELECT pubid FROM uncovered) \
                         AND (attnames IS NULL OR $5::text[]::name[] <@ attnames)) \
     SELECT pg_current_wal_lsn()::text, \
            to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00'), \
@@ -103,9 +117,10 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
                      WHEN NOT l.pubinsert THEN 'does not publish inserts: ALTER PUBLICATION ' || quote_ident(l.pubname) || ' SET (publish = ''insert'')' \
                      WHEN $6::text IS NULL AND l.rowfilter IS NOT NULL THEN 'has a row filter (WHERE ' || l.rowfilter || '): drop it, the relay needs every row (BEGIN; ALTER PUBLICATION ' || quote_ident(l.pubname) || ' DROP TABLE ' || format('%I.%I', $3::text, $4::text) || '; ALTER PUBLICATION ' || quote_ident(l.pubname) || ' ADD TABLE ' || format('%I.%I', $3::text, $4::text) || '; COMMIT)' \
                      WHEN l.rowfilter IS DISTINCT FROM $6::text THEN 'has ' || coalesce('the row filter (WHERE ' || l.rowfilter || ')', 'no row filter') || ', not this shard''s (WHERE ' || $6::text || '): run `cdc-relay setup --shards`' \
+                     WHEN u.n IS NOT NULL THEN 'carries only some partitions of ' || format('%I.%I', $3::text, $4::text) || ', not ' || u.n || ' of them (' || u.names || CASE WHEN u.n > 3 THEN ', …' ELSE '' END || '): their inserts would never be streamed; publish the partitioned table itself, which carries every partition, present and future: ALTER PUBLICATION ' || quote_ident(l.pubname) || ' ADD TABLE ' || format('%I.%I', $3::text, $4::text) \
                      WHEN missing.names IS NOT NULL THEN 'cannot carry ' || missing.names || ': ' || format('%I.%I', $3::text, $4::text) || ' has no such column any more (fix the table, or the column flag that names it)' \
                      ELSE 'has a column list leaving out a column the relay reads: drop the list' END, '; ') \
-            FROM listed l, \
+            FROM listed l LEFT JOIN uncovered u ON u.pubid = l.oid, \
                  (SELECT string_agg(quote_ident(c), ', ') AS names FROM unnest($5::text[]) c \
                   WHERE NOT EXISTS (SELECT 1 FROM pg_attribute a, t \
                                     WHERE a.attrelid = t.oid AND a.attname = c AND a.attnum > 0 AND NOT a.attisdropped)) missing \

@@ -110,19 +110,22 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         bad_size.text()
     );
 
-    // A retention flag's bad value is refused even while retention is off
-    // (it was accepted and ignored without --prune-older-than).
-    let prune_interval = run(
-        &["--prune-interval", "0s"],
-        &[("EVENT_SECRET", TEST_SECRET)],
-    )
-    .await?;
-    assert_eq!(prune_interval.code(), Some(2), "{}", prune_interval.text());
-    assert!(
-        prune_interval.text().contains("--prune-interval"),
-        "{}",
-        prune_interval.text()
-    );
+    // Durations that would make the relay spin or lie are refused: a
+    // retention flag's even while retention is off (it was accepted and
+    // ignored without --prune-older-than), a zero reconnect cap (about 750
+    // connection attempts a second against a down server), a zero readiness
+    // window.
+    for flag in ["--prune-interval", "--reconnect-max", "--ready-window"] {
+        let zero = app::refused_run(
+            &stack,
+            &stack.relay_url,
+            &[flag, "0s"],
+            &[("EVENT_SECRET", TEST_SECRET)],
+        )
+        .await?;
+        assert_eq!(zero.code(), Some(2), "{flag}: {}", zero.text());
+        assert!(zero.text().contains(flag), "{}", zero.text());
+    }
 
     // `status --json` that cannot answer still prints an object for a
     // script: the error and the exit code. (It printed nothing on stdout.)
