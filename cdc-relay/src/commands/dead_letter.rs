@@ -380,6 +380,11 @@ async fn discard(
     }
     // One transaction: every row goes (each with its audit row) or none.
     let tx = client.transaction().await?;
+    if let Some(holder) = dead_letter::replay_holding(&tx, &ids).await? {
+        anyhow::bail!(
+            "{holder} is running over these rows: it sends the rows it has read, so a discard now could record as never sent an event the sink receives. Wait for it to finish (or stop it), then discard again; nothing was discarded"
+        );
+    }
     let removed =
         dead_letter::remove_many(&tx, &ids, Removal::Discard, Some(how.reason), how.actor).await?;
     if let Some(gone) = ids.iter().find(|id| removed.binary_search(id).is_err()) {

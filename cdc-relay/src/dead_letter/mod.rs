@@ -27,7 +27,7 @@ mod grouped;
 mod store;
 
 pub use grouped::{GATHER, GroupedStore, MAX_BYTES, MAX_ROWS, Urgency};
-pub use store::{Written, manual_replay_lock, restreamable, resume_lock};
+pub use store::{Written, manual_replay_lock, replay_holding, restreamable, resume_lock};
 
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, UnreadableRow};

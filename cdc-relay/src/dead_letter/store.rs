@@ -154,6 +154,48 @@ pub async fn manual_replay_lock(client: &Client) -> Result<bool, StoreError> {
     }
 }
 
+/// What stops a discard of rows `ids` now, on `tx` (a transaction whose
+/// commit removes them): `Some(holder)` when a replay holds a lock on any
+/// of them — `dead-letter replay`'s own, or a relay's (or a replay's)
+/// lock on replaying the parked rows of an endpoint among them. A replay
+/// sends the rows it has read; discarding them meanwhile would record as
+/// never sent an event the sink may receive. Otherwise the locks are taken
+/// until `tx` ends (`pg_try_advisory_xact_lock`, the same keys as
+/// [`manual_replay_lock`] and [`resume_lock`]), so no replay starts
+/// reading these rows before the discard commits. `None`: go ahead.
+pub async fn replay_holding(
+    tx: &tokio_postgres::Transaction<'_>,
+    ids: &[i64],
+) -> Result<Option<String>, tokio_postgres::Error> {
+    let manual: bool = tx
+        .query_one(
+            "SELECT pg_try_advisory_xact_lock(hashtextextended('cdc_relay_dead_letter_replay', 0))",
+            &[],
+        )
+        .await?
+        .get(0);
+    if !manual {
+        return Ok(Some("a `cdc-relay dead-letter replay`".to_owned()));
+    }
+    let busy = tx
+        .query(
+            &format!(
+                "SELECT e FROM (SELECT DISTINCT endpoint AS e FROM cdc_relay_dead_letter \
+                                WHERE id = ANY($1) AND endpoint IS NOT NULL) d \
+                 WHERE NOT pg_try_advisory_xact_lock({}) ORDER BY 1",
+                RESUME_LOCK.replace("$1", "d.e")
+            ),
+            &[&ids],
+        )
+        .await?;
+    Ok(busy.first().map(|r| {
+        format!(
+            "a replay of endpoint {}'s parked rows (a relay resuming it, or `dead-letter replay`)",
+            r.get::<_, String>(0)
+        )
+    }))
+}
+
 /// A dead-letter row's column values as stored: text made [`storable`], a
 /// payload that is not UTF-8 or holds a NUL in `payload_bytes` as it is,
 /// the commit LSN as text (the statement casts it to `pg_lsn`), the first

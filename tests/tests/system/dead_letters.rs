@@ -7,7 +7,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use ::harness::{Inbox, Scenario};
+use ::harness::{Inbox, Scenario, wait_until};
 
 /// Writes dead letters straight into the table (as a relay would after a
 /// 4xx): `per` events for each of `aggregates` aggregates, one aggregate
@@ -536,5 +536,109 @@ async fn two_replays_at_once_send_each_row_once() -> anyhow::Result<()> {
     let mut expected: Vec<String> = rows.iter().flat_map(|(_, ids)| ids.clone()).collect();
     expected.sort();
     assert_eq!(sent, expected, "each row sent once");
+    Ok(())
+}
+
+/// `dead-letter discard` while `dead-letter replay` runs over the same
+/// rows: the discard is refused (exit 1, nothing discarded, saying what
+/// runs), and the replay sends and removes every row, each audited once as
+/// replayed. Before, the discard committed over rows the replay had read:
+/// a tester's 30 rows audited "discard" all reached the sink, 27 of them
+/// after the discard, and the replay counted them as removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discard_while_a_replay_runs_over_its_rows_is_refused() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, sink) = (&s.stack, s.sink());
+    let admin = stack.orders_admin().await?;
+    let rows = dead_letter_rows(&admin, 2, 5).await?;
+    // Slow answers: the replay runs for about a second.
+    sink.set_delay(Duration::from_millis(150));
+    let before = sink.received().len();
+    let replay = crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url);
+    let discard = async {
+        wait_until(
+            "the replay's first request",
+            Duration::from_secs(20),
+            || async { Ok(sink.received().len() > before) },
+        )
+        .await?;
+        crate::sink_failures::cli(
+            stack,
+            &["dead-letter", "discard", "--all", "--yes", "--note", "race"],
+            &sink.url,
+        )
+        .await
+    };
+    let (replayed, discarded) = tokio::join!(replay, discard);
+    let (replayed, discarded) = (replayed?, discarded?);
+    assert!(replayed.success(), "{}", replayed.text());
+    assert_eq!(discarded.code(), Some(1), "{}", discarded.text());
+    for words in [
+        "`cdc-relay dead-letter replay` is running over these rows",
+        "nothing was discarded",
+    ] {
+        assert!(
+            discarded.text().contains(words),
+            "{words:?}: {}",
+            discarded.text()
+        );
+    }
+    let actions: Vec<String> = admin
+        .query("SELECT action FROM cdc_relay_dead_letter_audit", &[])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let expected: Vec<String> = rows.iter().flat_map(|(_, ids)| ids.clone()).collect();
+    assert_eq!(actions.len(), expected.len(), "{actions:?}");
+    assert!(actions.iter().all(|a| a == "replay"), "{actions:?}");
+    let left: i64 = admin
+        .query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+        .await?
+        .get(0);
+    assert_eq!(left, 0);
+    let mut sent: Vec<String> = sink.received_from(before).iter().map(|r| r.id()).collect();
+    sent.sort();
+    let mut expected = expected;
+    expected.sort();
+    assert_eq!(sent, expected, "each row sent once");
+
+    // The same for a replay of one endpoint's parked rows (a relay
+    // resuming it holds this lock on its session): an endpoint's row is
+    // not discarded while it is held, and is once it is free.
+    admin
+        .batch_execute(
+            "INSERT INTO cdc_relay_dead_letter (event_id, event_type, payload, error, attempts, endpoint) \
+             VALUES ('e-parked', 'OrderPaid', '{}', 'parked: test', 0, 'audit')",
+        )
+        .await?;
+    let resuming = stack.orders_admin().await?;
+    resuming
+        .batch_execute(
+            "SELECT pg_advisory_lock(hashtextextended('cdc_relay_resume:' || 'audit', 0))",
+        )
+        .await?;
+    let discard = || {
+        crate::sink_failures::cli(
+            stack,
+            &["dead-letter", "discard", "--all", "--yes", "--note", "race"],
+            &sink.url,
+        )
+    };
+    let held = discard().await?;
+    assert_eq!(held.code(), Some(1), "{}", held.text());
+    assert!(
+        held.text()
+            .contains("a replay of endpoint audit's parked rows"),
+        "{}",
+        held.text()
+    );
+    resuming
+        .batch_execute(
+            "SELECT pg_advisory_unlock(hashtextextended('cdc_relay_resume:' || 'audit', 0))",
+        )
+        .await?;
+    let free = discard().await?;
+    assert!(free.success(), "{}", free.text());
     Ok(())
 }

@@ -364,7 +364,7 @@ pub(super) async fn replay(client: Client, a: ReplayArgs) -> anyhow::Result<()> 
             .map_err(|e| anyhow::anyhow!("cannot take the replay lock: {e}"))?;
         anyhow::ensure!(
             free,
-            "another `cdc-relay dead-letter replay` runs against this database; two at once would send the same rows twice and out of order: wait for it to finish, then run this one again"
+            "another `cdc-relay dead-letter replay` runs against this database (or a `dead-letter discard` is committing); two replays at once would send the same rows twice and out of order: wait for it to finish, then run this one again"
         );
         lock_parked(&client, endpoint.as_deref()).await?;
     }
