@@ -370,6 +370,13 @@ impl Stream {
                         tracing::info!(table = %table, oid, older_name = %name, "the WAL names the outbox by an older name");
                         Ok(())
                     }
+                    // A partition of the outbox, described again under its
+                    // own name (`publish_via_partition_root` turned off
+                    // after the root was streamed): the outbox, no swap.
+                    Some(now) if catalog::partition_root(&self.side, oid).await? == Some(now) => {
+                        tracing::info!(table = %table, partition = %name, "a partition of the outbox streams under its own name (publish_via_partition_root = false): its inserts are delivered as the outbox's");
+                        Ok(())
+                    }
                     // Another table took the configured name (a swap): both
                     // are followed, so nothing written to either is lost.
                     Some(now) => {

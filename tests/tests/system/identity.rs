@@ -730,6 +730,41 @@ async fn partitioned_outbox_published_by_leaf_is_delivered_as_the_outbox() -> an
     s.finish().await
 }
 
+/// `publish_via_partition_root` turned on, then off again, while streaming
+/// a partitioned outbox: the partitions, described again under their own
+/// names after the root was streamed, are the outbox, not a swap (whose
+/// warning told the operator to drop "the former" table: here a live
+/// partition, a tester's case), and every event is delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_via_partition_root_turned_on_and_off_is_not_a_swap() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox_by_leaf().await?;
+    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
+    let agg = s.insert_order().await?;
+    let mut events = Vec::new();
+    for via_root in [None, Some(true), Some(false)] {
+        if let Some(v) = via_root {
+            s.db.batch_execute(&format!(
+                "ALTER PUBLICATION {} SET (publish_via_partition_root = {v})",
+                s.stack.publication
+            ))
+            .await?;
+        }
+        // Random ids: 16 rows land in both hash partitions but for a
+        // chance of 2^-15.
+        for i in 0..16 {
+            events.push(
+                s.insert_event(agg, "Toggled", Some(&format!(r#"{{"i":{i}}}"#)))
+                    .await?,
+            );
+        }
+        s.expect_exactly(&events).await?;
+    }
+    let swaps = log_lines_naming(&s.relay, "swapped");
+    assert!(swaps.is_empty(), "no swap: {swaps:?}");
+    s.finish().await
+}
+
 /// A publication that lists some partitions of a partitioned outbox, not
 /// the table itself nor every leaf: the others' inserts would never be
 /// streamed, so it carries nothing. `run` refuses it (exit 3) naming a
