@@ -498,6 +498,31 @@ async fn a_dead_letter_whose_event_is_delivered_when_streamed_again_is_removed()
     Ok(())
 }
 
+/// Ten dead letters (two aggregates of five) and a sink answering each
+/// request after 150 ms, so a replay of them holds its lock for about a
+/// second; returns the rows and how many requests the sink had before.
+async fn rows_for_a_slow_replay(
+    s: &Scenario,
+) -> anyhow::Result<(Vec<(String, Vec<String>)>, usize)> {
+    let rows = dead_letter_rows(&s.stack.orders_admin().await?, 2, 5).await?;
+    s.sink().set_delay(Duration::from_millis(150));
+    Ok((rows, s.sink().received().len()))
+}
+
+/// Every row of `rows` reached the sink once after its `before`th request.
+fn each_row_sent_once(s: &Scenario, before: usize, rows: &[(String, Vec<String>)]) {
+    let mut sent: Vec<String> = s
+        .sink()
+        .received_from(before)
+        .iter()
+        .map(|r| r.id())
+        .collect();
+    sent.sort();
+    let mut expected: Vec<String> = rows.iter().flat_map(|(_, ids)| ids.clone()).collect();
+    expected.sort();
+    assert_eq!(sent, expected, "each row sent once");
+}
+
 /// Two `dead-letter replay --all` started together over the same rows:
 /// one replays them, the other is refused at once (exit 1, saying why)
 /// and sends nothing, so every row reaches the sink once. Before, both
@@ -507,11 +532,7 @@ async fn a_dead_letter_whose_event_is_delivered_when_streamed_again_is_removed()
 async fn two_replays_at_once_send_each_row_once() -> anyhow::Result<()> {
     let s = Scenario::start(Inbox::Scripted).await?;
     let (stack, sink) = (&s.stack, s.sink());
-    let admin = stack.orders_admin().await?;
-    let rows = dead_letter_rows(&admin, 2, 5).await?;
-    // Slow answers: the first replay holds its lock for about a second.
-    sink.set_delay(Duration::from_millis(150));
-    let before = sink.received().len();
+    let (rows, before) = rows_for_a_slow_replay(&s).await?;
     let replay =
         || crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url);
     let (a, b) = tokio::join!(replay(), replay());
@@ -531,11 +552,7 @@ async fn two_replays_at_once_send_each_row_once() -> anyhow::Result<()> {
         "{}",
         refused.text()
     );
-    let mut sent: Vec<String> = sink.received_from(before).iter().map(|r| r.id()).collect();
-    sent.sort();
-    let mut expected: Vec<String> = rows.iter().flat_map(|(_, ids)| ids.clone()).collect();
-    expected.sort();
-    assert_eq!(sent, expected, "each row sent once");
+    each_row_sent_once(&s, before, &rows);
     Ok(())
 }
 
@@ -550,10 +567,7 @@ async fn a_discard_while_a_replay_runs_over_its_rows_is_refused() -> anyhow::Res
     let s = Scenario::start(Inbox::Scripted).await?;
     let (stack, sink) = (&s.stack, s.sink());
     let admin = stack.orders_admin().await?;
-    let rows = dead_letter_rows(&admin, 2, 5).await?;
-    // Slow answers: the replay runs for about a second.
-    sink.set_delay(Duration::from_millis(150));
-    let before = sink.received().len();
+    let (rows, before) = rows_for_a_slow_replay(&s).await?;
     let replay = crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url);
     let discard = async {
         wait_until(
@@ -597,11 +611,7 @@ async fn a_discard_while_a_replay_runs_over_its_rows_is_refused() -> anyhow::Res
         .await?
         .get(0);
     assert_eq!(left, 0);
-    let mut sent: Vec<String> = sink.received_from(before).iter().map(|r| r.id()).collect();
-    sent.sort();
-    let mut expected = expected;
-    expected.sort();
-    assert_eq!(sent, expected, "each row sent once");
+    each_row_sent_once(&s, before, &rows);
 
     // The same for a replay of one endpoint's parked rows (a relay
     // resuming it holds this lock on its session): an endpoint's row is
