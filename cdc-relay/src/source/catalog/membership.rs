@@ -87,14 +87,15 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
                     JOIN pg_namespace pn ON pn.nspname = pt.schemaname \
                     JOIN pg_class pc ON pc.relnamespace = pn.oid AND pc.relname = pt.tablename, t \
                     WHERE coalesce(pg_partition_root(pc.oid), pc.oid)::oid = t.oid), \
-         uncovered AS (SELECT l.oid AS pubid, count(*) AS n, \
-                              array_to_string((array_agg(lf.relid::regclass::text \
-                                               ORDER BY lf.relid::regclass::text))[1:3], ', ') AS names \
-                       FROM (SELECT DISTINCT oid FROM listed) l, leaves lf \
-                       WHERE NOT EXISTS (SELECT 1 FROM listed l2 WHERE l2.oid = l.oid \
-                                         AND (l2.reloid = lf.relid OR l2.reloid IN \
-                                              (SELECT relid FROM pg_partition_ancestors(lf.relid)))) \
-                       GROUP BY l.oid), \
+         unlisted AS (SELECT l.oid AS pubid, lf.relid FROM (SELECT DISTINCT oid FROM listed) l, leaves lf \
+                      EXCEPT SELECT oid, reloid FROM listed), \
+         uncovered AS (SELECT u.pubid, count(*) AS n, \
+                              array_to_string((array_agg(u.relid::regclass::text \
+                                               ORDER BY u.relid::regclass::text))[1:3], ', ') AS names \
+                       FROM unlisted u \
+                       WHERE NOT EXISTS (SELECT 1 FROM pg_partition_ancestors(u.relid) a \
+                                         JOIN listed l2 ON l2.reloid = a.relid WHERE l2.oid = u.pubid) \
+                       GROUP BY u.pubid), \
          carriers AS (SELECT DISTINCT oid, pxmin, pubname, pubviaroot, puballtables FROM listed \
                       WHERE pubinsert AND rowfilter IS NOT DISTINCT FROM $6::text \
                         AND oid NOT IN (SELECT pubid FROM uncovered) \
