@@ -14,6 +14,9 @@ use crate::outbox::OutboxEvent;
 /// The advisory-lock key of replaying an endpoint's parked rows.
 const RESUME_LOCK: &str = "hashtextextended('cdc_relay_resume:' || $1, 0)";
 
+/// The advisory-lock key of `cdc-relay dead-letter replay` itself.
+const MANUAL_REPLAY_LOCK: &str = "hashtextextended('cdc_relay_dead_letter_replay', 0)";
+
 /// Endpoint `endpoint`'s parked rows (error starting [`super::PARKED`])
 /// after row id `after`, oldest first, at most `limit`.
 pub(super) async fn parked(
@@ -144,7 +147,7 @@ pub async fn resume_lock(client: &Client, endpoint: &str, take: bool) -> Result<
 pub async fn manual_replay_lock(client: &Client) -> Result<bool, StoreError> {
     match client
         .query_one(
-            "SELECT pg_try_advisory_lock(hashtextextended('cdc_relay_dead_letter_replay', 0))",
+            &format!("SELECT pg_try_advisory_lock({MANUAL_REPLAY_LOCK})"),
             &[],
         )
         .await
@@ -169,7 +172,7 @@ pub async fn replay_holding(
 ) -> Result<Option<String>, tokio_postgres::Error> {
     let manual: bool = tx
         .query_one(
-            "SELECT pg_try_advisory_xact_lock(hashtextextended('cdc_relay_dead_letter_replay', 0))",
+            &format!("SELECT pg_try_advisory_xact_lock({MANUAL_REPLAY_LOCK})"),
             &[],
         )
         .await?

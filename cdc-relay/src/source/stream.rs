@@ -140,6 +140,11 @@ pub struct StreamParts {
     pub metrics: Metrics,
 }
 
+/// What the relay says when a partition of the outbox streams under its
+/// own name (a publication without `publish_via_partition_root`).
+const PARTITION_STREAMS: &str = "a partition of the outbox streams under its own name \
+    (publish_via_partition_root = false): its inserts are delivered as the outbox's";
+
 impl Stream {
     /// Wraps an opened transport.
     pub fn new(transport: Transport, parts: StreamParts) -> Self {
@@ -355,7 +360,7 @@ impl Stream {
                 // the publication does not publish via the partition root.
                 let root = catalog::partition_root(&self.side, rel.oid.0).await?;
                 if root.is_some_and(|r| r != rel.oid.0 && self.mapper.is_outbox(RelationId(r))) {
-                    tracing::info!(table = %table, partition = %format!("{}.{}", rel.namespace, rel.name), "a partition of the outbox streams under its own name (publish_via_partition_root = false): its inserts are delivered as the outbox's");
+                    tracing::info!(table = %table, partition = %format!("{}.{}", rel.namespace, rel.name), "{}", PARTITION_STREAMS);
                     self.mapper.adopt(rel);
                 }
                 Ok(())
@@ -374,7 +379,7 @@ impl Stream {
                     // own name (`publish_via_partition_root` turned off
                     // after the root was streamed): the outbox, no swap.
                     Some(now) if catalog::partition_root(&self.side, oid).await? == Some(now) => {
-                        tracing::info!(table = %table, partition = %name, "a partition of the outbox streams under its own name (publish_via_partition_root = false): its inserts are delivered as the outbox's");
+                        tracing::info!(table = %table, partition = %name, "{}", PARTITION_STREAMS);
                         Ok(())
                     }
                     // Another table took the configured name (a swap): both
