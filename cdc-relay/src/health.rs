@@ -166,7 +166,7 @@ impl Health {
         }
         if self.gap_owed.load(Ordering::Relaxed) {
             return Err(
-                "outbox rows inserted while the table was out of its publication were never streamed and no backfill has re-sent them: run the `cdc-relay backfill` the log and `cdc-relay status` give (ready again once a backfill covering the gap completes)",
+                "outbox rows inserted during a publication gap were not streamed, or may not have been, and no backfill has re-sent them: run the `cdc-relay backfill` the log and `cdc-relay status` give (ready again once a backfill covering the gap completes)",
             );
         }
         if self.dead_letters_failing.load(Ordering::Relaxed) {

@@ -53,6 +53,9 @@ pub enum Change {
         since: String,
         /// This reading's time.
         until: String,
+        /// What the catalog shows changed, in words
+        /// ([`super::catalog::Membership::gap_since`]).
+        cause: String,
     },
 }
 
@@ -118,11 +121,15 @@ impl MembershipWatch {
                 until: m.at.clone(),
             },
             (true, false) => match &self.last_in {
-                Some(v) if m.gap_since(&v.membership) => Change::Gap {
-                    since: v.at.clone(),
-                    until: m.at.clone(),
+                Some(v) => match m.gap_since(&v.membership) {
+                    Some(cause) => Change::Gap {
+                        since: v.at.clone(),
+                        until: m.at.clone(),
+                        cause,
+                    },
+                    None => Change::Steady,
                 },
-                _ => Change::Steady,
+                None => Change::Steady,
             },
         };
         self.out = false;
@@ -200,7 +207,8 @@ mod tests {
             w.observe(&reading(true, "p1:r9", 200, "t2")),
             Change::Gap {
                 since: "t1".into(),
-                until: "t2".into()
+                until: "t2".into(),
+                cause: "publication p1:r5 carries it differently now".into()
             }
         );
         assert_eq!(w.ceiling(), None);
@@ -254,7 +262,8 @@ mod tests {
             w.observe(&reading(true, "p1:r9", 100, "t1")),
             Change::Gap {
                 since: "t0".into(),
-                until: "t1".into()
+                until: "t1".into(),
+                cause: "no publication carried it when it was last verified".into()
             }
         );
     }
@@ -267,7 +276,8 @@ mod tests {
             w.observe(&reading(true, "p1:r9", 100, "t1")),
             Change::Gap {
                 since: "t0".into(),
-                until: "t1".into()
+                until: "t1".into(),
+                cause: "publication p1:r5 carries it differently now".into()
             }
         );
         let mut same = MembershipWatch::new(Lsn::new(10), "t-start".into(), Some(recorded.clone()));

@@ -36,6 +36,7 @@ pub mod catalog;
 pub mod conn;
 pub mod error;
 pub mod failover;
+mod ignored;
 pub mod lock_wait;
 pub mod membership;
 pub mod monitor;

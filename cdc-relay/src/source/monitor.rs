@@ -263,7 +263,7 @@ pub async fn monitor_slot(
         }
         let change = membership.observe(&member);
         report_membership(&change, &member, &table, &publications, &out, &mut told);
-        if let (Change::Back { since, until } | Change::Gap { since, until }, None) =
+        if let (Change::Back { since, until } | Change::Gap { since, until, .. }, None) =
             (&change, &out.heal)
         {
             // Told, and owed: recorded so that a restart does not forget
@@ -290,7 +290,7 @@ pub async fn monitor_slot(
             owed = read_owed(&side, &slot, owed).await;
         }
         out.health.set_gap_owed(owed.is_some());
-        if let (Change::Back { since, until } | Change::Gap { since, until }, Some(heal)) =
+        if let (Change::Back { since, until } | Change::Gap { since, until, .. }, Some(heal)) =
             (&change, &out.heal)
         {
             // The new membership is recorded only once the gap is healed;
@@ -508,13 +508,16 @@ fn report_membership(
              (from --backfill-margin earlier) follows; /readyz fails until one covering that \
              window completes"
         ),
-        Change::Gap { since, until } => {
+        Change::Gap {
+            since,
+            until,
+            cause,
+        } => {
             out.metrics.publication_gaps.inc();
             tracing::error!(
                 table = %table, publications = %pubs,
                 "the outbox {table}'s publication membership changed between {since} and {until} \
-                 (it left and rejoined, the table was recreated, or the publication carrying it was \
-                 replaced), possibly while no relay watched: inserts in between may not have been \
+                 ({cause}), possibly while no relay watched: inserts in between may not have been \
                  streamed. {}",
                 if out.heal.is_some() {
                     "The relay re-sends them from the table now (--on-gap backfill)".to_owned()

@@ -14,7 +14,6 @@
 //! before its transaction is acknowledged; changes to other relations are
 //! counted and logged once per relation.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +26,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::catalog;
 use super::error::SourceError;
+use super::ignored::IgnoredChanges;
 use super::skew::SkewWatch;
 use super::status_updates::{self, StatusUpdateCounter};
 use super::transport::Transport;
@@ -34,7 +34,7 @@ use super::watchdog::Watchdog;
 use crate::clock;
 use crate::dispatch::{Confirmed, DispatchError, Item, Window, WindowPermit};
 use crate::lsn::Lsn;
-use crate::metrics::{IGNORED_RELATIONS, Metrics};
+use crate::metrics::Metrics;
 use crate::outbox::{Mapped, OutboxError, OutboxMapper, RelationKind, TxContext};
 use crate::pgoutput::{self, DecodeError, LogicalMessage, Relation, RelationId};
 
@@ -527,45 +527,6 @@ impl Stream {
             tracing::warn!(confirmed = %final_lsn, "shutdown budget spent with deliveries pending; they will be redelivered after restart");
         }
         transport.flush_and_close(final_lsn).await;
-    }
-}
-
-/// Counts the stream's changes that are not outbox inserts in
-/// `cdc_relay_ignored_changes_total{relation}` (bounded label values) and
-/// logs each relation's first one.
-struct IgnoredChanges {
-    metrics: Metrics,
-    labels: HashSet<String>,
-    logged: HashSet<(RelationId, &'static str)>,
-}
-
-impl IgnoredChanges {
-    fn new(metrics: Metrics) -> Self {
-        IgnoredChanges {
-            metrics,
-            labels: HashSet::new(),
-            logged: HashSet::new(),
-        }
-    }
-
-    fn count(&mut self, relation: RelationId, name: &str, kind: &'static str, outbox: bool) {
-        let label = if self.labels.contains(name) || self.labels.len() < IGNORED_RELATIONS {
-            self.labels.insert(name.to_owned());
-            name
-        } else {
-            "other"
-        };
-        self.metrics
-            .ignored_changes
-            .with_label_values(&[label])
-            .inc();
-        if self.logged.insert((relation, kind)) {
-            if outbox {
-                tracing::info!(relation = %name, kind, "the publication streams {kind}s of the outbox {name}; they are not events and are counted in cdc_relay_ignored_changes_total (an insert-only publication avoids decoding them)");
-            } else {
-                tracing::info!(relation = %name, kind, "the publication streams {kind}s of {name}, which is not the outbox; they are counted in cdc_relay_ignored_changes_total and not delivered");
-            }
-        }
     }
 }
 

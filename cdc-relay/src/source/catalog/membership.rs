@@ -42,13 +42,116 @@ impl Membership {
     /// have carried the outbox all along: no carrier is the same at both
     /// readings, or the table is another relation now. (A change in one of
     /// several publications while another carries it throughout is no gap.)
-    pub fn gap_since(&self, earlier: &Membership) -> bool {
-        self.table_oid != earlier.table_oid
-            || !self
-                .carriers
-                .iter()
-                .any(|c| earlier.carriers.iter().any(|e| same_carrier(c, e)))
+    /// `Some`: what changed, in words for the operator (see [`what_changed`]).
+    pub fn gap_since(&self, earlier: &Membership) -> Option<String> {
+        if self.table_oid != earlier.table_oid {
+            return Some(format!(
+                "the table is another relation now (OID {} before, {} now): dropped and created again, or swapped",
+                shown_oid(earlier.table_oid),
+                shown_oid(self.table_oid)
+            ));
+        }
+        let kept = self
+            .carriers
+            .iter()
+            .any(|c| earlier.carriers.iter().any(|e| same_carrier(c, e)));
+        (!kept).then(|| what_changed(&earlier.carriers, &self.carriers))
     }
+}
+
+fn shown_oid(oid: Option<u32>) -> String {
+    oid.map_or_else(|| "none".to_owned(), |o| o.to_string())
+}
+
+/// One carrier token's fields (see [`Membership::carriers`]); `None` for a
+/// token of another shape.
+struct Carrier<'a> {
+    name: &'a str,
+    oid: &'a str,
+    via_root: &'a str,
+    rest: [&'a str; 3],
+    xmin: Option<&'a str>,
+}
+
+impl<'a> Carrier<'a> {
+    /// Read from the right, so that a publication name with a `:` in it
+    /// stays whole: seven fields, or six in a token recorded before the
+    /// `xmin` was added.
+    fn parse(token: &'a str) -> Option<Self> {
+        let fields: Vec<&str> = token.rsplitn(7, ':').collect();
+        let (xmin, f) = match fields.len() {
+            7 => (Some(fields[0]), &fields[1..]),
+            6 => (None, &fields[..]),
+            _ => return None,
+        };
+        // f, right to left: namespaces, rel rows, all tables, via root, OID, name.
+        Some(Carrier {
+            name: f[5],
+            oid: f[4],
+            via_root: f[3],
+            rest: [f[2], f[1], f[0]],
+            xmin,
+        })
+    }
+}
+
+/// What changed between two sets of carrier tokens that have none in
+/// common, for the gap's log line: per publication that carried the
+/// outbox before, the one difference the catalog shows. A publication
+/// altered and altered back between two readings leaves only its `xmin`
+/// changed: the catalog cannot tell what happened in between, so any
+/// change is a possible gap, worded as such.
+pub fn what_changed(before: &[String], now: &[String]) -> String {
+    if before.is_empty() {
+        return "no publication carried it when it was last verified".to_owned();
+    }
+    let parsed_now: Vec<Carrier<'_>> = now.iter().filter_map(|t| Carrier::parse(t)).collect();
+    let said: Vec<String> = before
+        .iter()
+        .map(|token| {
+            let Some(b) = Carrier::parse(token) else {
+                return format!("publication {token} carries it differently now");
+            };
+            let name = b.name;
+            let Some(n) = parsed_now.iter().find(|n| n.name == name) else {
+                return format!("publication {name} no longer carries it");
+            };
+            if n.oid != b.oid {
+                format!("publication {name} was dropped and created again")
+            } else if n.rest != b.rest {
+                format!(
+                    "the outbox (or its schema) left publication {name} and was added back"
+                )
+            } else if n.via_root != b.via_root {
+                let now_on = matches!(n.via_root, "true" | "t");
+                format!(
+                    "publication {name}'s publish_via_partition_root was turned {}: that alone streams every insert, but the catalog cannot tell whether the publication also left inserts out in between (publish changed and back)",
+                    if now_on { "on" } else { "off" }
+                )
+            } else if n.xmin != b.xmin {
+                format!(
+                    "publication {name} was altered (ALTER PUBLICATION … SET, OWNER TO or RENAME) and reads as before: the catalog cannot tell whether it left inserts out in between (publish changed and back)"
+                )
+            } else {
+                format!("publication {name} carries it differently now")
+            }
+        })
+        .collect();
+    let mut said = said.join("; ");
+    let newcomers: Vec<&str> = parsed_now
+        .iter()
+        .map(|n| n.name)
+        .filter(|n| {
+            !before
+                .iter()
+                .filter_map(|t| Carrier::parse(t))
+                .any(|b| b.name == *n)
+        })
+        .collect();
+    if !newcomers.is_empty() {
+        said.push_str(&format!("; {} carries it now", newcomers.join(", ")));
+    }
+    said
 }
 
 /// Whether two carrier tokens name the same publication state. The last
@@ -185,6 +288,55 @@ pub(super) fn membership_from_row(row: &tokio_postgres::Row) -> Membership {
 #[cfg(test)]
 mod carrier_tests {
     use super::same_carrier;
+
+    #[test]
+    fn a_gap_says_what_changed_in_the_catalog() {
+        let t = |s: &str| vec![s.to_owned()];
+        for (before, now, says) in [
+            (
+                "p:1:false:false:5::700",
+                "p:2:false:false:6::710",
+                "publication p was dropped and created again",
+            ),
+            (
+                "p:1:false:false:5::700",
+                "p:1:false:false:6::710",
+                "the outbox (or its schema) left publication p and was added back",
+            ),
+            (
+                "p:1:false:false:5::700",
+                "p:1:true:false:5::710",
+                "publish_via_partition_root was turned on",
+            ),
+            (
+                "p:1:true:false:5::700",
+                "p:1:false:false:5::710",
+                "publish_via_partition_root was turned off",
+            ),
+            (
+                "p:1:false:false:5::700",
+                "p:1:false:false:5::710",
+                "publication p was altered",
+            ),
+            (
+                "a:b:1:false:false:5::700",
+                "a:b:1:true:false:5::710",
+                "publication a:b's publish_via_partition_root",
+            ),
+            (
+                "p:1:false:false:5::700",
+                "q:3:false:false:7::720",
+                "publication p no longer carries it; q carries it now",
+            ),
+        ] {
+            let said = super::what_changed(&t(before), &t(now));
+            assert!(said.contains(says), "{before} → {now}: {said}");
+        }
+        assert!(
+            super::what_changed(&[], &t("p:1:false:false:5::700"))
+                .contains("no publication carried it")
+        );
+    }
 
     #[test]
     fn carriers_compare_with_and_without_the_publication_xmin() {
