@@ -89,13 +89,18 @@ impl SinkArgs {
 
     /// Builds the HTTP sink; the error names the setting.
     pub fn build(&self) -> Result<HttpSink, String> {
-        if self.sink_connection_max_age < Duration::from_secs(1)
-            || self.sink_idle_timeout < Duration::from_secs(1)
-        {
-            return Err(
-                "--sink-connection-max-age and --sink-idle-timeout must be at least 1s".into(),
-            );
-        }
+        at_least(
+            "--sink-connection-max-age",
+            self.sink_connection_max_age,
+            Duration::from_secs(1),
+            "below it every request opens a connection",
+        )?;
+        at_least(
+            "--sink-idle-timeout",
+            self.sink_idle_timeout,
+            Duration::from_secs(1),
+            "below it a connection closes between two events",
+        )?;
         let Some(url) = &self.sink_url else {
             return Err(
                 "--sink-url (or CDC_RELAY_SINK_URL) is required: the inbox URL events are POSTed to, e.g. http://billing:8080/inbox"
@@ -232,12 +237,18 @@ impl DeliveryArgs {
         if self.backoff_base.is_zero() || self.backoff_cap < self.backoff_base {
             return Err("--backoff-base must be > 0 and not above --backoff-cap".into());
         }
-        if self.probe_interval < Duration::from_millis(50) {
-            return Err("--probe-interval must be at least 50ms".into());
-        }
-        if self.retired_probe_interval < Duration::from_secs(1) {
-            return Err("--retired-probe-interval must be at least 1s".into());
-        }
+        at_least(
+            "--probe-interval",
+            self.probe_interval,
+            Duration::from_millis(50),
+            "below it an open circuit hammers the sink",
+        )?;
+        at_least(
+            "--retired-probe-interval",
+            self.retired_probe_interval,
+            Duration::from_secs(1),
+            "below it a retired endpoint is hammered",
+        )?;
         Ok(DispatchConfig {
             max_in_flight: self.max_in_flight as usize,
             batch_max_events: self.batch_max_events as usize,
@@ -270,18 +281,24 @@ impl RunArgs {
                 self.sink.request_timeout, self.shutdown_timeout
             ));
         }
-        if self.slot_stats_interval < Duration::from_secs(1) {
-            return Err("--slot-stats-interval must be at least 1s (it must not turn the relay into a poller)".into());
-        }
-        if self.reconnect_max < crate::relay::RECONNECT_BASE {
-            return Err(format!(
-                "--reconnect-max must be at least {:?}, the first reconnect delay (below it every retry is immediate: hundreds of connection attempts a second)",
-                crate::relay::RECONNECT_BASE
-            ));
-        }
-        if self.ready_window < Duration::from_secs(1) {
-            return Err("--ready-window must be at least 1s (below it /readyz fails whenever an event waits)".into());
-        }
+        at_least(
+            "--slot-stats-interval",
+            self.slot_stats_interval,
+            Duration::from_secs(1),
+            "below it the relay turns into a poller",
+        )?;
+        at_least(
+            "--reconnect-max",
+            self.reconnect_max,
+            crate::relay::RECONNECT_BASE,
+            "the first reconnect delay; below it every retry is immediate: hundreds of connection attempts a second",
+        )?;
+        at_least(
+            "--ready-window",
+            self.ready_window,
+            Duration::from_secs(1),
+            "below it /readyz fails whenever an event waits",
+        )?;
         let dispatch = self.delivery.dispatch()?;
         let conn = g.conn()?;
         let replication = g.replication_conn()?;
@@ -383,9 +400,12 @@ impl RunArgs {
     pub fn prune_schedule(&self, g: &GlobalArgs) -> Result<Option<Schedule>, String> {
         // Checked with or without --prune-older-than: a bad value is an
         // error when given, not when it would first be used.
-        if self.prune_interval < Duration::from_secs(1) {
-            return Err("--prune-interval must be at least 1s".into());
-        }
+        at_least(
+            "--prune-interval",
+            self.prune_interval,
+            Duration::from_secs(1),
+            "below it retention turns into a poller",
+        )?;
         let Some(older_than) = self.prune_older_than else {
             return Ok(None);
         };
@@ -418,6 +438,19 @@ impl PruneArgs {
             pause: self.pause,
         }
     }
+}
+
+/// A duration setting's floor: `Err` naming `flag`, the floor and `why`
+/// (what a smaller value would do) when `value` is below `min`.
+fn at_least(flag: &str, value: Duration, min: Duration, why: &str) -> Result<(), String> {
+    if value < min {
+        return Err(format!(
+            "{flag} must be at least {} ({why}); it is {}",
+            humantime::format_duration(min),
+            humantime::format_duration(value)
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

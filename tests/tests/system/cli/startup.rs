@@ -114,8 +114,17 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
     // retention flag's even while retention is off (it was accepted and
     // ignored without --prune-older-than), a zero reconnect cap (about 750
     // connection attempts a second against a down server), a zero readiness
-    // window.
-    for flag in ["--prune-interval", "--reconnect-max", "--ready-window"] {
+    // window; and every other duration with a floor.
+    for flag in [
+        "--prune-interval",
+        "--reconnect-max",
+        "--ready-window",
+        "--slot-stats-interval",
+        "--probe-interval",
+        "--retired-probe-interval",
+        "--sink-connection-max-age",
+        "--sink-idle-timeout",
+    ] {
         let zero = app::refused_run(
             &stack,
             &stack.relay_url,
@@ -124,7 +133,11 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         )
         .await?;
         assert_eq!(zero.code(), Some(2), "{flag}: {}", zero.text());
-        assert!(zero.text().contains(flag), "{}", zero.text());
+        assert!(
+            zero.text().contains(&format!("{flag} must be at least")),
+            "{}",
+            zero.text()
+        );
     }
 
     // `status --json` that cannot answer still prints an object for a
