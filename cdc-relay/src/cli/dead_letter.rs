@@ -17,7 +17,7 @@ pub enum DeadLetterCommand {
         filter: DeadLetterFilterArgs,
         /// At most this many rows (the oldest); 1 or more. Without it,
         /// every row, read and printed a page at a time.
-        #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(1..))]
+        #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(1..), allow_negative_numbers = true)]
         limit: Option<i64>,
     },
     /// Show one dead-lettered event as JSON, its payload as JSON.
@@ -81,19 +81,19 @@ pub struct ReplayArgs {
     pub filter: DeadLetterFilterArgs,
     /// At most this many requests per second (default: as fast as the sink
     /// answers).
-    #[arg(long, value_parser = parse_rate)]
+    #[arg(long, value_parser = parse_rate, allow_negative_numbers = true)]
     pub rate: Option<f64>,
     /// At most this many requests in flight, each for a different
     /// aggregate (an aggregate's events go one at a time, oldest first). The
     /// first request goes alone: the window opens once the sink answers.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), allow_negative_numbers = true)]
     pub max_in_flight: u32,
     /// Events one request may carry at most (a batch,
     /// `docs/architecture.md#batches`; only for a receiver that takes
     /// batches). Default: the routes file endpoint's `batch_max_events`
     /// with `--routes`, else 1 (one request per row). A batch the sink
     /// refuses is split down to the refused row, which is kept.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000), allow_negative_numbers = true)]
     pub batch_max_events: Option<u32>,
     /// A batch's body size at most. Default: the routes file endpoint's
     /// `batch_max_bytes` with `--routes`, else 48KiB.

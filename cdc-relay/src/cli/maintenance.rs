@@ -63,7 +63,7 @@ pub struct PruneArgs {
     /// rows-per-block estimate). With the default pause, 1000 deleted about
     /// 4,800 rows/s beside a relay delivering 1000 events/s without raising
     /// its p99 (5000: 23,000 rows/s, p99 4x; docs/benchmarks.md).
-    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000), allow_negative_numbers = true)]
     pub batch: u32,
     /// Pause between two batches (leaves room to vacuum, to the relay's
     /// decoding and to other writers).

@@ -358,7 +358,7 @@ pub struct GlobalArgs {
         long,
         env = "CDC_RELAY_SHARDS",
         global = true,
-        value_parser = clap::value_parser!(u32).range(1..=crate::source::shards::MAX_SHARDS as i64)
+        value_parser = clap::value_parser!(u32).range(1..=crate::source::shards::MAX_SHARDS as i64), allow_negative_numbers = true
     )]
     pub shards: Option<u32>,
     /// How long creating a slot (`setup`, `run --create-slot`) may wait for

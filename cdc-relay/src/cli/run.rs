@@ -144,7 +144,7 @@ pub struct RunArgs {
     /// rest: when another relay dies, one waiting takes its shard within
     /// about a second. Run shards + spares processes with --max-shards 1,
     /// or fewer processes with more each.
-    #[arg(long, env = "CDC_RELAY_MAX_SHARDS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=crate::source::shards::MAX_SHARDS as i64))]
+    #[arg(long, env = "CDC_RELAY_MAX_SHARDS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=crate::source::shards::MAX_SHARDS as i64), allow_negative_numbers = true)]
     pub max_shards: u32,
     /// Stop, exit 0, once the slot (each shard's, with --shards) is
     /// confirmed at or past this LSN (e.g. 0/3000060), and never start
@@ -231,7 +231,7 @@ pub struct RunArgs {
     #[arg(long, env = "CDC_RELAY_PRUNE_FIRST_TICK", value_parser = parse_duration, hide = true, help_heading = "Retention")]
     pub prune_first_tick: Option<Duration>,
     /// Rows per prune batch (about).
-    #[arg(long, env = "CDC_RELAY_PRUNE_BATCH", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000), help_heading = "Retention")]
+    #[arg(long, env = "CDC_RELAY_PRUNE_BATCH", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000), allow_negative_numbers = true, help_heading = "Retention")]
     pub prune_batch: u32,
     /// Pause between two prune batches.
     #[arg(long, env = "CDC_RELAY_PRUNE_PAUSE", default_value = "1s", value_parser = parse_duration, help_heading = "Retention")]
@@ -240,7 +240,7 @@ pub struct RunArgs {
     /// one per available CPU but one, at least one (1 on a 2-CPU machine):
     /// the relay runs beside PostgreSQL, whose walsender decodes what it
     /// streams. On a machine of its own, set it to the CPU count.
-    #[arg(long, env = "CDC_RELAY_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    #[arg(long, env = "CDC_RELAY_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024), allow_negative_numbers = true)]
     pub worker_threads: Option<u16>,
     /// The sink.
     #[command(flatten)]
@@ -258,14 +258,14 @@ pub struct RunArgs {
 #[command(next_help_heading = "Delivery")]
 pub struct DeliveryArgs {
     /// Deliveries at once (pipelining). 1 gives strict global commit order.
-    #[arg(long, env = "CDC_RELAY_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, env = "CDC_RELAY_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), allow_negative_numbers = true)]
     pub max_in_flight: u32,
     /// Events one request may carry at most (a batch: a JSON array body,
     /// `docs/architecture.md#batches`; the receiver must take batches). 1,
     /// the default, sends one request per event. Batches form by themselves
     /// under load: a request goes as soon as one of --max-in-flight is free,
     /// with the events ready then.
-    #[arg(long, env = "CDC_RELAY_BATCH_MAX_EVENTS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(long, env = "CDC_RELAY_BATCH_MAX_EVENTS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000), allow_negative_numbers = true)]
     pub batch_max_events: u32,
     /// A batch's body size at most (estimated from the events' sizes; a
     /// larger event goes alone, and a receiver's 413 splits a batch). Keep it
@@ -276,7 +276,7 @@ pub struct DeliveryArgs {
     /// (delivered or dead-lettered at every endpoint) that the relay holds.
     /// When the window is full the relay stops reading and WAL waits on the
     /// server ("pending" in the flag's name is the window's content).
-    #[arg(long, env = "CDC_RELAY_MAX_PENDING_EVENTS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "CDC_RELAY_MAX_PENDING_EVENTS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..), allow_negative_numbers = true)]
     pub max_pending_events: u32,
     /// The memory window, in bytes of those events (payloads included). A
     /// larger event is admitted alone.
@@ -303,7 +303,7 @@ pub struct DeliveryArgs {
     )]
     pub poison_statuses: Vec<u16>,
     /// Consecutive transient failures that open the circuit breaker.
-    #[arg(long, env = "CDC_RELAY_FAILURE_THRESHOLD", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "CDC_RELAY_FAILURE_THRESHOLD", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..), allow_negative_numbers = true)]
     pub failure_threshold: u32,
     /// While the circuit is open, one probe (the delivery waiting longest) goes
     /// out per interval (plus up to 20 % jitter).
@@ -318,6 +318,6 @@ pub struct DeliveryArgs {
     /// counting only 2xx to requests sent after the first of them) mean the
     /// sink is broken, not the events: stop dead-lettering and open the
     /// circuit.
-    #[arg(long, env = "CDC_RELAY_POISON_STORM_THRESHOLD", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "CDC_RELAY_POISON_STORM_THRESHOLD", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..), allow_negative_numbers = true)]
     pub poison_storm_threshold: u32,
 }

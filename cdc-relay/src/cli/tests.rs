@@ -204,6 +204,28 @@ fn syntax_errors_name_the_flag() {
     }
 }
 
+/// A negative number given after a space is the flag's value, refused by
+/// its parser naming the flag and the range (clap's default read it as
+/// an unknown option: "unexpected argument '-1' found").
+#[test]
+fn a_negative_number_is_refused_as_the_flags_value() {
+    for argv in [
+        &["cdc-relay", "run", "--max-in-flight", "-1"][..],
+        &["cdc-relay", "run", "--batch-max-events", "-5"][..],
+        &["cdc-relay", "dead-letter", "replay", "--rate", "-3"][..],
+    ] {
+        let err = Cli::try_parse_from(argv).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!(
+                "invalid value '{}' for '{}",
+                argv[argv.len() - 1],
+                argv[argv.len() - 2]
+            )),
+            "{argv:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn sizes_and_durations_parse() {
     assert_eq!(parse_bytes("64MiB"), Ok(64 << 20));
