@@ -63,8 +63,7 @@ fn shown_oid(oid: Option<u32>) -> String {
     oid.map_or_else(|| "none".to_owned(), |o| o.to_string())
 }
 
-/// One carrier token's fields (see [`Membership::carriers`]); `None` for a
-/// token of another shape.
+/// One carrier token's fields (see [`Membership::carriers`]).
 struct Carrier<'a> {
     name: &'a str,
     oid: &'a str,
@@ -76,7 +75,7 @@ struct Carrier<'a> {
 impl<'a> Carrier<'a> {
     /// Read from the right, so that a publication name with a `:` in it
     /// stays whole: seven fields, or six in a token recorded before the
-    /// `xmin` was added.
+    /// `xmin` was added; `None` for a token of another shape.
     fn parse(token: &'a str) -> Option<Self> {
         let fields: Vec<&str> = token.rsplitn(7, ':').collect();
         let (xmin, f) = match fields.len() {
