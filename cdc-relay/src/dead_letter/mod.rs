@@ -196,18 +196,11 @@ impl NewDeadLetter {
             _ => (None, None),
         };
         NewDeadLetter {
-            event_id: Some(event.id.clone()),
-            aggregate_key: event.aggregate_key.clone(),
-            event_type: Some(event.event_type.clone()),
-            payload: event.payload.clone(),
-            commit_lsn: event.commit_lsn,
             http_status: status,
-            error: format!("{reason}: {}", attempt.detail()),
             response_excerpt: excerpt,
             attempts,
             first_attempt_unix_micros: Some(first_attempt_unix_micros),
-            endpoint: None,
-            trace: event.trace.clone(),
+            ..Self::unsent(event, format!("{reason}: {}", attempt.detail()), None)
         }
     }
 
