@@ -11,11 +11,17 @@
 --   psql -v ON_ERROR_STOP=1 -d orders -f sql/publication.sql
 --
 -- Re-runnable: it creates the publication when missing and otherwise brings
--- it back to this definition (insert-only, containing public.outbox).
+-- it back to this definition (insert-only, containing public.outbox, through
+-- its root when the table is partitioned).
 DO $publication$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = 'cdc_relay_outbox') THEN
-        CREATE PUBLICATION cdc_relay_outbox FOR TABLE public.outbox WITH (publish = 'insert');
+        IF EXISTS (SELECT 1 FROM pg_class WHERE oid = 'public.outbox'::regclass AND relkind = 'p') THEN
+            CREATE PUBLICATION cdc_relay_outbox FOR TABLE public.outbox
+                WITH (publish = 'insert', publish_via_partition_root = true);
+        ELSE
+            CREATE PUBLICATION cdc_relay_outbox FOR TABLE public.outbox WITH (publish = 'insert');
+        END IF;
         RETURN;
     END IF;
 
@@ -28,10 +34,18 @@ BEGIN
     END IF;
 
     IF NOT EXISTS (
-        SELECT 1 FROM pg_publication_tables
-        WHERE pubname = 'cdc_relay_outbox' AND schemaname = 'public' AND tablename = 'outbox'
+        SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+        WHERE p.pubname = 'cdc_relay_outbox' AND pr.prrelid = 'public.outbox'::regclass
     ) THEN
         ALTER PUBLICATION cdc_relay_outbox ADD TABLE public.outbox;
+    END IF;
+
+    -- A partitioned outbox is read through its root: its partitions'
+    -- inserts then stream as the table's.
+    IF EXISTS (SELECT 1 FROM pg_class WHERE oid = 'public.outbox'::regclass AND relkind = 'p')
+       AND EXISTS (SELECT 1 FROM pg_publication WHERE pubname = 'cdc_relay_outbox' AND NOT pubviaroot)
+    THEN
+        ALTER PUBLICATION cdc_relay_outbox SET (publish_via_partition_root = true);
     END IF;
 END
 $publication$;

@@ -287,10 +287,11 @@ impl Stack {
     }
 
     /// Replaces the (empty) outbox with one partitioned by hash of its id
-    /// into two leaves, `outbox_p0` and `outbox_p1`, published without
-    /// `publish_via_partition_root`: the server streams each insert under
-    /// its leaf's name and OID. The old table stays as `outbox_plain`.
-    pub async fn partition_outbox_by_leaf(&self) -> anyhow::Result<()> {
+    /// into two leaves, `outbox_p0` and `outbox_p1`, published through its
+    /// root (`publish_via_partition_root`), as `sql/publication.sql` and
+    /// `setup` publish a partitioned outbox. The old table stays as
+    /// `outbox_plain`.
+    pub async fn partition_outbox(&self) -> anyhow::Result<()> {
         self.orders_admin()
             .await?
             .batch_execute(&format!(
@@ -301,7 +302,8 @@ impl Stack {
                  CREATE TABLE outbox_p0 PARTITION OF outbox FOR VALUES WITH (MODULUS 2, REMAINDER 0); \
                  CREATE TABLE outbox_p1 PARTITION OF outbox FOR VALUES WITH (MODULUS 2, REMAINDER 1); \
                  GRANT SELECT, INSERT ON outbox TO orders_app; GRANT SELECT ON outbox TO cdc_relay; \
-                 ALTER PUBLICATION {p} ADD TABLE outbox",
+                 ALTER PUBLICATION {p} ADD TABLE outbox; \
+                 ALTER PUBLICATION {p} SET (publish_via_partition_root = true)",
                 p = self.publication
             ))
             .await?;

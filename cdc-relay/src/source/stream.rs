@@ -140,11 +140,6 @@ pub struct StreamParts {
     pub metrics: Metrics,
 }
 
-/// What the relay says when a partition of the outbox streams under its
-/// own name (a publication without `publish_via_partition_root`).
-const PARTITION_STREAMS: &str = "a partition of the outbox streams under its own name \
-    (publish_via_partition_root = false): its inserts are delivered as the outbox's";
-
 impl Stream {
     /// Wraps an opened transport.
     pub fn new(transport: Transport, parts: StreamParts) -> Self {
@@ -312,7 +307,7 @@ impl Stream {
                         "the outbox's column {configured:?} is named {now:?} here (renamed; same position and type): following it"
                     );
                 }
-                self.relation(kind, &rel).await?;
+                self.relation(kind).await?;
                 if !self.mapper.lacking(rel.oid).is_empty() {
                     self.past_shape(&rel).await?;
                 }
@@ -351,20 +346,17 @@ impl Stream {
     /// relation that is (or was) the outbox is checked against the catalog:
     /// an older name in the WAL is fine; a rename away from `--table` stops
     /// the session before anything of it is acknowledged.
-    async fn relation(&mut self, kind: RelationKind, rel: &Relation) -> Result<(), StreamError> {
+    async fn relation(&mut self, kind: RelationKind) -> Result<(), StreamError> {
         let table = self.mapper.table().to_string();
         match kind {
             RelationKind::Outbox => Ok(()),
-            RelationKind::Other => {
-                // A partition of the outbox streams under its own name when
-                // the publication does not publish via the partition root.
-                let root = catalog::partition_root(&self.side, rel.oid.0).await?;
-                if root.is_some_and(|r| r != rel.oid.0 && self.mapper.is_outbox(RelationId(r))) {
-                    tracing::info!(table = %table, partition = %format!("{}.{}", rel.namespace, rel.name), "{}", PARTITION_STREAMS);
-                    self.mapper.adopt(rel);
-                }
-                Ok(())
-            }
+            // Another table, or a partition of the outbox streamed under
+            // its own name: the relay reads a partitioned outbox only
+            // through its root (`publish_via_partition_root`), where the
+            // server decides with the catalog of each change's time which
+            // rows were the outbox's. Such a publication does not carry the
+            // outbox (the membership check says so, and holds the slot).
+            RelationKind::Other => Ok(()),
             RelationKind::NewOutbox { oid } => {
                 tracing::warn!(table = %table, oid, "{table} is a new relation (OID {oid}): dropped and recreated, or swapped; its inserts are delivered");
                 Ok(())
@@ -373,13 +365,6 @@ impl Stream {
                 match catalog::table_oid(&self.side, self.mapper.table()).await? {
                     Some(now) if now == oid => {
                         tracing::info!(table = %table, oid, older_name = %name, "the WAL names the outbox by an older name");
-                        Ok(())
-                    }
-                    // A partition of the outbox, described again under its
-                    // own name (`publish_via_partition_root` turned off
-                    // after the root was streamed): the outbox, no swap.
-                    Some(now) if catalog::partition_root(&self.side, oid).await? == Some(now) => {
-                        tracing::info!(table = %table, partition = %name, "{}", PARTITION_STREAMS);
                         Ok(())
                     }
                     // Another table took the configured name (a swap): both
@@ -413,10 +398,9 @@ impl Stream {
             Err(SourceError::NeedsSetup(_) | SourceError::PayloadType(_)) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
-        // The outbox, a partition of it, or a former outbox dropped since;
-        // never a relation that still exists under another name.
+        // The outbox, or a former outbox dropped since; never a relation
+        // that still exists under another name.
         let ours = now.oid == rel.oid.0
-            || catalog::partition_root(&self.side, rel.oid.0).await? == Some(now.oid)
             || catalog::relation_name(&self.side, rel.oid.0)
                 .await?
                 .is_none();

@@ -26,14 +26,14 @@ async fn rows_committed_while_the_payload_column_was_dropped_are_dead_lettered_o
     payload_dropped_and_added_back(Scenario::start(Inbox::Scripted).await?).await
 }
 
-/// The same with a partitioned outbox whose leaves stream under their own
-/// names (`publish_via_partition_root` off): the description that lacks
-/// the column is a leaf's, and the leaf is the outbox's.
+/// The same with a partitioned outbox (read through its root): the
+/// column is dropped from every partition, and the root's description
+/// lacks it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_payload_column_added_back_is_the_past_for_a_partition_too() -> anyhow::Result<()>
 {
     let stack = PgCluster::shared().create_stack().await?;
-    stack.partition_outbox_by_leaf().await?;
+    stack.partition_outbox().await?;
     payload_dropped_and_added_back(Scenario::plan(Inbox::Scripted).on(stack).start().await?).await
 }
 

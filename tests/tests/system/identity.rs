@@ -31,10 +31,10 @@ use harness::{Inbox, PgCluster, Scenario, Stack, wait_until};
 
 /// Bound for the relay to notice a membership change: the slot monitor
 /// runs every 15 s (`--slot-stats-interval`), plus a margin.
-const NOTICE: Duration = Duration::from_secs(30);
+pub(super) const NOTICE: Duration = Duration::from_secs(30);
 
 /// Bound for deliveries and the ledger.
-const DRAIN: Duration = Duration::from_secs(45);
+pub(super) const DRAIN: Duration = Duration::from_secs(45);
 
 /// The gauge that says whether the configured outbox is in the publication.
 const INCLUDES: &str = "cdc_relay_publication_includes_outbox";
@@ -420,7 +420,7 @@ async fn publication_flap_faster_than_the_check_is_reported_as_a_gap() -> anyhow
 }
 
 /// Runs `cdc-relay backfill --since <since>` as the relay role into `inbox`.
-async fn backfill(stack: &Stack, since: &str, inbox: &str) -> anyhow::Result<()> {
+pub(super) async fn backfill(stack: &Stack, since: &str, inbox: &str) -> anyhow::Result<()> {
     backfill_window(stack, since, None, inbox).await
 }
 
@@ -452,7 +452,7 @@ async fn now(db: &tokio_postgres::Client) -> anyhow::Result<String> {
 }
 
 /// `cdc-relay run` as a command (as the relay role) until it exits.
-async fn run_once(stack: &Stack, sink: &ScriptedSink) -> anyhow::Result<CommandOutput> {
+pub(super) async fn run_once(stack: &Stack, sink: &ScriptedSink) -> anyhow::Result<CommandOutput> {
     app::relay_command(
         stack,
         &stack.relay_url,
@@ -587,7 +587,7 @@ async fn setup_refuses_to_adopt_a_slot_older_than_the_publication_it_creates() -
 
 /// Waits for `n` events at `sink`, settles the stack's slot, and asserts
 /// the ledger balances against what the sink took.
-async fn assert_balanced_at_sink(
+pub(super) async fn assert_balanced_at_sink(
     stack: &Stack,
     db: &tokio_postgres::Client,
     sink: &ScriptedSink,
@@ -675,7 +675,7 @@ async fn other_published_tables_are_counted_and_logged_once() -> anyhow::Result<
 
 /// The relay's log lines at INFO or above (what an operator sees by
 /// default; the tests run it at debug) that contain `words`.
-fn log_lines_naming(relay: &Running, words: &str) -> Vec<String> {
+pub(super) fn log_lines_naming(relay: &Running, words: &str) -> Vec<String> {
     relay
         .process
         .logs()
@@ -683,173 +683,6 @@ fn log_lines_naming(relay: &Running, words: &str) -> Vec<String> {
         .filter(|l| l.contains(words) && !l.contains(" DEBUG ") && !l.contains(" TRACE "))
         .map(str::to_owned)
         .collect()
-}
-
-/// A partitioned outbox published without `publish_via_partition_root`:
-/// the server streams each insert under its partition's name and OID. Those
-/// are the outbox's events, delivered, never "other tables".
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn partitioned_outbox_published_by_leaf_is_delivered_as_the_outbox() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    stack.partition_outbox_by_leaf().await?;
-    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
-    let agg = s.insert_order().await?;
-    // Event ids are random, so which partition a row lands in is chance:
-    // insert until both hold events (8 rows left one empty once in 128 runs).
-    let mut events = Vec::new();
-    let mut per_partition: Vec<i64> = Vec::new();
-    for i in 0..64 {
-        events.push(
-            s.insert_event(agg, "Partitioned", Some(&format!(r#"{{"i":{i}}}"#)))
-                .await?,
-        );
-        per_partition =
-            s.db.query(
-                "SELECT count(*) FROM outbox GROUP BY tableoid ORDER BY tableoid",
-                &[],
-            )
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        if events.len() >= 8 && per_partition.len() == 2 {
-            break;
-        }
-    }
-    assert_eq!(
-        per_partition.len(),
-        2,
-        "both partitions hold events: {per_partition:?}"
-    );
-    s.expect_exactly(&events).await?;
-    let metrics = s.relay.metrics().await?;
-    assert_eq!(
-        metrics.sum("cdc_relay_ignored_changes_total"),
-        0.0,
-        "no partition counted as another table"
-    );
-    assert_eq!(metrics.value(INCLUDES, &[]), Some(1.0));
-    s.assert_balanced().await?;
-    s.finish().await
-}
-
-/// `publish_via_partition_root` turned on, then off again, while streaming
-/// a partitioned outbox: the partitions, described again under their own
-/// names after the root was streamed, are the outbox, not a swap (whose
-/// warning told the operator to drop "the former" table: here a live
-/// partition, a tester's case), and every event is delivered once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn publish_via_partition_root_turned_on_and_off_is_not_a_swap() -> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    stack.partition_outbox_by_leaf().await?;
-    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
-    let agg = s.insert_order().await?;
-    let mut events = Vec::new();
-    for via_root in [None, Some(true), Some(false)] {
-        if let Some(v) = via_root {
-            s.db.batch_execute(&format!(
-                "ALTER PUBLICATION {} SET (publish_via_partition_root = {v})",
-                s.stack.publication
-            ))
-            .await?;
-        }
-        // Random ids: 16 rows land in both hash partitions but for a
-        // chance of 2^-15.
-        for i in 0..16 {
-            events.push(
-                s.insert_event(agg, "Toggled", Some(&format!(r#"{{"i":{i}}}"#)))
-                    .await?,
-            );
-        }
-        s.expect_exactly(&events).await?;
-    }
-    let swaps = log_lines_naming(&s.relay, "swapped");
-    assert!(swaps.is_empty(), "no swap: {swaps:?}");
-    // The monitor's next reading finds the publication altered: a possible
-    // gap (publish out and back leaves the same catalog), named as what it
-    // is, not as the table leaving its publication.
-    let gap = s
-        .relay
-        .process
-        .wait_for_line_where(
-            "an ERROR naming the publication's change",
-            |l| l.contains("ERROR") && l.contains("membership changed"),
-            NOTICE,
-        )
-        .await?;
-    assert!(
-        gap.contains(&format!(
-            "publication {}'s publish_via_partition_root was turned",
-            s.stack.publication
-        )) || gap.contains(&format!("publication {} was altered", s.stack.publication)),
-        "{gap}"
-    );
-    assert!(!gap.contains("left publication"), "{gap}");
-    s.finish().await
-}
-
-/// A publication that lists some partitions of a partitioned outbox, not
-/// the table itself nor every leaf: the others' inserts would never be
-/// streamed, so it carries nothing. `run` refuses it (exit 3) naming a
-/// partition left out and the statement that fixes it; `setup` adds the
-/// partitioned table, after which every partition's event is delivered.
-/// (It counted as carrying the outbox: a tester's inserts into the other
-/// partitions were never sent while status said healthy.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_publication_of_some_partitions_carries_nothing_until_setup_adds_the_table()
--> anyhow::Result<()> {
-    let stack = PgCluster::shared().create_stack().await?;
-    stack.partition_outbox_by_leaf().await?;
-    let admin = stack.orders_admin().await?;
-    let p = &stack.publication;
-    admin
-        .batch_execute(&format!("ALTER PUBLICATION {p} SET TABLE outbox_p0"))
-        .await?;
-    admin
-        .execute(
-            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&stack.slot],
-        )
-        .await?;
-    let sink = ScriptedSink::start().await?;
-    let run = run_once(&stack, &sink).await?;
-    assert_eq!(run.code(), Some(3), "{}", run.text());
-    for words in [
-        "carries only some partitions of public.outbox",
-        "outbox_p1",
-        &format!("ALTER PUBLICATION {p} ADD TABLE public.outbox"),
-    ] {
-        assert!(
-            run.text().contains(words),
-            "says {words:?}:\n{}",
-            run.text()
-        );
-    }
-    let setup = app::relay_command(&stack, &stack.orders_admin_url, &["setup"], &[]).await?;
-    assert!(setup.success(), "{}", setup.text());
-    assert!(
-        setup.text().contains("added: public.outbox"),
-        "{}",
-        setup.text()
-    );
-    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
-    app::wait_streaming(&relay).await?;
-    // Ids are random: insert until both partitions hold an event.
-    for _ in 0..64 {
-        app::insert_order_event(&admin).await?;
-        let partitions: i64 = admin
-            .query_one("SELECT count(DISTINCT tableoid) FROM outbox", &[])
-            .await?
-            .get(0);
-        if partitions == 2 {
-            break;
-        }
-    }
-    let n: i64 = admin
-        .query_one("SELECT count(*) FROM outbox", &[])
-        .await?
-        .get(0);
-    assert_balanced_at_sink(&stack, &admin, &sink, usize::try_from(n)?).await
 }
 
 /// A row filter added to the only publication while streaming: the

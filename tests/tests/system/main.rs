@@ -80,6 +80,7 @@ mod listeners;
 mod observability;
 mod oracle;
 mod parking;
+mod partitions;
 mod persistence;
 mod pg_tls;
 mod pooler;

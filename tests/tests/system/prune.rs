@@ -379,7 +379,8 @@ async fn an_old_delivered_partition_is_detached_and_dropped() -> anyhow::Result<
              CREATE TABLE outbox_current PARTITION OF outbox \
                FOR VALUES FROM ('2021-01-01 00:00+00') TO ('2200-01-01 00:00+00'); \
              GRANT SELECT, INSERT ON outbox TO orders_app; GRANT SELECT ON outbox TO cdc_relay; \
-             ALTER PUBLICATION {p} ADD TABLE outbox",
+             ALTER PUBLICATION {p} ADD TABLE outbox; \
+             ALTER PUBLICATION {p} SET (publish_via_partition_root = true)",
             p = stack.publication
         ))
         .await?;

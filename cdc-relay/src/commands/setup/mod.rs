@@ -165,23 +165,29 @@ async fn check_table(
     Ok(table)
 }
 
-/// Whether `publication` lists `t` at all (with or without a row filter or
-/// column list), or publishes every table.
-async fn publishes_table(
+/// Whether `publication` has `t` as a member at all (listed, with or
+/// without a row filter or column list; through its schema; or every
+/// table), and whether it publishes via the partition root.
+async fn membership_of(
     client: &Client,
     publication: &str,
     t: &TableName,
-) -> Result<bool, SourceError> {
+) -> Result<(bool, bool), SourceError> {
     let row = client
         .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables \
-                            WHERE pubname = $1 AND schemaname = $2 AND tablename = $3) \
-                 OR EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1 AND puballtables)",
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_rel pr \
+                            WHERE pr.prpubid = p.oid AND pr.prrelid = c.oid) \
+                 OR EXISTS (SELECT 1 FROM pg_publication_namespace pn \
+                            WHERE pn.pnpubid = p.oid AND pn.pnnspid = c.relnamespace) \
+                 OR p.puballtables, \
+                    p.pubviaroot \
+             FROM pg_publication p, pg_class c \
+             WHERE p.pubname = $1 AND c.oid = to_regclass(format('%I.%I', $2::text, $3::text))",
             &[&publication, &t.schema, &t.name],
         )
         .await
         .map_err(|e| SourceError::sql("reading the publication's tables", &e))?;
-    Ok(row.get(0))
+    Ok((row.get(0), row.get(1)))
 }
 
 /// Creates the publication unless it exists; returns whether it created it.
@@ -202,10 +208,12 @@ async fn ensure_publication(
         let publications = std::slice::from_ref(&plan.publication);
         let mut m =
             catalog::membership(client, publications, t, &plan.columns.names(), None).await?;
-        if ins && !m.included() && !publishes_table(client, &plan.publication, t).await? {
+        let (member, via_root) = membership_of(client, &plan.publication, t).await?;
+        if ins && !m.included() && !member {
             // The table left the publication (ALTER PUBLICATION ... DROP
-            // TABLE, or it was dropped and created again): put it back, as
-            // the relay's and status's messages say setup does.
+            // TABLE, or it was dropped and created again), or only some of
+            // its partitions are listed: put it back, as the relay's and
+            // status's messages say setup does.
             let stmt = format!(
                 "ALTER PUBLICATION {} ADD TABLE {}",
                 catalog::quote_ident(&plan.publication),
@@ -217,6 +225,23 @@ async fn ensure_publication(
                 .map_err(|e| SourceError::sql("adding the table to the publication", &e))?;
             report.push(format!(
                 "added: {t} to publication {:?} (inserts committed while it was out were not streamed: re-send them with `cdc-relay backfill --since <when it left> --until <now>`; a running relay logs the exact command)",
+                plan.publication
+            ));
+            m = catalog::membership(client, publications, t, &plan.columns.names(), None).await?;
+        }
+        if ins && !m.included() && partitioned && !via_root {
+            // The partitions stream under their own names: the relay reads
+            // a partitioned outbox only through its root.
+            let stmt = format!(
+                "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
+                catalog::quote_ident(&plan.publication)
+            );
+            client
+                .batch_execute(&stmt)
+                .await
+                .map_err(|e| SourceError::sql("publishing via the partition root", &e))?;
+            report.push(format!(
+                "set: publish_via_partition_root = true on publication {:?} ({t} is partitioned: the relay reads it through its root; a running relay reports what it could not read meanwhile, with the backfill to run)",
                 plan.publication
             ));
             m = catalog::membership(client, publications, t, &plan.columns.names(), None).await?;

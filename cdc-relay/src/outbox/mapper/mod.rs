@@ -165,13 +165,6 @@ impl OutboxMapper {
         }
     }
 
-    /// Adopts `rel` as the outbox too: a partition of the outbox streamed
-    /// under its own name (`publish_via_partition_root = false`), whose
-    /// columns are the outbox's.
-    pub fn adopt(&mut self, rel: &Relation) {
-        self.outbox.insert(rel.oid, self.resolve(rel));
-    }
-
     /// Seeds what the outbox (`start_oid`) looks like in the catalog now:
     /// its columns as pgoutput sends them (name and type OID, in attnum
     /// order, dropped and generated columns left out). The WAL may describe

@@ -1,7 +1,7 @@
 //! Whether the outbox is in its publications, as the catalog says now:
-//! which publications carry its inserts completely (every partition of a
-//! partitioned outbox, through the root or each leaf), and why the others
-//! do not. (Watching it change over time is `source::membership`.)
+//! which publications carry its inserts completely (a partitioned outbox
+//! through its root), and why the others do not. (Watching it change over
+//! time is `source::membership`.)
 
 use tokio_postgres::Client;
 
@@ -13,12 +13,15 @@ use crate::outbox::TableName;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Membership {
     /// The publications that carry the outbox's inserts completely
-    /// (inserts published, every leaf partition listed or under a listed
-    /// ancestor, no row filter, no column list leaving out a configured
-    /// column), each as a token of its identity: name, OID,
-    /// `publish_via_partition_root`, `FOR ALL TABLES`, the OIDs of its
-    /// `pg_publication_rel` / `pg_publication_namespace` rows for the table,
-    /// and its row's `xmin` (changed by any `ALTER PUBLICATION`).
+    /// (inserts published; the table itself streamed under its own OID,
+    /// a partitioned one through its root with
+    /// `publish_via_partition_root`; no row filter; no column list leaving
+    /// out a configured column), each as a token of its identity:
+    /// `name:OID:via_root:all_tables:rel_rows:namespace_rows:xmin` — the
+    /// OIDs of its `pg_publication_rel` rows for the table and its
+    /// partitions and of its `pg_publication_namespace` rows (each list
+    /// comma-separated), and its row's `xmin` (changed by any `ALTER
+    /// PUBLICATION … SET`, `OWNER TO` or `RENAME`).
     /// Empty: the outbox's inserts are not (all) streamed.
     pub carriers: Vec<String>,
     /// The relation OID `--table` names now.
@@ -68,7 +71,11 @@ struct Carrier<'a> {
     name: &'a str,
     oid: &'a str,
     via_root: &'a str,
-    rest: [&'a str; 3],
+    all_tables: &'a str,
+    /// `pg_publication_rel` row OIDs for the table (and its partitions).
+    rel: Vec<&'a str>,
+    /// `pg_publication_namespace` row OIDs of the publication.
+    ns: Vec<&'a str>,
     xmin: Option<&'a str>,
 }
 
@@ -83,14 +90,35 @@ impl<'a> Carrier<'a> {
             6 => (None, &fields[..]),
             _ => return None,
         };
+        let oids = |list: &'a str| list.split(',').filter(|o| !o.is_empty()).collect();
         // f, right to left: namespaces, rel rows, all tables, via root, OID, name.
         Some(Carrier {
             name: f[5],
             oid: f[4],
             via_root: f[3],
-            rest: [f[2], f[1], f[0]],
+            all_tables: f[2],
+            rel: oids(f[1]),
+            ns: oids(f[0]),
             xmin,
         })
+    }
+
+    /// Whether this reading's state of the publication carried the outbox
+    /// all along since `earlier`: the same publication (OID), options
+    /// unchanged (its row's `xmin`: any `ALTER PUBLICATION … SET`, `OWNER
+    /// TO` or `RENAME` changes it, and `SET (publish = …)` out and back
+    /// leaves nothing else to see), and every listing it had then still
+    /// there (a `pg_publication_rel` or `pg_publication_namespace` row
+    /// dropped and added back has a new OID). Tables or schemas added
+    /// beside the outbox's listing change nothing.
+    fn continues(&self, earlier: &Carrier<'_>) -> bool {
+        self.name == earlier.name
+            && self.oid == earlier.oid
+            && self.via_root == earlier.via_root
+            && self.all_tables == earlier.all_tables
+            && (self.xmin == earlier.xmin || self.xmin.is_none() || earlier.xmin.is_none())
+            && earlier.rel.iter().all(|r| self.rel.contains(r))
+            && earlier.ns.iter().all(|n| self.ns.contains(n))
     }
 }
 
@@ -117,7 +145,7 @@ pub fn what_changed(before: &[String], now: &[String]) -> String {
             };
             if n.oid != b.oid {
                 format!("publication {name} was dropped and created again")
-            } else if n.rest != b.rest {
+            } else if n.all_tables != b.all_tables || !b.rel.iter().all(|r| n.rel.contains(r)) || !b.ns.iter().all(|x| n.ns.contains(x)) {
                 format!(
                     "the outbox (or its schema) left publication {name} and was added back"
                 )
@@ -153,18 +181,13 @@ pub fn what_changed(before: &[String], now: &[String]) -> String {
     said
 }
 
-/// Whether two carrier tokens name the same publication state. The last
-/// field is the publication row's `xmin`: any `ALTER PUBLICATION` of a
-/// carrier (`SET (publish = …)` out and back faster than one reading, say)
-/// changes it. A token recorded by an earlier version has no such field:
-/// the fields both have are compared.
-fn same_carrier(a: &str, b: &str) -> bool {
-    let (na, nb) = (a.split(':').count(), b.split(':').count());
-    if na == nb {
-        return a == b;
+/// Whether the carrier token `now` continues `earlier`
+/// ([`Carrier::continues`]); tokens of another shape must be equal.
+fn same_carrier(now: &str, earlier: &str) -> bool {
+    match (Carrier::parse(now), Carrier::parse(earlier)) {
+        (Some(n), Some(e)) => n.continues(&e),
+        _ => now == earlier,
     }
-    let n = na.min(nb);
-    a.split(':').take(n).eq(b.split(':').take(n))
 }
 
 /// The membership part of the monitor's statement: `$2` publications, `$3`
@@ -180,27 +203,15 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
          p AS (SELECT oid, xmin::text AS pxmin, pubname, puballtables, pubinsert, pubviaroot \
                FROM pg_publication \
                WHERE pubname = ANY($2)), \
-         leaves AS (SELECT relid FROM pg_partition_tree((SELECT oid FROM t)) WHERE isleaf \
-                    UNION ALL SELECT oid FROM t \
-                    WHERE NOT EXISTS (SELECT 1 FROM pg_partition_tree((SELECT oid FROM t)))), \
          listed AS (SELECT p.oid, p.pxmin, p.pubname, p.pubinsert, p.pubviaroot, p.puballtables, \
                            pt.rowfilter, pt.attnames, pc.oid AS reloid \
                     FROM p JOIN pg_publication_tables pt ON pt.pubname = p.pubname \
                     JOIN pg_namespace pn ON pn.nspname = pt.schemaname \
                     JOIN pg_class pc ON pc.relnamespace = pn.oid AND pc.relname = pt.tablename, t \
                     WHERE coalesce(pg_partition_root(pc.oid), pc.oid)::oid = t.oid), \
-         unlisted AS (SELECT l.oid AS pubid, lf.relid FROM (SELECT DISTINCT oid FROM listed) l, leaves lf \
-                      EXCEPT SELECT oid, reloid FROM listed), \
-         uncovered AS (SELECT u.pubid, count(*) AS n, \
-                              array_to_string((array_agg(u.relid::regclass::text \
-                                               ORDER BY u.relid::regclass::text))[1:3], ', ') AS names \
-                       FROM unlisted u \
-                       WHERE NOT EXISTS (SELECT 1 FROM pg_partition_ancestors(u.relid) a \
-                                         JOIN listed l2 ON l2.reloid = a.relid WHERE l2.oid = u.pubid) \
-                       GROUP BY u.pubid), \
          carriers AS (SELECT DISTINCT oid, pxmin, pubname, pubviaroot, puballtables FROM listed \
                       WHERE pubinsert AND rowfilter IS NOT DISTINCT FROM $6::text \
-                        AND oid NOT IN (SELECT pubid FROM uncovered) \
+                        AND reloid = (SELECT oid FROM t) \
                         AND (attnames IS NULL OR $5::text[]::name[] <@ attnames)) \
     SELECT pg_current_wal_lsn()::text, \
            to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US+00'), \
@@ -220,10 +231,10 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
                      WHEN NOT l.pubinsert THEN 'does not publish inserts: ALTER PUBLICATION ' || quote_ident(l.pubname) || ' SET (publish = ''insert'')' \
                      WHEN $6::text IS NULL AND l.rowfilter IS NOT NULL THEN 'has a row filter (WHERE ' || l.rowfilter || '): drop it, the relay needs every row (BEGIN; ALTER PUBLICATION ' || quote_ident(l.pubname) || ' DROP TABLE ' || format('%I.%I', $3::text, $4::text) || '; ALTER PUBLICATION ' || quote_ident(l.pubname) || ' ADD TABLE ' || format('%I.%I', $3::text, $4::text) || '; COMMIT)' \
                      WHEN l.rowfilter IS DISTINCT FROM $6::text THEN 'has ' || coalesce('the row filter (WHERE ' || l.rowfilter || ')', 'no row filter') || ', not this shard''s (WHERE ' || $6::text || '): run `cdc-relay setup --shards`' \
-                     WHEN u.n IS NOT NULL THEN 'carries only some partitions of ' || format('%I.%I', $3::text, $4::text) || ', not ' || u.n || ' of them (' || u.names || CASE WHEN u.n > 3 THEN ', …' ELSE '' END || '): their inserts would never be streamed; publish the partitioned table itself, which carries every partition, present and future: ALTER PUBLICATION ' || quote_ident(l.pubname) || ' ADD TABLE ' || format('%I.%I', $3::text, $4::text) \
+                     WHEN l.reloid <> (SELECT oid FROM t) THEN 'carries partitions of ' || format('%I.%I', $3::text, $4::text) || ' under their own names (' || (SELECT string_agg(l2.reloid::regclass::text, ', ' ORDER BY l2.reloid::regclass::text) FROM (SELECT DISTINCT reloid FROM listed l3 WHERE l3.oid = l.oid LIMIT 3) l2) || '), not the table through its root: the relay reads a partitioned outbox only through its root, where every partition, present, future or detached later, is what it was when the row was written. ' || CASE WHEN NOT l.pubviaroot AND (l.puballtables OR EXISTS (SELECT 1 FROM pg_publication_rel pr, t WHERE pr.prpubid = l.oid AND pr.prrelid = t.oid) OR EXISTS (SELECT 1 FROM pg_publication_namespace pn, pg_class c, t WHERE pn.pnpubid = l.oid AND c.oid = t.oid AND pn.pnnspid = c.relnamespace)) THEN 'ALTER PUBLICATION ' || quote_ident(l.pubname) || ' SET (publish_via_partition_root = true)' WHEN NOT l.pubviaroot THEN 'ALTER PUBLICATION ' || quote_ident(l.pubname) || ' ADD TABLE ' || format('%I.%I', $3::text, $4::text) || '; ALTER PUBLICATION ' || quote_ident(l.pubname) || ' SET (publish_via_partition_root = true)' ELSE 'ALTER PUBLICATION ' || quote_ident(l.pubname) || ' ADD TABLE ' || format('%I.%I', $3::text, $4::text) END || ' (or run `cdc-relay setup`)' \
                      WHEN missing.names IS NOT NULL THEN 'cannot carry ' || missing.names || ': ' || format('%I.%I', $3::text, $4::text) || ' has no such column any more (fix the table, or the column flag that names it)' \
                      ELSE 'has a column list leaving out a column the relay reads: drop the list' END, '; ') \
-            FROM listed l LEFT JOIN uncovered u ON u.pubid = l.oid, \
+            FROM listed l, \
                  (SELECT string_agg(quote_ident(c), ', ') AS names FROM unnest($5::text[]) c \
                   WHERE NOT EXISTS (SELECT 1 FROM pg_attribute a, t \
                                     WHERE a.attrelid = t.oid AND a.attname = c AND a.attnum > 0 AND NOT a.attisdropped)) missing \
@@ -343,5 +354,20 @@ mod carrier_tests {
         assert!(same_carrier("p:1:f:f:5::700", "p:1:f:f:5::700"));
         assert!(!same_carrier("p:1:f:f:5::700", "p:1:f:f:5::701"));
         assert!(!same_carrier("p:1:f:f:5:", "p:1:f:f:6::700"));
+    }
+
+    /// A schema or another table added beside the outbox's listing keeps
+    /// it carried (`ADD TABLES IN SCHEMA` changes no `xmin`); a listing
+    /// dropped, even with another left, does not.
+    #[test]
+    fn listings_added_beside_the_outbox_continue_it() {
+        // now, earlier
+        assert!(same_carrier("p:1:t:f:5:9:700", "p:1:t:f:5::700"));
+        assert!(same_carrier("p:1:t:f:5,6:9:700", "p:1:t:f:5::700"));
+        assert!(same_carrier("p:1:t:f:5:8,9:700", "p:1:t:f:5:9:700"));
+        assert!(!same_carrier("p:1:t:f:6:9:700", "p:1:t:f:5:9:700"));
+        assert!(!same_carrier("p:1:t:f:5::700", "p:1:t:f:5:9:700"));
+        assert!(!same_carrier("p:1:t:f:5,6::700", "p:1:t:f:5,7::700"));
+        assert!(!same_carrier("p:1:f:f:5::710", "p:1:t:f:5::700"));
     }
 }

@@ -1,0 +1,269 @@
+//! A partitioned outbox: read through its root (`publish_via_partition_root`),
+//! where the server decides with the catalog of each change's time which
+//! rows were the outbox's. A publication that streams the partitions under
+//! their own names, or lists only some of them, carries nothing; a
+//! partition detached later keeps the rows it had, and is not the outbox
+//! after.
+
+use harness::app;
+use harness::sink::ScriptedSink;
+use harness::{Inbox, PgCluster, Scenario, Stack};
+
+use super::identity::{NOTICE, assert_balanced_at_sink, backfill, log_lines_naming, run_once};
+
+/// A partitioned outbox published without `publish_via_partition_root`:
+/// the server streams each insert under its partition's name and OID, and
+/// whether a relation is a partition of the outbox then depends on when one
+/// asks (a partition detached later is not; one attached later was not).
+/// The relay reads a partitioned outbox only through its root, where the
+/// server answers with the catalog of each change's time: `run` refuses
+/// such a publication (exit 3) naming the option, `setup` sets it, and
+/// every partition's event is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_outbox_published_by_leaf_is_refused_until_setup_publishes_it_through_its_root()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox().await?;
+    let p = &stack.publication;
+    refused_until_setup(
+        &stack,
+        &format!("ALTER PUBLICATION {p} SET (publish_via_partition_root = false)"),
+        &[
+            "carries partitions of public.outbox under their own names",
+            &format!("ALTER PUBLICATION {p} SET (publish_via_partition_root = true)"),
+        ],
+        "set: publish_via_partition_root = true",
+    )
+    .await
+}
+
+/// `publish_via_partition_root` turned off while a partitioned outbox
+/// streams: the partitions' inserts then stream under their own names,
+/// which the relay does not read. That is the outbox leaving its
+/// publication: the relay says so and what to set (never "swapped"),
+/// confirms nothing further, and once the option is back the backfill it
+/// names re-sends what was inserted meanwhile: every event arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_via_partition_root_turned_off_is_the_outbox_leaving_its_publication()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox().await?;
+    let s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
+    let p = s.stack.publication.clone();
+    let agg = s.insert_order().await?;
+    let mut events = Vec::new();
+    for i in 0..8 {
+        events.push(
+            s.insert_event(agg, "Before", Some(&format!(r#"{{"i":{i}}}"#)))
+                .await?,
+        );
+    }
+    s.expect_exactly(&events).await?;
+
+    s.db.batch_execute(&format!(
+        "ALTER PUBLICATION {p} SET (publish_via_partition_root = false)"
+    ))
+    .await?;
+    let left = s
+        .relay
+        .process
+        .wait_for_line_where(
+            "an ERROR naming the option to set",
+            |l| {
+                l.contains("ERROR")
+                    && l.contains(&format!(
+                        "ALTER PUBLICATION {p} SET (publish_via_partition_root = true)"
+                    ))
+            },
+            NOTICE,
+        )
+        .await?;
+    eprintln!("{left}");
+    // Random ids: 8 rows land in both hash partitions but for a chance of
+    // 2^-7.
+    for i in 0..8 {
+        s.insert_event(agg, "While", Some(&format!(r#"{{"i":{i}}}"#)))
+            .await?;
+    }
+    s.db.batch_execute(&format!(
+        "ALTER PUBLICATION {p} SET (publish_via_partition_root = true)"
+    ))
+    .await?;
+    let owed = s
+        .relay
+        .process
+        .wait_for_line_where(
+            "an ERROR with the owed gap's backfill",
+            |l| l.contains("ERROR") && l.contains("cdc-relay backfill --since '"),
+            NOTICE,
+        )
+        .await?;
+    let since = owed
+        .split("--since '")
+        .nth(1)
+        .and_then(|rest| rest.split('\'').next())
+        .expect("the message carries --since '<time>'")
+        .to_owned();
+    for i in 0..8 {
+        s.insert_event(agg, "After", Some(&format!(r#"{{"i":{i}}}"#)))
+            .await?;
+    }
+    backfill(&s.stack, &since, &s.sink().url).await?;
+    // Every row of the outbox delivered (the backfill repeats some: the
+    // inbox drops repeats).
+    s.assert_balanced().await?;
+    let swaps = log_lines_naming(&s.relay, "swapped");
+    assert!(swaps.is_empty(), "no swap: {swaps:?}");
+    s.finish().await
+}
+
+/// Applies `change` to a stack whose outbox is published, then: `run`
+/// refuses the publication (exit 3) saying each of `says`; `setup`
+/// succeeds saying `setup_says`; a relay started then delivers an event
+/// of every partition.
+async fn refused_until_setup(
+    stack: &Stack,
+    change: &str,
+    says: &[&str],
+    setup_says: &str,
+) -> anyhow::Result<()> {
+    let admin = stack.orders_admin().await?;
+    admin.batch_execute(change).await?;
+    admin
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&stack.slot],
+        )
+        .await?;
+    let sink = ScriptedSink::start().await?;
+    let run = run_once(stack, &sink).await?;
+    assert_eq!(run.code(), Some(3), "{}", run.text());
+    for words in says {
+        assert!(
+            run.text().contains(words),
+            "says {words:?}:\n{}",
+            run.text()
+        );
+    }
+    let setup = app::relay_command(stack, &stack.orders_admin_url, &["setup"], &[]).await?;
+    assert!(setup.success(), "{}", setup.text());
+    assert!(setup.text().contains(setup_says), "{}", setup.text());
+    let relay = app::start_relay(stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    // Ids are random: insert until both partitions hold an event.
+    for _ in 0..64 {
+        app::insert_order_event(&admin).await?;
+        let partitions: i64 = admin
+            .query_one("SELECT count(DISTINCT tableoid) FROM outbox", &[])
+            .await?
+            .get(0);
+        if partitions == 2 {
+            break;
+        }
+    }
+    let n: i64 = admin
+        .query_one("SELECT count(*) FROM outbox", &[])
+        .await?
+        .get(0);
+    assert_balanced_at_sink(stack, &admin, &sink, usize::try_from(n)?).await
+}
+
+/// A publication that lists some partitions of a partitioned outbox, not
+/// the table itself nor every leaf: the others' inserts would never be
+/// streamed, so it carries nothing. `run` refuses it (exit 3) naming a
+/// partition left out and the statement that fixes it; `setup` adds the
+/// partitioned table, after which every partition's event is delivered.
+/// (It counted as carrying the outbox: a tester's inserts into the other
+/// partitions were never sent while status said healthy.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_of_some_partitions_carries_nothing_until_setup_adds_the_table()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox().await?;
+    let p = &stack.publication;
+    refused_until_setup(
+        &stack,
+        &format!("ALTER PUBLICATION {p} SET TABLE outbox_p0"),
+        &[
+            "carries partitions of public.outbox under their own names (outbox_p0)",
+            &format!("ALTER PUBLICATION {p} ADD TABLE public.outbox"),
+        ],
+        "added: public.outbox",
+    )
+    .await
+}
+
+/// A partition detached while the relay is stopped, with events of it not
+/// yet delivered, then published in its own right (a `TABLES IN SCHEMA`
+/// publication would do the same) and written to directly: the events it
+/// had as a partition are delivered, its later row is not the outbox's and
+/// is not sent, and nothing says "swapped". (Streamed under the partitions'
+/// names, the relay asked the catalog of the moment whether a relation was
+/// a partition of the outbox: after the detach the events were skipped,
+/// and while a session ran the later row was sent.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_detached_keeps_its_events_and_is_not_the_outbox_after() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox().await?;
+    let mut s = Scenario::plan(Inbox::Scripted).on(stack).start().await?;
+    let agg = s.insert_order().await?;
+    let first = s.insert_event(agg, "Streamed", Some(r#"{"i":0}"#)).await?;
+    s.expect_exactly(std::slice::from_ref(&first)).await?;
+    s.stop_relay().await?;
+    // Random ids: insert until the partition to detach holds an event.
+    let mut held = 0;
+    for i in 1..64 {
+        s.insert_event(agg, "BeforeDetach", Some(&format!(r#"{{"i":{i}}}"#)))
+            .await?;
+        held =
+            s.db.query_one("SELECT count(*) FROM outbox_p1", &[])
+                .await?
+                .get::<_, i64>(0);
+        if held > 0 && i >= 4 {
+            break;
+        }
+    }
+    assert!(held > 0, "outbox_p1 holds an event");
+    let p = &s.stack.publication;
+    s.db.batch_execute(&format!(
+        "ALTER TABLE outbox DETACH PARTITION outbox_p1; \
+         ALTER PUBLICATION {p} ADD TABLE outbox_p1; \
+         INSERT INTO outbox_p1 (id, aggregate_id, event_type, payload) \
+           VALUES ('00000000-0000-0000-0000-0000000000b2', gen_random_uuid(), 'NotOutbox', '{{}}')"
+    ))
+    .await?;
+    s.restart_relay(&[]).await?;
+    // Every row still in the outbox and every row outbox_p1 had before the
+    // detach (all of the events), and not the row written after it.
+    let n: i64 =
+        s.db.query_one(
+            "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM outbox_p1) - 1",
+            &[],
+        )
+        .await?
+        .get(0);
+    let n = usize::try_from(n)?;
+    harness::wait_until(&format!("{n} events delivered"), NOTICE, || async {
+        s.sink().delivered().len() >= n
+    })
+    .await?;
+    s.settle().await?;
+    let ids: Vec<String> = s
+        .sink()
+        .delivered()
+        .iter()
+        .map(|r| r.id().to_string())
+        .collect();
+    assert!(
+        !ids.iter()
+            .any(|i| i == "00000000-0000-0000-0000-0000000000b2"),
+        "the detached table's own row is not sent: {ids:?}"
+    );
+    let mut unique = ids.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), n, "every event once or more: {ids:?}");
+    let swaps = log_lines_naming(&s.relay, "swapped");
+    assert!(swaps.is_empty(), "no swap: {swaps:?}");
+    s.finish().await
+}
