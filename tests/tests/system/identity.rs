@@ -607,6 +607,62 @@ pub(super) async fn assert_balanced_at_sink(
     Ok(())
 }
 
+/// A schema added to the carrying publication beside the outbox's own
+/// listing (`ADD TABLES IN SCHEMA` writes no row of `pg_publication`) keeps
+/// the outbox carried: the relay records the new listing and reports no
+/// gap. Setting an option, even to its value, is a possible gap (the
+/// catalog cannot tell it from `publish` off and back), named as such.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_added_beside_the_outbox_is_no_gap_and_an_altered_publication_is_named()
+-> anyhow::Result<()> {
+    let s = Scenario::plan(Inbox::Scripted)
+        .relay_args(&["--slot-stats-interval", "1s"])
+        .start()
+        .await?;
+    let recorded = || async {
+        let row =
+            s.db.query_opt(
+                "SELECT membership_carriers::text FROM cdc_relay_progress WHERE slot_name = $1",
+                &[&s.stack.slot],
+            )
+            .await?;
+        anyhow::Ok(row.and_then(|r| r.get::<_, Option<String>>(0)))
+    };
+    wait_until("the membership recorded", NOTICE, || async {
+        Ok(recorded().await?.is_some())
+    })
+    .await?;
+    let before = recorded().await?;
+    let p = &s.stack.publication;
+    s.db.batch_execute(&format!(
+        "ALTER PUBLICATION {p} ADD TABLES IN SCHEMA public"
+    ))
+    .await?;
+    wait_until("the new listing recorded", NOTICE, || async {
+        Ok(recorded().await? != before)
+    })
+    .await?;
+    assert_eq!(s.relay.metrics().await?.sum(GAPS), 0.0, "no gap");
+
+    s.db.batch_execute(&format!("ALTER PUBLICATION {p} SET (publish = 'insert')"))
+        .await?;
+    let gap = s
+        .relay
+        .process
+        .wait_for_line_where(
+            "an ERROR naming the altered publication",
+            |l| l.contains("ERROR") && l.contains("membership changed"),
+            NOTICE,
+        )
+        .await?;
+    assert!(
+        gap.contains(&format!("publication {p} was altered")),
+        "{gap}"
+    );
+    assert_eq!(s.relay.metrics().await?.sum(GAPS), 1.0, "one gap");
+    s.finish().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_publications_carrying_the_outbox_stream_each_event_once() -> anyhow::Result<()> {
     let mut stack = PgCluster::shared().create_stack().await?;
