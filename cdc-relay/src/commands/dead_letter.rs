@@ -82,7 +82,11 @@ enum Selection {
 impl Selection {
     fn new(ids: Vec<i64>, all: bool, filter: Filter) -> anyhow::Result<Self> {
         match (ids.is_empty(), all || !filter.is_empty()) {
-            (false, false) => Ok(Self::Ids(ids)),
+            // An id given twice is one row (its first place kept).
+            (false, false) => {
+                let mut seen = std::collections::HashSet::new();
+                Ok(Self::Ids(ids.into_iter().filter(|i| seen.insert(*i)).collect()))
+            }
             (true, true) => Ok(Self::Filtered(filter)),
             (false, true) => Err(ConfigError(
                 "give row ids or filters (--all, --type, ...), not both".into(),
@@ -400,6 +404,17 @@ async fn discard(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `discard 1 1` said row 1 did not exist (the second visit found it
+    /// taken): an id given twice is one row.
+    #[test]
+    fn an_id_given_twice_selects_its_row_once() {
+        let Ok(Selection::Ids(ids)) = Selection::new(vec![3, 1, 3, 2, 1], false, Filter::default())
+        else {
+            panic!("ids")
+        };
+        assert_eq!(ids, [3, 1, 2]);
+    }
 
     #[test]
     fn ages_read_at_a_glance() {

@@ -504,9 +504,9 @@ fn report_membership(
         Change::Back { since, until } => tracing::warn!(
             table = %table, publications = %pubs,
             "the outbox {table} is in publication {pubs} again; acknowledging resumes. Inserts \
-             between {since} and {until} were not streamed: the backfill that re-sends them \
-             (from --backfill-margin earlier) follows; /readyz fails until one covering that \
-             window completes"
+             between {since} and {until} were not streamed: the next line gives the backfill \
+             command that re-sends them (from --backfill-margin earlier); /readyz fails until a \
+             backfill covering that window completes"
         ),
         Change::Gap {
             since,
@@ -522,7 +522,7 @@ fn report_membership(
                 if out.heal.is_some() {
                     "The relay re-sends them from the table now (--on-gap backfill)".to_owned()
                 } else {
-                    "The backfill that re-sends them (from --backfill-margin earlier) follows; /readyz fails until one covering that window completes".to_owned()
+                    "The next line gives the backfill command that re-sends them (from --backfill-margin earlier); /readyz fails until a backfill covering that window completes".to_owned()
                 }
             );
         }

@@ -265,7 +265,7 @@ impl std::fmt::Display for OwedGap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "outbox rows inserted between {} and {} (a publication gap; the start is --backfill-margin early) were not streamed, or may not have been, and no backfill has re-sent them: run `{}` (this clears once a backfill covering that window completes)",
+            "outbox rows inserted between {} and {} (a publication gap; the start is --backfill-margin early) were not streamed, or may not have been, and no backfill has re-sent them: run `{}` with the relay's database and sink settings (its flags, or the same CDC_RELAY_* environment); this clears once a backfill covering that window completes",
             self.since,
             self.until,
             self.backfill_command()

@@ -49,6 +49,14 @@ pub(super) fn transport_detail(e: &hyper::Error) -> String {
              most often a response head larger than it reads (about 400 KiB of header fields), so its status is unknown; \
              check what adds headers in front of the sink"
         )
+    } else if e.is_parse() && chain.contains("invalid HTTP version") {
+        // What hyper's HTTP/1.1 reader says of an answer that is not
+        // HTTP/1.x: most often an HTTP/2 server's first frame.
+        format!(
+            "{chain}: the sink did not answer in HTTP/1.1 (an HTTP/2-only, h2c, server?). Over http:// the relay \
+             speaks HTTP/1.1; it speaks HTTP/2 over https:// with a sink that offers it (ALPN): enable HTTP/1.1 on \
+             the sink, or serve it over TLS"
+        )
     } else {
         chain
     }

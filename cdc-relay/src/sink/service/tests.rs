@@ -369,6 +369,27 @@ fn a_rustls_error_however_wrapped_is_tls_and_a_refusal_is_not() {
     assert!(!source_is_tls(&std::io::Error::other(refused)));
 }
 
+/// An HTTP/2-only (h2c) sink answers a request with its SETTINGS frame:
+/// a transport failure that says what the sink speaks and what to change.
+#[tokio::test]
+async fn an_answer_that_is_not_http1_names_an_http2_only_sink() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (addr, _) = listener(|_, mut sock| async move {
+        let mut buf = [0u8; 4096];
+        let _ = sock.read(&mut buf).await;
+        // An empty SETTINGS frame (RFC 9113 §6.5), then nothing.
+        let _ = sock.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await;
+        let _ = sock.read(&mut buf).await;
+    })
+    .await;
+    let s = sink(&format!("http://{addr}/inbox"), Duration::from_secs(5));
+    let got = s.post("e", &prepared(&s), None).await;
+    let Attempt::Transport(detail) = &got else {
+        panic!("a transport failure: {got:?}")
+    };
+    assert!(detail.contains("HTTP/2-only, h2c"), "{detail}");
+}
+
 /// A listener whose `n`th connection (from 1) `serve` is given; it counts
 /// the connections it accepted (each counted before it is served).
 async fn listener<F, Fut>(serve: F) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>)
