@@ -731,6 +731,24 @@ async fn other_published_tables_are_counted_and_logged_once() -> anyhow::Result<
 
 /// The relay's log lines at INFO or above (what an operator sees by
 /// default; the tests run it at debug) that contain `words`.
+/// Waits for the owed gap's ERROR and returns its backfill's `--since`.
+pub(super) async fn owed_gap_since(relay: &Running) -> anyhow::Result<String> {
+    let owed = relay
+        .process
+        .wait_for_line_where(
+            "an ERROR with the owed gap's backfill",
+            |l| l.contains("ERROR") && l.contains("cdc-relay backfill --since '"),
+            NOTICE,
+        )
+        .await?;
+    Ok(owed
+        .split("--since '")
+        .nth(1)
+        .and_then(|rest| rest.split('\'').next())
+        .expect("the message carries --since '<time>'")
+        .to_owned())
+}
+
 pub(super) fn log_lines_naming(relay: &Running, words: &str) -> Vec<String> {
     relay
         .process
@@ -856,21 +874,7 @@ async fn membership_change_while_the_relay_is_stopped_is_reported_at_the_next_st
     eprintln!("{error}");
     assert_eq!(s.relay.metrics().await?.sum(GAPS), 1.0, "one gap counted");
     // The owed gap follows, with the backfill that re-sends it.
-    let owed = s
-        .relay
-        .process
-        .wait_for_line_where(
-            "an ERROR with the owed gap's backfill",
-            |l| l.contains("ERROR") && l.contains("cdc-relay backfill --since '"),
-            NOTICE,
-        )
-        .await?;
-    let since = owed
-        .split("--since '")
-        .nth(1)
-        .and_then(|rest| rest.split('\'').next())
-        .expect("the message carries --since '<time>'")
-        .to_owned();
+    let since = owed_gap_since(&s.relay).await?;
     let ledger = Ledger::read(&s.stack).await?;
     assert_eq!(
         ledger.lost, 1,

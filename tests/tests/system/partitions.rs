@@ -9,7 +9,9 @@ use harness::app;
 use harness::sink::ScriptedSink;
 use harness::{Inbox, PgCluster, Scenario, Stack};
 
-use super::identity::{NOTICE, assert_balanced_at_sink, backfill, log_lines_naming, run_once};
+use super::identity::{
+    NOTICE, assert_balanced_at_sink, backfill, log_lines_naming, owed_gap_since, run_once,
+};
 
 /// A partitioned outbox published without `publish_via_partition_root`:
 /// the server streams each insert under its partition's name and OID, and
@@ -89,21 +91,7 @@ async fn publish_via_partition_root_turned_off_is_the_outbox_leaving_its_publica
         "ALTER PUBLICATION {p} SET (publish_via_partition_root = true)"
     ))
     .await?;
-    let owed = s
-        .relay
-        .process
-        .wait_for_line_where(
-            "an ERROR with the owed gap's backfill",
-            |l| l.contains("ERROR") && l.contains("cdc-relay backfill --since '"),
-            NOTICE,
-        )
-        .await?;
-    let since = owed
-        .split("--since '")
-        .nth(1)
-        .and_then(|rest| rest.split('\'').next())
-        .expect("the message carries --since '<time>'")
-        .to_owned();
+    let since = owed_gap_since(&s.relay).await?;
     for i in 0..8 {
         s.insert_event(agg, "After", Some(&format!(r#"{{"i":{i}}}"#)))
             .await?;
