@@ -45,7 +45,7 @@ impl Membership {
     /// have carried the outbox all along: no carrier is the same at both
     /// readings, or the table is another relation now. (A change in one of
     /// several publications while another carries it throughout is no gap.)
-    /// `Some`: what changed, in words for the operator (see [`what_changed`]).
+    /// `Some`: what changed, in words for the operator (`what_changed`).
     pub fn gap_since(&self, earlier: &Membership) -> Option<String> {
         if self.table_oid != earlier.table_oid {
             return Some(format!(
