@@ -33,9 +33,15 @@ BEGIN
         ALTER PUBLICATION cdc_relay_outbox SET (publish = 'insert');
     END IF;
 
+    -- A member already: listed, through its schema, or every table.
     IF NOT EXISTS (
-        SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
-        WHERE p.pubname = 'cdc_relay_outbox' AND pr.prrelid = 'public.outbox'::regclass
+        SELECT 1 FROM pg_publication p
+        WHERE p.pubname = 'cdc_relay_outbox'
+          AND (p.puballtables
+               OR EXISTS (SELECT 1 FROM pg_publication_rel pr
+                          WHERE pr.prpubid = p.oid AND pr.prrelid = 'public.outbox'::regclass)
+               OR EXISTS (SELECT 1 FROM pg_publication_namespace pn
+                          WHERE pn.pnpubid = p.oid AND pn.pnnspid = 'public'::regnamespace))
     ) THEN
         ALTER PUBLICATION cdc_relay_outbox ADD TABLE public.outbox;
     END IF;

@@ -307,7 +307,7 @@ impl Stream {
                         "the outbox's column {configured:?} is named {now:?} here (renamed; same position and type): following it"
                     );
                 }
-                self.relation(kind).await?;
+                self.relation(kind, &rel).await?;
                 if !self.mapper.lacking(rel.oid).is_empty() {
                     self.past_shape(&rel).await?;
                 }
@@ -346,17 +346,34 @@ impl Stream {
     /// relation that is (or was) the outbox is checked against the catalog:
     /// an older name in the WAL is fine; a rename away from `--table` stops
     /// the session before anything of it is acknowledged.
-    async fn relation(&mut self, kind: RelationKind) -> Result<(), StreamError> {
+    async fn relation(&mut self, kind: RelationKind, rel: &Relation) -> Result<(), StreamError> {
         let table = self.mapper.table().to_string();
         match kind {
             RelationKind::Outbox => Ok(()),
             // Another table, or a partition of the outbox streamed under
-            // its own name: the relay reads a partitioned outbox only
+            // its own name. The relay reads a partitioned outbox only
             // through its root (`publish_via_partition_root`), where the
             // server decides with the catalog of each change's time which
-            // rows were the outbox's. Such a publication does not carry the
-            // outbox (the membership check says so, and holds the slot).
-            RelationKind::Other => Ok(()),
+            // rows were the outbox's; a publication without it does not
+            // carry the outbox (the membership check says so and holds the
+            // slot). Rows streamed that way (written while it was off, or
+            // before an upgrade) may be events: a relation that is a
+            // partition of the outbox now is set aside, its rows
+            // dead-lettered, never sent and never dropped.
+            RelationKind::Other => {
+                let root = catalog::partition_root(&self.side, rel.oid.0).await?;
+                if root.is_some_and(|r| r != rel.oid.0 && self.mapper.is_outbox(RelationId(r))) {
+                    let partition = format!("{}.{}", rel.namespace, rel.name);
+                    if !self.mapper.is_aside(rel.oid) {
+                        tracing::warn!(table = %table, partition = %partition, "{partition}, a partition of {table}, streams under its own name: these rows were written while the publication did not publish via the partition root. Whether each was an outbox row then cannot be told, so each is dead-lettered, not sent: check them (cdc-relay dead-letter list --reason 'partition root') and replay or discard them");
+                    }
+                    self.mapper.set_aside(
+                        rel,
+                        format!("streamed under the name of {partition} (a partition of {table} now), not through the root: written while the publication did not publish via the partition root; replay it if it is an event"),
+                    );
+                }
+                Ok(())
+            }
             RelationKind::NewOutbox { oid } => {
                 tracing::warn!(table = %table, oid, "{table} is a new relation (OID {oid}): dropped and recreated, or swapped; its inserts are delivered");
                 Ok(())

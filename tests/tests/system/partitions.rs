@@ -255,3 +255,81 @@ async fn a_partition_detached_keeps_its_events_and_is_not_the_outbox_after() -> 
     assert!(swaps.is_empty(), "no swap: {swaps:?}");
     s.finish().await
 }
+
+/// Rows of a partitioned outbox written while its publication did not
+/// publish via the partition root, before any relay ran (the previous
+/// `sql/publication.sql` made it so): the stream carries them under the
+/// partitions' names. Once the option is set and the relay runs, each is
+/// dead-lettered with the cause (never sent as an event, never dropped),
+/// and `dead-letter replay --reason 'partition root'` delivers them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_streamed_under_partition_names_are_dead_lettered_not_dropped() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox().await?;
+    let admin = stack.orders_admin().await?;
+    let p = &stack.publication;
+    admin
+        .batch_execute(&format!(
+            "ALTER PUBLICATION {p} SET (publish_via_partition_root = false)"
+        ))
+        .await?;
+    admin
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&stack.slot],
+        )
+        .await?;
+    // Random ids: insert until both partitions hold a row.
+    for _ in 0..64 {
+        app::insert_order_event(&admin).await?;
+        let partitions: i64 = admin
+            .query_one("SELECT count(DISTINCT tableoid) FROM outbox", &[])
+            .await?
+            .get(0);
+        if partitions == 2 {
+            break;
+        }
+    }
+    let written: i64 = admin
+        .query_one("SELECT count(*) FROM outbox", &[])
+        .await?
+        .get(0);
+    admin
+        .batch_execute(&format!(
+            "ALTER PUBLICATION {p} SET (publish_via_partition_root = true)"
+        ))
+        .await?;
+    let sink = ScriptedSink::start().await?;
+    let relay = app::start_relay(&stack, &sink.url, &[]).await?;
+    app::wait_streaming(&relay).await?;
+    harness::wait_until(&format!("{written} rows dead-lettered"), NOTICE, || async {
+        let n: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM cdc_relay_dead_letter WHERE error LIKE '%partition root%'",
+                &[],
+            )
+            .await?
+            .get(0);
+        anyhow::Ok(n == written)
+    })
+    .await?;
+    assert!(sink.received().is_empty(), "none sent as an event");
+    relay
+        .process
+        .wait_for_line_where(
+            "a WARN naming the partition set aside",
+            |l| l.contains("WARN") && l.contains("streams under its own name"),
+            NOTICE,
+        )
+        .await?;
+    let out = crate::sink_failures::cli(
+        &stack,
+        &["dead-letter", "replay", "--reason", "partition root"],
+        &sink.url,
+    )
+    .await?;
+    assert!(out.success(), "{}", out.text());
+    let ids: std::collections::BTreeSet<String> = sink.received().iter().map(|r| r.id()).collect();
+    assert_eq!(ids.len(), usize::try_from(written)?, "every row replayed");
+    Ok(())
+}

@@ -108,6 +108,10 @@ pub struct OutboxMapper {
     outbox: HashMap<RelationId, Shape>,
     /// Every relation described in this session, by OID: `schema.name`.
     names: HashMap<RelationId, String>,
+    /// Partitions of the outbox streamed under their own names
+    /// ([`OutboxMapper::set_aside`]): their layout, and why their rows are
+    /// dead-lettered rather than sent.
+    aside: HashMap<RelationId, (Shape, String)>,
 }
 
 impl OutboxMapper {
@@ -121,6 +125,7 @@ impl OutboxMapper {
             start_oid: start_oid.map(RelationId),
             outbox: HashMap::new(),
             names: HashMap::new(),
+            aside: HashMap::new(),
         }
     }
 
@@ -137,6 +142,23 @@ impl OutboxMapper {
     /// Whether `oid` is or was the outbox in this session.
     pub fn is_outbox(&self, oid: RelationId) -> bool {
         self.outbox.contains_key(&oid) || self.start_oid == Some(oid)
+    }
+
+    /// Sets `rel` aside: a relation the stream describes under its own
+    /// name that is a partition of the outbox now (written while the
+    /// publication did not publish via the partition root). Whether a row
+    /// of it was the outbox's when written cannot be told from here, so
+    /// each becomes an unreadable row (dead-lettered with its columns and
+    /// `problem`), never an event and never dropped. It stays another
+    /// relation for everything else.
+    pub fn set_aside(&mut self, rel: &Relation, problem: String) {
+        let shape = self.resolve(rel);
+        self.aside.insert(rel.oid, (shape, problem));
+    }
+
+    /// Whether `oid` was set aside ([`OutboxMapper::set_aside`]).
+    pub fn is_aside(&self, oid: RelationId) -> bool {
+        self.aside.contains_key(&oid)
     }
 
     /// A Relation message arrived: (re)resolve columns when it is the
@@ -342,6 +364,7 @@ impl OutboxMapper {
             Some(Shape::Fits(pos)) => pos,
             Some(Shape::Lacks(l)) if l.past => return past_row(l, ins, tx),
             Some(Shape::Lacks(l)) => return Err(l.error.clone()),
+            None if self.aside.contains_key(&ins.relation) => return self.set_aside_row(ins, tx),
             None if self.names.contains_key(&ins.relation) => return Ok(Mapped::OtherTable),
             None => return Err(OutboxError::UnknownRelation(ins.relation.0)),
         };
@@ -351,6 +374,24 @@ impl OutboxMapper {
             Ok(event) => Mapped::Event(event),
             Err(problem) => Mapped::Unreadable(unreadable(values, pos, tx, problem)),
         })
+    }
+
+    /// A row of a relation set aside: unreadable, with its columns.
+    fn set_aside_row(&self, ins: &Insert, tx: TxContext) -> Result<Mapped, OutboxError> {
+        let (shape, problem) = &self.aside[&ins.relation];
+        match shape {
+            Shape::Fits(pos) => {
+                let values = ins.new.values();
+                check_count(values, pos.columns)?;
+                Ok(Mapped::Unreadable(unreadable(
+                    values,
+                    pos,
+                    tx,
+                    problem.clone(),
+                )))
+            }
+            Shape::Lacks(l) => past_row(l, ins, tx),
+        }
     }
 
     /// The event in `values`, or what makes the row unreadable.

@@ -18,10 +18,11 @@ pub struct Membership {
     /// `publish_via_partition_root`; no row filter; no column list leaving
     /// out a configured column), each as a token of its identity:
     /// `name:OID:via_root:all_tables:rel_rows:namespace_rows:xmin` — the
-    /// OIDs of its `pg_publication_rel` rows for the table and its
-    /// partitions and of its `pg_publication_namespace` rows (each list
-    /// comma-separated), and its row's `xmin` (changed by any `ALTER
-    /// PUBLICATION … SET`, `OWNER TO` or `RENAME`).
+    /// OIDs of its `pg_publication_rel` row for the table and of its
+    /// `pg_publication_namespace` row for the table's schema (the listings
+    /// that carry it; other tables and schemas are left out), and its row's
+    /// `xmin` (changed by any `ALTER PUBLICATION … SET`, `OWNER TO` or
+    /// `RENAME`).
     /// Empty: the outbox's inserts are not (all) streamed.
     pub carriers: Vec<String>,
     /// The relation OID `--table` names now.
@@ -72,9 +73,9 @@ struct Carrier<'a> {
     oid: &'a str,
     via_root: &'a str,
     all_tables: &'a str,
-    /// `pg_publication_rel` row OIDs for the table (and its partitions).
+    /// `pg_publication_rel` row OIDs for the table.
     rel: Vec<&'a str>,
-    /// `pg_publication_namespace` row OIDs of the publication.
+    /// `pg_publication_namespace` row OIDs for the table's schema.
     ns: Vec<&'a str>,
     xmin: Option<&'a str>,
 }
@@ -218,10 +219,11 @@ pub(super) const MEMBERSHIP_SQL: &str = "\
            (SELECT oid FROM t), \
            ARRAY(SELECT c.pubname || ':' || c.oid || ':' || c.pubviaroot || ':' || c.puballtables || ':' || \
                    coalesce((SELECT string_agg(pr.oid::text, ',' ORDER BY pr.oid) FROM pg_publication_rel pr, t \
-                             WHERE pr.prpubid = c.oid \
-                               AND coalesce(pg_partition_root(pr.prrelid), pr.prrelid)::oid = t.oid), '') || ':' || \
-                   coalesce((SELECT string_agg(pn.oid::text, ',' ORDER BY pn.oid) FROM pg_publication_namespace pn \
-                             WHERE pn.pnpubid = c.oid), '') || ':' || c.pxmin \
+                             WHERE pr.prpubid = c.oid AND pr.prrelid = t.oid), '') || ':' || \
+                   coalesce((SELECT string_agg(pn.oid::text, ',' ORDER BY pn.oid) \
+                             FROM pg_publication_namespace pn, pg_class tc, t \
+                             WHERE pn.pnpubid = c.oid AND tc.oid = t.oid \
+                               AND pn.pnnspid = tc.relnamespace), '') || ':' || c.pxmin \
                  FROM carriers c ORDER BY 1), \
            coalesce((SELECT format('%I.%I is UNLOGGED: its rows are never written to the WAL, so no \
                                    slot can decode them (a FOR ALL TABLES or TABLES IN SCHEMA publication \

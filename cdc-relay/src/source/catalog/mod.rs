@@ -31,7 +31,7 @@ pub use monitor::{
     monitor_reading,
 };
 pub use outbox::{
-    OutboxTable, check_outbox_table, check_stream_config, payload_type_message,
+    OutboxTable, check_outbox_table, check_stream_config, partition_root, payload_type_message,
     publication_warnings, relation_name, table_oid,
 };
 pub use settings::{

@@ -212,6 +212,20 @@ pub async fn table_oid(client: &Client, table: &TableName) -> Result<Option<u32>
     Ok(row.get(0))
 }
 
+/// The top of the partition tree `oid` belongs to (itself when it is not
+/// a partition; `None` when it no longer exists), as the catalog says now.
+pub async fn partition_root(client: &Client, oid: u32) -> Result<Option<u32>, SourceError> {
+    let row = client
+        .query_opt(
+            "SELECT coalesce(pg_partition_root(c.oid::regclass), c.oid::regclass)::oid \
+             FROM pg_class c WHERE c.oid = $1",
+            &[&oid],
+        )
+        .await
+        .map_err(|e| SourceError::sql("looking up a partition", &e))?;
+    Ok(row.map(|r| r.get(0)))
+}
+
 /// Before streaming: the table and columns exist, the payload is json or
 /// jsonb, and one of `publications` publishes inserts into it. Streaming a
 /// publication that does not carry the table would confirm the slot past
