@@ -249,6 +249,21 @@ pub enum OutboxError {
         /// Its name now (`schema.name`).
         now: String,
     },
+    /// A partitioned outbox now has another name than `--table`, found by
+    /// the slot monitor: the stream carries its partitions' rows through
+    /// the root's OID and never describes the root again under its new
+    /// name, so what the relay delivered meanwhile was the renamed table's.
+    #[error(
+        "the partitioned outbox {table} (relation OID {oid}) was renamed to {now}; the relay stopped when its slot monitor found it (the events it delivered meanwhile were the renamed table's: nothing is lost). If the rename is intended, start the relay with --table {now} (CDC_RELAY_TABLE)"
+    )]
+    RenamedPartitioned {
+        /// The configured table.
+        table: String,
+        /// The relation's OID.
+        oid: u32,
+        /// Its name now (`schema.name`).
+        now: String,
+    },
     /// An insert referenced a relation no Relation message described.
     #[error("insert into relation OID {0} arrived before its Relation message")]
     UnknownRelation(u32),

@@ -259,7 +259,7 @@ impl Session<'_> {
         // out pooled (exit 2); its other ends leave the stream to notice.
         let read = tokio::select! {
             read = stream.read_until_stopped(&stop, cfg.shutdown_timeout) => read,
-            Ok(Some(e)) = &mut monitor => Err(e.into()),
+            Ok(Some(e)) = &mut monitor => Err(e),
         };
         drop(monitor);
         match read {

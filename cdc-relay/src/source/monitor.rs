@@ -16,12 +16,13 @@ use tokio::time::Instant;
 use super::catalog::{self, Membership, SlotInfo};
 use super::error::SourceError;
 use super::membership::{Change, MembershipWatch};
+use super::stream::StreamError;
 use super::withheld::{self, Verdict, WithheldWatch};
 use super::{lock_wait, progress};
 use crate::health::Health;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
-use crate::outbox::TableName;
+use crate::outbox::{OutboxError, TableName};
 
 use super::catalog::SlotReading;
 
@@ -103,13 +104,17 @@ pub struct GapToHeal {
 /// Returns [`SourceError::SidePooled`] (exit 2) when two readings were
 /// answered by different server backends: a pool switched to transaction
 /// mode under the running relay (the start's check, `source::pairing`,
-/// saw one backend). The session ends with it.
+/// saw one backend); and [`OutboxError::RenamedPartitioned`] (exit 5) when `--table`
+/// names no relation any more while the outbox this session read exists
+/// under another name (a partitioned outbox streamed through its root is
+/// never described again under its new name, so the stream cannot see
+/// it). The session ends with it.
 pub async fn monitor_slot(
     side: Arc<tokio_postgres::Client>,
     settings: MonitorSettings,
     out: MonitorOutputs,
     start: Lsn,
-) -> Option<SourceError> {
+) -> Option<StreamError> {
     let MonitorSettings {
         slot,
         publications,
@@ -172,6 +177,8 @@ pub async fn monitor_slot(
     let mut lock_logged: Option<Instant> = None;
     let mut tick = tokio::time::interval(interval.min(MEMBERSHIP_CHECK_MAX));
     let mut first_backend: Option<i32> = None;
+    // The outbox's OID as this session's readings last found it.
+    let mut outbox_oid: Option<u32> = None;
     loop {
         tick.tick().await;
         let reading = catalog::monitor_reading(
@@ -203,7 +210,7 @@ pub async fn monitor_slot(
                 continue;
             }
             // Its statement prepared on one backend and run on another.
-            Ok(Err(e @ SourceError::SidePooled { .. })) => return Some(e),
+            Ok(Err(e @ SourceError::SidePooled { .. })) => return Some(e.into()),
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "slot figures unavailable; side connection lost");
                 return None;
@@ -230,11 +237,14 @@ pub async fn monitor_slot(
         // session state, and only more of that follows.
         match first_backend {
             Some(first) if first != backend_pid => {
-                return Some(SourceError::SidePooled {
-                    evidence: format!(
-                        "the side connection's statements ran on two server backends (pid {first}, then {backend_pid}) while the relay ran: the pool was switched to transaction or statement mode"
-                    ),
-                });
+                return Some(
+                    SourceError::SidePooled {
+                        evidence: format!(
+                            "the side connection's statements ran on two server backends (pid {first}, then {backend_pid}) while the relay ran: the pool was switched to transaction or statement mode"
+                        ),
+                    }
+                    .into(),
+                );
             }
             Some(_) => {}
             None => first_backend = Some(backend_pid),
@@ -260,6 +270,26 @@ pub async fn monitor_slot(
                 out.readings.send_replace(Some((Instant::now(), info)));
             }
             None => tracing::warn!(slot = %slot, "slot disappeared"),
+        }
+        match (member.table_oid, outbox_oid) {
+            (Some(oid), _) => outbox_oid = Some(oid),
+            // A plain table's rename reaches the stream (its next insert is
+            // described under the new name, and stops there); a partitioned
+            // one's does not.
+            (None, Some(oid)) => {
+                if let Ok(Some(now)) = catalog::partitioned_table_name(&side, oid).await {
+                    tracing::error!(table = %table, oid, renamed_to = %now, "the partitioned outbox was renamed; stopping");
+                    return Some(
+                        OutboxError::RenamedPartitioned {
+                            table: table.to_string(),
+                            oid,
+                            now,
+                        }
+                        .into(),
+                    );
+                }
+            }
+            (None, None) => {}
         }
         let change = membership.observe(&member);
         report_membership(&change, &member, &table, &publications, &out, &mut told);

@@ -333,3 +333,61 @@ async fn rows_streamed_under_partition_names_are_dead_lettered_not_dropped() -> 
     assert_eq!(ids.len(), usize::try_from(written)?, "every row replayed");
     Ok(())
 }
+
+/// A partitioned outbox renamed while the relay streams it: the server
+/// streams its partitions' inserts through the root's OID and never
+/// describes the root again under its new name, so the stream cannot see
+/// the rename. The slot monitor does: `--table` names nothing, the
+/// outbox's OID has another name. The relay stops (exit 5) naming it (what
+/// it delivered meanwhile was the renamed table's), and with `--table` set
+/// to the new name every event arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_outbox_renamed_while_streaming_stops_the_relay_naming_it()
+-> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox().await?;
+    let mut s = Scenario::plan(Inbox::Scripted)
+        .relay_args(&["--slot-stats-interval", "1s"])
+        .on(stack)
+        .start()
+        .await?;
+    let agg = s.insert_order().await?;
+    // Both partitions described to the stream before the rename (random
+    // ids: insert until both hold an event), so that no insert after it
+    // is the first of its partition, whose description would carry the
+    // new name.
+    let mut before = Vec::new();
+    for i in 0..64 {
+        before.push(
+            s.insert_event(agg, "BeforeRename", Some(&format!(r#"{{"i":{i}}}"#)))
+                .await?,
+        );
+        let partitions: i64 =
+            s.db.query_one("SELECT count(DISTINCT tableoid) FROM outbox", &[])
+                .await?
+                .get(0);
+        if partitions == 2 {
+            break;
+        }
+    }
+    s.expect_exactly(&before).await?;
+    s.db.batch_execute("ALTER TABLE outbox RENAME TO outbox_v2")
+        .await?;
+    let renamed = s
+        .insert_event_into("outbox_v2", agg, "AfterRename", Some(r#"{"r":1}"#))
+        .await?;
+    let status = s.relay.process.wait_exit(NOTICE).await?;
+    let stderr = s.relay.process.stderr();
+    assert_eq!(status.code(), Some(5), "exit code 5:\n{stderr}");
+    for words in ["renamed", "public.outbox_v2", "--table public.outbox_v2"] {
+        assert!(stderr.contains(words), "stderr names {words:?}:\n{stderr}");
+    }
+    s.restart_relay(&["--table", "public.outbox_v2", "--slot-stats-interval", "1s"])
+        .await?;
+    harness::wait_until("the event after the rename delivered", NOTICE, || async {
+        s.sink().delivered().iter().any(|r| r.id() == renamed.id)
+    })
+    .await?;
+    s.accounting(&["outbox_v2"]).await?.assert_balanced();
+    s.finish().await
+}

@@ -212,6 +212,24 @@ pub async fn table_oid(client: &Client, table: &TableName) -> Result<Option<u32>
     Ok(row.get(0))
 }
 
+/// `schema.name` of relation `oid` when it exists and is a partitioned
+/// table; `None` otherwise.
+pub async fn partitioned_table_name(
+    client: &Client,
+    oid: u32,
+) -> Result<Option<String>, SourceError> {
+    let row = client
+        .query_opt(
+            "SELECT n.nspname || '.' || c.relname FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.oid = $1 AND c.relkind = 'p'",
+            &[&oid],
+        )
+        .await
+        .map_err(|e| SourceError::sql("looking up a partitioned table", &e))?;
+    Ok(row.map(|r| r.get(0)))
+}
+
 /// The top of the partition tree `oid` belongs to (itself when it is not
 /// a partition; `None` when it no longer exists), as the catalog says now.
 pub async fn partition_root(client: &Client, oid: u32) -> Result<Option<u32>, SourceError> {
