@@ -547,8 +547,7 @@ fn report_membership(
             tracing::error!(
                 table = %table, publications = %pubs,
                 "the outbox {table}'s publication membership changed between {since} and {until} \
-                 ({cause}), possibly while no relay watched: inserts in between may not have been \
-                 streamed. {}",
+                 ({cause}): inserts in between may not have been streamed. {}",
                 if out.heal.is_some() {
                     "The relay re-sends them from the table now (--on-gap backfill)".to_owned()
                 } else {

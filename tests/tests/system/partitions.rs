@@ -391,3 +391,59 @@ async fn a_partitioned_outbox_renamed_while_streaming_stops_the_relay_naming_it(
     s.accounting(&["outbox_v2"]).await?.assert_balanced();
     s.finish().await
 }
+
+/// `--table` naming a partition: no outbox of its own (its rows stream as
+/// the root's), so `setup` (exit 1) and `run` (exit 3) refuse it naming the root to
+/// set instead. (`setup` made a slot and a publication for it, and `run`
+/// then asked for an `ALTER PUBLICATION … ADD TABLE` that fails.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_named_as_the_outbox_is_refused_naming_the_root() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox().await?;
+    stack
+        .orders_admin()
+        .await?
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&stack.slot],
+        )
+        .await?;
+    let sink = ScriptedSink::start().await?;
+    for (url, args) in [
+        (
+            &stack.orders_admin_url,
+            vec!["setup", "--table", "public.outbox_p0"],
+        ),
+        (
+            &stack.relay_url,
+            vec![
+                "run",
+                "--table",
+                "public.outbox_p0",
+                "--sink-url",
+                &sink.url,
+            ],
+        ),
+    ] {
+        let out = app::relay_command(
+            &stack,
+            url,
+            &args,
+            &[("EVENT_SECRET", harness::app::TEST_SECRET)],
+        )
+        .await?;
+        // setup's failures exit 1, run's "needs setup" 3.
+        let code = if args[0] == "run" { 3 } else { 1 };
+        assert_eq!(out.code(), Some(code), "{args:?}: {}", out.text());
+        assert!(
+            out.text()
+                .contains("public.outbox_p0 is a partition of public.outbox")
+                && out
+                    .text()
+                    .contains("set --table (CDC_RELAY_TABLE) to public.outbox"),
+            "{args:?}: {}",
+            out.text()
+        );
+    }
+    Ok(())
+}

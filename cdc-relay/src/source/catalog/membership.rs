@@ -153,7 +153,7 @@ pub fn what_changed(before: &[String], now: &[String]) -> String {
             } else if n.via_root != b.via_root {
                 let now_on = matches!(n.via_root, "true" | "t");
                 format!(
-                    "publication {name}'s publish_via_partition_root was turned {}: that alone streams every insert, but the catalog cannot tell whether the publication also left inserts out in between (publish changed and back)",
+                    "publication {name}'s publish_via_partition_root was turned {} (for a table that is not partitioned that changes nothing by itself; a partitioned outbox's rows streamed under the partitions' names are dead-lettered, not sent), and the catalog cannot tell whether the publication also left inserts out in between (publish changed and back)",
                     if now_on { "on" } else { "off" }
                 )
             } else if n.xmin != b.xmin {

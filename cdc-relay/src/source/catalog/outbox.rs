@@ -45,7 +45,10 @@ pub async fn check_outbox_table(
             "SELECT c.oid, c.relkind::text, c.relreplident::text, \
                     EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
                     NOT EXISTS (SELECT 1 FROM pg_attribute a \
-                                WHERE a.attrelid = c.oid AND a.attnum > 0 AND a.attisdropped) \
+                                WHERE a.attrelid = c.oid AND a.attnum > 0 AND a.attisdropped), \
+                    (SELECT format('%I.%I', rn.nspname, rc.relname) \
+                     FROM pg_class rc JOIN pg_namespace rn ON rn.oid = rc.relnamespace \
+                     WHERE c.relispartition AND rc.oid = pg_partition_root(c.oid)) \
              FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
              WHERE n.nspname = $1 AND c.relname = $2",
             &[&t.schema, &t.name],
@@ -57,6 +60,13 @@ pub async fn check_outbox_table(
             "table {t} does not exist (--table / CDC_RELAY_TABLE); create it first (e.g. sql/orders.sql), or set --table if it was renamed"
         )));
     };
+    // A partitioned outbox is read through its root: a partition is no
+    // outbox of its own (its rows stream as the root's).
+    if let Some(root) = row.get::<_, Option<String>>(5) {
+        return Err(SourceError::NeedsSetup(format!(
+            "table {t} is a partition of {root}: the relay reads a partitioned outbox through its root; set --table (CDC_RELAY_TABLE) to {root}"
+        )));
+    }
     let table = OutboxTable {
         oid: row.get(0),
         relkind: row.get(1),
