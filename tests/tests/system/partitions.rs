@@ -141,11 +141,7 @@ async fn refused_until_setup(
     // Ids are random: insert until both partitions hold an event.
     for _ in 0..64 {
         app::insert_order_event(&admin).await?;
-        let partitions: i64 = admin
-            .query_one("SELECT count(DISTINCT tableoid) FROM outbox", &[])
-            .await?
-            .get(0);
-        if partitions == 2 {
+        if both_partitions_hold_rows(&admin).await? {
             break;
         }
     }
@@ -282,11 +278,7 @@ async fn rows_streamed_under_partition_names_are_dead_lettered_not_dropped() -> 
     // Random ids: insert until both partitions hold a row.
     for _ in 0..64 {
         app::insert_order_event(&admin).await?;
-        let partitions: i64 = admin
-            .query_one("SELECT count(DISTINCT tableoid) FROM outbox", &[])
-            .await?
-            .get(0);
-        if partitions == 2 {
+        if both_partitions_hold_rows(&admin).await? {
             break;
         }
     }
@@ -362,11 +354,7 @@ async fn a_partitioned_outbox_renamed_while_streaming_stops_the_relay_naming_it(
             s.insert_event(agg, "BeforeRename", Some(&format!(r#"{{"i":{i}}}"#)))
                 .await?,
         );
-        let partitions: i64 =
-            s.db.query_one("SELECT count(DISTINCT tableoid) FROM outbox", &[])
-                .await?
-                .get(0);
-        if partitions == 2 {
+        if both_partitions_hold_rows(&s.db).await? {
             break;
         }
     }
@@ -446,4 +434,14 @@ async fn a_partition_named_as_the_outbox_is_refused_naming_the_root() -> anyhow:
         );
     }
     Ok(())
+}
+
+/// Whether both partitions of the stack's hash-partitioned outbox
+/// (`Stack::partition_outbox`) hold a row.
+async fn both_partitions_hold_rows(db: &tokio_postgres::Client) -> anyhow::Result<bool> {
+    let partitions: i64 = db
+        .query_one("SELECT count(DISTINCT tableoid) FROM outbox", &[])
+        .await?
+        .get(0);
+    Ok(partitions == 2)
 }
