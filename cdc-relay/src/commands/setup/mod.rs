@@ -209,41 +209,50 @@ async fn ensure_publication(
         let mut m =
             catalog::membership(client, publications, t, &plan.columns.names(), None).await?;
         let (member, via_root) = membership_of(client, &plan.publication, t).await?;
+        // What brings the publication to carry the outbox: statements,
+        // each with what it does (for its error) and its report line.
+        let mut fixes: Vec<(String, &str, String)> = Vec::new();
         if ins && !m.included() && !member {
             // The table left the publication (ALTER PUBLICATION ... DROP
             // TABLE, or it was dropped and created again), or only some of
             // its partitions are listed: put it back, as the relay's and
             // status's messages say setup does.
-            let stmt = format!(
-                "ALTER PUBLICATION {} ADD TABLE {}",
-                catalog::quote_ident(&plan.publication),
-                catalog::quote_table(t)
-            );
-            client
-                .batch_execute(&stmt)
-                .await
-                .map_err(|e| SourceError::sql("adding the table to the publication", &e))?;
-            report.push(format!(
-                "added: {t} to publication {:?} (inserts committed while it was out were not streamed: re-send them with `cdc-relay backfill --since <when it left> --until <now>`; a running relay logs the exact command)",
-                plan.publication
+            fixes.push((
+                format!(
+                    "ALTER PUBLICATION {} ADD TABLE {}",
+                    catalog::quote_ident(&plan.publication),
+                    catalog::quote_table(t)
+                ),
+                "adding the table to the publication",
+                format!(
+                    "added: {t} to publication {:?} (inserts committed while it was out were not streamed: re-send them with `cdc-relay backfill --since <when it left> --until <now>`; a running relay logs the exact command)",
+                    plan.publication
+                ),
             ));
-            m = catalog::membership(client, publications, t, &plan.columns.names(), None).await?;
         }
         if ins && !m.included() && partitioned && !via_root {
             // The partitions stream under their own names: the relay reads
             // a partitioned outbox only through its root.
-            let stmt = format!(
-                "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
-                catalog::quote_ident(&plan.publication)
-            );
-            client
-                .batch_execute(&stmt)
-                .await
-                .map_err(|e| SourceError::sql("publishing via the partition root", &e))?;
-            report.push(format!(
-                "set: publish_via_partition_root = true on publication {:?} ({t} is partitioned: the relay reads it through its root; a running relay reports what it could not read meanwhile, with the backfill to run)",
-                plan.publication
+            fixes.push((
+                format!(
+                    "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
+                    catalog::quote_ident(&plan.publication)
+                ),
+                "publishing via the partition root",
+                format!(
+                    "set: publish_via_partition_root = true on publication {:?} ({t} is partitioned: the relay reads it through its root; a running relay reports what it could not read meanwhile, with the backfill to run)",
+                    plan.publication
+                ),
             ));
+        }
+        for (stmt, what, line) in &fixes {
+            client
+                .batch_execute(stmt)
+                .await
+                .map_err(|e| SourceError::sql(what, &e))?;
+            report.push(line.clone());
+        }
+        if !fixes.is_empty() {
             m = catalog::membership(client, publications, t, &plan.columns.names(), None).await?;
         }
         if !ins || !m.included() {
