@@ -5,12 +5,16 @@
 // POST /inbox   204 when Webhook(secret).verify accepts the request, 401
 //               (with the verifier's message) otherwise
 // POST /switch  from now on verify with RECEIVER_NEXT_SECRET instead
+// POST /release answer the /inbox requests held since the start
+//               (RECEIVER_HOLD=1)
 // GET  /counts  {"accepted", "rejected", "accepted_by_secret": [first, next],
 //                "ids": distinct webhook-ids accepted, "events": events in the
 //                accepted requests (a batch's array counts each element),
+//                "held": /inbox requests waiting for /release,
 //                "rejections": first reasons}
 //
-// Environment: RECEIVER_SECRET (whsec_...), RECEIVER_NEXT_SECRET (optional);
+// Environment: RECEIVER_SECRET (whsec_...), RECEIVER_NEXT_SECRET (optional),
+// RECEIVER_HOLD (1: hold every /inbox request until POST /release);
 // NODE_PATH must reach the installed package (tests/interop/install.sh).
 // Prints `listening on http://127.0.0.1:PORT` once bound.
 "use strict";
@@ -27,8 +31,10 @@ const state = {
   acceptedBySecret: [0, 0],
   ids: new Set(),
   events: 0,
+  held: [],
   rejections: [],
 };
+let released = process.env.RECEIVER_HOLD !== "1";
 
 function answer(res, status, body) {
   const bytes = body === undefined ? "" : JSON.stringify(body);
@@ -49,6 +55,11 @@ const server = http.createServer((req, res) => {
       state.verifier = new Webhook(secrets[1]);
       return answer(res, 204);
     }
+    if (req.method === "POST" && req.url === "/release") {
+      released = true;
+      state.held.splice(0).forEach((go) => go());
+      return answer(res, 204);
+    }
     if (req.method === "GET" && req.url === "/counts") {
       return answer(res, 200, {
         accepted: state.accepted,
@@ -56,30 +67,39 @@ const server = http.createServer((req, res) => {
         accepted_by_secret: state.acceptedBySecret,
         ids: state.ids.size,
         events: state.events,
+        held: state.held.length,
         rejections: state.rejections,
       });
     }
     if (req.method !== "POST" || req.url !== "/inbox") {
       return answer(res, 404);
     }
-    const phase = state.phase;
-    let payload;
-    try {
-      payload = state.verifier.verify(body, req.headers);
-    } catch (e) {
-      state.rejected += 1;
-      if (state.rejections.length < 5) {
-        state.rejections.push(`${e.name}: ${e.message}`);
-      }
-      return answer(res, 401, { error: e.message });
+    if (!released) {
+      state.held.push(() => inbox(req, res, body));
+      return;
     }
-    state.accepted += 1;
-    state.acceptedBySecret[phase] += 1;
-    state.ids.add(req.headers["webhook-id"]);
-    state.events += Array.isArray(payload) ? payload.length : 1;
-    answer(res, 204);
+    inbox(req, res, body);
   });
 });
+
+function inbox(req, res, body) {
+  const phase = state.phase;
+  let payload;
+  try {
+    payload = state.verifier.verify(body, req.headers);
+  } catch (e) {
+    state.rejected += 1;
+    if (state.rejections.length < 5) {
+      state.rejections.push(`${e.name}: ${e.message}`);
+    }
+    return answer(res, 401, { error: e.message });
+  }
+  state.accepted += 1;
+  state.acceptedBySecret[phase] += 1;
+  state.ids.add(req.headers["webhook-id"]);
+  state.events += Array.isArray(payload) ? payload.length : 1;
+  answer(res, 204);
+}
 
 server.keepAliveTimeout = 60000;
 server.listen(0, "127.0.0.1", () => {

@@ -5,12 +5,16 @@ POST /inbox   204 when standardwebhooks' Webhook(secret).verify accepts the
               request, 401 (with the verifier's message) otherwise
 POST /switch  from now on verify with RECEIVER_NEXT_SECRET instead (a
               receiver switching secrets at an instant of the test's choosing)
+POST /release answer the /inbox requests held since the start (RECEIVER_HOLD=1:
+              a receiver that is slow until the test says otherwise)
 GET  /counts  {"accepted", "rejected", "accepted_by_secret": [first, next],
                "ids": distinct webhook-ids accepted, "events": events in the
                accepted requests (a batch's array counts each element),
+               "held": /inbox requests waiting for /release,
                "rejections": first reasons}
 
-Environment: RECEIVER_SECRET (whsec_...), RECEIVER_NEXT_SECRET (optional).
+Environment: RECEIVER_SECRET (whsec_...), RECEIVER_NEXT_SECRET (optional),
+RECEIVER_HOLD (1: hold every /inbox request until POST /release).
 Prints `listening on http://127.0.0.1:PORT` once bound (port 0: any free one).
 """
 
@@ -24,6 +28,9 @@ from standardwebhooks import Webhook
 
 SECRETS = [os.environ["RECEIVER_SECRET"], os.environ.get("RECEIVER_NEXT_SECRET")]
 LOCK = threading.Lock()
+RELEASED = threading.Event()
+if os.environ.get("RECEIVER_HOLD") != "1":
+    RELEASED.set()
 STATE = {
     "phase": 0,
     "verifier": Webhook(SECRETS[0]),
@@ -32,6 +39,7 @@ STATE = {
     "accepted_by_secret": [0, 0],
     "ids": set(),
     "events": 0,
+    "held": 0,
     "rejections": [],
 }
 
@@ -58,8 +66,17 @@ class Handler(BaseHTTPRequestHandler):
                 STATE["phase"] = 1
                 STATE["verifier"] = Webhook(SECRETS[1])
             return self.answer(204)
+        if self.path == "/release":
+            RELEASED.set()
+            return self.answer(204)
         if self.path != "/inbox":
             return self.answer(404)
+        if not RELEASED.is_set():
+            with LOCK:
+                STATE["held"] += 1
+            RELEASED.wait()
+            with LOCK:
+                STATE["held"] -= 1
         with LOCK:
             phase, verifier = STATE["phase"], STATE["verifier"]
         try:
@@ -87,6 +104,7 @@ class Handler(BaseHTTPRequestHandler):
                 "accepted_by_secret": list(STATE["accepted_by_secret"]),
                 "ids": len(STATE["ids"]),
                 "events": STATE["events"],
+                "held": STATE["held"],
                 "rejections": list(STATE["rejections"]),
             }
         self.answer(200, json.dumps(counts).encode())

@@ -356,7 +356,12 @@ async fn outbox_leaves_the_publication(how: Leave) -> anyhow::Result<()> {
     )
     .await?;
     let out = app::relay_command(stack, &stack.relay_url, &["status"], &[]).await?;
-    assert!(out.success(), "{}", out.text());
+    assert!(
+        out.success(),
+        "{}\nthe relay's log:\n{}",
+        out.text(),
+        relay.process.logs()
+    );
     let accounting = s.accounting(&["outbox"]).await?;
     assert!(accounting.delivered.contains(&while_out.to_string()));
     accounting.assert_balanced();
