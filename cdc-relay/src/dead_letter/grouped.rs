@@ -37,7 +37,7 @@
 //! bounds the queue: a writer that cannot write leaves events pending.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
@@ -79,6 +79,8 @@ pub enum Urgency {
 pub struct GroupedStore {
     client: Arc<Client>,
     queue: mpsc::UnboundedSender<Row>,
+    /// Why the writer ended (its connection's error), once it has.
+    ended: Arc<OnceLock<String>>,
 }
 
 /// A row for the writer.
@@ -117,13 +119,23 @@ impl GroupedStore {
             h.set_dead_letters_failing(false);
         }
         let (queue, rows) = mpsc::unbounded_channel();
-        tokio::spawn(write(Arc::clone(&client), rows, health));
-        GroupedStore { client, queue }
+        let ended = Arc::new(OnceLock::new());
+        tokio::spawn(write(Arc::clone(&client), rows, health, Arc::clone(&ended)));
+        GroupedStore {
+            client,
+            queue,
+            ended,
+        }
     }
 }
 
-fn stopped() -> StoreError {
-    StoreError::Lost("the dead-letter writer has stopped".into())
+/// The error of a row the writer cannot take: it ended, for `why` (its
+/// connection's error) when known (else it panicked: the log says why).
+fn stopped(why: &OnceLock<String>) -> StoreError {
+    StoreError::Lost(match why.get() {
+        Some(why) => format!("the dead-letter writer has stopped: {why}"),
+        None => "the dead-letter writer has stopped".into(),
+    })
 }
 
 impl DeadLetterStore for GroupedStore {
@@ -143,9 +155,10 @@ impl DeadLetterStore for GroupedStore {
             urgency,
             answer,
         });
+        let ended = Arc::clone(&self.ended);
         async move {
-            queued.map_err(|_| stopped())?;
-            id.await.map_err(|_| stopped())?
+            queued.map_err(|_| stopped(&ended))?;
+            id.await.map_err(|_| stopped(&ended))?
         }
     }
 
@@ -174,11 +187,13 @@ impl DeadLetterStore for GroupedStore {
 /// The writer: one batch at a time, in queue order, until the store is
 /// gone. The statement is prepared once (again after a failed
 /// preparation), so a batch is one round trip. A failed statement is tried
-/// again, after a pause, before anything behind it.
+/// again, after a pause, before anything behind it. When the connection
+/// is lost, the writer ends and leaves its error in `ended`.
 async fn write(
     client: Arc<Client>,
     mut queue: mpsc::UnboundedReceiver<Row>,
     health: Option<Arc<crate::health::Health>>,
+    ended: Arc<OnceLock<String>>,
 ) {
     let failing = |on: bool| {
         if let Some(h) = &health {
@@ -263,8 +278,9 @@ async fn write(
                     break;
                 }
                 // The session ends with its connection.
-                Err(e @ StoreError::Lost(_)) => {
-                    answer(batch, Err(e));
+                Err(StoreError::Lost(why)) => {
+                    let _ = ended.set(why.clone());
+                    answer(batch, Err(StoreError::Lost(why)));
                     return;
                 }
                 Err(e) => {

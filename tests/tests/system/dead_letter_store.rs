@@ -39,11 +39,17 @@ fn payload() -> impl Strategy<Value = Option<Vec<u8>>> {
 fn any_response_body_error_text_and_payload_is_written() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     // The relay's store and its statement.
-    let (store, admin) = rt.block_on(async {
+    // The stack lives as long as the test: a dropped one is retired, and
+    // the next `create_stack` of any test running beside this one drops
+    // its database under the writer. (Broken before: it was dropped here,
+    // and in the full suite the writer's connection was ended mid-run:
+    // "the dead-letter writer has stopped".)
+    let (_stack, store, admin) = rt.block_on(async {
         let stack = PgCluster::shared().create_stack().await.unwrap();
         let relay = connect(&stack.relay_url).await.unwrap();
         let store = GroupedStore::new(Arc::new(relay));
-        (store, stack.orders_admin().await.unwrap())
+        let admin = stack.orders_admin().await.unwrap();
+        (stack, store, admin)
     });
     let mut runner = TestRunner::new(Config {
         cases: 200,
@@ -186,6 +192,43 @@ fn stored_as(row: &tokio_postgres::Row, want: &NewDeadLetter) -> Result<(), Stri
 /// committed together, whose other rows get ids of their own in order. The
 /// same event at another endpoint, and rows without an event id
 /// (unreadable rows), get rows of their own.
+/// A writer whose connection is ended stops, and every later write says
+/// why, not only that it stopped. (Before: "the dead-letter writer has
+/// stopped", nothing more, which hid a test's database dropped under it.)
+#[tokio::test]
+async fn a_writer_whose_connection_ends_names_why_in_every_later_write() -> anyhow::Result<()> {
+    let stack = PgCluster::shared().create_stack().await?;
+    let admin = stack.orders_admin().await?;
+    let relay = Arc::new(connect(&stack.relay_url).await?);
+    let pid: i32 = relay
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .get(0);
+    let store = GroupedStore::new(Arc::clone(&relay));
+    store.write(&grouped_row(1, 1), Urgency::Now).await?;
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await?;
+    wait_until(
+        "the relay's connection closed",
+        Duration::from_secs(10),
+        || async { anyhow::Ok(relay.is_closed()) },
+    )
+    .await?;
+    let first = store.write(&grouped_row(1, 2), Urgency::Now).await;
+    assert!(first.is_err(), "{first:?}");
+    let later = store.write(&grouped_row(1, 3), Urgency::Now).await;
+    let Err(cdc_relay::dead_letter::StoreError::Lost(why)) = later else {
+        panic!("a lost store: {later:?}");
+    };
+    assert!(
+        why.starts_with("the dead-letter writer has stopped: ") && why.len() > 40,
+        "{why}"
+    );
+    drop(stack);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_refused_again_at_the_same_endpoint_keeps_its_one_dead_letter()
 -> anyhow::Result<()> {
