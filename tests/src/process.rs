@@ -78,9 +78,9 @@ impl ServiceProcess {
     }
 
     /// Spawns a prepared command; stdin, stdout and stderr are set here.
-    /// Orders, Billing and Payments get a free admin port (`<SERVICE>_ADMIN_LISTEN=
-    /// 127.0.0.1:0`) unless the command sets one: their fixed default
-    /// would collide between tests running at once.
+    /// Orders, Billing, Payments and cdc-relay get a free admin port
+    /// (`<SERVICE>_ADMIN_LISTEN=127.0.0.1:0`) unless the command sets one:
+    /// their fixed default would collide between tests running at once.
     pub fn from_command(mut command: Command) -> anyhow::Result<ServiceProcess> {
         // A process group of its own: a paused (SIGSTOP) service whose
         // group became orphaned (a bench or test started with nohup in the
@@ -99,6 +99,7 @@ impl ServiceProcess {
             ("orders", "ORDERS_ADMIN_LISTEN"),
             ("billing", "BILLING_ADMIN_LISTEN"),
             ("payments", "PAYMENTS_ADMIN_LISTEN"),
+            ("cdc-relay", "CDC_RELAY_ADMIN_LISTEN"),
         ] {
             let set = command.get_envs().any(|(k, _)| k == var);
             if name == service && !set {

@@ -28,6 +28,12 @@ fn cli(
         .args(relay_globals(stack))
         .args(args)
         .env("CDC_RELAY_DATABASE_URL", db_url)
+        // Tests run side by side: a `run` binds an ephemeral admin port,
+        // and `status` asks no relay by default (port 0 answers nothing),
+        // never whatever another test's relay has at 127.0.0.1:9187.
+        // (Broken before: a test's `status` read "not streaming" from
+        // another test's refused `run` in its preflight on that port.)
+        .env("CDC_RELAY_ADMIN_LISTEN", "127.0.0.1:0")
         .env_remove("EVENT_SECRET")
         .envs(env.iter().copied())
         .kill_on_drop(true);
