@@ -16,6 +16,12 @@ use rows::{DeadLetter, Filter, Payloads};
 
 /// Runs one `dead-letter` subcommand.
 pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()> {
+    // A replay checks its sink settings before it connects (a bad one
+    // exits 2 whatever the database).
+    let c = match c {
+        DeadLetterCommand::Replay(a) => return replay::replay(g, *a).await,
+        other => other,
+    };
     let mut client = connect(g).await?;
     match c {
         DeadLetterCommand::List {
@@ -29,7 +35,7 @@ pub async fn command(g: &GlobalArgs, c: DeadLetterCommand) -> anyhow::Result<()>
                 .with_context(|| format!("no dead-letter row {id}"))?;
             outln!("{}", serde_json::to_string_pretty(&shown(row))?);
         }
-        DeadLetterCommand::Replay(a) => replay::replay(client, *a).await?,
+        DeadLetterCommand::Replay(_) => unreachable!("run above"),
         DeadLetterCommand::Discard {
             ids,
             all,

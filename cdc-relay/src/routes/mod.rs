@@ -352,12 +352,7 @@ fn endpoint(t: &Table, n: usize) -> Result<EndpointSpec, EndpointError> {
             ));
         }
     };
-    if !matches!(url.scheme(), "http" | "https") {
-        return Err(e(
-            "url",
-            format!("must be http or https, got {}", url.scheme()),
-        ));
-    }
+    crate::sink::service::check_url(&url).map_err(|why| e("url", why))?;
     let event_types = match t.get("event_types") {
         Some(Value::Array(a)) if !a.is_empty() => a
             .iter()

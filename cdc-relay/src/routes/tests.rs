@@ -92,8 +92,20 @@ fn an_inline_secret_is_refused_with_what_to_write() {
 
 #[test]
 fn each_mistake_names_the_endpoint_and_the_key() {
-    let cases: [(&str, Option<&str>, Option<&str>, &str); 16] = [
+    let cases: [(&str, Option<&str>, Option<&str>, &str); 18] = [
         ("not toml [", None, None, "not valid TOML"),
+        (
+            "[[endpoint]]\nname = \"a\"\nurl = \"http://x:0/\"\nevent_types = [\"T\"]\nsecret_env = \"S\"",
+            Some("endpoint \"a\""),
+            Some("url"),
+            "port 0",
+        ),
+        (
+            "[[endpoint]]\nname = \"a\"\nurl = \"ftp://x/\"\nevent_types = [\"T\"]\nsecret_env = \"S\"",
+            Some("endpoint \"a\""),
+            Some("url"),
+            "must be http or https",
+        ),
         (
             "unrouted = \"drop\"",
             None,

@@ -107,12 +107,7 @@ impl SinkArgs {
                     .into(),
             );
         };
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(format!(
-                "--sink-url must be http or https, got {}",
-                url.scheme()
-            ));
-        }
+        crate::sink::service::check_url(url).map_err(|why| format!("--sink-url {why}"))?;
         let signer = self.secrets.signer()?;
         let tls = self.sink_tls()?;
         HttpSink::new(SinkConfig {

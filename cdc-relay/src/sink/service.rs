@@ -55,6 +55,23 @@ use crate::sink::signature::Signing;
 use crate::sink::{Sink, TraceHeaders};
 use failure::{closed_under, connect_error, never_processed, stream_reset, transport_detail};
 
+/// Whether `url` can be a sink's inbox: `http` or `https`, with a host
+/// and a port other than 0 (which nothing listens on: a typo, or a
+/// template's placeholder). `Err` says what is wrong, for the caller to
+/// prefix with the setting's name (`--sink-url`, a routes file's `url`).
+pub fn check_url(url: &url::Url) -> Result<(), String> {
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("must be http or https, got {}", url.scheme()));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err("has no host, e.g. http://billing:8080/inbox".into());
+    }
+    if url.port() == Some(0) {
+        return Err("has port 0, which nothing listens on: give the inbox's port, e.g. http://billing:8080/inbox".into());
+    }
+    Ok(())
+}
+
 /// How to reach the sink.
 #[derive(Clone, Debug)]
 pub struct SinkConfig {

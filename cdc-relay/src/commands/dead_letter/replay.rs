@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use super::rows::{self, DeadLetter};
 use super::{ConfigError, Selection, checked};
 use crate::breaker::BreakerConfig;
-use crate::cli::ReplayArgs;
+use crate::cli::{GlobalArgs, ReplayArgs};
 use crate::commands::outln;
 use crate::dead_letter::{self, GroupedStore, Removal, StoreError};
 use crate::dispatch::replay::{self, Rows};
@@ -344,14 +344,14 @@ async fn lock_parked(client: &Client, endpoint: Option<&str>) -> anyhow::Result<
 
 /// Re-sends rows once each; a row is removed (with an audit entry) only
 /// after a 2xx. See the module doc for the order and stop rules.
-pub(super) async fn replay(client: Client, a: ReplayArgs) -> anyhow::Result<()> {
-    let client = Arc::new(client);
+pub(super) async fn replay(g: &GlobalArgs, a: ReplayArgs) -> anyhow::Result<()> {
     // A dry run sends nothing: it needs neither sink URL nor secret.
     let lane = if a.dry_run {
         None
     } else {
         Some(replay_lane(&a).map_err(ConfigError)?)
     };
+    let client = Arc::new(super::super::connect(g).await?);
     let export = match &lane {
         Some(_) => crate::commands::start_export(&a.trace, &Metrics::new())?,
         None => None,

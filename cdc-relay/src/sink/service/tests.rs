@@ -120,6 +120,29 @@ async fn posts_the_wire_headers_and_url_credentials_as_basic_auth() {
     assert!(!s.display_url().contains("p%40ss"), "{}", s.display_url());
 }
 
+/// One check of a sink URL for `--sink-url` and a routes file's `url`.
+#[test]
+fn a_sink_url_needs_http_a_host_and_a_port_other_than_0() {
+    for good in [
+        "http://billing:8080/inbox",
+        "https://b.example/x",
+        "http://[::1]:9/in",
+    ] {
+        let url = url::Url::parse(good).unwrap();
+        assert_eq!(super::check_url(&url), Ok(()), "{good}");
+    }
+    for (bad, says) in [
+        ("ftp://billing/inbox", "must be http or https, got ftp"),
+        ("http://billing:0/inbox", "port 0"),
+        ("https://10.0.0.7:0/", "port 0"),
+        ("file:///inbox", "must be http or https"),
+    ] {
+        let url = url::Url::parse(bad).unwrap();
+        let why = super::check_url(&url).unwrap_err();
+        assert!(why.contains(says), "{bad}: {why}");
+    }
+}
+
 #[test]
 fn the_host_header_names_a_port_that_is_not_the_schemes_default() {
     let value = |url: &str| host_header(&url.parse().unwrap()).unwrap();

@@ -110,6 +110,35 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         bad_size.text()
     );
 
+    // A sink URL with port 0 (nothing listens there) is refused by `run`
+    // and by a replay, before it connects to any database.
+    let env = [("EVENT_SECRET", TEST_SECRET)];
+    let zero_port = "http://127.0.0.1:0/inbox";
+    for (url, args) in [
+        (
+            stack.relay_url.as_str(),
+            vec![
+                "run",
+                "--sink-url",
+                zero_port,
+                "--admin-listen",
+                "127.0.0.1:0",
+            ],
+        ),
+        (
+            "postgres://nobody@127.0.0.1:9/none",
+            vec!["dead-letter", "replay", "--sink-url", zero_port, "--all"],
+        ),
+    ] {
+        let out = app::relay_command(&stack, url, &args, &env).await?;
+        assert_eq!(out.code(), Some(2), "{args:?}: {}", out.text());
+        assert!(
+            out.text().contains("--sink-url has port 0"),
+            "{args:?}: {}",
+            out.text()
+        );
+    }
+
     // Durations that would make the relay spin or lie are refused: a
     // retention flag's even while retention is off (it was accepted and
     // ignored without --prune-older-than), a zero reconnect cap (about 750
