@@ -47,8 +47,9 @@ pub enum DeadLetterCommand {
         /// Print what would be discarded and remove nothing.
         #[arg(long)]
         dry_run: bool,
-        /// Why (kept in the audit table as the discard's reason). Required.
-        #[arg(long)]
+        /// Why (kept in the audit table as the discard's reason). Required,
+        /// not blank.
+        #[arg(long, value_parser = parse_note)]
         note: String,
         /// Who (kept in the audit table); default: $USER, else the
         /// database role.

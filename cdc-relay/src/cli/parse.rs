@@ -175,6 +175,14 @@ impl clap::builder::TypedValueParser for SinkUrlParser {
     }
 }
 
+/// `--note`: a reason kept in the audit table, not blank.
+pub(super) fn parse_note(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("empty: say why the events are dropped (it is kept in the audit table)".into());
+    }
+    Ok(s.to_owned())
+}
+
 /// `--sink-url`: an absolute http(s) URL with a host. The WHATWG parser
 /// would read `http:///inbox` or `http:inbox` as the host `inbox`; those are
 /// typos, refused here.
