@@ -34,20 +34,29 @@ pub enum Attempt {
 }
 
 impl Attempt {
-    /// One line for logs and the dead-letter row: the status and up to 120
-    /// characters of the body (control characters removed), or the
-    /// transport error.
+    /// One line for logs and the dead-letter row: the status, its
+    /// `Retry-After` when given (whole seconds), and up to 120 characters
+    /// of the body (control characters removed), or the transport error.
     pub fn detail(&self) -> String {
         match self {
             Attempt::Response {
-                status, excerpt, ..
+                status,
+                excerpt,
+                retry_after,
             } => {
                 let mut e: String = excerpt.chars().take(120).collect();
                 e.retain(|c| !c.is_control());
+                let status = match retry_after {
+                    Some(after) => format!(
+                        "status {status} (Retry-After {} s)",
+                        after.as_secs_f64().ceil()
+                    ),
+                    None => format!("status {status}"),
+                };
                 if e.trim().is_empty() {
-                    format!("status {status} (empty body)")
+                    format!("{status} (empty body)")
                 } else {
-                    format!("status {status}: {e}")
+                    format!("{status}: {e}")
                 }
             }
             Attempt::Timeout => "request timed out".into(),
@@ -63,3 +72,26 @@ impl Attempt {
 
 /// Maximum response-body bytes kept in [`Attempt::Response::excerpt`].
 pub const EXCERPT_BYTES: usize = 512;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_response_detail_gives_the_status_retry_after_and_body() {
+        let answer = |retry_after, excerpt: &str| Attempt::Response {
+            status: 429,
+            retry_after,
+            excerpt: excerpt.into(),
+        };
+        assert_eq!(
+            answer(Some(Duration::from_secs(30)), "slow down\n").detail(),
+            "status 429 (Retry-After 30 s): slow down"
+        );
+        assert_eq!(
+            answer(Some(Duration::from_millis(1500)), "").detail(),
+            "status 429 (Retry-After 2 s) (empty body)"
+        );
+        assert_eq!(answer(None, " ").detail(), "status 429 (empty body)");
+    }
+}
