@@ -277,7 +277,7 @@ pub async fn monitor_slot(
             // described under the new name, and stops there); a partitioned
             // one's does not.
             (None, Some(oid)) => {
-                if let Ok(Some(now)) = catalog::partitioned_table_name(&side, oid).await {
+                if let Ok(Some((now, true))) = catalog::relation_name(&side, oid).await {
                     tracing::error!(table = %table, oid, renamed_to = %now, "the partitioned outbox was renamed; stopping");
                     return Some(
                         OutboxError::RenamedPartitioned {

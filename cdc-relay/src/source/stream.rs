@@ -393,7 +393,7 @@ impl Stream {
                     None => {
                         let now = catalog::relation_name(&self.side, oid)
                             .await?
-                            .unwrap_or(name);
+                            .map_or(name, |(now, _)| now);
                         tracing::error!(table = %table, oid, renamed_to = %now, "the outbox was renamed; stopping before acknowledging its changes");
                         Err(OutboxError::Renamed { table, oid, now }.into())
                     }

@@ -31,8 +31,8 @@ pub use monitor::{
     monitor_reading,
 };
 pub use outbox::{
-    OutboxTable, check_outbox_table, check_stream_config, partition_root, partitioned_table_name,
-    payload_type_message, publication_warnings, relation_name, table_oid,
+    OutboxTable, check_outbox_table, check_stream_config, partition_root, payload_type_message,
+    publication_warnings, relation_name, table_oid,
 };
 pub use settings::{
     parse_pg_duration, server_encoding, server_version, setting, supports_failover_slots,

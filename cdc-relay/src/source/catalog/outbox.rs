@@ -196,18 +196,22 @@ pub async fn publication_warnings(
     Ok(warnings)
 }
 
-/// The name the relation `oid` has now (`schema.name`), `None` when it no
-/// longer exists.
-pub async fn relation_name(client: &Client, oid: u32) -> Result<Option<String>, SourceError> {
+/// `schema.name` of relation `oid` and whether it is a partitioned table
+/// (`relkind = 'p'`), as the catalog says now; `None` when it no longer
+/// exists.
+pub async fn relation_name(
+    client: &Client,
+    oid: u32,
+) -> Result<Option<(String, bool)>, SourceError> {
     let row = client
         .query_opt(
-            "SELECT n.nspname || '.' || c.relname FROM pg_class c \
+            "SELECT n.nspname || '.' || c.relname, c.relkind = 'p' FROM pg_class c \
              JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1",
             &[&oid],
         )
         .await
         .map_err(|e| SourceError::sql("looking up a relation", &e))?;
-    Ok(row.map(|r| r.get(0)))
+    Ok(row.map(|r| (r.get(0), r.get(1))))
 }
 
 /// The OID `table` names now, `None` when no such table exists.
@@ -220,24 +224,6 @@ pub async fn table_oid(client: &Client, table: &TableName) -> Result<Option<u32>
         .await
         .map_err(|e| SourceError::sql("looking up the outbox table", &e))?;
     Ok(row.get(0))
-}
-
-/// `schema.name` of relation `oid` when it exists and is a partitioned
-/// table; `None` otherwise.
-pub async fn partitioned_table_name(
-    client: &Client,
-    oid: u32,
-) -> Result<Option<String>, SourceError> {
-    let row = client
-        .query_opt(
-            "SELECT n.nspname || '.' || c.relname FROM pg_class c \
-             JOIN pg_namespace n ON n.oid = c.relnamespace \
-             WHERE c.oid = $1 AND c.relkind = 'p'",
-            &[&oid],
-        )
-        .await
-        .map_err(|e| SourceError::sql("looking up a partitioned table", &e))?;
-    Ok(row.map(|r| r.get(0)))
 }
 
 /// The top of the partition tree `oid` belongs to (itself when it is not
