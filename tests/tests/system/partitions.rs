@@ -177,6 +177,43 @@ async fn a_publication_of_some_partitions_carries_nothing_until_setup_adds_the_t
     .await
 }
 
+/// Four partitions listed under their own names: the refusal names three
+/// and says there are more ("…"), in name order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_of_many_partitions_names_three_and_says_there_are_more() -> anyhow::Result<()>
+{
+    let stack = PgCluster::shared().create_stack().await?;
+    stack.partition_outbox().await?;
+    let p = &stack.publication;
+    let admin = stack.orders_admin().await?;
+    admin
+        .batch_execute(&format!(
+            "DROP TABLE outbox_p0, outbox_p1; \
+             CREATE TABLE outbox_q3 PARTITION OF outbox FOR VALUES WITH (MODULUS 4, REMAINDER 3); \
+             CREATE TABLE outbox_q1 PARTITION OF outbox FOR VALUES WITH (MODULUS 4, REMAINDER 1); \
+             CREATE TABLE outbox_q0 PARTITION OF outbox FOR VALUES WITH (MODULUS 4, REMAINDER 0); \
+             CREATE TABLE outbox_q2 PARTITION OF outbox FOR VALUES WITH (MODULUS 4, REMAINDER 2); \
+             ALTER PUBLICATION {p} SET TABLE outbox_q3, outbox_q1, outbox_q0, outbox_q2"
+        ))
+        .await?;
+    admin
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&stack.slot],
+        )
+        .await?;
+    let sink = ScriptedSink::start().await?;
+    let run = run_once(&stack, &sink).await?;
+    assert_eq!(run.code(), Some(3), "{}", run.text());
+    assert!(
+        run.text()
+            .contains("under their own names (outbox_q0, outbox_q1, outbox_q2, …)"),
+        "{}",
+        run.text()
+    );
+    Ok(())
+}
+
 /// A partition detached while the relay is stopped, with events of it not
 /// yet delivered, then published in its own right (a `TABLES IN SCHEMA`
 /// publication would do the same) and written to directly: the events it
