@@ -556,6 +556,43 @@ async fn two_replays_at_once_send_each_row_once() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Rows deleted by a statement while a replay sends them: the replay
+/// delivers them and says that they were already removed, instead of
+/// counting them as removed by it. (Before: "10 delivered and removed"
+/// for rows another session had deleted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_names_rows_removed_meanwhile_by_another_session() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, sink) = (&s.stack, s.sink());
+    let admin = stack.orders_admin().await?;
+    let (_rows, before) = rows_for_a_slow_replay(&s).await?;
+    let replay = crate::sink_failures::cli(stack, &["dead-letter", "replay", "--all"], &sink.url);
+    let delete = async {
+        wait_until(
+            "the replay's first request",
+            Duration::from_secs(20),
+            || async { Ok(sink.received().len() > before) },
+        )
+        .await?;
+        admin
+            .execute("DELETE FROM cdc_relay_dead_letter", &[])
+            .await?;
+        anyhow::Ok(())
+    };
+    let (replayed, deleted) = tokio::join!(replay, delete);
+    let replayed = replayed?;
+    deleted?;
+    assert!(replayed.success(), "{}", replayed.text());
+    assert!(
+        replayed
+            .text()
+            .contains("of them already removed meanwhile, by another command or statement"),
+        "{}",
+        replayed.text()
+    );
+    Ok(())
+}
+
 /// `dead-letter discard` while `dead-letter replay` runs over the same
 /// rows: the discard is refused (exit 1, nothing discarded, saying what
 /// runs), and the replay sends and removes every row, each audited once as

@@ -151,6 +151,9 @@ struct Source<'a> {
     endpoint: Option<String>,
     /// Rows settled without sending.
     settled: Vec<Replayed>,
+    /// Rows delivered that were gone when their removal ran (a discard,
+    /// or another command, removed them meanwhile).
+    gone: Vec<i64>,
 }
 
 impl Source<'_> {
@@ -275,7 +278,11 @@ impl Rows for Source<'_> {
         )
         .await
         {
-            Ok(_) => Ok(()),
+            Ok(removed) => {
+                self.gone
+                    .extend(ids.iter().filter(|id| removed.binary_search(id).is_err()));
+                Ok(())
+            }
             Err(e) => Err(StoreError::of(self.client, &e).await),
         }
     }
@@ -381,6 +388,7 @@ pub(super) async fn replay(g: &GlobalArgs, a: ReplayArgs) -> anyhow::Result<()> 
         pages: None,
         endpoint,
         settled: Vec::new(),
+        gone: Vec::new(),
     };
     match selection {
         Selection::Filtered(f) => {
@@ -439,11 +447,17 @@ pub(super) async fn replay(g: &GlobalArgs, a: ReplayArgs) -> anyhow::Result<()> 
         while !source.next_page().await?.is_empty() {}
     }
     done.append(&mut source.settled);
-    report(&a, done, stopped)
+    report(&a, done, &source.gone, stopped)
 }
 
 /// Prints the outcome; an error when a row was kept (not a dry run).
-fn report(a: &ReplayArgs, mut done: Vec<Replayed>, stopped: Option<String>) -> anyhow::Result<()> {
+/// `gone`: rows delivered that another command had removed meanwhile.
+fn report(
+    a: &ReplayArgs,
+    mut done: Vec<Replayed>,
+    gone: &[i64],
+    stopped: Option<String>,
+) -> anyhow::Result<()> {
     done.sort_by_key(|r| r.id);
     let count = |o: RowOutcome| done.iter().filter(|r| r.outcome == o).count();
     let (delivered, kept) = (
@@ -456,14 +470,30 @@ fn report(a: &ReplayArgs, mut done: Vec<Replayed>, stopped: Option<String>) -> a
             serde_json::to_string_pretty(&serde_json::json!({
                 "dry_run": a.dry_run,
                 "delivered": delivered,
+                "already_removed": gone,
                 "kept": kept,
                 "stopped": stopped,
                 "rows": done,
             }))?
         );
     } else {
+        let removed = if gone.is_empty() {
+            "and removed".to_owned()
+        } else {
+            let shown: Vec<String> = gone.iter().take(10).map(i64::to_string).collect();
+            format!(
+                "and removed ({} of them already removed meanwhile, by another command or statement: {}{})",
+                gone.len(),
+                shown.join(", "),
+                if gone.len() > shown.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            )
+        };
         outln!(
-            "replay{}: {} row(s): {delivered} delivered and removed, {} rejected, {} not sent (sink failing), {} unsendable, {} not attempted{}",
+            "replay{}: {} row(s): {delivered} delivered {removed}, {} rejected, {} not sent (sink failing), {} unsendable, {} not attempted{}",
             if a.dry_run { " (dry run)" } else { "" },
             done.len(),
             count(RowOutcome::Rejected),
