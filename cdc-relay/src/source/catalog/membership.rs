@@ -158,7 +158,7 @@ pub fn what_changed(before: &[String], now: &[String]) -> String {
                 )
             } else if n.xmin != b.xmin {
                 format!(
-                    "publication {name} was altered (ALTER PUBLICATION … SET, OWNER TO or RENAME) and reads as before: the catalog cannot tell whether it left inserts out in between (publish changed and back)"
+                    "publication {name} was altered (ALTER PUBLICATION … SET, OWNER TO or RENAME) and carries the outbox's inserts as before: the catalog cannot tell whether it left them out in between (publish changed and back)"
                 )
             } else {
                 format!("publication {name} carries it differently now")
