@@ -310,6 +310,20 @@ impl Stack {
         Ok(())
     }
 
+    /// Creates the stack's slot by hand (`pgoutput`, as `cdc-relay setup`
+    /// would), for a test that changed the publication first.
+    pub async fn create_slot(&self) -> anyhow::Result<()> {
+        self.orders_admin()
+            .await?
+            .execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&self.slot],
+            )
+            .await
+            .context("creating the stack's slot")?;
+        Ok(())
+    }
+
     /// Applies the `sql/` files to both databases, exactly as
     /// [`PgCluster::create_stack`] does; every file is re-runnable, so
     /// calling this again changes nothing.

@@ -117,12 +117,7 @@ async fn refused_until_setup(
 ) -> anyhow::Result<()> {
     let admin = stack.orders_admin().await?;
     admin.batch_execute(change).await?;
-    admin
-        .execute(
-            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&stack.slot],
-        )
-        .await?;
+    stack.create_slot().await?;
     let sink = ScriptedSink::start().await?;
     let run = run_once(stack, &sink).await?;
     assert_eq!(run.code(), Some(3), "{}", run.text());
@@ -196,12 +191,7 @@ async fn a_publication_of_many_partitions_names_three_and_says_there_are_more() 
              ALTER PUBLICATION {p} SET TABLE outbox_q3, outbox_q1, outbox_q0, outbox_q2"
         ))
         .await?;
-    admin
-        .execute(
-            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&stack.slot],
-        )
-        .await?;
+    stack.create_slot().await?;
     let sink = ScriptedSink::start().await?;
     let run = run_once(&stack, &sink).await?;
     assert_eq!(run.code(), Some(3), "{}", run.text());
@@ -306,12 +296,7 @@ async fn rows_streamed_under_partition_names_are_dead_lettered_not_dropped() -> 
             "ALTER PUBLICATION {p} SET (publish_via_partition_root = false)"
         ))
         .await?;
-    admin
-        .execute(
-            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&stack.slot],
-        )
-        .await?;
+    stack.create_slot().await?;
     // Random ids: insert until both partitions hold a row.
     for _ in 0..64 {
         app::insert_order_event(&admin).await?;
@@ -425,14 +410,7 @@ async fn a_partitioned_outbox_renamed_while_streaming_stops_the_relay_naming_it(
 async fn a_partition_named_as_the_outbox_is_refused_naming_the_root() -> anyhow::Result<()> {
     let stack = PgCluster::shared().create_stack().await?;
     stack.partition_outbox().await?;
-    stack
-        .orders_admin()
-        .await?
-        .execute(
-            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&stack.slot],
-        )
-        .await?;
+    stack.create_slot().await?;
     let sink = ScriptedSink::start().await?;
     for (url, args) in [
         (
