@@ -477,3 +477,54 @@ async fn each_aggregate_keeps_commit_order_across_batches_retries_and_splits() -
     );
     Ok(())
 }
+
+/// `--max-in-flight 1` is strict commit order, batches or not: 24 events,
+/// each its own transaction and aggregate, while the sink fails every
+/// batch (503: retried, then split) and takes single events. The events
+/// reach the sink's 2xx in commit order. (Before: a split batch's halves
+/// went at once, and a later half was taken while the earlier one was
+/// still being split: a tester saw 12 of 32 events ahead of an earlier
+/// one.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_at_a_time_keeps_commit_order_across_splits() -> anyhow::Result<()> {
+    let args = [
+        "--batch-max-events",
+        "8",
+        "--max-in-flight",
+        "1",
+        "--backoff-cap",
+        "100ms",
+    ];
+    let mut s = Scenario::plan(Inbox::Scripted)
+        .relay_args(&args)
+        .start()
+        .await?;
+    s.stop_relay().await?;
+    let mut committed = Vec::new();
+    for _ in 0..24 {
+        committed.push(app::insert_order_event(&s.db).await?.to_string());
+    }
+    let sink = s.sink();
+    sink.set_batch_status(Some(503));
+    s.restart_relay(&args).await?;
+    let sink = s.sink();
+    wait_until("every event taken", DRAIN, || async {
+        Ok(sink
+            .delivered()
+            .iter()
+            .map(|r| r.ids().len())
+            .sum::<usize>()
+            >= committed.len())
+    })
+    .await?;
+    let received = sink.received();
+    assert!(
+        received
+            .iter()
+            .any(|r| r.status == 503 && r.ids().len() > 2),
+        "a batch was refused and split"
+    );
+    let taken: Vec<String> = sink.delivered().iter().flat_map(|r| r.ids()).collect();
+    assert_eq!(taken, committed, "2xx'd in commit order");
+    Ok(())
+}

@@ -74,17 +74,29 @@ pub(super) fn deliver_group<'a, S: Sink, D: DeadLetterStore>(
                         break;
                     }
                     Answered::Refused(..) | Answered::Split => {
-                        // The halves go at once: a half whose event the
-                        // endpoint keeps failing must not hold the other back.
                         let rest: Vec<(u64, &OutboxEvent)> =
                             todo.iter().map(|&i| events[i]).collect();
                         let (left, right) = rest.split_at(rest.len() / 2);
-                        let (left, right) = tokio::join!(
-                            deliver_group(lane, ctx, left),
-                            deliver_group(lane, ctx, right)
-                        );
-                        let mut ends = left?;
-                        ends.extend(right?);
+                        let ends = if lane.cfg.max_in_flight == 1 {
+                            // One request at a time is strict commit order:
+                            // the earlier half first, and an event the
+                            // endpoint keeps failing holds the rest, as it
+                            // does without batches.
+                            let mut ends = deliver_group(lane, ctx, left).await?;
+                            ends.extend(deliver_group(lane, ctx, right).await?);
+                            ends
+                        } else {
+                            // The halves go at once: a half whose event the
+                            // endpoint keeps failing must not hold the other
+                            // back.
+                            let (left, right) = tokio::join!(
+                                deliver_group(lane, ctx, left),
+                                deliver_group(lane, ctx, right)
+                            );
+                            let mut ends = left?;
+                            ends.extend(right?);
+                            ends
+                        };
                         todo.iter().zip(ends).for_each(|(&i, f)| done[i] = Some(f));
                         break;
                     }
