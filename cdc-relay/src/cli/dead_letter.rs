@@ -127,27 +127,27 @@ pub struct ReplayArgs {
 pub struct DeadLetterFilterArgs {
     /// Only rows of this event type; `*` matches any characters
     /// (`--type 'Order*'`).
-    #[arg(long = "type")]
+    #[arg(long = "type", value_parser = parse_filter)]
     pub event_type: Option<String>,
     /// Only rows whose reason (the recorded error) contains this text,
     /// ignoring case (`parked`, `unrouted`, `unreadable`, `http_422`,
     /// `order_already_invoiced`).
-    #[arg(long, visible_alias = "error-contains")]
+    #[arg(long, visible_alias = "error-contains", value_parser = parse_filter)]
     pub reason: Option<String>,
     /// Only rows dead-lettered at or after this time, with its UTC offset
     /// (e.g. '2026-11-30 10:00:00+00').
-    #[arg(long)]
+    #[arg(long, value_parser = parse_filter)]
     pub since: Option<String>,
     /// Only rows dead-lettered before this time (with its UTC offset).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_filter)]
     pub until: Option<String>,
     /// Only rows of this aggregate (the aggregate column's value, e.g. an
     /// order id).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_filter)]
     pub aggregate: Option<String>,
     /// Only rows an endpoint of the routes file refused (its `name`); rows
     /// of one-endpoint mode, unrouted events and unreadable rows have none.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_filter)]
     pub endpoint: Option<String>,
 }
 

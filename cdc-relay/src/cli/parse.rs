@@ -175,6 +175,18 @@ impl clap::builder::TypedValueParser for SinkUrlParser {
     }
 }
 
+/// A dead-letter filter's value (`--type`, `--reason`, …): not blank. An
+/// empty one is a script's unset variable, and `--reason ''` would select
+/// every row (`discard` all of them).
+pub(super) fn parse_filter(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err(
+            "empty: give the value to select by, or leave the flag out to select without it".into(),
+        );
+    }
+    Ok(s.to_owned())
+}
+
 /// `--note`: a reason kept in the audit table, not blank.
 pub(super) fn parse_note(s: &str) -> Result<String, String> {
     if s.trim().is_empty() {

@@ -226,6 +226,45 @@ fn a_blank_discard_note_is_refused_naming_the_flag() {
     assert!(discard("duplicate of #42").is_ok());
 }
 
+/// A blank dead-letter filter is refused naming the flag (exit 2): an unset
+/// shell variable in `discard --reason "$R" --yes` would otherwise select
+/// (and drop) every row, while `--type ''` selected none.
+#[test]
+fn a_blank_dead_letter_filter_is_refused_naming_the_flag() {
+    for (flag, named) in [
+        ("--type", "--type"),
+        ("--reason", "--reason"),
+        ("--error-contains", "--reason"),
+        ("--since", "--since"),
+        ("--until", "--until"),
+        ("--aggregate", "--aggregate"),
+        ("--endpoint", "--endpoint"),
+    ] {
+        for command in ["list", "discard"] {
+            let argv = [
+                "cdc-relay",
+                "dead-letter",
+                command,
+                flag,
+                " ",
+                "--note",
+                "n",
+            ];
+            let argv = if command == "list" {
+                &argv[..5]
+            } else {
+                &argv[..]
+            };
+            let err = Cli::try_parse_from(argv).unwrap_err();
+            assert_eq!(err.exit_code(), 2, "{command} {flag}");
+            assert!(err.to_string().contains(named), "{command} {flag}: {err}");
+        }
+    }
+    assert!(
+        Cli::try_parse_from(["cdc-relay", "dead-letter", "list", "--reason", "http_422"]).is_ok()
+    );
+}
+
 /// A negative number given after a space is the flag's value, refused by
 /// its parser naming the flag and the range (clap's default read it as
 /// an unknown option: "unexpected argument '-1' found").
