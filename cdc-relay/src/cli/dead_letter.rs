@@ -70,9 +70,11 @@ pub struct ReplayArgs {
     /// of that trace, exported over OTLP/HTTP.
     #[command(flatten)]
     pub trace: trace_context::TraceArgs,
-    /// Row id from `list`.
+    /// Row ids from `list` (several are replayed oldest first, whatever
+    /// their order here: an aggregate's rows go in the order they were
+    /// written).
     #[arg(conflicts_with = "all")]
-    pub id: Option<i64>,
+    pub ids: Vec<i64>,
     /// Replay every row the filters select (every row, without a filter),
     /// oldest first.
     #[arg(long)]

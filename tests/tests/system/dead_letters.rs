@@ -556,6 +556,50 @@ async fn two_replays_at_once_send_each_row_once() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Several row ids, given newest first: every one is replayed, and each
+/// aggregate's rows reach the sink oldest first (a replay of named rows
+/// took one id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_of_several_ids_sends_each_aggregate_oldest_first() -> anyhow::Result<()> {
+    let s = Scenario::start(Inbox::Scripted).await?;
+    let (stack, sink) = (&s.stack, s.sink());
+    let admin = stack.orders_admin().await?;
+    let rows = dead_letter_rows(&admin, 2, 3).await?;
+    let before = sink.received().len();
+    let mut ids: Vec<String> = admin
+        .query(
+            "SELECT id::text FROM cdc_relay_dead_letter ORDER BY id DESC",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    ids.truncate(5); // one row stays
+    let mut argv = vec!["dead-letter", "replay"];
+    argv.extend(ids.iter().map(String::as_str));
+    let out = crate::sink_failures::cli(stack, &argv, &sink.url).await?;
+    assert!(out.success(), "{}", out.text());
+    let sent: Vec<String> = sink.received_from(before).iter().map(|r| r.id()).collect();
+    assert_eq!(sent.len(), 5, "{sent:?}");
+    for (_, events) in &rows {
+        let order: Vec<usize> = sent
+            .iter()
+            .filter_map(|id| events.iter().position(|e| e == id))
+            .collect();
+        assert!(
+            order.windows(2).all(|w| w[0] < w[1]),
+            "{order:?} of {events:?}"
+        );
+    }
+    let left: i64 = admin
+        .query_one("SELECT count(*) FROM cdc_relay_dead_letter", &[])
+        .await?
+        .get(0);
+    assert_eq!(left, 1);
+    Ok(())
+}
+
 /// Rows deleted by a statement while a replay sends them: the replay
 /// delivers them and says that they were already removed, instead of
 /// counting them as removed by it. (Before: "10 delivered and removed"

@@ -376,11 +376,14 @@ pub(super) async fn replay(g: &GlobalArgs, a: ReplayArgs) -> anyhow::Result<()> 
         lock_parked(&client, endpoint.as_deref()).await?;
     }
     let mut filter = checked(&client, &a.filter).await?;
-    if a.id.is_some() {
+    if !a.ids.is_empty() {
         // A row named by id is checked against --endpoint instead.
         filter.endpoint = None;
     }
-    let selection = Selection::new(a.id.into_iter().collect(), a.all, filter)?;
+    // Oldest first: an aggregate's rows in the order they were written.
+    let mut ids = a.ids.clone();
+    ids.sort_unstable();
+    let selection = Selection::new(ids, a.all, filter)?;
     let mut source = Source {
         client: &client,
         args: &a,
