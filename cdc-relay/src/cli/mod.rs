@@ -75,6 +75,10 @@ impl Cli {
     pub fn parse_args() -> Cli {
         let command = Cli::command();
         let matches = command.clone().try_get_matches().unwrap_or_else(|mut e| {
+            if let Some(said) = conflict_from_env(&command, &e) {
+                eprintln!("{said}");
+                std::process::exit(2);
+            }
             if let Some((env, flag, value)) = env_behind(&command, &e) {
                 if value.is_empty() {
                     eprintln!(
@@ -96,6 +100,38 @@ impl Cli {
     }
 }
 
+/// The environment variable that gave `arg` its value, and that value:
+/// its variable is set while the command line does not give its flag
+/// (`--flag` or `--flag=…`).
+pub(super) fn env_source(arg: &clap::Arg) -> Option<(String, String)> {
+    let (env, long) = (arg.get_env()?, arg.get_long()?);
+    let flag = format!("--{long}");
+    let on_line = std::env::args().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+    let value = std::env::var_os(env).filter(|_| !on_line)?;
+    Some((
+        env.to_string_lossy().into_owned(),
+        value.to_string_lossy().into_owned(),
+    ))
+}
+
+/// The argument of `command` (or a subcommand) that clap's error text
+/// `shown` names (`--sink-url <SINK_URL>`, or `--sink-url`).
+fn arg_named<'a>(command: &'a clap::Command, shown: &str) -> Option<&'a clap::Arg> {
+    let mut pending = vec![command];
+    while let Some(cmd) = pending.pop() {
+        for arg in cmd.get_arguments() {
+            if let Some(long) = arg.get_long() {
+                let flag = format!("--{long}");
+                if shown == flag || shown.starts_with(&format!("{flag} ")) {
+                    return Some(arg);
+                }
+            }
+        }
+        pending.extend(cmd.get_subcommands());
+    }
+    None
+}
+
 /// The environment variable, its flag and its value behind clap's `error`
 /// when it refused a value (invalid, or empty) of an argument whose
 /// variable is set while the command line does not give that flag: clap
@@ -111,29 +147,57 @@ fn env_behind(command: &clap::Command, error: &clap::Error) -> Option<(String, S
     let Some(ContextValue::String(refused)) = error.get(ContextKind::InvalidArg) else {
         return None;
     };
-    let given: Vec<String> = std::env::args().collect();
-    let mut pending = vec![command];
-    while let Some(cmd) = pending.pop() {
-        for arg in cmd.get_arguments() {
-            let (Some(env), Some(long)) = (arg.get_env(), arg.get_long()) else {
-                continue;
-            };
-            let flag = format!("--{long}");
-            let named = refused == &flag || refused.starts_with(&format!("{flag} "));
-            let on_line = given
-                .iter()
-                .any(|a| a == &flag || a.starts_with(&format!("{flag}=")));
-            if let (true, false, Some(value)) = (named, on_line, std::env::var_os(env)) {
-                return Some((
-                    env.to_string_lossy().into_owned(),
-                    flag,
-                    value.to_string_lossy().into_owned(),
-                ));
-            }
-        }
-        pending.extend(cmd.get_subcommands());
+    let arg = arg_named(command, refused)?;
+    let (env, value) = env_source(arg)?;
+    Some((env, format!("--{}", arg.get_long()?), value))
+}
+
+/// clap's "the argument X cannot be used with Y" when X or Y came from
+/// the environment, not the command line: the same refusal, naming the
+/// variable to unset. `None` when both were typed (clap's words stand).
+fn conflict_from_env(command: &clap::Command, error: &clap::Error) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if error.kind() != ErrorKind::ArgumentConflict {
+        return None;
     }
-    None
+    let Some(ContextValue::String(first)) = error.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let Some(ContextValue::String(second)) = error.get(ContextKind::PriorArg) else {
+        return None;
+    };
+    let name = |shown: &str| {
+        let arg = arg_named(command, shown)?;
+        let (env, _) = env_source(arg)?;
+        Some((
+            format!(
+                "--{} (from the environment variable {env})",
+                arg.get_long()?
+            ),
+            env,
+        ))
+    };
+    let (a, b) = (name(first), name(second));
+    if a.is_none() && b.is_none() {
+        return None;
+    }
+    let shown = |n: &Option<(String, String)>, raw: &str| {
+        n.as_ref().map_or_else(
+            || raw.split(' ').next().unwrap_or(raw).to_owned(),
+            |(s, _)| s.clone(),
+        )
+    };
+    let unset: Vec<&str> = [&a, &b]
+        .into_iter()
+        .flatten()
+        .map(|(_, env)| env.as_str())
+        .collect();
+    Some(format!(
+        "error: {} cannot be used with {}: unset {} or drop the other",
+        shown(&a, first),
+        shown(&b, second),
+        unset.join(" and ")
+    ))
 }
 
 /// The global flags (`GlobalArgs` field ids) by what they are for.

@@ -163,14 +163,25 @@ impl clap::builder::TypedValueParser for SinkUrlParser {
         let s = value.to_string_lossy();
         parse_sink_url(&s).map_err(|reason| {
             let flag = arg.map_or_else(|| "--sink-url".to_owned(), |a| a.to_string());
-            clap::Error::raw(
-                clap::error::ErrorKind::ValueValidation,
-                format!(
+            let long = arg
+                .and_then(clap::Arg::get_long)
+                .map_or_else(|| "--sink-url".to_owned(), |l| format!("--{l}"));
+            // A value from the environment is named by its variable: the
+            // command line never had the flag.
+            let message = match arg.and_then(super::env_source) {
+                Some((env, _)) if s.trim().is_empty() => {
+                    format!("{env} is set but empty: unset it, or give it a value ({long})\n")
+                }
+                Some((env, _)) => format!(
+                    "invalid value '{}' of the environment variable {env} ({long} was not given): {reason}\n",
+                    crate::redact::url(&s)
+                ),
+                None => format!(
                     "invalid value '{}' for '{flag}': {reason}\n",
                     crate::redact::url(&s)
                 ),
-            )
-            .with_cmd(cmd)
+            };
+            clap::Error::raw(clap::error::ErrorKind::ValueValidation, message).with_cmd(cmd)
         })
     }
 }

@@ -110,6 +110,50 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         bad_size.text()
     );
 
+    // A sink URL from the environment is named by its variable: set but
+    // empty, and in conflict with --routes (clap named two flags, one
+    // never typed).
+    let listen = ["run", "--admin-listen", "127.0.0.1:0"];
+    let empty = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &listen,
+        &[("EVENT_SECRET", TEST_SECRET), ("CDC_RELAY_SINK_URL", "")],
+    )
+    .await?;
+    assert_eq!(empty.code(), Some(2), "{}", empty.text());
+    assert!(
+        empty.text().contains(
+            "CDC_RELAY_SINK_URL is set but empty: unset it, or give it a value (--sink-url)"
+        ),
+        "{}",
+        empty.text()
+    );
+    let conflict = app::relay_command(
+        &stack,
+        &stack.relay_url,
+        &[
+            "run",
+            "--routes",
+            "/nonexistent/routes.toml",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ],
+        &[
+            ("EVENT_SECRET", TEST_SECRET),
+            ("CDC_RELAY_SINK_URL", "http://127.0.0.1:9/inbox"),
+        ],
+    )
+    .await?;
+    assert_eq!(conflict.code(), Some(2), "{}", conflict.text());
+    assert!(
+        conflict.text().contains(
+            "--routes cannot be used with --sink-url (from the environment variable CDC_RELAY_SINK_URL): unset CDC_RELAY_SINK_URL"
+        ),
+        "{}",
+        conflict.text()
+    );
+
     // A sink URL with port 0 (nothing listens there) is refused by `run`
     // and by a replay, before it connects to any database.
     let env = [("EVENT_SECRET", TEST_SECRET)];
