@@ -440,9 +440,11 @@ async fn a_207_without_per_event_answers_splits_the_batch_and_takes_no_event() {
     // whose 207 says nothing either: none is done, each is sent again.
     // (Broken before: a single event's 207 of any body was taken as a
     // 2xx, so such a receiver had every event confirmed.)
+    // Two requests at a time: a split's halves go at once (at one, the
+    // first event alone would hold the rest, the next test).
     let sink = ScriptedSink::new(|_, _| (Duration::from_millis(5), 207));
     let metrics = Metrics::new();
-    let cfg = batching(1, 8);
+    let cfg = batching(2, 8);
     let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
     let events = (0..8).map(|n| event(&format!("e{n}"), None)).collect();
     let dead = super::breaker::session_counted(
@@ -498,4 +500,44 @@ async fn an_event_the_endpoint_keeps_failing_holds_back_only_its_aggregate() {
     );
 
     assert_each_delivered_once_but_e13(&sink.calls());
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_request_at_a_time_splits_the_earlier_half_first_and_holds_the_rest() {
+    // One request at a time is strict commit order: a split batch's
+    // earlier half goes first, down to its first event alone, and an event
+    // whose fate is never known (an empty 207) holds every later one, as
+    // it would without batches.
+    let sink = ScriptedSink::new(|_, _| (Duration::from_millis(5), 207));
+    let metrics = Metrics::new();
+    let cfg = batching(1, 8);
+    let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
+    let events = (0..8).map(|n| event(&format!("e{n}"), None)).collect();
+    let dead = super::breaker::session_counted(
+        cfg,
+        Arc::clone(&sink),
+        breaker,
+        events,
+        Duration::from_secs(5),
+        metrics.clone(),
+    )
+    .await;
+    assert!(dead.is_empty());
+    assert_eq!(metrics.events_delivered.get(), 0, "no event is taken");
+    let calls = sink.calls();
+    let alone: Vec<&str> = calls
+        .iter()
+        .filter(|c| c.members.is_empty())
+        .map(|c| c.id.as_str())
+        .collect();
+    assert!(alone.len() > 2, "{alone:?}");
+    assert!(
+        alone.iter().all(|id| *id == "e0"),
+        "only the first event alone: {alone:?}"
+    );
+    let sizes: Vec<usize> = calls.iter().map(|c| c.members.len()).collect();
+    assert!(
+        sizes.windows(2).all(|w| w[1] <= w[0] || w[1] == 0),
+        "halves, never a later half before the earlier one is done: {sizes:?}"
+    );
 }
