@@ -528,20 +528,25 @@ fn excerpt_limit(status: u16) -> usize {
 }
 
 /// Parses `Retry-After` (RFC 9110 §10.2.3): delay-seconds or an HTTP-date
-/// (a date in the past means zero). Delay-seconds too large for a `u64`
-/// mean "a very long time" (as RFC 9111 §1.2.2 reads an overflowing
-/// delta-seconds), `u64::MAX` seconds, for the caller's cap. `None`: not
-/// a `Retry-After` value (a sign, a fraction, words).
+/// (a date in the past means zero). Anything longer than
+/// [`RETRY_AFTER_LONGEST`] (delay-seconds too large for a `u64` included:
+/// "a very long time", as RFC 9111 §1.2.2 reads an overflowing
+/// delta-seconds) is that, for the caller's cap; logs show a figure, not
+/// 1.8e19. `None`: not a `Retry-After` value (a sign, a fraction, words).
 pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
-    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
-        return Some(Duration::from_secs(
-            value.parse::<u64>().unwrap_or(u64::MAX),
-        ));
-    }
-    let at = httpdate::parse_http_date(value).ok()?;
-    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+    let after = if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        Duration::from_secs(value.parse::<u64>().unwrap_or(u64::MAX))
+    } else {
+        let at = httpdate::parse_http_date(value).ok()?;
+        at.duration_since(now).unwrap_or(Duration::ZERO)
+    };
+    Some(after.min(RETRY_AFTER_LONGEST))
 }
+
+/// The longest `Retry-After` read: one year (the relay's pause is capped
+/// far below it, by `--retry-after-max`).
+pub const RETRY_AFTER_LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
 
 mod failure;
 #[cfg(test)]

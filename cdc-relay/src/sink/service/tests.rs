@@ -370,8 +370,12 @@ fn retry_after_forms() {
     assert_eq!(parse_retry_after("-1", now), None);
     assert_eq!(
         parse_retry_after("99999999999999999999999", now),
-        Some(Duration::from_secs(u64::MAX)),
-        "overflowing delay-seconds: a very long time, not none"
+        Some(super::RETRY_AFTER_LONGEST),
+        "overflowing delay-seconds: a very long time (a year), not none"
+    );
+    assert_eq!(
+        parse_retry_after("Fri, 31 Dec 9999 23:59:59 GMT", now),
+        Some(super::RETRY_AFTER_LONGEST)
     );
     assert_eq!(parse_retry_after("+5", now), None);
     assert_eq!(parse_retry_after("soon", now), None);
