@@ -176,7 +176,13 @@ pub(super) async fn attempt_batch<S: Sink, D>(
     metrics
         .request_duration
         .observe(started.elapsed().as_secs_f64());
-    let disposition = classify(&attempt, &lane.cfg.policy);
+    let disposition = match classify(&attempt, &lane.cfg.policy) {
+        // Too large: the batch is the relay's making, so it is split
+        // whatever --poison-statuses says of 413 (the events alone are
+        // judged by it); never "the endpoint rejects the relay".
+        Disposition::ConfigFault(r) if r.status == Some(413) => Disposition::DeadLetter(r),
+        d => d,
+    };
     if let Some(spans) = spans {
         spans.end(&attempt, failure_label(&disposition));
     }

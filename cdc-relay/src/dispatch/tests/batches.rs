@@ -541,3 +541,42 @@ async fn one_request_at_a_time_splits_the_earlier_half_first_and_holds_the_rest(
         "halves, never a later half before the earlier one is done: {sizes:?}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_refused_413_is_split_even_when_413_is_not_poison() {
+    // --poison-statuses without 413 (413 is then "the endpoint rejects the
+    // relay"): a batch refused 413 is still split, its size being the
+    // relay's making, so the events the receiver takes are delivered and
+    // only the one it refuses alone is held (not dead-lettered). (Broken
+    // before: the batch's 413 opened the circuit and nothing went.)
+    let sink =
+        ScriptedSink::new(|id, _| (Duration::from_millis(5), if id == "e3" { 413 } else { 204 }));
+    let metrics = Metrics::new();
+    let cfg = DispatchConfig {
+        policy: crate::sink::StatusPolicy::new(vec![400, 422]).unwrap(),
+        ..batching(2, 8)
+    };
+    let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
+    let events = (0..8).map(|n| event(&format!("e{n}"), None)).collect();
+    let dead = super::breaker::session_counted(
+        cfg,
+        Arc::clone(&sink),
+        breaker,
+        events,
+        Duration::from_secs(5),
+        metrics.clone(),
+    )
+    .await;
+    assert!(dead.is_empty(), "nothing dead-lettered: {dead:?}");
+    let calls = sink.calls();
+    let refused: Vec<usize> = calls
+        .iter()
+        .filter(|c| c.members.len() > 1 && c.status == 413)
+        .map(|c| c.members.len())
+        .collect();
+    // Each refused batch split at once, none sent again whole (as a
+    // failure would be, with the circuit opened).
+    assert_eq!(refused.first(), Some(&8), "{refused:?}");
+    assert_eq!(refused.iter().filter(|n| **n == 8).count(), 1, "{refused:?}");
+    assert_eq!(metrics.events_delivered.get(), 7, "all but e3");
+}
