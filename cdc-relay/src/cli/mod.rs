@@ -74,7 +74,8 @@ impl Cli {
     /// named by that variable, not by the flag the command line never had.
     pub fn parse_args() -> Cli {
         let command = Cli::command();
-        let matches = command.clone().try_get_matches().unwrap_or_else(|mut e| {
+        let argv = negative_values_joined(&command, std::env::args_os().collect());
+        let matches = command.clone().try_get_matches_from(argv).unwrap_or_else(|mut e| {
             if let Some(said) = conflict_from_env(&command, &e) {
                 eprintln!("{said}");
                 std::process::exit(2);
@@ -98,6 +99,53 @@ impl Cli {
         });
         <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
     }
+}
+
+/// `argv` with an option's value that looks like a negative number with
+/// a unit (`--request-timeout -1s`, `--batch-max-bytes -1KiB`) joined to
+/// its option (`--request-timeout=-1s`), so that the option's parser
+/// refuses it naming the flag: clap reads `-1s` as an unknown option
+/// ("unexpected argument '-1' found"). Anything else is left as it is,
+/// so `--sink-url --max-in-flight 4` still says the value is missing.
+fn negative_values_joined(
+    command: &clap::Command,
+    argv: Vec<std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    let takes_value = |long: &str| {
+        let mut pending = vec![command];
+        while let Some(cmd) = pending.pop() {
+            if cmd
+                .get_arguments()
+                .any(|a| a.get_long() == Some(long) && a.get_action().takes_values())
+            {
+                return true;
+            }
+            pending.extend(cmd.get_subcommands());
+        }
+        false
+    };
+    let mut out: Vec<std::ffi::OsString> = Vec::with_capacity(argv.len());
+    let mut args = argv.into_iter().peekable();
+    while let Some(arg) = args.next() {
+        let joined = arg
+            .to_str()
+            .and_then(|a| a.strip_prefix("--"))
+            .filter(|long| !long.contains('=') && takes_value(long));
+        let next_negative = args.peek().and_then(|n| n.to_str()).is_some_and(|n| {
+            n.strip_prefix('-')
+                .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit() || c == '.'))
+        });
+        match (joined, next_negative) {
+            (Some(_), true) => {
+                let mut both = arg.clone();
+                both.push("=");
+                both.push(args.next().expect("peeked"));
+                out.push(both);
+            }
+            _ => out.push(arg),
+        }
+    }
+    out
 }
 
 /// The environment variable that gave `arg` its value, and that value:

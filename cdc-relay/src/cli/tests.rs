@@ -265,6 +265,39 @@ fn a_blank_dead_letter_filter_is_refused_naming_the_flag() {
     );
 }
 
+/// A negative value with a unit after a space is the option's value, so
+/// its parser refuses it naming the flag (clap read `-1s` as an unknown
+/// option); a missing value is still named as missing.
+#[test]
+fn a_negative_value_with_a_unit_is_refused_by_the_flags_parser() {
+    let parse = |argv: &[&str]| {
+        let command = Cli::command();
+        let argv = super::negative_values_joined(&command, argv.iter().map(Into::into).collect());
+        command.try_get_matches_from(argv).unwrap_err().to_string()
+    };
+    for (argv, says) in [
+        (
+            &["cdc-relay", "run", "--request-timeout", "-1s"][..],
+            "'-1s' for '--request-timeout",
+        ),
+        (
+            &["cdc-relay", "run", "--batch-max-bytes", "-1KiB"][..],
+            "'-1KiB' for '--batch-max-bytes",
+        ),
+        (
+            &["cdc-relay", "run", "--backoff-cap", "-.5s"][..],
+            "'-.5s' for '--backoff-cap",
+        ),
+        (
+            &["cdc-relay", "run", "--sink-url", "--max-in-flight", "4"][..],
+            "a value is required for '--sink-url",
+        ),
+    ] {
+        let err = parse(argv);
+        assert!(err.contains(says), "{argv:?}: {err}");
+    }
+}
+
 /// A negative number given after a space is the flag's value, refused by
 /// its parser naming the flag and the range (clap's default read it as
 /// an unknown option: "unexpected argument '-1' found").

@@ -577,6 +577,10 @@ async fn a_batch_refused_413_is_split_even_when_413_is_not_poison() {
     // Each refused batch split at once, none sent again whole (as a
     // failure would be, with the circuit opened).
     assert_eq!(refused.first(), Some(&8), "{refused:?}");
-    assert_eq!(refused.iter().filter(|n| **n == 8).count(), 1, "{refused:?}");
+    assert_eq!(
+        refused.iter().filter(|n| **n == 8).count(),
+        1,
+        "{refused:?}"
+    );
     assert_eq!(metrics.events_delivered.get(), 7, "all but e3");
 }
