@@ -112,17 +112,9 @@ fn negative_values_joined(
     argv: Vec<std::ffi::OsString>,
 ) -> Vec<std::ffi::OsString> {
     let takes_value = |long: &str| {
-        let mut pending = vec![command];
-        while let Some(cmd) = pending.pop() {
-            if cmd
-                .get_arguments()
-                .any(|a| a.get_long() == Some(long) && a.get_action().takes_values())
-            {
-                return true;
-            }
-            pending.extend(cmd.get_subcommands());
-        }
-        false
+        args_of(command, long)
+            .iter()
+            .any(|a| a.get_action().takes_values())
     };
     let mut out: Vec<std::ffi::OsString> = Vec::with_capacity(argv.len());
     let mut args = argv.into_iter().peekable();
@@ -162,22 +154,28 @@ pub(super) fn env_source(arg: &clap::Arg) -> Option<(String, String)> {
     ))
 }
 
-/// The argument of `command` (or a subcommand) that clap's error text
-/// `shown` names (`--sink-url <SINK_URL>`, or `--sink-url`).
-fn arg_named<'a>(command: &'a clap::Command, shown: &str) -> Option<&'a clap::Arg> {
+/// Every argument of `command` and its subcommands whose long flag is
+/// `long` (without its `--`).
+fn args_of<'a>(command: &'a clap::Command, long: &str) -> Vec<&'a clap::Arg> {
+    let mut found = Vec::new();
     let mut pending = vec![command];
     while let Some(cmd) = pending.pop() {
-        for arg in cmd.get_arguments() {
-            if let Some(long) = arg.get_long() {
-                let flag = format!("--{long}");
-                if shown == flag || shown.starts_with(&format!("{flag} ")) {
-                    return Some(arg);
-                }
-            }
-        }
+        found.extend(cmd.get_arguments().filter(|a| a.get_long() == Some(long)));
         pending.extend(cmd.get_subcommands());
     }
-    None
+    found
+}
+
+/// The argument that clap's error text `shown` names (`--sink-url
+/// <SINK_URL>`, or `--sink-url`): of the subcommands' arguments of that
+/// name, one with an environment variable if any has one.
+fn arg_named<'a>(command: &'a clap::Command, shown: &str) -> Option<&'a clap::Arg> {
+    let long = shown.strip_prefix("--")?.split(' ').next()?;
+    let args = args_of(command, long);
+    args.iter()
+        .find(|a| a.get_env().is_some())
+        .or(args.first())
+        .copied()
 }
 
 /// The environment variable, its flag and its value behind clap's `error`
