@@ -154,6 +154,13 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
     );
     let mut parking = Parking::new(pipeline.wal_budget.clone(), pipeline.window.clone());
     let mut scheduler: Scheduler<P, Job> = Scheduler::with_lanes(start, &limits);
+    // One request at a time is strict commit order: a batch of such a lane
+    // takes events in stream order only.
+    for (i, l) in lanes.iter().enumerate() {
+        if l.cfg.max_in_flight == 1 && l.cfg.batch_max_events > 1 {
+            scheduler.in_stream_order(i);
+        }
+    }
     let mut done = DoneLog::new();
     let mut skipped = Skipped::default();
     let mut writes: FuturesUnordered<Written> = FuturesUnordered::new();

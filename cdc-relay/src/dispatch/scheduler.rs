@@ -14,6 +14,10 @@
 //! - At most the lane's `max_in_flight` jobs of a lane run at once, and
 //!   none starts while the lane is *held* (the handover of a parked
 //!   endpoint back to live waits for its lane to be quiet).
+//! - A lane *in stream order* ([`Scheduler::in_stream_order`]) starts no
+//!   job while an earlier job of it waits on its aggregate: its jobs start
+//!   strictly in stream order, though several may run (one request at a
+//!   time carrying a batch of them, in that order).
 //! - A job may instead be *handed off* ([`Scheduler::hand_off`]): given to
 //!   a single writer that completes jobs in the order it is handed them
 //!   (the dead-letter writer). Its aggregate's claim is released at the
@@ -29,7 +33,7 @@
 //!   whose jobs — at every lane — are all complete. An abandoned job is
 //!   never complete.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -87,6 +91,9 @@ struct Queues<W> {
     held: bool,
     /// Its jobs are handed off, never started ([`Scheduler::drain`]).
     draining: bool,
+    /// In stream order ([`Scheduler::in_stream_order`]): the positions of
+    /// its jobs in `waiting`.
+    in_order: Option<BTreeSet<u64>>,
 }
 
 impl<W> Queues<W> {
@@ -102,6 +109,7 @@ impl<W> Queues<W> {
             handed_off: 0,
             held: false,
             draining: false,
+            in_order: None,
         }
     }
 
@@ -110,7 +118,13 @@ impl<W> Queues<W> {
         if self.held || self.draining || self.running >= self.max_in_flight {
             return None;
         }
-        self.ready.keys().next().copied()
+        let first = self.ready.keys().next().copied()?;
+        // In stream order, an earlier job waiting on its aggregate comes
+        // first.
+        match self.in_order.as_ref().and_then(BTreeSet::first) {
+            Some(&waiting) if waiting < first => None,
+            _ => Some(first),
+        }
     }
 
     /// `key`'s claim passes to its next waiting job (made ready), or ends.
@@ -120,6 +134,9 @@ impl<W> Queues<W> {
             Some(next) => {
                 if self.waiting.get(&key).is_some_and(VecDeque::is_empty) {
                     self.waiting.remove(&key);
+                }
+                if let Some(waiting) = &mut self.in_order {
+                    waiting.remove(&next.ticket.seq);
                 }
                 self.ready.insert(next.ticket.seq, next);
             }
@@ -168,6 +185,18 @@ impl<P: Position, W> Scheduler<P, W> {
             lanes,
             abandoned: Vec::new(),
         }
+    }
+
+    /// From now on `lane` starts its jobs strictly in stream order: none
+    /// while an earlier one waits on its aggregate (see the module doc).
+    /// For a lane of one request at a time that carries batches, whose
+    /// `max_in_flight` here is its batch size: without it a batch would
+    /// take later events of other aggregates ahead of an earlier event
+    /// waiting for its aggregate's previous one.
+    pub fn in_stream_order(&mut self, lane: usize) {
+        let l = &mut self.lanes[lane];
+        debug_assert!(l.waiting.is_empty(), "set before any job waits");
+        l.in_order.get_or_insert_with(BTreeSet::new);
     }
 
     /// A transaction begins.
@@ -225,6 +254,9 @@ impl<P: Position, W> Scheduler<P, W> {
                     self.abandoned.push((lane, job.work));
                 }
                 Some(k) if l.claimed.contains(k) => {
+                    if let Some(waiting) = &mut l.in_order {
+                        waiting.insert(seq);
+                    }
                     l.waiting.entry(k.clone()).or_default().push_back(job);
                 }
                 Some(k) => {
@@ -339,6 +371,9 @@ impl<P: Position, W> Scheduler<P, W> {
         if let Some(key) = ticket.key {
             for job in l.waiting.remove(&key).unwrap_or_default() {
                 l.added.remove(&job.ticket.seq);
+                if let Some(waiting) = &mut l.in_order {
+                    waiting.remove(&job.ticket.seq);
+                }
                 self.abandoned.push((ticket.lane, job.work));
             }
             l.given_up.insert(key);

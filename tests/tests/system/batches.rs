@@ -528,3 +528,52 @@ async fn one_request_at_a_time_keeps_commit_order_across_splits() -> anyhow::Res
     assert_eq!(taken, committed, "2xx'd in commit order");
     Ok(())
 }
+
+/// `--max-in-flight 1` with batches, and an aggregate's events one after
+/// the other (three each, each its own transaction): a batch takes events
+/// in commit order only, never a later aggregate's event ahead of an
+/// earlier event waiting for its aggregate's previous one. (Before: with
+/// room for a batch, the scheduler started later events of other
+/// aggregates; a tester's receiver got `[1]`, then `[3, 6, 2]`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_at_a_time_batches_only_in_commit_order() -> anyhow::Result<()> {
+    let args = ["--batch-max-events", "4", "--max-in-flight", "1"];
+    let mut s = Scenario::plan(Inbox::Scripted)
+        .relay_args(&args)
+        .start()
+        .await?;
+    s.stop_relay().await?;
+    let mut aggregates = Vec::new();
+    for _ in 0..8 {
+        aggregates.push(harness::oracle::expected::insert_order(&s.db).await?);
+    }
+    let mut committed = Vec::new();
+    for n in 0..24 {
+        let e = harness::oracle::expected::insert_event(
+            &s.db,
+            aggregates[n / 3],
+            "OrderCreated",
+            Some(&format!("{{\"n\":{n}}}")),
+        )
+        .await?;
+        committed.push(e.id);
+    }
+    s.restart_relay(&args).await?;
+    let sink = s.sink();
+    wait_until("every event taken", DRAIN, || async {
+        Ok(sink
+            .delivered()
+            .iter()
+            .map(|r| r.ids().len())
+            .sum::<usize>()
+            >= committed.len())
+    })
+    .await?;
+    let taken: Vec<String> = sink.delivered().iter().flat_map(|r| r.ids()).collect();
+    assert_eq!(taken, committed, "2xx'd in commit order");
+    assert!(
+        sink.delivered().iter().any(|r| r.ids().len() > 1),
+        "batches were sent"
+    );
+    Ok(())
+}

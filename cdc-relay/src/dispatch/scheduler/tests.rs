@@ -39,6 +39,39 @@ fn one_job_per_key_and_at_most_max_in_flight() {
 }
 
 #[test]
+fn a_lane_in_stream_order_starts_nothing_past_a_job_waiting_on_its_aggregate() {
+    let now = Instant::now();
+    let mut s: Scheduler<Lsn, &str> = Scheduler::new(lsn(0), 4);
+    s.in_stream_order(0);
+    s.begin();
+    s.add(Some("a".into()), "a1", now);
+    s.add(Some("b".into()), "b1", now);
+    s.add(Some("a".into()), "a2", now);
+    s.add(Some("c".into()), "c1", now);
+    s.add(None, "x", now);
+    s.commit(lsn(10));
+
+    let (ta1, w) = s.next_job().unwrap();
+    assert_eq!(w, "a1");
+    let (tb1, w) = s.next_job().unwrap();
+    assert_eq!(w, "b1", "b1 has no earlier job waiting");
+    assert!(
+        s.next_job().is_none(),
+        "c1 and x wait: a2, earlier, waits on a1 (room for four)"
+    );
+    s.complete(tb1);
+    assert!(s.next_job().is_none(), "a2 still waits on a1");
+    s.complete(ta1);
+    let mut started = Vec::new();
+    while let Some((t, w)) = s.next_job() {
+        s.complete(t);
+        started.push(w);
+    }
+    assert_eq!(started, ["a2", "c1", "x"], "in stream order");
+    assert_eq!(s.confirmed(), lsn(10));
+}
+
+#[test]
 fn a_held_lane_starts_nothing_and_keeps_its_jobs() {
     let now = Instant::now();
     let mut s: Scheduler<Lsn, &str> = Scheduler::with_lanes(lsn(0), &[4, 4]);
@@ -259,6 +292,9 @@ proptest! {
         let now = Instant::now();
         let maxes = [max.0, max.1];
         let mut s: Scheduler<Lsn, (u64, Option<u8>, Lsn)> = Scheduler::with_lanes(lsn(100), &maxes);
+        // Lane 1 starts its jobs strictly in stream order.
+        s.in_stream_order(1);
+        let mut last_in_order: Option<u64> = None;
         let mut wal = 100u64;
         let mut running: Vec<(Ticket, Option<u8>)> = Vec::new();
         // end position of each incomplete job, by seq
@@ -273,11 +309,17 @@ proptest! {
         let start = |s: &mut Scheduler<Lsn, (u64, Option<u8>, Lsn)>,
                          running: &mut Vec<(Ticket, Option<u8>)>,
                          last_started: &mut HashMap<(usize, u8), u64>,
+                         last_in_order: &mut Option<u64>,
                          held: &[bool; 2]|
          -> Result<(), TestCaseError> {
             while let Some((ticket, (job_seq, key, _))) = s.next_job() {
                 prop_assert_eq!(ticket.seq, job_seq);
                 let lane = ticket.lane;
+                if lane == 1 {
+                    if let Some(prev) = last_in_order.replace(job_seq) {
+                        prop_assert!(prev < job_seq, "lane 1 started {} after {}", job_seq, prev);
+                    }
+                }
                 prop_assert!(!held[lane], "a job of held lane {} started", lane);
                 if let Some(k) = key {
                     prop_assert!(
@@ -319,7 +361,7 @@ proptest! {
                     s.complete(ticket);
                 }
                 Step::Complete(_) => {}
-                Step::Start => start(&mut s, &mut running, &mut last_started, &held)?,
+                Step::Start => start(&mut s, &mut running, &mut last_started, &mut last_in_order, &held)?,
                 Step::Keepalive => {
                     wal += 5;
                     s.keepalive(lsn(wal));
@@ -371,7 +413,7 @@ proptest! {
             s.complete(ticket);
         }
         loop {
-            start(&mut s, &mut running, &mut last_started, &[false, false])?;
+            start(&mut s, &mut running, &mut last_started, &mut last_in_order, &[false, false])?;
             let Some((ticket, _)) = running.pop() else { break };
             incomplete.remove(&ticket.seq);
             s.complete(ticket);
