@@ -315,10 +315,10 @@ proptest! {
             while let Some((ticket, (job_seq, key, _))) = s.next_job() {
                 prop_assert_eq!(ticket.seq, job_seq);
                 let lane = ticket.lane;
-                if lane == 1 {
-                    if let Some(prev) = last_in_order.replace(job_seq) {
-                        prop_assert!(prev < job_seq, "lane 1 started {} after {}", job_seq, prev);
-                    }
+                if lane == 1
+                    && let Some(prev) = last_in_order.replace(job_seq)
+                {
+                    prop_assert!(prev < job_seq, "lane 1 started {} after {}", job_seq, prev);
                 }
                 prop_assert!(!held[lane], "a job of held lane {} started", lane);
                 if let Some(k) = key {
