@@ -196,6 +196,11 @@ pub(super) async fn attempt_batch<S: Sink, D>(
             } = &attempt
             {
                 let why = match answers::parse(excerpt) {
+                    // Naming none of the batch's events says nothing of
+                    // any: sent again as it is, it would be forever.
+                    Ok(answers) if !events.iter().any(|e| answers.contains_key(&e.id)) => {
+                        "its results name none of the batch's events".to_owned()
+                    }
                     Ok(answers) => {
                         return per_event(lane, metrics, admission, carried, &answers, attempt);
                     }

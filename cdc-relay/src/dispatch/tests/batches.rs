@@ -584,3 +584,38 @@ async fn a_batch_refused_413_is_split_even_when_413_is_not_poison() {
     );
     assert_eq!(metrics.events_delivered.get(), 7, "all but e3");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_207_naming_none_of_the_batch_splits_it_instead_of_sending_it_again() {
+    // The receiver answers 207 with results that name none of the batch's
+    // events (`{"results": []}`): that says nothing of any event, so the
+    // batch is split as for a 207 without per-event answers. (Broken
+    // before: the same batch went again and again, never split, and the
+    // circuit opened.)
+    let sink = ScriptedSink::new(|_, _| (Duration::from_millis(5), UNNAMED));
+    sink.per_event.store(true, Ordering::Relaxed);
+    let metrics = Metrics::new();
+    let cfg = batching(2, 8);
+    let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
+    let events = (0..8).map(|n| event(&format!("e{n}"), None)).collect();
+    let dead = super::breaker::session_counted(
+        cfg,
+        Arc::clone(&sink),
+        breaker,
+        events,
+        Duration::from_secs(5),
+        metrics.clone(),
+    )
+    .await;
+    assert!(dead.is_empty());
+    let sizes: Vec<usize> = sink.calls().iter().map(|c| c.members.len()).collect();
+    let whole = sizes.iter().filter(|n| **n == 7 || **n == 8).count();
+    assert!(
+        whole <= 1,
+        "the batch went once, then its halves: {sizes:?}"
+    );
+    assert!(
+        sizes.iter().any(|n| (2..=4).contains(n)),
+        "split: {sizes:?}"
+    );
+}
