@@ -70,9 +70,8 @@ pub struct ReplayArgs {
     /// of that trace, exported over OTLP/HTTP.
     #[command(flatten)]
     pub trace: trace_context::TraceArgs,
-    /// Row ids from `list` (several are replayed oldest first, whatever
-    /// their order here: an aggregate's rows go in the order they were
-    /// written).
+    /// Row ids from `list`, in any order: an aggregate's rows go oldest
+    /// first (all rows in id order with --max-in-flight 1).
     #[arg(conflicts_with = "all")]
     pub ids: Vec<i64>,
     /// Replay every row the filters select (every row, without a filter),
@@ -89,18 +88,18 @@ pub struct ReplayArgs {
     /// At most this many requests in flight, each for a different
     /// aggregate (an aggregate's events go one at a time, oldest first). The
     /// first request goes alone: the window opens once the sink answers.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), allow_negative_numbers = true)]
+    #[arg(long, env = "CDC_RELAY_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), allow_negative_numbers = true)]
     pub max_in_flight: u32,
     /// Events one request may carry at most (a batch,
     /// `docs/architecture.md#batches`; only for a receiver that takes
     /// batches). Default: the routes file endpoint's `batch_max_events`
     /// with `--routes`, else 1 (one request per row). A batch the sink
     /// refuses is split down to the refused row, which is kept.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000), allow_negative_numbers = true)]
+    #[arg(long, env = "CDC_RELAY_BATCH_MAX_EVENTS", value_parser = clap::value_parser!(u32).range(1..=1000), allow_negative_numbers = true)]
     pub batch_max_events: Option<u32>,
     /// A batch's body size at most. Default: the routes file endpoint's
     /// `batch_max_bytes` with `--routes`, else 48KiB.
-    #[arg(long, value_parser = super::parse_batch_bytes)]
+    #[arg(long, env = "CDC_RELAY_BATCH_MAX_BYTES", value_parser = super::parse_batch_bytes)]
     pub batch_max_bytes: Option<u32>,
     /// Who replays (kept in the audit table with each removed row);
     /// default: $USER, else the database role.

@@ -154,6 +154,35 @@ pub(super) fn env_source(arg: &clap::Arg) -> Option<(String, String)> {
     ))
 }
 
+/// For an error of a setting checked after parsing (`--request-timeout
+/// must be shorter than --shutdown-timeout`), a line for each flag it
+/// names whose value came from the environment, not the command line:
+/// `--request-timeout came from CDC_RELAY_REQUEST_TIMEOUT`. Never the
+/// value (it may be a secret). Empty when every flag named was typed, or
+/// has no variable set.
+pub fn environment_notes(message: &str) -> Vec<String> {
+    let command = Cli::command();
+    let mut seen = Vec::new();
+    let mut notes = Vec::new();
+    for (at, _) in message.match_indices("--") {
+        let long: String = message[at + 2..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+            .collect();
+        if long.is_empty() || seen.contains(&long) {
+            continue;
+        }
+        seen.push(long.clone());
+        let args = args_of(&command, &long);
+        if let Some((env, _)) = args.iter().find_map(|a| env_source(a)) {
+            notes.push(format!(
+                "--{long} came from the environment variable {env} (not given on the command line): fix or unset {env}"
+            ));
+        }
+    }
+    notes
+}
+
 /// Every argument of `command` and its subcommands whose long flag is
 /// `long` (without its `--`).
 fn args_of<'a>(command: &'a clap::Command, long: &str) -> Vec<&'a clap::Arg> {

@@ -220,5 +220,8 @@ pub(super) fn parse_sink_url(s: &str) -> Result<url::Url, String> {
             );
         }
     }
+    // Scheme, host and port, as for a routes file's url: checked here, so
+    // a dry run refuses what a real one would.
+    crate::sink::service::check_url(&url)?;
     Ok(url)
 }

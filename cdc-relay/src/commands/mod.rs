@@ -88,6 +88,22 @@ pub(crate) fn start_export(
 /// How long a stopping command waits for its last spans to be exported.
 pub(crate) const EXPORT_FLUSH: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// Prints a configuration error's notes on the flags it names that came
+/// from the environment ([`crate::cli::environment_notes`]).
+fn environment_notes(message: &str) {
+    for note in crate::cli::environment_notes(message) {
+        eprintln!("  note: {note}");
+    }
+}
+
+/// Prints `message` as a refused configuration (the error line, then
+/// [`environment_notes`]); the exit code 2.
+pub(crate) fn config_refused(message: &str) -> u8 {
+    eprintln!("error: {message}");
+    environment_notes(message);
+    2
+}
+
 fn report(r: anyhow::Result<()>) -> u8 {
     match r {
         Ok(()) => 0,
@@ -96,7 +112,10 @@ fn report(r: anyhow::Result<()>) -> u8 {
             let misconnected = e
                 .downcast_ref::<source::SourceError>()
                 .is_some_and(source::SourceError::is_misconnection);
-            if e.downcast_ref::<ConfigError>().is_some() || misconnected {
+            if let Some(ConfigError(message)) = e.downcast_ref::<ConfigError>() {
+                environment_notes(message);
+                2
+            } else if misconnected {
                 2
             } else {
                 1

@@ -30,10 +30,7 @@ pub async fn command(g: &GlobalArgs, a: RunArgs) -> u8 {
         }
         // A flag, variable or file of the configuration: the same code as
         // a command line clap refuses.
-        Err(msg) => {
-            eprintln!("error: {msg}");
-            2
-        }
+        Err(msg) => super::config_refused(&msg),
     }
 }
 
@@ -72,10 +69,7 @@ async fn serve_and_run(
     let metrics = Metrics::new();
     let export = match super::start_export(&a.trace, &metrics) {
         Ok(export) => export,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return 2;
-        }
+        Err(e) => return super::config_refused(&e.to_string()),
     };
     let tracer = export.as_ref().map(|e| e.tracer().clone());
     let lanes: Vec<_> = lanes
@@ -122,10 +116,7 @@ async fn serve_and_run(
         // references only.
         Some(path) => match crate::routes::RoutesFile::load(path) {
             Ok(file) => Reload::Routes(file, a.sink.secrets.signature_scheme),
-            Err(e) => {
-                eprintln!("error: {e}");
-                return 2;
-            }
+            Err(e) => return super::config_refused(&e.to_string()),
         },
     };
     let signings: Vec<Signing> = lanes.iter().map(|l| l.sink.signing().clone()).collect();

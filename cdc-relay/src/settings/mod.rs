@@ -107,7 +107,7 @@ impl SinkArgs {
                     .into(),
             );
         };
-        crate::sink::service::check_url(url).map_err(|why| format!("--sink-url {why}"))?;
+        // Its scheme, host and port were checked by its parser.
         let signer = self.secrets.signer()?;
         let tls = self.sink_tls()?;
         HttpSink::new(SinkConfig {

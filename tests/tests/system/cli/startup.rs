@@ -154,6 +154,25 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         conflict.text()
     );
 
+    // A setting checked after parsing names the variable its value came
+    // from, never the value (it may be a secret).
+    let from_env = run(
+        &[],
+        &[
+            ("EVENT_SECRET", TEST_SECRET),
+            ("CDC_RELAY_REQUEST_TIMEOUT", "30s"),
+        ],
+    )
+    .await?;
+    assert_eq!(from_env.code(), Some(2), "{}", from_env.text());
+    assert!(
+        from_env.text().contains(
+            "note: --request-timeout came from the environment variable CDC_RELAY_REQUEST_TIMEOUT"
+        ),
+        "{}",
+        from_env.text()
+    );
+
     // A sink URL with port 0 (nothing listens there) is refused by `run`
     // and by a replay, before it connects to any database.
     let env = [("EVENT_SECRET", TEST_SECRET)];
@@ -177,7 +196,8 @@ async fn bad_configuration_exits_non_zero_naming_the_setting() -> anyhow::Result
         let out = app::relay_command(&stack, url, &args, &env).await?;
         assert_eq!(out.code(), Some(2), "{args:?}: {}", out.text());
         assert!(
-            out.text().contains("--sink-url has port 0"),
+            out.text()
+                .contains("for '--sink-url <SINK_URL>': has port 0"),
             "{args:?}: {}",
             out.text()
         );
