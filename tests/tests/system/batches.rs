@@ -478,6 +478,27 @@ async fn each_aggregate_keeps_commit_order_across_batches_retries_and_splits() -
     Ok(())
 }
 
+/// Waits until `sink` has 2xx'd as many events as `committed` holds, and
+/// checks it took them in that order (`committed`: event ids in commit
+/// order).
+async fn taken_in_commit_order(
+    sink: &harness::sink::ScriptedSink,
+    committed: &[String],
+) -> anyhow::Result<()> {
+    wait_until("every event taken", DRAIN, || async {
+        Ok(sink
+            .delivered()
+            .iter()
+            .map(|r| r.ids().len())
+            .sum::<usize>()
+            >= committed.len())
+    })
+    .await?;
+    let taken: Vec<String> = sink.delivered().iter().flat_map(|r| r.ids()).collect();
+    assert_eq!(taken, committed, "2xx'd in commit order");
+    Ok(())
+}
+
 /// `--max-in-flight 1` is strict commit order, batches or not: 24 events,
 /// each its own transaction and aggregate, while the sink fails every
 /// batch (503: retried, then split) and takes single events. The events
@@ -508,15 +529,7 @@ async fn one_request_at_a_time_keeps_commit_order_across_splits() -> anyhow::Res
     sink.set_batch_status(Some(503));
     s.restart_relay(&args).await?;
     let sink = s.sink();
-    wait_until("every event taken", DRAIN, || async {
-        Ok(sink
-            .delivered()
-            .iter()
-            .map(|r| r.ids().len())
-            .sum::<usize>()
-            >= committed.len())
-    })
-    .await?;
+    taken_in_commit_order(sink, &committed).await?;
     let received = sink.received();
     assert!(
         received
@@ -524,8 +537,6 @@ async fn one_request_at_a_time_keeps_commit_order_across_splits() -> anyhow::Res
             .any(|r| r.status == 503 && r.ids().len() > 2),
         "a batch was refused and split"
     );
-    let taken: Vec<String> = sink.delivered().iter().flat_map(|r| r.ids()).collect();
-    assert_eq!(taken, committed, "2xx'd in commit order");
     Ok(())
 }
 
@@ -560,17 +571,7 @@ async fn one_request_at_a_time_batches_only_in_commit_order() -> anyhow::Result<
     }
     s.restart_relay(&args).await?;
     let sink = s.sink();
-    wait_until("every event taken", DRAIN, || async {
-        Ok(sink
-            .delivered()
-            .iter()
-            .map(|r| r.ids().len())
-            .sum::<usize>()
-            >= committed.len())
-    })
-    .await?;
-    let taken: Vec<String> = sink.delivered().iter().flat_map(|r| r.ids()).collect();
-    assert_eq!(taken, committed, "2xx'd in commit order");
+    taken_in_commit_order(sink, &committed).await?;
     assert!(
         sink.delivered().iter().any(|r| r.ids().len() > 1),
         "batches were sent"

@@ -309,6 +309,27 @@ async fn answered_per_event(
     (breaker, metrics, dead)
 }
 
+/// Events `e0`…`e7`, one session of `cfg` at `sink` for 5 s: its
+/// metrics and its dead letters.
+async fn eight_events(
+    cfg: DispatchConfig,
+    sink: &Arc<ScriptedSink>,
+) -> (Metrics, Vec<NewDeadLetter>) {
+    let metrics = Metrics::new();
+    let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
+    let events = (0..8).map(|n| event(&format!("e{n}"), None)).collect();
+    let dead = super::breaker::session_counted(
+        cfg,
+        Arc::clone(sink),
+        breaker,
+        events,
+        Duration::from_secs(5),
+        metrics.clone(),
+    )
+    .await;
+    (metrics, dead)
+}
+
 /// Attempts counted with `outcome`, of a 207 (class 2xx).
 fn attempts_207(metrics: &Metrics, outcome: &str) -> u64 {
     metrics
@@ -443,19 +464,7 @@ async fn a_207_without_per_event_answers_splits_the_batch_and_takes_no_event() {
     // Two requests at a time: a split's halves go at once (at one, the
     // first event alone would hold the rest, the next test).
     let sink = ScriptedSink::new(|_, _| (Duration::from_millis(5), 207));
-    let metrics = Metrics::new();
-    let cfg = batching(2, 8);
-    let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
-    let events = (0..8).map(|n| event(&format!("e{n}"), None)).collect();
-    let dead = super::breaker::session_counted(
-        cfg,
-        Arc::clone(&sink),
-        breaker,
-        events,
-        Duration::from_secs(5),
-        metrics.clone(),
-    )
-    .await;
+    let (metrics, dead) = eight_events(batching(2, 8), &sink).await;
     assert!(dead.is_empty());
     assert_eq!(metrics.events_delivered.get(), 0, "no event is taken");
     let calls = sink.calls();
@@ -509,19 +518,7 @@ async fn one_request_at_a_time_splits_the_earlier_half_first_and_holds_the_rest(
     // whose fate is never known (an empty 207) holds every later one, as
     // it would without batches.
     let sink = ScriptedSink::new(|_, _| (Duration::from_millis(5), 207));
-    let metrics = Metrics::new();
-    let cfg = batching(1, 8);
-    let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
-    let events = (0..8).map(|n| event(&format!("e{n}"), None)).collect();
-    let dead = super::breaker::session_counted(
-        cfg,
-        Arc::clone(&sink),
-        breaker,
-        events,
-        Duration::from_secs(5),
-        metrics.clone(),
-    )
-    .await;
+    let (metrics, dead) = eight_events(batching(1, 8), &sink).await;
     assert!(dead.is_empty());
     assert_eq!(metrics.events_delivered.get(), 0, "no event is taken");
     let calls = sink.calls();
@@ -551,22 +548,11 @@ async fn a_batch_refused_413_is_split_even_when_413_is_not_poison() {
     // before: the batch's 413 opened the circuit and nothing went.)
     let sink =
         ScriptedSink::new(|id, _| (Duration::from_millis(5), if id == "e3" { 413 } else { 204 }));
-    let metrics = Metrics::new();
     let cfg = DispatchConfig {
         policy: crate::sink::StatusPolicy::new(vec![400, 422]).unwrap(),
         ..batching(2, 8)
     };
-    let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
-    let events = (0..8).map(|n| event(&format!("e{n}"), None)).collect();
-    let dead = super::breaker::session_counted(
-        cfg,
-        Arc::clone(&sink),
-        breaker,
-        events,
-        Duration::from_secs(5),
-        metrics.clone(),
-    )
-    .await;
+    let (metrics, dead) = eight_events(cfg, &sink).await;
     assert!(dead.is_empty(), "nothing dead-lettered: {dead:?}");
     let calls = sink.calls();
     let refused: Vec<usize> = calls
@@ -594,19 +580,7 @@ async fn a_207_naming_none_of_the_batch_splits_it_instead_of_sending_it_again() 
     // circuit opened.)
     let sink = ScriptedSink::new(|_, _| (Duration::from_millis(5), UNNAMED));
     sink.per_event.store(true, Ordering::Relaxed);
-    let metrics = Metrics::new();
-    let cfg = batching(2, 8);
-    let breaker = crate::breaker::Breaker::new(cfg.breaker.clone(), metrics.clone());
-    let events = (0..8).map(|n| event(&format!("e{n}"), None)).collect();
-    let dead = super::breaker::session_counted(
-        cfg,
-        Arc::clone(&sink),
-        breaker,
-        events,
-        Duration::from_secs(5),
-        metrics.clone(),
-    )
-    .await;
+    let (_, dead) = eight_events(batching(2, 8), &sink).await;
     assert!(dead.is_empty());
     let sizes: Vec<usize> = sink.calls().iter().map(|c| c.members.len()).collect();
     let whole = sizes.iter().filter(|n| **n == 7 || **n == 8).count();
