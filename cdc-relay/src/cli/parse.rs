@@ -186,24 +186,30 @@ impl clap::builder::TypedValueParser for SinkUrlParser {
     }
 }
 
-/// A dead-letter filter's value (`--type`, `--reason`, …): not blank. An
-/// empty one is a script's unset variable, and `--reason ''` would select
-/// every row (`discard` all of them).
-pub(super) fn parse_filter(s: &str) -> Result<String, String> {
+/// `s` unless it is blank (an empty value is a script's unset variable):
+/// then `Err("empty: {what}")`.
+fn non_blank(s: &str, what: &str) -> Result<String, String> {
     if s.trim().is_empty() {
-        return Err(
-            "empty: give the value to select by, or leave the flag out to select without it".into(),
-        );
+        return Err(format!("empty: {what}"));
     }
     Ok(s.to_owned())
 }
 
+/// A dead-letter filter's value (`--type`, `--reason`, …): not blank, or
+/// `--reason ''` would select every row (`discard` all of them).
+pub(super) fn parse_filter(s: &str) -> Result<String, String> {
+    non_blank(
+        s,
+        "give the value to select by, or leave the flag out to select without it",
+    )
+}
+
 /// `--note`: a reason kept in the audit table, not blank.
 pub(super) fn parse_note(s: &str) -> Result<String, String> {
-    if s.trim().is_empty() {
-        return Err("empty: say why the events are dropped (it is kept in the audit table)".into());
-    }
-    Ok(s.to_owned())
+    non_blank(
+        s,
+        "say why the events are dropped (it is kept in the audit table)",
+    )
 }
 
 /// `--sink-url`: an absolute http(s) URL with a host. The WHATWG parser

@@ -154,10 +154,10 @@ pub async fn run<P: Position, S: Sink, D: DeadLetterStore>(
     );
     let mut parking = Parking::new(pipeline.wal_budget.clone(), pipeline.window.clone());
     let mut scheduler: Scheduler<P, Job> = Scheduler::with_lanes(start, &limits);
-    // One request at a time is strict commit order: a batch of such a lane
-    // takes events in stream order only.
+    // A batch of a lane in commit order takes events in stream order only
+    // (without batches its limit of one does that already).
     for (i, l) in lanes.iter().enumerate() {
-        if l.cfg.max_in_flight == 1 && l.cfg.batch_max_events > 1 {
+        if l.cfg.in_commit_order() && l.cfg.batch_max_events > 1 {
             scheduler.in_stream_order(i);
         }
     }

@@ -78,6 +78,16 @@ pub struct DispatchConfig {
     pub auto_resume: bool,
 }
 
+impl DispatchConfig {
+    /// One request at a time: strict commit order, batches included. Its
+    /// batches take events in stream order only
+    /// ([`super::scheduler::Scheduler::in_stream_order`]) and a split
+    /// batch's halves go one after the other, the earlier first.
+    pub fn in_commit_order(&self) -> bool {
+        self.max_in_flight == 1
+    }
+}
+
 /// How hard a pipeline tries each event.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub enum Persist {

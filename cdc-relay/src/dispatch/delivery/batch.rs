@@ -77,9 +77,8 @@ pub(super) fn deliver_group<'a, S: Sink, D: DeadLetterStore>(
                         let rest: Vec<(u64, &OutboxEvent)> =
                             todo.iter().map(|&i| events[i]).collect();
                         let (left, right) = rest.split_at(rest.len() / 2);
-                        let ends = if lane.cfg.max_in_flight == 1 {
-                            // One request at a time is strict commit order:
-                            // the earlier half first, and an event the
+                        let ends = if lane.cfg.in_commit_order() {
+                            // The earlier half first, and an event the
                             // endpoint keeps failing holds the rest, as it
                             // does without batches.
                             let mut ends = deliver_group(lane, ctx, left).await?;
