@@ -168,7 +168,7 @@ impl clap::builder::TypedValueParser for SinkUrlParser {
                 .map_or_else(|| "--sink-url".to_owned(), |l| format!("--{l}"));
             // A value from the environment is named by its variable: the
             // command line never had the flag.
-            let message = match arg.and_then(super::env_source) {
+            let message = match arg.and_then(super::env_errors::env_source) {
                 Some((env, _)) if s.trim().is_empty() => {
                     format!("{env} is set but empty: unset it, or give it a value ({long})\n")
                 }
