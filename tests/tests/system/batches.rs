@@ -396,26 +396,7 @@ async fn each_aggregate_keeps_commit_order_across_batches_retries_and_splits() -
         "--backoff-cap",
         "200ms",
     ];
-    let mut s = Scenario::plan(Inbox::Scripted)
-        .relay_args(&args)
-        .start()
-        .await?;
-    s.stop_relay().await?;
-    let mut aggregates = Vec::new();
-    for _ in 0..6 {
-        aggregates.push(harness::oracle::expected::insert_order(&s.db).await?);
-    }
-    let mut events = Vec::new();
-    for n in 0..600 {
-        let e = harness::oracle::expected::insert_event(
-            &s.db,
-            aggregates[n % 6],
-            "OrderCreated",
-            Some(&format!("{{\"n\":{n}}}")),
-        )
-        .await?;
-        events.push(e);
-    }
+    let (mut s, events) = backlog(&args, 6, 600, |n| n % 6).await?;
     let place: std::collections::HashMap<String, (usize, String)> = events
         .iter()
         .enumerate()
@@ -476,6 +457,40 @@ async fn each_aggregate_keeps_commit_order_across_batches_retries_and_splits() -
         "batches were taken"
     );
     Ok(())
+}
+
+/// A scenario (a scripted sink, the relay started with `args` and
+/// stopped) and a backlog of `events` events, each its own transaction, on
+/// `aggregates` orders: event `n` on aggregate `of(n)`. Returns the events
+/// in commit order.
+async fn backlog(
+    args: &[&str],
+    aggregates: usize,
+    events: usize,
+    of: impl Fn(usize) -> usize,
+) -> anyhow::Result<(Scenario, Vec<harness::oracle::expected::Expected>)> {
+    let mut s = Scenario::plan(Inbox::Scripted)
+        .relay_args(args)
+        .start()
+        .await?;
+    s.stop_relay().await?;
+    let mut orders = Vec::new();
+    for _ in 0..aggregates {
+        orders.push(harness::oracle::expected::insert_order(&s.db).await?);
+    }
+    let mut inserted = Vec::new();
+    for n in 0..events {
+        inserted.push(
+            harness::oracle::expected::insert_event(
+                &s.db,
+                orders[of(n)],
+                "OrderCreated",
+                Some(&format!("{{\"n\":{n}}}")),
+            )
+            .await?,
+        );
+    }
+    Ok((s, inserted))
 }
 
 /// Waits until `sink` has 2xx'd as many events as `committed` holds, and
@@ -549,26 +564,8 @@ async fn one_request_at_a_time_keeps_commit_order_across_splits() -> anyhow::Res
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_request_at_a_time_batches_only_in_commit_order() -> anyhow::Result<()> {
     let args = ["--batch-max-events", "4", "--max-in-flight", "1"];
-    let mut s = Scenario::plan(Inbox::Scripted)
-        .relay_args(&args)
-        .start()
-        .await?;
-    s.stop_relay().await?;
-    let mut aggregates = Vec::new();
-    for _ in 0..8 {
-        aggregates.push(harness::oracle::expected::insert_order(&s.db).await?);
-    }
-    let mut committed = Vec::new();
-    for n in 0..24 {
-        let e = harness::oracle::expected::insert_event(
-            &s.db,
-            aggregates[n / 3],
-            "OrderCreated",
-            Some(&format!("{{\"n\":{n}}}")),
-        )
-        .await?;
-        committed.push(e.id);
-    }
+    let (mut s, events) = backlog(&args, 8, 24, |n| n / 3).await?;
+    let committed: Vec<String> = events.into_iter().map(|e| e.id).collect();
     s.restart_relay(&args).await?;
     let sink = s.sink();
     taken_in_commit_order(sink, &committed).await?;
